@@ -1,0 +1,28 @@
+# `make train` and `make test` work on a fresh clone with only Python (>=3.11) and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/meshlm train model=llama2-tiny run_dir=runs/llama2-tiny
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/startup_and_step.py
+
+clean:
+	rm -rf $(VENV) runs

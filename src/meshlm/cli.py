@@ -1,0 +1,74 @@
+"""meshlm <command> [key=value ...]: train | census | compare | bench | convert | generate."""
+from __future__ import annotations
+
+import sys
+import time
+
+USAGE = """usage: meshlm <command> [key=value ...]
+
+commands:
+  train     train a model: meshlm train model=llama2-tiny train.steps=100
+  presets   list the model presets
+
+Keys are dotted paths into the config (see README.md); model=NAME picks a preset."""
+
+
+class UsageError(Exception):
+  pass
+
+
+def _fail(msg: str) -> int:
+  print(f"meshlm: error: {msg}", file=sys.stderr)
+  return 2
+
+
+def cmd_train(args: list[str], start: float) -> int:
+  from meshlm.config import load_config
+  from meshlm.parallel import set_cpu_devices
+  cfg = load_config(*args)
+  set_cpu_devices(cfg.cpu_devices)
+  from meshlm.parallel.mesh import make_mesh
+  make_mesh(cfg)  # validates the mesh against the devices before anything compiles
+  from rich.console import Console
+  from meshlm.train.loop import train
+  console = Console(stderr=True)
+  console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
+                f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
+                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  run_dir={cfg.run_dir}")
+  result = train(cfg, console=console, start_time=start)
+  first, last = result.losses[0], result.losses[-1]
+  console.print(f"loss {first:.4f} -> {last:.4f} ({last / first:.0%} of the first step) in {len(result.losses)} steps; "
+                f"first step finished {result.first_step_s:.1f} s after start")
+  if result.sample is not None:
+    console.print("[bold]sample[/] (greedy):")
+    print(result.sample)
+  return 0
+
+
+def cmd_presets(args: list[str], start: float) -> int:
+  from meshlm.config import preset_names
+  print("\n".join(preset_names()))
+  return 0
+
+
+COMMANDS = {"train": cmd_train, "presets": cmd_presets}
+
+
+def main(argv: list[str] | None = None) -> int:
+  start = time.perf_counter()
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(USAGE)
+    return 0 if argv else 2
+  from meshlm.config import ConfigError
+  cmd, args = argv[0], argv[1:]
+  if cmd not in COMMANDS:
+    return _fail(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")
+  try:
+    return COMMANDS[cmd](args, start)
+  except (ConfigError, UsageError) as e:
+    return _fail(str(e))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,103 @@
+"""Presets, dotted key=value overrides and the one-line errors users see."""
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from typing import Any, Iterable
+
+import pydantic
+import yaml
+
+from meshlm.config.schema import Config
+
+
+class ConfigError(ValueError):
+  """A config problem, reported as one line that names the key. The CLI exits 2 on it."""
+
+
+def preset_names() -> list[str]:
+  folder = resources.files("meshlm.config") / "presets"
+  return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+  path = resources.files("meshlm.config") / "presets" / f"{name}.yaml"
+  if not path.is_file():
+    raise ConfigError(f"model={name}: unknown preset; known presets: {', '.join(preset_names())}")
+  data = yaml.safe_load(path.read_text()) or {}
+  data.setdefault("model_name", name)
+  return data
+
+
+def _parse_value(text: str) -> Any:
+  # YAML scalars: 3 -> int, 1e-3 -> float, true/null -> bool/None, [1, 2] -> list, else str.
+  try:
+    return yaml.safe_load(text) if text != "" else ""
+  except yaml.YAMLError:
+    return text
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+  keys = dotted.split(".")
+  node = tree
+  for i, k in enumerate(keys[:-1]):
+    nxt = node.get(k)
+    if nxt is None:
+      nxt = node[k] = {}
+    if not isinstance(nxt, dict):
+      raise ConfigError(f"{'.'.join(keys[:i + 1])}: is a value, not a section; cannot set {dotted}")
+    node = nxt
+  node[keys[-1]] = value
+
+
+def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
+  out = []
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"{item!r}: expected key=value (for example train.steps=20)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+      raise ConfigError(f"{item!r}: empty key")
+    out.append((key, _parse_value(text)))
+  return out
+
+
+def _format_error(err: pydantic.ValidationError) -> str:
+  first = err.errors()[0]
+  loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-"))
+  msg = first["msg"]
+  if first["type"] == "extra_forbidden":
+    msg = "unknown key"
+  elif "input" in first and first["type"] not in ("missing",) and not isinstance(first["input"], dict):
+    msg = f"{msg} (got {first['input']!r})"
+  msg = msg.removeprefix("Value error, ")
+  return f"{loc}: {msg}" if loc else msg
+
+
+def load_config(*overrides: str, base: dict[str, Any] | None = None) -> Config:
+  """Builds a validated Config with its tri-state flags resolved.
+
+  `model=NAME` picks a preset (applied first, wherever it appears); every other override is a
+  dotted path into the config, applied in order.
+  """
+  pairs = parse_overrides(overrides)
+  name = "llama2-tiny"
+  for key, value in pairs:
+    if key == "model":
+      if not isinstance(value, str):
+        raise ConfigError(f"model: expected a preset name, got {value!r}")
+      name = value
+  tree = copy.deepcopy(base) if base is not None else load_preset(name)
+  for key, value in pairs:
+    if key != "model":
+      _set(tree, key, value)
+  try:
+    cfg = Config.model_validate(tree)
+  except pydantic.ValidationError as err:
+    raise ConfigError(_format_error(err)) from None
+  return cfg.resolved()
+
+
+def to_yaml(cfg: Config) -> str:
+  return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

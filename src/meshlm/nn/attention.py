@@ -1,0 +1,67 @@
+"""Causal grouped-query attention with segment masking (packed documents never see each other)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.parallel.sharding import constrain
+
+
+def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int | None = None) -> jax.Array:
+  """[B or 1, 1, 1, T, T] boolean: causal, same segment, and inside the window if one is given."""
+  q = jnp.arange(T)[:, None]
+  k = jnp.arange(T)[None, :]
+  mask = k <= q
+  if sliding_window is not None:
+    mask &= q - k < sliding_window
+  mask = mask[None, None, None]
+  if segment_ids_BT is not None:
+    same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]  # [B, T, T]
+    mask = mask & same[:, None, None]
+  return mask
+
+
+def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array, *,
+                  scale: float, softcap: float | None = None) -> jax.Array:
+  """softmax(q k^T * scale) v with K kv heads shared by groups of N // K query heads -> [B, T, N, H]."""
+  with jax.named_scope("attention"):
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
+    q = constrain(q, ("batch", "length", "kv_heads", None, "head_dim"))
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) * scale
+    if softcap is not None:
+      s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
+    return jnp.reshape(o, (B, T, N, H))
+
+
+def self_attention(p: dict, x_BTD: jax.Array, ctx, *, scale: float, softcap: float | None = None,
+                   q_norm=None, k_norm=None, mask: jax.Array | None = None, rope=None) -> jax.Array:
+  """Projections, RoPE and GQA. p: q [D, N, H], k/v [D, K, H], o [N, H, D].
+
+  ctx carries cos/sin, the mask and the dense flags. q_norm/k_norm are optional per-head
+  functions applied before RoPE (qwen3, gemma3); mask and rope override ctx's (local layers).
+  """
+  from meshlm.nn.dense import dense
+  from meshlm.nn.rope import apply_rope
+  dt = x_BTD.dtype
+  kw = dict(kernel_order=ctx.kernel_order, impl=ctx.impl)
+  heads = ("batch", "length", "heads", "head_dim")
+  kv = ("batch", "length", "kv_heads", "head_dim")
+  with jax.named_scope("q"):
+    q = dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", heads, **kw)
+  with jax.named_scope("k"):
+    k = dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", kv, **kw)
+  with jax.named_scope("v"):
+    v = dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", kv, **kw)
+  if q_norm is not None:
+    q, k = q_norm(q), k_norm(k)
+  cos, sin = rope if rope is not None else (ctx.cos, ctx.sin)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  o = gqa_attention(q, k, v, ctx.mask if mask is None else mask, scale=scale, softcap=softcap)
+  o = constrain(o, heads)
+  with jax.named_scope("o"):
+    return dense(o, p["o"].astype(dt), "btnh,nhd->btd", ("batch", "length", "act_embed"), **kw)

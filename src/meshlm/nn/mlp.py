@@ -1,0 +1,23 @@
+"""Gated MLPs (SwiGLU, and gemma's tanh-GELU GLU)."""
+from __future__ import annotations
+
+import jax
+
+from meshlm.nn.dense import dense
+
+ACT = ("batch", "length", "act_embed")
+HIDDEN = ("batch", "length", "mlp")
+
+
+def glu_mlp(p: dict, x_BTD: jax.Array, *, kernel_order: bool, impl: str, activation=jax.nn.silu) -> jax.Array:
+  """down(act(gate(x)) * up(x)). p: gate [D, F], up [D, F], down [F, D]."""
+  with jax.named_scope("mlp"):
+    dt = x_BTD.dtype
+    kw = dict(kernel_order=kernel_order, impl=impl)
+    with jax.named_scope("gate"):
+      g = dense(x_BTD, p["gate"].astype(dt), "btd,df->btf", HIDDEN, **kw)
+    with jax.named_scope("up"):
+      u = dense(x_BTD, p["up"].astype(dt), "btd,df->btf", HIDDEN, **kw)
+    h = activation(g) * u
+    with jax.named_scope("down"):
+      return dense(h, p["down"].astype(dt), "btf,fd->btd", ACT, **kw)

@@ -1,0 +1,64 @@
+"""Building the device mesh from the config. The shard mode is the mesh's axis type."""
+from __future__ import annotations
+
+import math
+
+from meshlm.config import Config, ConfigError
+
+AXES = ("data", "fsdp", "tensor", "expert", "context")
+
+
+def set_cpu_devices(n: int | None) -> None:
+  """Asks for n fake host devices. Must run before JAX starts its backends."""
+  if n is None:
+    return
+  import jax
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # backends already up (tests, notebooks): fine if the count is enough
+    if len(jax.devices()) < n:
+      raise ConfigError(f"cpu_devices={n}: JAX already started with {len(jax.devices())} devices; "
+                        "set cpu_devices before anything imports and runs JAX") from None
+  try:
+    jax.config.update("jax_platforms", "cpu")  # fake devices are host devices
+  except RuntimeError:
+    pass
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
+  """Mesh axis sizes with -1 filled; a clear ConfigError if they do not divide the devices."""
+  sizes = cfg.mesh.sizes()
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if -1 in sizes.values():
+    if num_devices % fixed:
+      raise ConfigError(f"mesh: the fixed axes ({_fmt(sizes)}) multiply to {fixed}, which does not divide "
+                        f"the {num_devices} devices")
+    sizes = {k: (num_devices // fixed if s == -1 else s) for k, s in sizes.items()}
+  elif fixed != num_devices:
+    raise ConfigError(f"mesh: {_fmt(sizes)} needs {fixed} devices but {num_devices} are in use "
+                      "(set cpu_devices=N, or make one axis -1)")
+  return sizes
+
+
+def _fmt(sizes: dict[str, int]) -> str:
+  return ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "all 1"
+
+
+def num_devices_for(cfg: Config) -> int:
+  import jax
+  available = len(jax.devices())
+  n = cfg.cpu_devices or available
+  if n > available:
+    raise ConfigError(f"cpu_devices={n}: only {available} devices exist in this process")
+  return n
+
+
+def make_mesh(cfg: Config):
+  """The jax Mesh for cfg: axis types Explicit or Auto, on the first N devices."""
+  import jax
+  from jax.sharding import AxisType
+  n = num_devices_for(cfg)
+  sizes = resolve_mesh_shape(cfg, n)
+  kind = AxisType.Explicit if cfg.shard_mode == "explicit" else AxisType.Auto
+  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(kind,) * len(AXES),
+                       devices=jax.devices()[:n])

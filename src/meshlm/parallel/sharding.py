@@ -1,0 +1,80 @@
+"""Logical axes -> mesh axes, and constrain(): the one switch between explicit and auto.
+
+Sharding is data: parameters and activations name their dimensions with logical axes, and the
+single table RULES says which mesh axes shard each one. A dimension whose size the mesh axes do not
+divide stays whole, so odd shapes (a batch of 1, 1 KV head on tensor=2) never fail to shard.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, PartitionSpec as P
+
+Axes = Sequence[str | None]
+
+# logical axis -> mesh axes. "embed" is the parameter embed dim (FSDP shards weights along it);
+# activations carry "act_embed", which stays whole, as in levanter's parameter/compute split.
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("context",),
+    "act_embed": (),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "layers": (),
+    "experts": ("expert",),
+}
+
+
+def current_mesh():
+  return jax.sharding.get_abstract_mesh()
+
+
+def is_explicit() -> bool:
+  mesh = current_mesh()
+  return not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def logical_spec(axes: Axes, shape: Sequence[int] | None = None, mesh=None) -> P:
+  """PartitionSpec for logical axes. Mesh axes of size 1 and non-dividing axes are dropped."""
+  mesh = current_mesh() if mesh is None else mesh
+  if mesh.empty:
+    return P()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  used: set[str] = set()
+  parts = []
+  for i, name in enumerate(axes):
+    if name is None:
+      parts.append(None)
+      continue
+    if name not in RULES:
+      raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(RULES)}")
+    mesh_axes = [a for a in RULES[name] if sizes.get(a, 1) > 1 and a not in used]
+    if shape is not None:
+      # Keep the longest prefix of mesh axes whose product divides this dimension.
+      while mesh_axes and shape[i] % math.prod(sizes[a] for a in mesh_axes):
+        mesh_axes.pop()
+    used.update(mesh_axes)
+    parts.append(tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+  return P(*parts)
+
+
+def constrain(x: jax.Array, axes: Axes) -> jax.Array:
+  """Pins x to its logical sharding: reshard under explicit, with_sharding_constraint under auto."""
+  mesh = current_mesh()
+  if mesh.empty:
+    return x
+  spec = logical_spec(axes, x.shape, mesh)
+  if is_explicit():
+    return jax.sharding.reshard(x, spec)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def out_sharding(axes: Axes, shape: Sequence[int]) -> P | None:
+  """The out_sharding= argument for einsum/gather under explicit; None under auto or with no mesh."""
+  return logical_spec(axes, shape) if is_explicit() else None

@@ -1,0 +1,1 @@
+"""Training: the step, the optimizer, the data pipeline and the loop."""

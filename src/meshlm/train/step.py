@@ -1,0 +1,156 @@
+"""The train step: loss, gradients over micro-batches, the AdamW update. One builder for all.
+
+`build_train_step` is what `meshlm train`, `census`, `compare` and `bench` all compile.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from meshlm.config import Config
+from meshlm.models import decoder
+from meshlm.models import spec as S
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.sharding import constrain, logical_spec
+from meshlm.train.optimizer import make_optimizer
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_AXES = ("batch", "length")
+
+
+class TrainState(NamedTuple):
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of masked token losses, number of masked tokens), in float32."""
+  with jax.named_scope("loss"):
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    # A one-hot contraction instead of take_along_axis: the gather is ambiguous on a vocab-sharded
+    # operand under explicit sharding, while the product keeps the logits' sharding.
+    onehot = constrain(jax.nn.one_hot(targets_BT, logp.shape[-1], dtype=jnp.float32), decoder.LOGITS)
+    token_loss = -jnp.sum(logp * onehot, axis=-1)
+    return jnp.sum(token_loss * mask_BT), jnp.sum(mask_BT)
+
+
+def loss_fn(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> jax.Array:
+  logits = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
+  loss_sum, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  return loss_sum / num_tokens
+
+
+def _split_micro(x: jax.Array, m: int) -> jax.Array:
+  """[M*b, ...] -> [M, b, ...] where micro-batch i takes rows i, M+i, ...: every shard stays local."""
+  b = x.shape[0] // m
+  axes = BATCH_AXES + (None,) * (x.ndim - 2)
+  y = jnp.reshape(x, (b, m) + x.shape[1:])
+  y = constrain(y, (axes[0], None) + axes[1:])
+  return jnp.swapaxes(y, 0, 1)
+
+
+def grads_and_loss(cfg: Config, params, batch: dict) -> tuple[jax.Array, Any]:
+  num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, p, b, num_tokens))
+  m = cfg.train.micro_batches
+  if m == 1:
+    return grad_fn(params, batch)
+  micro = {k: _split_micro(v, m) for k, v in batch.items()}
+  def body(carry, mb):
+    loss, grads = grad_fn(params, {k: constrain(v, BATCH_AXES) for k, v in mb.items()})
+    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+  return loss, grads
+
+
+def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: TrainState, batch: dict):
+  loss, grads = grads_and_loss(cfg, state.params, batch)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+@dataclasses.dataclass
+class TrainStep:
+  """The compiled-or-compilable step for one config on one mesh."""
+  cfg: Config
+  mesh: Any
+  optimizer: optax.GradientTransformation
+  global_batch: int
+
+  def __post_init__(self):
+    # Pinning both ends keeps the state's sharding fixed from step to step in either mode, so the
+    # donated buffers are reused and the step compiles once.
+    state_sh = self.state_shardings()
+    batch_sh = {k: self.batch_sharding() for k in BATCH_KEYS}
+    self.fn = jax.jit(lambda s, b: train_step(self.cfg, self.optimizer, s, b), donate_argnums=(0,),
+                      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
+
+  def state_shardings(self) -> TrainState:
+    """Shardings of the whole state: parameters from their specs, optimizer moments like their parameter."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    param_sh = decoder.param_shardings(self.cfg, self.mesh)
+    abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.cfg.train.param_dtype, sharding=sh),
+                                   decoder.param_specs(self.cfg), param_sh, is_leaf=S.is_spec)
+    with jax.set_mesh(self.mesh):
+      abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+    opt_sh = optax.tree_map_params(self.optimizer, lambda _, sh: sh, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    return TrainState(replicated, param_sh, opt_sh)
+
+  def init_state(self, key: jax.Array) -> TrainState:
+    """A fresh state, every leaf created straight onto its sharding."""
+    specs = decoder.param_specs(self.cfg)
+    dtype = jnp.dtype(self.cfg.train.param_dtype)
+    def init(k):
+      params = S.init_tree(specs, k, dtype)
+      return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    with jax.set_mesh(self.mesh):
+      return jax.jit(init, out_shardings=self.state_shardings())(key)
+
+  def abstract_state(self) -> TrainState:
+    shapes = jax.eval_shape(lambda k: self.init_state(k), jax.random.key(0))
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                        self.state_shardings())
+
+  def batch_sharding(self):
+    from jax.sharding import NamedSharding
+    shape = (self.global_batch, self.cfg.train.seq_len)
+    return NamedSharding(self.mesh, logical_spec(BATCH_AXES, shape, self.mesh))
+
+  def abstract_batch(self) -> dict:
+    shape = (self.global_batch, self.cfg.train.seq_len)
+    sh = self.batch_sharding()
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=sh)
+            for k in BATCH_KEYS}
+
+  def put_batch(self, batch: dict) -> dict:
+    """Global numpy batch (or this process's rows of it) -> sharded device arrays."""
+    sh = self.batch_sharding()
+    return {k: jax.make_array_from_process_local_data(sh, batch[k]) for k in BATCH_KEYS}
+
+  def lower(self):
+    """jax Lowered of the real step, from abstract inputs: nothing is allocated or run."""
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(self.abstract_state(), self.abstract_batch())
+
+  def __call__(self, state: TrainState, batch: dict):
+    with jax.set_mesh(self.mesh):
+      return self.fn(state, batch)
+
+
+def global_batch_size(cfg: Config, num_devices: int) -> int:
+  return cfg.train.per_device_batch_size * num_devices
+
+
+def build_train_step(cfg: Config, mesh=None) -> TrainStep:
+  mesh = make_mesh(cfg) if mesh is None else mesh
+  return TrainStep(cfg, mesh, make_optimizer(cfg.train), global_batch_size(cfg, mesh.size))
