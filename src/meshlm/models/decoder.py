@@ -93,7 +93,9 @@ def make_context(cfg: Config, tokens_BT, positions_BT=None, segment_ids_BT=None)
                  kernel_order=cfg.dense_kernel_order, impl=cfg.weight_grad_impl)
 
 
-def run_layers(cfg: Config, params_layers: Any, x_BTD: jax.Array, ctx: Context) -> jax.Array:
+def run_layers(cfg: Config, params_layers: Any, x_BTD: jax.Array, ctx: Context,
+               collect: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """Runs the stack. With collect, also returns every layer's output stacked: [L, B, T, D]."""
   fam = family(cfg)
   block = _remat(lambda p, x: fam.block(p, x, ctx), cfg.remat)
   axis = cfg.param_scan_axis
@@ -103,13 +105,16 @@ def run_layers(cfg: Config, params_layers: Any, x_BTD: jax.Array, ctx: Context) 
       stack = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stack)
     def body(x, p):
       with jax.named_scope("layers"):
-        return block(p, x), None
-    x_BTD, _ = jax.lax.scan(body, x_BTD, stack)
-    return x_BTD
+        y = block(p, x)
+        return y, (y if collect else None)
+    x_BTD, hidden = jax.lax.scan(body, x_BTD, stack)
+    return x_BTD, hidden
+  outs = []
   for i in range(cfg.model.num_layers):
     with jax.named_scope(f"layer_{i}"):
       x_BTD = block(_layer(params_layers, i, axis), x_BTD)
-  return x_BTD
+      outs.append(x_BTD)
+  return x_BTD, (jnp.stack(outs) if collect else None)
 
 
 def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
@@ -120,11 +125,17 @@ def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
                  kernel_order=cfg.lm_head_kernel_order, impl=cfg.weight_grad_impl)
 
 
-def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None) -> jax.Array:
-  """Logits [B, T, V] in the compute dtype."""
+def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
+            return_hidden: bool = False):
+  """Logits [B, T, V] in the compute dtype.
+
+  With return_hidden, returns (logits, hidden) where hidden [L, B, T, D] holds each layer's output
+  (before the final norm), for layer-by-layer comparison with a reference.
+  """
   dt = jnp.dtype(cfg.train.compute_dtype)
   ctx = make_context(cfg, tokens_BT, positions_BT, segment_ids_BT)
   x = constrain(embed(params["embed"], tokens_BT, dt), ACT)
-  x = run_layers(cfg, params["layers"], x, ctx)
+  x, hidden = run_layers(cfg, params["layers"], x, ctx, collect=return_hidden)
   x = rms_norm(params["final_norm"], x, cfg.model.norm_eps)
-  return head(cfg, params, x)
+  logits = head(cfg, params, x)
+  return (logits, hidden) if return_hidden else logits
