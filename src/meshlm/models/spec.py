@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +67,23 @@ def init_leaf(s: ParamSpec, key: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
+def init_leaf_host(s: ParamSpec, seed: tuple[int, ...], path) -> np.ndarray:
+  """The same draw rule as init_leaf, on the host with numpy (no compile), float32."""
+  if s.init in ("ones", "zeros"):
+    return (np.ones if s.init == "ones" else np.zeros)(s.shape, np.float32)
+  rng = np.random.default_rng([*seed, _path_hash(path)])
+  la = _layer_axis(s)
+  shape = s.shape if la in (None, 0) else (s.shape[la],) + s.shape[:la] + s.shape[la + 1:]
+  x = rng.standard_normal(shape, np.float32) * np.float32(s.scale / math.sqrt(s.fan_in))
+  return np.moveaxis(x, 0, la) if la not in (None, 0) else x
+
+
+def _path_hash(path) -> int:
+  return zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF
+
+
 def path_key(key: jax.Array, path) -> jax.Array:
-  name = jax.tree_util.keystr(path)
-  return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+  return jax.random.fold_in(key, _path_hash(path))
 
 
 def init_tree(specs: Any, key: jax.Array, dtype) -> Any:

@@ -70,10 +70,18 @@ def grads_and_loss(cfg: Config, params, batch: dict) -> tuple[jax.Array, Any]:
 
 
 def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: TrainState, batch: dict):
+  """One update. A NaN/Inf loss or gradient norm skips it: params and optimizer state come back
+  unchanged (so the optimizer's own count, which drives the LR schedule, does not advance), while
+  `state.step` still advances, because it counts batches consumed and names the checkpoint."""
   loss, grads = grads_and_loss(cfg, state.params, batch)
+  grad_norm = optax.global_norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep_new = lambda new, old: jnp.where(finite, new, old)
+  params = jax.tree.map(keep_new, params, state.params)
+  opt_state = jax.tree.map(keep_new, opt_state, state.opt_state)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": ~finite}
   return TrainState(state.step + 1, params, opt_state), metrics
 
 
@@ -106,18 +114,21 @@ class TrainStep:
                                    transform_non_params=lambda _: replicated)
     return TrainState(replicated, param_sh, opt_sh)
 
+  def _init(self, key: jax.Array) -> TrainState:
+    params = S.init_tree(decoder.param_specs(self.cfg), key, jnp.dtype(self.cfg.train.param_dtype))
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
   def init_state(self, key: jax.Array) -> TrainState:
     """A fresh state, every leaf created straight onto its sharding."""
-    specs = decoder.param_specs(self.cfg)
-    dtype = jnp.dtype(self.cfg.train.param_dtype)
-    def init(k):
-      params = S.init_tree(specs, k, dtype)
-      return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    sh = self.state_shardings()
+    params = decoder.init_params(self.cfg, key, self.mesh)
     with jax.set_mesh(self.mesh):
-      return jax.jit(init, out_shardings=self.state_shardings())(key)
+      opt_state = jax.jit(self.optimizer.init, out_shardings=sh.opt_state)(params)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), sh.step), params, opt_state)
 
   def abstract_state(self) -> TrainState:
-    shapes = jax.eval_shape(lambda k: self.init_state(k), jax.random.key(0))
+    with jax.set_mesh(self.mesh):
+      shapes = jax.eval_shape(self._init, jax.random.key(0))
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
                         self.state_shardings())
 

@@ -1,0 +1,117 @@
+"""gemma: llama-shaped pre-norm blocks with (1 + w) RMSNorms, a tanh-GELU GLU, an embedding scaled by
+sqrt(D) and a tied head (the last two live in the decoder, switched on by the flags below)."""
+from __future__ import annotations
+
+import jax
+
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.hf import maps
+from meshlm.models import spec as S
+from meshlm.models.llama import attention_spec, mlp_spec
+from meshlm.nn.attention import self_attention
+from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
+from meshlm.nn.norm import rms_norm
+from meshlm.parallel.sharding import constrain
+
+ACT = ("batch", "length", "act_embed")
+
+# Decoder hooks: the final norm is (1 + w) too, and embeddings are multiplied by sqrt(D).
+NORM_PLUS_ONE = True
+EMBED_SCALE = True
+
+
+def attn_scale(m: ModelConfig) -> float:
+  """gemma2/3 scale scores by query_pre_attn_scalar ** -0.5, which need not equal head_dim."""
+  return (m.query_pre_attn_scalar or m.head_dim) ** -0.5
+
+
+def norm(scale_D: jax.Array, x: jax.Array, m: ModelConfig) -> jax.Array:
+  return rms_norm(scale_D, x, m.norm_eps, plus_one=True)
+
+
+def layer_spec(m: ModelConfig) -> dict:
+  # (1 + w) norms start at w = 0, i.e. unit scale.
+  return {
+      "attn_norm": S.zeros(m.embed_dim),
+      "attn": attention_spec(m),
+      "mlp_norm": S.zeros(m.embed_dim),
+      "mlp": mlp_spec(m),
+  }
+
+
+def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
+  m = ctx.model
+  with jax.named_scope("attn"):
+    h = norm(p["attn_norm"], x_BTD, m)
+    x_BTD = x_BTD + self_attention(p["attn"], h, ctx, scale=attn_scale(m), softcap=m.attn_logit_softcap)
+  with jax.named_scope("mlp"):
+    h = norm(p["mlp_norm"], x_BTD, m)
+    x_BTD = x_BTD + glu_mlp(p["mlp"], h, kernel_order=ctx.kernel_order, impl=ctx.impl,
+                            activation=ACTIVATIONS[m.hidden_activation])
+  return constrain(x_BTD, ACT)
+
+
+# Hugging Face mapping (see meshlm.hf.maps for the protocol).
+HF_MODEL_TYPE = "gemma"
+HF_ARCHITECTURES = ("GemmaForCausalLM",)
+# transformers' GemmaConfig defaults, for fields a config.json may leave out (save_pretrained drops
+# some values equal to the defaults, e.g. tie_word_embeddings).
+HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+               "hidden_act": "gelu_pytorch_tanh"}
+# GemmaConfig rewrites the legacy hidden_act "gelu" to the tanh approximation, so "gelu" is tanh here.
+HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh", "silu": "silu"}
+
+
+def shared_from_hf(hf: dict) -> dict:
+  """The llama-like fields of a gemma-family config.json (already merged over its HF_DEFAULTS).
+
+  maps.llama_like_from_hf insists on silu; the gemma families read their activation themselves, so it
+  is handed silu to pass.
+  """
+  if hf.get("use_bidirectional_attention"):
+    raise ConfigError("config.json: use_bidirectional_attention=true is not supported (meshlm decoders are causal)")
+  return maps.llama_like_from_hf({**hf, "hidden_act": "silu"})
+
+
+def activation_from_hf(hf: dict, key: str, table: dict[str, str]) -> str:
+  act = hf.get(key)
+  if act not in table:
+    raise ConfigError(f"config.json: {key}={act!r} is not supported; expected one of {', '.join(table)}")
+  return table[act]
+
+
+def from_hf_config(hf: dict) -> dict:
+  hf = {**HF_DEFAULTS, **hf}
+  return {"family": "gemma", **shared_from_hf(hf),
+          "hidden_activation": activation_from_hf(hf, "hidden_act", HF_ACTIVATIONS)}
+
+
+def shared_to_hf(m: ModelConfig, act_key: str) -> dict:
+  """llama-like config.json fields, with the activation under act_key instead of llama's hidden_act."""
+  acts = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "silu": "silu"}
+  out = maps.llama_like_to_hf(m)
+  out.pop("hidden_act", None)
+  out.pop("mlp_bias", None)  # not a gemma config field
+  out[act_key] = acts[m.hidden_activation]
+  return out
+
+
+def to_hf_config(m: ModelConfig) -> dict:
+  if m.layer_types() != ("global",) or m.qk_norm or m.rope_local_theta is not None:
+    raise ConfigError("model.sliding_window / layer_pattern / qk_norm / rope_local_theta: GemmaForCausalLM has "
+                      "none of these; use model.family=gemma2 or gemma3")
+  if m.attn_logit_softcap is not None or m.final_logit_softcap is not None:
+    raise ConfigError("model.attn_logit_softcap / final_logit_softcap: GemmaForCausalLM has no soft-capping; "
+                      "use model.family=gemma2")
+  if m.query_pre_attn_scalar not in (None, m.head_dim):
+    raise ConfigError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar}: GemmaForCausalLM scales by "
+                      "head_dim ** -0.5; use model.family=gemma2")
+  if m.hidden_activation == "gelu":
+    raise ConfigError("model.hidden_activation=gelu: GemmaForCausalLM reads hidden_act=gelu as the tanh "
+                      "approximation; use gelu_tanh")
+  return shared_to_hf(m, "hidden_act")
+
+
+def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
+  # Same names as llama: post_attention_layernorm is the norm before the MLP.
+  return maps.llama_like_layer_map(m)

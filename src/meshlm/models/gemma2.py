@@ -1,0 +1,132 @@
+"""gemma2: gemma with norms both before and after attention and the MLP ("sandwich" blocks),
+attention-logit soft-capping, query_pre_attn_scalar, and alternating local/global layers (the
+layer pattern and the final-logit cap are the decoder's, from ModelConfig)."""
+from __future__ import annotations
+
+import jax
+
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.hf import maps
+from meshlm.models import spec as S
+from meshlm.models.gemma import (EMBED_SCALE, NORM_PLUS_ONE, activation_from_hf, attn_scale, norm, shared_from_hf,
+                                 shared_to_hf)
+from meshlm.models.llama import attention_spec, mlp_spec
+from meshlm.nn.attention import self_attention
+from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
+from meshlm.parallel.sharding import constrain
+
+__all__ = ["EMBED_SCALE", "NORM_PLUS_ONE", "block", "layer_spec"]
+
+ACT = ("batch", "length", "act_embed")
+
+
+def layer_spec(m: ModelConfig) -> dict:
+  D = m.embed_dim
+  attn = attention_spec(m)
+  if m.qk_norm:
+    # Per-head (1 + w) norms over head_dim, shared by all heads (gemma3).
+    attn |= {"q_norm": S.zeros(m.head_dim, "head_dim"), "k_norm": S.zeros(m.head_dim, "head_dim")}
+  return {
+      "attn_norm": S.zeros(D),
+      "attn": attn,
+      "attn_post_norm": S.zeros(D),
+      "mlp_norm": S.zeros(D),
+      "mlp": mlp_spec(m),
+      "mlp_post_norm": S.zeros(D),
+  }
+
+
+def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
+  m = ctx.model
+  qk = {}
+  if m.qk_norm:
+    qk = dict(q_norm=lambda q_BTNH: norm(p["attn"]["q_norm"], q_BTNH, m),
+              k_norm=lambda k_BTKH: norm(p["attn"]["k_norm"], k_BTKH, m))
+  with jax.named_scope("attn"):
+    h = norm(p["attn_norm"], x_BTD, m)
+    h = self_attention(p["attn"], h, ctx, scale=attn_scale(m), softcap=m.attn_logit_softcap, **qk)
+    x_BTD = x_BTD + norm(p["attn_post_norm"], h, m)
+  with jax.named_scope("mlp"):
+    h = norm(p["mlp_norm"], x_BTD, m)
+    h = glu_mlp(p["mlp"], h, kernel_order=ctx.kernel_order, impl=ctx.impl,
+                activation=ACTIVATIONS[m.hidden_activation])
+    x_BTD = x_BTD + norm(p["mlp_post_norm"], h, m)
+  return constrain(x_BTD, ACT)
+
+
+# Hugging Face mapping (see meshlm.hf.maps for the protocol).
+HF_MODEL_TYPE = "gemma2"
+HF_ARCHITECTURES = ("Gemma2ForCausalLM",)
+# transformers' Gemma2Config defaults, for fields a config.json may leave out.
+HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+# Unlike GemmaConfig, Gemma2Config/Gemma3TextConfig take "gelu" as the exact GELU.
+HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
+HF_LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
+
+
+def pattern_from_hf(hf: dict, num_layers: int, default: list[str]) -> list[str]:
+  """The shortest repeating period of config.json's layer_types (default: the given period)."""
+  names = hf.get("layer_types")
+  if not names:
+    return default
+  if len(names) != num_layers or any(t not in HF_LAYER_TYPES for t in names):
+    raise ConfigError(f"config.json: layer_types must list {num_layers} entries of "
+                      f"{' / '.join(HF_LAYER_TYPES)}, got {names!r}")
+  types = [HF_LAYER_TYPES[t] for t in names]
+  for p in range(1, num_layers + 1):
+    if all(types[i] == types[i % p] for i in range(num_layers)):
+      return types[:p]
+  raise AssertionError("unreachable: the whole list is a period")
+
+
+def pattern_to_hf(m: ModelConfig) -> list[str]:
+  names = {v: k for k, v in HF_LAYER_TYPES.items()}
+  types = m.layer_types()
+  return [names[types[i % len(types)]] for i in range(m.num_layers)]
+
+
+def sandwich_from_hf(hf: dict, family: str) -> dict:
+  """Fields gemma2 and gemma3 read alike: the gemma basics plus pattern, window, scalar and caps."""
+  fields = shared_from_hf(hf)
+  qpas = hf.get("query_pre_attn_scalar")
+  return {"family": family, **fields,
+          "hidden_activation": activation_from_hf(hf, "hidden_activation", HF_ACTIVATIONS),
+          "sliding_window": None if hf.get("sliding_window") is None else int(hf["sliding_window"]),
+          "query_pre_attn_scalar": None if qpas is None else float(qpas),
+          "final_logit_softcap": hf.get("final_logit_softcapping"),
+          "attn_logit_softcap": hf.get("attn_logit_softcapping")}
+
+
+def sandwich_to_hf(m: ModelConfig) -> dict:
+  qpas = m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None else m.head_dim
+  if float(qpas) != int(qpas):
+    raise ConfigError(f"model.query_pre_attn_scalar={qpas}: transformers stores it as an integer")
+  return {**shared_to_hf(m, "hidden_activation"), "query_pre_attn_scalar": int(qpas),
+          "sliding_window": m.sliding_window, "layer_types": pattern_to_hf(m),
+          "final_logit_softcapping": m.final_logit_softcap, "attn_logit_softcapping": m.attn_logit_softcap}
+
+
+def from_hf_config(hf: dict) -> dict:
+  hf = {**HF_DEFAULTS, **hf}
+  out = sandwich_from_hf(hf, "gemma2")
+  out["layer_pattern"] = pattern_from_hf(hf, out["num_layers"], ["local", "global"])
+  return out
+
+
+def to_hf_config(m: ModelConfig) -> dict:
+  if m.qk_norm or m.rope_local_theta is not None:
+    raise ConfigError("model.qk_norm / rope_local_theta: Gemma2ForCausalLM has neither; use model.family=gemma3")
+  return sandwich_to_hf(m)
+
+
+def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
+  # llama's names, except that HF's post_attention_layernorm here follows attention, and the norm
+  # before the MLP is pre_feedforward_layernorm.
+  p = "model.layers.{i}."
+  return maps.llama_like_layer_map(m) | {
+      "attn_post_norm": maps.Tensor(p + "post_attention_layernorm.weight"),
+      "mlp_norm": maps.Tensor(p + "pre_feedforward_layernorm.weight"),
+      "mlp_post_norm": maps.Tensor(p + "post_feedforward_layernorm.weight"),
+  }

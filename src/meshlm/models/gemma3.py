@@ -1,0 +1,69 @@
+"""gemma3 (text): gemma2's sandwich blocks plus per-head q/k (1 + w) RMSNorms (model.qk_norm), with
+5 local : 1 global layers whose RoPE differs (local: rope_local_theta, unscaled; global: rope_theta
+with linear rope_scaling). The pattern, the ropes and the grouped scan are the decoder's."""
+from __future__ import annotations
+
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.hf import maps
+from meshlm.models.gemma2 import (EMBED_SCALE, NORM_PLUS_ONE, block, hf_layer_map, layer_spec, pattern_from_hf,
+                                  sandwich_from_hf, sandwich_to_hf)
+
+__all__ = ["EMBED_SCALE", "NORM_PLUS_ONE", "block", "hf_layer_map", "layer_spec"]
+
+# Hugging Face mapping (see meshlm.hf.maps for the protocol): the text-only Gemma3ForCausalLM.
+HF_MODEL_TYPE = "gemma3_text"
+HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# transformers' Gemma3TextConfig defaults, for fields a config.json may leave out.
+HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "final_logit_softcapping": None, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+               "sliding_window_pattern": 6}
+
+
+def _ropes_from_hf(hf: dict) -> tuple[dict, float | None]:
+  """(config.json view whose rope fields describe the global layers, local theta or None for "same").
+
+  transformers 5 writes rope_parameters per layer type; older files have rope_theta, rope_scaling
+  (global layers only) and rope_local_base_freq.
+  """
+  params = hf.get("rope_parameters")
+  if not (isinstance(params, dict) and {"full_attention", "sliding_attention"} & params.keys()):
+    view = {**hf, "rope_parameters": None}
+    return view, float(hf["rope_local_base_freq"])
+  full = {"rope_type": "default", "rope_theta": hf["rope_theta"], **(params.get("full_attention") or {})}
+  local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"], **(params.get("sliding_attention") or {})}
+  view = {**hf, "rope_parameters": full, "rope_scaling": None}
+  if local == full:
+    return view, None
+  if local["rope_type"] != "default":
+    raise ConfigError(f"config.json: rope_parameters.sliding_attention={local!r} is not supported (meshlm's "
+                      "local layers take plain RoPE with their own theta, or exactly the global layers' RoPE)")
+  return view, float(local["rope_theta"])
+
+
+def from_hf_config(hf: dict) -> dict:
+  hf = {**HF_DEFAULTS, **hf}
+  view, local_theta = _ropes_from_hf(hf)
+  out = sandwich_from_hf(view, "gemma3")
+  period = int(hf["sliding_window_pattern"])
+  default = ["local"] * (period - 1) + ["global"]
+  # Gemma3's attention never applies attn_logit_softcapping (the field is inert in transformers).
+  return out | {"attn_logit_softcap": None, "qk_norm": True, "rope_local_theta": local_theta,
+                "layer_pattern": pattern_from_hf(hf, out["num_layers"], default)}
+
+
+def to_hf_config(m: ModelConfig) -> dict:
+  if not m.qk_norm:
+    raise ConfigError("model.qk_norm=false: Gemma3ForCausalLM always has q/k norms; use model.family=gemma2")
+  if m.attn_logit_softcap is not None:
+    raise ConfigError("model.attn_logit_softcap: Gemma3ForCausalLM ignores attention soft-capping; set it to null")
+  out = sandwich_to_hf(m)
+  full = out["rope_parameters"]
+  local = dict(full) if m.rope_local_theta is None else {"rope_type": "default", "rope_theta": m.rope_local_theta}
+  out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+  # Older transformers read these instead.
+  out["rope_local_base_freq"] = local["rope_theta"]
+  types = m.layer_types()
+  if types[-1] == "global" and all(t == "local" for t in types[:-1]):
+    out["sliding_window_pattern"] = len(types)
+  return out
