@@ -1,10 +1,19 @@
 """The data pipeline: packing invariants checked against the documents that went in."""
+import functools
+import glob
 import json
+import logging
+import os
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshlm.config import ConfigError, load_config
+from meshlm.train import data as D
 from meshlm.train.data import ByteTokenizer, make_dataset
 
 EOS = ByteTokenizer.eos_id
@@ -154,3 +163,322 @@ def test_byte_tokenizer():
   assert tok.decode(ids) == text
   assert tok.decode(np.append(ids, [EOS, 300])) == text  # EOS and out-of-range ids carry no text
   assert tok.decode(tok.encode(b"ok\xff\xfe")) == "ok\ufffd\ufffd"
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL, Parquet and Hugging Face tokenizers
+
+
+def _docs_text(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [f"<{i}>" + "".join(rng.choice(list("abcdefgh \n"), size=int(rng.integers(0, 60)))) for i in range(n)]
+
+
+def _write_jsonl(folder, texts, per_file=7, field="text"):
+  """Several files; blank lines between some records and no final newline in the last file."""
+  folder.mkdir(exist_ok=True)
+  for f, k in enumerate(range(0, len(texts), per_file)):
+    lines = [json.dumps({"id": i, field: t}) for i, t in enumerate(texts[k:k + per_file], k)]
+    body = "\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
+    (folder / f"part{f}.jsonl").write_text(body + ("" if k + per_file >= len(texts) else "\n"))
+  return f"{folder}/*.jsonl"
+
+
+def _write_parquet(folder, texts, per_file=11, row_group=3, field="text"):
+  folder.mkdir(exist_ok=True)
+  for f, k in enumerate(range(0, len(texts), per_file)):
+    pq.write_table(pa.table({"id": list(range(k, k + len(texts[k:k + per_file]))), field: texts[k:k + per_file]}),
+                   folder / f"part{f}.parquet", row_group_size=row_group)
+  return f"{folder}/*.parquet"
+
+
+def _hf_tokenizer(folder, words="abcdefgh", eos="</s>"):
+  """A word-level tokenizer.json: [UNK]=0, the letters, digits and '<', '>' and EOS last."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  vocab = {"[UNK]": 0}
+  for w in list(words) + [str(d) for d in range(10)] + ["<", ">"]:
+    vocab.setdefault(w, len(vocab))
+  vocab[eos] = len(vocab)
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
+  tok.decoder = decoders.Fuse()  # ... and decoded without spaces between them
+  tok.add_special_tokens([eos])
+  path = folder / "tokenizer.json"
+  tok.save(str(path))
+  return str(path), vocab
+
+
+def _shard_texts(shard):
+  return [shard[i][0] for i in range(len(shard))]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_shards_partition_documents(kind, tmp_path):
+  texts = _docs_text(40)
+  path = _write_jsonl(tmp_path / "j", texts) if kind == "jsonl" else _write_parquet(tmp_path / "p", texts)
+  build = D._jsonl_shard if kind == "jsonl" else D._parquet_shard
+  cfg = load_config(f"data.source={kind}", f"data.path={path}")
+  assert _shard_texts(build(cfg, 0, 1)) == texts  # storage order, nothing lost, blank lines skipped
+  for count in (2, 3, 7):
+    shards = [_shard_texts(build(cfg, p, count)) for p in range(count)]
+    # Contiguous ranges in storage order: concatenated, the shards are the corpus exactly once.
+    assert sum(shards, []) == texts, count
+    assert max(map(len, shards)) - min(map(len, shards)) <= 40 // count, count  # balanced by bytes/rows
+
+
+class _ReadSpans:
+  """A binary file that records the byte spans read from it."""
+
+  def __init__(self, path, spans):
+    self.f, self.spans = open(path, "rb"), spans
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.f.close()
+
+  def seek(self, pos):
+    return self.f.seek(pos)
+
+  def read(self, n=-1):
+    start = self.f.tell()
+    out = self.f.read(n)
+    self.spans.append((start, start + len(out)))
+    return out
+
+
+def test_jsonl_scan_reads_only_its_range(tmp_path, monkeypatch):
+  (file,) = glob.glob(_write_jsonl(tmp_path / "j", _docs_text(60), per_file=60))
+  size = os.path.getsize(file)
+  spans = []
+  monkeypatch.setattr(D, "open", lambda p, mode="r": _ReadSpans(p, spans), raising=False)
+  monkeypatch.setattr(D, "_SCAN_CHUNK", 64)  # small chunks, so reading can stop soon after the range
+  lo, hi = size // 2, 3 * size // 4
+  starts, ends = D._scan_lines(file, size, lo, hi)
+  data = open(file, "rb").read()
+  want = [i for i in range(lo, hi) if data[i - 1:i] == b"\n" and data[i:i + 1] != b"\n"]
+  assert list(starts) == want and all(data[e:e + 1] in (b"\n", b"") for e in ends)
+  # It reads from one byte before its range to the end of its last line, plus at most one chunk.
+  assert min(a for a, _ in spans) == lo - 1
+  assert max(b for _, b in spans) <= ends[-1] + 1 + 64
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_file_sources_stream_each_document_once_per_epoch(kind, tmp_path):
+  texts = _docs_text(30)
+  path = _write_jsonl(tmp_path / "j", texts) if kind == "jsonl" else _write_parquet(tmp_path / "p", texts)
+  it = make_dataset(load_config(f"data.source={kind}", f"data.path={path}"), global_batch=2, seq_len=63)
+  b = next(it)
+  _check_batch(b, 2, 63)
+  stream = np.concatenate([np.append(b["inputs"][r], b["targets"][r, -1]) for r in range(2)] + [_stream(it, 20)])
+  got = _docs_of(stream)
+  want = sorted(t.encode() for t in texts)
+  epoch1, epoch2 = got[:30], got[30:60]
+  assert sorted(epoch1) == want and sorted(epoch2) == want
+  assert epoch1 != [t.encode() for t in texts] and epoch1 != epoch2
+
+
+def test_parquet_state_round_trip(tmp_path):
+  cfg = load_config("data.source=parquet", f"data.path={_write_parquet(tmp_path / 'p', _docs_text(25))}")
+  it = make_dataset(cfg, global_batch=2, seq_len=40)
+  for _ in range(7):  # past the end of the first epoch (~700 tokens)
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  want = [next(it) for _ in range(6)]
+  fresh = make_dataset(cfg, global_batch=2, seq_len=40)
+  fresh.set_state(state)
+  for w in want:
+    got = next(fresh)
+    for k in KEYS:
+      np.testing.assert_array_equal(got[k], w[k])
+
+
+def test_parquet_shuffle_is_local_and_deterministic(tmp_path):
+  cfg = load_config("data.source=parquet", f"data.path={_write_parquet(tmp_path / 'p', _docs_text(60), row_group=4)}")
+  shard = D._parquet_shard(cfg, 0, 1)  # 6 files: row groups of 4, 4, 3 rows
+  n = len(shard)
+  order = [shard.storage_index(i) for i in range(2 * n)]
+  assert sorted(order[:n]) == list(range(n)) and sorted(order[n:]) == list(range(n))
+  assert order[:n] != order[n:] and order[:n] != list(range(n))
+  assert order == [D._parquet_shard(cfg, 0, 1).storage_index(i) for i in range(2 * n)]
+  # Each window draws from at most PARQUET_WINDOW_GROUPS row groups.
+  group = np.searchsorted(shard.block_starts, order[:n], side="right") - 1
+  _, window_starts = shard._epoch(0)
+  for a, b in zip(window_starts[:-1], window_starts[1:]):
+    assert len(set(group[a:b])) == D.PARQUET_WINDOW_GROUPS
+
+
+def test_hf_tokenizer_stream(tmp_path):
+  path, vocab = _hf_tokenizer(tmp_path)
+  texts = ["abc", "hhh<1>", "ggg"]
+  folder = tmp_path / "t"
+  folder.mkdir()
+  for i, t in enumerate(texts):
+    (folder / f"{i}.txt").write_text(t)
+  cfg = load_config("data.source=text", f"data.path={folder}/*.txt", f"data.tokenizer={path}")
+  it = make_dataset(cfg, global_batch=1, seq_len=15)
+  tok = it.tokenizer
+  assert tok.eos_id == vocab["</s>"] and tok.vocab_size == len(vocab)
+  row = next(it)["inputs"][0]
+  eos = np.flatnonzero(row == tok.eos_id)
+  docs = sorted(tok.decode(d) for d in np.split(row[:eos[2]], eos[:2] + 1))
+  assert docs == sorted(texts)
+  np.testing.assert_array_equal(tok.encode("hhh<1>"), [vocab[c] for c in "hhh<1>"])
+
+
+def test_hf_eos_rule(tmp_path):
+  path, vocab = _hf_tokenizer(tmp_path, eos="<|endoftext|>")
+  assert D.HFTokenizer(path).eos_id == vocab["<|endoftext|>"]
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "h"}}))
+  assert D.HFTokenizer(path).eos_id == vocab["h"]  # tokenizer_config.json wins
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+  with pytest.raises(ConfigError, match="eos_token '<nope>'"):
+    D.HFTokenizer(path)
+  other = tmp_path / "o"
+  other.mkdir()
+  path, _ = _hf_tokenizer(other, eos="<sep>")
+  with pytest.raises(ConfigError, match=r"data.tokenizer=.*no EOS token"):
+    D.HFTokenizer(path)
+
+
+def test_invalid_utf8(tmp_path, caplog, monkeypatch):
+  monkeypatch.setattr(D.UTF8_STATS, "documents", 0)  # warnings thin out after 10: start the count here
+  folder = tmp_path / "t"
+  folder.mkdir()
+  (folder / "bad.txt").write_bytes(b"ab\xffc")
+  # The byte tokenizer takes the bytes as they are: no warning.
+  cfg = load_config("data.source=text", f"data.path={folder}/*.txt")
+  with caplog.at_level(logging.WARNING, logger="meshlm.data"):
+    row = next(make_dataset(cfg, global_batch=1, seq_len=9))["inputs"][0]
+  np.testing.assert_array_equal(row[:5], [97, 98, 255, 99, EOS])
+  assert not caplog.records
+  # A tokenizer.json gets U+FFFD (here [UNK]) and a warning naming the file and byte offset, counted.
+  path, vocab = _hf_tokenizer(tmp_path)
+  cfg = load_config("data.source=text", f"data.path={folder}/*.txt", f"data.tokenizer={path}")
+  with caplog.at_level(logging.WARNING, logger="meshlm.data"):
+    row = next(make_dataset(cfg, global_batch=1, seq_len=9))["inputs"][0]
+  np.testing.assert_array_equal(row[:5], [vocab["a"], vocab["b"], vocab["[UNK]"], vocab["c"], vocab["</s>"]])
+  # Each read of the document counts (the 1-document corpus is read once per epoch, ahead of need).
+  n = D.UTF8_STATS.documents
+  assert n >= 2 and len(caplog.records) == min(n, 10)
+  assert caplog.records[0].getMessage() == (f"{folder}/bad.txt: invalid UTF-8 at byte offset 2, replaced "
+                                            f"with U+FFFD (1 document with invalid UTF-8 so far)")
+
+
+def test_file_source_errors(tmp_path):
+  j = tmp_path / "j"
+  j.mkdir()
+  cfg = load_config("data.source=jsonl", f"data.path={j}/*.jsonl")
+  with pytest.raises(ConfigError, match=r"data.path=.* matches no files"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+  (j / "a.jsonl").write_text("")
+  with pytest.raises(ConfigError, match=r"a.jsonl is empty"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+  (j / "a.jsonl").write_text('{"text": "x"}\n{"text": "y"}\n{"text": oops}\n')
+  it = make_dataset(cfg, global_batch=1, seq_len=8)  # only each file's first line is parsed eagerly
+  with pytest.raises(ConfigError, match=r"a.jsonl:3: not valid JSON"):
+    for _ in range(3):
+      next(it)
+  (j / "a.jsonl").write_text('not json\n')
+  with pytest.raises(ConfigError, match=r"a.jsonl:1: not valid JSON"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+  (j / "a.jsonl").write_text('\n{"content": "x"}\n')
+  with pytest.raises(ConfigError, match=r"a.jsonl:2: no field 'text' \(data.field\); the line has keys: content"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+  (j / "a.jsonl").write_text('{"text": 3}\n')
+  with pytest.raises(ConfigError, match=r"a.jsonl:1: field 'text' is int"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+
+  p = tmp_path / "p"
+  p.mkdir()
+  pq.write_table(pa.table({"body": ["x"]}), p / "a.parquet")
+  cfg = load_config("data.source=parquet", f"data.path={p}/*.parquet")
+  with pytest.raises(ConfigError, match=r"a.parquet has no column 'text' \(data.field\); its columns: body"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+  pq.write_table(pa.table({"text": pa.array([], pa.string())}), p / "a.parquet")
+  with pytest.raises(ConfigError, match=r"a.parquet has no rows"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+  (p / "a.parquet").write_text("not parquet")
+  with pytest.raises(ConfigError, match=r"a.parquet is not a readable Parquet file"):
+    make_dataset(cfg, global_batch=1, seq_len=8)
+
+
+def test_tokenizer_and_length_errors(tmp_path):
+  path, vocab = _hf_tokenizer(tmp_path)
+  with pytest.raises(ConfigError, match=rf"model.vocab_size=8 is too small for data.tokenizer=.*set model.vocab_size>={len(vocab)}"):
+    make_dataset(load_config(f"data.tokenizer={path}", "model.vocab_size=8"), global_batch=1, seq_len=8)
+  with pytest.raises(ConfigError, match=r"data.tokenizer=.*missing.json: no such file"):
+    make_dataset(load_config(f"data.tokenizer={tmp_path}/missing.json"), global_batch=1, seq_len=8)
+  (tmp_path / "junk.json").write_text("{}")
+  with pytest.raises(ConfigError, match=r"junk.json: not a Hugging Face tokenizer.json"):
+    make_dataset(load_config(f"data.tokenizer={tmp_path}/junk.json"), global_batch=1, seq_len=8)
+  with pytest.raises(ConfigError, match=r"train.seq_len=4096 is beyond model.max_position=2048"):
+    load_config("train.seq_len=4096")
+
+
+def test_cli_exits_2_on_bad_data(tmp_path, capsys):
+  from meshlm.cli import main
+  rc = main(["train", "data.source=jsonl", f"data.path={tmp_path}/none/*.jsonl", f"run_dir={tmp_path}/run",
+             "cpu_devices=1", "train.steps=1"])
+  err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("meshlm: error:")]
+  assert rc == 2 and len(err) == 1 and "data.path=" in err[0] and "matches no files" in err[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing at the model: attention never crosses a document boundary
+
+
+def _tiny_forward_cfg():
+  return load_config("model.embed_dim=32", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",
+                     "model.mlp_dim=64", "model.num_layers=2", "train.compute_dtype=float32")
+
+
+def test_packed_document_sees_only_itself(tmp_path):
+  import jax
+  import meshlm
+  _write_docs(tmp_path, 6, length=20)
+  b = next(make_dataset(_text_cfg(tmp_path), global_batch=1, seq_len=72))
+  inp, seg, pos = b["inputs"], b["segment_ids"], b["positions"]  # [1, T]
+  # Documents of 21 tokens (with EOS): document 2 is tokens 21..41 of the row, between 1 and 3.
+  in2 = seg[0] == 2
+  np.testing.assert_array_equal(np.flatnonzero(in2), np.arange(21, 42))
+  np.testing.assert_array_equal(pos[0, in2], np.arange(21))
+  cfg = _tiny_forward_cfg()
+  # Random parameters straight from numpy: compiling the initializer would cost more than the test.
+  rng = np.random.default_rng(0)
+  shapes = jax.eval_shape(lambda: meshlm.init_params(cfg, jax.random.key(0)))
+  params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
+  forward = jax.jit(functools.partial(meshlm.forward, cfg))  # one compile per shape, not op by op
+  packed = np.asarray(forward(params, inp, pos, seg))[0, in2]  # [n, V]
+  doc = inp[:, in2]
+  alone = np.asarray(forward(params, doc, np.arange(doc.shape[1])[None], np.ones_like(doc)))[0]
+  np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
+  # Without segment ids, document 2 attends to document 1 and its logits move far past the tolerance.
+  leaky = np.asarray(forward(params, inp, pos, None))[0, in2]
+  assert np.abs(leaky - alone).max() > 1e-2
+
+
+@settings(max_examples=40, deadline=None)
+@given(lines=st.lists(st.sampled_from(["", "a", "bc", "\r", "{}", "x" * 70]), max_size=30),
+       final_newline=st.booleans(), cuts=st.lists(st.integers(0, 2000), max_size=5))
+def test_scan_lines_partitions_any_file(lines, final_newline, cuts, tmp_path_factory):
+  """Consecutive byte ranges, however cut, index every non-empty line exactly once, in order."""
+  body = "\n".join(lines) + ("\n" if final_newline and lines else "")
+  if not body:
+    return
+  path = tmp_path_factory.mktemp("scan") / "f.jsonl"
+  path.write_text(body, newline="")
+  size = len(body)
+  want, pos = [], 0
+  for line in body.split("\n"):
+    if line:
+      want.append((pos, pos + len(line)))
+    pos += len(line) + 1
+  bounds = [0] + sorted(min(c, size) for c in cuts) + [size]
+  got = []
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    if lo < hi:
+      s, e = D._scan_lines(str(path), size, lo, hi)
+      got += list(zip(s.tolist(), e.tolist()))
+  assert got == want
