@@ -1,0 +1,207 @@
+"""Regenerates tests/fixtures/hf/<name>/: tiny random Hugging Face models with reference outputs.
+
+torch and transformers are not meshlm dependencies; install them in a separate venv (pin torch on
+the same command line so pip takes the CPU build):
+
+  python3 -m venv /tmp/hfvenv
+  /tmp/hfvenv/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors numpy
+  /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py            # all fixtures, then the export check
+  /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --check     # only the export check
+
+Each fixture directory holds what `save_pretrained(..., safe_serialization=True)` writes
+(config.json, model.safetensors, generation_config.json) plus `reference.npz`:
+
+  input_ids  int32   [B, T]        random tokens
+  logits     float32 [B, T, V]     model(input_ids).logits, float32, eager attention
+  hidden     float32 [L, B, T, D]  hidden[i] is the output of decoder layer i (model.model.layers[i]),
+                                   captured with a forward hook: the residual stream before the
+                                   final norm. (`output_hidden_states` has L + 1 entries, the
+                                   embeddings first, and its last one is taken after the final norm,
+                                   so it cannot give the last layer's own output.)
+
+This is what `meshlm.forward(cfg, params, input_ids, return_hidden=True)` returns.
+
+To be hard to pass by accident: norm weights get noise (also gemma's zero-centred ones), every
+weight is redrawn with std 1/sqrt(fan_in) so attention is peaked and position-sensitive, sizes are
+not powers of two (embed 45, vocab 151, mlp 56, head counts 9 and 3, head_dim != embed/heads for qwen3 and
+gemma), T = 20 is longer than every sliding window (8), gemma2's soft caps are small enough to bite,
+gemma3 has 7 layers (one 5 local : 1 global period plus a remainder layer) with different local and
+global rope thetas, llama uses llama3 rope scaling with all three frequency bands in play, and qwen3
+comes tied and untied.
+
+The export check: for every fixture whose family meshlm has registered, meshlm (run with the project
+venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm convert`, and
+transformers loads that export and must reproduce the reference logits (max |a - b| / max |b| <= 1e-5).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "fixtures" / "hf"
+B, T = 2, 20
+SEED = 1234
+
+# Shared sizes: nothing a power of two, odd head counts with GQA (9 query heads on 3 kv heads).
+BASE = dict(vocab_size=151, hidden_size=45, intermediate_size=56, num_hidden_layers=2, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
+            tie_word_embeddings=False)
+
+# name -> (config class, AutoModel architecture, config kwargs)
+FIXTURES = {
+    "llama": ("LlamaConfig", dict(
+        BASE,
+        # wavelengths 6.3, 19.9, 62.8, 199 against an original context of 64: one kept, two in the
+        # smoothed band, one divided by the factor.
+        rope_parameters=dict(rope_type="llama3", rope_theta=100.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral": ("MistralConfig", dict(BASE, sliding_window=8, rope_parameters=dict(rope_type="default",
+                                                                                  rope_theta=1000.0))),
+    "qwen3": ("Qwen3Config", dict(BASE, head_dim=12, rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    "qwen3-tied": ("Qwen3Config", dict(BASE, head_dim=12, tie_word_embeddings=True,
+                                       rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    # gemma-2b style multi-query attention, head_dim != embed / heads.
+    "gemma": ("GemmaConfig", dict(BASE, num_attention_heads=5, num_key_value_heads=1, head_dim=12,
+                                  tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                                  rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    "gemma2": ("Gemma2Config", dict(BASE, num_hidden_layers=3, tie_word_embeddings=True,
+                                    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                    sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    "gemma3": ("Gemma3TextConfig", dict(BASE, num_hidden_layers=7, intermediate_size=40, tie_word_embeddings=True,
+                                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                        sliding_window=8, sliding_window_pattern=6,
+                                        rope_parameters={
+                                            "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                   rope_theta=10000.0),
+                                            "sliding_attention": dict(rope_type="default", rope_theta=100.0)})),
+}
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+  """max |a - b| / max |b|, the measure tests/test_hf.py uses."""
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def build(name: str):
+  cls_name, kwargs = FIXTURES[name]
+  config = getattr(transformers, cls_name)(**kwargs)
+  config._attn_implementation = "eager"
+  torch.manual_seed(SEED + sum(map(ord, name)))
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if p.ndim == 1:
+        # Norm scales: ones (llama) or zeros (gemma's 1 + w) plus noise, so a swapped or missing
+        # norm shows.
+        p.add_(0.2 * torch.randn_like(p))
+      elif "embed_tokens" in pname:
+        p.copy_(torch.randn_like(p))
+      else:
+        p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
+  model.eval()
+  return model
+
+
+def reference(model, vocab: int, layers: int) -> dict[str, np.ndarray]:
+  gen = np.random.default_rng(SEED)
+  ids = gen.integers(0, vocab, size=(B, T)).astype(np.int32)
+  hidden: list[np.ndarray] = []
+
+  def hook(_module, _args, out):
+    h = out[0] if isinstance(out, tuple) else out
+    hidden.append(h.detach().float().numpy().copy())
+
+  handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+  with torch.no_grad():
+    logits = model(torch.from_numpy(ids).long()).logits.float().numpy()
+  for h in handles:
+    h.remove()
+  assert len(hidden) == layers, (len(hidden), layers)
+  return {"input_ids": ids, "logits": logits.astype(np.float32), "hidden": np.stack(hidden).astype(np.float32)}
+
+
+def make(name: str) -> None:
+  model = build(name)
+  out = OUT / name
+  if out.exists():
+    shutil.rmtree(out)
+  model.save_pretrained(out, safe_serialization=True)
+  cfg = model.config
+  ref = reference(model, cfg.vocab_size, cfg.num_hidden_layers)
+  np.savez(out / "reference.npz", **ref)
+  # Reload from disk: the saved files alone must reproduce the reference.
+  again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+  with torch.no_grad():
+    logits = again(torch.from_numpy(ref["input_ids"]).long()).logits.float().numpy()
+  assert np.array_equal(logits, ref["logits"]), f"{name}: reloaded model differs"
+  size = sum(f.stat().st_size for f in out.iterdir())
+  print(f"{name:12s} {type(model).__name__:22s} {cfg.num_hidden_layers} layers  {size / 1024:.0f} KiB")
+
+
+def registered_families(meshlm_python: str) -> set[str]:
+  code = "from meshlm.hf.io import families; print(' '.join(sorted(families())))"
+  out = subprocess.run([meshlm_python, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+  return set(out.stdout.split())
+
+
+def check_export(name: str, meshlm_python: str) -> float:
+  """HF fixture -> meshlm dir -> HF export with meshlm's CLI; transformers must reproduce the logits."""
+  src = OUT / name
+  ref = np.load(src / "reference.npz")
+  with tempfile.TemporaryDirectory() as tmp:
+    mid, hf = Path(tmp) / "meshlm", Path(tmp) / "hf"
+    cli = [meshlm_python, "-m", "meshlm.cli", "convert"]
+    for argv in (["hf-to-meshlm", str(src), str(mid), "cpu_devices=1"], ["meshlm-to-hf", str(mid), str(hf)]):
+      res = subprocess.run(cli + argv, capture_output=True, text=True, cwd=ROOT)
+      if res.returncode:
+        raise SystemExit(f"{name}: meshlm convert {argv[0]} failed:\n{res.stderr}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+      logits = model(torch.from_numpy(ref["input_ids"]).long()).logits.float().numpy()
+  return rel_err(logits, ref["logits"])
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("names", nargs="*", help=f"fixtures to make (default: all of {', '.join(FIXTURES)})")
+  ap.add_argument("--check", action="store_true", help="skip generation; only run the export check")
+  ap.add_argument("--meshlm-python", default=str(ROOT / ".venv" / "bin" / "python"),
+                  help="a python that imports meshlm (the project venv)")
+  args = ap.parse_args()
+  names = args.names or list(FIXTURES)
+  print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+  if not args.check:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in names:
+      make(name)
+    total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
+    print(f"fixtures: {total / 1024:.0f} KiB in {OUT.relative_to(ROOT)}")
+  families = registered_families(args.meshlm_python)
+  failed = []
+  for name in names:
+    model_type = json.loads((OUT / name / "config.json").read_text())["model_type"]
+    if model_type not in families:
+      print(f"export check {name:12s} skipped: meshlm has no family for model_type={model_type!r} yet")
+      continue
+    err = check_export(name, args.meshlm_python)
+    ok = err <= 1e-5
+    print(f"export check {name:12s} rel err {err:.2e}  {'ok' if ok else 'FAIL'}")
+    if not ok:
+      failed.append(name)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

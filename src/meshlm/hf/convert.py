@@ -1,0 +1,131 @@
+"""`meshlm convert`: Hugging Face <-> meshlm model directories.
+
+  meshlm convert hf-to-meshlm SRC DST [key=value ...]
+  meshlm convert meshlm-to-hf SRC DST [key=value ...]
+
+A meshlm model directory is what `checkpoint.load_params_from=DIR` reads (train/checkpoint.py):
+
+  DIR/params/        the parameter pytree, an Orbax StandardSave (sharded arrays, restored onto any mesh)
+  DIR/meta/metadata  JSON {"model_name", "model"}: lets load_params_from refuse another model's weights
+  DIR/config.yaml    the resolved meshlm Config (the same YAML a run_dir holds)
+
+so `meshlm train checkpoint.load_params_from=DIR model.family=...` starts from converted weights, and
+`meshlm convert meshlm-to-hf` also takes a run's step directory (`run_dir/checkpoints/<step>`, whose
+model comes from its meta, plus key=value overrides for the rest). Both directions write into a
+temporary sibling and rename, so a failed conversion leaves nothing at DST.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from meshlm.config import Config, ConfigError, load_config, to_yaml
+from meshlm.hf.io import publish_permissions
+
+
+def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+  """Writes params/ (Orbax), meta/metadata and config.yaml, atomically (temp dir, then rename)."""
+  import orbax.checkpoint as ocp
+  path = Path(path).absolute()
+  if path.exists() and not overwrite:
+    raise ConfigError(f"{path}: already exists (choose another directory)")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+  try:
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp / "params", params)
+    ckpt.wait_until_finished()
+    (tmp / "meta").mkdir()
+    meta = {"model_name": cfg.model_name, "model": cfg.model.model_dump(mode="json")}
+    (tmp / "meta" / "metadata").write_text(json.dumps(meta) + "\n")
+    (tmp / "config.yaml").write_text(to_yaml(cfg))
+    publish_permissions(tmp)
+    if path.exists():
+      shutil.rmtree(path)
+    os.rename(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return path
+
+
+def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, dict]:
+  """Reads a meshlm model directory (or a run's checkpoint step dir): each array restored straight
+  onto its sharding."""
+  import jax
+  import orbax.checkpoint as ocp
+  from meshlm.models.decoder import param_shardings, param_specs
+  from meshlm.models import spec as S
+  from meshlm.parallel.mesh import make_mesh
+  path = Path(path).absolute()
+  if not (path / "params").is_dir():
+    raise ConfigError(f"{path}: not a meshlm model directory (no params/)")
+  if (path / "config.yaml").is_file():
+    base = yaml.safe_load((path / "config.yaml").read_text()) or {}
+  elif (path / "meta" / "metadata").is_file():
+    meta = json.loads((path / "meta" / "metadata").read_text())
+    base = {"model_name": meta.get("model_name", path.name), "model": meta["model"]}
+  else:
+    raise ConfigError(f"{path}: has params/ but neither config.yaml nor meta/metadata to say which model")
+  cfg = load_config(*overrides, base=base)
+  if mesh is None:
+    mesh = make_mesh(cfg)
+  dtype = cfg.train.param_dtype
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                          param_specs(cfg), param_shardings(cfg, mesh), is_leaf=S.is_spec)
+  try:
+    params = ocp.StandardCheckpointer().restore(path / "params", abstract)
+  except Exception as e:  # noqa: BLE001 -- Orbax raises many types; the user needs the path and reason
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    raise ConfigError(f"{path / 'params'}: cannot be read as this model's parameters ({reason})") from None
+  return cfg, params
+
+
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+  paths = [a for a in args if "=" not in a]
+  overrides = [a for a in args if "=" in a]
+  return paths, overrides
+
+
+def _set_devices(overrides: list[str]) -> None:
+  from meshlm.config import parse_overrides
+  from meshlm.parallel import set_cpu_devices
+  for key, value in parse_overrides(overrides):
+    if key == "cpu_devices":
+      set_cpu_devices(int(value))
+
+
+USAGE = ("meshlm convert hf-to-meshlm SRC DST [key=value ...] | meshlm convert meshlm-to-hf SRC DST "
+         "[key=value ...]")
+
+
+def main(args: list[str]) -> int:
+  """The CLI entry point; ConfigErrors become exit code 2 in meshlm.cli."""
+  if not args or args[0] not in ("hf-to-meshlm", "meshlm-to-hf"):
+    raise ConfigError(f"convert: expected a direction; usage: {USAGE}")
+  direction, rest = args[0], args[1:]
+  paths, overrides = _split(rest)
+  if len(paths) != 2:
+    raise ConfigError(f"convert {direction}: expected SRC and DST, got {len(paths)} paths; usage: {USAGE}")
+  src, dst = Path(paths[0]), Path(paths[1])
+  if not src.is_dir():
+    raise ConfigError(f"convert {direction}: SRC {src} is not a directory")
+  if dst.exists():
+    raise ConfigError(f"convert {direction}: DST {dst} already exists; choose a new directory")
+  _set_devices(overrides)
+  from meshlm import hf
+  if direction == "hf-to-meshlm":
+    cfg, params = hf.load(src, *overrides)
+    save_meshlm(cfg, params, dst)
+  else:
+    cfg, params = load_meshlm(src, *overrides)
+    hf.save(cfg, params, dst)
+  from meshlm.models import count, param_specs
+  print(f"meshlm convert {direction}: {src} -> {dst} ({cfg.model.family}, "
+        f"{count(param_specs(cfg)):,} parameters)")
+  return 0

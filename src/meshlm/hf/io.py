@@ -1,0 +1,365 @@
+"""Reading and writing Hugging Face model directories (config.json + safetensors).
+
+load() never builds the model on the host: each stacked meshlm parameter is made with
+`jax.make_array_from_callback`, whose callback reads only the layers (and, for 2-D kernels and
+embeddings, only the rows and columns) of the device shard it is asked for. save() converts one
+parameter at a time and flushes a safetensors shard whenever it reaches `max_shard_bytes`, into a
+temporary directory that is renamed into place only when complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from meshlm.config import Config, ConfigError, load_config
+from meshlm.hf import maps
+
+# Tensors in some checkpoints that carry no weights (precomputed RoPE tables), skipped on load.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors dtypes a float32 model can take; anything else (integers, fp8, bool) is refused.
+FLOAT_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16, "F64": np.float64}
+
+
+def families() -> dict[str, Any]:
+  """model_type -> family module, over the families registered in decoder.FAMILIES that map to HF."""
+  from meshlm.models.decoder import FAMILIES
+  out = {}
+  for module in FAMILIES.values():
+    try:
+      mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name != module:
+        raise
+      continue  # registered before its file landed
+    if hasattr(mod, "HF_MODEL_TYPE"):
+      out[mod.HF_MODEL_TYPE] = mod
+  return out
+
+
+def family_for(hf: dict, where: str):
+  fams = families()
+  model_type = hf.get("model_type")
+  if model_type not in fams:
+    raise ConfigError(f"{where}: model_type={model_type!r} is not supported; known: {', '.join(sorted(fams))}")
+  fam = fams[model_type]
+  archs = hf.get("architectures") or []
+  bad = [a for a in archs if a not in fam.HF_ARCHITECTURES]
+  if bad:
+    raise ConfigError(f"{where}: architectures={bad!r} is not supported for model_type={model_type!r}; "
+                      f"expected {', '.join(fam.HF_ARCHITECTURES)}")
+  return fam
+
+
+def _family_of_cfg(cfg: Config):
+  from meshlm.models.decoder import family
+  fam = family(cfg)
+  if not hasattr(fam, "HF_MODEL_TYPE"):
+    raise ConfigError(f"model.family={cfg.model.family!r}: has no Hugging Face mapping")
+  return fam
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One meshlm parameter leaf and where its values live in the HF checkpoint."""
+  path: tuple[str, ...]
+  tensor: maps.Tensor
+  shape: tuple[int, ...]  # the meshlm leaf's shape (stacked for layer params)
+  layer_axis: int | None  # position of the "layers" axis, None for non-layer leaves
+
+  def layer_shape(self) -> tuple[int, ...]:
+    if self.layer_axis is None:
+      return self.shape
+    return self.shape[:self.layer_axis] + self.shape[self.layer_axis + 1:]
+
+  def hf_names(self) -> list[str]:
+    if self.layer_axis is None:
+      return [self.tensor.name]
+    return [self.tensor.name.format(i=i) for i in range(self.shape[self.layer_axis])]
+
+
+def entries(cfg: Config) -> list[Entry]:
+  """Every meshlm parameter leaf paired with its HF tensor, in parameter-tree order."""
+  import jax
+  from meshlm.models import decoder, spec as S
+  fam = _family_of_cfg(cfg)
+  m = cfg.model
+  top = getattr(fam, "hf_top_map", maps.default_top_map)(m)
+  layer = fam.hf_layer_map(m)
+  out = []
+  flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(cfg), is_leaf=S.is_spec)[0]
+  for kpath, s in flat:
+    path = tuple(k.key for k in kpath)
+    if path[0] == "layers":
+      key = ".".join(path[1:])
+      table = layer
+    else:
+      key = ".".join(path)
+      table = top
+    if key not in table:
+      raise ValueError(f"family {m.family!r}: its HF name map has no entry for parameter {'.'.join(path)}")
+    axis = s.axes.index("layers") if "layers" in s.axes else None
+    out.append(Entry(path, table[key], tuple(s.shape), axis))
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+def read_hf_config(path: Path) -> dict:
+  cfg_path = path / "config.json"
+  if not cfg_path.is_file():
+    raise ConfigError(f"{path}: not a Hugging Face model directory (no config.json)")
+  try:
+    return json.loads(cfg_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{cfg_path}: invalid JSON ({e})") from None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+  """HF tensor name -> the safetensors file holding it."""
+  index = path / "model.safetensors.index.json"
+  if index.is_file():
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    out = {}
+    for name, fname in weight_map.items():
+      f = path / fname
+      if not f.is_file():
+        raise ConfigError(f"{index}: tensor {name} is in {fname}, which does not exist")
+      out[name] = f
+    return out
+  files = sorted(path.glob("*.safetensors"))
+  if not files:
+    raise ConfigError(f"{path}: no *.safetensors files (meshlm reads safetensors only)")
+  from safetensors import safe_open
+  out = {}
+  for f in files:
+    with safe_open(f, framework="numpy") as h:
+      for name in h.keys():
+        out[name] = f
+  return out
+
+
+class _Reader:
+  """Open safetensors files by path, and slices of tensors as float32 numpy arrays."""
+
+  def __init__(self, stack: contextlib.ExitStack, files: dict[str, Path]):
+    self._stack, self._files, self._open = stack, files, {}
+
+  def _handle(self, name: str):
+    from safetensors import safe_open
+    f = self._files[name]
+    if f not in self._open:
+      self._open[f] = self._stack.enter_context(safe_open(f, framework="numpy"))
+    return self._open[f]
+
+  def info(self, name: str) -> tuple[tuple[int, ...], str]:
+    sl = self._handle(name).get_slice(name)
+    return tuple(sl.get_shape()), sl.get_dtype()
+
+  def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    sl = self._handle(name).get_slice(name)
+    x = sl[index] if index is not None else sl[:]
+    return np.asarray(x, dtype=np.float32)
+
+
+def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], tied: bool) -> None:
+  """Names, shapes and dtypes, before anything is read: each error names the tensor."""
+  expected = {}
+  for e in ents:
+    hf_shape = e.tensor.hf_shape(e.layer_shape())
+    for name in e.hf_names():
+      expected[name] = hf_shape
+  for name, shape in expected.items():
+    if name not in files:
+      raise ConfigError(f"missing tensor {name} (expected shape {list(shape)})")
+    got, dtype = reader.info(name)
+    if got != shape:
+      raise ConfigError(f"tensor {name}: shape {list(got)} in {files[name].name}, but config.json implies "
+                        f"{list(shape)}")
+    if dtype not in FLOAT_DTYPES:
+      raise ConfigError(f"tensor {name}: dtype {dtype} cannot be loaded into float32 parameters "
+                        f"(expected one of {', '.join(FLOAT_DTYPES)})")
+  for name in files:
+    if name in expected or name.endswith(IGNORED_SUFFIXES):
+      continue
+    if tied and name == "lm_head.weight":
+      continue  # some tied checkpoints also store the head; meshlm uses the embedding table
+    raise ConfigError(f"unexpected tensor {name} in {files[name].name} (not part of this "
+                      f"{'tied' if tied else 'untied'} model)")
+
+
+def _leaf(e: Entry, reader: _Reader, sharding, dtype) -> Any:
+  import jax
+  layer_shape = e.layer_shape()
+
+  def one_layer(name: str, index: tuple[slice, ...]) -> np.ndarray:
+    direct = e.tensor.hf_index(index, layer_shape)
+    if direct is not None:
+      hf_index, transpose = direct
+      x = reader.read(name, hf_index)
+      return x.T if transpose else x
+    return e.tensor.to_meshlm(reader.read(name), layer_shape)[index]
+
+  def callback(index: tuple[slice, ...]) -> np.ndarray:
+    index = tuple(slice(*s.indices(n)) for s, n in zip(index, e.shape))
+    if e.layer_axis is None:
+      return one_layer(e.tensor.name, index).astype(dtype)
+    a = e.layer_axis
+    inner = index[:a] + index[a + 1:]
+    layers = [one_layer(e.tensor.name.format(i=i), inner) for i in range(*index[a].indices(e.shape[a]))]
+    return np.stack(layers, axis=a).astype(dtype)
+
+  return jax.make_array_from_callback(e.shape, sharding, callback)
+
+
+def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, dict]:
+  """Reads an HF model directory into (cfg, params), params placed on `mesh`'s shardings.
+
+  overrides are key=value config settings (e.g. "train.compute_dtype=float32", "mesh.fsdp=4").
+  With no mesh, builds the config's mesh (meshlm.parallel.make_mesh).
+  """
+  import jax
+  from meshlm.models.decoder import param_shardings
+  from meshlm.parallel.mesh import make_mesh
+  path = Path(path)
+  hf = read_hf_config(path)
+  fam = family_for(hf, str(path / "config.json"))
+  base = {"model_name": path.name, "model": fam.from_hf_config(hf)}
+  cfg = load_config(*overrides, base=base)
+  if mesh is None:
+    mesh = make_mesh(cfg)
+  ents = entries(cfg)
+  files = _tensor_files(path)
+  shardings = param_shardings(cfg, mesh)
+  dtype = np.dtype(cfg.train.param_dtype)
+  with contextlib.ExitStack() as stack:
+    reader = _Reader(stack, files)
+    _check_tensors(ents, reader, files, cfg.model.tie_embeddings)
+    flat = {e.path: _leaf(e, reader, _get(shardings, e.path), dtype) for e in ents}
+  params: dict = {}
+  for p, v in flat.items():
+    node = params
+    for k in p[:-1]:
+      node = node.setdefault(k, {})
+    node[p[-1]] = v
+  jax.block_until_ready(params)
+  return cfg, params
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+def hf_config(cfg: Config) -> dict:
+  fam = _family_of_cfg(cfg)
+  return {"architectures": [fam.HF_ARCHITECTURES[0]], "model_type": fam.HF_MODEL_TYPE,
+          **fam.to_hf_config(cfg.model), "dtype": "float32", "torch_dtype": "float32"}
+
+
+def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, float32 array in HF layout), one parameter leaf on the host at a time."""
+  for e in entries(cfg):
+    leaf = _get(params, e.path)
+    if tuple(leaf.shape) != e.shape:
+      raise ConfigError(f"parameter {'.'.join(e.path)}: shape {list(leaf.shape)}, but the config implies "
+                        f"{list(e.shape)}")
+    host = np.asarray(leaf, dtype=np.float32)
+    if e.layer_axis is None:
+      yield e.tensor.name, np.ascontiguousarray(e.tensor.to_hf(host))
+      continue
+    for i, name in enumerate(e.hf_names()):
+      yield name, np.ascontiguousarray(e.tensor.to_hf(np.take(host, i, axis=e.layer_axis)))
+    del host
+
+
+def publish_permissions(tmp: Path) -> None:
+  """mkdtemp makes a 0700 directory and safetensors writes 0600 files: give the finished export the
+  permissions a plain mkdir and open would have (under the process umask)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  for root, dirs, files in os.walk(tmp):
+    os.chmod(root, 0o777 & ~mask)
+    for f in files:
+      os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
+def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30,
+         overwrite: bool = False) -> Path:
+  """Writes an HF model directory (config.json, float32 safetensors shards) that transformers loads.
+
+  Everything goes into a temporary sibling directory first, renamed to `path` when complete, so a
+  failed export leaves nothing behind. An existing `path` is replaced only with overwrite=True.
+  """
+  from safetensors.numpy import save_file
+  path = Path(path)
+  if path.exists() and not overwrite:
+    raise ConfigError(f"{path}: already exists (pass overwrite=True, or choose another directory)")
+  config = hf_config(cfg)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+  try:
+    current: dict[str, np.ndarray] = {}
+    size, total = 0, 0
+    written: list[tuple[str, list[str]]] = []
+
+    def flush():
+      nonlocal current, size
+      if current:
+        fname = f"part-{len(written):05d}.safetensors"
+        save_file(current, str(tmp / fname), metadata={"format": "pt"})
+        written.append((fname, list(current)))
+      current, size = {}, 0
+
+    for name, arr in hf_tensors(cfg, params):
+      if current and size + arr.nbytes > max_shard_bytes:
+        flush()
+      current[name] = arr
+      size += arr.nbytes
+      total += arr.nbytes
+    flush()
+    # HF's naming: model.safetensors alone, or model-0000i-of-0000n.safetensors plus an index.
+    n = len(written)
+    if n == 1:
+      os.rename(tmp / written[0][0], tmp / "model.safetensors")
+    else:
+      index = {"metadata": {"total_size": total}, "weight_map": {}}
+      for i, (fname, names) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.rename(tmp / fname, tmp / final)
+        for name in names:
+          index["weight_map"][name] = final
+      (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    publish_permissions(tmp)
+    if path.exists():
+      old = path.with_name(f".{path.name}.old-{os.getpid()}")
+      os.rename(path, old)
+      os.rename(tmp, path)
+      shutil.rmtree(old)
+    else:
+      os.rename(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return path
+
+
+def parameter_count(cfg: Config) -> int:
+  from meshlm.models import decoder, spec as S
+  return S.count(decoder.param_specs(cfg))
+
+

@@ -1,0 +1,201 @@
+"""The vocabulary of Hugging Face name maps, and the config.json fields llama-like families share.
+
+A family file (models/<family>.py) declares, next to its block and parameter spec:
+
+- `HF_MODEL_TYPE`: the config.json `model_type` it reads and writes, e.g. "llama".
+- `HF_ARCHITECTURES`: the `architectures` entries it accepts; the first is the one it writes.
+- `from_hf_config(hf: dict) -> dict`: ModelConfig fields from a config.json dict.
+- `to_hf_config(m: ModelConfig) -> dict`: a config.json dict (without `architectures`/`model_type`,
+  which meshlm.hf adds).
+- `hf_layer_map(m: ModelConfig) -> dict[str, Tensor]`: one entry per leaf of `layer_spec(m)`, keyed by
+  its dotted path ("attn.q"), naming the HF tensor with an `{i}` for the layer index.
+- optionally `hf_top_map(m: ModelConfig) -> dict[str, Tensor]`, for the non-layer leaves; the default,
+  `default_top_map`, is llama's (`model.embed_tokens`, `model.norm`, `lm_head`).
+
+Layouts. An HF `nn.Linear` weight is [out, in]. meshlm kernels put the input dims first:
+q [D, N, H], k/v [D, K, H], o [N, H, D], gate/up [D, F], down [F, D], lm_head [D, V]. `Linear(name,
+n_in)` says the first n_in meshlm dims are inputs; converting is a reshape plus a transpose. RoPE
+needs no q/k row permutation: HF checkpoints and meshlm both rotate halves (`rotate_half`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from meshlm.config import ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """An HF tensor stored exactly in meshlm's layout (embeddings, norm scales)."""
+  name: str
+
+  def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(shape)
+
+  def to_meshlm(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return w
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    return w
+
+  def hf_index(self, index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[slice, ...], bool] | None:
+    """The HF slice that holds meshlm's `index` (and whether to transpose it), or None to read it whole."""
+    return index, False
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear(Tensor):
+  """An HF nn.Linear weight [prod(out dims), prod(in dims)] <-> a meshlm kernel [*in dims, *out dims]."""
+  n_in: int = 1
+
+  def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (math.prod(shape[self.n_in:]), math.prod(shape[:self.n_in]))
+
+  def to_meshlm(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    ins, outs = shape[:self.n_in], shape[self.n_in:]
+    w = w.reshape(outs + ins)  # [*out, *in]
+    perm = tuple(range(len(outs), len(shape))) + tuple(range(len(outs)))
+    return np.transpose(w, perm)  # [*in, *out]
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    n_out = w.ndim - self.n_in
+    perm = tuple(range(self.n_in, w.ndim)) + tuple(range(self.n_in))
+    w = np.transpose(w, perm)  # [*out, *in]
+    return np.ascontiguousarray(w.reshape(math.prod(w.shape[:n_out]), -1))
+
+  def hf_index(self, index, shape):
+    # A 2-D kernel [in, out] is a plain transpose: read exactly the slice. Heads folded into rows
+    # ([N*H, D]) are read whole per layer, which is at most one layer's projection.
+    if len(shape) == 2 and self.n_in == 1:
+      return (index[1], index[0]), True
+    return None
+
+
+def require(hf: dict, key: str) -> Any:
+  if key not in hf or hf[key] is None:
+    raise ConfigError(f"config.json: missing field {key!r}")
+  return hf[key]
+
+
+def refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
+  """Fails on a config.json field whose value meshlm cannot represent."""
+  value = hf.get(key, allowed)
+  ok = value in allowed if isinstance(allowed, tuple) else value == allowed
+  if not ok:
+    raise ConfigError(f"config.json: {key}={value!r} is not supported ({why})")
+
+
+def rope_from_hf(hf: dict) -> tuple[float, dict[str, float | str] | None]:
+  """(rope_theta, linear or llama3 scaling) from either transformers 5's `rope_parameters` or the older
+  `rope_theta` + `rope_scaling` fields."""
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if not isinstance(params, dict):
+    raise ConfigError(f"config.json: rope_parameters must be an object, got {params!r}")
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind == "default":
+    return float(theta), None
+  if kind == "linear":
+    return float(theta), {"rope_type": "linear", "factor": float(params["factor"])}
+  if kind != "llama3":
+    raise ConfigError(f"config.json: rope_type={kind!r} is not supported (meshlm reads default, linear and "
+                      "llama3 rope)")
+  try:
+    scaling = {"rope_type": "llama3", "factor": float(params["factor"]),
+               "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
+               "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
+               "original_max_position": float(params.get("original_max_position_embeddings",
+                                                         require(hf, "max_position_embeddings")))}
+  except KeyError as e:
+    raise ConfigError(f"config.json: llama3 rope parameters lack {e.args[0]!r}") from None
+  return float(theta), scaling
+
+
+def rope_to_hf(m: ModelConfig) -> dict:
+  """Writes rope both ways: `rope_parameters` (transformers >= 5) and `rope_theta`/`rope_scaling`."""
+  params: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+  out: dict[str, Any] = {"rope_theta": m.rope_theta}
+  s = m.rope_scaling or {}
+  if s.get("rope_type") == "linear":
+    params.update(rope_type="linear", factor=s["factor"])
+    out["rope_scaling"] = dict(params)
+  elif s:
+    params.update(rope_type="llama3", factor=s["factor"], low_freq_factor=s.get("low_freq_factor", 1.0),
+                  high_freq_factor=s.get("high_freq_factor", 4.0),
+                  original_max_position_embeddings=int(s["original_max_position"]))
+    out["rope_scaling"] = dict(params)
+  out["rope_parameters"] = params
+  return out
+
+
+def llama_like_from_hf(hf: dict) -> dict:
+  """ModelConfig fields every llama-like config.json carries (llama, mistral, qwen3)."""
+  refuse(hf, "hidden_act", ("silu",), "the MLP is SwiGLU")
+  refuse(hf, "attention_bias", False, "projections have no bias")
+  refuse(hf, "mlp_bias", False, "projections have no bias")
+  heads = int(require(hf, "num_attention_heads"))
+  embed = int(require(hf, "hidden_size"))
+  theta, scaling = rope_from_hf(hf)
+  return {
+      "vocab_size": int(require(hf, "vocab_size")),
+      "embed_dim": embed,
+      "num_layers": int(require(hf, "num_hidden_layers")),
+      "num_heads": heads,
+      "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+      "head_dim": int(hf.get("head_dim") or embed // heads),
+      "mlp_dim": int(require(hf, "intermediate_size")),
+      "max_position": int(hf.get("max_position_embeddings", 4096)),
+      "rope_theta": theta,
+      "rope_scaling": scaling,
+      "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+      "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+  }
+
+
+def llama_like_to_hf(m: ModelConfig) -> dict:
+  return {
+      "vocab_size": m.vocab_size,
+      "hidden_size": m.embed_dim,
+      "num_hidden_layers": m.num_layers,
+      "num_attention_heads": m.num_heads,
+      "num_key_value_heads": m.num_kv_heads,
+      "head_dim": m.head_dim,
+      "intermediate_size": m.mlp_dim,
+      "max_position_embeddings": m.max_position,
+      "rms_norm_eps": m.norm_eps,
+      "tie_word_embeddings": m.tie_embeddings,
+      "hidden_act": "silu",
+      "attention_bias": False,
+      "mlp_bias": False,
+      **rope_to_hf(m),
+  }
+
+
+def llama_like_layer_map(m: ModelConfig) -> dict[str, Tensor]:
+  p = "model.layers.{i}."
+  out = {
+      "attn_norm": Tensor(p + "input_layernorm.weight"),
+      "attn.q": Linear(p + "self_attn.q_proj.weight"),
+      "attn.k": Linear(p + "self_attn.k_proj.weight"),
+      "attn.v": Linear(p + "self_attn.v_proj.weight"),
+      "attn.o": Linear(p + "self_attn.o_proj.weight", n_in=2),
+      "mlp_norm": Tensor(p + "post_attention_layernorm.weight"),
+      "mlp.gate": Linear(p + "mlp.gate_proj.weight"),
+      "mlp.up": Linear(p + "mlp.up_proj.weight"),
+      "mlp.down": Linear(p + "mlp.down_proj.weight"),
+  }
+  if m.qk_norm:
+    out["attn.q_norm"] = Tensor(p + "self_attn.q_norm.weight")
+    out["attn.k_norm"] = Tensor(p + "self_attn.k_norm.weight")
+  return out
+
+
+def default_top_map(m: ModelConfig) -> dict[str, Tensor]:
+  out = {"embed": Tensor("model.embed_tokens.weight"), "final_norm": Tensor("model.norm.weight")}
+  if not m.tie_embeddings:
+    out["lm_head"] = Linear("lm_head.weight")
+  return out
