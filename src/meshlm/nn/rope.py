@@ -8,11 +8,14 @@ import jax.numpy as jnp
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
-  """[head_dim // 2] inverse frequencies, with llama3-style scaling when given."""
+  """[head_dim // 2] inverse frequencies, with llama3-style or linear scaling when given."""
   inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   if not scaling:
     return inv
   factor = scaling["factor"]
+  if scaling.get("rope_type", "llama3") == "linear":
+    # Positions divided by factor, i.e. every frequency divided by it (gemma3's global layers).
+    return inv / factor
   low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
   old_len = scaling["original_max_position"]
   wavelen = 2 * math.pi / inv
@@ -38,3 +41,65 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     y = xf * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
     return y.astype(x_BTNH.dtype)
+
+
+# --- YaRN (DeepSeek-V3, Qwen long-context): frequencies and angles straight from the positions. ---
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+  """The cos/sin magnitude YaRN applies: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+  if "attention_factor" in scaling:
+    return float(scaling["attention_factor"])
+  factor = float(scaling["factor"])
+  return _yarn_mscale(factor, float(scaling.get("mscale", 1.0))) / _yarn_mscale(factor, float(scaling.get("mscale_all_dim", 0.0)))
+
+
+def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> jax.Array:
+  """[head_dim // 2] YaRN inverse frequencies: interpolated (divided by factor) below the
+  beta_slow rotation count over the original context, kept above beta_fast, ramped between."""
+  factor = float(scaling["factor"])
+  old_len = float(scaling["original_max_position"])
+  beta_fast, beta_slow = float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0))
+  pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+  def dim_of(rotations: float) -> float:  # the dimension index that turns `rotations` times over old_len
+    return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low = max(math.floor(dim_of(beta_fast)), 0)
+  high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+  high = high + 0.001 if low == high else high  # a zero-width ramp would divide by zero
+  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+  keep = 1.0 - ramp  # 1: extrapolate (high frequency), 0: interpolate (low frequency)
+  return interpolated * (1.0 - keep) + extrapolated * keep
+
+
+def is_yarn(scaling: dict | None) -> bool:
+  return bool(scaling) and scaling.get("rope_type", scaling.get("type")) == "yarn"
+
+
+def freqs_at(positions_BT: jax.Array, head_dim: int, theta: float, scaling: dict | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B, T, head_dim] (rotate-half layout) for these positions, for every rope kind.
+
+  The angles are computed from the positions: no [max_position, head_dim] table is built and then
+  indexed (with YaRN's 163,840 positions that table is 5M elements per layer per step, nearly all
+  of it thrown away). For YaRN, cos and sin carry the attention factor.
+  """
+  if not is_yarn(scaling):
+    return rope_angles(positions_BT, inv_frequencies(head_dim, theta, scaling))
+  cos, sin = rope_angles(positions_BT, yarn_inv_frequencies(head_dim, theta, scaling))
+  a = yarn_attention_factor(scaling)
+  return cos * a, sin * a
+
+
+def rope_table(max_position: int, head_dim: int, theta: float, scaling: dict | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+  """Reference only: the whole [max_position, head_dim] cos/sin table. Index it with positions to
+  get what `freqs_at` computes directly; never call this in a model."""
+  positions = jnp.arange(max_position, dtype=jnp.int32)[None, :]  # [1, P]
+  cos, sin = freqs_at(positions, head_dim, theta, scaling)
+  return cos[0], sin[0]

@@ -1,0 +1,349 @@
+"""The census: structural counts of the real train step, read from its StableHLO and optimized HLO.
+
+`census(cfg)` builds the step with `build_train_step` (what `meshlm train` runs), lowers it from
+abstract inputs and compiles it; nothing executes. The result is a nested dict whose dotted paths
+are the field names of DESIGN.md ("stablehlo.transpose_of_dot.blocked" is
+`result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from meshlm.analysis import hlo as H
+from meshlm.analysis import stablehlo as SH
+from meshlm.analysis.scopes import attribute, join
+
+SHARDING_OPS = {"sdy.sharding_constraint", "sdy.reshard", "mhlo.sharding"}
+SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
+# Ops that may sit between a dot and its transpose and still leave the pair "blocked" rather than
+# unrelated: the barrier itself, a copy, a reshape (JAX also wraps the dot in a no-op convert
+# when the dtypes already match, which does not exist in StableHLO text, so it is not listed).
+PASS_THROUGH = {"sdy.sharding_constraint", "sdy.reshard", "stablehlo.copy", "stablehlo.reshape",
+                "stablehlo.custom_call"}
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+BLOWUP_RATIO = 8
+# A rebuilt constant table smaller than this costs less than the noise of any step we can time.
+BLOWUP_MIN_ELEMENTS = 1 << 20
+# Not work: bookkeeping instructions the signature diff and op counts may skip.
+HLO_BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
+
+
+@dataclasses.dataclass
+class Lowered:
+  """What the census reads: the texts and the compiled executable's analyses."""
+  stablehlo: str
+  hlo: str
+  memory: dict[str, int]
+  cost: dict[str, float]
+  num_layers: int
+  param_scan_axis: int
+
+
+def lower_and_compile(cfg, mesh=None) -> Lowered:
+  """Builds the train step exactly as `meshlm train` does, lowers and compiles it. Runs nothing."""
+  from meshlm.train.step import build_train_step
+  lowered = build_train_step(cfg, mesh).lower()
+  compiled = lowered.compile()
+  return Lowered(lowered.as_text(debug_info=True), compiled.as_text(), _memory(compiled), _cost(compiled),
+                 cfg.model.num_layers, cfg.param_scan_axis)
+
+
+def _memory(compiled) -> dict[str, int]:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+          "generated_code_size_in_bytes")
+  out = {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
+  # What the step holds at its peak: arguments + outputs that are not aliased to them + temporaries.
+  out["total_bytes"] = (out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0)
+                        - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0))
+  return out
+
+
+def _cost(compiled) -> dict[str, float]:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  keep = ("flops", "transcendentals", "bytes accessed", "optimal_seconds")
+  return {k.replace(" ", "_"): float(cost[k]) for k in keep if cost and k in cost}
+
+
+# ---------------------------------------------------------------------------------------- StableHLO
+
+def _func_prefixes(mod: SH.Module) -> dict[str, str]:
+  """Each function's name-stack prefix from its call site (so scan bodies know fwd from bwd)."""
+  callers: dict[str, str] = {}
+  for op in mod.ops:
+    if op.name == "func.call" and op.target:
+      callers.setdefault(op.target, (op.func, op.scope))
+  prefixes: dict[str, str] = {}
+
+  def prefix(func: str, depth: int = 0) -> str:
+    if func in prefixes:
+      return prefixes[func]
+    if func not in callers or depth > 32:
+      return ""
+    parent, scope = callers[func]
+    p = join(prefix(parent, depth + 1), scope)
+    prefixes[func] = p
+    return p
+
+  for f in mod.funcs:
+    prefix(f)
+  return prefixes
+
+
+def _is_barrier(op: SH.Op) -> bool:
+  return op.name in SHARDING_OPS or (op.name == "stablehlo.custom_call" and op.target in SHARDING_TARGETS)
+
+
+def _kernel_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
+  """Shapes of the step's rank>=2 arguments, and of one layer of each stacked one (dims 0 or 1 dropped)."""
+  main = mod.func_args.get("main", [])
+  shapes: set[tuple[int, ...]] = set()
+  for _, shape, _ in main:
+    if len(shape) >= 2:
+      shapes.add(shape)
+      if len(shape) >= 3:
+        shapes.add(shape[1:])
+        shapes.add(shape[:1] + shape[2:])
+  return shapes
+
+
+def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
+  """StableHLO fields, the transpose-of-dot pair list and the parsed module."""
+  mod = SH.parse(text)
+  prefixes = _func_prefixes(mod)
+  where = lambda op: attribute(join(prefixes.get(op.func, ""), op.scope))
+  barriers = collections.Counter()
+  for op in mod.ops:
+    if _is_barrier(op):
+      barriers[op.name if op.name != "stablehlo.custom_call" else f"custom_call @{op.target}"] += 1
+  kernels = _kernel_shapes(mod)
+  pairs = []
+  for op in mod.ops:
+    if op.name != "stablehlo.transpose" or not op.operands:
+      continue
+    src = mod.def_of(op.func, op.operands[0])
+    between = []
+    while src is not None and src.name in PASS_THROUGH and src.name != "stablehlo.dot_general":
+      if src.name == "stablehlo.custom_call" and src.target not in SHARDING_TARGETS:
+        break
+      between.append(src.name if src.name != "stablehlo.custom_call" else f"custom_call @{src.target}")
+      src = mod.def_of(src.func, src.operands[0]) if src.operands else None
+    if src is None or src.name != "stablehlo.dot_general":
+      continue
+    shape = op.result_types[0][0] if op.result_types else ()
+    pairs.append({"kind": "blocked" if between else "adjacent", "between": between, "scope": where(op),
+                  "shape": list(shape), "weight_grad": tuple(shape) in kernels, "line": op.line})
+  kinds = collections.Counter(op.name for op in mod.ops)
+  counts = {
+      "sharding_barriers": sum(barriers.values()),
+      "sharding_barrier_kinds": dict(sorted(barriers.items())),
+      "transpose_of_dot": {
+          "adjacent": sum(p["kind"] == "adjacent" for p in pairs),
+          "blocked": sum(p["kind"] == "blocked" for p in pairs),
+          # The subset whose transpose produces a parameter-shaped value: a weight gradient.
+          "weight_grad": {"adjacent": sum(p["kind"] == "adjacent" and p["weight_grad"] for p in pairs),
+                          "blocked": sum(p["kind"] == "blocked" and p["weight_grad"] for p in pairs)},
+      },
+      "transposes": kinds["stablehlo.transpose"],
+      "dots": kinds["stablehlo.dot_general"],
+      "op_counts": dict(sorted(kinds.items())),
+  }
+  return counts, pairs, mod
+
+
+def blowups(mod: SH.Module, ratio: int = BLOWUP_RATIO, min_elements: int = BLOWUP_MIN_ELEMENTS) -> list[dict]:
+  """Ops whose output has >= ratio x the elements of their largest input, built from constants only.
+
+  Broadcasts are looked through (they never materialize on their own; the op that consumes them
+  does), so `iota[N] * inv_freq[F]` counts as an [N, F] output from an [N] input. Only values that
+  depend on no argument are flagged: per-token expansions (one-hot targets, rotary angles from the
+  positions, segment masks) scale with the batch and are the work itself, while a large table built
+  from iota and constants every step is the YaRN pathology: work that could start from positions.
+  """
+  prefixes = _func_prefixes(mod)
+  const: dict[tuple[str, str], bool] = {}
+  eff: dict[tuple[str, str], int] = {}  # effective (pre-broadcast) element count of a value
+  found = []
+  for op in mod.ops:
+    ins = [(op.func, v) for v in op.operands]
+    is_const = all(const.get(k, False) for k in ins)  # args/iter-args are unknown -> not constant
+    if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+      is_const = False
+    in_sizes = [eff.get(k, 0) for k in ins]
+    out = op.out_elements
+    if op.name in ("stablehlo.broadcast_in_dim", "stablehlo.broadcast"):
+      size = max(in_sizes, default=1)
+    elif op.name in ("stablehlo.constant", "stablehlo.iota"):
+      size = out if op.name == "stablehlo.iota" else 1  # splat constants carry one value
+      is_const = True
+    else:
+      size = out
+      largest = max(in_sizes, default=0)
+      if (is_const and ins and out >= min_elements and out >= ratio * max(largest, 1)
+          and op.name not in ("func.call", "stablehlo.reshape", "sdy.sharding_constraint")):
+        dims = op.result_types[0][0] if op.result_types else ()
+        found.append({"op": op.name, "shape": list(dims), "elements": out, "largest_input": largest,
+                      "ratio": round(out / max(largest, 1), 1),
+                      "scope": attribute(join(prefixes.get(op.func, ""), op.scope)), "line": op.line})
+    for r in op.results:
+      key = (op.func, r.split("#")[0])
+      const[key] = is_const
+      eff[key] = size
+  return found
+
+
+# ------------------------------------------------------------------------------------- optimized HLO
+
+def hlo_counts(text: str, num_layers: int | None = None, param_scan_axis: int = 0) -> tuple[dict[str, Any], H.HloModule]:
+  mod = H.parse(text)
+  ops = collections.Counter(i.opcode for i in mod.instrs())
+  collectives: dict[str, dict[str, Any]] = {}
+  for kind in COLLECTIVES:
+    calls: dict[tuple, dict] = {}
+    for ins in mod.instrs():
+      # An async pair is one collective: count the start, skip the done.
+      if ins.opcode not in (kind, f"{kind}-start"):
+        continue
+      out = ins.out
+      if out is None:
+        continue
+      times = mod.multipliers.get(ins.comp, 1)
+      key = (str(out), attribute(ins.op_name))
+      c = calls.setdefault(key, {"shape": str(out), "bytes_per_call": out.bytes, "count": 0, "scope": key[1]})
+      c["count"] += times
+    per_call = sorted(calls.values(), key=lambda c: (-c["bytes_per_call"] * c["count"], c["shape"]))
+    collectives[kind] = {"count": sum(c["count"] for c in per_call),
+                         "bytes": sum(c["count"] * c["bytes_per_call"] for c in per_call), "calls": per_call}
+  counts = {
+      "op_counts": dict(sorted(ops.items())),
+      "copies": ops["copy"] + ops["copy-start"],
+      "transposes": ops["transpose"],
+      "fusions": ops["fusion"],
+      "collectives": collectives,
+      "while_loops": [{"trip_count": i.trip_count, "scope": attribute(i.op_name)} for i in mod.instrs()
+                      if i.opcode == "while"],
+  }
+  return counts, mod
+
+
+def scan_layout_flags(mod: H.HloModule) -> list[dict]:
+  """Stacked arrays carried by a scanned `while` whose layout does not keep the layer axis major.
+
+  A scanned stack is a loop-carried array whose leading dimension is the trip count. Its layout
+  (minor-to-major) should end with dimension 0; otherwise every per-layer dynamic-update-slice
+  writes a strided, degenerate slice (the param_scan_axis pathology).
+  """
+  flags = []
+  for ins in mod.instrs():
+    if ins.opcode != "while" or not ins.trip_count or ins.trip_count < 2:
+      continue
+    for k, arr in enumerate(ins.result):
+      if len(arr.shape) < 2 or arr.shape[0] != ins.trip_count or arr.layout is None or not arr.layout:
+        continue
+      if arr.layout[-1] != 0:
+        flags.append({"while": ins.name, "index": k, "array": str(arr), "scope": attribute(ins.op_name)})
+  return flags
+
+
+# ---------------------------------------------------------------------------------------- the census
+
+def census_of(low: Lowered) -> dict[str, Any]:
+  """The census dict from lowered/compiled texts (see docs/analysis.md for every field)."""
+  shlo, pairs, smod = stablehlo_counts(low.stablehlo)
+  hlo, hmod = hlo_counts(low.hlo, low.num_layers, low.param_scan_axis)
+  shlo["transpose_of_dot"]["pairs"] = [{k: p[k] for k in ("kind", "weight_grad", "between", "scope", "shape")}
+                                       for p in pairs]
+  return {
+      "stablehlo": shlo,
+      "hlo": hlo,
+      "blowups": blowups(smod),
+      "scan_layout": scan_layout_flags(hmod),
+      "memory": low.memory,
+      "cost": low.cost,
+  }
+
+
+def census(cfg, mesh=None) -> dict[str, Any]:
+  """Lowers and compiles cfg's train step and returns its census, with the config it describes."""
+  out = census_of(lower_and_compile(cfg, mesh))
+  out["config"] = config_summary(cfg)
+  return out
+
+
+def config_summary(cfg) -> dict[str, Any]:
+  return {"model": cfg.model_name, "shard_mode": cfg.shard_mode,
+          "lm_head_weight_grad_in_kernel_order": cfg.lm_head_weight_grad_in_kernel_order,
+          "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
+          "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,
+          "compute_dtype": cfg.train.compute_dtype, "per_device_batch_size": cfg.train.per_device_batch_size,
+          "seq_len": cfg.train.seq_len}
+
+
+# Scalar fields shown in tables and compared side by side, in order.
+SUMMARY_FIELDS = (
+    "stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "stablehlo.transpose_of_dot.blocked",
+    "stablehlo.transpose_of_dot.weight_grad.adjacent", "stablehlo.transpose_of_dot.weight_grad.blocked",
+    "stablehlo.transposes", "stablehlo.dots", "hlo.transposes", "hlo.copies", "hlo.fusions",
+    *[f"hlo.collectives.{k}.{f}" for k in COLLECTIVES for f in ("count", "bytes")],
+    "blowups", "scan_layout", "memory.temp_size_in_bytes", "memory.total_bytes", "cost.flops", "cost.bytes_accessed",
+)
+
+
+def field(result: dict, dotted: str) -> Any:
+  """result["a"]["b"] for "a.b"; lists count as their length (blowups, scan_layout)."""
+  node: Any = result
+  for part in dotted.split("."):
+    if not isinstance(node, dict) or part not in node:
+      return None
+    node = node[part]
+  return len(node) if isinstance(node, list) else node
+
+
+def summary(result: dict) -> dict[str, Any]:
+  return {f: field(result, f) for f in SUMMARY_FIELDS}
+
+
+def fmt_value(v: Any) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, float):
+    return f"{v:.4g}"
+  if isinstance(v, int) and abs(v) >= 10_000:
+    return f"{v:,}"
+  return str(v)
+
+
+def render(result: dict) -> str:
+  """The human table for `meshlm census`."""
+  lines = []
+  c = result.get("config", {})
+  if c:
+    lines.append(f"census {c['model']}  shard_mode={c['shard_mode']}  lm_head_kernel_order="
+                 f"{c['lm_head_weight_grad_in_kernel_order']}  dense_kernel_order={c['dense_weight_grad_in_kernel_order']}"
+                 f"  weight_grad_impl={c['weight_grad_impl']}")
+  width = max(len(f) for f in SUMMARY_FIELDS)
+  for f, v in summary(result).items():
+    lines.append(f"  {f:<{width}}  {fmt_value(v)}")
+  pairs = result["stablehlo"]["transpose_of_dot"].get("pairs", [])
+  if pairs:
+    lines.append("transpose-of-dot pairs:")
+    for p in pairs:
+      via = f" via {' -> '.join(p['between'])}" if p["between"] else ""
+      wg = "dW " if p["weight_grad"] else "   "
+      lines.append(f"  {p['kind']:<8} {wg}{p['scope']:<36} {p['shape']}{via}")
+  for key, title in (("blowups", "blow-ups"), ("scan_layout", "scanned stacks not layer-major")):
+    items = result.get(key) or []
+    if items:
+      lines.append(f"{title}:")
+      for b in items:
+        lines.append("  " + "  ".join(f"{k}={v}" for k, v in b.items() if k != "line"))
+  for kind, col in result["hlo"]["collectives"].items():
+    for call in col["calls"]:
+      lines.append(f"  {kind:<18} x{call['count']:<4} {call['shape']:<28} {call['bytes_per_call']:>10,} B/call  {call['scope']}")
+  return "\n".join(lines)

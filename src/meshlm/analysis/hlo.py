@@ -1,0 +1,160 @@
+"""A reader for optimized HLO text (`Compiled.as_text()`): computations, instructions, call graph.
+
+Each instruction keeps its opcode, result shape and layout, operands, the computations it calls
+and its metadata op_name (the named-scope path that survives compilation). `multipliers` says how
+many times each computation runs per step: a `while` body counts its known trip count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.-]+)\s*(\(.*\))?\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128|token)"
+                    r"\[([\d,]*)\](\{[^}]*\})?")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"\b(calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|%?[\w.-]+)")
+
+DTYPE_BYTES = {"pred": 1, "s4": 1, "s8": 1, "s16": 2, "s32": 4, "s64": 8, "u4": 1, "u8": 1, "u16": 2, "u32": 4,
+               "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+               "token": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+  dtype: str
+  shape: tuple[int, ...]
+  layout: tuple[int, ...] | None  # minor-to-major, None when not printed
+
+  @property
+  def elements(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def bytes(self) -> int:
+    return self.elements * DTYPE_BYTES.get(self.dtype, 4)
+
+  def __str__(self) -> str:
+    lay = "" if self.layout is None else "{" + ",".join(map(str, self.layout)) + "}"
+    return f"{self.dtype}[{','.join(map(str, self.shape))}]{lay}"
+
+
+@dataclasses.dataclass
+class Instr:
+  comp: str
+  name: str
+  opcode: str
+  result: list[Array]  # one per array in the result (tuples flattened)
+  operands: list[str]
+  called: dict[str, list[str]]
+  op_name: str
+  trip_count: int | None
+  text: str
+
+  @property
+  def out(self) -> Array | None:
+    return max(self.result, key=lambda a: a.elements) if self.result else None
+
+
+@dataclasses.dataclass
+class HloModule:
+  comps: dict[str, list[Instr]]
+  entry: str
+  by_name: dict[str, Instr]
+  multipliers: dict[str, int]
+
+  def instrs(self):
+    for comp, items in self.comps.items():
+      for ins in items:
+        yield ins
+
+
+def _arrays(text: str) -> list[Array]:
+  out = []
+  for dtype, dims, layout in _ARRAY.findall(text):
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    lay = None
+    if layout:
+      inner = layout[1:-1].split(":")[0]
+      lay = tuple(int(d) for d in inner.split(",") if d.strip().isdigit())
+    out.append(Array(dtype, shape, lay))
+  return out
+
+
+def _split_type_and_rest(rhs: str) -> tuple[str, str]:
+  """'f32[2]{0} add(...)' or '(f32[2], s32[]) while(...)' -> (type text, 'opcode(...)...')."""
+  if rhs.startswith("("):
+    depth = 0
+    for i, ch in enumerate(rhs):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        return rhs[: i + 1], rhs[i + 1:].strip()
+  head, _, rest = rhs.partition(" ")
+  return head, rest.strip()
+
+
+def parse(text: str) -> HloModule:
+  comps: dict[str, list[Instr]] = {}
+  by_name: dict[str, Instr] = {}
+  entry = ""
+  comp = ""
+  for line in text.splitlines():
+    if not line.strip() or line.startswith("HloModule"):
+      continue
+    m = _COMP.match(line)
+    if m and not _INSTR.match(line):
+      comp = m.group(2)
+      comps[comp] = []
+      if m.group(1):
+        entry = comp
+      continue
+    m = _INSTR.match(line)
+    if not m or not comp:
+      continue
+    name, rhs = m.group(2), m.group(3)
+    type_text, rest = _split_type_and_rest(rhs)
+    opcode = rest.split("(", 1)[0].strip()
+    args = rest[len(opcode):]
+    # Operands sit in the first parenthesised group after the opcode.
+    depth, end = 0, 0
+    for i, ch in enumerate(args):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0 and i > 0:
+        end = i
+        break
+    operands = re.findall(r"%([\w.-]+)", args[: end + 1])
+    called: dict[str, list[str]] = {}
+    for key, val in _CALLED.findall(args):
+      called[key] = re.findall(r"%?([\w.-]+)", val.strip("{}"))
+    meta = _OPNAME.search(args)
+    trip = _TRIP.search(args)
+    ins = Instr(comp, name, opcode, _arrays(type_text), operands, called, meta.group(1) if meta else "",
+                int(trip.group(1)) if trip else None, line.strip())
+    comps[comp].append(ins)
+    by_name[name] = ins
+  return HloModule(comps, entry, by_name, _multipliers(comps, entry))
+
+
+def _multipliers(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
+  """Times each computation runs per execution of the entry: while bodies count their trip count."""
+  mult: dict[str, int] = {entry: 1}
+  order = [entry]
+  seen = {entry}
+  while order:
+    comp = order.pop(0)
+    for ins in comps.get(comp, []):
+      for key, callees in ins.called.items():
+        factor = ins.trip_count if (ins.opcode == "while" and key in ("body", "condition") and ins.trip_count) else 1
+        for c in callees:
+          if c not in comps:
+            continue
+          mult[c] = max(mult.get(c, 0), mult[comp] * factor)
+          if c not in seen:
+            seen.add(c)
+            order.append(c)
+  return mult
