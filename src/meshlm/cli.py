@@ -9,6 +9,10 @@ USAGE = """usage: meshlm <command> [key=value ...]
 commands:
   train     train a model: meshlm train model=llama2-tiny train.steps=100
   presets   list the model presets
+  convert   Hugging Face <-> meshlm: meshlm convert hf-to-meshlm SRC DST | meshlm-to-hf SRC DST
+  census    HLO census of the train step: meshlm census [key=value ...] [--json]
+  compare   A/B census: meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm ... [--json]
+  bench     interleaved timing: meshlm bench [key=value ...] --arm ... --reps N [--json] [--plot PATH]
 
 Keys are dotted paths into the config (see README.md); model=NAME picks a preset."""
 
@@ -27,15 +31,25 @@ def cmd_train(args: list[str], start: float) -> int:
   from meshlm.parallel import set_cpu_devices
   cfg = load_config(*args)
   set_cpu_devices(cfg.cpu_devices)
+  from meshlm.parallel.distributed import init_distributed
+  init_distributed(cfg)  # joins the other processes before anything touches devices
   from meshlm.parallel.mesh import make_mesh
   make_mesh(cfg)  # validates the mesh against the devices before anything compiles
   from rich.console import Console
-  from meshlm.train.loop import train
+  from meshlm.train.loop import prepare_run_dir, train
+  prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
   console = Console(stderr=True)
   console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                 f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                 f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  run_dir={cfg.run_dir}")
   result = train(cfg, console=console, start_time=start)
+  if result.stop_reason != "done":
+    console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
+                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; run the same command to continue")
+    return 0
+  if not result.losses:
+    console.print(f"nothing to do: {cfg.run_dir} is already at step {result.start_step} of {cfg.train.steps}")
+    return 0
   first, last = result.losses[0], result.losses[-1]
   console.print(f"loss {first:.4f} -> {last:.4f} ({last / first:.0%} of the first step) in {len(result.losses)} steps; "
                 f"first step finished {result.first_step_s:.1f} s after start")
@@ -51,7 +65,28 @@ def cmd_presets(args: list[str], start: float) -> int:
   return 0
 
 
-COMMANDS = {"train": cmd_train, "presets": cmd_presets}
+def cmd_convert(args: list[str], start: float) -> int:
+  from meshlm.hf.convert import main as convert_main
+  return convert_main(args)
+
+
+def cmd_census(args: list[str], start: float) -> int:
+  from meshlm.analysis.commands import cmd_census as run
+  return run(args, start)
+
+
+def cmd_compare(args: list[str], start: float) -> int:
+  from meshlm.analysis.commands import cmd_compare as run
+  return run(args, start)
+
+
+def cmd_bench(args: list[str], start: float) -> int:
+  from meshlm.bench.command import cmd_bench as run
+  return run(args, start)
+
+
+COMMANDS = {"train": cmd_train, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
+            "compare": cmd_compare, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
   fixed = math.prod(s for s in sizes.values() if s != -1)
   if -1 in sizes.values():
     if num_devices % fixed:
-      raise ConfigError(f"mesh: the fixed axes ({_fmt(sizes)}) multiply to {fixed}, which does not divide "
+      raise ConfigError(f"mesh: the fixed axes ({_fmt(sizes, skip=-1)}) multiply to {fixed}, which does not divide "
                         f"the {num_devices} devices")
     sizes = {k: (num_devices // fixed if s == -1 else s) for k, s in sizes.items()}
   elif fixed != num_devices:
@@ -40,14 +40,16 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
   return sizes
 
 
-def _fmt(sizes: dict[str, int]) -> str:
-  return ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "all 1"
+def _fmt(sizes: dict[str, int], skip: int = 1) -> str:
+  # Named as the user types them (mesh.fsdp=3), so the message points at the keys to change.
+  return ",".join(f"mesh.{k}={v}" for k, v in sizes.items() if v not in (1, skip)) or "all 1"
 
 
 def num_devices_for(cfg: Config) -> int:
   import jax
   available = len(jax.devices())
-  n = cfg.cpu_devices or available
+  # cpu_devices counts this process's devices; with several processes the mesh spans all of theirs.
+  n = cfg.cpu_devices * jax.process_count() if cfg.cpu_devices else available
   if n > available:
     raise ConfigError(f"cpu_devices={n}: only {available} devices exist in this process")
   return n

@@ -1,8 +1,21 @@
-"""The training loop: data -> step -> metrics, with a progress bar and a sample at the end."""
+"""The training loop: data -> step -> metrics -> checkpoint, with resume, preemption and a
+non-finite guard, a progress bar and a sample at the end.
+
+Stopping, and what each leaves behind (the same command then continues where it stopped):
+  - SIGTERM/SIGINT: the current step finishes, a checkpoint is saved, train() returns with
+    stop_reason="preempted". A second signal exits at once (exit code 128 + signal number).
+  - train.stop_after=N: the same after N steps of this invocation ("stop_after").
+  - non-finite loss or grad norm: the update is skipped (see train_step). With
+    train.on_nonfinite=stop, or after train.max_nonfinite_in_a_row in a row, the last good state
+    is saved and NonFiniteStop is raised, naming the step.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import signal
+import sys
 import time
 
 import jax
@@ -12,73 +25,234 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshlm.config import Config, ConfigError, to_yaml
 from meshlm.train.metrics import MetricsWriter
-from meshlm.train.step import build_train_step
+from meshlm.train.step import TrainState, build_train_step
+
+# Test-only fault injection: comma-separated step indices whose batch gets a NaN loss mask, which
+# makes that step's loss and gradients NaN without touching the compiled step.
+NAN_STEPS_ENV = "MESHLM_TEST_NAN_AT_STEPS"
+
+
+class NonFiniteStop(ConfigError):
+  """The run met non-finite losses/gradients and stopped; the message names the step and what to change."""
 
 
 @dataclasses.dataclass
 class TrainResult:
-  losses: list[float]
+  losses: list[float]  # one per step run in this invocation
   grad_norms: list[float]
   state: object
   sample: str | None
   first_step_s: float  # from train() entry to the first finished step
+  start_step: int = 0  # the step this invocation started from (> 0 after a resume)
+  stop_reason: str = "done"  # done | preempted | stop_after
+  checkpoint: str | None = None  # the last checkpoint saved by this invocation
 
 
 def prepare_run_dir(cfg: Config) -> None:
   try:
     os.makedirs(cfg.run_dir, exist_ok=True)
-    probe = os.path.join(cfg.run_dir, ".write-test")
+    probe = os.path.join(cfg.run_dir, f".write-test-{jax.process_index()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
   except OSError as e:
     raise ConfigError(f"run_dir={cfg.run_dir}: not writable ({e.strerror})") from None
-  with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-    f.write(to_yaml(cfg))
+  if jax.process_index() == 0:
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+      f.write(to_yaml(cfg))
+
+
+def _trim_metrics(run_dir: str, start_step: int) -> None:
+  """Drops metrics.jsonl records of steps >= start_step: steps run after the checkpoint we resume
+  from are run again, and each step should appear once."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if jax.process_index() != 0 or not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = [ln for ln in f if ln.strip()]
+  keep = [ln for ln in lines if json.loads(ln).get("step", -1) < start_step]
+  if len(keep) != len(lines):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(keep)
+    os.replace(tmp, path)
+
+
+class _NullWriter:
+  """Metrics on processes other than 0: they hold the same numbers, and one file is the record."""
+
+  def write(self, record: dict) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+class _StopSignals:
+  """SIGTERM/SIGINT: the first asks the loop to stop after the current step; the second exits now."""
+
+  def __init__(self):
+    self.received: int | None = None
+    self._previous = {}
+    if sys.platform != "win32" and _is_main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if self.received is not None:
+      sys.stderr.write(f"\nmeshlm: second {name}: exiting now, without a checkpoint\n")
+      sys.stderr.flush()
+      os._exit(128 + signum)
+    self.received = signum
+    sys.stderr.write(f"\nmeshlm: {name}: finishing this step, then saving a checkpoint "
+                     f"(send it again to exit at once)\n")
+    sys.stderr.flush()
+
+  def requested(self) -> bool:
+    """Whether any process was signalled. Processes must agree, or they would stop at different steps
+    and the next collective would hang; so with several processes this is a (tiny) all-gather."""
+    flag = self.received is not None
+    if jax.process_count() == 1:
+      return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def _is_main_thread() -> bool:
+  import threading
+  return threading.current_thread() is threading.main_thread()
+
+
+def _nan_steps() -> frozenset[int]:
+  text = os.environ.get(NAN_STEPS_ENV, "")
+  return frozenset(int(s) for s in text.split(",") if s.strip())
+
+
+def _scalar_on(sharding, value: int) -> jax.Array:
+  # From a callback, so it also works when the sharding spans devices of other processes.
+  return jax.make_array_from_callback((), sharding, lambda _: np.asarray(value, np.int32))
 
 
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
-          start_time: float | None = None) -> TrainResult:
-  from meshlm.train.data import ByteTokenizer, make_dataset
+          start_time: float | None = None, data=None) -> TrainResult:
+  """Trains cfg to cfg.train.steps, resuming from the run_dir's latest checkpoint if there is one.
+
+  data: an iterator of host batches to use instead of make_dataset(cfg) (tests); to be checkpointed
+  it needs get_state()/set_state().
+  """
+  from meshlm.train.checkpoint import Checkpointer
+  from meshlm.train.data import make_dataset
   t_start = time.perf_counter() if start_time is None else start_time
   console = console or Console(stderr=True)
+  say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
   prepare_run_dir(cfg)
   step_fn = build_train_step(cfg)
-  data = make_dataset(cfg, global_batch=step_fn.global_batch, seq_len=cfg.train.seq_len,
-                      process_index=jax.process_index(), process_count=jax.process_count())
-  state = step_fn.init_state(jax.random.key(cfg.train.seed))
-  writer = MetricsWriter(cfg.run_dir)
-  tokens_per_step = step_fn.global_batch * cfg.train.seq_len
+  if data is None:
+    data = make_dataset(cfg, global_batch=step_fn.global_batch, seq_len=cfg.train.seq_len,
+                        process_index=jax.process_index(), process_count=jax.process_count())
+  ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
+  try:
+    return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start)
+  finally:
+    ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
+
+
+def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float) -> TrainResult:
+  from meshlm.train.checkpoint import load_params
+  from meshlm.train.data import ByteTokenizer
+  t = cfg.train
+  rng = jax.random.key(t.seed)
+  counters = {"nonfinite_in_a_row": 0, "nonfinite_total": 0}
+  restored = ckpt.restore_latest(step_fn.abstract_state())
+  if restored is not None:
+    start = restored["step"]
+    state = TrainState(_scalar_on(step_fn.state_shardings().step, start), restored["params"], restored["opt_state"])
+    data.set_state(restored["data_state"])
+    rng = restored["rng"]
+    counters = {k: int(restored["meta"].get(k, 0)) for k in counters}
+    say(f"resuming from checkpoint {ckpt.dir}/{start} (step {start} of {t.steps})")
+  else:
+    start = 0
+    state = step_fn.init_state(rng)
+    if cfg.checkpoint.load_params_from:
+      abstract = step_fn.abstract_state()
+      params = load_params(cfg, cfg.checkpoint.load_params_from, abstract.params,
+                           step_fn.state_shardings().params, step_fn.mesh)
+      state = state._replace(params=params)
+      say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
+  _trim_metrics(cfg.run_dir, start)
+  writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else _NullWriter()
+  signals = _StopSignals()
+  nan_steps = _nan_steps()
+  tokens_per_step = step_fn.global_batch * t.seq_len
   losses, norms = [], []
   first_step_s = float("nan")
+  stop_reason, saved, nonfinite_msg = "done", None, None
   progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"),
-                      TimeRemainingColumn(), console=console, disable=not show_progress, transient=False)
-  with progress:
-    task = progress.add_task("train", total=cfg.train.steps, loss=float("nan"), tps=0.0, dt=0.0)
-    for i in range(cfg.train.steps):
-      t0 = time.perf_counter()
-      batch = step_fn.put_batch(next(data))
-      state, metrics = step_fn(state, batch)
-      loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])  # waits for the step
-      dt = time.perf_counter() - t0
-      if i == 0:
-        first_step_s = time.perf_counter() - t_start
-      losses.append(loss)
-      norms.append(gnorm)
-      if i % cfg.train.log_every == 0 or i == cfg.train.steps - 1:
-        record = {"step": i, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
-                  "tokens_per_s": tokens_per_step / dt}
-        if i == 0:
-          record["time_to_first_step_s"] = first_step_s
-        writer.write(record)
-      progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
-  writer.close()
+                      TimeRemainingColumn(), console=console,
+                      disable=not show_progress or jax.process_index() != 0, transient=False)
+  try:
+    with progress:
+      task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0)
+      for i in range(start, t.steps):
+        t0 = time.perf_counter()
+        host_batch = next(data)
+        if i in nan_steps:
+          host_batch = dict(host_batch, loss_mask=np.full_like(host_batch["loss_mask"], np.nan))
+        state, metrics = step_fn(state, step_fn.put_batch(host_batch))
+        loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])  # waits for the step
+        nonfinite = bool(metrics["nonfinite"])
+        dt = time.perf_counter() - t0
+        if i == start:
+          first_step_s = time.perf_counter() - t_start
+        losses.append(loss)
+        norms.append(gnorm)
+        counters["nonfinite_in_a_row"] = counters["nonfinite_in_a_row"] + 1 if nonfinite else 0
+        counters["nonfinite_total"] += int(nonfinite)
+        if i % t.log_every == 0 or i == t.steps - 1 or nonfinite:
+          record = {"step": i, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
+                    "tokens_per_s": tokens_per_step / dt, "nonfinite": nonfinite, **counters}
+          if i == start:
+            record["time_to_first_step_s"] = first_step_s
+          writer.write(record)
+        if nonfinite:
+          say(f"[yellow]warning:[/] step {i}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
+              f"({counters['nonfinite_in_a_row']} in a row)")
+        progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
+
+        done = i + 1
+        if nonfinite and (t.on_nonfinite == "stop" or counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
+          why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
+                 f"{counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
+          nonfinite_msg = (f"stopped at step {i}: non-finite loss or gradient norm, {why}; the last good state is "
+                           f"saved as checkpoint {ckpt.dir}/{done}. Lower train.learning_rate or check the data")
+          stop_reason = "nonfinite"
+        elif signals.requested():
+          stop_reason = "preempted"
+        elif t.stop_after is not None and done - start >= t.stop_after and done < t.steps:
+          stop_reason = "stop_after"
+        if stop_reason != "done" or ckpt.should_save(done, t.steps):
+          ckpt.save(done, state, rng, data.get_state(), counters)
+          saved = f"{ckpt.dir}/{done}"
+        if stop_reason != "done":
+          break
+  finally:
+    signals.restore()
+    writer.close()
+  if nonfinite_msg:
+    ckpt.wait()
+    raise NonFiniteStop(nonfinite_msg)
   sample = None
-  if cfg.train.sample_tokens and jax.process_count() == 1:
+  if stop_reason == "done" and t.sample_tokens and jax.process_count() == 1:
     from meshlm.models.generate import greedy
     tok = ByteTokenizer()
     prompt = tok.encode(b"def ")
-    out = greedy(cfg, state.params, prompt, cfg.train.sample_tokens, mesh=step_fn.mesh)
+    out = greedy(cfg, state.params, prompt, t.sample_tokens, mesh=step_fn.mesh)
     sample = "def " + tok.decode(out)
-  return TrainResult(losses, norms, state, sample, first_step_s)
+  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from meshlm.config import Config
+from meshlm.config import Config, ConfigError
 from meshlm.models import decoder
 from meshlm.models import spec as S
 from meshlm.parallel.mesh import make_mesh
@@ -164,4 +164,10 @@ def global_batch_size(cfg: Config, num_devices: int) -> int:
 
 def build_train_step(cfg: Config, mesh=None) -> TrainStep:
   mesh = make_mesh(cfg) if mesh is None else mesh
-  return TrainStep(cfg, mesh, make_optimizer(cfg.train), global_batch_size(cfg, mesh.size))
+  global_batch = global_batch_size(cfg, mesh.size)
+  m = cfg.train.micro_batches
+  if global_batch % m:
+    # Checked here, not in the schema: the global batch depends on the device count.
+    raise ConfigError(f"train.micro_batches={m} must divide the global batch of {global_batch} rows "
+                      f"(train.per_device_batch_size={cfg.train.per_device_batch_size} x {mesh.size} devices)")
+  return TrainStep(cfg, mesh, make_optimizer(cfg.train), global_batch)

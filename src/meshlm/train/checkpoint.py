@@ -1,0 +1,197 @@
+"""Checkpoints through Orbax: save every `checkpoint.every` steps (async), keep the last
+`checkpoint.keep`, resume from the latest complete one, skip corrupted ones.
+
+Layout of one checkpoint, `<checkpoint.dir>/<step>/`:
+  params/     the parameter pytree (Orbax StandardSave: sharded arrays, restored onto any mesh)
+  opt_state/  the optimizer state pytree
+  data/       JSON: every process's data-iterator state, {"process_count", "states": [...]}
+  meta/       JSON: {"step", "rng" (the run's PRNG key data), "model_name", "model",
+              "nonfinite_in_a_row", "nonfinite_total"}
+
+`step` is the number of finished train steps: resuming from it runs step index `step` next.
+Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
+process killed mid-write leaves no directory that looks complete; one that is complete-looking but
+unreadable (truncated files) is found when restoring, moved aside to `<checkpoint.dir>-corrupt/`
+and skipped with a warning that names it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from meshlm.config import Config, ConfigError
+
+ITEMS = ("params", "opt_state", "data", "meta")
+
+
+def checkpoint_dir(cfg: Config) -> str:
+  return os.path.abspath(cfg.checkpoint.dir or os.path.join(cfg.run_dir, "checkpoints"))
+
+
+def _ocp():
+  import orbax.checkpoint as ocp  # slow to import; only runs that checkpoint pay for it
+  return ocp
+
+
+def _gather_json(obj: Any) -> list[Any]:
+  """Every process's JSON-able `obj`, in process order (a no-op list on one process)."""
+  if jax.process_count() == 1:
+    return [obj]
+  from jax.experimental import multihost_utils
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([data.size], np.int64))  # [P, 1]
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  rows = multihost_utils.process_allgather(padded)  # [P, max_len]
+  return [json.loads(bytes(r[:int(n)]).decode()) for r, n in zip(rows, sizes.reshape(-1))]
+
+
+def _model_mismatch(saved: dict, cfg: Config) -> str | None:
+  ours = cfg.model.model_dump(mode="json")
+  for k in sorted(set(saved) | set(ours)):
+    if saved.get(k) != ours.get(k):
+      return f"model.{k} is {ours.get(k)!r} here but {saved.get(k)!r} in the checkpoint"
+  return None
+
+
+class Checkpointer:
+  """One run's CheckpointManager. All processes must call save/restore together."""
+
+  def __init__(self, cfg: Config, warn: Callable[[str], None] = print):
+    ocp = _ocp()
+    self.cfg = cfg
+    self.dir = checkpoint_dir(cfg)
+    self.warn = warn
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.checkpoint.keep, create=True, cleanup_tmp_directories=True,
+        enable_async_checkpointing=True)
+    try:
+      self.manager = ocp.CheckpointManager(self.dir, options=options, item_names=ITEMS)
+    except OSError as e:
+      raise ConfigError(f"checkpoint.dir={self.dir}: cannot be used ({e.strerror or e})") from None
+
+  def should_save(self, step: int, last_step: int) -> bool:
+    return step % self.cfg.checkpoint.every == 0 or step == last_step
+
+  def save(self, step: int, state, rng: jax.Array, data_state: dict, counters: dict[str, int]) -> None:
+    """Starts an async save of the state after `step` finished steps. Returns once the arrays are
+    copied off the devices, so the next step may donate their buffers."""
+    ocp = _ocp()
+    if step in self.manager.all_steps():  # e.g. a preemption right after a periodic save
+      return
+    data = {"process_count": jax.process_count(), "states": _gather_json(data_state)}
+    # The key as plain data in the JSON: Orbax's key handler writes a whole array checkpoint for 8 bytes.
+    meta = {"step": step, "rng": np.asarray(jax.random.key_data(rng)).tolist(), "model_name": self.cfg.model_name,
+            "model": self.cfg.model.model_dump(mode="json"), **counters}
+    self.manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
+        data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
+        force=True)
+
+  def restore_latest(self, abstract_state) -> dict | None:
+    """The newest readable checkpoint as {"step", "params", "opt_state", "rng", "data_state", "meta"},
+    or None. Unreadable ones are moved aside with a warning; older ones are tried next."""
+    ocp = _ocp()
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      path = os.path.join(self.dir, str(step))
+      try:
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        bad = _model_mismatch(meta.get("model", {}), self.cfg)
+        if bad:
+          raise ConfigError(f"run_dir={self.cfg.run_dir}: its checkpoint {path} is for another model ({bad}); "
+                            "use a new run_dir, or checkpoint.load_params_from to start from its parameters")
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_state.params),
+            opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+            data=ocp.args.JsonRestore()))
+        data = out["data"]
+        if data["process_count"] != jax.process_count():
+          raise ConfigError(f"checkpoint {path} was written by {data['process_count']} processes, this run has "
+                            f"{jax.process_count()}; the data position cannot be resumed exactly. Resume with "
+                            "the same number of processes, or start a new run_dir with checkpoint.load_params_from")
+        rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+        return {"step": step, "params": out["params"], "opt_state": out["opt_state"], "rng": rng,
+                "data_state": data["states"][jax.process_index()], "meta": meta}
+      except ConfigError:
+        raise
+      except Exception as e:  # noqa: BLE001 -- any read failure means this checkpoint is unusable
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        moved = self._move_aside(step)
+        self.warn(f"checkpoint {path} is corrupted or incomplete ({reason[:200]}); skipped it"
+                  + (f" and moved it to {moved}" if moved else ""))
+    return None
+
+  def _move_aside(self, step: int) -> str | None:
+    """Moves a bad step out of the manager's directory, so a new save of that step can happen."""
+    src = os.path.join(self.dir, str(step))
+    dst = os.path.join(self.dir + "-corrupt", f"{step}-{int(time.time())}")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      shutil.move(src, dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"meshlm-move-aside-{step}")
+    self.manager.reload()
+    return dst
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def load_params(cfg: Config, path: str, abstract_params, param_shardings, mesh) -> Any:
+  """Parameters for a new run from `checkpoint.load_params_from`: a meshlm run_dir, checkpoints dir
+  or step dir (the newest complete step), or a Hugging Face model directory."""
+  path = os.path.abspath(os.path.expanduser(path))
+  key = f"checkpoint.load_params_from={path}"
+  if not os.path.isdir(path):
+    raise ConfigError(f"{key}: no such directory")
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return _load_hf(cfg, path, key, param_shardings, mesh)
+  step_dir = _find_step_dir(path, key)
+  ocp = _ocp()
+  meta_path = os.path.join(step_dir, "meta", "metadata")
+  if os.path.isfile(meta_path):
+    with open(meta_path) as f:
+      bad = _model_mismatch(json.load(f).get("model", {}), cfg)
+    if bad:
+      raise ConfigError(f"{key}: parameters of another model ({bad})")
+  try:
+    return ocp.StandardCheckpointer().restore(os.path.join(step_dir, "params"), abstract_params)
+  except Exception as e:  # noqa: BLE001
+    raise ConfigError(f"{key}: cannot read {step_dir}/params ({str(e).strip().splitlines()[0][:200]})") from None
+
+
+def _find_step_dir(path: str, key: str) -> str:
+  if os.path.isdir(os.path.join(path, "params")):
+    return path
+  for folder in (path, os.path.join(path, "checkpoints")):
+    steps = [int(n) for n in os.listdir(folder) if n.isdigit()] if os.path.isdir(folder) else []
+    complete = [s for s in steps if os.path.isdir(os.path.join(folder, str(s), "params"))]
+    if complete:
+      return os.path.join(folder, str(max(complete)))
+  raise ConfigError(f"{key}: not a meshlm checkpoint (no <step>/params under it or its checkpoints/) "
+                    "and not a Hugging Face directory (no config.json)")
+
+
+def _load_hf(cfg: Config, path: str, key: str, param_shardings, mesh) -> Any:
+  try:
+    from meshlm import hf
+  except ImportError:
+    raise ConfigError(f"{key}: a Hugging Face directory, but this meshlm has no meshlm.hf importer") from None
+  hf_cfg, params = hf.load(path, mesh=mesh)
+  bad = _model_mismatch(hf_cfg.model.model_dump(mode="json"), cfg)
+  if bad:
+    raise ConfigError(f"{key}: the Hugging Face model differs from this run's ({bad}); pick the matching "
+                      "model= preset or set the model.* keys")
+  dtype = cfg.train.param_dtype
+  return jax.device_put(jax.tree.map(lambda x: x.astype(dtype), params), param_shardings)

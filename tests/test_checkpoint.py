@@ -1,0 +1,310 @@
+"""Checkpoints, exact resume, preemption, crash safety, the non-finite guard and bad input.
+
+Every run is a real `meshlm train` subprocess on one tiny config, so the runs share one persistent
+compilation cache (only the first compiles). The reference is one uninterrupted 20-step run with
+checkpoint.every=10; every interrupted variant must reproduce its losses bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+MESHLM = os.path.join(os.path.dirname(sys.executable), "meshlm")
+STEPS = 20
+BASE = ["model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
+        "model.mlp_dim=128", "model.num_layers=1", "train.per_device_batch_size=1", "train.seq_len=32",
+        "train.sample_tokens=0", "cpu_devices=2", "mesh.fsdp=2", "data.source=synthetic", "train.compute_dtype=float32",
+        f"train.steps={STEPS}", "checkpoint.every=10"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  cache = tmp_path_factory.mktemp("jax-cache")
+  e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+           PYTHONUNBUFFERED="1")
+  e.pop("MESHLM_TEST_NAN_AT_STEPS", None)
+  return e
+
+
+def run(run_dir, *extra, env, check=True, **env_extra) -> subprocess.CompletedProcess:
+  p = subprocess.run([MESHLM, "train", *BASE, f"run_dir={run_dir}", *extra], env=dict(env, **env_extra),
+                     capture_output=True, text=True, timeout=300)
+  if check and p.returncode != 0:
+    raise AssertionError(f"meshlm exited {p.returncode}:\n{p.stderr[-3000:]}")
+  return p
+
+
+def start(run_dir, *extra, env) -> subprocess.Popen:
+  return subprocess.Popen([MESHLM, "train", *BASE, f"run_dir={run_dir}", *extra], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def metrics(run_dir) -> list[dict]:
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def losses(run_dir) -> list[float]:
+  recs = metrics(run_dir)
+  assert [r["step"] for r in recs] == list(range(len(recs))), "each step must appear once, in order"
+  return [r["loss"] for r in recs]
+
+
+def steps_on_disk(run_dir) -> list[int]:
+  folder = os.path.join(run_dir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(folder) if n.isdigit())
+
+
+def restore(run_dir, step: int, item: str):
+  import orbax.checkpoint as ocp
+  return ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), item))
+
+
+def assert_trees_equal(a, b):
+  import jax
+  la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+  assert [p for p, _ in la] == [p for p, _ in lb]
+  for (path, x), (_, y) in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def wait_for(predicate, proc, timeout=240.0, poll=0.005):
+  t0 = time.monotonic()
+  while not predicate():
+    if proc.poll() is not None:
+      raise AssertionError(f"run ended (rc {proc.returncode}) before the awaited moment:\n{proc.stderr.read()[-3000:]}")
+    if time.monotonic() - t0 > timeout:
+      proc.kill()
+      raise AssertionError("timed out waiting")
+    time.sleep(poll)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+  """20 steps straight, checkpoint.every=10: the losses every other run must match."""
+  run_dir = tmp_path_factory.mktemp("ref")
+  run(run_dir, env=env)
+  assert steps_on_disk(run_dir) == [10, 20]
+  got = losses(run_dir)
+  assert len(got) == STEPS and all(np.isfinite(got))
+  return run_dir, got
+
+
+def test_exact_resume_is_bit_identical(reference, tmp_path, env):
+  ref_dir, ref_losses = reference
+  first = run(tmp_path, "train.stop_after=10", env=env)
+  assert "stopped (stop_after) after step 10 of 20" in first.stderr
+  assert steps_on_disk(tmp_path) == [10]
+  second = run(tmp_path, "train.stop_after=10", env=env)  # the identical command
+  assert f"resuming from checkpoint {tmp_path}/checkpoints/10 (step 10 of 20)" in " ".join(second.stderr.split())
+  assert losses(tmp_path) == ref_losses  # exact float equality, every step
+  assert_trees_equal(restore(tmp_path, 20, "params"), restore(ref_dir, 20, "params"))
+  assert_trees_equal(restore(tmp_path, 20, "opt_state"), restore(ref_dir, 20, "opt_state"))
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(reference, tmp_path, env):
+  _, ref_losses = reference
+  proc = start(tmp_path, env=env)
+  wait_for(lambda: os.path.exists(tmp_path / "metrics.jsonl") and len(metrics(tmp_path)) >= 3, proc, poll=0.01)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert "SIGTERM: finishing this step, then saving a checkpoint" in err
+  stopped = steps_on_disk(tmp_path)[-1]
+  assert 3 <= stopped < STEPS and "stopped (preempted)" in err
+  assert len(metrics(tmp_path)) == stopped  # the step in flight finished and was logged
+  resumed = run(tmp_path, env=env)
+  assert f"(step {stopped} of 20)" in resumed.stderr
+  assert losses(tmp_path) == ref_losses
+
+
+def test_second_signal_exits_at_once(tmp_path, env):
+  code = ("import os, signal, time\n"
+          "from meshlm.train.loop import _StopSignals\n"
+          "s = _StopSignals()\n"
+          "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+          "assert s.requested()\n"
+          "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+          "print('still running')\n")
+  p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 128 + signal.SIGINT, p.stderr
+  assert "still running" not in p.stdout
+  assert "second SIGINT: exiting now" in p.stderr
+
+
+def test_sigkill_mid_write_then_corrupted_checkpoint_is_skipped(reference, tmp_path, env):
+  """SIGKILL while Orbax writes a checkpoint leaves a temporary dir that never counts; then the newest
+  complete checkpoint is damaged (a truncated file): the resume names it, skips it, and still
+  reproduces the reference from the one before."""
+  _, ref_losses = reference
+  ckpts = tmp_path / "checkpoints"
+  # Saving every step with keep=20, so that a write is in flight most of the time.
+  extra = ("checkpoint.every=1", "checkpoint.keep=20")
+  proc = start(tmp_path, *extra, env=env)
+  def writing_after_two():
+    names = os.listdir(ckpts) if ckpts.is_dir() else []
+    complete = [n for n in names if n.isdigit()]
+    return len(complete) >= 2 and any("tmp" in n for n in names)
+  wait_for(writing_after_two, proc, poll=0.002)
+  proc.kill()
+  proc.wait()
+  names = os.listdir(ckpts)
+  assert any("tmp" in n for n in names), f"the kill should land mid-write: {names}"
+  complete = steps_on_disk(tmp_path)
+  newest, older = complete[-1], complete[-2]
+  # Truncate the biggest file of the newest complete checkpoint's parameters.
+  files = [os.path.join(d, f) for d, _, fs in os.walk(ckpts / str(newest) / "params") for f in fs]
+  biggest = max(files, key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+
+  resumed = run(tmp_path, env=env)  # the checkpoint cadence does not change the numbers
+  err = " ".join(resumed.stderr.split())
+  assert f"checkpoint {ckpts}/{newest} is corrupted or incomplete" in err
+  assert f"resuming from checkpoint {ckpts}/{older} (step {older} of 20)" in err
+  assert not any("tmp" in n for n in os.listdir(ckpts))  # the dead write was cleaned up
+  assert losses(tmp_path) == ref_losses
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(reference, tmp_path, env):
+  """NaN at steps 10..19 with train.max_nonfinite_in_a_row=10: every one of those updates is skipped,
+  so the state saved when the 10th in a row stops the run is the reference's state after step 10."""
+  ref_dir, ref_losses = reference
+  p = run(tmp_path, "train.max_nonfinite_in_a_row=10", env=env, check=False,
+          MESHLM_TEST_NAN_AT_STEPS=",".join(map(str, range(10, 20))))
+  assert p.returncode == 2, p.stderr[-3000:]
+  assert "step 10: non-finite loss" in " ".join(p.stderr.split())
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith("meshlm: error: stopped at step 19: non-finite loss or gradient norm, 10 non-finite "
+                         "steps in a row (train.max_nonfinite_in_a_row)"), last
+  assert "Traceback" not in p.stderr
+  recs = metrics(tmp_path)
+  assert [r["step"] for r in recs] == list(range(20))
+  assert [r["loss"] for r in recs[:10]] == ref_losses[:10]
+  assert all(np.isnan(r["loss"]) for r in recs[10:])
+  assert [r["nonfinite"] for r in recs] == [False] * 10 + [True] * 10
+  assert [r["nonfinite_in_a_row"] for r in recs] == [0] * 10 + list(range(1, 11))
+  assert [r["nonfinite_total"] for r in recs] == [0] * 10 + list(range(1, 11))
+  assert steps_on_disk(tmp_path) == [10, 20]  # the last good state, saved for a retry
+  assert_trees_equal(restore(tmp_path, 20, "params"), restore(ref_dir, 10, "params"))
+  assert_trees_equal(restore(tmp_path, 20, "opt_state"), restore(ref_dir, 10, "opt_state"))
+
+  # train.on_nonfinite=stop: the first one stops the run.
+  p = run(tmp_path / "stop", "train.on_nonfinite=stop", env=env, check=False, MESHLM_TEST_NAN_AT_STEPS="2")
+  assert p.returncode == 2
+  assert p.stderr.strip().splitlines()[-1].startswith(
+      "meshlm: error: stopped at step 2: non-finite loss or gradient norm, train.on_nonfinite=stop")
+  assert [r["nonfinite"] for r in metrics(tmp_path / "stop")] == [False, False, True]
+
+
+def _checkpoint_files(run_dir) -> dict[str, bytes]:
+  out = {}
+  for d, _, fs in os.walk(os.path.join(run_dir, "checkpoints")):
+    for f in fs:
+      path = os.path.join(d, f)
+      with open(path, "rb") as fh:
+        out[os.path.relpath(path, run_dir)] = fh.read()
+  return out
+
+
+def test_bad_input_exits_with_one_line_and_keeps_checkpoints(reference, tmp_path, env):
+  import socket
+  ref_dir, _ = reference
+  run_dir = tmp_path / "run"
+  shutil.copytree(ref_dir, run_dir)
+  before = _checkpoint_files(run_dir)
+  assert before
+
+  # A coordinator that never answers: a port nobody listens on.
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  p = run(run_dir, f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+          "distributed.process_id=1", "distributed.timeout_s=2", env=env, check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"meshlm: error: distributed.coordinator=127.0.0.1:{port}: no answer within 2 s"), p.stderr[-2000:]
+
+  # Process 0 on a port someone else serves.
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    p = run(run_dir, f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+            "distributed.process_id=0", env=env, check=False)
+  assert p.returncode == 2
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0] == (f"meshlm: error: distributed.coordinator=127.0.0.1:{port}: process 0 "
+                                          f"cannot serve on port {port} (Address already in use); pick a free port")
+
+  # distributed.auto=true outside a cluster JAX knows.
+  p = run(run_dir, "distributed.auto=true", env=env, check=False)
+  assert p.returncode == 2
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("meshlm: error: distributed.auto=true: JAX found no cluster to join")
+
+  # A run_dir that is not writable: a path under a regular file (chmod would not stop root).
+  blocker = tmp_path / "a-file"
+  blocker.write_text("x")
+  p = run(blocker / "run", env=env, check=False)
+  assert p.returncode == 2
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0] == f"meshlm: error: run_dir={blocker}/run: not writable (Not a directory)"
+  if os.geteuid() != 0:  # a read-only run_dir that holds checkpoints
+    os.chmod(run_dir, 0o555)
+    try:
+      p = run(run_dir, env=env, check=False)
+    finally:
+      os.chmod(run_dir, 0o755)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f"meshlm: error: run_dir={run_dir}: not writable")
+  assert _checkpoint_files(run_dir) == before
+
+
+def test_load_params_from_a_meshlm_run(reference, tmp_path, env):
+  """In-process: the loader returns the newest checkpoint's parameters on this run's shardings;
+  then a new run (subprocess) starts from them at step 0, with fresh optimizer state."""
+  import jax
+  from meshlm.config import ConfigError, load_config
+  from meshlm.train.checkpoint import load_params
+  from meshlm.train.step import build_train_step
+  ref_dir, ref_losses = reference
+  cfg = load_config(*BASE, f"run_dir={tmp_path}/new")
+  step_fn = build_train_step(cfg)
+  abstract, shardings = step_fn.abstract_state().params, step_fn.state_shardings().params
+  for path in (ref_dir, ref_dir / "checkpoints", ref_dir / "checkpoints" / "20"):
+    params = load_params(cfg, str(path), abstract, shardings, step_fn.mesh)
+    assert_trees_equal(params, restore(ref_dir, 20, "params"))
+    assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(shardings)[0]
+  with pytest.raises(ConfigError, match=r"checkpoint.load_params_from=.*/nowhere: no such directory"):
+    load_params(cfg, str(tmp_path / "nowhere"), abstract, shardings, step_fn.mesh)
+  other = load_config(*BASE, "model.mlp_dim=96", f"run_dir={tmp_path}/new")
+  with pytest.raises(ConfigError, match=r"parameters of another model \(model.mlp_dim is 96 here but 128"):
+    load_params(other, str(ref_dir), abstract, shardings, step_fn.mesh)
+
+  p = run(tmp_path / "new", f"checkpoint.load_params_from={ref_dir}", "train.stop_after=2", env=env)
+  assert f"parameters from {ref_dir}" in " ".join(p.stderr.split())
+  new = losses(tmp_path / "new")
+  # Trained parameters on the first batch: far below the fresh model's first loss.
+  assert new[0] < ref_losses[0] - 0.05, (new[0], ref_losses[0])
+
+
+def test_load_params_from_a_hugging_face_directory(tmp_path):
+  from meshlm import hf
+  from meshlm.train.checkpoint import load_params
+  from meshlm.train.step import build_train_step
+  path = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "llama")
+  hf_cfg, hf_params = hf.load(path, "cpu_devices=1")
+  cfg = hf_cfg.model_copy(update={"run_dir": str(tmp_path)})
+  step_fn = build_train_step(cfg)
+  params = load_params(cfg, path, step_fn.abstract_state().params, step_fn.state_shardings().params, step_fn.mesh)
+  assert_trees_equal(params, hf_params)
