@@ -24,8 +24,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshlm.config import Config, ConfigError, to_yaml
+from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
-from meshlm.train.step import TrainState, build_train_step
+from meshlm.train.step import TrainState, build_train_step, global_batch_size
 
 # Test-only fault injection: comma-separated step indices whose batch gets a NaN loss mask, which
 # makes that step's loss and gradients NaN without touching the compiled step.
@@ -151,10 +152,12 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   console = console or Console(stderr=True)
   say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
   prepare_run_dir(cfg)
-  step_fn = build_train_step(cfg)
+  mesh = make_mesh(cfg)
   if data is None:
-    data = make_dataset(cfg, global_batch=step_fn.global_batch, seq_len=cfg.train.seq_len,
+    # Data first: a bad glob or file fails in one line before anything is traced or compiled.
+    data = make_dataset(cfg, global_batch=global_batch_size(cfg, mesh.size), seq_len=cfg.train.seq_len,
                         process_index=jax.process_index(), process_count=jax.process_count())
+  step_fn = build_train_step(cfg, mesh)
   ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
   try:
     return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start)
@@ -251,8 +254,8 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
   sample = None
   if stop_reason == "done" and t.sample_tokens and jax.process_count() == 1:
     from meshlm.models.generate import greedy
-    tok = ByteTokenizer()
-    prompt = tok.encode(b"def ")
-    out = greedy(cfg, state.params, prompt, t.sample_tokens, mesh=step_fn.mesh)
-    sample = "def " + tok.decode(out)
+    tok = getattr(data, "tokenizer", None) or ByteTokenizer()
+    text = "def " if cfg.data.source == "stdlib" else "The "
+    out = greedy(cfg, state.params, np.asarray(tok.encode(text.encode())), t.sample_tokens, mesh=step_fn.mesh)
+    sample = text + tok.decode(out)
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)
