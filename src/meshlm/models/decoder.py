@@ -183,11 +183,16 @@ def run_layers(cfg: Config, params_layers: Any, x_BTD: jax.Array, ctx: Context,
       groups = jax.tree.map(lambda a: jnp.reshape(a, (G, P) + a.shape[1:]), groups)  # [G, P, ...]
     def body(x, p):
       with jax.named_scope("layers"):
+        if P == 1:
+          x = blocks[0](p, x)
+          return x, (x if collect else None)
         ys = []
         for j in range(P):
-          x = blocks[j](p if P == 1 else _layer(p, j, 0), x)
+          # Each position in the period names its scope ("layers/local_0"), so profiles tell them apart.
+          with jax.named_scope(f"{types[j]}_{j}"):
+            x = blocks[j](_layer(p, j, 0), x)
           ys.append(x)
-        return x, ((ys[0] if P == 1 else jnp.stack(ys)) if collect else None)
+        return x, (jnp.stack(ys) if collect else None)
     x_BTD, h = jax.lax.scan(body, x_BTD, groups)
     if collect:
       hidden.append(h if P == 1 else jnp.reshape(h, (G * P,) + h.shape[2:]))  # [G*P, B, T, D]
@@ -195,7 +200,8 @@ def run_layers(cfg: Config, params_layers: Any, x_BTD: jax.Array, ctx: Context,
     i = G * P + j
     with jax.named_scope(f"layer_{i}"):
       x_BTD = blocks[j](_layer(stack, i, 0), x_BTD)
-      hidden.append(x_BTD[None])
+      if collect:
+        hidden.append(x_BTD[None])
   if not collect:
     return x_BTD, None
   return x_BTD, (hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden))

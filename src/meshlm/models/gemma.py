@@ -29,11 +29,27 @@ def norm(scale_D: jax.Array, x: jax.Array, m: ModelConfig) -> jax.Array:
   return rms_norm(scale_D, x, m.norm_eps, plus_one=True)
 
 
+def gemma_attention_spec(m: ModelConfig) -> dict:
+  """llama's projections, plus per-head (1 + w) q/k norms over head_dim when model.qk_norm (gemma3)."""
+  spec = attention_spec(m)
+  if m.qk_norm:
+    spec |= {"q_norm": S.zeros(m.head_dim, "head_dim"), "k_norm": S.zeros(m.head_dim, "head_dim")}
+  return spec
+
+
+def attention(p: dict, h_BTD: jax.Array, ctx) -> jax.Array:
+  m = ctx.model
+  qk = {}
+  if m.qk_norm:
+    qk = dict(q_norm=lambda q_BTNH: norm(p["q_norm"], q_BTNH, m), k_norm=lambda k_BTKH: norm(p["k_norm"], k_BTKH, m))
+  return self_attention(p, h_BTD, ctx, scale=attn_scale(m), softcap=m.attn_logit_softcap, **qk)
+
+
 def layer_spec(m: ModelConfig) -> dict:
   # (1 + w) norms start at w = 0, i.e. unit scale.
   return {
       "attn_norm": S.zeros(m.embed_dim),
-      "attn": attention_spec(m),
+      "attn": gemma_attention_spec(m),
       "mlp_norm": S.zeros(m.embed_dim),
       "mlp": mlp_spec(m),
   }
@@ -43,7 +59,7 @@ def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
   m = ctx.model
   with jax.named_scope("attn"):
     h = norm(p["attn_norm"], x_BTD, m)
-    x_BTD = x_BTD + self_attention(p["attn"], h, ctx, scale=attn_scale(m), softcap=m.attn_logit_softcap)
+    x_BTD = x_BTD + attention(p["attn"], h, ctx)
   with jax.named_scope("mlp"):
     h = norm(p["mlp_norm"], x_BTD, m)
     x_BTD = x_BTD + glu_mlp(p["mlp"], h, kernel_order=ctx.kernel_order, impl=ctx.impl,
@@ -54,10 +70,10 @@ def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
 # Hugging Face mapping (see meshlm.hf.maps for the protocol).
 HF_MODEL_TYPE = "gemma"
 HF_ARCHITECTURES = ("GemmaForCausalLM",)
-# transformers' GemmaConfig defaults, for fields a config.json may leave out (save_pretrained drops
-# some values equal to the defaults, e.g. tie_word_embeddings).
-HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
-               "hidden_act": "gelu_pytorch_tanh"}
+# transformers' GemmaConfig defaults, which it uses for any field a config.json leaves out.
+HF_DEFAULTS = {"vocab_size": 256_000, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+               "num_attention_heads": 16, "head_dim": 256, "num_key_value_heads": 16, "tie_word_embeddings": True,
+               "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"}
 # GemmaConfig rewrites the legacy hidden_act "gelu" to the tanh approximation, so "gelu" is tanh here.
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh", "silu": "silu"}
 

@@ -8,10 +8,9 @@ import jax
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.hf import maps
 from meshlm.models import spec as S
-from meshlm.models.gemma import (EMBED_SCALE, NORM_PLUS_ONE, activation_from_hf, attn_scale, norm, shared_from_hf,
-                                 shared_to_hf)
-from meshlm.models.llama import attention_spec, mlp_spec
-from meshlm.nn.attention import self_attention
+from meshlm.models.gemma import (EMBED_SCALE, NORM_PLUS_ONE, activation_from_hf, attention, gemma_attention_spec, norm,
+                                 shared_from_hf, shared_to_hf)
+from meshlm.models.llama import mlp_spec
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.parallel.sharding import constrain
 
@@ -22,13 +21,9 @@ ACT = ("batch", "length", "act_embed")
 
 def layer_spec(m: ModelConfig) -> dict:
   D = m.embed_dim
-  attn = attention_spec(m)
-  if m.qk_norm:
-    # Per-head (1 + w) norms over head_dim, shared by all heads (gemma3).
-    attn |= {"q_norm": S.zeros(m.head_dim, "head_dim"), "k_norm": S.zeros(m.head_dim, "head_dim")}
   return {
       "attn_norm": S.zeros(D),
-      "attn": attn,
+      "attn": gemma_attention_spec(m),
       "attn_post_norm": S.zeros(D),
       "mlp_norm": S.zeros(D),
       "mlp": mlp_spec(m),
@@ -38,14 +33,9 @@ def layer_spec(m: ModelConfig) -> dict:
 
 def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
   m = ctx.model
-  qk = {}
-  if m.qk_norm:
-    qk = dict(q_norm=lambda q_BTNH: norm(p["attn"]["q_norm"], q_BTNH, m),
-              k_norm=lambda k_BTKH: norm(p["attn"]["k_norm"], k_BTKH, m))
   with jax.named_scope("attn"):
     h = norm(p["attn_norm"], x_BTD, m)
-    h = self_attention(p["attn"], h, ctx, scale=attn_scale(m), softcap=m.attn_logit_softcap, **qk)
-    x_BTD = x_BTD + norm(p["attn_post_norm"], h, m)
+    x_BTD = x_BTD + norm(p["attn_post_norm"], attention(p["attn"], h, ctx), m)
   with jax.named_scope("mlp"):
     h = norm(p["mlp_norm"], x_BTD, m)
     h = glu_mlp(p["mlp"], h, kernel_order=ctx.kernel_order, impl=ctx.impl,
@@ -57,10 +47,12 @@ def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
 # Hugging Face mapping (see meshlm.hf.maps for the protocol).
 HF_MODEL_TYPE = "gemma2"
 HF_ARCHITECTURES = ("Gemma2ForCausalLM",)
-# transformers' Gemma2Config defaults, for fields a config.json may leave out.
-HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
-               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
-               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+# transformers' Gemma2Config defaults, which it uses for any field a config.json leaves out.
+HF_DEFAULTS = {"vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "head_dim": 256, "num_key_value_heads": 4, "tie_word_embeddings": True,
+               "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+               "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0}
 # Unlike GemmaConfig, Gemma2Config/Gemma3TextConfig take "gelu" as the exact GELU.
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
 HF_LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}

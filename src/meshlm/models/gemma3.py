@@ -4,7 +4,6 @@ with linear rope_scaling). The pattern, the ropes and the grouped scan are the d
 from __future__ import annotations
 
 from meshlm.config import ConfigError, ModelConfig
-from meshlm.hf import maps
 from meshlm.models.gemma2 import (EMBED_SCALE, NORM_PLUS_ONE, block, hf_layer_map, layer_spec, pattern_from_hf,
                                   sandwich_from_hf, sandwich_to_hf)
 
@@ -13,11 +12,13 @@ __all__ = ["EMBED_SCALE", "NORM_PLUS_ONE", "block", "hf_layer_map", "layer_spec"
 # Hugging Face mapping (see meshlm.hf.maps for the protocol): the text-only Gemma3ForCausalLM.
 HF_MODEL_TYPE = "gemma3_text"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
-# transformers' Gemma3TextConfig defaults, for fields a config.json may leave out.
-HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
-               "final_logit_softcapping": None, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-               "sliding_window_pattern": 6}
+# transformers' Gemma3TextConfig defaults, which it uses for any field a config.json leaves out
+# (the published gemma-3 text_config lists only what differs from them).
+HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "head_dim": 256, "num_key_value_heads": 4, "tie_word_embeddings": True,
+               "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+               "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+               "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6}
 
 
 def _ropes_from_hf(hf: dict) -> tuple[dict, float | None]:

@@ -1,12 +1,21 @@
 """Gated MLPs (SwiGLU, and gemma's tanh-GELU GLU)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from meshlm.nn.dense import dense
 
 ACT = ("batch", "length", "act_embed")
 HIDDEN = ("batch", "length", "mlp")
+
+# ModelConfig.hidden_activation -> the gate's activation. gelu_tanh is HF's gelu_pytorch_tanh.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+}
 
 
 def glu_mlp(p: dict, x_BTD: jax.Array, *, kernel_order: bool, impl: str, activation=jax.nn.silu) -> jax.Array:
