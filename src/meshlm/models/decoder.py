@@ -83,10 +83,11 @@ class Context:
 def param_specs(cfg: Config) -> dict:
   m = cfg.model
   specs = {
-      # Embedding rows have unit scale (fan_in 1); the tied head reuses them. Families that multiply
-      # embeddings by sqrt(D) draw rows at D ** -0.5, so both the input and the logits start at unit scale.
+      # Untied embedding rows have unit scale. A tied head reuses the rows as its kernel, and families
+      # that multiply embeddings by sqrt(D) scale them up: both draw rows at D ** -0.5, so the
+      # logits (and the scaled input) start at unit scale.
       "embed": S.ParamSpec((m.vocab_size, m.embed_dim), ("vocab", "embed"), "normal",
-                           fan_in=m.embed_dim if _embed_scale(cfg) else 1),
+                           fan_in=m.embed_dim if (_embed_scale(cfg) or m.tie_embeddings) else 1),
       "layers": S.stack(family(cfg).layer_spec(m), m.num_layers, cfg.param_scan_axis),
       "final_norm": S.zeros(m.embed_dim) if _norm_plus_one(cfg) else S.ones(m.embed_dim),
   }

@@ -1,10 +1,12 @@
 """Causal grouped-query attention with segment masking (packed documents never see each other)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from meshlm.parallel.sharding import constrain
+from meshlm.parallel.sharding import auto_region, constrain
 
 
 def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int | None = None) -> jax.Array:
@@ -23,19 +25,28 @@ def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int
 
 def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array, *,
                   scale: float, softcap: float | None = None) -> jax.Array:
-  """softmax(q k^T * scale) v with K kv heads shared by groups of N // K query heads -> [B, T, N, H]."""
+  """softmax(q k^T * scale) v with K kv heads shared by groups of N // K query heads -> [B, T, N, H].
+
+  The core runs in an auto-axes region: under explicit sharding every einsum output would
+  otherwise carry a sharding annotation between its dot and its transpose, which XLA cannot fold.
+  """
   with jax.named_scope("attention"):
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
-    q = constrain(q, ("batch", "length", "kv_heads", None, "head_dim"))
-    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) * scale
-    if softcap is not None:
-      s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
-    return jnp.reshape(o, (B, T, N, H))
+    core = functools.partial(_gqa_core, scale=scale, softcap=softcap)
+    return auto_region(core, ("batch", "length", "heads", "head_dim"), q_BTNH.shape)(q_BTNH, k_BSKH, v_BSKH, mask)
+
+
+def _gqa_core(q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap):
+  """The plain attention math, with no sharding annotations of its own."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
+  s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) * scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype)
+  o = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
+  return jnp.reshape(o, (B, T, N, H))
 
 
 def self_attention(p: dict, x_BTD: jax.Array, ctx, *, scale: float, softcap: float | None = None,

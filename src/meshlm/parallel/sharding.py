@@ -78,3 +78,12 @@ def constrain(x: jax.Array, axes: Axes) -> jax.Array:
 def out_sharding(axes: Axes, shape: Sequence[int]) -> P | None:
   """The out_sharding= argument for einsum/gather under explicit; None under auto or with no mesh."""
   return logical_spec(axes, shape) if is_explicit() else None
+
+
+def auto_region(fn, out_axes: Axes, out_shape: Sequence[int]):
+  """fn with the mesh's axes made Auto for its duration (`jax.sharding.auto_axes`) under explicit
+  sharding, its output pinned to out_axes. Inside, XLA sees no sharding barriers, so a dot and the
+  transpose after it fold as they do under auto. Under auto it is fn followed by constrain."""
+  if not is_explicit():
+    return lambda *args: constrain(fn(*args), out_axes)
+  return jax.sharding.auto_axes(fn, out_sharding=logical_spec(out_axes, out_shape))
