@@ -82,8 +82,10 @@ def require(hf: dict, key: str) -> Any:
 
 
 def refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
-  """Fails on a config.json field whose value meshlm cannot represent."""
-  value = hf.get(key, allowed)
+  """Fails on a config.json field whose value meshlm cannot represent. A missing field is fine."""
+  if key not in hf:
+    return
+  value = hf[key]
   ok = value in allowed if isinstance(allowed, tuple) else value == allowed
   if not ok:
     raise ConfigError(f"config.json: {key}={value!r} is not supported ({why})")

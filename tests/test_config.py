@@ -1,0 +1,205 @@
+"""Config: presets, dotted overrides, one-line errors that name the key, tri-state flag resolution."""
+import pytest
+import yaml
+
+from meshlm.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_yaml
+from meshlm.parallel.mesh import make_mesh, resolve_mesh_shape
+
+KO_LM = "lm_head_weight_grad_in_kernel_order"
+KO_DENSE = "dense_weight_grad_in_kernel_order"
+
+
+def _error(*overrides: str) -> str:
+  with pytest.raises(ConfigError) as info:
+    load_config(*overrides)
+  msg = str(info.value)
+  assert "\n" not in msg, f"error spans lines: {msg!r}"
+  return msg
+
+
+# --- presets and overrides ---------------------------------------------------------------------
+
+def test_presets_exist_and_load():
+  names = preset_names()
+  for name in ("llama2-tiny", "llama2-7b", "llama3-8b"):
+    assert name in names
+    cfg = load_config(f"model={name}")
+    assert cfg.model_name == name
+  assert load_config().model_name == "llama2-tiny"  # the default preset
+
+
+def test_preset_shapes():
+  m = load_config("model=llama3-8b").model
+  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (
+      128256, 4096, 32, 32, 8, 128, 14336)
+  assert m.rope_theta == 500000.0 and not m.tie_embeddings
+  m = load_config("model=llama2-7b").model
+  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (
+      32000, 4096, 32, 32, 32, 128, 11008)
+
+
+def test_overrides_parse_yaml_scalars():
+  assert parse_overrides(["train.steps=20", "a.b=true", "c=null", "d=1.5", "e=abc", "f=", "g=a=b"]) == [
+      ("train.steps", 20), ("a.b", True), ("c", None), ("d", 1.5), ("e", "abc"), ("f", ""), ("g", "a=b")]
+
+
+def test_overrides_set_nested_fields():
+  cfg = load_config("train.steps=7", "train.learning_rate=1e-3", "mesh.fsdp=2", "mesh.tensor=2",
+                    "model.num_layers=3", "shard_mode=auto", "train.compute_dtype=float32")
+  assert cfg.train.steps == 7 and cfg.train.learning_rate == pytest.approx(1e-3)
+  assert cfg.mesh.sizes() == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
+  assert cfg.model.num_layers == 3 and cfg.shard_mode == "auto" and cfg.train.compute_dtype == "float32"
+  # The rest of the preset is untouched.
+  assert cfg.model.embed_dim == load_config().model.embed_dim
+
+
+def test_model_preset_applies_first_wherever_it_appears():
+  cfg = load_config("train.steps=5", "model.num_layers=1", "model=llama2-7b")
+  assert cfg.model_name == "llama2-7b" and cfg.model.embed_dim == 4096
+  assert cfg.train.steps == 5 and cfg.model.num_layers == 1
+
+
+def test_later_override_wins():
+  assert load_config("train.steps=5", "train.steps=9").train.steps == 9
+
+
+def test_yaml_round_trip_keeps_the_resolved_config():
+  cfg = load_config("model.tie_embeddings=true", "mesh.fsdp=2", "train.steps=3")
+  text = to_yaml(cfg)
+  back = Config.model_validate(yaml.safe_load(text))
+  assert back == cfg
+  assert yaml.safe_load(text)[KO_LM] is False and yaml.safe_load(text)[KO_DENSE] is True
+
+
+# --- errors: one line, naming the key ----------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.foo=1"], "train.foo: unknown key"),
+    (["foo=1"], "foo: unknown key"),
+    (["model.hidden=64"], "model.hidden: unknown key"),
+    (["mesh.pipeline=2"], "mesh.pipeline: unknown key"),
+])
+def test_unknown_key(overrides, expected):
+  assert _error(*overrides) == expected
+
+
+@pytest.mark.parametrize("overrides, key, detail", [
+    (["train.steps=0"], "train.steps", "greater than 0"),
+    (["train.steps=abc"], "train.steps", "'abc'"),
+    (["train.learning_rate=-1"], "train.learning_rate", "-1"),
+    (["shard_mode=manual"], "shard_mode", "'manual'"),
+    (["train.compute_dtype=float16"], "train.compute_dtype", "'float16'"),
+    (["weight_grad_impl=fast"], "weight_grad_impl", "'fast'"),
+    (["param_scan_axis=2"], "param_scan_axis", "0 or 1"),
+    (["remat=some"], "remat", "'some'"),
+    (["cpu_devices=0"], "cpu_devices", "greater than 0"),
+    ([f"{KO_LM}=maybe"], KO_LM, "'maybe'"),
+    (["model.vocab_size=1.5"], "model.vocab_size", "1.5"),
+    (["mesh.fsdp=0"], "mesh", "mesh.fsdp must be a positive size or -1, got 0"),
+    (["mesh.fsdp=-1", "mesh.data=-1"], "mesh", "at most one mesh axis may be -1"),
+    (["train.steps.x=1"], "train.steps", "not a section"),
+    (["train=3"], "train", "3"),
+    (["model.num_kv_heads=3"], "model", "num_heads (8) must be a multiple of num_kv_heads (3)"),
+    (["model.head_dim=33"], "model", "head_dim (33) must be even"),
+])
+def test_bad_value(overrides, key, detail):
+  msg = _error(*overrides)
+  assert msg.startswith(f"{key}:"), msg
+  assert detail in msg, msg
+
+
+@pytest.mark.parametrize("item, expected", [("train.steps", "expected key=value"), ("=3", "empty key"),
+                                            ("train..steps=3", "empty key")])
+def test_malformed_override(item, expected):
+  assert expected in _error(item)
+
+
+def test_unknown_preset():
+  msg = _error("model=llama9-1t")
+  assert msg.startswith("model=llama9-1t: unknown preset")
+  assert "llama2-tiny" in msg  # lists the known ones
+
+
+def test_preset_name_must_be_a_string():
+  assert _error("model=3").startswith("model:")
+
+
+def test_tied_embedding_refuses_the_lm_head_flag():
+  msg = _error("model.tie_embeddings=true", f"{KO_LM}=true")
+  assert msg.startswith(f"{KO_LM}=true") and "model.tie_embeddings" in msg
+  # Unset or false is fine with a tied head, in either mode.
+  for mode in ("explicit", "auto"):
+    for value in ("null", "false"):
+      cfg = load_config("model.tie_embeddings=true", f"{KO_LM}={value}", f"shard_mode={mode}")
+      assert getattr(cfg, KO_LM) is False
+
+
+@pytest.mark.parametrize("mesh, devices, expected", [
+    (["mesh.fsdp=3"], 4, "mesh: mesh.fsdp=3 needs 3 devices but 4 are in use"),
+    (["mesh.data=2", "mesh.fsdp=4"], 4, "mesh: mesh.data=2,mesh.fsdp=4 needs 8 devices but 4 are in use"),
+    (["mesh.tensor=3"], 4, "mesh: the fixed axes (mesh.tensor=3) multiply to 3, which does not divide the 4"),
+])
+def test_mesh_that_does_not_divide_the_devices(mesh, devices, expected):
+  cfg = load_config(*mesh)  # the schema cannot know the device count; the mesh builder checks it
+  with pytest.raises(ConfigError) as info:
+    resolve_mesh_shape(cfg, devices)
+  assert str(info.value).startswith(expected), str(info.value)
+  with pytest.raises(ConfigError, match="^mesh: "):
+    make_mesh(load_config(f"cpu_devices={devices}", *mesh))
+
+
+def test_more_cpu_devices_than_the_process_has():
+  with pytest.raises(ConfigError, match="^cpu_devices=64: only 8 devices"):
+    make_mesh(load_config("cpu_devices=64"))
+
+
+@pytest.mark.parametrize("mesh, devices, expected", [
+    ([], 4, {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1, "context": 1}),
+    (["mesh.data=2"], 8, {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1, "context": 1}),
+    (["mesh.fsdp=2", "mesh.tensor=2"], 4, {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}),
+    (["mesh.fsdp=1", "mesh.tensor=-1"], 8, {"data": 1, "fsdp": 1, "tensor": 8, "expert": 1, "context": 1}),
+])
+def test_mesh_fill(mesh, devices, expected):
+  assert resolve_mesh_shape(load_config(*mesh), devices) == expected
+
+
+# --- tri-state flags ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, tied, lm, dense", [
+    ("explicit", False, True, True),
+    ("explicit", True, False, True),
+    ("auto", False, False, False),
+    ("auto", True, False, False),
+])
+def test_null_flags_resolve_at_load_time(mode, tied, lm, dense):
+  cfg = load_config(f"shard_mode={mode}", f"model.tie_embeddings={str(tied).lower()}")
+  assert getattr(cfg, KO_LM) is lm and getattr(cfg, KO_DENSE) is dense
+  # Explicit null behaves exactly like leaving the flag out.
+  assert load_config(f"shard_mode={mode}", f"model.tie_embeddings={str(tied).lower()}",
+                     f"{KO_LM}=null", f"{KO_DENSE}=null") == cfg
+
+
+def test_default_mode_is_explicit_with_flags_on():
+  cfg = load_config()
+  assert cfg.shard_mode == "explicit"
+  assert getattr(cfg, KO_LM) is True and getattr(cfg, KO_DENSE) is True
+  assert cfg.lm_head_kernel_order and cfg.dense_kernel_order
+
+
+def test_set_flags_are_kept():
+  cfg = load_config(f"{KO_LM}=false", f"{KO_DENSE}=false")
+  assert getattr(cfg, KO_LM) is False and getattr(cfg, KO_DENSE) is False
+  assert not cfg.lm_head_kernel_order and not cfg.dense_kernel_order
+
+
+def test_flags_are_inert_under_auto():
+  """true is kept (and saved) under auto, but the layers see it off: XLA folds the transpose there."""
+  cfg = load_config("shard_mode=auto", f"{KO_LM}=true", f"{KO_DENSE}=true")
+  assert getattr(cfg, KO_LM) is True and getattr(cfg, KO_DENSE) is True
+  assert not cfg.lm_head_kernel_order and not cfg.dense_kernel_order
+
+
+def test_resolved_flags_are_written_as_booleans():
+  for mode, expected in (("explicit", True), ("auto", False)):
+    data = yaml.safe_load(to_yaml(load_config(f"shard_mode={mode}")))
+    assert data[KO_LM] is expected and data[KO_DENSE] is expected
