@@ -25,6 +25,7 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="llama2-tiny")
   ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--steps-per-rep", type=int, default=5)
   ap.add_argument("--out", default="runs/bench-explicit-vs-auto")
   ap.add_argument("overrides", nargs="*", help="extra key=value, e.g. train.compute_dtype=float32")
   a = ap.parse_args()
@@ -33,7 +34,7 @@ def main() -> int:
   cmd = [os.path.join(os.path.dirname(sys.executable), "meshlm"), "bench", *base]
   for arm in ARMS:
     cmd += ["--arm", arm]
-  cmd += ["--reps", str(a.reps), "--json", "--plot", os.path.join(a.out, "bench.png")]
+  cmd += ["--reps", str(a.reps), "--steps-per-rep", str(a.steps_per_rep), "--json", "--plot", os.path.join(a.out, "bench.png")]
   proc = subprocess.run(cmd, capture_output=True, text=True)
   sys.stderr.write(proc.stderr)
   if proc.returncode not in (0, 1) or not proc.stdout.strip():
@@ -43,7 +44,7 @@ def main() -> int:
     json.dump(report, f, indent=2, sort_keys=True)
   shown = " ".join(c if " " not in c else repr(c) for c in ["meshlm", *cmd[1:]])
   print(f"Command: `{shown}`  ")
-  print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; reps {a.reps}, interleaved.\n")
+  print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; reps {a.reps} of {a.steps_per_rep} steps each, arms interleaved.\n")
   print("| arm | median step (s) | spread | vs auto | verdict |")
   print("| --- | --- | --- | --- | --- |")
   for name, arm in report["arms"].items():

@@ -34,7 +34,7 @@ class _Fake:
   def __init__(self, name, order, times, fail_at=None):
     self.name, self.order, self.times, self.fail_at, self.calls = name, order, list(times), fail_at, 0
 
-  def step(self):
+  def step(self, n=1):
     self.calls += 1
     if self.fail_at is not None and self.calls > self.fail_at:
       raise RuntimeError(f"{self.name} ran out of memory\nsecond line")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from meshlm.config import ConfigError
 
-BENCH_USAGE = "meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... --reps N [--warmup N] [--json] [--plot PATH]"
+BENCH_USAGE = "meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... --reps N [--steps-per-rep K] [--warmup N] [--json] [--plot PATH]"
 
 
 def _int_opt(opts: dict, key: str, default: int, minimum: int) -> int:
@@ -24,9 +24,10 @@ def cmd_bench(args: list[str], start: float) -> int:
   from meshlm.analysis.commands import dumps
   from meshlm.bench.harness import plot, render, run
   overrides, opts = split_args(args, {"--json": False, "--arm": True, "--reps": True, "--warmup": True,
-                                      "--plot": True})
+                                      "--plot": True, "--steps-per-rep": True})
   reps = _int_opt(opts, "--reps", 7, 1)
   warmup = _int_opt(opts, "--warmup", 2, 0)
+  steps_per_rep = _int_opt(opts, "--steps-per-rep", 1, 1)
   arms = build_arms(overrides, opts.get("--arm", []), min_arms=1)
   plot_path = opts.get("--plot", [None])[-1]
   if plot_path is not None:
@@ -35,7 +36,7 @@ def cmd_bench(args: list[str], start: float) -> int:
     if not os.path.isdir(folder):
       raise ConfigError(f"--plot {plot_path}: folder {folder} does not exist")
   prepare_devices(arms)
-  report = run(arms, reps, warmup)
+  report = run(arms, reps, warmup, steps_per_rep=steps_per_rep)
   if plot_path is not None:
     plot(report, plot_path)
   print(dumps(report) if "--json" in opts else render(report))

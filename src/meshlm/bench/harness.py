@@ -24,12 +24,14 @@ class _Runner:
   state: Any
   batch: Any
 
-  def step(self) -> float:
+  def step(self, n: int = 1) -> float:
+    """Seconds per step, averaged over n back-to-back steps (one rep)."""
     import jax
     t0 = time.perf_counter()
-    self.state, metrics = self.call(self.state, self.batch)  # the step donates its state: rebind
+    for _ in range(n):
+      self.state, metrics = self.call(self.state, self.batch)  # the step donates its state: rebind
     jax.block_until_ready((self.state, metrics))
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / n
 
 
 def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -58,10 +60,11 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None) -> dict[str, Any]:
+def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1) -> dict[str, Any]:
   """{"arms": {NAME: {"median_s", "spread", "reps"} or {"error"}}, "ratios", "verdict"}.
 
-  prepare(arm) -> runner with .step() -> seconds; the default compiles the arm's train step.
+  prepare(arm) -> runner with .step(n) -> seconds per step; the default compiles the arm's train
+  step. Each rep times steps_per_rep back-to-back steps of one arm, then moves to the next arm.
   """
   log = log or (lambda msg: print(msg, file=sys.stderr))
   prepare = prepare or _prepare
@@ -81,7 +84,7 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None) -> 
   for r in range(reps):
     for name in list(runners):
       try:
-        times[name].append(runners[name].step())
+        times[name].append(runners[name].step(steps_per_rep))
       except Exception as e:
         errors[name] = _reason(e)
         runners.pop(name)

@@ -1,12 +1,10 @@
 """Causal grouped-query attention with segment masking (packed documents never see each other)."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from meshlm.parallel.sharding import auto_region, constrain
+from meshlm.parallel.sharding import auto_region
 
 
 def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int | None = None) -> jax.Array:
@@ -25,28 +23,22 @@ def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int
 
 def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array, *,
                   scale: float, softcap: float | None = None) -> jax.Array:
-  """softmax(q k^T * scale) v with K kv heads shared by groups of N // K query heads -> [B, T, N, H].
+  """softmax(q k^T * scale) v with K kv heads shared by groups of G = N // K query heads.
 
-  The core runs in an auto-axes region: under explicit sharding every einsum output would
-  otherwise carry a sharding annotation between its dot and its transpose, which XLA cannot fold.
+  Returns [B, T, K, G, H]: left grouped, so that the output projection contracts it directly (a
+  reshape back to [B, T, N, H] would sit between that projection's gradient dot and the transpose
+  after it). Plain math with no sharding annotations of its own (it runs inside an auto-axes region).
   """
   with jax.named_scope("attention"):
-    core = functools.partial(_gqa_core, scale=scale, softcap=softcap)
-    return auto_region(core, ("batch", "length", "heads", "head_dim"), q_BTNH.shape)(q_BTNH, k_BSKH, v_BSKH, mask)
-
-
-def _gqa_core(q_BTNH, k_BSKH, v_BSKH, mask, *, scale, softcap):
-  """The plain attention math, with no sharding annotations of its own."""
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
-  s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) * scale
-  if softcap is not None:
-    s = softcap * jnp.tanh(s / softcap)
-  s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype)
-  o = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
-  return jnp.reshape(o, (B, T, N, H))
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) * scale
+    if softcap is not None:
+      s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
 
 
 def self_attention(p: dict, x_BTD: jax.Array, ctx, *, scale: float, softcap: float | None = None,
@@ -72,7 +64,15 @@ def self_attention(p: dict, x_BTD: jax.Array, ctx, *, scale: float, softcap: flo
     q, k = q_norm(q), k_norm(k)
   cos, sin = rope if rope is not None else (ctx.cos, ctx.sin)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-  o = gqa_attention(q, k, v, ctx.mask if mask is None else mask, scale=scale, softcap=softcap)
-  o = constrain(o, heads)
-  with jax.named_scope("o"):
-    return dense(o, p["o"].astype(dt), "btnh,nhd->btd", ("batch", "length", "act_embed"), **kw)
+  # The attention core and the output projection run in one auto-axes region. Under explicit sharding
+  # every einsum output would otherwise carry a sharding annotation between its dot and the
+  # transpose after it (the core's own einsums, and the incoming gradient of the output projection
+  # in the backward pass), which XLA cannot fold. Inside the region XLA folds them as under auto;
+  # the output projection still goes through dense.
+  def attend_and_project(q, k, v, mask, w_o):
+    o = gqa_attention(q, k, v, mask, scale=scale, softcap=softcap)  # [B, T, K, G, H]
+    w_o = jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:])  # [N, H, D] -> [K, G, H, D]
+    with jax.named_scope("o"):
+      return dense(o, w_o, "btkgh,kghd->btd", ("batch", "length", "act_embed"), **kw)
+  region = auto_region(attend_and_project, ("batch", "length", "act_embed"), x_BTD.shape)
+  return region(q, k, v, ctx.mask if mask is None else mask, p["o"].astype(dt))
