@@ -32,8 +32,8 @@ MODES = ("explicit", "auto")
 F32_BOUND = 1e-5  # the bound for float32; a sharding bug shows up as 1e-3 or more
 
 
-def command(mesh: list[str], dtype: str, mode: str, steps: int, extra: list[str]) -> list[str]:
-  return ["model=llama2-tiny", "cpu_devices=4", *mesh, f"train.steps={steps}", f"train.compute_dtype={dtype}",
+def command(mesh: list[str], dtype: str, mode: str, steps: int, extra: list[str], model: str = "llama2-tiny") -> list[str]:
+  return [f"model={model}", "cpu_devices=4", *mesh, f"train.steps={steps}", f"train.compute_dtype={dtype}",
           f"shard_mode={mode}", *extra]
 
 
@@ -51,6 +51,9 @@ def run(args: list[str], run_dir: str) -> list[float]:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--steps", type=int, default=20)
+  ap.add_argument("--model", default="llama2-tiny")
+  ap.add_argument("--mesh", action="append", choices=list(MESHES), help="only these meshes (default: all three)")
+  ap.add_argument("--dtype", action="append", choices=DTYPES, help="only these compute dtypes (default: both)")
   ap.add_argument("--keep", help="write the run directories here (default: a temporary folder, removed)")
   ap.add_argument("overrides", nargs="*", help="extra key=value for every run, e.g. train.sample_tokens=0")
   a = ap.parse_args()
@@ -59,12 +62,16 @@ def main() -> int:
   root = a.keep or tempfile.mkdtemp(prefix="parity-")
   results = []
   for mesh_name, mesh in MESHES.items():
+    if a.mesh and mesh_name not in a.mesh:
+      continue
     for dtype in DTYPES:
+      if a.dtype and dtype not in a.dtype:
+        continue
       losses = {}
       for mode in MODES:
         run_dir = os.path.join(root, f"{mesh_name.replace(',', '_').replace('=', '')}-{dtype}-{mode}")
         print(f"running {mesh_name} {dtype} {mode} ...", file=sys.stderr, flush=True)
-        losses[mode] = run(command(mesh, dtype, mode, a.steps, a.overrides), run_dir)
+        losses[mode] = run(command(mesh, dtype, mode, a.steps, a.overrides, a.model), run_dir)
       diffs = [abs(x - y) for x, y in zip(losses["explicit"], losses["auto"])]
       if len(diffs) != a.steps or len(losses["auto"]) != a.steps:
         raise SystemExit(f"{mesh_name} {dtype}: expected {a.steps} logged steps, got "
@@ -75,10 +82,10 @@ def main() -> int:
     import shutil
     shutil.rmtree(root, ignore_errors=True)
 
-  shown = " ".join(["meshlm train", *command(["<mesh>"], "<dtype>", "<explicit|auto>", a.steps, a.overrides)])
+  shown = " ".join(["meshlm train", *command(["<mesh>"], "<dtype>", "<explicit|auto>", a.steps, a.overrides, a.model)])
   print(f"Command: `{shown}`, one fresh process per run; losses from metrics.jsonl.\n")
-  print("| mesh | compute dtype | steps | max abs loss diff | at step | step-0 diff | final loss (explicit / auto) | verdict |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+  print("| model | mesh | compute dtype | steps | max abs loss diff | at step | step-0 diff | final loss (explicit / auto) | verdict |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   failed = False
   for mesh_name, dtype, diffs, worst, losses in results:
     if dtype == "float32":
@@ -87,7 +94,7 @@ def main() -> int:
       verdict = f"{'pass' if ok else 'FAIL'} (<= {F32_BOUND:g})"
     else:
       verdict = "reported (expect ~1e-4)"
-    print(f"| {mesh_name} | {dtype} | {len(diffs)} | {diffs[worst]:.3g} | {worst} | {diffs[0]:.3g} | "
+    print(f"| {a.model} | {mesh_name} | {dtype} | {len(diffs)} | {diffs[worst]:.3g} | {worst} | {diffs[0]:.3g} | "
           f"{losses['explicit'][-1]:.5f} / {losses['auto'][-1]:.5f} | {verdict} |")
   return 1 if failed else 0
 
