@@ -203,3 +203,12 @@ def test_resolved_flags_are_written_as_booleans():
   for mode, expected in (("explicit", True), ("auto", False)):
     data = yaml.safe_load(to_yaml(load_config(f"shard_mode={mode}")))
     assert data[KO_LM] is expected and data[KO_DENSE] is expected
+
+
+def test_rope_scaling_missing_keys_fail_before_tracing():
+  with pytest.raises(ConfigError, match=r"rope_scaling: llama3 scaling needs original_max_position"):
+    load_config("model.rope_scaling.factor=8")
+  with pytest.raises(ConfigError, match=r"rope_scaling: linear scaling needs factor"):
+    load_config("model.rope_scaling={rope_type: linear}")
+  cfg = load_config("model.rope_scaling={factor: 8, original_max_position: 512}")
+  assert cfg.model.rope_scaling["factor"] == 8

@@ -59,6 +59,13 @@ class ModelConfig(_Strict):
     kind = (self.rope_scaling or {}).get("rope_type", "llama3")
     if self.rope_scaling and kind not in ("llama3", "linear", "yarn"):
       raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported; expected llama3, linear or yarn")
+    if self.rope_scaling:
+      # The keys each kind reads; a missing one would otherwise fail only while tracing.
+      needed = ("factor",) if kind == "linear" else ("factor", "original_max_position")
+      missing = [k for k in needed if k not in self.rope_scaling]
+      if missing:
+        raise ValueError(f"rope_scaling: {kind} scaling needs {', '.join(missing)} "
+                         f"(set model.rope_scaling.{missing[0]}=...)")
     return self
 
   def layer_types(self) -> tuple[str, ...]:
