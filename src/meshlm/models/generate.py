@@ -1,6 +1,8 @@
 """Greedy sampling from a trained model: a short, honest look at what it learned."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,16 +23,7 @@ def greedy(cfg: Config, params, prompt: np.ndarray, num_tokens: int, mesh=None) 
     logits = decoder.forward(cfg, params, tokens)
     return jnp.argmax(logits[0, i - 1].astype(jnp.float32))
 
-  ctx = jax.set_mesh(mesh) if mesh is not None else _null()
-  with ctx:
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     for i in range(len(prompt), length):
       buf[0, i] = int(next_token(params, jnp.asarray(buf), i))
   return buf[0, len(prompt):]
-
-
-class _null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False
