@@ -195,32 +195,24 @@ def test_bad_config(tmp_path, changes, message):
     hf.load(src, "cpu_devices=1")
 
 
-def test_missing_tensor(tmp_path):
+BAD_TENSORS = {
+    "missing_tensor": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+                       "missing tensor model.layers.1.mlp.up_proj.weight (expected shape [56, 45])"),
+    "extra_tensor": (lambda t: t.update({"model.layers.2.mlp.up_proj.weight": np.zeros((56, 45), np.float32)}),
+                     "unexpected tensor model.layers.2.mlp.up_proj.weight in model.safetensors"),
+    "shape_mismatch": (lambda t: t.update({"model.norm.weight": np.ones(44, np.float32)}),
+                       "tensor model.norm.weight: shape [44] in model.safetensors, but config.json implies [45]"),
+    "bad_dtype": (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].astype(np.int32)}),
+                  "tensor lm_head.weight: dtype I32 cannot be loaded"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TENSORS))
+def test_bad_tensors_name_the_tensor(case, tmp_path):
+  edit, message = BAD_TENSORS[case]
   src = copy_fixture("llama", tmp_path)
-  edit_tensors(src, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-  with pytest.raises(ConfigError, match=_re("missing tensor model.layers.1.mlp.up_proj.weight (expected shape [56, 45])")):
-    hf.load(src, "cpu_devices=1")
-
-
-def test_extra_tensor(tmp_path):
-  src = copy_fixture("llama", tmp_path)
-  edit_tensors(src, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": np.zeros((56, 45), np.float32)}))
-  with pytest.raises(ConfigError, match=_re("unexpected tensor model.layers.2.mlp.up_proj.weight in model.safetensors")):
-    hf.load(src, "cpu_devices=1")
-
-
-def test_shape_mismatch(tmp_path):
-  src = copy_fixture("llama", tmp_path)
-  edit_tensors(src, lambda t: t.update({"model.norm.weight": np.ones(44, np.float32)}))
-  with pytest.raises(ConfigError, match=_re("tensor model.norm.weight: shape [44] in model.safetensors, but "
-                                            "config.json implies [45]")):
-    hf.load(src, "cpu_devices=1")
-
-
-def test_bad_dtype(tmp_path):
-  src = copy_fixture("llama", tmp_path)
-  edit_tensors(src, lambda t: t.update({"lm_head.weight": t["lm_head.weight"].astype(np.int32)}))
-  with pytest.raises(ConfigError, match=_re("tensor lm_head.weight: dtype I32 cannot be loaded")):
+  edit_tensors(src, edit)
+  with pytest.raises(ConfigError, match=_re(message)):
     hf.load(src, "cpu_devices=1")
 
 
