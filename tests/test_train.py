@@ -206,3 +206,48 @@ def test_warmup_then_cosine_to_the_floor():
   # No warmup: the first step already runs at the peak rate.
   no_warmup = schedule(load_config("train.warmup_steps=0", "train.learning_rate=1e-3").train)
   assert float(no_warmup(0)) == pytest.approx(1e-3)
+
+
+def _loop_events(tmp_path, monkeypatch, *overrides):
+  """Runs the loop and returns its order of events: ("D", n) for the n-th dispatched step, ("R", step)
+  for a step whose metrics were read (log_every=1 writes one record per read)."""
+  from meshlm.train import loop as L
+  from meshlm.train.step import TrainStep
+  events = []
+  call, write = TrainStep.__call__, L.MetricsWriter.write
+  def dispatch(self, state, batch):
+    events.append(("D", sum(e[0] == "D" for e in events)))
+    return call(self, state, batch)
+  def read(self, record):
+    events.append(("R", record["step"]))
+    return write(self, record)
+  monkeypatch.setattr(TrainStep, "__call__", dispatch)
+  monkeypatch.setattr(L.MetricsWriter, "write", read)
+  cfg = load_config(*BASE, "mesh.fsdp=4", "train.steps=8", "train.log_every=1", "checkpoint.every=4",
+                    f"run_dir={tmp_path}", *overrides)
+  try:
+    train(cfg, show_progress=False)
+  except ConfigError as e:  # NonFiniteStop
+    events.append(("stop", str(e)))
+  return events
+
+
+def test_loop_queues_the_next_step_except_where_the_state_is_needed(tmp_path, monkeypatch):
+  """Step i + 1 is dispatched before step i's metrics are read, so the host overlaps the device;
+  but never past a step whose state is saved (step 3 here, checkpoint 4) or the last one."""
+  events = _loop_events(tmp_path, monkeypatch)
+  D, R = (lambda n: ("D", n)), (lambda n: ("R", n))
+  assert events == [D(0), D(1), R(0), D(2), R(1), D(3), R(2), R(3),  # checkpoint 4: wait for step 3
+                    D(4), D(5), R(4), D(6), R(5), D(7), R(6), R(7)]
+
+
+def test_loop_does_not_run_past_a_step_that_may_stop_the_run(tmp_path, monkeypatch):
+  """With NaN at steps 2 and 3 and max_nonfinite_in_a_row=2, step 3 may stop the run once step 2 is
+  non-finite, so nothing is queued behind it and the saved state is the one after step 3."""
+  from meshlm.train.loop import NAN_STEPS_ENV
+  monkeypatch.setenv(NAN_STEPS_ENV, "2,3")
+  events = _loop_events(tmp_path, monkeypatch, "train.max_nonfinite_in_a_row=2")
+  D, R = (lambda n: ("D", n)), (lambda n: ("R", n))
+  assert events[:-1] == [D(0), D(1), R(0), D(2), R(1), D(3), R(2), R(3)]
+  assert events[-1][0] == "stop" and "stopped at step 3" in events[-1][1]
+  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [4]

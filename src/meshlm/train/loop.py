@@ -11,6 +11,7 @@ Stopping, and what each leaves behind (the same command then continues where it 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -47,6 +48,14 @@ class TrainResult:
   start_step: int = 0  # the step this invocation started from (> 0 after a resume)
   stop_reason: str = "done"  # done | preempted | stop_after
   checkpoint: str | None = None  # the last checkpoint saved by this invocation
+
+
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched step whose metrics the loop has not read yet."""
+  step: int
+  metrics: dict
+  data_state: dict  # the data iterator's position right after this step's batch
 
 
 def prepare_run_dir(cfg: Config) -> None:
@@ -200,50 +209,85 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
                       TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"),
                       TimeRemainingColumn(), console=console,
                       disable=not show_progress or jax.process_index() != 0, transient=False)
+
+  def fetch(i: int) -> dict:
+    host_batch = next(data)
+    if i in nan_steps:
+      host_batch = dict(host_batch, loss_mask=np.full_like(host_batch["loss_mask"], np.nan))
+    return step_fn.put_batch(host_batch)
+
+  inflight: collections.deque[_InFlight] = collections.deque()
+  preempt = False
+
+  def may_run_past(i: int) -> bool:
+    """Whether step i + 1 may be dispatched before step i's metrics are read. The step donates its
+    state, so this is only when nothing at step i can need the state after it: no checkpoint, no
+    stop_after, no signal seen, and no non-finite stop even if step i turns out non-finite."""
+    done = i + 1
+    return (done < t.steps and not preempt and not ckpt.should_save(done, t.steps)
+            and not (t.stop_after is not None and done - start >= t.stop_after)
+            and t.on_nonfinite == "skip" and counters["nonfinite_in_a_row"] + 1 < t.max_nonfinite_in_a_row)
+
   try:
     with progress:
       task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0)
-      for i in range(start, t.steps):
-        t0 = time.perf_counter()
-        host_batch = next(data)
-        if i in nan_steps:
-          host_batch = dict(host_batch, loss_mask=np.full_like(host_batch["loss_mask"], np.nan))
-        state, metrics = step_fn(state, step_fn.put_batch(host_batch))
-        loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])  # waits for the step
-        nonfinite = bool(metrics["nonfinite"])
-        dt = time.perf_counter() - t0
-        if i == start:
-          first_step_s = time.perf_counter() - t_start
+      i, batch = start, (fetch(start) if start < t.steps else None)
+      last_done = time.perf_counter()
+      while True:
+        # Keep one step queued behind the one being read, so the host's reading, logging and the
+        # next batch overlap the device's work instead of adding to it.
+        while i < t.steps and stop_reason == "done" and (not inflight or (len(inflight) == 1 and may_run_past(inflight[0].step))):
+          state, metrics = step_fn(state, batch)
+          inflight.append(_InFlight(i, metrics, data.get_state()))  # the data position right after batch i
+          i += 1
+          batch = fetch(i) if i < t.steps else None
+        if not inflight:
+          break
+        p = inflight.popleft()
+        m = jax.device_get(p.metrics)  # waits for step p.step
+        loss, gnorm, nonfinite = float(m["loss"]), float(m["grad_norm"]), bool(m["nonfinite"])
+        now = time.perf_counter()
+        dt, last_done = now - last_done, now  # wall time per finished step: the loop's real rate
+        if p.step == start:
+          first_step_s = now - t_start
         losses.append(loss)
         norms.append(gnorm)
         counters["nonfinite_in_a_row"] = counters["nonfinite_in_a_row"] + 1 if nonfinite else 0
         counters["nonfinite_total"] += int(nonfinite)
-        if i % t.log_every == 0 or i == t.steps - 1 or nonfinite:
-          record = {"step": i, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
+        if p.step % t.log_every == 0 or p.step == t.steps - 1 or nonfinite:
+          record = {"step": p.step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
                     "tokens_per_s": tokens_per_step / dt, "nonfinite": nonfinite, **counters}
-          if i == start:
+          if p.step == start:
             record["time_to_first_step_s"] = first_step_s
           writer.write(record)
         if nonfinite:
-          say(f"[yellow]warning:[/] step {i}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
+          say(f"[yellow]warning:[/] step {p.step}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
               f"({counters['nonfinite_in_a_row']} in a row)")
         progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
 
-        done = i + 1
+        done = p.step + 1
+        preempt = signals.requested()  # every process asks once per step: the answer is collective
+        reason = "done"
         if nonfinite and (t.on_nonfinite == "stop" or counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
           why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
                  f"{counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
-          nonfinite_msg = (f"stopped at step {i}: non-finite loss or gradient norm, {why}; the last good state is "
+          nonfinite_msg = (f"stopped at step {p.step}: non-finite loss or gradient norm, {why}; the last good state is "
                            f"saved as checkpoint {ckpt.dir}/{done}. Lower train.learning_rate or check the data")
-          stop_reason = "nonfinite"
-        elif signals.requested():
-          stop_reason = "preempted"
+          reason = "nonfinite"
+        elif preempt:
+          reason = "preempted"
         elif t.stop_after is not None and done - start >= t.stop_after and done < t.steps:
-          stop_reason = "stop_after"
-        if stop_reason != "done" or ckpt.should_save(done, t.steps):
-          ckpt.save(done, state, rng, data.get_state(), counters)
+          reason = "stop_after"
+        if inflight:
+          # Only a signal can get here (may_run_past rules out the rest): the state has moved on to
+          # the queued step, so finish that one and save after it.
+          assert reason in ("done", "preempted"), reason
+          continue
+        if reason != "done" or ckpt.should_save(done, t.steps):
+          ckpt.save(done, state, rng, p.data_state, counters)
           saved = f"{ckpt.dir}/{done}"
-        if stop_reason != "done":
+        if reason != "done":
+          stop_reason = reason
           break
   finally:
     signals.restore()
