@@ -156,7 +156,7 @@ def test_tied_head_is_an_einsum_over_the_table():
 
 
 def test_every_layer_names_its_scope():
-  cfg = load_config("train.compute_dtype=float32")
+  cfg = load_config("train.compute_dtype=float32", "scan_layers=true")
   params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
   text = jax.jit(lambda p, t: forward(cfg, p, t)).lower(params, jax.ShapeDtypeStruct((1, 8), jnp.int32)).as_text(
       debug_info=True)
