@@ -74,7 +74,7 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: Trai
   unchanged (so the optimizer's own count, which drives the LR schedule, does not advance), while
   `state.step` still advances, because it counts batches consumed and names the checkpoint."""
   loss, grads = grads_and_loss(cfg, state.params, batch)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
