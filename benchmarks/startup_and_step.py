@@ -1,7 +1,7 @@
 """Time from `meshlm train` starting to its first finished step, and the median step time.
 
 Runs the CLI as a user would (a fresh process each rep), watches metrics.jsonl for the first
-step, and reads every step's `step_time_s` from it. Prints a markdown table with medians and the
+step, and reads every step's `step_time_s` from it (the wall time between finished steps). Prints a markdown table with medians and the
 spread between reps ((max - min) / median).
 
   .venv/bin/python benchmarks/startup_and_step.py --reps 3
@@ -21,8 +21,10 @@ BIN = os.path.join(os.path.dirname(sys.executable), "meshlm")
 BASE = ["model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1",
         "train.seq_len=128", "train.sample_tokens=0"]
 ARMS = {
-    "llama2-tiny (vocab 512)": [],
-    "llama2-tiny, vocab 32000": ["model.vocab_size=32000"],
+    "llama2-tiny (float32, unrolled: the preset)": [],
+    "bfloat16, unrolled": ["train.compute_dtype=bfloat16"],
+    "bfloat16, scanned (the preset before 2026-11-30)": ["train.compute_dtype=bfloat16", "scan_layers=true"],
+    "float32, unrolled, vocab 32000": ["model.vocab_size=32000"],
 }
 
 
