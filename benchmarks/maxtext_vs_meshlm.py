@@ -15,6 +15,9 @@ MaxText is not a meshlm dependency: install it in its own virtualenv (it needs P
       ml-collections jsonlines pyyaml jinja2 tokamax huggingface_hub transformers pillow sympy
 
   .venv/bin/python benchmarks/maxtext_vs_meshlm.py --maxtext-python /tmp/mtvenv/bin/python --reps 3
+
+With --other-meshlm /tmp/mtvenv/bin/meshlm (meshlm installed there with `pip install --no-deps .`)
+it adds an arm of meshlm on MaxText's JAX, to separate the trainers from the JAX versions.
 """
 from __future__ import annotations
 
@@ -50,10 +53,10 @@ ARMS = {  # name -> (trainer, extra keys)
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
 
 
-def run_meshlm(extra: list[str], steps: int) -> tuple[float, list[float]]:
+def run_meshlm(extra: list[str], steps: int, binary: str = MESHLM) -> tuple[float, list[float]]:
   with tempfile.TemporaryDirectory() as run_dir:
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    cmd = [MESHLM, "train", *MESHLM_BASE, *extra, f"train.steps={steps}", f"run_dir={run_dir}"]
+    cmd = [binary, "train", *MESHLM_BASE, *extra, f"train.steps={steps}", f"run_dir={run_dir}"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = None
@@ -103,7 +106,17 @@ def main() -> None:
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--skip", type=int, default=5, help="leading steps left out of each run's median")
+  ap.add_argument("--other-meshlm", help="a meshlm command installed beside another JAX (e.g. MaxText's "
+                  "virtualenv, `pip install --no-deps .` there): adds its float32 preset arm")
   args = ap.parse_args()
+  arms = dict(ARMS)
+  if args.other_meshlm:
+    other = os.path.join(os.path.dirname(args.other_meshlm), "python")
+    jax_version = subprocess.run([other, "-c", "import jax; print(jax.__version__)"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+    arms = {**{k: v for k, v in ARMS.items() if k.startswith("meshlm")},
+            f"meshlm on jax {jax_version}, float32 (preset)": ("other-meshlm", []),
+            **{k: v for k, v in ARMS.items() if not k.startswith("meshlm")}}
   config = args.maxtext_config or glob.glob(os.path.join(
       os.path.dirname(os.path.dirname(args.maxtext_python)), "lib", "python3*", "site-packages", "maxtext", "configs",
       "base.yml"))[0]
@@ -112,11 +125,13 @@ def main() -> None:
   print(f"meshlm: {' '.join(MESHLM_BASE)} train.steps={args.steps}; MaxText {version[0]} (jax {version[1]}): "
         f"{' '.join(MAXTEXT_BASE)} steps={args.steps}; {args.reps} reps, arms interleaved, median of steps "
         f">= {args.skip} per run")
-  results = {name: ([], []) for name in ARMS}
+  results = {name: ([], []) for name in arms}
   for _ in range(args.reps):
-    for name, (trainer, extra) in ARMS.items():
+    for name, (trainer, extra) in arms.items():
       if trainer == "meshlm":
         first, times = run_meshlm(extra, args.steps)
+      elif trainer == "other-meshlm":
+        first, times = run_meshlm(extra, args.steps, args.other_meshlm)
       else:
         first, times = run_maxtext(args.maxtext_python, config, extra, args.steps)
       results[name][0].append(first)
