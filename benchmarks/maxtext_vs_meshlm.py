@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
 import statistics
@@ -31,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from startup_and_step import launch, spread  # the same directory
 
 MESHLM = os.path.join(os.path.dirname(sys.executable), "meshlm")
 MESHLM_BASE = ["model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1",
@@ -54,23 +55,7 @@ STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
 
 
 def run_meshlm(extra: list[str], steps: int, binary: str = MESHLM) -> tuple[float, list[float]]:
-  with tempfile.TemporaryDirectory() as run_dir:
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    cmd = [binary, "train", *MESHLM_BASE, *extra, f"train.steps={steps}", f"run_dir={run_dir}"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first = None
-    while first is None and proc.poll() is None:
-      if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
-        first = time.perf_counter() - t0
-      time.sleep(0.01)
-    _, err = proc.communicate()
-    if proc.returncode:
-      raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-    with open(metrics) as f:
-      rows = [json.loads(line) for line in f]
-    first = rows[0]["time_to_first_step_s"] if first is None else first
-    return first, [r["step_time_s"] for r in rows]
+  return launch([*MESHLM_BASE, *extra], steps, binary)
 
 
 def run_maxtext(python: str, config: str, extra: list[str], steps: int) -> tuple[float, list[float]]:
@@ -93,10 +78,6 @@ def run_maxtext(python: str, config: str, extra: list[str], steps: int) -> tuple
     if first is None:
       raise SystemExit(f"no 'completed step' lines from MaxText:\n{''.join(tail)}")
     return first, [times[k] for k in sorted(times)]
-
-
-def spread(xs: list[float]) -> float:
-  return (max(xs) - min(xs)) / statistics.median(xs)
 
 
 def main() -> None:

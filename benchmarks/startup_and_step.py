@@ -28,10 +28,12 @@ ARMS = {
 }
 
 
-def one_run(extra: list[str], steps: int) -> tuple[float, float]:
+def launch(args: list[str], steps: int, binary: str = BIN) -> tuple[float, list[float]]:
+  """Runs `binary train ARGS train.steps=STEPS` in a fresh process: (seconds from launch to the first
+  metrics.jsonl line, every step's step_time_s)."""
   with tempfile.TemporaryDirectory() as run_dir:
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    cmd = [BIN, "train", *BASE, *extra, f"train.steps={steps}", f"run_dir={run_dir}"]
+    cmd = [binary, "train", *args, f"train.steps={steps}", f"run_dir={run_dir}"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = None
@@ -41,13 +43,17 @@ def one_run(extra: list[str], steps: int) -> tuple[float, float]:
       time.sleep(0.01)
     _, err = proc.communicate()
     if proc.returncode:
-      raise SystemExit(f"{' '.join(cmd)} failed:\n{err}")
+      raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
     with open(metrics) as f:
       rows = [json.loads(l) for l in f]
     if first is None:  # finished between polls
       first = rows[0]["time_to_first_step_s"]
-    # Skip the first steps: compile and warm-up.
-    return first, statistics.median(r["step_time_s"] for r in rows[3:])
+    return first, [r["step_time_s"] for r in rows]
+
+
+def one_run(extra: list[str], steps: int) -> tuple[float, float]:
+  first, times = launch([*BASE, *extra], steps)
+  return first, statistics.median(times[3:])  # skip the first steps: compile and warm-up
 
 
 def spread(xs: list[float]) -> float:
