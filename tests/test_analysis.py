@@ -71,6 +71,8 @@ def test_attribution_names_the_layer_and_direction():
   assert attribute("jit(<lambda>)/jvp()/while/body/closed_call/layers/mlp/mlp/down/btf,fd->btd/dot_general") \
       == "layers/mlp/down forward"
   assert attribute("jit(<lambda>)/reduce_sum") == "other"
+  # JAX 0.12 puts an eval_jaxpr frame in front of the scopes.
+  assert attribute("jit(<lambda>)/eval_jaxpr/transpose(jvp(layers/mlp/down))/dot_general") == "layers/mlp/down backward"
 
 
 def test_signature_diff_lists_only_differing_buckets():

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 
-# Frames JAX adds around user scopes; they carry no layer name.
+# Frames JAX adds around user scopes; they carry no layer name. (JAX 0.12 adds "eval_jaxpr".)
 _NOISE = {"while", "body", "cond", "closed_call", "checkpoint", "remat", "rematted_computation", "pjit",
-          "jit", "shard_map", "custom_vjp_call", "custom_jvp_call", "core_call", "call", "scan"}
+          "jit", "shard_map", "custom_vjp_call", "custom_jvp_call", "core_call", "call", "scan", "eval_jaxpr"}
 _WRAP = re.compile(r"^(jvp|transpose|vmap|jit|pjit|remat|checkpoint|auto_axes)\((.*)\)$")
 
 
