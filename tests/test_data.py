@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from meshlm.config import ConfigError, load_config
 from meshlm.train import data as D
+from meshlm.train.data import sources as DS
 from meshlm.train.data import ByteTokenizer, make_dataset
 
 EOS = ByteTokenizer.eos_id
@@ -216,7 +217,7 @@ def _shard_texts(shard):
 def test_shards_partition_documents(kind, tmp_path):
   texts = _docs_text(40)
   path = _write_jsonl(tmp_path / "j", texts) if kind == "jsonl" else _write_parquet(tmp_path / "p", texts)
-  build = D._jsonl_shard if kind == "jsonl" else D._parquet_shard
+  build = DS._jsonl_shard if kind == "jsonl" else DS._parquet_shard
   cfg = load_config(f"data.source={kind}", f"data.path={path}")
   assert _shard_texts(build(cfg, 0, 1)) == texts  # storage order, nothing lost, blank lines skipped
   for count in (2, 3, 7):
@@ -252,10 +253,10 @@ def test_jsonl_scan_reads_only_its_range(tmp_path, monkeypatch):
   (file,) = glob.glob(_write_jsonl(tmp_path / "j", _docs_text(60), per_file=60))
   size = os.path.getsize(file)
   spans = []
-  monkeypatch.setattr(D, "open", lambda p, mode="r": _ReadSpans(p, spans), raising=False)
-  monkeypatch.setattr(D, "_SCAN_CHUNK", 64)  # small chunks, so reading can stop soon after the range
+  monkeypatch.setattr(DS, "open", lambda p, mode="r": _ReadSpans(p, spans), raising=False)
+  monkeypatch.setattr(DS, "_SCAN_CHUNK", 64)  # small chunks, so reading can stop soon after the range
   lo, hi = size // 2, 3 * size // 4
-  starts, ends = D._scan_lines(file, size, lo, hi)
+  starts, ends = DS._scan_lines(file, size, lo, hi)
   data = open(file, "rb").read()
   want = [i for i in range(lo, hi) if data[i - 1:i] == b"\n" and data[i:i + 1] != b"\n"]
   assert list(starts) == want and all(data[e:e + 1] in (b"\n", b"") for e in ends)
@@ -296,17 +297,17 @@ def test_parquet_state_round_trip(tmp_path):
 
 def test_parquet_shuffle_is_local_and_deterministic(tmp_path):
   cfg = load_config("data.source=parquet", f"data.path={_write_parquet(tmp_path / 'p', _docs_text(60), row_group=4)}")
-  shard = D._parquet_shard(cfg, 0, 1)  # 6 files: row groups of 4, 4, 3 rows
+  shard = DS._parquet_shard(cfg, 0, 1)  # 6 files: row groups of 4, 4, 3 rows
   n = len(shard)
   order = [shard.storage_index(i) for i in range(2 * n)]
   assert sorted(order[:n]) == list(range(n)) and sorted(order[n:]) == list(range(n))
   assert order[:n] != order[n:] and order[:n] != list(range(n))
-  assert order == [D._parquet_shard(cfg, 0, 1).storage_index(i) for i in range(2 * n)]
+  assert order == [DS._parquet_shard(cfg, 0, 1).storage_index(i) for i in range(2 * n)]
   # Each window draws from at most PARQUET_WINDOW_GROUPS row groups.
   group = np.searchsorted(shard.block_starts, order[:n], side="right") - 1
   _, window_starts = shard._epoch(0)
   for a, b in zip(window_starts[:-1], window_starts[1:]):
-    assert len(set(group[a:b])) == D.PARQUET_WINDOW_GROUPS
+    assert len(set(group[a:b])) == DS.PARQUET_WINDOW_GROUPS
 
 
 def test_hf_tokenizer_stream(tmp_path):
@@ -479,6 +480,6 @@ def test_scan_lines_partitions_any_file(lines, final_newline, cuts, tmp_path_fac
   got = []
   for lo, hi in zip(bounds[:-1], bounds[1:]):
     if lo < hi:
-      s, e = D._scan_lines(str(path), size, lo, hi)
+      s, e = DS._scan_lines(str(path), size, lo, hi)
       got += list(zip(s.tolist(), e.tolist()))
   assert got == want

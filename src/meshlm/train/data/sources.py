@@ -1,0 +1,305 @@
+"""Document sources, each a sequence of (document, where) for this process: the stdlib corpus and
+text files (a file is a document), JSONL lines and Parquet rows (sharded by byte range and row
+group), where document is bytes or str and where names its file for warnings."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from meshlm.config import Config, ConfigError
+from meshlm.train.data.tokenizers import UTF8_STATS
+
+# Directories of the stdlib that are tests, tools or installed packages rather than library code.
+_STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
+                          "__pycache__"})
+# JSONL files are scanned for line starts in chunks of this many bytes (bounded memory).
+_SCAN_CHUNK = 1 << 24
+# Parquet rows are shuffled within windows of this many row groups (see _ParquetShard).
+PARQUET_WINDOW_GROUPS = 4
+
+
+def stdlib_files() -> list[str]:
+  """Non-empty .py files of the running Python's standard library, sorted (~700 files, ~11 MB)."""
+  root = sysconfig.get_paths()["stdlib"]
+  paths = []
+  for folder, dirs, files in os.walk(root):
+    # Pruning in place keeps os.walk out of site-packages, which can be 10x the stdlib.
+    dirs[:] = [d for d in dirs if d not in _STDLIB_SKIP]
+    paths += [os.path.join(folder, f) for f in files if f.endswith(".py")]
+  return sorted(p for p in paths if os.path.getsize(p) > 0)
+
+
+def data_files(pattern: str | None, source: str = "text") -> list[str]:
+  """Files matching the data.path glob (`**` recurses), sorted; each must be non-empty."""
+  if not pattern:
+    example = {"text": "corpus/**/*.txt", "jsonl": "corpus/*.jsonl", "parquet": "corpus/*.parquet"}[source]
+    raise ConfigError(f"data.path is required when data.source={source}: set it to a glob, e.g. "
+                      f"data.path='{example}'")
+  paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise ConfigError(f"data.path={pattern!r} matches no files; check the glob (use ** to recurse)")
+  for p in paths:
+    if os.path.getsize(p) == 0:
+      raise ConfigError(f"data.path={pattern!r}: file {p} is empty; remove it or narrow the glob")
+  return paths
+
+
+class _TextFiles:
+  """A text file is one document, read as bytes."""
+
+  def __init__(self, paths: Sequence[str]):
+    self.paths = list(paths)
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def __getitem__(self, i: int) -> tuple[bytes, str]:
+    with open(self.paths[i], "rb") as f:
+      return f.read(), self.paths[i]
+
+
+def _line_number(path: str, offset: int) -> int:
+  """1-based line of a byte offset. Only error paths call it: it reads the file up to the offset."""
+  count = 0
+  with open(path, "rb") as f:
+    while offset > 0:
+      chunk = f.read(min(_SCAN_CHUNK, offset))
+      if not chunk:
+        break
+      count += chunk.count(b"\n")
+      offset -= len(chunk)
+  return count + 1
+
+
+def _scan_lines(path: str, size: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+  """Byte spans [start, end) of the non-empty lines that start in [lo, hi), without the newline.
+
+  Reads from lo - 1 to the end of the last such line, nothing else of the file.
+  """
+  newlines = []
+  pos = max(lo - 1, 0)
+  with open(path, "rb") as f:
+    f.seek(pos)
+    while pos < size:
+      chunk = f.read(_SCAN_CHUNK)
+      if not chunk:
+        break
+      nl = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")) + pos
+      newlines.append(nl)
+      pos += len(chunk)
+      # The newline at or after hi - 1 ends the last line that starts before hi.
+      if len(nl) and nl[-1] >= hi - 1:
+        break
+  nl = np.concatenate(newlines) if newlines else np.zeros(0, np.int64)
+  starts = nl + 1
+  starts = starts[(starts >= lo) & (starts < hi) & (starts < size)]
+  if lo == 0:
+    starts = np.concatenate([[0], starts])
+  idx = np.searchsorted(nl, starts)  # the first newline at or after each start
+  ends = np.full(len(starts), size, np.int64)  # a last line without a newline ends the file
+  ends[idx < len(nl)] = nl[idx[idx < len(nl)]]
+  keep = ends > starts
+  return starts[keep].astype(np.int64), ends[keep].astype(np.int64)
+
+
+class _JsonlShard:
+  """This process's JSONL lines: one document per non-empty line, the text in data.field."""
+
+  def __init__(self, paths: list[str], file_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, field: str):
+    self.paths, self.file_ids, self.starts, self.ends, self.field = paths, file_ids, starts, ends, field
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def __getitem__(self, i: int) -> tuple[str, str]:
+    path, start, end = self.paths[self.file_ids[i]], int(self.starts[i]), int(self.ends[i])
+    with open(path, "rb") as f:
+      f.seek(start)
+      raw = f.read(end - start)
+    where = lambda: f"{path}:{_line_number(path, start)}"
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      # JSON is Unicode text, so this holds for every tokenizer; the offset is in the file.
+      UTF8_STATS.record(path, start + e.start)
+      text = raw.decode("utf-8", errors="replace")
+    try:
+      obj = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{where()}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+      raise ConfigError(f"{where()}: expected a JSON object with a {self.field!r} field, got {type(obj).__name__}")
+    if self.field not in obj:
+      keys = ", ".join(list(obj)[:8]) or "none"
+      raise ConfigError(f"{where()}: no field {self.field!r} (data.field); the line has keys: {keys}")
+    value = obj[self.field]
+    if not isinstance(value, str):
+      raise ConfigError(f"{where()}: field {self.field!r} is {type(value).__name__}, expected a string")
+    return value, path
+
+
+def _process_range(total: int, process_index: int, process_count: int) -> tuple[int, int]:
+  return total * process_index // process_count, total * (process_index + 1) // process_count
+
+
+def _jsonl_shard(cfg: Config, process_index: int, process_count: int) -> _JsonlShard:
+  """Splits the files' concatenated bytes into process_count equal ranges; a line belongs to the range
+  where it starts. Granularity: one line (document); a process reads its range plus the rest of its
+  last line and one byte before its range."""
+  paths = data_files(cfg.data.path, "jsonl")
+  sizes = [os.path.getsize(p) for p in paths]
+  lo, hi = _process_range(sum(sizes), process_index, process_count)
+  file_ids, starts, ends, first_lines = [], [], [], []
+  offset = 0
+  for fid, (path, size) in enumerate(zip(paths, sizes)):
+    a, b = min(max(lo - offset, 0), size), min(max(hi - offset, 0), size)
+    offset += size
+    if a >= b:
+      continue
+    s, e = _scan_lines(path, size, a, b)
+    if len(s):
+      first_lines.append(sum(len(x) for x in starts))
+    file_ids.append(np.full(len(s), fid, np.int32))
+    starts.append(s)
+    ends.append(e)
+  cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
+  shard = _JsonlShard(paths, cat(file_ids, np.int32), cat(starts, np.int64), cat(ends, np.int64), cfg.data.field)
+  # Parse each file's first line of this shard now: a wrong format or data.field fails before training.
+  for i in first_lines:
+    shard[i]
+  return shard
+
+
+class _ParquetShard:
+  """This process's Parquet rows: one document per row, the text in column data.field.
+
+  Rows are read a whole row group at a time, so the order is shuffled locally: each epoch visits
+  the row groups in a new order, PARQUET_WINDOW_GROUPS at a time, and shuffles the rows of those
+  groups together. A small cache keeps the decoded groups of the current window.
+  """
+
+  def __init__(self, blocks: list[tuple[str, int, int, int]], field: str, seed: int):
+    # blocks: (path, row group, first row in the group, rows) in storage order.
+    self.blocks, self.field, self.seed = blocks, field, seed
+    sizes = np.array([b[3] for b in blocks], np.int64)
+    self.block_starts = np.concatenate([[0], np.cumsum(sizes)])  # [num_blocks + 1]
+    self._init_cache()
+
+  def _init_cache(self):
+    self._cache: dict[Any, Any] = {}
+    self._lock = threading.Lock()
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_lock")}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._init_cache()
+
+  def __len__(self) -> int:
+    return int(self.block_starts[-1])
+
+  def _cached(self, key, make, limit: int):
+    with self._lock:
+      if key in self._cache:
+        return self._cache[key]
+    value = make()
+    with self._lock:
+      self._cache[key] = value
+      keys = [k for k in self._cache if k[0] == key[0]]
+      for k in keys[:-limit]:  # dicts keep insertion order: drop the oldest of this kind
+        del self._cache[k]
+    return value
+
+  def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block order of an epoch and where each window starts in it."""
+    def make():
+      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.blocks))
+      sizes = np.diff(self.block_starts)[order]
+      window_starts = np.concatenate([[0], np.cumsum(sizes)])[::PARQUET_WINDOW_GROUPS]
+      return order, window_starts
+    return self._cached(("epoch", epoch), make, 2)
+
+  def _window(self, epoch: int, w: int) -> np.ndarray:
+    """The shuffled storage indices of window w of an epoch."""
+    def make():
+      order, _ = self._epoch(epoch)
+      blocks = order[w * PARQUET_WINDOW_GROUPS:(w + 1) * PARQUET_WINDOW_GROUPS]
+      rows = np.concatenate([np.arange(self.block_starts[b], self.block_starts[b + 1]) for b in blocks])
+      return np.random.default_rng([self.seed, epoch, w, 1]).permutation(rows)
+    return self._cached(("window", epoch, w), make, 2)
+
+  def storage_index(self, index: int) -> int:
+    """The row (in storage order) at position `index` of the repeated, shuffled stream."""
+    epoch, k = divmod(index, len(self))
+    _, window_starts = self._epoch(epoch)
+    w = int(np.searchsorted(window_starts, k, side="right")) - 1
+    return int(self._window(epoch, w)[k - window_starts[w]])
+
+  def _group(self, b: int) -> list:
+    path, rg, first, n = self.blocks[b]
+    def make():
+      import pyarrow.parquet as pq
+      column = pq.ParquetFile(path).read_row_group(rg, columns=[self.field]).column(0)
+      return column.slice(first, n).to_pylist()
+    # Two windows' worth: prefetch threads straddle a window boundary for a few rows.
+    return self._cached(("group", b), make, 2 * PARQUET_WINDOW_GROUPS)
+
+  def __getitem__(self, i: int) -> tuple[str | bytes, str]:
+    b = int(np.searchsorted(self.block_starts, i, side="right")) - 1
+    path, rg, first, _ = self.blocks[b]
+    row = first + i - int(self.block_starts[b])  # in the row group
+    value = self._group(b)[i - self.block_starts[b]]
+    if value is None:
+      raise ConfigError(f"{path}: row group {rg}, row {row}: column {self.field!r} (data.field) is null")
+    return value, f"{path} (row group {rg}, row {row})"
+
+
+class _ParquetRead:
+  """Position in the repeated stream -> (document, where), through the shard's local shuffle."""
+
+  def __init__(self, shard: _ParquetShard):
+    self.shard = shard
+
+  def __call__(self, index: int, _) -> tuple[str | bytes, str]:
+    return self.shard[self.shard.storage_index(index)]
+
+
+def _parquet_shard(cfg: Config, process_index: int, process_count: int) -> _ParquetShard:
+  """Splits the files' concatenated rows into process_count equal ranges, from the footers alone.
+  Granularity: one row; a process decodes only the row groups that hold its rows, which it shares with
+  a neighbour only at the two ends of its range."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  field = cfg.data.field
+  groups = []  # (path, row group, rows)
+  for path in data_files(cfg.data.path, "parquet"):
+    try:
+      pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+      raise ConfigError(f"data.path: {path} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    schema = pf.schema_arrow
+    if field not in schema.names:
+      raise ConfigError(f"data.path: {path} has no column {field!r} (data.field); "
+                        f"its columns: {', '.join(schema.names[:8])}")
+    t = schema.field(field).type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t) or pa.types.is_string_view(t) or pa.types.is_binary_view(t)):
+      raise ConfigError(f"data.path: {path} column {field!r} (data.field) is {t}, expected string or binary")
+    if pf.metadata.num_rows == 0:
+      raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
+    groups += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
+  lo, hi = _process_range(sum(n for *_, n in groups), process_index, process_count)
+  blocks, offset = [], 0
+  for path, g, n in groups:
+    a, b = max(lo - offset, 0), min(hi - offset, n)
+    offset += n
+    if a < b:
+      blocks.append((path, g, a, b - a))
+  return _ParquetShard(blocks, field, cfg.data.seed)

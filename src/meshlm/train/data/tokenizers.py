@@ -1,0 +1,143 @@
+"""Tokenizers for the data pipeline: bytes (the default) or a Hugging Face tokenizer.json, and the
+UTF-8 decoding rule for invalid input (replace, count, warn with file and byte offset)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import numpy as np
+
+from meshlm.config import Config, ConfigError
+
+log = logging.getLogger("meshlm.data")
+
+# The EOS rule for a tokenizer.json: eos_token of a tokenizer_config.json beside it, else the first
+# of these that the vocabulary has.
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+
+
+class ByteTokenizer:
+  """One token per byte (ids 0..255) plus EOS = 256, which closes every document."""
+  eos_id = 256
+  byte_level = True
+
+  @property
+  def vocab_size(self) -> int:
+    return 257
+
+  def encode(self, data: bytes | str) -> np.ndarray:
+    if isinstance(data, str):
+      data = data.encode("utf-8")
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+  def decode(self, ids) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    # EOS and any id the model may sample past the bytes carry no text.
+    return bytes(ids[(ids >= 0) & (ids < 256)].astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A Hugging Face tokenizer.json through the `tokenizers` library.
+
+  vocab_size is the largest id + 1 (added tokens included). eos_id follows EOS_CANDIDATES' rule.
+  Documents are encoded without the tokenizer's own special tokens (no BOS); EOS closes each one.
+  """
+  byte_level = False
+
+  def __init__(self, path: str):
+    self.path = path
+    self._tok = _load_hf_tokenizer(path)
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    self.vocab_size = max(vocab.values()) + 1
+    self.eos_id = _hf_eos_id(path, vocab)
+
+  # The Rust tokenizer is rebuilt from its file when Grain or a checkpoint pickles us.
+  def __getstate__(self):
+    return {"path": self.path}
+
+  def __setstate__(self, state):
+    self.__init__(state["path"])
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    if isinstance(text, bytes):
+      text = decode_utf8(text, "HFTokenizer.encode")
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def decode(self, ids) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    ids = ids[(ids >= 0) & (ids < self.vocab_size) & (ids != self.eos_id)]
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _load_hf_tokenizer(path: str):
+  from tokenizers import Tokenizer
+  if not os.path.isfile(path):
+    raise ConfigError(f"data.tokenizer={path}: no such file; use 'byte' or a path to a tokenizer.json")
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # the Rust side raises a bare Exception
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ConfigError(f"data.tokenizer={path}: not a Hugging Face tokenizer.json ({first})") from None
+
+
+def _hf_eos_id(path: str, vocab: dict[str, int]) -> int:
+  side = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+  if os.path.isfile(side):
+    try:
+      with open(side) as f:
+        eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError) as e:
+      raise ConfigError(f"data.tokenizer={path}: cannot read {side} ({e})") from None
+    if isinstance(eos, dict):
+      eos = eos.get("content")
+    if isinstance(eos, str):
+      if eos not in vocab:
+        raise ConfigError(f"data.tokenizer={path}: eos_token {eos!r} of {side} is not in the vocabulary")
+      return vocab[eos]
+  for name in EOS_CANDIDATES:
+    if name in vocab:
+      return vocab[name]
+  raise ConfigError(f"data.tokenizer={path}: no EOS token; add one of {', '.join(EOS_CANDIDATES)} to it, "
+                    f"or an eos_token to a tokenizer_config.json beside it")
+
+
+def make_tokenizer(cfg: Config) -> ByteTokenizer | HFTokenizer:
+  """data.tokenizer: 'byte' or a tokenizer.json path, checked against model.vocab_size."""
+  name = cfg.data.tokenizer
+  tok = ByteTokenizer() if name == "byte" else HFTokenizer(os.path.expanduser(name))
+  if cfg.model.vocab_size < tok.vocab_size:
+    what = ("the byte tokenizer, which needs 257 ids (256 bytes + EOS)" if name == "byte"
+            else f"data.tokenizer={name}, whose ids go up to {tok.vocab_size - 1}")
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for {what}; "
+                      f"set model.vocab_size>={tok.vocab_size}")
+  return tok
+
+
+class _Utf8Stats:
+  """Counts documents whose invalid UTF-8 was replaced; warns for the first few, then at powers of 10."""
+
+  def __init__(self):
+    self.documents = 0
+    self._lock = threading.Lock()
+
+  def record(self, where: str, offset: int) -> None:
+    with self._lock:
+      self.documents += 1
+      n = self.documents
+    if n <= 10 or str(n).rstrip("0") == "1":  # then at 100, 1000, ...
+      log.warning("%s: invalid UTF-8 at byte offset %d, replaced with U+FFFD (%d document%s with invalid "
+                  "UTF-8 so far)", where, offset, n, "" if n == 1 else "s")
+
+
+UTF8_STATS = _Utf8Stats()
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+  """Strict UTF-8, else replacement characters and a counted warning naming where and the byte offset."""
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    UTF8_STATS.record(where, e.start)
+    return data.decode("utf-8", errors="replace")
