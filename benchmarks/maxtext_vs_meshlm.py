@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from startup_and_step import launch, spread  # the same directory
+from startup_and_step import launch, print_table  # the same directory
 
 MESHLM = os.path.join(os.path.dirname(sys.executable), "meshlm")
 MESHLM_BASE = ["model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1",
@@ -118,14 +118,7 @@ def main() -> None:
       results[name][0].append(first)
       results[name][1].append(statistics.median(times[args.skip:]))
       print(f"  {name}: first step {first:.2f} s, step {results[name][1][-1]:.4f} s", file=sys.stderr)
-  base = statistics.median(results["MaxText, bfloat16, scanned (its defaults)"][1])
-  print("| arm | start to first step (median, s) | spread | step time (median of per-run medians, s) | spread | "
-        "step vs MaxText defaults |")
-  print("| --- | --- | --- | --- | --- | --- |")
-  for name, (firsts, steps) in results.items():
-    print(f"| {name} | {statistics.median(firsts):.2f} | {spread(firsts):.1%} | {statistics.median(steps):.4f} | "
-          f"{spread(steps):.1%} | {statistics.median(steps) / base:.3f} |")
-
+  print_table(results, ratio_to="MaxText, bfloat16, scanned (its defaults)")
 
 if __name__ == "__main__":
   main()

@@ -60,6 +60,19 @@ def spread(xs: list[float]) -> float:
   return (max(xs) - min(xs)) / statistics.median(xs)
 
 
+def print_table(results: dict[str, tuple[list[float], list[float]]], ratio_to: str | None = None) -> None:
+  """Markdown: per arm, the medians and spreads of (start-to-first-step times, per-run step times),
+  and with ratio_to, each arm's step time over that arm's."""
+  base = statistics.median(results[ratio_to][1]) if ratio_to else None
+  print("| arm | start to first step (median, s) | spread | step time (median of per-run medians, s) | spread |"
+        + (f" step vs {ratio_to} |" if base else ""))
+  print("| --- | --- | --- | --- | --- |" + (" --- |" if base else ""))
+  for name, (firsts, steps) in results.items():
+    print(f"| {name} | {statistics.median(firsts):.2f} | {spread(firsts):.1%} | "
+          f"{statistics.median(steps):.4f} | {spread(steps):.1%} |"
+          + (f" {statistics.median(steps) / base:.3f} |" if base else ""))
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=3)
@@ -72,11 +85,7 @@ def main() -> None:
       first, step = one_run(extra, args.steps)
       results[name][0].append(first)
       results[name][1].append(step)
-  print("| arm | start to first step (median, s) | spread | step time (median of per-run medians, s) | spread |")
-  print("| --- | --- | --- | --- | --- |")
-  for name, (firsts, steps) in results.items():
-    print(f"| {name} | {statistics.median(firsts):.2f} | {spread(firsts):.1%} | "
-          f"{statistics.median(steps):.4f} | {spread(steps):.1%} |")
+  print_table(results)
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
       while True:
         # Keep one step queued behind the one being read, so the host's reading, logging and the
         # next batch overlap the device's work instead of adding to it.
-        while i < t.steps and stop_reason == "done" and (not inflight or (len(inflight) == 1 and may_run_past(inflight[0].step))):
+        while i < t.steps and (not inflight or (len(inflight) == 1 and may_run_past(inflight[0].step))):
           state, metrics = step_fn(state, batch)
           inflight.append(_InFlight(i, metrics, data.get_state()))  # the data position right after batch i
           i += 1
