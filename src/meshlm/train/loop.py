@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshlm.config import Config, ConfigError, to_yaml
+from meshlm.console import make_console
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.step import TrainState, build_train_step, global_batch_size
@@ -158,7 +159,7 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   from meshlm.train.checkpoint import Checkpointer
   from meshlm.train.data import make_dataset
   t_start = time.perf_counter() if start_time is None else start_time
-  console = console or Console(stderr=True)
+  console = console or make_console()
   say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
   prepare_run_dir(cfg)
   mesh = make_mesh(cfg)
