@@ -1,12 +1,15 @@
-"""The bench harness: statistics, verdict, interleaving, failure isolation, CLI input checks."""
+"""The bench harness: the paired ratio and its interval, the verdict, ABBA rounds, --target-ci,
+failure isolation, the plot and the CLI input checks."""
 import json
 import os
+import random
+import statistics
 
 import pytest
 
 from meshlm.analysis.arms import Arm, build_arms
 from meshlm.bench.harness import plot, render, run
-from meshlm.bench.stats import arm_stats, ratios, verdict
+from meshlm.bench.stats import arm_stats, median_ci, order_stat_rank, paired, ratios, verdict, verdict_word
 from meshlm.config import ConfigError
 
 
@@ -17,46 +20,229 @@ def test_arm_stats_median_and_spread():
   assert s["reps"] == [0.30, 0.10, 0.20, 0.25, 0.15]
 
 
-def test_verdict_is_inside_noise_unless_the_difference_exceeds_the_larger_spread():
-  arms = {"a": arm_stats([1.00, 1.02, 0.98]), "b": arm_stats([0.97, 0.975, 0.965]),
-          "c": arm_stats([0.80, 0.81, 0.79]), "d": arm_stats([1.30, 1.31, 1.29])}
-  r = ratios(arms)
-  assert r["a"] == 1.0 and r["c"] == pytest.approx(0.80)
-  v = verdict(arms)
-  assert set(v) == {"b", "c", "d"}
-  assert v["b"]["verdict"] == "inside noise"  # -3% against a 4% spread on a
-  assert v["b"]["noise"] == pytest.approx(0.04)
-  assert v["c"]["verdict"] == "faster" and v["c"]["difference"] == pytest.approx(-0.20)
-  assert v["d"]["verdict"] == "slower"
+# --- the interval ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(5, 0), (6, 1), (10, 2), (15, 4), (20, 6), (30, 10), (50, 18), (100, 40), (1500, 712)])
+def test_order_statistic_rank_matches_the_binomial_tables(n, k):
+  # Published 95% ranks for the median (e.g. Conover, Practical Nonparametric Statistics, table A3).
+  assert order_stat_rank(n) == k
+
+
+def test_median_ci_on_known_data():
+  values = list(range(1, 21))
+  random.Random(0).shuffle(values)
+  assert median_ci(values) == (6, 15)  # n = 20: the 6th and 15th order statistics
+  assert median_ci([3.0, 1.0, 2.0, 5.0, 4.0]) is None  # 5 values cannot give 95%
+  assert median_ci([3.0, 1.0, 2.0, 6.0, 4.0, 5.0]) == (1.0, 6.0)
+
+
+def _coverage(k_shift: int, n: int = 15, trials: int = 3000) -> float:
+  """How often the interval covers the true median of a skewed distribution (exponential, median ln 2)."""
+  import math
+  rng = random.Random(1234)
+  hit = 0
+  for _ in range(trials):
+    xs = sorted(rng.expovariate(1.0) for _ in range(n))
+    k = order_stat_rank(n) + k_shift
+    hit += xs[k - 1] <= math.log(2) <= xs[n - k]
+  return hit / trials
+
+
+def test_median_ci_covers_at_its_exact_rate_and_a_narrower_one_does_not():
+  # n = 15: [x_(4), x_(12)] covers with probability 1 - 2 P(Bin(15, 1/2) <= 3) = 0.9648.
+  assert _coverage(0) == pytest.approx(0.9648, abs=0.012)
+  # Negative control: one rank narrower covers only 1 - 2 P(B <= 4) = 0.8815, below 95%.
+  assert _coverage(+1) < 0.92
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+  base = [1.0, 2.0, 4.0, 1.0, 2.0, 4.0, 1.0, 2.0, 4.0, 1.0]  # the machine drifts 4x between rounds
+  r = [1.01, 1.03, 1.02, 1.05, 1.04, 0.99, 1.02, 1.03, 1.01, 1.02]
+  arm = [b * x for b, x in zip(base, r)]
+  p = paired(base, arm)
+  assert p["rounds"] == 10 and p["round_ratios"] == pytest.approx(r)
+  assert p["ratio"] == pytest.approx(statistics.median(r))
+  s = sorted(r)
+  assert p["ratio_ci"] == pytest.approx([s[1], s[8]])  # n = 10: 2nd and 9th
+  assert p["half_width"] == pytest.approx((s[8] - s[1]) / 2)
+  # The ratio of medians (what an unpaired bench reports) is not the paired estimate here.
+  assert statistics.median(arm) / statistics.median(base) != pytest.approx(p["ratio"], abs=1e-3)
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ci,word", [
+    ([1.0, 1.02], "no difference detected at ±1.0%"),  # an end at exactly 1 includes 1
+    ([1.0 + 1e-9, 1.02], "slower"),
+    ([0.98, 1.0], "no difference detected at ±1.0%"),
+    ([0.98, 1.0 - 1e-9], "faster"),
+    ([0.97, 1.05], "no difference detected at ±4.0%"),
+])
+def test_verdict_at_the_boundaries(ci, word):
+  assert verdict_word(ci, (ci[1] - ci[0]) / 2) == word
+
+
+def test_verdict_without_an_interval_or_a_baseline():
+  assert verdict_word(None, None) == "too few rounds for a 95% interval (need 6)"
+  arms = {"a": {"median_s": None, "spread": None, "reps": [], "error": "x"}, "b": {**arm_stats([1.0]), "ratio": None}}
+  assert verdict(arms)["b"]["verdict"] == "failed"
+  assert ratios(arms) == {}
+
+
+# --- the harness, with fake arms and a test-owned clock -------------------------------------------
+
+class _Clock:
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
 
 
 class _Fake:
-  def __init__(self, name, order, times, fail_at=None):
-    self.name, self.order, self.times, self.fail_at, self.calls = name, order, list(times), fail_at, 0
+  """A runner whose step returns the next scripted time (1.0 when the script runs out) and advances
+  the shared fake clock by it."""
+
+  def __init__(self, name, order, times, fail_at=None, clock=None):
+    self.name, self.order, self.times, self.fail_at, self.calls, self.clock = name, order, list(times), fail_at, 0, clock
 
   def step(self, n=1):
     self.calls += 1
     if self.fail_at is not None and self.calls > self.fail_at:
       raise RuntimeError(f"{self.name} ran out of memory\nsecond line")
     self.order.append(self.name)
-    return self.times.pop(0) if self.times else 1.0
+    t = self.times.pop(0) if self.times else 1.0
+    if self.clock is not None:
+      self.clock.t += t * n
+    return t
 
 
 def _arms(*names):
   return [Arm(n, [], None) for n in names]
 
 
-def test_run_interleaves_after_warmup_and_reports_json_shape():
+def _run(fakes, reps, **kw):
+  return run(_arms(*fakes), reps=reps, prepare=lambda arm: fakes[arm.name], log=lambda m: None, **kw)
+
+
+def test_rounds_are_abba_after_warmup_and_the_json_has_the_contract():
   order = []
-  fakes = {"A": _Fake("A", order, [9, 9, 1.0, 2.0, 3.0]), "B": _Fake("B", order, [9, 9, 2.0, 2.0, 2.0])}
-  report = run(_arms("A", "B"), reps=3, warmup=2, prepare=lambda arm: fakes[arm.name], log=lambda m: None)
-  # Warm-up runs per arm at compile time, then the timed reps alternate A B A B A B.
-  assert order == ["A", "A", "B", "B", "A", "B", "A", "B", "A", "B"]
-  assert set(report) == {"arms", "ratios", "verdict"}
-  assert report["arms"]["A"] == {"median_s": 2.0, "spread": 1.0, "reps": [1.0, 2.0, 3.0]}
-  assert report["ratios"] == {"A": 1.0, "B": 1.0}
-  assert report["verdict"]["B"]["verdict"] == "inside noise"
+  # Warm-up (9s, not counted), then per round two visits per arm; B is 10% slower in every round.
+  fakes = {"A": _Fake("A", order, [9, 9] + [1.0, 1.0, 2.0, 2.0] * 3),
+           "B": _Fake("B", order, [9, 9] + [1.1, 1.1, 2.2, 2.2] * 3)}
+  report = _run(fakes, reps=6, warmup=2)
+  assert order[:4] == ["A", "A", "B", "B"]  # warm-up after both compiled
+  assert order[4:] == ["A", "B", "B", "A"] * 6  # each round: forward, then backward
+  assert report["rounds"] == 6 and report["stop"]["reason"] == "rounds"
+  a, b = report["arms"]["A"], report["arms"]["B"]
+  assert set(a) == {"median_s", "spread", "reps"}
+  assert set(b) == {"median_s", "spread", "reps", "ratio", "ratio_ci", "half_width", "rounds", "round_ratios"}
+  assert a["reps"] == [1.0, 2.0] * 3  # one time per round: the mean of its two visits
+  assert b["round_ratios"] == pytest.approx([1.1] * 6)
+  assert b["ratio_ci"] == pytest.approx([1.1, 1.1]) and b["rounds"] == 6 and b["half_width"] == pytest.approx(0)
+  assert report["ratios"]["A"] == 1.0 and report["ratios"]["B"] == pytest.approx(1.1)
+  assert report["verdict"]["B"]["verdict"] == "slower"
   json.dumps(report)  # serializable as is
+
+
+def test_three_arms_visit_abccba():
+  order = []
+  fakes = {n: _Fake(n, order, []) for n in "ABC"}
+  _run(fakes, reps=2, warmup=0)
+  assert order == ["A", "B", "C", "C", "B", "A"] * 2
+
+
+def test_abba_cancels_a_linear_drift_that_plain_alternation_does_not():
+  # The machine slows by 1% per visit; the arms are identical. ABBA gives ratio exactly 1.
+  clock, order = _Clock(), []
+
+  class Drift:
+    def __init__(self):
+      self.visits = 0
+
+    def step(self, n=1):
+      self.visits += 1
+      return 1.0 + 0.01 * self.visits
+
+  shared = Drift()
+  fakes = {"A": shared, "B": shared}
+  report = _run(fakes, reps=8, warmup=0, clock=clock)
+  assert report["arms"]["B"]["ratio_ci"] == pytest.approx([1.0, 1.0])
+  assert report["verdict"]["B"]["verdict"].startswith("no difference")
+  # Negative control: A then B only (no backward half) would see B as slower in every round.
+  abab = [(1.0 + 0.01 * (2 * i + 2)) / (1.0 + 0.01 * (2 * i + 1)) for i in range(8)]
+  assert min(abab) > 1.0
+
+
+def test_second_arm_with_the_larger_spread():
+  # issue 9: the verdict must weigh the second arm's noise. B's own noise is +-20% round to round,
+  # the baseline's 1%; B's median is 5% above. The interval must include 1.
+  b_noise = [1.25, 0.85, 1.20, 0.90, 1.18, 0.86, 1.24, 0.92, 1.05, 1.21, 0.88, 1.06]
+  a_times = [1.0, 1.01, 0.99, 1.0, 1.01, 0.99, 1.0, 1.01, 0.99, 1.0, 1.01, 0.99]
+  fakes = {"A": _Fake("A", [], [t for t in a_times for _ in (0, 1)]),
+           "B": _Fake("B", [], [t for t in b_noise for _ in (0, 1)])}
+  report = _run(fakes, reps=12, warmup=0)
+  a, b = report["arms"]["A"], report["arms"]["B"]
+  assert b["spread"] > 10 * a["spread"]
+  assert b["ratio"] > 1.04 and b["ratio_ci"][0] < 1.0 < b["ratio_ci"][1]
+  assert report["verdict"]["B"]["verdict"].startswith("no difference detected at ±")
+  # Control: a rule that looked only at the baseline's spread would have called B slower.
+  assert b["median_s"] / a["median_s"] - 1 > a["spread"]
+
+
+def test_shared_drift_with_large_spreads_is_still_resolved_by_pairing():
+  # Both arms swing 2x with the machine, B is 3% slower in every round: spreads ~100%, interval tight.
+  machine = [1.0, 2.0, 1.5, 1.2, 1.9, 1.1, 1.7, 1.3]
+  fakes = {"A": _Fake("A", [], [m for m in machine for _ in (0, 1)]),
+           "B": _Fake("B", [], [1.03 * m for m in machine for _ in (0, 1)])}
+  report = _run(fakes, reps=8, warmup=0)
+  assert report["arms"]["A"]["spread"] > 0.5 and report["arms"]["B"]["spread"] > 0.5
+  assert report["arms"]["B"]["ratio_ci"] == pytest.approx([1.03, 1.03])
+  assert report["verdict"]["B"]["verdict"] == "slower"
+
+
+def _vdc(i: int) -> float:
+  """Van der Corput sequence: spreads evenly over (0, 1) at every prefix length."""
+  x, d = 0.0, 0.5
+  while i:
+    x += d * (i & 1)
+    i >>= 1
+    d /= 2
+  return x
+
+
+def test_target_ci_stops_when_the_half_width_is_reached():
+  clock = _Clock()
+  noise = [1.0 + 0.04 * (_vdc(i + 1) - 0.5) for i in range(400)]  # ratios spread over +-2%
+  fakes = {"A": _Fake("A", [], [], clock=clock), "B": _Fake("B", [], [x for x in noise for _ in (0, 1)], clock=clock)}
+  report = _run(fakes, reps=6, warmup=0, target_ci=0.005, max_seconds=1e6, clock=clock)
+  n = report["rounds"]
+  assert report["stop"]["reason"] == "target"
+  assert report["arms"]["B"]["half_width"] <= 0.005 == report["stop"]["target_ci"]
+  assert report["stop"]["half_width"] == report["arms"]["B"]["half_width"]
+  # It stopped at the first round that reached the target, not later.
+  assert paired([1.0] * (n - 1), noise[:n - 1])["half_width"] > 0.005
+  assert 6 < n < 400
+  assert "target reached: half-width" in render(report)
+
+
+def test_target_ci_stops_when_the_time_budget_runs_out():
+  clock = _Clock()
+  noise = [1.0 + 0.2 * (_vdc(i + 1) - 0.5) for i in range(400)]  # +-10%: 0.1% is out of reach
+  fakes = {"A": _Fake("A", [], [], clock=clock), "B": _Fake("B", [], [x for x in noise for _ in (0, 1)], clock=clock)}
+  report = _run(fakes, reps=6, warmup=0, target_ci=0.001, max_seconds=30.0, clock=clock)
+  # A round is four visits of about 1 s on the fake clock: 28 s after 7 rounds, 32 s after 8.
+  assert report["stop"]["reason"] == "time" and report["rounds"] == 8
+  assert report["stop"]["elapsed_s"] == pytest.approx(sum(2 + 2 * x for x in noise[:8]))
+  assert report["arms"]["B"]["half_width"] > 0.001
+  assert "time budget reached: 30 s ran out after 8 rounds" in render(report)
+
+
+def test_target_ci_runs_at_least_reps_rounds():
+  clock = _Clock()
+  fakes = {"A": _Fake("A", [], [], clock=clock), "B": _Fake("B", [], [], clock=clock)}  # identical: hw 0
+  report = _run(fakes, reps=9, warmup=0, target_ci=0.01, max_seconds=1.0, clock=clock)
+  assert report["rounds"] == 9 and report["stop"]["reason"] == "target"
 
 
 def test_a_failing_arm_is_reported_and_hides_nothing():
@@ -65,23 +251,80 @@ def test_a_failing_arm_is_reported_and_hides_nothing():
   def prepare(arm):
     if arm.name == "oom":
       raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while lowering\ndetails")
-    return {"A": _Fake("A", order, [1.0] * 9), "late": _Fake("late", order, [1.0] * 9, fail_at=3)}[arm.name]
+    return {"A": _Fake("A", order, [1.0] * 20), "late": _Fake("late", order, [1.0] * 20, fail_at=3)}[arm.name]
 
   report = run(_arms("A", "oom", "late"), reps=4, warmup=1, prepare=prepare, log=lambda m: None)
   assert report["arms"]["oom"]["error"] == "RuntimeError: RESOURCE_EXHAUSTED: out of memory while lowering"
   assert report["arms"]["late"]["error"] == "RuntimeError: late ran out of memory"
   assert report["arms"]["A"]["reps"] == [1.0] * 4
-  assert report["verdict"]["oom"]["verdict"] == "failed"
+  assert report["verdict"]["oom"]["verdict"] == "failed" and report["verdict"]["late"]["verdict"] == "failed"
   assert "failed" in render(report)
 
 
-def test_plot_writes_a_png(tmp_path):
-  report = {"arms": {"a": arm_stats([0.1, 0.2]), "b": {"median_s": None, "spread": None, "reps": [], "error": "x"}},
-            "ratios": {}, "verdict": {}}
-  path = tmp_path / "bench.png"
-  plot(report, str(path))
-  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_a_failed_baseline_still_times_the_others_without_ratios():
+  def prepare(arm):
+    if arm.name == "A":
+      raise RuntimeError("boom")
+    return _Fake(arm.name, [], [])
 
+  report = run(_arms("A", "B"), reps=3, warmup=0, prepare=prepare, log=lambda m: None, target_ci=0.01)
+  assert report["rounds"] == 3 and report["stop"]["reason"] == "failed"
+  assert report["arms"]["B"]["reps"] == [1.0] * 3 and "ratio" not in report["arms"]["B"]
+  assert report["verdict"]["B"]["verdict"] == "failed"
+
+
+# --- the plot -------------------------------------------------------------------------------------
+
+def _draw(fig):
+  """Lays the (closed) figure out again on an Agg canvas, as savefig did, and returns the renderer."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  canvas = FigureCanvasAgg(fig)
+  canvas.draw()
+  return canvas.get_renderer()
+
+
+def _inside(fig, artist) -> bool:
+  r = fig.canvas.get_renderer()
+  box, page = artist.get_window_extent(r), fig.bbox
+  return box.x0 >= page.x0 - 0.5 and box.x1 <= page.x1 + 0.5 and box.y0 >= page.y0 - 0.5 and box.y1 <= page.y1 + 0.5
+
+
+@pytest.fixture(scope="module")
+def small_report():
+  fakes = {"auto": _Fake("auto", [], []),
+           "explicit-with-a-long-arm-name": _Fake("e", [], [1.0 + 0.01 * (i % 5) for i in range(40)])}
+  return _run(fakes, reps=10, warmup=0)
+
+
+def test_plot_writes_a_png_with_every_title_inside_the_figure(tmp_path, small_report):
+  path = tmp_path / "bench.png"
+  long = ("meshlm bench model=llama2-tiny cpu_devices=4 mesh.fsdp=4 train.per_device_batch_size=4, "
+          "explicit-with-a-long-arm-name against auto: no difference detected at ±1.2% over 40 rounds")
+  for title in ("", long):
+    fig = plot(small_report, str(path), title=title)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shown = fig._suptitle.get_text()
+    if title:
+      assert "\n" in shown and "".join(shown.split()) == "".join(title.split())  # wrapped, nothing cut
+    assert shown.startswith("meshlm bench")
+    _draw(fig)
+    texts = [fig._suptitle] + [t for ax in fig.axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label)
+                                if t.get_text()]
+    assert all(_inside(fig, t) for t in texts), [t.get_text() for t in texts if not _inside(fig, t)]
+  # Control: the same title unwrapped runs off the figure, so the check above can fail.
+  fig.suptitle(long)
+  _draw(fig)
+  assert not _inside(fig, fig._suptitle)
+
+
+def test_plot_with_a_failed_arm(tmp_path):
+  report = {"arms": {"a": arm_stats([0.1, 0.2]), "b": {"median_s": None, "spread": None, "reps": [], "error": "x"}},
+            "ratios": {}, "verdict": {"b": {"verdict": "failed"}}, "rounds": 2}
+  plot(report, str(tmp_path / "b.png"))
+  assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the command line -----------------------------------------------------------------------------
 
 def test_bad_arms_fail_before_compiling():
   with pytest.raises(ConfigError, match="--arm x: duplicate arm name"):
@@ -94,15 +337,25 @@ def test_bad_arms_fail_before_compiling():
     build_arms([], ["a:cpu_devices=2", "b:cpu_devices=4"])
 
 
-def test_bench_cli_input_errors(capsys, tmp_path):
+@pytest.mark.parametrize("args,message", [
+    (["--reps", "0"], "--reps: must be at least 1"),
+    (["--target-ci", "0"], "--target-ci: must be in (0, 1], got 0"),
+    (["--target-ci", "1%"], "--target-ci: expected a number, got '1%'"),
+    (["--target-ci", "0.01", "--max-seconds", "-5"], "--max-seconds: must be in (0, inf], got -5"),
+    (["--max-seconds", "60"], "--max-seconds: only bounds --target-ci"),
+    (["--frobnicate"], "--frobnicate: unknown option"),
+])
+def test_bench_cli_input_errors(capsys, args, message):
   from meshlm.cli import main
-  assert main(["bench", "model=llama2-tiny", "--arm", "a:shard_mode=auto", "--reps", "0"]) == 2
-  assert "--reps: must be at least 1" in capsys.readouterr().err
+  assert main(["bench", "model=llama2-tiny", "--arm", "a:shard_mode=auto", *args]) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_bench_cli_plot_folder_must_exist(capsys, tmp_path):
+  from meshlm.cli import main
   missing = os.path.join(str(tmp_path), "nope", "x.png")
   assert main(["bench", "--arm", "a:shard_mode=auto", "--plot", missing]) == 2
   assert "does not exist" in capsys.readouterr().err
-  assert main(["bench", "--arm", "a:shard_mode=auto", "--frobnicate"]) == 2
-  assert "--frobnicate: unknown option" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -112,10 +365,12 @@ def test_bench_end_to_end(capsys, tmp_path):
   png = tmp_path / "b.png"
   rc = main(["bench", "model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1",
              "train.seq_len=16", "--arm", "auto:shard_mode=auto", "--arm", "explicit:shard_mode=explicit",
-             "--reps", "2", "--warmup", "1", "--json", "--plot", str(png)])
+             "--reps", "6", "--warmup", "1", "--json", "--plot", str(png)])
   assert rc == 0
   report = json.loads(capsys.readouterr().out)
-  assert list(report["arms"]) == ["auto", "explicit"]
-  for a in report["arms"].values():
-    assert set(a) == {"median_s", "spread", "reps"} and len(a["reps"]) == 2 and a["median_s"] > 0
+  assert list(report["arms"]) == ["auto", "explicit"] and report["rounds"] == 6
+  auto, explicit = report["arms"]["auto"], report["arms"]["explicit"]
+  assert set(auto) == {"median_s", "spread", "reps"} and len(auto["reps"]) == 6 and auto["median_s"] > 0
+  assert explicit["rounds"] == 6 and len(explicit["ratio_ci"]) == 2
+  assert explicit["ratio_ci"][0] <= explicit["ratio"] <= explicit["ratio_ci"][1]
   assert report["ratios"]["auto"] == 1.0 and png.exists()

@@ -1,20 +1,25 @@
-"""The interleaved-arm benchmark: compile each arm once, warm up, then time A B A B ...
+"""The paired, interleaved-arm benchmark: compile each arm once, warm up, then time rounds.
 
 Every arm times the real compiled train step (built by `build_train_step`, as `meshlm train`
-does) on one fixed synthetic batch. Interleaving spreads machine drift evenly across arms, so the
-ratio between arms is fairer than back-to-back blocks; the spread says how far to trust it.
+does) on one fixed synthetic batch. A round visits the arms forward then backward (A B B A, or
+A B C C B A): every arm's two visits sit at the same mean position, so a linear drift of the
+machine inside the round cancels, and so does an order effect (a step that runs faster or slower
+just after another arm's). Each round gives one time per arm (the mean of its two visits) and so one
+ratio per arm against the baseline; the report is the median of those ratios with a distribution-free
+95% interval (stats.py). With a target half-width, rounds are added until the interval is that
+narrow or the time budget runs out.
 """
 from __future__ import annotations
 
 import dataclasses
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from meshlm.analysis.arms import Arm
-from meshlm.bench.stats import arm_stats, ratios, verdict
+from meshlm.bench.stats import CI_METHOD, LEVEL, arm_stats, paired, ratios, verdict
 
 
 @dataclasses.dataclass
@@ -25,7 +30,7 @@ class _Runner:
   batch: Any
 
   def step(self, n: int = 1) -> float:
-    """Seconds per step, averaged over n back-to-back steps (one rep)."""
+    """Seconds per step, averaged over n back-to-back steps (one visit)."""
     import jax
     t0 = time.perf_counter()
     for _ in range(n):
@@ -44,7 +49,8 @@ def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) 
           "loss_mask": np.ones((global_batch, seq_len), np.float32)}
 
 
-def _prepare(arm: Arm) -> _Runner:
+def prepare_arm(arm: Arm) -> _Runner:
+  """The default runner: the arm's compiled train step, its initialized state and the fixed batch."""
   import jax
   from meshlm.train.step import build_train_step
   step = build_train_step(arm.cfg)
@@ -60,73 +66,177 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1) -> dict[str, Any]:
-  """{"arms": {NAME: {"median_s", "spread", "reps"} or {"error"}}, "ratios", "verdict"}.
+def _widest(times: dict[str, list[float]], level: float) -> float | None:
+  """The largest half-width over the non-baseline arms; None while any has no interval yet."""
+  names = list(times)
+  widths = [paired(times[names[0]], times[n], level)["half_width"] for n in names[1:]]
+  return None if any(w is None for w in widths) else max(widths)
 
+
+def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1,
+        target_ci: float | None = None, max_seconds: float | None = None,
+        clock: Callable[[], float] = time.perf_counter, level: float = LEVEL) -> dict[str, Any]:
+  """The report: {"arms", "ratios", "verdict", "rounds", "stop", "level", "ci_method"}.
+
+  arms.NAME is {"median_s", "spread", "reps"} (reps: the per-round times), plus for every arm after
+  the first {"ratio", "ratio_ci", "half_width", "rounds", "round_ratios"}; a failed arm has "error".
   prepare(arm) -> runner with .step(n) -> seconds per step; the default compiles the arm's train
-  step. Each rep times steps_per_rep back-to-back steps of one arm, then moves to the next arm.
+  step. Every visit times steps_per_rep back-to-back steps. At least `reps` rounds run; with
+  target_ci, rounds are then added until every arm's half-width is <= target_ci or max_seconds
+  (counted from the first timed round on `clock`) have passed. stop.reason says which: "rounds",
+  "target", "time" or "failed".
   """
   log = log or (lambda msg: print(msg, file=sys.stderr))
-  prepare = prepare or _prepare
-  runners: dict[str, _Runner] = {}
+  prepare = prepare or prepare_arm
+  runners: dict[str, Any] = {}
   errors: dict[str, str] = {}
+
+  def fail(name: str, e: BaseException, when: str) -> None:
+    errors[name] = _reason(e)
+    runners.pop(name, None)
+    log(f"bench: arm {name} failed{when}: {errors[name]}")
+
   for arm in arms:
     log(f"bench: compiling {arm.name}")
     try:
       runners[arm.name] = prepare(arm)
-      for _ in range(warmup):
-        runners[arm.name].step()
     except Exception as e:  # report the arm and the reason; the other arms still run
-      errors[arm.name] = _reason(e)
-      runners.pop(arm.name, None)
-      log(f"bench: arm {arm.name} failed: {errors[arm.name]}")
+      fail(arm.name, e, "")
+  # Warm up after every arm has compiled, so no arm's first timed round follows a long compile.
+  for name in list(runners):
+    try:
+      for _ in range(warmup):
+        runners[name].step()
+    except Exception as e:
+      fail(name, e, " during warm-up")
   times: dict[str, list[float]] = {n: [] for n in runners}
-  for r in range(reps):
-    for name in list(runners):
+  rounds, reason, widest = 0, "failed", None
+  t0 = clock()
+  while runners:
+    order = list(runners)
+    visits: dict[str, list[float]] = {n: [] for n in order}
+    for name in order + order[::-1]:  # ABBA: both visits of every arm average to the same position
+      if name not in runners:
+        continue
       try:
-        times[name].append(runners[name].step(steps_per_rep))
+        visits[name].append(runners[name].step(steps_per_rep))
       except Exception as e:
-        errors[name] = _reason(e)
-        runners.pop(name)
+        fail(name, e, f" during round {rounds}")
         times.pop(name)
-        log(f"bench: arm {name} failed during rep {r}: {errors[name]}")
+    for name in runners:
+      times[name].append(sum(visits[name]) / len(visits[name]))
+    rounds += 1
+    if not runners:
+      break
+    if rounds < reps:
+      continue
+    if arms[0].name not in runners:  # no baseline, no ratios: nothing to add rounds for
+      reason = "failed"
+      break
+    if target_ci is None or len(times) < 2:
+      reason = "rounds"
+      break
+    widest = _widest(times, level)
+    if widest is not None and widest <= target_ci:
+      reason = "target"
+      break
+    if max_seconds is not None and clock() - t0 >= max_seconds:
+      reason = "time"
+      break
+  elapsed = clock() - t0
   results: dict[str, dict] = {}
+  base = arms[0].name
   for arm in arms:
-    if arm.name in times and times[arm.name]:
+    if times.get(arm.name):
       results[arm.name] = arm_stats(times[arm.name])
+      if arm.name != base and times.get(base):
+        results[arm.name].update(paired(times[base], times[arm.name], level))
     else:
       results[arm.name] = {"median_s": None, "spread": None, "reps": [], "error": errors.get(arm.name, "no reps")}
-  return {"arms": results, "ratios": ratios(results), "verdict": verdict(results)}
+  if target_ci is not None and len(times) >= 2 and arms[0].name in times:
+    widest = _widest(times, level)
+  stop = {"reason": reason, "rounds": rounds, "elapsed_s": elapsed, "target_ci": target_ci,
+          "max_seconds": max_seconds, "half_width": widest}
+  return {"arms": results, "ratios": ratios(results), "verdict": verdict(results, level), "rounds": rounds,
+          "stop": stop, "level": level, "ci_method": CI_METHOD}
+
+
+def stop_line(report: dict[str, Any]) -> str:
+  """One sentence on why the rounds stopped."""
+  s = report["stop"]
+  n, t = s["rounds"], s["elapsed_s"]
+  hw = "n/a" if s["half_width"] is None else f"{s['half_width']:.2%}"
+  if s["reason"] == "target":
+    return f"target reached: half-width {hw} <= {s['target_ci']:.2%} after {n} rounds ({t:.1f} s)"
+  if s["reason"] == "time":
+    return (f"time budget reached: {s['max_seconds']:g} s ran out after {n} rounds; half-width {hw} "
+            f"> target {s['target_ci']:.2%}")
+  if s["reason"] == "failed":
+    return f"stopped after {n} rounds: the baseline arm failed" if n else "no rounds ran: arms failed"
+  return f"{n} rounds ({t:.1f} s)"
 
 
 def render(report: dict[str, Any]) -> str:
-  lines = [f"  {'arm':<20} {'median s':>10} {'spread':>8} {'ratio':>7} {'reps':>5}  verdict"]
+  lines = [f"  {'arm':<20} {'median s':>10} {'spread':>8} {'ratio':>7} {'95% interval':>16} {'rounds':>6}  verdict"]
   for name, a in report["arms"].items():
     if a.get("error"):
       lines.append(f"  {name:<20} {'failed':>10}  {a['error']}")
       continue
     v = report["verdict"].get(name)
-    word = "baseline" if v is None else f"{v['verdict']} ({v['difference']:+.1%} vs {v['vs']}, noise {v['noise']:.1%})"
-    lines.append(f"  {name:<20} {a['median_s']:>10.4f} {a['spread']:>8.1%} {report['ratios'].get(name, float('nan')):>7.3f} "
-                 f"{len(a['reps']):>5}  {word}")
+    if v is None:
+      ratio, ci, word = "1.000", "", "baseline"
+    elif v["ratio"] is None:
+      ratio, ci, word = "", "", v["verdict"]
+    else:
+      ratio = f"{v['ratio']:.3f}"
+      ci = "" if v["ratio_ci"] is None else f"[{v['ratio_ci'][0]:.3f}, {v['ratio_ci'][1]:.3f}]"
+      word = f"{v['verdict']} (vs {v['vs']})"
+    lines.append(f"  {name:<20} {a['median_s']:>10.4f} {a['spread']:>8.1%} {ratio:>7} {ci:>16} {len(a['reps']):>6}  {word}")
+  lines.append(f"  {stop_line(report)}; interval: {report['ci_method']}")
   return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: str, title: str = "") -> None:
-  """Per-arm rep times (dots) and medians (bars) as a PNG."""
+def plot(report: dict[str, Any], path: str, title: str = ""):
+  """Left: per-round step time per arm (dots) and its median (bar). Right: per-round ratio to the
+  baseline (dots) with the median (line) and the 95% interval (band). Returns the saved Figure."""
+  import textwrap
+
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   names = [n for n, a in report["arms"].items() if a.get("reps")]
-  fig, ax = plt.subplots(figsize=(1.6 + 1.4 * max(1, len(names)), 3.6), dpi=120)
+  compared = [n for n in names if report["arms"][n].get("round_ratios")]
+  fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(9.0, 4.2), dpi=120, layout="constrained",
+                                   gridspec_kw={"width_ratios": [1, 1.6]})
   for i, n in enumerate(names):
     a = report["arms"][n]
     ms = [t * 1e3 for t in a["reps"]]
-    ax.bar(i, a["median_s"] * 1e3, color="#9ecae1", width=0.6)
-    ax.scatter([i] * len(ms), ms, color="#08519c", s=12, zorder=3)
-  ax.set_xticks(range(len(names)), names)
-  ax.set_ylabel("step time (ms)")
-  ax.set_title(title or "meshlm bench: per-rep step time, bar = median")
-  fig.tight_layout()
+    ax_t.bar(i, a["median_s"] * 1e3, color="#9ecae1", width=0.6)
+    ax_t.scatter([i] * len(ms), ms, color="#08519c", s=10, zorder=3)
+  ax_t.set_xticks(range(len(names)), names, rotation=20, ha="right")
+  ax_t.set_ylabel("step time (ms)")
+  ax_t.set_title("per-round step time, bar = median", fontsize=9)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, n in enumerate(compared):
+    a, c = report["arms"][n], colors[i % len(colors)]
+    rr = a["round_ratios"]
+    ax_r.scatter(range(1, len(rr) + 1), rr, s=10, color=c, label=n)
+    ax_r.axhline(a["ratio"], color=c, lw=1.2)
+    if a.get("ratio_ci"):
+      ax_r.axhspan(*a["ratio_ci"], color=c, alpha=0.18, lw=0)
+  ax_r.axhline(1.0, color="black", lw=0.8, ls="--")
+  ax_r.set_xlabel("round")
+  base = next(iter(report["arms"]), "")
+  ax_r.set_ylabel(f"step time / {base}")
+  ax_r.set_title("per-round ratio, line = median, band = 95% interval", fontsize=9)
+  if compared:
+    ax_r.legend(fontsize=8, loc="best")
+  if not title:
+    words = "; ".join(f"{n}: {v['verdict']}" for n, v in report.get("verdict", {}).items())
+    title = f"meshlm bench, {report.get('rounds', 0)} rounds vs {base}" + (f": {words}" if words else "")
+  # Wrap to the figure's width (about 0.55 em per character at this size), so the title is never clipped.
+  width_chars = int(fig.get_figwidth() * 72 / (11 * 0.55))
+  fig.suptitle(textwrap.fill(title, width_chars, break_on_hyphens=False), fontsize=11)
   fig.savefig(path)
   plt.close(fig)
+  return fig
