@@ -1,20 +1,24 @@
 """The `meshlm` command as a user runs it: a tiny end-to-end train, and one-line errors (exit 2)."""
+import io
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from meshlm.cli import main
+from meshlm.config import Config
 
 MESHLM = os.path.join(os.path.dirname(sys.executable), "meshlm")
 KO_LM = "lm_head_weight_grad_in_kernel_order"
 
 # (overrides, what the one-line error must start with)
 ERRORS = {
-    "unknown_key": (["train.stepz=3"], "train.stepz: unknown key"),
+    "unknown_key": (["train.stepz=3"], "train.stepz: unknown key; did you mean train.steps?"),
     "bad_value": (["train.steps=-2"], "train.steps: Input should be greater than 0"),
     "mesh_does_not_divide": (["cpu_devices=4", "mesh.fsdp=3"], "mesh: mesh.fsdp=3 needs 3 devices but 4"),
     "tied_head_flag": (["model.tie_embeddings=true", f"{KO_LM}=true"], f"{KO_LM}=true needs an untied LM head"),
@@ -23,7 +27,7 @@ ERRORS = {
 
 
 def _env() -> dict:
-  return dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="120")
+  return dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +82,132 @@ def test_presets_command(capsys):
   assert {"llama2-tiny", "llama2-7b", "llama3-8b"} <= set(names)
 
 
+# --- --help: usage and every config key, from the schema ---------------------------------------
+
+def schema_leaves(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, object]:
+  """dotted key -> its pydantic field, for every settable key (walked here, not by the code under test)."""
+  out = {}
+  for name, field in model.model_fields.items():
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+      out.update(schema_leaves(field.annotation, f"{prefix}{name}."))
+    else:
+      out[prefix + name] = field
+  return out
+
+
+@pytest.mark.parametrize("command", ["train", "census", "compare", "bench", "convert"])
+def test_help_exits_0_with_usage_and_every_key(capsys, command):
+  assert main([command, "--help"]) == 0
+  out, err = capsys.readouterr()
+  assert err == ""
+  assert out.startswith(f"usage: meshlm {command}")
+  rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()}
+  leaves = schema_leaves()
+  assert len(leaves) > 60
+  for key, field in leaves.items():
+    assert key in rows, f"{key} missing from `meshlm {command} --help`"
+    assert field.description, f"{key}: give it Field(description=...), the meaning --help shows"
+    assert " ".join(field.description.split()) in rows[key]
+  assert main([command, "-h", "model=llama2-tiny"]) == 0 and capsys.readouterr().out == out
+
+
+def test_help_shows_types_and_defaults():
+  from meshlm.cli import command_help
+  rows = {line.split()[0]: line.split()[1:3] for line in command_help("train").splitlines()
+          if line.startswith("  ") and line.split()}
+  assert rows["train.steps"] == ["int", "200"]
+  assert rows["shard_mode"] == ["auto|explicit", "explicit"]
+  assert rows["train.stop_after"] == ["int|null", "null"]
+  assert rows["model.embed_dim"] == ["int", "(preset)"]
+  assert rows["scan_layers"] == ["bool", "true"]
+  assert rows["model.layer_pattern"] == ["list[global|local]|null", "null"]
+
+
+def test_help_is_also_a_command(capsys):
+  assert main(["help", "census"]) == 0
+  assert capsys.readouterr().out.startswith("usage: meshlm census")
+  assert main(["presets", "--help"]) == 0 and capsys.readouterr().out.strip() == "usage: meshlm presets"
+
+
+# --- output to a file or pipe never wraps; the sample is escaped --------------------------------
+
+def test_console_to_a_file_never_wraps(monkeypatch):
+  from rich.console import Console
+
+  from meshlm.console import make_console
+  msg = "resuming from checkpoint /a/long/path/" + "x" * 80 + "/checkpoints/5 (step 5 of 20)"
+  for width in ("40", "300"):
+    monkeypatch.setenv("COLUMNS", width)
+    buf = io.StringIO()
+    make_console(file=buf).print(msg)
+    assert buf.getvalue() == msg + "\n"
+  # Negative control: rich's plain Console wraps the same line at COLUMNS.
+  monkeypatch.setenv("COLUMNS", "40")
+  buf = io.StringIO()
+  Console(file=buf).print(msg)
+  assert buf.getvalue().count("\n") > 1
+
+
+def test_printable_escapes_control_characters_and_keeps_newlines_and_tabs():
+  from meshlm.console import printable
+  assert printable("def f():\n\treturn 1") == "def f():\n\treturn 1"
+  assert printable("a\x1b[2Jb\rc\x07\x00\u200b\x85é\ufffd") == "a\\x1b[2Jb\\rc\\x07\\x00\\u200b\\x85é\ufffd"
+
+
+@pytest.fixture
+def fake_train(monkeypatch, tmp_path):
+  """cmd_train up to train(), which returns a made-up result: the CLI's own printing, in-process."""
+  from meshlm.train import loop
+  calls = []
+
+  def train(cfg, *, console=None, start_time=None, **kw):
+    calls.append(cfg)
+    if hooks:
+      hooks.pop()(cfg)
+    return loop.TrainResult(losses=[6.2, 3.1], grad_norms=[1.0, 1.0], state=None, sample="def \x1b[31mred\x07\n\tok",
+                            first_step_s=1.5)
+  hooks: list = []
+  monkeypatch.setattr(loop, "train", train)
+  run_dir = tmp_path / ("a-run-dir-long-enough-to-wrap-" + "x" * 60)
+  return run_dir, hooks
+
+
+def test_train_messages_stay_on_one_line_at_any_columns(monkeypatch, capsys, fake_train):
+  run_dir, _ = fake_train
+  for width in ("40", "300"):
+    monkeypatch.setenv("COLUMNS", width)
+    assert main(["train", "cpu_devices=2", f"run_dir={run_dir}"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    banner = [ln for ln in err if ln.startswith("meshlm train llama2-tiny")]
+    assert len(banner) == 1 and banner[0].endswith(f"run_dir={run_dir}"), err
+    assert any(ln.startswith("loss 6.2000 -> 3.1000 (50% of the first step) in 2 steps; first step finished 1.5 s")
+               for ln in err), err
+
+
+def test_train_escapes_the_sample(capsys, fake_train):
+  run_dir, _ = fake_train
+  assert main(["train", "cpu_devices=2", f"run_dir={run_dir}"]) == 0
+  out = capsys.readouterr().out
+  assert out == "def \\x1b[31mred\\x07\n\tok\n"
+  assert "\x1b" not in out and "\x07" not in out
+
+
+def test_meshlm_warnings_print_as_one_line(capsys, fake_train):
+  """A sharding warning raised during a command reaches the user as one `meshlm: warning:` line."""
+  from meshlm.parallel import sharding
+  from meshlm.parallel.mesh import make_mesh
+  run_dir, hooks = fake_train
+  sharding._warned.clear()
+  hooks.append(lambda cfg: sharding.logical_spec(("embed", "heads"), (256, 8), make_mesh(cfg)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    assert main(["train", "cpu_devices=6", "mesh.fsdp=2", "mesh.tensor=3", f"run_dir={run_dir}"]) == 0
+  err = capsys.readouterr().err
+  assert ("meshlm: warning: mesh.tensor=3 does not divide the heads dimension (size 8): it stays whole" in err), err
+  assert "ShardingWarning" not in err and "warnings.warn" not in err
+  sharding._warned.clear()
+
+
 STEPS = 3
 
 
@@ -87,7 +217,8 @@ def tiny_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp("cli_run") / "run"
   args = [MESHLM, "train", "model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", f"train.steps={STEPS}",
           "train.seq_len=32", "train.per_device_batch_size=1", "train.sample_tokens=8", f"run_dir={run_dir}"]
-  proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=300)
+  # A narrow COLUMNS: nothing written to the pipe may wrap at it.
+  proc = subprocess.run(args, env=dict(_env(), COLUMNS="40"), capture_output=True, text=True, timeout=300)
   return proc, run_dir
 
 
@@ -119,9 +250,16 @@ def test_train_saves_the_resolved_config(tiny_run):
 
 def test_train_prints_progress_and_a_sample(tiny_run):
   proc, _ = tiny_run
-  assert "meshlm train" in proc.stderr and "shard_mode=explicit" in proc.stderr
+  _, run_dir = tiny_run
+  lines = proc.stderr.splitlines()
+  # Each message on one line although COLUMNS=40 (the run_dir alone is longer).
+  assert any(ln.startswith("meshlm train llama2-tiny  shard_mode=explicit") and ln.endswith(f"run_dir={run_dir}")
+             for ln in lines), proc.stderr
+  assert any(ln.startswith("loss ") and ln.endswith("s after start") for ln in lines), proc.stderr
   assert "sample" in proc.stderr
-  # The sample goes to stdout: the prompt and then the generated bytes (8 tokens, at most 8 bytes).
+  # The sample goes to stdout: the prompt and then the generated bytes (8 byte tokens: at most 8
+  # characters, each non-printable one escaped in at most 6 characters such as \u200b).
   sample = proc.stdout.rstrip("\n")
   assert sample.startswith("def ")
-  assert len(sample.encode()) <= len("def ") + 8 * 3  # a replacement char is 3 bytes
+  assert len(sample) <= len("def ") + 8 * 6
+  assert all(ch.isprintable() or ch in "\n\t" for ch in sample)

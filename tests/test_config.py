@@ -1,6 +1,9 @@
 """Config: presets, dotted overrides, one-line errors that name the key, tri-state flag resolution."""
+import warnings
+
 import pytest
 import yaml
+from jax.sharding import PartitionSpec as P
 
 from meshlm.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_yaml
 from meshlm.parallel.mesh import make_mesh, resolve_mesh_shape
@@ -73,6 +76,9 @@ def test_yaml_round_trip_keeps_the_resolved_config():
 
 # --- errors: one line, naming the key ----------------------------------------------------------
 
+HELP_HINT = " (meshlm train --help lists every key)"
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["train.foo=1"], "train.foo: unknown key"),
     (["foo=1"], "foo: unknown key"),
@@ -80,7 +86,31 @@ def test_yaml_round_trip_keeps_the_resolved_config():
     (["mesh.pipeline=2"], "mesh.pipeline: unknown key"),
 ])
 def test_unknown_key(overrides, expected):
-  assert _error(*overrides) == expected
+  assert _error(*overrides) == expected + HELP_HINT  # nothing close: no suggestion
+
+
+@pytest.mark.parametrize("key, near", [
+    ("model.embed_dm", "model.embed_dim"),  # a typo: the closest sibling
+    ("train.stepz", "train.steps"),
+    ("train.learnig_rate", "train.learning_rate"),
+    ("checkpoint.load_param_from", "checkpoint.load_params_from"),
+    ("shard_mod", "shard_mode"),
+    ("train.embed_dim", "model.embed_dim"),  # the right name in the wrong section
+    ("mesh.tensr", "mesh.tensor"),
+    ("modle", "model"),  # a misspelt section
+])
+def test_unknown_key_suggests_the_closest_known_one(key, near):
+  assert _error(f"{key}=3") == f"{key}: unknown key; did you mean {near}?" + HELP_HINT
+
+
+def test_suggestions_come_from_the_schema():
+  from meshlm.config.keys import leaf_keys, suggest
+  names = [k.name for k in leaf_keys()]
+  assert len(names) == len(set(names)) and "train.steps" in names and "distributed.timeout_s" in names
+  for name in names:  # every key is its own closest match, and a one-letter typo finds it
+    assert suggest(name) == name
+    if len(name.rpartition(".")[2]) >= 4:  # train.b1 -> train.bx is as near to train.b2
+      assert suggest(name[:-1] + ("x" if name[-1] != "x" else "y")) == name, name
 
 
 @pytest.mark.parametrize("overrides, key, detail", [
@@ -146,6 +176,34 @@ def test_mesh_that_does_not_divide_the_devices(mesh, devices, expected):
   assert str(info.value).startswith(expected), str(info.value)
   with pytest.raises(ConfigError, match="^mesh: "):
     make_mesh(load_config(f"cpu_devices={devices}", *mesh))
+
+
+@pytest.fixture
+def fresh_sharding_warnings():
+  from meshlm.parallel import sharding
+  sharding._warned.clear()
+  yield sharding
+  sharding._warned.clear()
+
+
+def test_a_mesh_axis_that_does_not_divide_a_model_dimension_warns_once(fresh_sharding_warnings):
+  from meshlm.parallel import logical_spec
+  from meshlm.parallel.sharding import ShardingWarning
+  mesh = make_mesh(load_config("cpu_devices=6", "mesh.fsdp=2", "mesh.tensor=3"))
+  with pytest.warns(ShardingWarning) as caught:
+    assert logical_spec(("embed", "heads", "head_dim"), (256, 8, 32), mesh) == P("fsdp", None, None)
+  assert [str(w.message) for w in caught] == [
+      "mesh.tensor=3 does not divide the heads dimension (size 8): it stays whole, replicated over mesh.tensor "
+      "instead of sharded; pick a mesh.tensor that divides 8"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # any further warning fails the test
+    logical_spec(("embed", "heads", "head_dim"), (256, 8, 32), mesh)  # once per (axis, dimension)
+    assert logical_spec(("mlp", "embed"), (768, 256), mesh) == P("tensor", "fsdp")  # 3 divides 768: silent
+    assert logical_spec(("batch", "length"), (1, 16), mesh) == P(None, None)  # a batch of 1 (sampling) is fine
+  with pytest.warns(ShardingWarning, match=r"mesh.tensor=3 does not divide the kv_heads dimension \(size 4\)"):
+    logical_spec(("embed", "kv_heads", "head_dim"), (256, 4, 32), mesh)
+  with pytest.warns(ShardingWarning, match=r"mesh.fsdp=2 does not divide the embed dimension \(size 5\)"):
+    logical_spec(("embed",), (5,), mesh)
 
 
 def test_more_cpu_devices_than_the_process_has():

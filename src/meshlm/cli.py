@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 USAGE = """usage: meshlm <command> [key=value ...]
 
@@ -14,7 +15,17 @@ commands:
   compare   A/B census: meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm ... [--json]
   bench     interleaved timing: meshlm bench [key=value ...] --arm ... --reps N [--json] [--plot PATH]
 
-Keys are dotted paths into the config (see README.md); model=NAME picks a preset."""
+Keys are dotted paths into the config; model=NAME picks a preset.
+`meshlm <command> --help` shows the command's usage and every key with its type, default and meaning."""
+
+# One-line summaries for `meshlm <command> --help`; each command's usage line comes from its module.
+SUMMARIES = {
+    "train": "Train a model; the same command with the same run_dir resumes from its latest checkpoint.",
+    "census": "HLO census of the train step `meshlm train` would compile (nothing runs).",
+    "compare": "A/B census: the same train step under two or more arms of overrides.",
+    "bench": "Interleaved timing of the train step under one or more arms of overrides.",
+    "convert": "Convert between Hugging Face and meshlm model directories.",
+}
 
 
 class UsageError(Exception):
@@ -26,6 +37,44 @@ def _fail(msg: str) -> int:
   return 2
 
 
+def _usage_of(cmd: str) -> str:
+  if cmd == "train":
+    return "meshlm train [key=value ...]"
+  if cmd in ("census", "compare"):
+    from meshlm.analysis.commands import CENSUS_USAGE, COMPARE_USAGE
+    return CENSUS_USAGE if cmd == "census" else COMPARE_USAGE
+  if cmd == "bench":
+    from meshlm.bench.command import BENCH_USAGE
+    return BENCH_USAGE
+  if cmd == "convert":
+    from meshlm.hf.convert import USAGE
+    return USAGE
+  return f"meshlm {cmd}"
+
+
+def command_help(cmd: str) -> str:
+  """`meshlm <cmd> --help`: usage, then every config key from the schema (type, default, meaning)."""
+  from meshlm.config.keys import render_keys
+  if cmd not in SUMMARIES:  # presets: takes no keys
+    return f"usage: {_usage_of(cmd)}"
+  return (f"usage: {_usage_of(cmd)}\n\n{SUMMARIES.get(cmd, '')}\n\n"
+          "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
+          "and the default column shows the schema's default where the preset says nothing.\n"
+          "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"
+          f"config keys:\n{render_keys()}")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+  """meshlm's own warnings as one line each; others (JAX, Orbax) as Python shows them."""
+  if category.__module__.startswith("meshlm."):
+    print(f"meshlm: warning: {message}", file=sys.stderr if file is None else file)
+  else:
+    _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
 def cmd_train(args: list[str], start: float) -> int:
   from meshlm.config import load_config
   from meshlm.parallel import set_cpu_devices
@@ -35,10 +84,10 @@ def cmd_train(args: list[str], start: float) -> int:
   init_distributed(cfg)  # joins the other processes before anything touches devices
   from meshlm.parallel.mesh import make_mesh
   make_mesh(cfg)  # validates the mesh against the devices before anything compiles
-  from rich.console import Console
+  from meshlm.console import make_console, printable
   from meshlm.train.loop import prepare_run_dir, train
   prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
-  console = Console(stderr=True)
+  console = make_console()
   console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                 f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                 f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  run_dir={cfg.run_dir}")
@@ -55,7 +104,7 @@ def cmd_train(args: list[str], start: float) -> int:
                 f"first step finished {result.first_step_s:.1f} s after start")
   if result.sample is not None:
     console.print("[bold]sample[/] (greedy):")
-    print(result.sample)
+    print(printable(result.sample))  # a model's bytes may hold terminal escapes
   return 0
 
 
@@ -92,6 +141,8 @@ COMMANDS = {"train": cmd_train, "presets": cmd_presets, "convert": cmd_convert, 
 def main(argv: list[str] | None = None) -> int:
   start = time.perf_counter()
   argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] in (["-h"], ["--help"], ["help"]) and len(argv) > 1:
+    argv = [argv[1], "--help"]  # meshlm help train
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(USAGE)
     return 0 if argv else 2
@@ -99,10 +150,16 @@ def main(argv: list[str] | None = None) -> int:
   cmd, args = argv[0], argv[1:]
   if cmd not in COMMANDS:
     return _fail(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")
+  if "--help" in args or "-h" in args:
+    print(command_help(cmd))
+    return 0
+  warnings.showwarning = _show_warning
   try:
     return COMMANDS[cmd](args, start)
   except (ConfigError, UsageError) as e:
     return _fail(str(e))
+  finally:
+    warnings.showwarning = _python_showwarning
 
 
 if __name__ == "__main__":

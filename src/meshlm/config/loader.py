@@ -68,7 +68,10 @@ def _format_error(err: pydantic.ValidationError) -> str:
   loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-"))
   msg = first["msg"]
   if first["type"] == "extra_forbidden":
-    msg = "unknown key"
+    from meshlm.config.keys import suggest
+    near = suggest(loc)
+    msg = f"unknown key; did you mean {near}? (meshlm train --help lists every key)" if near else \
+        "unknown key (meshlm train --help lists every key)"
   elif "input" in first and first["type"] not in ("missing",) and not isinstance(first["input"], dict):
     msg = f"{msg} (got {first['input']!r})"
   msg = msg.removeprefix("Value error, ")

@@ -12,38 +12,42 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
   """Shapes of a decoder. Field names are the words used in presets and on the CLI."""
-  family: str = "llama"
-  vocab_size: int = Field(gt=0)
-  embed_dim: int = Field(gt=0)
-  num_layers: int = Field(gt=0)
-  num_heads: int = Field(gt=0)
-  num_kv_heads: int = Field(gt=0)
-  head_dim: int = Field(gt=0)
-  mlp_dim: int = Field(gt=0)
-  max_position: int = Field(default=4096, gt=0)
-  rope_theta: float = Field(default=10000.0, gt=0)
+  family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3")
+  vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
+  embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
+  num_layers: int = Field(gt=0, description="number of decoder layers")
+  num_heads: int = Field(gt=0, description="attention query heads")
+  num_kv_heads: int = Field(gt=0, description="key/value heads (grouped-query attention); divides num_heads")
+  head_dim: int = Field(gt=0, description="width of one attention head (even: RoPE rotates pairs)")
+  mlp_dim: int = Field(gt=0, description="hidden width of the gated MLP")
+  max_position: int = Field(default=4096, gt=0, description="longest sequence the model is built for (train.seq_len <= this)")
+  rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency")
   # llama3-style rope scaling: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position"}.
   # gemma3's global layers: {"rope_type": "linear", "factor"}.
-  rope_scaling: Optional[dict[str, float | str]] = None
-  norm_eps: float = Field(default=1e-5, gt=0)
-  tie_embeddings: bool = False
+  rope_scaling: Optional[dict[str, float | str]] = Field(
+      default=None, description="RoPE scaling: llama3 {factor, low_freq_factor, high_freq_factor, original_max_position}, "
+      "linear {rope_type: linear, factor} or yarn; null: none")
+  norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon")
+  tie_embeddings: bool = Field(default=False, description="the LM head reuses the embedding table")
   # Attention sees at most this many most recent positions (mistral); None is full causal.
-  sliding_window: Optional[int] = Field(default=None, gt=0)
+  sliding_window: Optional[int] = Field(default=None, gt=0, description="local layers attend to at most this many recent positions; null: full causal")
   # RMSNorm over head_dim on q and k before RoPE (qwen3, gemma3).
-  qk_norm: bool = False
+  qk_norm: bool = Field(default=False, description="RMSNorm over head_dim on q and k before RoPE (qwen3, gemma3)")
   # Layer types repeat this pattern over the depth: "global" layers attend to the whole causal
   # prefix, "local" ones to the last sliding_window positions (gemma2: [local, global]; gemma3:
   # 5 local then 1 global). None: every layer local if sliding_window is set, else global.
-  layer_pattern: Optional[list[Literal["global", "local"]]] = None
+  layer_pattern: Optional[list[Literal["global", "local"]]] = Field(
+      default=None, description="layer types repeated over the depth, e.g. [local,global]; null: all local if "
+      "sliding_window is set, else all global")
   # RoPE theta of local layers, which then take no rope_scaling (gemma3); None: as global layers.
-  rope_local_theta: Optional[float] = Field(default=None, gt=0)
+  rope_local_theta: Optional[float] = Field(default=None, gt=0, description="RoPE theta of local layers (no rope_scaling there); null: as global layers")
   # Attention scores are scaled by query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5.
-  query_pre_attn_scalar: Optional[float] = Field(default=None, gt=0)
+  query_pre_attn_scalar: Optional[float] = Field(default=None, gt=0, description="scores scaled by this ** -0.5; null: head_dim ** -0.5")
   # cap * tanh(x / cap) on attention scores / final logits (gemma2); None: no capping.
-  attn_logit_softcap: Optional[float] = Field(default=None, gt=0)
-  final_logit_softcap: Optional[float] = Field(default=None, gt=0)
+  attn_logit_softcap: Optional[float] = Field(default=None, gt=0, description="cap * tanh(x / cap) on attention scores (gemma2); null: none")
+  final_logit_softcap: Optional[float] = Field(default=None, gt=0, description="cap * tanh(x / cap) on the final logits (gemma2); null: none")
   # The GLU's gate activation: silu (llama) or tanh-approximated GELU (gemma).
-  hidden_activation: Literal["silu", "gelu_tanh", "gelu"] = "silu"
+  hidden_activation: Literal["silu", "gelu_tanh", "gelu"] = Field(default="silu", description="the GLU gate activation: silu (llama) or GELU (gemma)")
 
   @model_validator(mode="after")
   def _heads_group(self):
@@ -77,11 +81,11 @@ class ModelConfig(_Strict):
 
 class MeshConfig(_Strict):
   """Mesh shape. -1 on one axis fills the devices the others leave."""
-  data: int = 1
-  fsdp: int = -1
-  tensor: int = 1
-  expert: int = 1
-  context: int = 1
+  data: int = Field(default=1, description="data-parallel size (-1: the devices left)")
+  fsdp: int = Field(default=-1, description="FSDP size: shards parameters along embed (-1: the devices left)")
+  tensor: int = Field(default=1, description="tensor-parallel size: shards heads, mlp and vocab (-1: the devices left)")
+  expert: int = Field(default=1, description="expert-parallel size (no model shards on it yet)")
+  context: int = Field(default=1, description="context-parallel size over the sequence (no model shards on it yet)")
 
   @model_validator(mode="after")
   def _sizes(self):
@@ -102,58 +106,61 @@ DType = Literal["float32", "bfloat16"]
 
 
 class TrainConfig(_Strict):
-  steps: int = Field(default=200, gt=0)
-  per_device_batch_size: int = Field(default=1, gt=0)
-  micro_batches: int = Field(default=1, gt=0)  # gradient accumulation
-  seq_len: int = Field(default=128, gt=0)
-  learning_rate: float = Field(default=3e-3, gt=0)
-  warmup_steps: int = Field(default=20, ge=0)
-  min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-  weight_decay: float = Field(default=0.1, ge=0)
-  b1: float = Field(default=0.9, ge=0, lt=1)
-  b2: float = Field(default=0.95, ge=0, lt=1)
-  grad_clip: float = Field(default=1.0, gt=0)
-  param_dtype: Literal["float32"] = "float32"
-  compute_dtype: DType = "bfloat16"
-  seed: int = 0
-  log_every: int = Field(default=1, gt=0)
-  sample_tokens: int = Field(default=96, ge=0)
+  steps: int = Field(default=200, gt=0, description="total optimizer steps of the run")
+  per_device_batch_size: int = Field(default=1, gt=0, description="sequences per device per step; global batch = this x devices")
+  micro_batches: int = Field(default=1, gt=0, description="gradient accumulation: the batch is split into this many micro-batches")
+  seq_len: int = Field(default=128, gt=0, description="tokens per training sequence")
+  learning_rate: float = Field(default=3e-3, gt=0, description="peak AdamW learning rate")
+  warmup_steps: int = Field(default=20, ge=0, description="linear warmup steps before the cosine decay")
+  min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final learning rate as a fraction of the peak")
+  weight_decay: float = Field(default=0.1, ge=0, description="AdamW decoupled weight decay")
+  b1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1")
+  b2: float = Field(default=0.95, ge=0, lt=1, description="AdamW beta2")
+  grad_clip: float = Field(default=1.0, gt=0, description="clip the gradients to this global norm")
+  param_dtype: Literal["float32"] = Field(default="float32", description="dtype of the stored parameters")
+  compute_dtype: DType = Field(default="bfloat16", description="dtype of the forward and backward computation")
+  seed: int = Field(default=0, description="seed of parameter init and training randomness")
+  log_every: int = Field(default=1, gt=0, description="write metrics every N steps")
+  sample_tokens: int = Field(default=96, ge=0, description="length of the greedy sample printed at the end (0: none)")
   # A NaN/Inf loss or gradient norm: skip the update (params and optimizer state unchanged), or
   # stop the run at once. Either way the run stops after this many non-finite steps in a row.
-  on_nonfinite: Literal["skip", "stop"] = "skip"
-  max_nonfinite_in_a_row: int = Field(default=10, gt=0)
+  on_nonfinite: Literal["skip", "stop"] = Field(default="skip", description="on a NaN/Inf loss or grad norm: skip the update, or stop with a checkpoint")
+  max_nonfinite_in_a_row: int = Field(default=10, gt=0, description="stop after this many non-finite steps in a row")
   # Run at most this many steps in this invocation, then save a checkpoint and exit as a preemption
   # would; running the same command again continues. None: run to train.steps.
-  stop_after: Optional[int] = Field(default=None, gt=0)
+  stop_after: Optional[int] = Field(default=None, gt=0, description="run at most N steps now, save, exit; the same command continues (null: to train.steps)")
 
 
 class DataConfig(_Strict):
   """Training data; docs/data.md describes the pipeline, the tokenizer rules and the errors."""
-  source: Literal["stdlib", "synthetic", "text", "jsonl", "parquet"] = "stdlib"
-  path: Optional[str] = None  # glob (`**` recurses), for source=text|jsonl|parquet
-  field: str = Field(default="text", min_length=1)  # the JSONL key / Parquet column holding the text
-  tokenizer: str = Field(default="byte", min_length=1)  # "byte", or a path to a Hugging Face tokenizer.json
-  seed: int = 0
+  source: Literal["stdlib", "synthetic", "text", "jsonl", "parquet"] = Field(
+      default="stdlib", description="training data: the stdlib .py corpus, synthetic tokens, or files at data.path")
+  path: Optional[str] = Field(default=None, description="glob of the data files (** recurses), for source=text|jsonl|parquet")
+  field: str = Field(default="text", min_length=1, description="the JSONL key / Parquet column holding the text")
+  tokenizer: str = Field(default="byte", min_length=1, description="byte, or the path of a Hugging Face tokenizer.json")
+  seed: int = Field(default=0, description="seed of the data order")
 
 
 class CheckpointConfig(_Strict):
   """Orbax checkpoints; docs/multihost.md and train/checkpoint.py describe resume and layout."""
-  every: int = Field(default=1000, gt=0)  # save every N steps (and always at the last step)
-  keep: int = Field(default=3, gt=0)  # keep the last N complete checkpoints
-  dir: Optional[str] = None  # None: <run_dir>/checkpoints
+  every: int = Field(default=1000, gt=0, description="save every N steps (and always at the last step)")
+  keep: int = Field(default=3, gt=0, description="keep the last N complete checkpoints")
+  dir: Optional[str] = Field(default=None, description="where checkpoints go; null: <run_dir>/checkpoints")
   # Start a new run from these parameters: a meshlm run_dir / checkpoints dir / step dir, or a
   # Hugging Face model directory (config.json + *.safetensors).
-  load_params_from: Optional[str] = None
+  load_params_from: Optional[str] = Field(
+      default=None, description="start a new run from these parameters: a meshlm run, checkpoint or model dir, "
+      "or a Hugging Face model dir")
 
 
 class DistributedConfig(_Strict):
   """Multi-process runs through jax.distributed (docs/multihost.md)."""
-  coordinator: Optional[str] = None  # HOST:PORT of process 0
-  num_processes: Optional[int] = Field(default=None, gt=0)
-  process_id: Optional[int] = Field(default=None, ge=0)
+  coordinator: Optional[str] = Field(default=None, description="HOST:PORT of process 0")
+  num_processes: Optional[int] = Field(default=None, gt=0, description="number of processes in the run")
+  process_id: Optional[int] = Field(default=None, ge=0, description="this process's index, 0 to num_processes - 1")
   # true: jax.distributed.initialize() with no arguments, for clusters JAX detects (SLURM, TPU).
-  auto: bool = False
-  timeout_s: int = Field(default=300, gt=0)  # how long to wait for the coordinator and peers
+  auto: bool = Field(default=False, description="jax.distributed.initialize() with no arguments (SLURM, TPU)")
+  timeout_s: int = Field(default=300, gt=0, description="seconds to wait for the coordinator and peers")
 
   @model_validator(mode="after")
   def _complete(self):
@@ -180,22 +187,25 @@ class DistributedConfig(_Strict):
 
 
 class Config(_Strict):
-  model_name: str = "llama2-tiny"
+  model_name: str = Field(default="llama2-tiny", description="the preset's name, recorded in config.yaml and checkpoints")
   model: ModelConfig
-  shard_mode: Literal["auto", "explicit"] = "explicit"
-  lm_head_weight_grad_in_kernel_order: Optional[bool] = None
-  dense_weight_grad_in_kernel_order: Optional[bool] = None
-  weight_grad_impl: Literal["auto_axes", "custom_vjp"] = "custom_vjp"
-  scan_layers: bool = True
-  param_scan_axis: Literal[0, 1] = 0
-  remat: Literal["none", "full", "dots"] = "none"
-  cpu_devices: Optional[int] = Field(default=None, gt=0)
+  shard_mode: Literal["auto", "explicit"] = Field(default="explicit", description="mesh axis types: explicit (sharding in types) or auto")
+  lm_head_weight_grad_in_kernel_order: Optional[bool] = Field(
+      default=None, description="LM head weight gradient in kernel order; null: on for an untied head under explicit")
+  dense_weight_grad_in_kernel_order: Optional[bool] = Field(
+      default=None, description="in-layer projections' weight gradient in kernel order; null: on under explicit")
+  weight_grad_impl: Literal["auto_axes", "custom_vjp"] = Field(
+      default="custom_vjp", description="how the kernel-order weight gradient is produced")
+  scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
+  param_scan_axis: Literal[0, 1] = Field(default=0, description="axis of the stacked layer dimension in parameters")
+  remat: Literal["none", "full", "dots"] = Field(default="none", description="rematerialization per layer: none, full, or save dots")
+  cpu_devices: Optional[int] = Field(default=None, gt=0, description="N fake host devices (CPU only); null: the real devices")
   mesh: MeshConfig = MeshConfig()
   train: TrainConfig = TrainConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   distributed: DistributedConfig = DistributedConfig()
-  run_dir: str = "runs/default"
+  run_dir: str = Field(default="runs/default", description="where metrics.jsonl, config.yaml and checkpoints go")
 
   @model_validator(mode="after")
   def _flags(self):

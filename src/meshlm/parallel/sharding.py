@@ -2,11 +2,14 @@
 
 Sharding is data: parameters and activations name their dimensions with logical axes, and the
 single table RULES says which mesh axes shard each one. A dimension whose size the mesh axes do not
-divide stays whole, so odd shapes (a batch of 1, 1 KV head on tensor=2) never fail to shard.
+divide stays whole, so odd shapes (a batch of 1, 1 KV head on tensor=2) never fail to shard. A
+model dimension left whole that way is warned about once (ShardingWarning): mesh.tensor=3 with 8
+heads would otherwise silently run with replicated heads.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import jax
@@ -29,6 +32,28 @@ RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "experts": ("expert",),
 }
+
+
+# Per-call activation sizes: a batch of 1 (the end-of-run sample) or a short prompt staying whole is
+# expected, and the data pipeline sizes training batches to divide. Everything else is a model shape.
+UNWARNED = frozenset({"batch", "length"})
+
+
+class ShardingWarning(UserWarning):
+  """A mesh axis asked to shard a model dimension it does not divide: the dimension stays whole."""
+
+
+_warned: set[tuple[str, int, str, int]] = set()  # (mesh axis, its size, logical axis, dimension size)
+
+
+def _warn_whole(mesh_axis: str, axis_size: int, name: str, size: int) -> None:
+  key = (mesh_axis, axis_size, name, size)
+  if name in UNWARNED or key in _warned:
+    return
+  _warned.add(key)
+  warnings.warn(f"mesh.{mesh_axis}={axis_size} does not divide the {name} dimension (size {size}): it stays whole, "
+                f"replicated over mesh.{mesh_axis} instead of sharded; pick a mesh.{mesh_axis} that divides {size}",
+                ShardingWarning, stacklevel=3)
 
 
 def current_mesh():
@@ -58,7 +83,8 @@ def logical_spec(axes: Axes, shape: Sequence[int] | None = None, mesh=None) -> P
     if shape is not None:
       # Keep the longest prefix of mesh axes whose product divides this dimension.
       while mesh_axes and shape[i] % math.prod(sizes[a] for a in mesh_axes):
-        mesh_axes.pop()
+        dropped = mesh_axes.pop()
+        _warn_whole(dropped, sizes[dropped], name, shape[i])
     used.update(mesh_axes)
     parts.append(tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
   return P(*parts)

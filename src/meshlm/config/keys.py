@@ -1,0 +1,115 @@
+"""The config's dotted keys, read from the pydantic schema: the `--help` listing and "did you mean".
+
+Both read the schema itself, so a new field shows up in `meshlm train --help` and in suggestions
+the moment it is added; its one-line meaning is its `Field(description=...)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from meshlm.config.schema import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  name: str  # dotted: train.steps
+  type: str  # int, float|null, explicit|auto, list[global|local]
+  default: str  # as typed on the command line; "(preset)" where the preset must give it
+  meaning: str  # the field's description, one line
+
+
+def _section(annotation) -> type[BaseModel] | None:
+  return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def type_name(annotation) -> str:
+  origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+  if origin is Literal:
+    return "|".join(str(a) for a in args)
+  if origin in (Union, types.UnionType):
+    return "|".join("null" if a is type(None) else type_name(a) for a in args)
+  if origin is list:
+    return f"list[{type_name(args[0])}]" if args else "list"
+  if origin is dict:
+    return "dict"
+  return getattr(annotation, "__name__", str(annotation))
+
+
+def show_value(value: Any) -> str:
+  """A value as the user would type it after key=."""
+  if value is PydanticUndefined:
+    return "(preset)"
+  if value is None:
+    return "null"
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, list):
+    return "[" + ",".join(show_value(v) for v in value) + "]"
+  return str(value)
+
+
+def _walk(model: type[BaseModel], prefix: str):
+  for name, field in model.model_fields.items():
+    dotted = prefix + name
+    sub = _section(field.annotation)
+    if sub is not None:
+      yield from _walk(sub, dotted + ".")
+      continue
+    meaning = " ".join((field.description or "").split())
+    yield Key(dotted, type_name(field.annotation), show_value(field.default), meaning)
+
+
+@functools.cache
+def leaf_keys() -> tuple[Key, ...]:
+  """Every settable key of the schema, in schema order (sections expanded)."""
+  return tuple(_walk(Config, ""))
+
+
+@functools.cache
+def _children() -> dict[str, tuple[str, ...]]:
+  """section ('' for the top level) -> the names of its fields, sections included."""
+  out: dict[str, list[str]] = {}
+
+  def visit(model: type[BaseModel], prefix: str) -> None:
+    out[prefix] = list(model.model_fields)
+    for name, field in model.model_fields.items():
+      sub = _section(field.annotation)
+      if sub is not None:
+        visit(sub, f"{prefix}.{name}" if prefix else name)
+  visit(Config, "")
+  return {k: tuple(v) for k, v in out.items()}
+
+
+def suggest(key: str) -> str | None:
+  """The known key closest to an unknown one, or None when nothing is close.
+
+  First a sibling in the same section (train.stpes -> train.steps), then the same name in
+  another section (train.embed_dim -> model.embed_dim), then any dotted key (modle.embed_dim).
+  """
+  children = _children()
+  parent, _, name = key.rpartition(".")
+  near = difflib.get_close_matches(name, children.get(parent, ()), n=1, cutoff=0.6)
+  if near:
+    return f"{parent}.{near[0]}" if parent else near[0]
+  everything = [f"{p}.{c}" if p else c for p, cs in children.items() for c in cs]
+  same_name = [k for k in everything if k.rpartition(".")[2] == name]
+  if len(same_name) == 1:
+    return same_name[0]
+  near = difflib.get_close_matches(key, everything, n=1, cutoff=0.8)
+  return near[0] if near else None
+
+
+def render_keys() -> str:
+  """The table `meshlm <command> --help` prints: key, type, default, meaning."""
+  keys = leaf_keys()
+  rows = [("key", "type", "default", "meaning")] + [(k.name, k.type, k.default, k.meaning) for k in keys]
+  widths = [max(len(r[i]) for r in rows) for i in range(3)]
+  return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows)
