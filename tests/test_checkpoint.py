@@ -12,12 +12,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
+from seams import can_lock, lock, unlock
+
 MESHLM = os.path.join(os.path.dirname(sys.executable), "meshlm")
+# The real `meshlm train` with test-owned seams (a NaN batch, a signal at a step, a save that hangs).
+SEAMS = os.path.join(os.path.dirname(__file__), "seams.py")
 STEPS = 20
 BASE = ["model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
         "model.mlp_dim=128", "model.num_layers=1", "train.per_device_batch_size=1", "train.seq_len=32",
@@ -31,20 +34,20 @@ def env(tmp_path_factory):
   e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
            PYTHONUNBUFFERED="1")
-  e.pop("MESHLM_TEST_NAN_AT_STEPS", None)
   return e
 
 
-def run(run_dir, *extra, env, check=True, **env_extra) -> subprocess.CompletedProcess:
-  p = subprocess.run([MESHLM, "train", *BASE, f"run_dir={run_dir}", *extra], env=dict(env, **env_extra),
-                     capture_output=True, text=True, timeout=300)
+def run(run_dir, *extra, env, check=True, seams=()) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, SEAMS, *seams] if seams else [MESHLM, "train"]
+  p = subprocess.run([*cmd, *BASE, f"run_dir={run_dir}", *extra], env=env, capture_output=True, text=True,
+                     timeout=300)
   if check and p.returncode != 0:
     raise AssertionError(f"meshlm exited {p.returncode}:\n{p.stderr[-3000:]}")
   return p
 
 
-def start(run_dir, *extra, env) -> subprocess.Popen:
-  return subprocess.Popen([MESHLM, "train", *BASE, f"run_dir={run_dir}", *extra], env=env,
+def start(run_dir, *extra, env, seams=()) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, SEAMS, *seams, *BASE, f"run_dir={run_dir}", *extra], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -77,17 +80,6 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
-def wait_for(predicate, proc, timeout=240.0, poll=0.005):
-  t0 = time.monotonic()
-  while not predicate():
-    if proc.poll() is not None:
-      raise AssertionError(f"run ended (rc {proc.returncode}) before the awaited moment:\n{proc.stderr.read()[-3000:]}")
-    if time.monotonic() - t0 > timeout:
-      proc.kill()
-      raise AssertionError("timed out waiting")
-    time.sleep(poll)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, env):
   """20 steps straight, checkpoint.every=10: the losses every other run must match."""
@@ -112,18 +104,16 @@ def test_exact_resume_is_bit_identical(reference, tmp_path, env):
 
 
 def test_sigterm_finishes_the_step_saves_and_resumes_exactly(reference, tmp_path, env):
+  """SIGTERM lands once step 3's metrics are read (a seam, not a race). Step 4 is queued behind step 3
+  by then, so it finishes too, and the checkpoint holds the state after 5 steps."""
   _, ref_losses = reference
-  proc = start(tmp_path, env=env)
-  wait_for(lambda: os.path.exists(tmp_path / "metrics.jsonl") and len(metrics(tmp_path)) >= 3, proc, poll=0.01)
-  proc.send_signal(signal.SIGTERM)
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 0, err[-3000:]
+  p = run(tmp_path, env=env, seams=["--sigterm-at=3"])
+  err = " ".join(p.stderr.split())
   assert "SIGTERM: finishing this step, then saving a checkpoint" in err
-  stopped = steps_on_disk(tmp_path)[-1]
-  assert 3 <= stopped < STEPS and "stopped (preempted)" in err
-  assert len(metrics(tmp_path)) == stopped  # the step in flight finished and was logged
+  assert steps_on_disk(tmp_path) == [5] and "stopped (preempted) after step 5 of 20" in err
+  assert len(metrics(tmp_path)) == 5  # the step in flight finished and was logged
   resumed = run(tmp_path, env=env)
-  assert f"(step {stopped} of 20)" in resumed.stderr
+  assert "(step 5 of 20)" in " ".join(resumed.stderr.split())
   assert losses(tmp_path) == ref_losses
 
 
@@ -147,20 +137,18 @@ def test_sigkill_mid_write_then_corrupted_checkpoint_is_skipped(reference, tmp_p
   reproduces the reference from the one before."""
   _, ref_losses = reference
   ckpts = tmp_path / "checkpoints"
-  # Saving every step with keep=20, so that a write is in flight most of the time.
-  extra = ("checkpoint.every=1", "checkpoint.keep=20")
-  proc = start(tmp_path, *extra, env=env)
-  def writing_after_two():
-    names = os.listdir(ckpts) if ckpts.is_dir() else []
-    complete = [n for n in names if n.isdigit()]
-    return len(complete) >= 2 and any("tmp" in n for n in names)
-  wait_for(writing_after_two, proc, poll=0.002)
-  proc.kill()
-  proc.wait()
+  # Saving every step; the write of checkpoint 3 stops before its rename (a seam), and is killed there.
+  proc = start(tmp_path, "checkpoint.every=1", "checkpoint.keep=20", env=env, seams=["--hang-save-at=3"])
+  try:
+    line = proc.stdout.readline()  # blocks until the seam reports, or the process ends
+    assert line.strip() == "hang-save 3", (line, proc.poll())
+  finally:
+    proc.kill()
+    proc.communicate()
   names = os.listdir(ckpts)
-  assert any("tmp" in n for n in names), f"the kill should land mid-write: {names}"
-  complete = steps_on_disk(tmp_path)
-  newest, older = complete[-1], complete[-2]
+  assert any(n.startswith("3.") and "tmp" in n for n in names), f"the kill should land mid-write: {names}"
+  assert steps_on_disk(tmp_path) == [1, 2]
+  newest, older = 2, 1
   # Truncate the biggest file of the newest complete checkpoint's parameters.
   files = [os.path.join(d, f) for d, _, fs in os.walk(ckpts / str(newest) / "params") for f in fs]
   biggest = max(files, key=os.path.getsize)
@@ -172,6 +160,11 @@ def test_sigkill_mid_write_then_corrupted_checkpoint_is_skipped(reference, tmp_p
   assert f"checkpoint {ckpts}/{newest} is corrupted or incomplete" in err
   assert f"resuming from checkpoint {ckpts}/{older} (step {older} of 20)" in err
   assert not any("tmp" in n for n in os.listdir(ckpts))  # the dead write was cleaned up
+  # The corrupt one is moved aside, whole, under checkpoints-corrupt/<step>-<time>, out of the way.
+  aside = os.listdir(f"{ckpts}-corrupt")
+  assert len(aside) == 1 and aside[0].startswith(f"{newest}-"), aside
+  assert f"moved it to {ckpts}-corrupt/{aside[0]}" in err
+  assert os.path.isdir(f"{ckpts}-corrupt/{aside[0]}/params")
   assert losses(tmp_path) == ref_losses
 
 
@@ -180,7 +173,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(reference, tmp_pat
   so the state saved when the 10th in a row stops the run is the reference's state after step 10."""
   ref_dir, ref_losses = reference
   p = run(tmp_path, "train.max_nonfinite_in_a_row=10", env=env, check=False,
-          MESHLM_TEST_NAN_AT_STEPS=",".join(map(str, range(10, 20))))
+          seams=["--nan-at=" + ",".join(map(str, range(10, 20)))])
   assert p.returncode == 2, p.stderr[-3000:]
   assert "step 10: non-finite loss" in " ".join(p.stderr.split())
   last = p.stderr.strip().splitlines()[-1]
@@ -199,7 +192,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(reference, tmp_pat
   assert_trees_equal(restore(tmp_path, 20, "opt_state"), restore(ref_dir, 10, "opt_state"))
 
   # train.on_nonfinite=stop: the first one stops the run.
-  p = run(tmp_path / "stop", "train.on_nonfinite=stop", env=env, check=False, MESHLM_TEST_NAN_AT_STEPS="2")
+  p = run(tmp_path / "stop", "train.on_nonfinite=stop", env=env, check=False, seams=["--nan-at=2"])
   assert p.returncode == 2
   assert p.stderr.strip().splitlines()[-1].startswith(
       "meshlm: error: stopped at step 2: non-finite loss or gradient norm, train.on_nonfinite=stop")
@@ -308,3 +301,111 @@ def test_load_params_from_a_hugging_face_directory(tmp_path):
   step_fn = build_train_step(cfg)
   params = load_params(cfg, path, step_fn.abstract_state().params, step_fn.state_shardings().params, step_fn.mesh)
   assert_trees_equal(params, hf_params)
+
+
+# --- an unwritable checkpoint.dir ----------------------------------------------------------------
+
+@pytest.fixture
+def lockable(tmp_path):
+  """A directory the test can make unwritable (root included); unlocked again at the end."""
+  d = tmp_path / "locked-ckpts"
+  if not can_lock(str(d)):
+    pytest.skip("cannot make a directory unwritable here (chattr +i unsupported)")
+  yield d
+  unlock(str(d))
+
+
+def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, lockable, env):
+  """Before the fix the run trained on, Orbax waited 300 s for the step directory, and exited 1 with a
+  409-line traceback. Now it is one line and exit 2 before anything compiles (no banner either)."""
+  lock(str(lockable))
+  p = run(tmp_path / "run", f"checkpoint.dir={lockable}", env=env, check=False)
+  assert p.returncode == 2, p.stderr[-3000:]
+  assert p.stderr.strip().splitlines() == [f"meshlm: error: checkpoint.dir={lockable}: not writable "
+                                           f"({os.strerror(1 if os.geteuid() == 0 else 13)})"]
+  assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_checkpoint_dir_that_becomes_unwritable_stops_the_run(tmp_path, lockable, env):
+  """checkpoint.dir is locked once step 0 is read (a seam); the save after step 1 fails: the run stops
+  there with one line naming the directory and the cause, exit 2, no traceback and no 300 s wait."""
+  p = run(tmp_path / "run", f"checkpoint.dir={lockable}", "checkpoint.every=2", env=env, check=False,
+          seams=["--lock-checkpoints-at=0"])
+  assert p.returncode == 2, p.stderr[-3000:]
+  cause = os.strerror(1 if os.geteuid() == 0 else 13)
+  assert p.stderr.strip().splitlines()[-1] == (
+      f"meshlm: error: checkpoint.dir={lockable}: cannot save checkpoint 2 ({cause}); the run stopped. Make it "
+      "writable (or set checkpoint.dir) and run the same command to continue from the last checkpoint")
+  assert "Traceback" not in p.stderr and "ERROR" not in p.stderr
+  assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]  # stopped at once, not trained on
+  assert os.listdir(lockable) == []
+
+
+# --- refused and do-nothing commands leave the run as it was ------------------------------------
+
+def _record(run_dir) -> tuple[dict[str, bytes], bytes]:
+  return _checkpoint_files(run_dir), (run_dir / "config.yaml").read_bytes()
+
+
+def test_refused_or_do_nothing_commands_keep_config_yaml_and_checkpoints(reference, tmp_path, env):
+  """Each of these used to rewrite config.yaml with its own config, which then no longer described the
+  checkpoints beside it; each would record something different (mlp_dim 96, source text, steps 10)."""
+  ref_dir, _ = reference
+  run_dir = tmp_path / "run"
+  shutil.copytree(ref_dir, run_dir)
+  before = _record(run_dir)
+
+  p = run(run_dir, "model.mlp_dim=96", env=env, check=False)  # resume with another model: refused
+  assert p.returncode == 2
+  assert p.stderr.strip().splitlines()[-1] == (
+      f"meshlm: error: run_dir={run_dir}: its checkpoint {run_dir}/checkpoints/20 is for another model "
+      "(model.mlp_dim is 96 here but 128 in the checkpoint); use a new run_dir, or checkpoint.load_params_from "
+      "to start from its parameters")
+  assert _record(run_dir) == before
+
+  p = run(run_dir, "data.source=text", f"data.path={tmp_path}/nowhere/*.txt", env=env, check=False)
+  assert p.returncode == 2 and "data.path" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+  assert _record(run_dir) == before
+
+  p = run(run_dir, "train.steps=10", env=env)  # already at step 20: nothing to do
+  assert "nothing to do" in p.stderr
+  assert _record(run_dir) == before
+
+
+def _text_files(folder, name: str, seed: int) -> str:
+  folder.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+  (folder / f"{name}.txt").write_text(" ".join(rng.choice(words, 2000)))
+  return str(folder / "*.txt")
+
+
+def test_resume_on_other_data_is_refused(reference, tmp_path, env):
+  """The saved data position is meaningless on another source or file set: refused, naming the key,
+  with the checkpoints and config.yaml untouched. Before the fix both runs went on silently."""
+  ref_dir, _ = reference
+  run_dir = tmp_path / "run"
+  shutil.copytree(ref_dir, run_dir)
+  before = _record(run_dir)
+  text = _text_files(tmp_path / "a", "a", 0)
+  p = run(run_dir, "data.source=text", f"data.path={text}", "train.steps=30", env=env, check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert p.stderr.strip().splitlines()[-1] == (
+      f"meshlm: error: run_dir={run_dir}: its checkpoint {run_dir}/checkpoints/20 was trained on other data "
+      "(data.source is 'text' here but 'synthetic' in the checkpoint), where its data position means nothing; "
+      "put the data.* key back, or use a new run_dir with checkpoint.load_params_from to start from its parameters")
+  assert _record(run_dir) == before
+
+  # The same source on other files: data.path.
+  text_dir = tmp_path / "text-run"
+  run(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2", env=env)
+  before = _record(text_dir)
+  other = _text_files(tmp_path / "b", "b", 1)
+  p = run(text_dir, "data.source=text", f"data.path={other}", "checkpoint.every=2", env=env, check=False)
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert (f"(data.path is {other!r} here but {text!r} in the checkpoint)"
+          in p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
+  assert _record(text_dir) == before
+  # Negative control: the same data resumes.
+  p = run(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2", env=env)
+  assert "(step 2 of 20)" in " ".join(p.stderr.split())

@@ -6,6 +6,7 @@ Layout of one checkpoint, `<checkpoint.dir>/<step>/`:
   opt_state/  the optimizer state pytree
   data/       JSON: every process's data-iterator state, {"process_count", "states": [...]}
   meta/       JSON: {"step", "rng" (the run's PRNG key data), "model_name", "model",
+              "data" ({"source", "path"}: resuming on other data is refused),
               "nonfinite_in_a_row", "nonfinite_total"}
 
 `step` is the number of finished train steps: resuming from it runs step index `step` next.
@@ -13,6 +14,11 @@ Orbax writes each checkpoint into a temporary directory and renames it when comp
 process killed mid-write leaves no directory that looks complete; one that is complete-looking but
 unreadable (truncated files) is found when restoring, moved aside to `<checkpoint.dir>-corrupt/`
 and skipped with a warning that names it.
+
+A save that cannot be written (checkpoint.dir made read-only or immutable mid-run, a full disk) stops
+the run with CheckpointSaveError, one line naming the directory and the cause: training on without
+checkpoints would lose the run. The directory is probed before each save, because Orbax creates the
+step directory in a background thread and a failure there leaves it waiting out its 300 s timeout.
 """
 from __future__ import annotations
 
@@ -37,6 +43,47 @@ def checkpoint_dir(cfg: Config) -> str:
 def _ocp():
   import orbax.checkpoint as ocp  # slow to import; only runs that checkpoint pay for it
   return ocp
+
+
+class CheckpointSaveError(ConfigError):
+  """A checkpoint could not be saved; the run stops (exit code 2 through the CLI)."""
+
+
+def writable_or_error(path: str) -> str | None:
+  """None if this process can create files in `path` (created if missing), else the OS's reason."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write-test-{jax.process_index()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    return e.strerror or str(e)
+  return None
+
+
+def _first_error(err: str | None) -> str | None:
+  """The first process's error, on every process: they must all stop, or the next collective hangs."""
+  if jax.process_count() == 1:
+    return err
+  errs = [e for e in _gather_json(err) if e]
+  return errs[0] if errs else None
+
+
+def _data_key(cfg: Config) -> dict:
+  """What the data iterator's saved position depends on: on other data it would be meaningless."""
+  path = cfg.data.path
+  return {"source": cfg.data.source, "path": os.path.abspath(os.path.expanduser(path)) if path else None}
+
+
+def _data_mismatch(saved: dict | None, cfg: Config) -> str | None:
+  if saved is None:  # a checkpoint from before meta held it
+    return None
+  ours = _data_key(cfg)
+  for k in ("source", "path"):
+    if saved.get(k) != ours[k]:
+      return f"data.{k} is {ours[k]!r} here but {saved.get(k)!r} in the checkpoint"
+  return None
 
 
 def _gather_json(obj: Any) -> list[Any]:
@@ -79,20 +126,37 @@ class Checkpointer:
   def should_save(self, step: int, last_step: int) -> bool:
     return step % self.cfg.checkpoint.every == 0 or step == last_step
 
+  def _save_failed(self, step: int | None, cause: str) -> CheckpointSaveError:
+    which = f"checkpoint {step}" if step is not None else "a checkpoint"
+    return CheckpointSaveError(f"checkpoint.dir={self.dir}: cannot save {which} ({cause}); the run stopped. "
+                               "Make it writable (or set checkpoint.dir) and run the same command to continue "
+                               "from the last checkpoint")
+
   def save(self, step: int, state, rng: jax.Array, data_state: dict, counters: dict[str, int]) -> None:
     """Starts an async save of the state after `step` finished steps. Returns once the arrays are
-    copied off the devices, so the next step may donate their buffers."""
+    copied off the devices, so the next step may donate their buffers. Raises CheckpointSaveError if
+    the directory cannot be written, or an earlier async save failed."""
     ocp = _ocp()
+    err = _first_error(writable_or_error(self.dir))
+    if err:
+      raise self._save_failed(step, err)
+    try:
+      self.manager.check_for_errors()  # an earlier async save that failed in the background
+    except Exception as e:  # noqa: BLE001 -- whatever Orbax met, the run must stop in one line
+      raise self._save_failed(None, _first_line(e)) from None
     if step in self.manager.all_steps():  # e.g. a preemption right after a periodic save
       return
     data = {"process_count": jax.process_count(), "states": _gather_json(data_state)}
     # The key as plain data in the JSON: Orbax's key handler writes a whole array checkpoint for 8 bytes.
     meta = {"step": step, "rng": np.asarray(jax.random.key_data(rng)).tolist(), "model_name": self.cfg.model_name,
-            "model": self.cfg.model.model_dump(mode="json"), **counters}
-    self.manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
-        data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
-        force=True)
+            "model": self.cfg.model.model_dump(mode="json"), "data": _data_key(self.cfg), **counters}
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
+          data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
+          force=True)
+    except Exception as e:  # noqa: BLE001
+      raise self._save_failed(step, _first_line(e)) from None
 
   def restore_latest(self, abstract_state) -> dict | None:
     """The newest readable checkpoint as {"step", "params", "opt_state", "rng", "data_state", "meta"},
@@ -106,6 +170,11 @@ class Checkpointer:
         if bad:
           raise ConfigError(f"run_dir={self.cfg.run_dir}: its checkpoint {path} is for another model ({bad}); "
                             "use a new run_dir, or checkpoint.load_params_from to start from its parameters")
+        bad = _data_mismatch(meta.get("data"), self.cfg)
+        if bad:
+          raise ConfigError(f"run_dir={self.cfg.run_dir}: its checkpoint {path} was trained on other data ({bad}), "
+                            "where its data position means nothing; put the data.* key back, or use a new run_dir "
+                            "with checkpoint.load_params_from to start from its parameters")
         out = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_state.params),
             opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
@@ -141,11 +210,21 @@ class Checkpointer:
     return dst
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 -- a failed async save, found when waiting for it
+      raise self._save_failed(None, _first_line(e)) from None
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def load_params(cfg: Config, path: str, abstract_params, param_shardings, mesh) -> Any:

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -29,10 +30,6 @@ from meshlm.console import make_console
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.step import TrainState, build_train_step, global_batch_size
-
-# Test-only fault injection: comma-separated step indices whose batch gets a NaN loss mask, which
-# makes that step's loss and gradients NaN without touching the compiled step.
-NAN_STEPS_ENV = "MESHLM_TEST_NAN_AT_STEPS"
 
 
 class NonFiniteStop(ConfigError):
@@ -60,17 +57,23 @@ class _InFlight:
 
 
 def prepare_run_dir(cfg: Config) -> None:
-  try:
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    probe = os.path.join(cfg.run_dir, f".write-test-{jax.process_index()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise ConfigError(f"run_dir={cfg.run_dir}: not writable ({e.strerror})") from None
+  """Fails in one line, before anything compiles, if run_dir or checkpoint.dir cannot be written.
+  Writes nothing that lasts: config.yaml waits until the run really starts (write_config)."""
+  from meshlm.train.checkpoint import checkpoint_dir, writable_or_error
+  for key, path in (("run_dir", cfg.run_dir), ("checkpoint.dir", checkpoint_dir(cfg))):
+    err = writable_or_error(path)
+    if err:
+      raise ConfigError(f"{key}={path}: not writable ({err})")
+
+
+def write_config(cfg: Config) -> None:
+  """The run's record of its resolved config: written once the run starts or resumes, never by a
+  command that is refused or has nothing to do, so it always describes the checkpoints beside it."""
   if jax.process_index() == 0:
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+    tmp = os.path.join(cfg.run_dir, "config.yaml.tmp")
+    with open(tmp, "w") as f:
       f.write(to_yaml(cfg))
+    os.replace(tmp, os.path.join(cfg.run_dir, "config.yaml"))
 
 
 def _trim_metrics(run_dir: str, start_step: int) -> None:
@@ -139,22 +142,20 @@ def _is_main_thread() -> bool:
   return threading.current_thread() is threading.main_thread()
 
 
-def _nan_steps() -> frozenset[int]:
-  text = os.environ.get(NAN_STEPS_ENV, "")
-  return frozenset(int(s) for s in text.split(",") if s.strip())
-
-
 def _scalar_on(sharding, value: int) -> jax.Array:
   # From a callback, so it also works when the sharding spans devices of other processes.
   return jax.make_array_from_callback((), sharding, lambda _: np.asarray(value, np.int32))
 
 
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
-          start_time: float | None = None, data=None) -> TrainResult:
+          start_time: float | None = None, data=None,
+          on_step: Callable[[int], None] | None = None) -> TrainResult:
   """Trains cfg to cfg.train.steps, resuming from the run_dir's latest checkpoint if there is one.
 
   data: an iterator of host batches to use instead of make_dataset(cfg) (tests); to be checkpointed
   it needs get_state()/set_state().
+  on_step: called with each step's index once its metrics are read, on every process, before the
+  loop decides whether to stop there (tests: a signal sent from it lands at a known step).
   """
   from meshlm.train.checkpoint import Checkpointer
   from meshlm.train.data import make_dataset
@@ -170,12 +171,13 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   step_fn = build_train_step(cfg, mesh)
   ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
   try:
-    return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start)
+    return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step)
   finally:
     ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
 
 
-def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float) -> TrainResult:
+def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
+         on_step: Callable[[int], None] | None = None) -> TrainResult:
   from meshlm.train.checkpoint import load_params
   from meshlm.train.data import ByteTokenizer
   t = cfg.train
@@ -198,10 +200,11 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
                            step_fn.state_shardings().params, step_fn.mesh)
       state = state._replace(params=params)
       say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
+  if start < t.steps:  # "nothing to do" leaves the record as it is
+    write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else _NullWriter()
   signals = _StopSignals()
-  nan_steps = _nan_steps()
   tokens_per_step = step_fn.global_batch * t.seq_len
   losses, norms = [], []
   first_step_s = float("nan")
@@ -212,10 +215,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
                       disable=not show_progress or jax.process_index() != 0, transient=False)
 
   def fetch(i: int) -> dict:
-    host_batch = next(data)
-    if i in nan_steps:
-      host_batch = dict(host_batch, loss_mask=np.full_like(host_batch["loss_mask"], np.nan))
-    return step_fn.put_batch(host_batch)
+    return step_fn.put_batch(next(data))
 
   inflight: collections.deque[_InFlight] = collections.deque()
   preempt = False
@@ -265,6 +265,8 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
           say(f"[yellow]warning:[/] step {p.step}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
               f"({counters['nonfinite_in_a_row']} in a row)")
         progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
+        if on_step is not None:
+          on_step(p.step)
 
         done = p.step + 1
         preempt = signals.requested()  # every process asks once per step: the answer is collective

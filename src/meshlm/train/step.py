@@ -74,15 +74,22 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: Trai
   unchanged (so the optimizer's own count, which drives the LR schedule, does not advance), while
   `state.step` still advances, because it counts batches consumed and names the checkpoint."""
   loss, grads = grads_and_loss(cfg, state.params, batch)
+  params, opt_state, metrics = guarded_update(optimizer, state.params, state.opt_state, loss, grads)
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, loss: jax.Array, grads):
+  """(params, opt_state, metrics) after one optimizer update, or the inputs unchanged when the loss or
+  the global gradient norm is NaN/Inf. One NaN or Inf anywhere in the gradients makes the norm
+  non-finite, so a finite loss with a bad gradient is caught too."""
   grad_norm = optax.tree.norm(grads)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep_new = lambda new, old: jnp.where(finite, new, old)
-  params = jax.tree.map(keep_new, params, state.params)
-  opt_state = jax.tree.map(keep_new, opt_state, state.opt_state)
-  metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": ~finite}
-  return TrainState(state.step + 1, params, opt_state), metrics
+  new_params = jax.tree.map(keep_new, new_params, params)
+  new_opt_state = jax.tree.map(keep_new, new_opt_state, opt_state)
+  return new_params, new_opt_state, {"loss": loss, "grad_norm": grad_norm, "nonfinite": ~finite}
 
 
 @dataclasses.dataclass

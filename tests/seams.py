@@ -1,0 +1,118 @@
+"""Seams the tests own, for the training loop: nothing here is read by the production code.
+
+In-process tests use `Poisoned` (pass it as `train(..., data=...)`) and `train(..., on_step=...)`.
+Subprocess tests run this file, the real `meshlm train` with these seams added:
+
+  python tests/seams.py [--nan-at=I,J,...] [--sigterm-at=I] [--lock-checkpoints-at=I] [--hang-save-at=N]
+                        key=value ...
+
+  --nan-at               the batches of those steps (counted from this invocation's first) get a NaN
+                         loss mask, so the step's loss and gradients are NaN; the compiled step is unchanged
+  --sigterm-at           once step I's metrics are read, the process sends itself SIGTERM
+  --lock-checkpoints-at  once step I's metrics are read, checkpoint.dir is made unwritable
+                         (chattr +i as root, where chmod would not stop it; chmod 555 otherwise)
+  --hang-save-at         the write of checkpoint N stops before its final rename and never finishes;
+                         "hang-save N" on stdout says it is there (the test then kills the process)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+
+class Poisoned:
+  """A data iterator whose batches at the given indices (counted from the first `next`) have a NaN
+  loss mask. get_state/set_state/tokenizer pass through, so the loop checkpoints it as usual."""
+
+  def __init__(self, data, steps):
+    self.data, self.steps, self.n = data, frozenset(steps), 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    batch = next(self.data)
+    if self.n in self.steps:
+      batch = dict(batch, loss_mask=np.full_like(batch["loss_mask"], np.nan))
+    self.n += 1
+    return batch
+
+  def __getattr__(self, name):
+    return getattr(self.data, name)
+
+
+def lock(path: str) -> None:
+  """Makes `path` unwritable, also for root."""
+  if os.geteuid() == 0:
+    subprocess.run(["chattr", "+i", path], check=True)
+  else:
+    os.chmod(path, 0o555)
+
+
+def unlock(path: str) -> None:
+  if os.geteuid() == 0:
+    subprocess.run(["chattr", "-i", path], check=True)
+  else:
+    os.chmod(path, 0o755)
+
+
+def can_lock(path: str) -> bool:
+  """Whether lock() works here (chattr needs a filesystem that supports it)."""
+  os.makedirs(path, exist_ok=True)
+  try:
+    lock(path)
+  except (subprocess.CalledProcessError, FileNotFoundError):
+    return False
+  try:
+    open(os.path.join(path, "probe"), "w").close()
+    locked = False
+  except OSError:
+    locked = True
+  unlock(path)
+  return locked
+
+
+def _hang_save_at(step: int) -> None:
+  import asyncio
+  from orbax.checkpoint._src.path import atomicity
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def hanging(self):
+    if self._final_path.name == str(step):
+      print(f"hang-save {step}", flush=True)
+      await asyncio.Event().wait()  # never set: the write stays in flight until the process is killed
+    return await finalize(self)
+  atomicity.AtomicRenameTemporaryPath.finalize = hanging
+
+
+def main(argv: list[str]) -> int:
+  seams = dict(a[2:].split("=", 1) for a in argv if a.startswith("--"))
+  args = [a for a in argv if not a.startswith("--")]
+  import meshlm.train.data as data_mod
+  import meshlm.train.loop as loop
+  from meshlm.train.checkpoint import checkpoint_dir
+  if "nan-at" in seams:
+    nan_at, make_dataset = [int(s) for s in seams["nan-at"].split(",")], data_mod.make_dataset
+    data_mod.make_dataset = lambda *a, **k: Poisoned(make_dataset(*a, **k), nan_at)
+  if "hang-save-at" in seams:
+    _hang_save_at(int(seams["hang-save-at"]))
+  real_train = loop.train
+
+  def train(cfg, **kw):
+    def on_step(i: int) -> None:
+      if str(i) == seams.get("sigterm-at"):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the loop looks at the flag
+      if str(i) == seams.get("lock-checkpoints-at"):
+        lock(checkpoint_dir(cfg))
+    return real_train(cfg, on_step=on_step, **kw)
+  loop.train = train  # cli.cmd_train imports it when it runs
+  from meshlm.cli import main as cli_main
+  return cli_main(["train", *args])
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
