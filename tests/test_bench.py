@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from meshlm.analysis.arms import Arm, build_arms
-from meshlm.bench.harness import plot, render, run
+from meshlm.bench.harness import TIMERS, _Runner, plot, render, run
 from meshlm.bench.stats import arm_stats, median_ci, order_stat_rank, paired, ratios, verdict, verdict_word
 from meshlm.config import ConfigError
 
@@ -245,6 +245,28 @@ def test_target_ci_runs_at_least_reps_rounds():
   assert report["rounds"] == 9 and report["stop"]["reason"] == "target"
 
 
+def test_a_visit_is_timed_on_the_runners_timer_and_rebinds_the_donated_state():
+  import jax.numpy as jnp
+  ticks = iter([10.0, 16.0])  # the test's timer: 6 s over the visit
+  calls = []
+
+  def call(state, batch):
+    calls.append(state)
+    return state + 1, {"loss": state}
+
+  r = _Runner("x", call, jnp.zeros(()), None, timer=lambda: next(ticks))
+  assert r.step(3) == pytest.approx(2.0)  # seconds per step
+  assert [int(c) for c in calls] == [0, 1, 2] and int(r.state) == 3
+  assert TIMERS["wall"] is not TIMERS["cpu"]
+
+
+def test_the_report_names_its_timer():
+  fakes = {"A": _Fake("A", [], []), "B": _Fake("B", [], [])}
+  report = _run(fakes, reps=6, warmup=0, timer="cpu")
+  assert report["timer"] == "cpu" and "median cpu s" in render(report)
+  assert _run(fakes, reps=6, warmup=0)["timer"] == "wall"
+
+
 def test_a_failing_arm_is_reported_and_hides_nothing():
   order = []
 
@@ -343,6 +365,7 @@ def test_bad_arms_fail_before_compiling():
     (["--target-ci", "1%"], "--target-ci: expected a number, got '1%'"),
     (["--target-ci", "0.01", "--max-seconds", "-5"], "--max-seconds: must be in (0, inf], got -5"),
     (["--max-seconds", "60"], "--max-seconds: only bounds --target-ci"),
+    (["--timer", "gpu"], "--timer: expected wall or cpu, got 'gpu'"),
     (["--frobnicate"], "--frobnicate: unknown option"),
 ])
 def test_bench_cli_input_errors(capsys, args, message):

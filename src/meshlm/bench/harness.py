@@ -22,21 +22,28 @@ from meshlm.analysis.arms import Arm
 from meshlm.bench.stats import CI_METHOD, LEVEL, arm_stats, paired, ratios, verdict
 
 
+# What a visit measures. wall: elapsed time, what a user waits for. cpu: the CPU seconds every thread
+# of this process used (user + system), so time spent waiting for a core that another process holds
+# is not counted; it measures work, not latency (a change that only idles cores is invisible to it).
+TIMERS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 @dataclasses.dataclass
 class _Runner:
   name: str
   call: Any
   state: Any
   batch: Any
+  timer: Callable[[], float] = time.perf_counter
 
   def step(self, n: int = 1) -> float:
-    """Seconds per step, averaged over n back-to-back steps (one visit)."""
+    """Seconds per step on self.timer, averaged over n back-to-back steps (one visit)."""
     import jax
-    t0 = time.perf_counter()
+    t0 = self.timer()
     for _ in range(n):
       self.state, metrics = self.call(self.state, self.batch)  # the step donates its state: rebind
     jax.block_until_ready((self.state, metrics))
-    return (time.perf_counter() - t0) / n
+    return (self.timer() - t0) / n
 
 
 def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -49,7 +56,7 @@ def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) 
           "loss_mask": np.ones((global_batch, seq_len), np.float32)}
 
 
-def prepare_arm(arm: Arm) -> _Runner:
+def prepare_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> _Runner:
   """The default runner: the arm's compiled train step, its initialized state and the fixed batch."""
   import jax
   from meshlm.train.step import build_train_step
@@ -58,7 +65,7 @@ def prepare_arm(arm: Arm) -> _Runner:
   batch = step.put_batch(synthetic_batch(step.global_batch, arm.cfg.train.seq_len, arm.cfg.model.vocab_size))
   with jax.set_mesh(step.mesh):
     compiled = step.fn.lower(state, batch).compile()
-  return _Runner(arm.name, compiled, state, batch)
+  return _Runner(arm.name, compiled, state, batch, timer)
 
 
 def _reason(e: BaseException) -> str:
@@ -75,19 +82,19 @@ def _widest(times: dict[str, list[float]], level: float) -> float | None:
 
 def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1,
         target_ci: float | None = None, max_seconds: float | None = None,
-        clock: Callable[[], float] = time.perf_counter, level: float = LEVEL) -> dict[str, Any]:
-  """The report: {"arms", "ratios", "verdict", "rounds", "stop", "level", "ci_method"}.
+        clock: Callable[[], float] = time.perf_counter, level: float = LEVEL, timer: str = "wall") -> dict[str, Any]:
+  """The report: {"arms", "ratios", "verdict", "rounds", "stop", "level", "ci_method", "timer"}.
 
   arms.NAME is {"median_s", "spread", "reps"} (reps: the per-round times), plus for every arm after
   the first {"ratio", "ratio_ci", "half_width", "rounds", "round_ratios"}; a failed arm has "error".
   prepare(arm) -> runner with .step(n) -> seconds per step; the default compiles the arm's train
-  step. Every visit times steps_per_rep back-to-back steps. At least `reps` rounds run; with
+  step, timed on TIMERS[timer]. Every visit times steps_per_rep back-to-back steps. At least `reps` rounds run; with
   target_ci, rounds are then added until every arm's half-width is <= target_ci or max_seconds
   (counted from the first timed round on `clock`) have passed. stop.reason says which: "rounds",
   "target", "time" or "failed".
   """
   log = log or (lambda msg: print(msg, file=sys.stderr))
-  prepare = prepare or prepare_arm
+  prepare = prepare or (lambda arm: prepare_arm(arm, TIMERS[timer]))
   runners: dict[str, Any] = {}
   errors: dict[str, str] = {}
 
@@ -158,7 +165,7 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, ste
   stop = {"reason": reason, "rounds": rounds, "elapsed_s": elapsed, "target_ci": target_ci,
           "max_seconds": max_seconds, "half_width": widest}
   return {"arms": results, "ratios": ratios(results), "verdict": verdict(results, level), "rounds": rounds,
-          "stop": stop, "level": level, "ci_method": CI_METHOD}
+          "stop": stop, "level": level, "ci_method": CI_METHOD, "timer": timer}
 
 
 def stop_line(report: dict[str, Any]) -> str:
@@ -177,7 +184,7 @@ def stop_line(report: dict[str, Any]) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-  lines = [f"  {'arm':<20} {'median s':>10} {'spread':>8} {'ratio':>7} {'95% interval':>16} {'rounds':>6}  verdict"]
+  lines = [f"  {'arm':<20} {'median s' if report.get('timer', 'wall') == 'wall' else 'median cpu s':>10} {'spread':>8} {'ratio':>7} {'95% interval':>16} {'rounds':>6}  verdict"]
   for name, a in report["arms"].items():
     if a.get("error"):
       lines.append(f"  {name:<20} {'failed':>10}  {a['error']}")
