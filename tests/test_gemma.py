@@ -303,6 +303,9 @@ def test_hf_activation_names_follow_transformers():
         "num_attention_heads": 4, "head_dim": 12}
   # GemmaConfig reads the legacy "gelu" as the tanh approximation; Gemma2Config means the exact GELU.
   assert gemma.from_hf_config({**hf, "hidden_act": "gelu"})["hidden_activation"] == "gelu_tanh"
+  # transformers 5's GemmaMLP reads hidden_act, 4.x's hidden_activation: the export writes both.
+  out = gemma.to_hf_config(load_config("model=gemma-tiny").model)
+  assert out["hidden_act"] == out["hidden_activation"] == "gelu_pytorch_tanh"
   assert gemma2.from_hf_config({**hf, "hidden_activation": "gelu"})["hidden_activation"] == "gelu"
   with pytest.raises(ConfigError, match=r"hidden_activation='relu' is not supported"):
     gemma2.from_hf_config({**hf, "hidden_activation": "relu"})

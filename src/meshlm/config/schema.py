@@ -1,7 +1,7 @@
 """The config schema: one pydantic tree, validated before anything compiles."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -48,6 +48,15 @@ class ModelConfig(_Strict):
   final_logit_softcap: Optional[float] = Field(default=None, gt=0, description="cap * tanh(x / cap) on the final logits (gemma2); null: none")
   # The GLU's gate activation: silu (llama) or tanh-approximated GELU (gemma).
   hidden_activation: Literal["silu", "gelu_tanh", "gelu"] = Field(default="silu", description="the GLU gate activation: silu (llama) or GELU (gemma)")
+  # Hugging Face token ids and generation_config.json, carried from an import to its export (meshlm.hf).
+  # They change no shape and no number: checkpoints of the same model with other ids are compatible.
+  bos_token_id: Optional[int] = Field(default=None, description="Hugging Face bos_token_id, carried to the export")
+  eos_token_id: Optional[int | list[int]] = Field(
+      default=None, description="Hugging Face eos_token_id (one id or a list of stop ids), carried to the export")
+  pad_token_id: Optional[int] = Field(default=None, description="Hugging Face pad_token_id, carried to the export")
+  generation_config: Optional[dict[str, Any]] = Field(
+      default=None, description="the imported generation_config.json, written again by the export")
+  TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
 
   @model_validator(mode="after")
   def _heads_group(self):

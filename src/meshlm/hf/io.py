@@ -27,6 +27,8 @@ from meshlm.hf import maps
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors dtypes a float32 model can take; anything else (integers, fp8, bool) is refused.
 FLOAT_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16, "F64": np.float64}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENERATION_CONFIG = "generation_config.json"
 
 
 def families() -> dict[str, Any]:
@@ -124,11 +126,47 @@ def read_hf_config(path: Path) -> dict:
     raise ConfigError(f"{cfg_path}: invalid JSON ({e})") from None
 
 
+def model_fields(path: Path) -> dict:
+  """ModelConfig fields of an HF model directory: its family's reading of config.json, plus the token ids
+  (config.json) and generation_config.json, which meshlm carries to the export unchanged."""
+  hf = read_hf_config(path)
+  fam = family_for(hf, str(path / "config.json"))
+  out = fam.from_hf_config(hf)
+  gen = None
+  gen_path = path / GENERATION_CONFIG
+  if gen_path.is_file():
+    try:
+      gen = json.loads(gen_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ConfigError(f"{gen_path}: invalid JSON ({e})") from None
+    if not isinstance(gen, dict):
+      raise ConfigError(f"{gen_path}: expected a JSON object")
+  for key in TOKEN_IDS:
+    # transformers: config.json's id, else generation_config.json's (newer repos keep them only there).
+    value = hf.get(key, (gen or {}).get(key))
+    ok = value is None or isinstance(value, int) or (key == "eos_token_id" and isinstance(value, list)
+                                                     and all(isinstance(v, int) for v in value))
+    if not ok or isinstance(value, bool):
+      raise ConfigError(f"{path / 'config.json'}: {key}={value!r} is not a token id")
+    out[key] = value
+  out["generation_config"] = gen
+  return out
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
-  """HF tensor name -> the safetensors file holding it."""
+  """HF tensor name -> the safetensors file holding it.
+
+  What transformers reads: the files model.safetensors.index.json lists, else model.safetensors. Any
+  other *.safetensors beside them (Mistral's consolidated.safetensors, an adapter) is not the model.
+  """
   index = path / "model.safetensors.index.json"
   if index.is_file():
-    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    try:
+      weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ConfigError(f"{index}: invalid JSON ({e})") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise ConfigError(f"{index}: no weight_map (expected {{tensor name: file name}})")
     out = {}
     for name, fname in weight_map.items():
       f = path / fname
@@ -136,16 +174,24 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         raise ConfigError(f"{index}: tensor {name} is in {fname}, which does not exist")
       out[name] = f
     return out
-  files = sorted(path.glob("*.safetensors"))
-  if not files:
-    raise ConfigError(f"{path}: no *.safetensors files (meshlm reads safetensors only)")
-  from safetensors import safe_open
-  out = {}
-  for f in files:
-    with safe_open(f, framework="numpy") as h:
-      for name in h.keys():
-        out[name] = f
-  return out
+  single = path / "model.safetensors"
+  if not single.is_file():
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    seen = f"; {', '.join(others)} {'is' if len(others) == 1 else 'are'} not read" if others else ""
+    raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json (meshlm reads the "
+                      f"safetensors files transformers reads{seen})")
+  with _open(single) as h:
+    return {name: single for name in h.keys()}
+
+
+def _open(f: Path):
+  """safe_open, with a damaged or truncated file (an interrupted download) as one line naming it."""
+  from safetensors import SafetensorError, safe_open
+  try:
+    return safe_open(f, framework="numpy")
+  except (SafetensorError, OSError) as e:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    raise ConfigError(f"{f}: not a readable safetensors file ({reason}); is the download complete?") from None
 
 
 class _Reader:
@@ -155,10 +201,9 @@ class _Reader:
     self._stack, self._files, self._open = stack, files, {}
 
   def _handle(self, name: str):
-    from safetensors import safe_open
     f = self._files[name]
     if f not in self._open:
-      self._open[f] = self._stack.enter_context(safe_open(f, framework="numpy"))
+      self._open[f] = self._stack.enter_context(_open(f))
     return self._open[f]
 
   def info(self, name: str) -> tuple[tuple[int, ...], str]:
@@ -231,9 +276,7 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   from meshlm.models.decoder import param_shardings
   from meshlm.parallel.mesh import make_mesh
   path = Path(path)
-  hf = read_hf_config(path)
-  fam = family_for(hf, str(path / "config.json"))
-  base = {"model_name": path.name, "model": fam.from_hf_config(hf)}
+  base = {"model_name": path.name, "model": model_fields(path)}
   cfg = load_config(*overrides, base=base)
   if mesh is None:
     mesh = make_mesh(cfg)
@@ -266,8 +309,9 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
 
 def hf_config(cfg: Config) -> dict:
   fam = _family_of_cfg(cfg)
+  m = cfg.model
   return {"architectures": [fam.HF_ARCHITECTURES[0]], "model_type": fam.HF_MODEL_TYPE,
-          **fam.to_hf_config(cfg.model), "dtype": "float32", "torch_dtype": "float32"}
+          **fam.to_hf_config(m), **{k: getattr(m, k) for k in TOKEN_IDS}, "dtype": "float32"}
 
 
 def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
@@ -298,11 +342,13 @@ def publish_permissions(tmp: Path) -> None:
 
 
 def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30,
-         overwrite: bool = False) -> Path:
-  """Writes an HF model directory (config.json, float32 safetensors shards) that transformers loads.
+         overwrite: bool = False, files: list[Path] = ()) -> Path:
+  """Writes an HF model directory (config.json, float32 safetensors shards, and the imported
+  generation_config.json) that transformers loads.
 
-  Everything goes into a temporary sibling directory first, renamed to `path` when complete, so a
-  failed export leaves nothing behind. An existing `path` is replaced only with overwrite=True.
+  `files` (the tokenizer's) are copied in. Everything goes into a temporary sibling directory first,
+  renamed to `path` when complete, so a failed export leaves nothing behind. An existing `path` is
+  replaced only with overwrite=True.
   """
   from safetensors.numpy import save_file
   path = Path(path)
@@ -344,6 +390,10 @@ def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes:
           index["weight_map"][name] = final
       (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if cfg.model.generation_config is not None:
+      (tmp / GENERATION_CONFIG).write_text(json.dumps(cfg.model.generation_config, indent=2) + "\n")
+    for f in files:  # the tokenizer, copied along
+      shutil.copyfile(f, tmp / Path(f).name)
     publish_permissions(tmp)
     if path.exists():
       old = path.with_name(f".{path.name}.old-{os.getpid()}")

@@ -118,7 +118,8 @@ def rope_from_hf(hf: dict) -> tuple[float, dict[str, float | str] | None]:
 
 
 def rope_to_hf(m: ModelConfig) -> dict:
-  """Writes rope both ways: `rope_parameters` (transformers >= 5) and `rope_theta`/`rope_scaling`."""
+  """Writes rope both ways: `rope_parameters` (transformers >= 5) and `rope_theta`/`rope_scaling`, the
+  only fields transformers 4 reads (without them it would silently take theta 10000 and no scaling)."""
   params: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
   out: dict[str, Any] = {"rope_theta": m.rope_theta}
   s = m.rope_scaling or {}
@@ -173,6 +174,8 @@ def llama_like_to_hf(m: ModelConfig) -> dict:
       "hidden_act": "silu",
       "attention_bias": False,
       "mlp_bias": False,
+      "attention_dropout": 0.0,  # meshlm trains without dropout
+      "use_cache": True,
       **rope_to_hf(m),
   }
 

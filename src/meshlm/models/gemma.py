@@ -125,7 +125,9 @@ def to_hf_config(m: ModelConfig) -> dict:
   if m.hidden_activation == "gelu":
     raise ConfigError("model.hidden_activation=gelu: GemmaForCausalLM reads hidden_act=gelu as the tanh "
                       "approximation; use gelu_tanh")
-  return shared_to_hf(m, "hidden_act")
+  # transformers 5's GemmaMLP reads hidden_act, 4.x's read hidden_activation: write both.
+  out = shared_to_hf(m, "hidden_act")
+  return {**out, "hidden_activation": out["hidden_act"]}
 
 
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:

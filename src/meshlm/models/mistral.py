@@ -25,7 +25,8 @@ def to_hf_config(m: ModelConfig) -> dict:
   if m.qk_norm:
     raise ConfigError("model.qk_norm: MistralForCausalLM has no q/k norm; use model.family=qwen3")
   # null (not absent) says "no window": an absent field would read back as 4096.
-  return {**maps.llama_like_to_hf(m), "sliding_window": m.sliding_window}
+  out = {k: v for k, v in maps.llama_like_to_hf(m).items() if k not in ("attention_bias", "mlp_bias")}  # not fields
+  return {**out, "sliding_window": m.sliding_window}
 
 
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:

@@ -24,8 +24,9 @@ def to_hf_config(m: ModelConfig) -> dict:
   if not m.qk_norm or m.sliding_window is not None:
     raise ConfigError("model.qk_norm / model.sliding_window: Qwen3ForCausalLM needs qk_norm=true and no "
                       "sliding_window")
-  return {**maps.llama_like_to_hf(m), "use_sliding_window": False, "sliding_window": None,
-          "attention_bias": False}
+  out = {k: v for k, v in maps.llama_like_to_hf(m).items() if k != "mlp_bias"}  # not a Qwen3Config field
+  return {**out, "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
+          "layer_types": ["full_attention"] * m.num_layers}
 
 
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:

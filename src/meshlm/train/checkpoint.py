@@ -101,7 +101,7 @@ def _gather_json(obj: Any) -> list[Any]:
 
 def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   ours = cfg.model.model_dump(mode="json")
-  for k in sorted(set(saved) | set(ours)):
+  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS)):  # ids change no parameter
     if saved.get(k) != ours.get(k):
       return f"model.{k} is {ours.get(k)!r} here but {saved.get(k)!r} in the checkpoint"
   return None
