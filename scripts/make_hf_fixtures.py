@@ -29,9 +29,17 @@ gemma3 has 7 layers (one 5 local : 1 global period plus a remainder layer) with 
 global rope thetas, llama uses llama3 rope scaling with all three frequency bands in play, and qwen3
 comes tied and untied.
 
-The export check: for every fixture whose family meshlm has registered, meshlm (run with the project
-venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm convert`, and
-transformers loads that export and must reproduce the reference logits (max |a - b| / max |b| <= 1e-5).
+The export check: for every fixture (a fixture whose family meshlm has not registered fails), meshlm
+(run with the project venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm
+convert`; transformers loads that export and must reproduce the reference logits exactly (the export
+holds the fixture's tensors bit for bit), with the fixture's token ids and generation config.
+
+The fine-tune check (the README's "Fine-tuning a Hugging Face model in one command"): the llama fixture
+plus a small word-level tokenizer.json is fine-tuned for 5 steps by `meshlm train model=DIR`, the last
+checkpoint is exported with `meshlm convert meshlm-to-hf`, and transformers loads the export: its
+logits must equal meshlm's forward of the same export (max |a - b| / max |b| <= 1e-5), its weights
+must differ from the fixture's (it trained), and its token ids and generation config must be the
+fixture's.
 """
 from __future__ import annotations
 
@@ -156,21 +164,86 @@ def registered_families(meshlm_python: str) -> set[str]:
   return set(out.stdout.split())
 
 
-def check_export(name: str, meshlm_python: str) -> float:
+def meshlm_cli(meshlm_python: str, *argv: str) -> None:
+  res = subprocess.run([meshlm_python, "-m", "meshlm.cli", *argv], capture_output=True, text=True, cwd=ROOT)
+  if res.returncode:
+    raise SystemExit(f"meshlm {' '.join(argv[:2])} failed:\n{res.stderr}")
+
+
+def hf_logits(path: Path, ids: np.ndarray):
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+  with torch.no_grad():
+    return model(torch.from_numpy(ids).long()).logits.float().numpy(), model
+
+
+def ids_and_generation(export: Path, model, src: Path) -> list[str]:
+  """What differs from the fixture in the loaded model's token ids and generation config."""
+  fixture = json.loads((src / "config.json").read_text())
+  gen = json.loads((src / "generation_config.json").read_text())
+  bad = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(model.config, k) != fixture[k]]
+  bad += [f"generation_config.{k}" for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+          if getattr(model.generation_config, k) != gen.get(k)]
+  if json.loads((export / "generation_config.json").read_text()) != gen:
+    bad.append("generation_config.json")
+  return bad
+
+
+def check_export(name: str, meshlm_python: str) -> tuple[float, list[str]]:
   """HF fixture -> meshlm dir -> HF export with meshlm's CLI; transformers must reproduce the logits."""
   src = OUT / name
   ref = np.load(src / "reference.npz")
   with tempfile.TemporaryDirectory() as tmp:
     mid, hf = Path(tmp) / "meshlm", Path(tmp) / "hf"
-    cli = [meshlm_python, "-m", "meshlm.cli", "convert"]
-    for argv in (["hf-to-meshlm", str(src), str(mid), "cpu_devices=1"], ["meshlm-to-hf", str(mid), str(hf)]):
-      res = subprocess.run(cli + argv, capture_output=True, text=True, cwd=ROOT)
-      if res.returncode:
-        raise SystemExit(f"{name}: meshlm convert {argv[0]} failed:\n{res.stderr}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-      logits = model(torch.from_numpy(ref["input_ids"]).long()).logits.float().numpy()
-  return rel_err(logits, ref["logits"])
+    meshlm_cli(meshlm_python, "convert", "hf-to-meshlm", str(src), str(mid), "cpu_devices=1")
+    meshlm_cli(meshlm_python, "convert", "meshlm-to-hf", str(mid), str(hf))
+    logits, model = hf_logits(hf, ref["input_ids"])
+    return rel_err(logits, ref["logits"]), ids_and_generation(hf, model, src)
+
+
+MESHLM_LOGITS = """
+import sys, numpy as np, jax
+from meshlm import forward, hf
+cfg, params = hf.load(sys.argv[1], "train.compute_dtype=float32", "cpu_devices=1")
+ids = np.load(sys.argv[2])["input_ids"]
+np.save(sys.argv[3], np.asarray(jax.jit(lambda p, x: forward(cfg, p, x))(params, ids)))
+"""
+
+MAKE_TOKENIZER = """
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(40)}, "</s>": 41}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.add_special_tokens(["</s>"])
+tok.save(sys.argv[1])
+"""
+
+
+def check_finetune(meshlm_python: str, steps: int = 5) -> tuple[float, list[str]]:
+  """`meshlm train model=<HF llama dir>` for a few steps, export, load in transformers."""
+  src = OUT / "llama"
+  ref = np.load(src / "reference.npz")
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    model_dir = tmp / "llama-hf"
+    shutil.copytree(src, model_dir)
+    subprocess.run([meshlm_python, "-c", MAKE_TOKENIZER, str(model_dir / "tokenizer.json")], check=True)
+    (tmp / "data").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+      (tmp / "data" / f"{i}.txt").write_text(" ".join(f"w{j}" for j in rng.integers(0, 40, 200)))
+    meshlm_cli(meshlm_python, "train", f"model={model_dir}", f"train.steps={steps}", "train.seq_len=16",
+               "train.sample_tokens=0", "train.compute_dtype=float32", "train.learning_rate=1e-3", "cpu_devices=1",
+               "data.source=text", f"data.path={tmp}/data/*.txt", f"run_dir={tmp / 'run'}")
+    export = tmp / "export"
+    meshlm_cli(meshlm_python, "convert", "meshlm-to-hf", str(tmp / "run" / "checkpoints" / str(steps)), str(export))
+    logits, model = hf_logits(export, ref["input_ids"])
+    subprocess.run([meshlm_python, "-c", MESHLM_LOGITS, str(export), str(src / "reference.npz"),
+                    str(tmp / "meshlm.npy")], check=True, cwd=ROOT, capture_output=True)
+    bad = ids_and_generation(export, model, src)
+    if rel_err(logits, ref["logits"]) == 0.0:
+      bad.append("weights (the export reproduces the fixture: nothing trained)")
+    return rel_err(logits, np.load(tmp / "meshlm.npy")), bad
 
 
 def main() -> int:
@@ -193,13 +266,20 @@ def main() -> int:
   for name in names:
     model_type = json.loads((OUT / name / "config.json").read_text())["model_type"]
     if model_type not in families:
-      print(f"export check {name:12s} skipped: meshlm has no family for model_type={model_type!r} yet")
+      print(f"export check {name:12s} FAIL: meshlm has no family for model_type={model_type!r}")
+      failed.append(name)
       continue
-    err = check_export(name, args.meshlm_python)
-    ok = err <= 1e-5
-    print(f"export check {name:12s} rel err {err:.2e}  {'ok' if ok else 'FAIL'}")
+    err, bad = check_export(name, args.meshlm_python)
+    ok = err == 0.0 and not bad
+    print(f"export check {name:12s} rel err {err:.2e}  {'ok' if ok else 'FAIL'} {' '.join(bad)}")
     if not ok:
       failed.append(name)
+  err, bad = check_finetune(args.meshlm_python)
+  ok = err <= 1e-5 and not bad
+  print(f"fine-tune check (llama, 5 steps): transformers vs meshlm on the export, rel err {err:.2e}  "
+        f"{'ok' if ok else 'FAIL'} {' '.join(bad)}")
+  if not ok:
+    failed.append("fine-tune")
   return 1 if failed else 0
 
 

@@ -527,3 +527,107 @@ def test_truncated_index_shard_names_the_file(tmp_path):
   shard.write_bytes(shard.read_bytes()[:100])
   with pytest.raises(ConfigError, match=_re(f"{shard}: not a readable safetensors file")):
     hf.load(out, "cpu_devices=1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning an HF model in one command: meshlm train model=PATH
+
+def add_tokenizer(folder: Path) -> int:
+  """A word-level tokenizer.json (w0 .. w39, [UNK], </s>): ids fit the fixtures' vocab of 151."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(40)}, "</s>": 41}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(["</s>"])
+  tok.save(str(folder / "tokenizer.json"))
+  return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def finetune(tmp_path_factory):
+  """The llama fixture with a tokenizer, fine-tuned for 3 steps by `meshlm train model=DIR`, then exported."""
+  from meshlm.cli import main
+  tmp = tmp_path_factory.mktemp("finetune")
+  src = tmp / "llama-hf"
+  shutil.copytree(FIXTURES / "llama", src)
+  add_tokenizer(src)
+  rng = np.random.default_rng(0)
+  (tmp / "data").mkdir()
+  for i in range(4):
+    (tmp / "data" / f"{i}.txt").write_text(" ".join(f"w{j}" for j in rng.integers(0, 40, 60)))
+  data = ["data.source=text", f"data.path={tmp}/data/*.txt"]
+  small = ["cpu_devices=1", "train.seq_len=8", "train.per_device_batch_size=2", "train.sample_tokens=0",
+           "train.compute_dtype=float32", "train.learning_rate=1e-3", "train.warmup_steps=0"]
+  run = tmp / "run"
+  rc = main(["train", f"model={src}", "train.steps=3", *small, *data, f"run_dir={run}"])
+  export = tmp / "export"
+  rc_export = main(["convert", "meshlm-to-hf", str(run / "checkpoints" / "3"), str(export), "cpu_devices=1"])
+  return dict(src=src, run=run, export=export, rc=rc, rc_export=rc_export, small=small, data=data, tmp=tmp)
+
+
+def test_train_model_dir_takes_config_params_and_tokenizer(finetune):
+  import yaml
+  assert finetune["rc"] == 0
+  src, run = finetune["src"], finetune["run"]
+  recorded = yaml.safe_load((run / "config.yaml").read_text())
+  assert recorded["model"] == hf.load(src, "cpu_devices=1")[0].model.model_dump(mode="json")
+  assert recorded["checkpoint"]["load_params_from"] == str(src)
+  assert recorded["data"]["tokenizer"] == str(src / "tokenizer.json")
+  assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_fine_tuned_export_is_near_the_fixture_and_keeps_ids(finetune):
+  """The run started from the fixture's weights (3 small Adam steps away from them, far from any
+  fresh init), and its export keeps the token ids and generation_config.json."""
+  assert finetune["rc_export"] == 0
+  ours, theirs = hf_tensors(finetune["export"]), hf_tensors(FIXTURES / "llama")
+  assert sorted(ours) == sorted(theirs)
+  for k in theirs:
+    assert rel(ours[k], theirs[k]) < 0.05, k
+  assert any(not np.array_equal(ours[k], theirs[k]) for k in theirs)  # it trained
+  config = json.loads((finetune["export"] / "config.json").read_text())
+  fixture = json.loads((FIXTURES / "llama" / "config.json").read_text())
+  assert (config["bos_token_id"], config["eos_token_id"]) == (fixture["bos_token_id"], fixture["eos_token_id"])
+  assert json.loads((finetune["export"] / "generation_config.json").read_text()) == \
+      json.loads((FIXTURES / "llama" / "generation_config.json").read_text())
+
+
+def test_train_refuses_a_shape_changing_override(finetune, capsys):
+  from meshlm.cli import main
+  run = finetune["tmp"] / "refused"
+  assert main(["train", f"model={finetune['src']}", "model.mlp_dim=64", f"run_dir={run}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("meshlm: error: model.mlp_dim=64: would change the shape"), err
+  assert "layers.mlp.down [2, 56, 45] -> [2, 64, 45]" in err[0]
+  assert not run.exists()
+  # Shape-preserving changes are fine; a preset name stays a preset.
+  from meshlm.config import load_config
+  assert load_config(f"model={finetune['src']}", "model.norm_eps=1e-6").model.norm_eps == 1e-6
+  assert load_config("model=llama2-tiny").checkpoint.load_params_from is None
+
+
+def test_train_model_meshlm_dir_and_truncated_params(finetune, capsys):
+  """model=<meshlm model dir> (from convert, tokenizer copied along) trains; load_params_from naming a
+  truncated model.safetensors exits 2 with one line naming the file."""
+  from meshlm.cli import main
+  tmp = finetune["tmp"]
+  mid = tmp / "llama-meshlm"
+  assert main(["convert", "hf-to-meshlm", str(finetune["src"]), str(mid), "cpu_devices=1"]) == 0
+  assert (mid / "tokenizer.json").is_file()
+  capsys.readouterr()
+  run = tmp / "run-meshlm"
+  assert main(["train", f"model={mid}", "train.steps=2", *finetune["small"], *finetune["data"], f"run_dir={run}"]) == 0
+  import yaml
+  recorded = yaml.safe_load((run / "config.yaml").read_text())
+  assert recorded["checkpoint"]["load_params_from"] == str(mid)
+  assert recorded["model"]["eos_token_id"] == 2 and recorded["data"]["tokenizer"] == str(mid / "tokenizer.json")
+  # A run directory works as model= too (its newest checkpoint).
+  from meshlm.config import load_config
+  assert load_config(f"model={run}").model == load_config(f"model={mid}").model
+  bad = truncated_copy("llama", tmp)
+  capsys.readouterr()
+  rc = main(["train", f"model={finetune['src']}", f"checkpoint.load_params_from={bad}", "train.steps=2",
+             *finetune["small"], *finetune["data"], f"run_dir={tmp / 'run-bad'}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2
+  assert err[-1].startswith(f"meshlm: error: {bad / 'model.safetensors'}: not a readable safetensors file"), err

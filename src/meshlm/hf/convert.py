@@ -8,8 +8,12 @@ A meshlm model directory is what `checkpoint.load_params_from=DIR` reads (train/
   DIR/params/        the parameter pytree, an Orbax StandardSave (sharded arrays, restored onto any mesh)
   DIR/meta/metadata  JSON {"model_name", "model"}: lets load_params_from refuse another model's weights
   DIR/config.yaml    the resolved meshlm Config (the same YAML a run_dir holds)
+  DIR/tokenizer.json (and the other TOKENIZER_FILES) when the HF directory has them
 
-so `meshlm train checkpoint.load_params_from=DIR model.family=...` starts from converted weights, and
+The model config carries the HF token ids and generation_config.json (model.bos_token_id, ...), so an
+export writes them again.
+
+so `meshlm train model=DIR` starts from converted weights (as from an HF directory), and
 `meshlm convert meshlm-to-hf` also takes a run's step directory (`run_dir/checkpoints/<step>`, whose
 model comes from its meta, plus key=value overrides for the rest). Both directions write into a
 temporary sibling and rename, so a failed conversion leaves nothing at DST.
@@ -28,8 +32,19 @@ from meshlm.config import Config, ConfigError, load_config, to_yaml
 from meshlm.hf.io import publish_permissions
 
 
-def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-  """Writes params/ (Orbax), meta/metadata and config.yaml, atomically (temp dir, then rename)."""
+# A model's tokenizer, copied along by both directions so that model=DIR finds it and the export has it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_files(src: Path) -> list[Path]:
+  return [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+
+
+def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite: bool = False,
+                files: list[Path] = ()) -> Path:
+  """Writes params/ (Orbax), meta/metadata, config.yaml and a copy of `files`, atomically (temp dir,
+  then rename)."""
   import orbax.checkpoint as ocp
   path = Path(path).absolute()
   if path.exists() and not overwrite:
@@ -44,6 +59,8 @@ def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite
     meta = {"model_name": cfg.model_name, "model": cfg.model.model_dump(mode="json")}
     (tmp / "meta" / "metadata").write_text(json.dumps(meta) + "\n")
     (tmp / "config.yaml").write_text(to_yaml(cfg))
+    for f in files:
+      shutil.copyfile(f, tmp / f.name)
     publish_permissions(tmp)
     if path.exists():
       shutil.rmtree(path)
@@ -121,10 +138,10 @@ def main(args: list[str]) -> int:
   from meshlm import hf
   if direction == "hf-to-meshlm":
     cfg, params = hf.load(src, *overrides)
-    save_meshlm(cfg, params, dst)
+    save_meshlm(cfg, params, dst, files=tokenizer_files(src))
   else:
     cfg, params = load_meshlm(src, *overrides)
-    hf.save(cfg, params, dst)
+    hf.save(cfg, params, dst, files=tokenizer_files(src))
   from meshlm.models import count, param_specs
   print(f"meshlm convert {direction}: {src} -> {dst} ({cfg.model.family}, "
         f"{count(param_specs(cfg)):,} parameters)")
