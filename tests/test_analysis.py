@@ -1,7 +1,11 @@
 """The instrument: HLO/StableHLO readers, census counts, detectors, compare and golden counts."""
+import contextlib
+import io
 import json
 import os
+import sys
 
+import jax
 import pytest
 
 from meshlm.analysis import census as C
@@ -10,10 +14,13 @@ from meshlm.analysis.compare import diff_buckets, signature_buckets
 from meshlm.analysis.scopes import attribute
 from meshlm.config import load_config
 
-GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden", "census")
+HERE = os.path.dirname(__file__)
+GOLDEN_DIR = os.path.join(HERE, "golden", "census")
+COMPILED_GOLDEN = os.path.join(HERE, "golden", "compiled_census.json")
+PINNED_JAX = golden.pinned_jax_version(os.path.join(HERE, "..", "requirements.lock"))
 # The scanned stack, as real-size models run it (the llama2-tiny preset itself unrolls its two
 # layers; its own golden counts are checked with the other presets').
-LLAMA = ("model=llama2-tiny", "scan_layers=true") + golden.BASE
+LLAMA = golden.COMPILED_CONFIG
 NOFLAGS = ("lm_head_weight_grad_in_kernel_order=false", "dense_weight_grad_in_kernel_order=false")
 
 # A hand-written optimized-HLO module: an async all-gather pair and an all-reduce inside a 3-trip
@@ -128,21 +135,40 @@ def test_auto_folds_and_the_flags_change_nothing(lowered):
   assert auto["stablehlo"]["sharding_barriers"] < lowered["explicit"]["stablehlo"]["sharding_barriers"]
 
 
-def test_census_json_from_the_cli(capsys):
-  """One full census through the command: DESIGN.md's field names, compiled counts, memory."""
+@pytest.fixture(scope="module")
+def cli_census():
+  """One full census of LLAMA through the command (`meshlm census ... --json`), compiled once."""
   from meshlm.cli import main
-  assert main(["census", *LLAMA, "--json"]) == 0
-  r = json.loads(capsys.readouterr().out)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert main(["census", *LLAMA, "--json"]) == 0
+  return json.loads(out.getvalue())
+
+
+def test_census_json_from_the_cli(cli_census):
+  """DESIGN.md's field names, compiled counts, memory."""
+  r = cli_census
   for f in ("stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "stablehlo.transpose_of_dot.blocked",
             "hlo.op_counts", "hlo.copies", "hlo.transposes", "blowups", "memory"):
     assert C.field(r, f) is not None, f
   for kind in C.COLLECTIVES:
     assert set(r["hlo"]["collectives"][kind]) >= {"count", "bytes"}
-  # fsdp=4 all-gathers every kernel forward and backward: 7 per layer x 2 passes x 2 layers + head + embed.
-  assert r["hlo"]["collectives"]["all-gather"]["count"] == 30
   assert r["hlo"]["transposes"] == sum(v for k, v in r["hlo"]["op_counts"].items() if k == "transpose")
   assert r["memory"]["temp_size_in_bytes"] > 0 and r["cost"]["flops"] > 0
   assert r["blowups"] == [] and r["scan_layout"] == []
+
+
+def test_compiled_collective_counts(cli_census):
+  """The compiled step's collective counts (tests/golden/compiled_census.json), exact for the pinned JAX."""
+  require_pinned_jax()
+  want = golden_file(COMPILED_GOLDEN, "compiled")["counts"]
+  report = golden.mismatch_report("compiled census of " + " ".join(LLAMA), want, golden.compiled_counts(cli_census),
+                                  "compiled")
+  if report:
+    pytest.fail(report, pytrace=False)
+  # And what the golden number means: fsdp=4 all-gathers every kernel forward and backward,
+  # 7 per layer x 2 passes x 2 layers + head + embed.
+  assert want["hlo.collectives.all-gather.count"] == 7 * 2 * 2 + 2
 
 
 def test_compare_rejects_bad_arms_before_compiling(capsys):
@@ -155,21 +181,161 @@ def test_compare_rejects_bad_arms_before_compiling(capsys):
   assert "need at least 2 arms" in capsys.readouterr().err
 
 
+# --- golden counts -------------------------------------------------------------------------------
+# The counts are the pinned JAX's (requirements.lock). On another JAX the comparisons skip, saying
+# so: a different JAX lowers differently, which says nothing about meshlm, and a red suite on every
+# unpinned install would teach people to ignore it. The pinned environment (`make setup`, CI) runs
+# them, and test_golden_files_are_for_the_pinned_jax holds the files to the lock on any JAX.
+
+def require_pinned_jax() -> None:
+  if jax.__version__ != PINNED_JAX:
+    pytest.skip(f"the golden census counts are for jax=={PINNED_JAX} (requirements.lock), this is jax "
+                f"{jax.__version__}: run `make setup` to check them")
+
+
+def test_golden_comparisons_skip_on_another_jax(monkeypatch):
+  monkeypatch.setattr(jax, "__version__", "0.0.0")
+  with pytest.raises(pytest.skip.Exception, match=rf"golden census counts are for jax=={PINNED_JAX} "
+                                                   r"\(requirements.lock\), this is jax 0.0.0"):
+    require_pinned_jax()
+  monkeypatch.setattr(jax, "__version__", PINNED_JAX)
+  require_pinned_jax()  # does not skip
+
+
+def golden_file(path: str, regen_arg: str) -> dict:
+  if not os.path.exists(path):
+    pytest.fail(f"no golden file {os.path.relpath(path, HERE)}: run .venv/bin/python {golden.REGEN} {regen_arg}",
+                pytrace=False)
+  with open(path) as f:
+    return json.load(f)
+
+
 def _golden_presets():
   return golden.tiny_presets()
 
 
+def _preset_file(preset: str) -> dict:
+  return golden_file(os.path.join(GOLDEN_DIR, f"{preset}.json"), preset)
+
+
 @pytest.mark.parametrize("preset", _golden_presets())
 def test_golden_census_counts(preset):
-  path = os.path.join(GOLDEN_DIR, f"{preset}.json")
-  if not os.path.exists(path):
-    pytest.fail(f"no golden census for {preset}: run .venv/bin/python scripts/regen_golden_census.py {preset}")
-  with open(path) as f:
-    want = json.load(f)["counts"]
-  got = golden.golden_counts(preset)
-  assert got == want
+  require_pinned_jax()
+  want = _preset_file(preset)["counts"]
+  report = golden.mismatch_report(f"{preset} golden census", want, golden.golden_counts(preset), preset)
+  if report:
+    pytest.fail(report, pytrace=False)
   for arm in want.values():
     assert arm["blowups"] == 0
+
+
+def test_golden_files_are_for_the_pinned_jax():
+  """Every golden file was written with the JAX that requirements.lock pins, for today's arms."""
+  docs = {p: _preset_file(p) for p in _golden_presets()}
+  docs["compiled"] = golden_file(COMPILED_GOLDEN, "compiled")
+  stale = [name for name, doc in docs.items() if doc.get("jax") != PINNED_JAX]
+  assert not stale, (f"golden files {stale} were not written with jax=={PINNED_JAX} (requirements.lock): "
+                     f"regenerate them with .venv/bin/python {golden.REGEN}")
+  for p in _golden_presets():
+    assert docs[p]["arms"] == {k: list(v) for k, v in golden.ARMS.items()}, f"{p}: arms changed; run {golden.REGEN}"
+  assert docs["compiled"]["config"] == list(golden.COMPILED_CONFIG)
+
+
+def test_auto_axes_arm_differs_from_the_plain_path():
+  """weight_grad_impl=auto_axes removes the blocked weight-gradient transposes the plain explicit
+  path has, in every preset, so a silent fallback to the plain path cannot match its golden arm."""
+  for p in _golden_presets():
+    arms = _preset_file(p)["counts"]
+    plain, auto_axes = arms["explicit-noflags"], arms["explicit-auto_axes"]
+    assert plain["stablehlo.transpose_of_dot.weight_grad.blocked"] > 0, p
+    assert auto_axes["stablehlo.transpose_of_dot.weight_grad.blocked"] == 0, p
+
+
+def test_mismatch_report_names_each_field_and_the_script():
+  want = {"explicit": {"stablehlo.dots": 30, "blowups": 0}, "auto": {"stablehlo.dots": 30}}
+  assert golden.mismatch_report("x", want, json.loads(json.dumps(want))) is None
+  got = {"explicit": {"stablehlo.dots": 31, "blowups": 0}, "explicit-auto_axes": {"stablehlo.dots": 30}}
+  report = golden.mismatch_report("llama2-tiny golden census", want, got, "llama2-tiny")
+  assert report.splitlines() == [
+      "llama2-tiny golden census: 3 field(s) differ from the golden file:",
+      "  auto: expected {'stablehlo.dots': 30}, missing",
+      "  explicit.stablehlo.dots: expected 30, got 31",
+      "  explicit-auto_axes: not in the golden file, got {'stablehlo.dots': 30}",
+      "If the change is intended, review it and regenerate the golden files with",
+      f"  .venv/bin/python {golden.REGEN} llama2-tiny"]
+  assert os.path.exists(os.path.join(HERE, "..", golden.REGEN))
+
+
+def test_pinned_jax_version_reads_the_lock(tmp_path):
+  lock = tmp_path / "requirements.lock"
+  lock.write_text("jaxlib==9.9.9\njax==0.10.2\nnumpy==2.0\n")
+  assert golden.pinned_jax_version(str(lock)) == "0.10.2"
+  lock.write_text("jaxlib==0.10.2\n")
+  with pytest.raises(ValueError, match="no 'jax==VERSION' line"):
+    golden.pinned_jax_version(str(lock))
+
+
+# --- controls: bugs the golden census must catch ------------------------------------------------
+
+def _patch_dense(monkeypatch, wrap) -> list:
+  """Replaces the dense primitive everywhere meshlm holds it (modules import it by name) with
+  wrap(dense); returns a list that records each call, to prove the patch was traced."""
+  import importlib
+  original, calls = importlib.import_module("meshlm.nn.dense").dense, []
+  patched = wrap(original, calls)
+  holders = [m for name, m in list(sys.modules.items())
+             if name.startswith("meshlm") and getattr(m, "dense", None) is original]
+  assert holders
+  for m in holders:
+    monkeypatch.setattr(m, "dense", patched)
+  return calls
+
+
+def _control_counts(monkeypatch, wrap, arm: str) -> tuple[dict, list]:
+  calls = _patch_dense(monkeypatch, wrap)
+  try:
+    got = golden.golden_counts("llama2-tiny", [arm])
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()  # nothing traced with the bug may be reused
+  return got, calls
+
+
+def test_a_silent_auto_axes_fallback_fails_the_golden_census(monkeypatch):
+  """dense falling back to the plain path under weight_grad_impl=auto_axes: the auto_axes arm's counts
+  become the plain path's, and the golden comparison reports it."""
+  require_pinned_jax()
+  def fall_back(dense, calls):
+    def plain(x, kernel, eqn, out_axes, *, kernel_order=False, impl="custom_vjp", **kw):
+      calls.append(impl)
+      return dense(x, kernel, eqn, out_axes, kernel_order=kernel_order and impl != "auto_axes", impl=impl, **kw)
+    return plain
+  got, calls = _control_counts(monkeypatch, fall_back, "explicit-auto_axes")
+  assert "auto_axes" in calls
+  want = _preset_file("llama2-tiny")["counts"]
+  report = golden.mismatch_report("llama2-tiny golden census", {"explicit-auto_axes": want["explicit-auto_axes"]}, got)
+  assert report is not None
+  assert "explicit-auto_axes.stablehlo.transpose_of_dot.weight_grad.blocked: expected 0, got " in report
+  assert golden.REGEN in report
+  assert got["explicit-auto_axes"] == want["explicit-noflags"]
+
+
+def test_a_wrong_out_sharding_fails_the_golden_census(monkeypatch):
+  """A layout-only bug: every dense output loses its batch sharding (so each device computes the whole
+  batch's projection). Values are unchanged, so the explicit-vs-auto loss parity cannot see it; the
+  golden census's sharding counts do. (A transposed out_sharding is refused outright under explicit:
+  tracing raises ShardingTypeError at the next elementwise op.)"""
+  require_pinned_jax()
+  def replicated(dense, calls):
+    def wrong(x, kernel, eqn, out_axes, **kw):
+      calls.append(eqn)
+      return dense(x, kernel, eqn, tuple(None if a == "batch" else a for a in out_axes), **kw)
+    return wrong
+  got, calls = _control_counts(monkeypatch, replicated, "explicit")
+  assert calls
+  want = _preset_file("llama2-tiny")["counts"]
+  report = golden.mismatch_report("llama2-tiny golden census", {"explicit": want["explicit"]}, got)
+  assert report is not None and "explicit.stablehlo.sharding_barriers: expected " in report, report
 
 
 @pytest.mark.slow

@@ -1,11 +1,20 @@
-"""The structural counts that tests/golden/census/<preset>.json pin for every tiny preset.
+"""The structural counts that tests/golden/ pins, and how a mismatch is reported.
 
-They come from the lowered StableHLO only (no compile), so the golden test stays fast and does not
-move with XLA's optimizer. `scripts/regen_golden_census.py` writes the files; the test only reads.
+- tests/golden/census/<preset>.json: for every tiny preset and every arm in ARMS, the StableHLO
+  counts in KEYS, from lowering alone (no compile), so that test stays fast and does not move with
+  XLA's optimizer.
+- tests/golden/compiled_census.json: the compiled step's collective counts (all-gathers and the
+  rest) for one config, COMPILED_CONFIG; these do move with XLA.
+
+Both hold for the JAX that requirements.lock pins, and each file records the version it was made
+with. `scripts/regen_golden_census.py` (REGEN) writes them; the tests only read.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
+
+REGEN = "scripts/regen_golden_census.py"
 
 # Small shapes: the counts are structural, so the batch and length do not change them.
 BASE = ("cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1", "train.seq_len=32")
@@ -13,11 +22,19 @@ ARMS: dict[str, tuple[str, ...]] = {
     "explicit": ("shard_mode=explicit",),
     "explicit-noflags": ("shard_mode=explicit", "lm_head_weight_grad_in_kernel_order=false",
                          "dense_weight_grad_in_kernel_order=false"),
+    # The other kernel-order implementation: must differ from the plain path (explicit-noflags), so a
+    # silent fallback to it shows up as a diff.
+    "explicit-auto_axes": ("shard_mode=explicit", "weight_grad_impl=auto_axes"),
     "auto": ("shard_mode=auto",),
 }
 KEYS = ("stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "stablehlo.transpose_of_dot.blocked",
         "stablehlo.transpose_of_dot.weight_grad.adjacent", "stablehlo.transpose_of_dot.weight_grad.blocked",
         "stablehlo.transposes", "stablehlo.dots", "blowups")
+
+# The scanned stack, as real-size models run it (the llama2-tiny preset itself unrolls its layers).
+COMPILED_CONFIG = ("model=llama2-tiny", "scan_layers=true") + BASE
+COMPILED_KEYS = tuple(f"hlo.collectives.{kind}.count"
+                      for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"))
 
 
 def tiny_presets() -> list[str]:
@@ -35,11 +52,54 @@ def stablehlo_census(cfg) -> dict[str, Any]:
   return {"stablehlo": counts, "blowups": blowups(mod)}
 
 
-def golden_counts(preset: str) -> dict[str, dict[str, Any]]:
+def golden_counts(preset: str, arms: list[str] | None = None) -> dict[str, dict[str, Any]]:
+  """{arm: {key: count}} for the named arms (all of ARMS by default)."""
   from meshlm.analysis.census import field
   from meshlm.config import load_config
   out = {}
-  for arm, overrides in ARMS.items():
-    result = stablehlo_census(load_config(f"model={preset}", *BASE, *overrides))
+  for arm in ARMS if arms is None else arms:
+    result = stablehlo_census(load_config(f"model={preset}", *BASE, *ARMS[arm]))
     out[arm] = {k: field(result, k) for k in KEYS}
   return out
+
+
+def compiled_counts(result: dict[str, Any]) -> dict[str, Any]:
+  """The COMPILED_KEYS fields of a full census() result."""
+  from meshlm.analysis.census import field
+  return {k: field(result, k) for k in COMPILED_KEYS}
+
+
+def diff_counts(want: dict[str, Any], got: dict[str, Any], prefix: str = "") -> list[str]:
+  """One line per differing field, dotted path first: 'explicit.stablehlo.dots: expected 30, got 31'."""
+  lines = []
+  for k in sorted(set(want) | set(got)):
+    path = f"{prefix}{k}"
+    if k not in got:
+      lines.append(f"{path}: expected {want[k]!r}, missing")
+    elif k not in want:
+      lines.append(f"{path}: not in the golden file, got {got[k]!r}")
+    elif isinstance(want[k], dict) and isinstance(got[k], dict):
+      lines += diff_counts(want[k], got[k], f"{path}.")
+    elif want[k] != got[k]:
+      lines.append(f"{path}: expected {want[k]!r}, got {got[k]!r}")
+  return lines
+
+
+def mismatch_report(what: str, want: dict[str, Any], got: dict[str, Any], regen_args: str = "") -> str | None:
+  """None when equal; otherwise the field-by-field diff and how to regenerate the golden file."""
+  lines = diff_counts(want, got)
+  if not lines:
+    return None
+  return "\n".join([f"{what}: {len(lines)} field(s) differ from the golden file:", *("  " + l for l in lines),
+                    "If the change is intended, review it and regenerate the golden files with",
+                    f"  .venv/bin/python {REGEN}{' ' + regen_args if regen_args else ''}"])
+
+
+def pinned_jax_version(lock_path: str) -> str:
+  """The jax version requirements.lock pins ('jax==X')."""
+  with open(lock_path) as f:
+    for line in f:
+      m = re.match(r"\s*jax==([^\s;#]+)", line)
+      if m:
+        return m.group(1)
+  raise ValueError(f"{lock_path}: no 'jax==VERSION' line")
