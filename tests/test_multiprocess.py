@@ -1,13 +1,19 @@
 """Two processes x 2 CPU devices (jax.distributed, gloo collectives) train like one process x 4.
 
-Both runs see the same global batches: each of the two processes reads its own half of the data,
-and the one-process reference is fed the two halves stacked in device order (process 0's rows
-land on devices 0-1, process 1's on devices 2-3), so the comparison isolates the runtime.
+Every run here is the plain `meshlm train` (or its `train()`), with nothing test-only in the data:
+the sequence of global batches depends on the data config and the global batch only, and each process
+reads its rows of each batch. So 2 x 2 and 1 x 4 see the same batches, and a checkpoint written by
+either resumes on the other at the same data position.
+
+Ports: the coordinator's port is held by this test from the moment it is picked until the processes
+exit (see _held_port), so no other program on the machine can take it in between.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,78 +27,148 @@ BASE = ["model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "mode
         "model.mlp_dim=128", "model.num_layers=1", "train.per_device_batch_size=1", "train.seq_len=32",
         "train.sample_tokens=0", "mesh.fsdp=4", "data.source=synthetic", "train.compute_dtype=float32",
         f"train.steps={STEPS}"]
+# The gloo all-reduce sums the processes' partial gradients in another order than one process does.
+ATOL = 1e-5
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+@contextlib.contextmanager
+def _held_port():
+  """A free port for the coordinator, reserved until the block ends.
+
+  Binding port 0, closing and passing the number on leaves a window in which any program on the
+  machine may be handed the same port (parallel tests do this all the time). Instead the socket stays
+  bound, not listening, with SO_REUSEADDR: Linux then lets process 0 bind the port too (its
+  free-port check and the coordinator's gRPC listener both set SO_REUSEADDR, and only a listening
+  socket blocks them), while the kernel hands the port to no one else, neither as an ephemeral port
+  nor to a plain bind. jax.distributed cannot take port 0 itself: every process needs the number
+  before it starts.
+  """
+  s = socket.socket()
+  s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  s.bind(("127.0.0.1", 0))
+  try:
+    yield s.getsockname()[1]
+  finally:
+    s.close()
 
 
-class _TwoProcessData:
-  """The global batches two processes would see, as one process's iterator."""
+def _two_processes(run_dir, tmp_path, *extra: str) -> None:
+  """`meshlm train` as process 0 and 1 of 2, each with 2 CPU devices; asserts both exit 0."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  name = os.path.basename(run_dir)
+  with _held_port() as port:
+    procs, logs = [], []
+    for i in range(2):
+      log = open(tmp_path / f"{name}-process{i}.log", "w+")
+      procs.append(subprocess.Popen(
+          [MESHLM, "train", *BASE, *extra, "cpu_devices=2", f"run_dir={run_dir}",
+           f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+           f"distributed.process_id={i}", "distributed.timeout_s=120"], env=env, stdout=log, stderr=subprocess.STDOUT))
+      logs.append(log)
+    try:
+      for p, log in zip(procs, logs):
+        rc = p.wait(timeout=300)
+        log.seek(0)
+        assert rc == 0, log.read()[-3000:]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
 
-  def __init__(self, cfg, global_batch: int):
-    from meshlm.train.data import make_dataset
-    self.parts = [make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len, process_index=i,
-                               process_count=2) for i in range(2)]
+
+def _one_process(run_dir, *extra: str, data=None):
+  """`train()` on 4 of this process's CPU devices, as `meshlm train cpu_devices=4` runs it (data: only
+  for the negative control)."""
+  from rich.console import Console
+  from meshlm.config import load_config
+  from meshlm.train.loop import train
+  cfg = load_config(*BASE, *extra, "cpu_devices=4", f"run_dir={run_dir}")
+  return train(cfg, console=Console(file=open(os.devnull, "w")), show_progress=False, data=data)
+
+
+def _metrics(run_dir) -> dict[int, float]:
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f))}
+
+
+def _data_state(run_dir, step: int) -> dict:
+  with open(os.path.join(run_dir, "checkpoints", str(step), "data", "metadata")) as f:
+    return json.load(f)["state"]
+
+
+@pytest.fixture(scope="module")
+def explicit_reference(tmp_path_factory):
+  run_dir = tmp_path_factory.mktemp("ref") / "one"
+  return run_dir, _one_process(run_dir, "shard_mode=explicit").losses
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_two_processes_match_one_process(mode, explicit_reference, tmp_path):
+  run_dir = tmp_path / "two"
+  _two_processes(run_dir, tmp_path, f"shard_mode={mode}")
+  ref_dir, ref = explicit_reference if mode == "explicit" else (tmp_path / "one", None)
+  if ref is None:
+    ref = _one_process(ref_dir, f"shard_mode={mode}").losses
+  two = _metrics(run_dir)
+  assert sorted(two) == list(range(STEPS))  # process 0 alone writes the metrics
+  two = [two[s] for s in range(STEPS)]
+  print(f"{mode}: 1x4 vs 2x2 max |loss difference| {np.max(np.abs(np.subtract(two, ref))):.3g}; "
+        f"bit-identical: {two == ref}")
+  np.testing.assert_allclose(two, ref, rtol=0, atol=ATOL)
+  # Both processes joined one checkpoint of the 4-device state, at the data position of 1 x 4.
+  assert sorted(os.listdir(run_dir / "checkpoints")) == [str(STEPS)]
+  assert _data_state(run_dir, STEPS) == _data_state(ref_dir, STEPS)
+
+
+def test_resume_across_process_counts(explicit_reference, tmp_path):
+  """1 -> 2 processes and 2 -> 1, each stopped after K steps: the losses of the uninterrupted 1 x 4
+  run at every step, and its data position at the end."""
+  ref_dir, ref = explicit_reference
+  k = 4
+  # 2 processes stop after k steps; 1 process continues.
+  two_one = tmp_path / "two-then-one"
+  _two_processes(two_one, tmp_path, "shard_mode=explicit", f"train.stop_after={k}")
+  assert sorted(os.listdir(two_one / "checkpoints")) == [str(k)]
+  resumed = _one_process(two_one, "shard_mode=explicit")
+  assert resumed.start_step == k
+  # 1 process stops after k steps; 2 processes continue.
+  one_two = tmp_path / "one-then-two"
+  first = _one_process(one_two, "shard_mode=explicit", f"train.stop_after={k}")
+  assert first.stop_reason == "stop_after" and first.losses == ref[:k]
+  late = tmp_path / "late"  # for the negative control below
+  shutil.copytree(one_two, late)
+  _two_processes(one_two, tmp_path, "shard_mode=explicit")
+  for run_dir in (two_one, one_two):
+    got = _metrics(run_dir)
+    assert sorted(got) == list(range(STEPS)), run_dir
+    np.testing.assert_allclose([got[s] for s in range(STEPS)], ref, rtol=0, atol=ATOL, err_msg=str(run_dir))
+    assert _data_state(run_dir, STEPS) == _data_state(ref_dir, STEPS), run_dir
+    print(f"{run_dir.name}: max |loss difference| to 1x4 {max(abs(got[s] - ref[s]) for s in range(STEPS)):.3g}")
+  # Negative control: the losses tell data positions apart. The 1-process checkpoint at step k,
+  # resumed one batch late, is off by far more than ATOL at its first step.
+  from meshlm.config import load_config
+  from meshlm.train.data import make_dataset
+  cfg = load_config(*BASE, "cpu_devices=4")
+  it = _OneBatchLate(make_dataset(cfg, global_batch=4, seq_len=cfg.train.seq_len))
+  off = _one_process(late, "shard_mode=explicit", "train.stop_after=1", data=it).losses
+  assert abs(off[0] - ref[k]) > 100 * ATOL, (off, ref[k])
+
+
+class _OneBatchLate:
+  """A data iterator that resumes one batch after the checkpoint's position."""
+
+  def __init__(self, it):
+    self.it = it
 
   def __iter__(self):
     return self
 
-  def __next__(self) -> dict:
-    halves = [next(p) for p in self.parts]
-    return {k: np.concatenate([h[k] for h in halves]) for k in halves[0]}
+  def __next__(self):
+    return next(self.it)
 
-  def get_state(self) -> dict:
-    return {"parts": [p.get_state() for p in self.parts]}
+  def get_state(self):
+    return self.it.get_state()
 
-  def set_state(self, state: dict) -> None:
-    for p, s in zip(self.parts, state["parts"]):
-      p.set_state(s)
-
-
-def _one_process_losses(mode: str, run_dir) -> list[float]:
-  from rich.console import Console
-  from meshlm.config import load_config
-  from meshlm.train.loop import train
-  from meshlm.train.step import global_batch_size
-  cfg = load_config(*BASE, f"shard_mode={mode}", "cpu_devices=4", f"run_dir={run_dir}")
-  data = _TwoProcessData(cfg, global_batch_size(cfg, 4))
-  result = train(cfg, console=Console(file=open(os.devnull, "w")), show_progress=False, data=data)
-  return result.losses
-
-
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-def test_two_processes_match_one_process(mode, tmp_path):
-  run_dir = tmp_path / "two"
-  port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  procs, logs = [], []
-  for i in range(2):
-    log = open(tmp_path / f"process{i}.log", "w+")
-    procs.append(subprocess.Popen(
-        [MESHLM, "train", *BASE, f"shard_mode={mode}", "cpu_devices=2", f"run_dir={run_dir}",
-         f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2", f"distributed.process_id={i}",
-         "distributed.timeout_s=120"], env=env, stdout=log, stderr=subprocess.STDOUT))
-    logs.append(log)
-  # The reference runs in this process meanwhile; the pair mostly waits on each other.
-  ref = _one_process_losses(mode, tmp_path / "one")
-  for p, log in zip(procs, logs):
-    try:
-      rc = p.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    log.seek(0)
-    assert rc == 0, log.read()[-3000:]
-  with open(run_dir / "metrics.jsonl") as f:
-    recs = [json.loads(ln) for ln in f if ln.strip()]
-  assert [r["step"] for r in recs] == list(range(STEPS))  # process 0 alone writes the metrics
-  two = [r["loss"] for r in recs]
-  np.testing.assert_allclose(two, ref, rtol=0, atol=1e-5)
-  # Both processes joined one checkpoint of the 4-device state.
-  assert sorted(os.listdir(run_dir / "checkpoints")) == [str(STEPS)]
-  print(f"{mode}: max |loss difference| {np.max(np.abs(np.subtract(two, ref))):.3g}; "
-        f"bit-identical: {two == ref}")
+  def set_state(self, state):
+    self.it.set_state(state)
+    next(self.it)

@@ -4,7 +4,8 @@
 Layout of one checkpoint, `<checkpoint.dir>/<step>/`:
   params/     the parameter pytree (Orbax StandardSave: sharded arrays, restored onto any mesh)
   opt_state/  the optimizer state pytree
-  data/       JSON: every process's data-iterator state, {"process_count", "states": [...]}
+  data/       JSON: the data-iterator state, {"state": ..., "process_count"}: the position in the
+              sequence of global batches, the same on every process and for any process count
   meta/       JSON: {"step", "rng" (the run's PRNG key data), "model_name", "model",
               "data" ({"source", "path"}: resuming on other data is refused),
               "nonfinite_in_a_row", "nonfinite_total"}
@@ -99,6 +100,30 @@ def _gather_json(obj: Any) -> list[Any]:
   return [json.loads(bytes(r[:int(n)]).decode()) for r, n in zip(rows, sizes.reshape(-1))]
 
 
+def _data_item(data_state: dict) -> dict:
+  """The data item of a checkpoint. Every process runs the same global stream (train/data), so their
+  states agree; a difference means their data configs differ."""
+  states = _gather_json(data_state)
+  for i, other in enumerate(states):
+    if other != states[0]:
+      raise ConfigError(f"processes 0 and {i} are at different data positions: every process must run the "
+                        "same command (the same data.* keys)")
+  return {"state": states[0], "process_count": jax.process_count()}
+
+
+def _data_state(data: dict, path: str) -> dict:
+  """The data-iterator state of a checkpoint's data item, for this run on any number of processes."""
+  if "state" in data:
+    return data["state"]
+  # Written before the data order was process-count independent: {"process_count", "states"}, one per
+  # process. One process's stream is today's global stream, so that state carries over exactly.
+  if data["process_count"] == 1:
+    return data["states"][0]
+  raise ConfigError(f"checkpoint {path} holds the per-process data positions of {data['process_count']} "
+                    "processes, from a meshlm before the data order was the same on any number of processes; "
+                    "they cannot be resumed. Start a new run_dir with checkpoint.load_params_from")
+
+
 def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   ours = cfg.model.model_dump(mode="json")
   for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS)):  # ids change no parameter
@@ -146,7 +171,7 @@ class Checkpointer:
       raise self._save_failed(None, _first_line(e)) from None
     if step in self.manager.all_steps():  # e.g. a preemption right after a periodic save
       return
-    data = {"process_count": jax.process_count(), "states": _gather_json(data_state)}
+    data = _data_item(data_state)
     # The key as plain data in the JSON: Orbax's key handler writes a whole array checkpoint for 8 bytes.
     meta = {"step": step, "rng": np.asarray(jax.random.key_data(rng)).tolist(), "model_name": self.cfg.model_name,
             "model": self.cfg.model.model_dump(mode="json"), "data": _data_key(self.cfg), **counters}
@@ -179,14 +204,10 @@ class Checkpointer:
             params=ocp.args.StandardRestore(abstract_state.params),
             opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
             data=ocp.args.JsonRestore()))
-        data = out["data"]
-        if data["process_count"] != jax.process_count():
-          raise ConfigError(f"checkpoint {path} was written by {data['process_count']} processes, this run has "
-                            f"{jax.process_count()}; the data position cannot be resumed exactly. Resume with "
-                            "the same number of processes, or start a new run_dir with checkpoint.load_params_from")
+        data_state = _data_state(out["data"], path)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
         return {"step": step, "params": out["params"], "opt_state": out["opt_state"], "rng": rng,
-                "data_state": data["states"][jax.process_index()], "meta": meta}
+                "data_state": data_state, "meta": meta}
       except ConfigError:
         raise
       except Exception as e:  # noqa: BLE001 -- any read failure means this checkpoint is unusable

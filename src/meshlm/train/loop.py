@@ -158,7 +158,7 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   loop decides whether to stop there (tests: a signal sent from it lands at a known step).
   """
   from meshlm.train.checkpoint import Checkpointer
-  from meshlm.train.data import make_dataset
+  from meshlm.train.data import batch_rows, make_dataset
   t_start = time.perf_counter() if start_time is None else start_time
   console = console or make_console()
   say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -166,8 +166,9 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   mesh = make_mesh(cfg)
   if data is None:
     # Data first: a bad glob or file fails in one line before anything is traced or compiled.
-    data = make_dataset(cfg, global_batch=global_batch_size(cfg, mesh.size), seq_len=cfg.train.seq_len,
-                        process_index=jax.process_index(), process_count=jax.process_count())
+    global_batch = global_batch_size(cfg, mesh.size)
+    data = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len,
+                        rows=batch_rows(mesh, global_batch, cfg.train.seq_len))
   step_fn = build_train_step(cfg, mesh)
   ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
   try:

@@ -1,21 +1,27 @@
-"""Training data: documents from files, tokenized, shuffled per epoch, packed into rows, batched per process.
+"""Training data: documents from files, tokenized, shuffled per epoch, packed into rows, batched.
 
 The pipeline is Grain throughout:
 
-  documents (files, JSONL lines, Parquet rows or synthetic ids) -> this process's shard
+  documents (files, JSONL lines, Parquet rows or synthetic ids), all of them
   -> shuffle(data.seed), new order each epoch -> repeat
   -> read + tokenize (+EOS), lazily in a small thread pool
-  -> ConcatThenSplit into rows of seq_len + 1 tokens -> inputs/targets/masks -> batch
+  -> count invalid UTF-8, in order (in the consumer thread, so the count does not depend on prefetch)
+  -> ConcatThenSplit into rows of seq_len + 1 tokens -> global batch -> this process's rows
+  -> inputs/targets/masks
 
 Packing choice: documents are concatenated and cut into rows of seq_len + 1 tokens, so inputs and
 targets come from the same row shifted by one and no token is padding. A document cut by a row
 boundary continues in the next row with its `positions` restarting at 0 (Grain's convention; with
 rotary embeddings only relative positions matter). Attention must stay within one segment id.
 
-Sharding: each process builds only its own shard, from file names, sizes and Parquet footers, and
-reads only its own documents (see _jsonl_shard and _parquet_shard for the exact granularity).
+Processes: the sequence of global batches is a function of the data config, the global batch size and
+seq_len only, never of the process count. Every process runs the same global stream and keeps the rows
+of each global batch that its devices hold (process_rows), so 1 x 4 devices and 2 x 2 devices train on
+the same batches, and the iterator state (identical on every process) resumes on any process count.
+The price: every process reads and tokenizes every document (packing needs every document's token
+count to know where a row starts); docs/multihost.md says when that matters.
 Modules: tokenizers.py (byte and tokenizer.json tokenizers, UTF-8 handling), sources.py (the
-document sources and their per-process shards), and this file (examples, packing, batching).
+document sources), and this file (examples, packing, batching, rows).
 docs/data.md is the user-facing description of sources, tokenizers and errors.
 """
 from __future__ import annotations
@@ -27,10 +33,9 @@ import grain
 import numpy as np
 
 from meshlm.config import Config, ConfigError
-from meshlm.train.data.sources import (_jsonl_shard, _parquet_shard, _ParquetRead, _TextFiles, data_files,
-                                       stdlib_files)
+from meshlm.train.data.sources import Doc, _jsonl_lines, _parquet_rows, _ParquetRead, _TextFiles, data_files, stdlib_files
 from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, UTF8_STATS, decode_utf8,  # noqa: F401
-                                          make_tokenizer)
+                                          make_tokenizer, replace_invalid_utf8)
 
 # Enough synthetic documents (~1M tokens an epoch) that a small model cannot memorize their order.
 SYNTHETIC_DOCS = 4096
@@ -55,48 +60,87 @@ def _synthetic_example(seed: int, index: int) -> dict[str, np.ndarray]:
 
 
 class _Encode:
-  """(document, where) -> {"tokens": ids + [EOS]}. Bytes go to an HF tokenizer as UTF-8 text."""
+  """Doc -> ({"tokens": ids + [EOS]}, invalid UTF-8 as (where, byte offset) or None).
+
+  Bytes go to an HF tokenizer as UTF-8 text. It runs in Grain's prefetch threads, ahead of need, so it
+  only reports invalid UTF-8; _CountInvalidUtf8 counts it when the packer takes the document.
+  """
 
   def __init__(self, tok: ByteTokenizer | HFTokenizer):
     self.tok = tok
 
-  def __call__(self, doc: tuple[bytes | str, str]) -> dict[str, np.ndarray]:
-    data, where = doc
+  def __call__(self, doc: Doc) -> tuple[dict[str, np.ndarray], tuple[str, int] | None]:
+    data, where, bad = doc.data, doc.where, doc.invalid_utf8_at
     if isinstance(data, bytes) and not self.tok.byte_level:
-      data = decode_utf8(data, where)
+      data, bad = replace_invalid_utf8(data)
     ids = self.tok.encode(data)
     tokens = np.empty(len(ids) + 1, np.int32)  # [n + 1]
     tokens[:-1] = ids
     tokens[-1] = self.tok.eos_id
-    return {"tokens": tokens}
+    return {"tokens": tokens}, (None if bad is None else (where, bad))
 
 
-def _to_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """A packed row of T + 1 tokens -> the model's T inputs, targets and masks."""
-  tok, seg, pos = row["tokens"], row["tokens_segment_ids"], row["tokens_positions"]  # each [T + 1]
+def _count_invalid_utf8(encoded: tuple[dict[str, np.ndarray], tuple[str, int] | None]) -> dict[str, np.ndarray]:
+  # An IterDataset map runs in the consumer's thread, once per document in stream order: the count
+  # is a function of the documents packed so far, whatever the prefetch threads read ahead.
+  example, bad = encoded
+  if bad is not None:
+    UTF8_STATS.record(*bad)
+  return example
+
+
+def _to_example(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Packed rows of T + 1 tokens -> the model's T inputs, targets and masks (any leading dims)."""
+  tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]  # each [..., T + 1]
   # A target counts only inside its input's document; padding (segment 0) never counts.
-  same_doc = (seg[:-1] == seg[1:]) & (seg[1:] != 0)  # [T]
-  return {"inputs": tok[:-1], "targets": tok[1:], "segment_ids": seg[:-1], "positions": pos[:-1],
-          "loss_mask": same_doc.astype(np.float32)}
+  same_doc = (seg[..., :-1] == seg[..., 1:]) & (seg[..., 1:] != 0)  # [..., T]
+  out = {"inputs": tok[..., :-1], "targets": tok[..., 1:], "segment_ids": seg[..., :-1], "positions": pos[..., :-1],
+         "loss_mask": same_doc.astype(np.float32)}
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}  # views of [..., T + 1] -> own [..., T]
+
+
+def process_rows(sharding, shape: tuple[int, ...]) -> np.ndarray:
+  """The rows of a global [B, ...] array that this process's devices hold under `sharding`, in the
+  order jax.make_array_from_process_local_data expects its local data: each distinct block of rows
+  once, by first row. Rows replicated over devices of several processes belong to each of them."""
+  blocks = {}
+  for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+    start, stop, _ = index[0].indices(shape[0])
+    blocks[start] = stop
+  return np.concatenate([np.arange(a, b) for a, b in sorted(blocks.items())])
+
+
+def batch_rows(mesh, global_batch: int, seq_len: int) -> np.ndarray:
+  """This process's rows of each global batch on `mesh`, under the train step's batch sharding."""
+  from jax.sharding import NamedSharding
+  from meshlm.parallel.sharding import logical_spec
+  from meshlm.train.step import BATCH_AXES
+  shape = (global_batch, seq_len)
+  # The sharding of TrainStep.batch_sharding, which put_batch places these rows with.
+  return process_rows(NamedSharding(mesh, logical_spec(BATCH_AXES, shape, mesh)), shape)
 
 
 class DataIterator:
-  """Infinite iterator of local batches, each value [global_batch // process_count, seq_len].
+  """Infinite iterator of this process's rows of each global batch, each value [len(rows), seq_len].
 
-  A thin wrapper over a Grain DatasetIterator: get_state() is a small dict (indices and offsets,
-  no data) that set_state() on a fresh iterator from the same config resumes exactly.
+  A thin wrapper over a Grain DatasetIterator of global batches: get_state() is a small dict (indices
+  and offsets, no data), the same on every process, that set_state() on a fresh iterator from the same
+  data config and global batch resumes exactly, whatever this iterator's rows.
   """
 
-  def __init__(self, it: grain.DatasetIterator, tokenizer: ByteTokenizer | HFTokenizer, num_documents: int):
+  def __init__(self, it: grain.DatasetIterator, tokenizer: ByteTokenizer | HFTokenizer, num_documents: int,
+               rows: np.ndarray | slice):
     self._it = it
     self.tokenizer = tokenizer
-    self.num_documents = num_documents  # in this process's shard
+    self.num_documents = num_documents  # in the corpus
+    self.rows = rows
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    return next(self._it)
+    batch = next(self._it)  # [global_batch, seq_len + 1] each
+    return _to_example({k: v[self.rows] for k, v in batch.items()})
 
   def get_state(self) -> dict[str, Any]:
     return self._it.get_state()
@@ -115,63 +159,62 @@ def _lists_to_tuples(x: Any) -> Any:
   return x
 
 
-def _shard_documents(cfg: Config, process_index: int, process_count: int) -> tuple[int, grain.MapDataset]:
-  """The size of this process's shard, and its documents shuffled per epoch and repeated:
-  (document, where) pairs, or synthetic ids."""
+def _documents(cfg: Config) -> tuple[int, grain.MapDataset]:
+  """The corpus size, and its documents shuffled per epoch and repeated: Docs, or synthetic ids."""
   source, seed = cfg.data.source, cfg.data.seed
   if source == "parquet":
-    shard = _parquet_shard(cfg, process_index, process_count)
-    n = len(shard)
-    if n:
-      # Locality-preserving shuffle (see _ParquetShard); Grain's global shuffle would decode a row
-      # group per row.
-      return n, grain.MapDataset.range(n).repeat(None).map_with_index(_ParquetRead(shard))
+    rows = _parquet_rows(cfg)
+    n = len(rows)
+    # Locality-preserving shuffle (see _ParquetRows); Grain's global shuffle would decode a row
+    # group per row.
+    return n, grain.MapDataset.range(n).repeat(None).map_with_index(_ParquetRead(rows))
+  if source == "synthetic":
+    docs = grain.MapDataset.range(SYNTHETIC_DOCS)
+  elif source == "jsonl":
+    docs = grain.MapDataset.source(_jsonl_lines(cfg))
   else:
-    if source == "synthetic":
-      docs = grain.MapDataset.range(SYNTHETIC_DOCS)[process_index::process_count]
-    elif source == "jsonl":
-      docs = grain.MapDataset.source(_jsonl_shard(cfg, process_index, process_count))
-    else:
-      # A file is a document: files are dealt round robin, so no process opens another's files.
-      paths = stdlib_files() if source == "stdlib" else data_files(cfg.data.path, "text")
-      docs = grain.MapDataset.source(_TextFiles(paths))[process_index::process_count]
-    n = len(docs)
-    if n:
-      # shuffle then repeat: Grain folds the epoch into the seed, so each epoch has a new order.
-      return n, docs.shuffle(seed=seed).repeat(None)
-  if process_count == 1:
+    # A file is a document.
+    paths = stdlib_files() if source == "stdlib" else data_files(cfg.data.path, "text")
+    docs = grain.MapDataset.source(_TextFiles(paths))
+  n = len(docs)
+  if not n:
     raise ConfigError(f"data.path={cfg.data.path!r} (data.source={source}) has no documents")
-  raise ConfigError(f"data.path={cfg.data.path!r} (data.source={source}) has too few documents for "
-                    f"{process_count} processes: process {process_index} got none; add data")
+  # shuffle then repeat: Grain folds the epoch into the seed, so each epoch has a new order.
+  return n, docs.shuffle(seed=seed).repeat(None)
 
 
-def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, process_index: int = 0,
-                 process_count: int = 1) -> DataIterator:
-  """The training stream of this process: dicts of inputs, targets, segment_ids, positions (int32)
-  and loss_mask (float32), each [global_batch // process_count, seq_len].
+def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarray | None = None) -> DataIterator:
+  """This process's training stream: dicts of inputs, targets, segment_ids, positions (int32) and
+  loss_mask (float32), each [len(rows), seq_len]: rows `rows` (default all) of each global batch.
+
+  The global batches depend only on the data config, global_batch and seq_len. The training loop
+  passes batch_rows(mesh, ...), the rows this process's devices hold.
 
   Validates eagerly (raising ConfigError): the tokenizer against model.vocab_size, that the glob
-  matches non-empty files, Parquet footers (column, type, rows) and the first JSONL line of each file
-  in this shard. Later JSONL lines are parsed as they are read: a bad one raises ConfigError, naming
-  file:line, from the next() that reaches it.
+  matches non-empty files, Parquet footers (column, type, rows) and the first JSONL line of each file.
+  Later JSONL lines are parsed as they are read: a bad one raises ConfigError, naming file:line, from
+  the next() that reaches it.
   """
-  if global_batch % process_count:
-    raise ConfigError(f"the global batch ({global_batch}, from train.per_device_batch_size) must split "
-                      f"evenly over {process_count} processes")
   if not 0 <= cfg.data.seed < 2**32:
     raise ConfigError(f"data.seed={cfg.data.seed} must be in [0, 2**32) (it seeds Grain's shuffle)")
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+  if rows is not None and (len(rows) == 0 or min(rows) < 0 or max(rows) >= global_batch):
+    raise ValueError(f"rows {rows} must be a non-empty subset of the global batch's {global_batch} rows")
   if cfg.data.source == "synthetic" and cfg.data.tokenizer != "byte":
     raise ConfigError(f"data.tokenizer={cfg.data.tokenizer}: data.source=synthetic makes byte ids; "
                       f"use data.tokenizer=byte or a file source")
   tok = make_tokenizer(cfg)
-  num_docs, ds = _shard_documents(cfg, process_index, process_count)
-  # Partials and callables, not lambdas, so the tail of the pipeline stays picklable.
-  ds = ds.map(functools.partial(_synthetic_example, cfg.data.seed) if cfg.data.source == "synthetic"
-              else _Encode(tok))
+  num_docs, ds = _documents(cfg)
   # Documents are read on demand a few ahead; Grain's defaults (16 threads, 500 reads) would hog the CPU.
-  it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
+  read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
+  # Partials and callables, not lambdas, so the tail of the pipeline stays picklable.
+  if cfg.data.source == "synthetic":
+    it_ds = ds.map(functools.partial(_synthetic_example, cfg.data.seed)).to_iter_dataset(read)
+  else:
+    it_ds = ds.map(_Encode(tok)).to_iter_dataset(read).map(_count_invalid_utf8)
   it_ds = grain.experimental.ConcatThenSplitIterDataset(it_ds, length_struct={"tokens": seq_len + 1})
-  it_ds = it_ds.map(_to_example).batch(global_batch // process_count, drop_remainder=True)
-  return DataIterator(iter(it_ds), tok, num_docs)
+  it_ds = it_ds.batch(global_batch, drop_remainder=True)
+  if rows is None or np.array_equal(rows, np.arange(global_batch)):
+    rows = slice(None)
+  elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+    rows = slice(int(rows[0]), int(rows[0]) + len(rows))  # a view, not a copy
+  return DataIterator(iter(it_ds), tok, num_docs, rows)

@@ -1,6 +1,5 @@
-"""Document sources, each a sequence of (document, where) for this process: the stdlib corpus and
-text files (a file is a document), JSONL lines and Parquet rows (sharded by byte range and row
-group), where document is bytes or str and where names its file for warnings."""
+"""Document sources, each a sequence of Docs: the stdlib corpus and text files (a file is a document),
+JSONL lines and Parquet rows. Every process reads the same sources (see the package docstring)."""
 from __future__ import annotations
 
 import glob
@@ -8,20 +7,28 @@ import json
 import os
 import sysconfig
 import threading
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from meshlm.config import Config, ConfigError
-from meshlm.train.data.tokenizers import UTF8_STATS
+from meshlm.train.data.tokenizers import replace_invalid_utf8
 
 # Directories of the stdlib that are tests, tools or installed packages rather than library code.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
                           "__pycache__"})
 # JSONL files are scanned for line starts in chunks of this many bytes (bounded memory).
 _SCAN_CHUNK = 1 << 24
-# Parquet rows are shuffled within windows of this many row groups (see _ParquetShard).
+# Parquet rows are shuffled within windows of this many row groups (see _ParquetRows).
 PARQUET_WINDOW_GROUPS = 4
+
+
+class Doc(NamedTuple):
+  """One document: bytes or str, where it comes from (for messages), and the byte offset of its first
+  invalid UTF-8 when the source already replaced it (JSONL, which is text), else None."""
+  data: bytes | str
+  where: str
+  invalid_utf8_at: int | None = None
 
 
 def stdlib_files() -> list[str]:
@@ -59,9 +66,9 @@ class _TextFiles:
   def __len__(self) -> int:
     return len(self.paths)
 
-  def __getitem__(self, i: int) -> tuple[bytes, str]:
+  def __getitem__(self, i: int) -> Doc:
     with open(self.paths[i], "rb") as f:
-      return f.read(), self.paths[i]
+      return Doc(f.read(), self.paths[i])
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -108,8 +115,8 @@ def _scan_lines(path: str, size: int, lo: int, hi: int) -> tuple[np.ndarray, np.
   return starts[keep].astype(np.int64), ends[keep].astype(np.int64)
 
 
-class _JsonlShard:
-  """This process's JSONL lines: one document per non-empty line, the text in data.field."""
+class _JsonlLines:
+  """JSONL lines: one document per non-empty line, the text in data.field."""
 
   def __init__(self, paths: list[str], file_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, field: str):
     self.paths, self.file_ids, self.starts, self.ends, self.field = paths, file_ids, starts, ends, field
@@ -117,18 +124,14 @@ class _JsonlShard:
   def __len__(self) -> int:
     return len(self.starts)
 
-  def __getitem__(self, i: int) -> tuple[str, str]:
+  def __getitem__(self, i: int) -> Doc:
     path, start, end = self.paths[self.file_ids[i]], int(self.starts[i]), int(self.ends[i])
     with open(path, "rb") as f:
       f.seek(start)
       raw = f.read(end - start)
     where = lambda: f"{path}:{_line_number(path, start)}"
-    try:
-      text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-      # JSON is Unicode text, so this holds for every tokenizer; the offset is in the file.
-      UTF8_STATS.record(path, start + e.start)
-      text = raw.decode("utf-8", errors="replace")
+    # JSON is Unicode text, so this holds for every tokenizer; the offset is in the file.
+    text, bad = replace_invalid_utf8(raw)
     try:
       obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -141,43 +144,31 @@ class _JsonlShard:
     value = obj[self.field]
     if not isinstance(value, str):
       raise ConfigError(f"{where()}: field {self.field!r} is {type(value).__name__}, expected a string")
-    return value, path
+    return Doc(value, path, None if bad is None else start + bad)
 
 
-def _process_range(total: int, process_index: int, process_count: int) -> tuple[int, int]:
-  return total * process_index // process_count, total * (process_index + 1) // process_count
-
-
-def _jsonl_shard(cfg: Config, process_index: int, process_count: int) -> _JsonlShard:
-  """Splits the files' concatenated bytes into process_count equal ranges; a line belongs to the range
-  where it starts. Granularity: one line (document); a process reads its range plus the rest of its
-  last line and one byte before its range."""
+def _jsonl_lines(cfg: Config) -> _JsonlLines:
+  """The non-empty lines of the data.path files, in storage order, indexed by a scan for newlines."""
   paths = data_files(cfg.data.path, "jsonl")
-  sizes = [os.path.getsize(p) for p in paths]
-  lo, hi = _process_range(sum(sizes), process_index, process_count)
   file_ids, starts, ends, first_lines = [], [], [], []
-  offset = 0
-  for fid, (path, size) in enumerate(zip(paths, sizes)):
-    a, b = min(max(lo - offset, 0), size), min(max(hi - offset, 0), size)
-    offset += size
-    if a >= b:
-      continue
-    s, e = _scan_lines(path, size, a, b)
+  for fid, path in enumerate(paths):
+    size = os.path.getsize(path)
+    s, e = _scan_lines(path, size, 0, size)
     if len(s):
       first_lines.append(sum(len(x) for x in starts))
     file_ids.append(np.full(len(s), fid, np.int32))
     starts.append(s)
     ends.append(e)
   cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-  shard = _JsonlShard(paths, cat(file_ids, np.int32), cat(starts, np.int64), cat(ends, np.int64), cfg.data.field)
-  # Parse each file's first line of this shard now: a wrong format or data.field fails before training.
+  lines = _JsonlLines(paths, cat(file_ids, np.int32), cat(starts, np.int64), cat(ends, np.int64), cfg.data.field)
+  # Parse each file's first line now: a wrong format or data.field fails before training.
   for i in first_lines:
-    shard[i]
-  return shard
+    lines[i]
+  return lines
 
 
-class _ParquetShard:
-  """This process's Parquet rows: one document per row, the text in column data.field.
+class _ParquetRows:
+  """Parquet rows: one document per row, the text in column data.field.
 
   Rows are read a whole row group at a time, so the order is shuffled locally: each epoch visits
   the row groups in a new order, PARQUET_WINDOW_GROUPS at a time, and shuffles the rows of those
@@ -251,34 +242,32 @@ class _ParquetShard:
     # Two windows' worth: prefetch threads straddle a window boundary for a few rows.
     return self._cached(("group", b), make, 2 * PARQUET_WINDOW_GROUPS)
 
-  def __getitem__(self, i: int) -> tuple[str | bytes, str]:
+  def __getitem__(self, i: int) -> Doc:
     b = int(np.searchsorted(self.block_starts, i, side="right")) - 1
     path, rg, first, _ = self.blocks[b]
     row = first + i - int(self.block_starts[b])  # in the row group
     value = self._group(b)[i - self.block_starts[b]]
     if value is None:
       raise ConfigError(f"{path}: row group {rg}, row {row}: column {self.field!r} (data.field) is null")
-    return value, f"{path} (row group {rg}, row {row})"
+    return Doc(value, f"{path} (row group {rg}, row {row})")
 
 
 class _ParquetRead:
-  """Position in the repeated stream -> (document, where), through the shard's local shuffle."""
+  """Position in the repeated stream -> Doc, through the rows' local shuffle."""
 
-  def __init__(self, shard: _ParquetShard):
-    self.shard = shard
+  def __init__(self, rows: _ParquetRows):
+    self.rows = rows
 
-  def __call__(self, index: int, _) -> tuple[str | bytes, str]:
-    return self.shard[self.shard.storage_index(index)]
+  def __call__(self, index: int, _) -> Doc:
+    return self.rows[self.rows.storage_index(index)]
 
 
-def _parquet_shard(cfg: Config, process_index: int, process_count: int) -> _ParquetShard:
-  """Splits the files' concatenated rows into process_count equal ranges, from the footers alone.
-  Granularity: one row; a process decodes only the row groups that hold its rows, which it shares with
-  a neighbour only at the two ends of its range."""
+def _parquet_rows(cfg: Config) -> _ParquetRows:
+  """The rows of the data.path files, in storage order, from the footers alone (checked here)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
   field = cfg.data.field
-  groups = []  # (path, row group, rows)
+  blocks = []  # (path, row group, first row in the group, rows)
   for path in data_files(cfg.data.path, "parquet"):
     try:
       pf = pq.ParquetFile(path)
@@ -294,12 +283,5 @@ def _parquet_shard(cfg: Config, process_index: int, process_count: int) -> _Parq
       raise ConfigError(f"data.path: {path} column {field!r} (data.field) is {t}, expected string or binary")
     if pf.metadata.num_rows == 0:
       raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
-    groups += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
-  lo, hi = _process_range(sum(n for *_, n in groups), process_index, process_count)
-  blocks, offset = [], 0
-  for path, g, n in groups:
-    a, b = max(lo - offset, 0), min(hi - offset, n)
-    offset += n
-    if a < b:
-      blocks.append((path, g, a, b - a))
-  return _ParquetShard(blocks, field, cfg.data.seed)
+    blocks += [(path, g, 0, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
+  return _ParquetRows(blocks, field, cfg.data.seed)

@@ -71,15 +71,40 @@ class HFTokenizer:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+def tokenizer_path(name: str) -> str:
+  """data.tokenizer as a file: a tokenizer.json, or a directory holding one (an HF model directory)."""
+  path = os.path.expanduser(name)
+  if os.path.isdir(path):
+    inside = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(inside):
+      raise ConfigError(f"data.tokenizer={name}: the directory has no tokenizer.json; use 'byte', a "
+                        f"tokenizer.json or a directory holding one")
+    return inside
+  if not os.path.isfile(path):
+    raise ConfigError(f"data.tokenizer={name}: no such file; use 'byte', a tokenizer.json or a directory "
+                      f"holding one")
+  return path
+
+
 def _load_hf_tokenizer(path: str):
   from tokenizers import Tokenizer
-  if not os.path.isfile(path):
-    raise ConfigError(f"data.tokenizer={path}: no such file; use 'byte' or a path to a tokenizer.json")
+  what = f"data.tokenizer={path}"
+  try:
+    with open(path, "rb") as f:
+      obj = json.loads(f.read())
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise ConfigError(f"{what}: not a Hugging Face tokenizer.json (not a JSON file: {e})") from None
+  # Every tokenizer.json has a "model" object (BPE, WordPiece, ...); a config.json or a
+  # tokenizer_config.json does not, and the Rust parser's message for it names an enum, not the file.
+  if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+    keys = ", ".join(list(obj)[:6]) if isinstance(obj, dict) else type(obj).__name__
+    raise ConfigError(f"{what}: valid JSON but not a Hugging Face tokenizer.json (no \"model\" object; it has: "
+                      f"{keys or 'nothing'}); point data.tokenizer at a tokenizer.json or its directory")
   try:
     return Tokenizer.from_file(path)
   except Exception as e:  # the Rust side raises a bare Exception
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise ConfigError(f"data.tokenizer={path}: not a Hugging Face tokenizer.json ({first})") from None
+    raise ConfigError(f"{what}: not a Hugging Face tokenizer.json ({first})") from None
 
 
 def _hf_eos_id(path: str, vocab: dict[str, int]) -> int:
@@ -104,12 +129,13 @@ def _hf_eos_id(path: str, vocab: dict[str, int]) -> int:
 
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | HFTokenizer:
-  """data.tokenizer: 'byte' or a tokenizer.json path, checked against model.vocab_size."""
+  """data.tokenizer: 'byte', a tokenizer.json or a directory holding one, checked against
+  model.vocab_size: an id past the embedding table would give NaN logits, not an error."""
   name = cfg.data.tokenizer
-  tok = ByteTokenizer() if name == "byte" else HFTokenizer(os.path.expanduser(name))
+  tok = ByteTokenizer() if name == "byte" else HFTokenizer(tokenizer_path(name))
   if cfg.model.vocab_size < tok.vocab_size:
-    what = ("the byte tokenizer, which needs 257 ids (256 bytes + EOS)" if name == "byte"
-            else f"data.tokenizer={name}, whose ids go up to {tok.vocab_size - 1}")
+    what = ("the byte tokenizer, which has 257 ids (256 bytes + EOS)" if name == "byte"
+            else f"data.tokenizer={name}, which has {tok.vocab_size} ids (0..{tok.vocab_size - 1})")
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for {what}; "
                       f"set model.vocab_size>={tok.vocab_size}")
   return tok
@@ -134,10 +160,17 @@ class _Utf8Stats:
 UTF8_STATS = _Utf8Stats()
 
 
+def replace_invalid_utf8(data: bytes) -> tuple[str, int | None]:
+  """(text with U+FFFD for each invalid sequence, byte offset of the first one or None)."""
+  try:
+    return data.decode("utf-8"), None
+  except UnicodeDecodeError as e:
+    return data.decode("utf-8", errors="replace"), e.start
+
+
 def decode_utf8(data: bytes, where: str) -> str:
   """Strict UTF-8, else replacement characters and a counted warning naming where and the byte offset."""
-  try:
-    return data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    UTF8_STATS.record(where, e.start)
-    return data.decode("utf-8", errors="replace")
+  text, bad = replace_invalid_utf8(data)
+  if bad is not None:
+    UTF8_STATS.record(where, bad)
+  return text
