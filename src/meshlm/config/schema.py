@@ -146,7 +146,7 @@ class DataConfig(_Strict):
       default="stdlib", description="training data: the stdlib .py corpus, synthetic tokens, or files at data.path")
   path: Optional[str] = Field(default=None, description="glob of the data files (** recurses), for source=text|jsonl|parquet")
   field: str = Field(default="text", min_length=1, description="the JSONL key / Parquet column holding the text")
-  tokenizer: str = Field(default="byte", min_length=1, description="byte, or the path of a Hugging Face tokenizer.json")
+  tokenizer: str = Field(default="byte", min_length=1, description="byte, a Hugging Face tokenizer.json, or a directory holding one")
   seed: int = Field(default=0, description="seed of the data order")
 
 
