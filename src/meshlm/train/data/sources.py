@@ -176,9 +176,9 @@ class _ParquetRows:
   """
 
   def __init__(self, blocks: list[tuple[str, int, int, int]], field: str, seed: int):
-    # blocks: (path, row group, first row in the group, rows) in storage order.
+    # blocks: (path, row group, rows) in storage order.
     self.blocks, self.field, self.seed = blocks, field, seed
-    sizes = np.array([b[3] for b in blocks], np.int64)
+    sizes = np.array([b[2] for b in blocks], np.int64)
     self.block_starts = np.concatenate([[0], np.cumsum(sizes)])  # [num_blocks + 1]
     self._init_cache()
 
@@ -234,19 +234,18 @@ class _ParquetRows:
     return int(self._window(epoch, w)[k - window_starts[w]])
 
   def _group(self, b: int) -> list:
-    path, rg, first, n = self.blocks[b]
+    path, rg, _ = self.blocks[b]
     def make():
       import pyarrow.parquet as pq
-      column = pq.ParquetFile(path).read_row_group(rg, columns=[self.field]).column(0)
-      return column.slice(first, n).to_pylist()
+      return pq.ParquetFile(path).read_row_group(rg, columns=[self.field]).column(0).to_pylist()
     # Two windows' worth: prefetch threads straddle a window boundary for a few rows.
     return self._cached(("group", b), make, 2 * PARQUET_WINDOW_GROUPS)
 
   def __getitem__(self, i: int) -> Doc:
     b = int(np.searchsorted(self.block_starts, i, side="right")) - 1
-    path, rg, first, _ = self.blocks[b]
-    row = first + i - int(self.block_starts[b])  # in the row group
-    value = self._group(b)[i - self.block_starts[b]]
+    path, rg, _ = self.blocks[b]
+    row = i - int(self.block_starts[b])  # in the row group
+    value = self._group(b)[row]
     if value is None:
       raise ConfigError(f"{path}: row group {rg}, row {row}: column {self.field!r} (data.field) is null")
     return Doc(value, f"{path} (row group {rg}, row {row})")
@@ -267,7 +266,7 @@ def _parquet_rows(cfg: Config) -> _ParquetRows:
   import pyarrow as pa
   import pyarrow.parquet as pq
   field = cfg.data.field
-  blocks = []  # (path, row group, first row in the group, rows)
+  blocks = []  # (path, row group, rows)
   for path in data_files(cfg.data.path, "parquet"):
     try:
       pf = pq.ParquetFile(path)
@@ -283,5 +282,5 @@ def _parquet_rows(cfg: Config) -> _ParquetRows:
       raise ConfigError(f"data.path: {path} column {field!r} (data.field) is {t}, expected string or binary")
     if pf.metadata.num_rows == 0:
       raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
-    blocks += [(path, g, 0, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
+    blocks += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
   return _ParquetRows(blocks, field, cfg.data.seed)
