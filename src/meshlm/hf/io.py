@@ -32,8 +32,8 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def families() -> dict[str, Any]:
-  """model_type -> family module, over the families registered in decoder.FAMILIES that map to HF."""
-  from meshlm.models.decoder import FAMILIES
+  """model_type -> family module, over the registered families that map to HF."""
+  from meshlm.models.registry import FAMILIES
   out = {}
   for module in FAMILIES.values():
     try:
@@ -62,8 +62,8 @@ def family_for(hf: dict, where: str):
 
 
 def _family_of_cfg(cfg: Config):
-  from meshlm.models.decoder import family
-  fam = family(cfg)
+  from meshlm.models.registry import FAMILIES
+  fam = importlib.import_module(FAMILIES[cfg.model.family])
   if not hasattr(fam, "HF_MODEL_TYPE"):
     raise ConfigError(f"model.family={cfg.model.family!r}: has no Hugging Face mapping")
   return fam
@@ -76,6 +76,7 @@ class Entry:
   tensor: maps.Tensor
   shape: tuple[int, ...]  # the meshlm leaf's shape (stacked for layer params)
   layer_axis: int | None  # position of the "layers" axis, None for non-layer leaves
+  layer_ids: tuple[int, ...] = ()  # the model layer index of each row of the stack
 
   def layer_shape(self) -> tuple[int, ...]:
     if self.layer_axis is None:
@@ -85,7 +86,7 @@ class Entry:
   def hf_names(self) -> list[str]:
     if self.layer_axis is None:
       return [self.tensor.name]
-    return [self.tensor.name.format(i=i) for i in range(self.shape[self.layer_axis])]
+    return [self.tensor.name.format(i=i) for i in self.layer_ids]
 
 
 def entries(cfg: Config) -> list[Entry]:
@@ -97,11 +98,15 @@ def entries(cfg: Config) -> list[Entry]:
   top = getattr(fam, "hf_top_map", maps.default_top_map)(m)
   layer = fam.hf_layer_map(m)
   out = []
+  lp = decoder.plan(cfg)
+  rows = {k: [i for i, kind in enumerate(lp.kinds) if kind == k] for k in lp.kind_names()}
   flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(cfg), is_leaf=S.is_spec)[0]
   for kpath, s in flat:
     path = tuple(k.key for k in kpath)
+    ids: tuple[int, ...] = ()
     if path[0] == "layers":
-      key = ".".join(path[1:])
+      # params["layers"][kind] stacks that kind's layers; HF names address model layer indices.
+      key, ids = ".".join(path[2:]), tuple(rows[path[1]])
       table = layer
     else:
       key = ".".join(path)
@@ -109,7 +114,7 @@ def entries(cfg: Config) -> list[Entry]:
     if key not in table:
       raise ValueError(f"family {m.family!r}: its HF name map has no entry for parameter {'.'.join(path)}")
     axis = s.axes.index("layers") if "layers" in s.axes else None
-    out.append(Entry(path, table[key], tuple(s.shape), axis))
+    out.append(Entry(path, table[key], tuple(s.shape), axis, ids))
   return out
 
 
@@ -260,7 +265,7 @@ def _leaf(e: Entry, reader: _Reader, sharding, dtype) -> Any:
       return one_layer(e.tensor.name, index).astype(dtype)
     a = e.layer_axis
     inner = index[:a] + index[a + 1:]
-    layers = [one_layer(e.tensor.name.format(i=i), inner) for i in range(*index[a].indices(e.shape[a]))]
+    layers = [one_layer(e.tensor.name.format(i=e.layer_ids[i]), inner) for i in range(*index[a].indices(e.shape[a]))]
     return np.stack(layers, axis=a).astype(dtype)
 
   return jax.make_array_from_callback(e.shape, sharding, callback)

@@ -1,95 +1,52 @@
-"""The generic decoder: embed -> scan over stacked layers -> final norm -> head.
+"""The generic decoder: embed -> layers (by plan) -> final norm -> head.
 
-A family module (FAMILIES) provides `layer_spec(model_cfg)` and `block(p, x_BTD, ctx)`, and may set
-`NORM_PLUS_ONE` (RMSNorms scale by 1 + w, so the final norm is zero-initialized) and
-`EMBED_SCALE` (embeddings are multiplied by sqrt(D) in the compute dtype), both False by default.
+A family (models/family.py) gives the layer kinds and the plan. Each kind's parameters are one stack
+(`params["layers"][kind]`, a "layers" axis at `param_scan_axis`) holding that kind's layers in model
+order. At run time the plan groups them: the prefix layers unrolled, then a scan over whole
+periods, then the remaining layers unrolled. Blocks take and return a per-layer state (the KV cache
+when sampling) and side outputs; with neither (training) the scan carries only the activations.
 
-Layer types ("global" / "local" attention, ModelConfig.layer_types()) repeat with a period P. The
-stack is stored one array per layer-parameter with a "layers" axis, and grouped only at run time:
-a scan over groups of P layers, then the remaining L % P layers unrolled.
+Three entry points share that path: `forward` (training and scoring: logits for every position),
+`prefill` (a right-padded prompt block; returns the logits and a fresh cache) and `decode` (one new
+token per row against the cache).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import importlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
 from meshlm.models import spec as S
-from meshlm.nn.attention import attention_mask
+from meshlm.models.context import Context, make_context
+from meshlm.models.registry import family
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
-from meshlm.nn.rope import freqs_at, inv_frequencies, rope_angles
-from meshlm.parallel.sharding import constrain, logical_spec
+from meshlm.parallel.sharding import ACT, LOGITS, constrain, logical_spec
 
-ACT = ("batch", "length", "act_embed")
-LOGITS = ("batch", "length", "vocab")
-
-FAMILIES = {
-    "llama": "meshlm.models.llama",
-    "mistral": "meshlm.models.mistral",
-    "qwen3": "meshlm.models.qwen3",
-    "gemma": "meshlm.models.gemma",
-    "gemma2": "meshlm.models.gemma2",
-    "gemma3": "meshlm.models.gemma3",
-}
+__all__ = ["ACT", "LOGITS", "decode", "forward", "init_params", "param_shardings", "param_specs", "prefill"]
 
 
-def family(cfg: Config):
-  name = cfg.model.family
-  if name not in FAMILIES:
-    raise ConfigError(f"model.family={name!r}: unknown; known families: {', '.join(sorted(FAMILIES))}")
-  return importlib.import_module(FAMILIES[name])
-
-
-def _norm_plus_one(cfg: Config) -> bool:
-  return getattr(family(cfg), "NORM_PLUS_ONE", False)
-
-
-def _embed_scale(cfg: Config) -> bool:
-  return getattr(family(cfg), "EMBED_SCALE", False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-  """What every block needs besides its parameters and input.
-
-  cos/sin/mask belong to layer_type; `variants` holds (cos, sin, mask) of the other layer types in
-  the stack, and `as_type` swaps them in (local layers: sliding-window mask, maybe another theta).
-  """
-  model: Any
-  cos: jax.Array
-  sin: jax.Array
-  mask: jax.Array
-  segment_ids: jax.Array | None
-  kernel_order: bool
-  impl: str
-  layer_type: str = "global"
-  variants: dict = dataclasses.field(default_factory=dict)
-
-  def as_type(self, layer_type: str) -> "Context":
-    if layer_type == self.layer_type:
-      return self
-    cos, sin, mask = self.variants[layer_type]
-    return dataclasses.replace(self, cos=cos, sin=sin, mask=mask, layer_type=layer_type)
+def plan(cfg: Config):
+  return family(cfg).layer_plan(cfg.model)
 
 
 def param_specs(cfg: Config) -> dict:
   m = cfg.model
+  fam = family(cfg)
+  lp = fam.layer_plan(m)
   specs = {
       # Untied embedding rows have unit scale. A tied head reuses the rows as its kernel, and families
       # that multiply embeddings by sqrt(D) scale them up: both draw rows at D ** -0.5, so the
       # logits (and the scaled input) start at unit scale.
       "embed": S.ParamSpec((m.vocab_size, m.embed_dim), ("vocab", "embed"), "normal",
-                           fan_in=m.embed_dim if (_embed_scale(cfg) or m.tie_embeddings) else 1),
-      "layers": S.stack(family(cfg).layer_spec(m), m.num_layers, cfg.param_scan_axis),
-      "final_norm": S.zeros(m.embed_dim) if _norm_plus_one(cfg) else S.ones(m.embed_dim),
+                           fan_in=m.embed_dim if (fam.embed_scale or m.tie_embeddings) else 1),
+      "layers": {k: S.stack(fam.kinds[k].spec(m), lp.count(k), cfg.param_scan_axis) for k in lp.kind_names()},
+      "final_norm": S.zeros(m.embed_dim) if fam.norm_plus_one else S.ones(m.embed_dim),
   }
   if not m.tie_embeddings:
     specs["lm_head"] = S.kernel((m.embed_dim, m.vocab_size), ("embed", "vocab"))
@@ -99,6 +56,18 @@ def param_specs(cfg: Config) -> dict:
 def param_shardings(cfg: Config, mesh) -> dict:
   from jax.sharding import NamedSharding
   return S.map_specs(lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh)), param_specs(cfg))
+
+
+def _seed_paths(cfg: Config, specs: dict) -> Any:
+  """The path each leaf's draw is seeded by: its tree path, with the kind left out when the model has
+  one kind, so that a one-kind stack draws what the single stack of earlier versions drew."""
+  one_kind = len(specs["layers"]) == 1
+
+  def seed_path(path, _):
+    if one_kind and len(path) > 1 and path[0].key == "layers":
+      return path[:1] + path[2:]
+    return path
+  return jax.tree_util.tree_map_with_path(seed_path, specs, is_leaf=S.is_spec)
 
 
 def init_params(cfg: Config, key: jax.Array, mesh=None) -> dict:
@@ -111,19 +80,20 @@ def init_params(cfg: Config, key: jax.Array, mesh=None) -> dict:
   shapes, not for numbers.
   """
   specs = param_specs(cfg)
+  paths = _seed_paths(cfg, specs)
   dtype = jnp.dtype(cfg.train.param_dtype)
   try:
     seed = tuple(int(v) for v in np.asarray(jax.random.key_data(key)).ravel())
   except jax.errors.TracerArrayConversionError:
-    return S.init_tree(specs, key, dtype)
+    return jax.tree.map(lambda s, p: S.init_leaf(s, S.path_key(key, p), dtype), specs, paths, is_leaf=S.is_spec)
   shardings = param_shardings(cfg, mesh) if mesh is not None else S.map_specs(lambda _: None, specs)
 
-  def leaf(path, s, sharding):
+  def leaf(s, path, sharding):
     host = S.init_leaf_host(s, seed, path).astype(dtype)
     if sharding is None:
       return jnp.asarray(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-  return jax.tree_util.tree_map_with_path(leaf, specs, shardings, is_leaf=S.is_spec)
+  return jax.tree.map(leaf, specs, paths, shardings, is_leaf=S.is_spec)
 
 
 def _layer(stack: Any, i: int, axis: int) -> Any:
@@ -138,78 +108,112 @@ def _remat(fn, policy: str):
   return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots)
 
 
-def make_context(cfg: Config, tokens_BT, positions_BT=None, segment_ids_BT=None) -> Context:
-  """The global-layer context, with the local-layer variant when the stack has local layers."""
-  m = cfg.model
-  B, T = tokens_BT.shape
-  if positions_BT is None:
-    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  cos, sin = freqs_at(positions_BT, m.head_dim, m.rope_theta, m.rope_scaling)
-  variants = {}
-  if "local" in m.layer_types():
-    local_rope = (cos, sin)
-    if m.rope_local_theta is not None:
-      local_rope = rope_angles(positions_BT, inv_frequencies(m.head_dim, m.rope_local_theta))
-    variants["local"] = local_rope + (attention_mask(segment_ids_BT, T, m.sliding_window),)
-  return Context(model=m, cos=cos, sin=sin, mask=attention_mask(segment_ids_BT, T), segment_ids=segment_ids_BT,
-                 kernel_order=cfg.dense_kernel_order, impl=cfg.weight_grad_impl, variants=variants)
+def _stack_side(pieces: list[tuple[list[int], dict]]) -> dict:
+  """Side outputs of every layer that produced them: {name: [n_layers, ...]} in model layer order.
+
+  pieces: (model indices, {name: values stacked over those indices}) from unrolled layers and scans.
+  """
+  out = {}
+  for name in dict.fromkeys(k for _, side in pieces for k in side):
+    idx = [i for ids, side in pieces if name in side for i in ids]
+    vals = jnp.concatenate([side[name] for _, side in pieces if name in side])
+    order = np.argsort(idx, kind="stable")
+    out[name] = vals if np.all(order == np.arange(len(idx))) else vals[order]
+  return out
 
 
-def run_layers(cfg: Config, params_layers: Any, x_BTD: jax.Array, ctx: Context,
-               collect: bool = False) -> tuple[jax.Array, jax.Array | None]:
-  """Runs the stack. With collect, also returns every layer's output stacked in layer order: [L, B, T, D].
+def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache: dict | None = None,
+               collect: bool = False) -> tuple[jax.Array, dict | None, dict]:
+  """Runs every layer: (x [B, T, D], new cache or None, side outputs).
 
-  With a layer-type period P, scans over L // P groups of P layers, then runs the last L % P layers.
+  cache (sampling) holds each layer's state: {"unrolled": [state per unrolled layer, in model order],
+  "scanned": [state per period position, stacked over the scan's groups]}. With collect, side
+  outputs include "hidden": every layer's output [L, B, T, D], for layer-by-layer comparisons.
   """
   fam = family(cfg)
-  types = cfg.model.layer_types()
-  P, L = len(types), cfg.model.num_layers
-  blocks = [_remat(functools.partial(_block, fam, ctx.as_type(t)), cfg.remat) for t in types]
+  lp = fam.layer_plan(cfg.model)
+  slots = lp.slots()
+  L, P, pre, G, R = lp.num_layers, lp.period, lp.prefix, lp.groups, lp.rest
   axis = cfg.param_scan_axis
-  if not cfg.scan_layers:
-    outs = []
-    for i in range(L):
+  one_kind = len(layers) == 1
+  scan = cfg.scan_layers and G > 0
+  unrolled = list(range(pre)) + list(range(pre + G * P, L)) if scan else list(range(L))
+  states = cache["unrolled"] if cache is not None else [None] * len(unrolled)
+  scan_states = cache["scanned"] if cache is not None and scan else None
+
+  def run(i: int):
+    """Layer i's block as f(p, x, state) -> (x, state, side), rematerialized per cfg.remat."""
+    kind, ctype = lp.kinds[i], lp.contexts[i]
+    block = functools.partial(fam.kinds[kind].block, ctx=ctx.as_type(ctype))
+
+    def f(p, x, state):
+      x, state, side = block(p, x, state=state)
+      return x, state, (dict(side, hidden=x) if collect else side)
+    return _remat(f, cfg.remat)
+
+  pieces: list[tuple[list[int], dict]] = []
+  new_unrolled: list[Any] = []
+
+  def run_unrolled(ids: list[int], stacks: dict, stack_axis: int):
+    nonlocal x_BTD
+    for i in ids:
+      kind, row = slots[i]
       with jax.named_scope(f"layer_{i}"):
-        x_BTD = blocks[i % P](_layer(params_layers, i, axis), x_BTD)
-        outs.append(x_BTD)
-    return x_BTD, (jnp.stack(outs) if collect else None)
-  stack = params_layers
+        x_BTD, st, side = run(i)(_layer(stacks[kind], row, stack_axis), x_BTD, states[len(new_unrolled)])
+      new_unrolled.append(st)
+      pieces.append(([i], {k: v[None] for k, v in side.items()}))
+
+  if not scan:
+    run_unrolled(unrolled, layers, axis)
+    return x_BTD, _cache(new_unrolled, None, cache), _stack_side(pieces)
+
+  stacks = layers
   if axis != 0:
-    stack = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stack)
-  G, R = divmod(L, P)
-  hidden = []
-  if G:
-    groups = stack if R == 0 else jax.tree.map(lambda a: a[:G * P], stack)
-    if P > 1:
-      groups = jax.tree.map(lambda a: jnp.reshape(a, (G, P) + a.shape[1:]), groups)  # [G, P, ...]
-    def body(x, p):
-      with jax.named_scope("layers"):
+    stacks = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stacks)
+  run_unrolled(list(range(pre)), stacks, 0)
+  # Each kind's rows for the scanned layers, as [G, n, ...] (n = that kind's layers per period), or
+  # [G, ...] when n is 1. A kind's rank within the period picks its row inside a group.
+  period = lp.kinds[pre:pre + P]
+  rank = [period[:j].count(period[j]) for j in range(P)]
+  groups = {}
+  for kind in dict.fromkeys(period):
+    n, start = period.count(kind), lp.kinds[:pre].count(kind)
+    g = stacks[kind]
+    if start or lp.count(kind) != start + G * n:
+      g = jax.tree.map(lambda a: a[start:start + G * n], g)
+    if n > 1:
+      g = jax.tree.map(lambda a: jnp.reshape(a, (G, n) + a.shape[1:]), g)
+    groups[kind] = g
+  label = (lambda j: lp.contexts[pre + j]) if one_kind else (lambda j: f"{period[j]}.{lp.contexts[pre + j]}")
+  fns = [run(pre + j) for j in range(P)]
+
+  def body(x, xs):
+    ps, sts = xs
+    new_sts, sides = [], []
+    with jax.named_scope("layers"):
+      for j in range(P):
+        kind = period[j]
+        p = ps[kind] if period.count(kind) == 1 else _layer(ps[kind], rank[j], 0)
+        st = None if sts is None else sts[j]
         if P == 1:
-          x = blocks[0](p, x)
-          return x, (x if collect else None)
-        ys = []
-        for j in range(P):
+          x, st, side = fns[j](p, x, st)
+        else:
           # Each position in the period names its scope ("layers/local_0"), so profiles tell them apart.
-          with jax.named_scope(f"{types[j]}_{j}"):
-            x = blocks[j](_layer(p, j, 0), x)
-          ys.append(x)
-        return x, (jnp.stack(ys) if collect else None)
-    x_BTD, h = jax.lax.scan(body, x_BTD, groups)
-    if collect:
-      hidden.append(h if P == 1 else jnp.reshape(h, (G * P,) + h.shape[2:]))  # [G*P, B, T, D]
-  for j in range(R):
-    i = G * P + j
-    with jax.named_scope(f"layer_{i}"):
-      x_BTD = blocks[j](_layer(stack, i, 0), x_BTD)
-      if collect:
-        hidden.append(x_BTD[None])
-  if not collect:
-    return x_BTD, None
-  return x_BTD, (hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden))
+          with jax.named_scope(f"{label(j)}_{j}"):
+            x, st, side = fns[j](p, x, st)
+        new_sts.append(st)
+        sides.append(side)
+    return x, (None if sts is None else new_sts, sides)
+
+  x_BTD, (scan_states, sides) = jax.lax.scan(body, x_BTD, (groups, scan_states))
+  for j, side in enumerate(sides):
+    pieces.append(([pre + g * P + j for g in range(G)], side))
+  run_unrolled(list(range(pre + G * P, L)), stacks, 0)
+  return x_BTD, _cache(new_unrolled, scan_states, cache), _stack_side(pieces)
 
 
-def _block(fam, ctx: Context, p: Any, x_BTD: jax.Array) -> jax.Array:
-  return fam.block(p, x_BTD, ctx)
+def _cache(unrolled: list, scanned: list | None, cache: dict | None) -> dict | None:
+  return None if cache is None else {"unrolled": unrolled, "scanned": scanned}
 
 
 def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
@@ -226,21 +230,81 @@ def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
     return logits
 
 
-def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
-            return_hidden: bool = False):
-  """Logits [B, T, V] in the compute dtype.
-
-  With return_hidden, returns (logits, hidden) where hidden [L, B, T, D] holds each layer's output
-  (before the final norm), in layer order, for layer-by-layer comparison with a reference.
-  """
+def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: dict | None = None,
+          collect: bool = False) -> tuple[jax.Array, dict | None, dict]:
+  """embed -> layers -> final norm -> head: (logits [B, T, V], new cache, side outputs)."""
   m = cfg.model
+  fam = family(cfg)
   dt = jnp.dtype(cfg.train.compute_dtype)
-  ctx = make_context(cfg, tokens_BT, positions_BT, segment_ids_BT)
   x = constrain(embed(params["embed"], tokens_BT, dt), ACT)  # [B, T, D]
-  if _embed_scale(cfg):
+  if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
-  x, hidden = run_layers(cfg, params["layers"], x, ctx, collect=return_hidden)
-  x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=_norm_plus_one(cfg))
-  logits = head(cfg, params, x)
-  return (logits, hidden) if return_hidden else logits
+  x, cache, side = run_layers(cfg, params["layers"], x, ctx, cache, collect)
+  x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
+  return head(cfg, params, x), cache, side
+
+
+def _positions(tokens_BT: jax.Array, positions_BT=None) -> jax.Array:
+  if positions_BT is not None:
+    return positions_BT
+  B, T = tokens_BT.shape
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
+            return_hidden: bool = False, return_side: bool = False):
+  """Logits [B, T, V] in the compute dtype.
+
+  tokens_BT must lie in [0, model.vocab_size): an id outside it reads no embedding row (JAX clamps
+  or fills out-of-range gathers) and gives meaningless, possibly NaN, logits. The data pipeline
+  refuses tokenizers whose ids do not fit the model; callers passing ids directly must check.
+  positions and segment ids describe packed rows (each document restarts its positions, and
+  attention never crosses segments). With return_hidden, returns (logits, hidden) where hidden
+  [L, B, T, D] holds each layer's output (before the final norm), in layer order. With
+  return_side, returns (logits, side outputs), e.g. aux losses of MoE layers.
+  """
+  positions_BT = _positions(tokens_BT, positions_BT)
+  ctx = make_context(cfg, plan(cfg).contexts, positions_BT, segment_ids_BT)
+  logits, _, side = apply(cfg, params, tokens_BT, ctx, collect=return_hidden)
+  if return_hidden:
+    return logits, side.pop("hidden")
+  return (logits, side) if return_side else logits
+
+
+def prefill(cfg: Config, params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cache_len: int):
+  """Runs right-padded prompts (row b holds lengths_B[b] real tokens): (logits [B, T, V], cache).
+
+  The cache holds room for cache_len positions per row (local layers: a ring of their window).
+  """
+  B, T = tokens_BT.shape
+  lp = plan(cfg)
+  ctx = make_context(cfg, lp.contexts, _positions(tokens_BT), mode="prefill", cache_len=cache_len, lengths_B=lengths_B)
+  unrolled = len(_unrolled_ids(cfg, lp))
+  empty = {"unrolled": [None] * unrolled, "scanned": [None] * lp.period if _scans(cfg, lp) else None}
+  logits, cache, _ = apply(cfg, params, tokens_BT, ctx, empty)
+  return logits, cache
+
+
+def decode(cfg: Config, params: dict, tokens_B: jax.Array, positions_B: jax.Array, cache: dict):
+  """One new token per row at its position: (logits [B, V], the updated cache)."""
+  ctx = make_context(cfg, plan(cfg).contexts, positions_B[:, None], mode="decode",
+                     cache_len=_cache_len(cfg, cache))
+  logits, cache, _ = apply(cfg, params, tokens_B[:, None], ctx, cache)
+  return logits[:, 0], cache
+
+
+def _scans(cfg: Config, lp) -> bool:
+  return cfg.scan_layers and lp.groups > 0
+
+
+def _unrolled_ids(cfg: Config, lp) -> list[int]:
+  if not _scans(cfg, lp):
+    return list(range(lp.num_layers))
+  return list(range(lp.prefix)) + list(range(lp.prefix + lp.groups * lp.period, lp.num_layers))
+
+
+def _cache_len(cfg: Config, cache: dict) -> int:
+  """The full-attention cache length: the largest cache any layer holds."""
+  lens = [a.shape[-3] for a in jax.tree.leaves(cache)]
+  return max(lens)

@@ -1,70 +1,14 @@
 """gemma: llama-shaped pre-norm blocks with (1 + w) RMSNorms, a tanh-GELU GLU, an embedding scaled by
-sqrt(D) and a tied head (the last two live in the decoder, switched on by the flags below)."""
+sqrt(D) and a tied head (the last two live in the decoder, switched on by the family's flags)."""
 from __future__ import annotations
-
-import jax
 
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.hf import maps
-from meshlm.models import spec as S
-from meshlm.models.llama import attention_spec, mlp_spec
-from meshlm.nn.attention import self_attention
-from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
-from meshlm.nn.norm import rms_norm
-from meshlm.parallel.sharding import constrain
+from meshlm.models.blocks import dense_kind
+from meshlm.models.family import Family
 
-ACT = ("batch", "length", "act_embed")
-
-# Decoder hooks: the final norm is (1 + w) too, and embeddings are multiplied by sqrt(D).
-NORM_PLUS_ONE = True
-EMBED_SCALE = True
-
-
-def attn_scale(m: ModelConfig) -> float:
-  """gemma2/3 scale scores by query_pre_attn_scalar ** -0.5, which need not equal head_dim."""
-  return (m.query_pre_attn_scalar or m.head_dim) ** -0.5
-
-
-def norm(scale_D: jax.Array, x: jax.Array, m: ModelConfig) -> jax.Array:
-  return rms_norm(scale_D, x, m.norm_eps, plus_one=True)
-
-
-def gemma_attention_spec(m: ModelConfig) -> dict:
-  """llama's projections, plus per-head (1 + w) q/k norms over head_dim when model.qk_norm (gemma3)."""
-  spec = attention_spec(m)
-  if m.qk_norm:
-    spec |= {"q_norm": S.zeros(m.head_dim, "head_dim"), "k_norm": S.zeros(m.head_dim, "head_dim")}
-  return spec
-
-
-def attention(p: dict, h_BTD: jax.Array, ctx) -> jax.Array:
-  m = ctx.model
-  qk = {}
-  if m.qk_norm:
-    qk = dict(q_norm=lambda q_BTNH: norm(p["q_norm"], q_BTNH, m), k_norm=lambda k_BTKH: norm(p["k_norm"], k_BTKH, m))
-  return self_attention(p, h_BTD, ctx, scale=attn_scale(m), softcap=m.attn_logit_softcap, **qk)
-
-
-def layer_spec(m: ModelConfig) -> dict:
-  # (1 + w) norms start at w = 0, i.e. unit scale.
-  return {
-      "attn_norm": S.zeros(m.embed_dim),
-      "attn": gemma_attention_spec(m),
-      "mlp_norm": S.zeros(m.embed_dim),
-      "mlp": mlp_spec(m),
-  }
-
-
-def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
-  m = ctx.model
-  with jax.named_scope("attn"):
-    h = norm(p["attn_norm"], x_BTD, m)
-    x_BTD = x_BTD + attention(p["attn"], h, ctx)
-  with jax.named_scope("mlp"):
-    h = norm(p["mlp_norm"], x_BTD, m)
-    x_BTD = x_BTD + glu_mlp(p["mlp"], h, kernel_order=ctx.kernel_order, impl=ctx.impl,
-                            activation=ACTIVATIONS[m.hidden_activation])
-  return constrain(x_BTD, ACT)
+# (1 + w) norms everywhere, the final norm included; embeddings are multiplied by sqrt(D).
+FAMILY = Family("gemma", kinds={"dense": dense_kind(plus_one=True)}, norm_plus_one=True, embed_scale=True)
 
 
 # Hugging Face mapping (see meshlm.hf.maps for the protocol).

@@ -3,45 +3,15 @@ attention-logit soft-capping, query_pre_attn_scalar, and alternating local/globa
 layer pattern and the final-logit cap are the decoder's, from ModelConfig)."""
 from __future__ import annotations
 
-import jax
-
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.hf import maps
-from meshlm.models import spec as S
-from meshlm.models.gemma import (EMBED_SCALE, NORM_PLUS_ONE, activation_from_hf, attention, gemma_attention_spec, norm,
-                                 shared_from_hf, shared_to_hf)
-from meshlm.models.llama import mlp_spec
-from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
-from meshlm.parallel.sharding import constrain
+from meshlm.models.blocks import dense_kind
+from meshlm.models.family import Family
+from meshlm.models.gemma import activation_from_hf, shared_from_hf, shared_to_hf
 
-__all__ = ["EMBED_SCALE", "NORM_PLUS_ONE", "block", "layer_spec"]
-
-ACT = ("batch", "length", "act_embed")
-
-
-def layer_spec(m: ModelConfig) -> dict:
-  D = m.embed_dim
-  return {
-      "attn_norm": S.zeros(D),
-      "attn": gemma_attention_spec(m),
-      "attn_post_norm": S.zeros(D),
-      "mlp_norm": S.zeros(D),
-      "mlp": mlp_spec(m),
-      "mlp_post_norm": S.zeros(D),
-  }
-
-
-def block(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
-  m = ctx.model
-  with jax.named_scope("attn"):
-    h = norm(p["attn_norm"], x_BTD, m)
-    x_BTD = x_BTD + norm(p["attn_post_norm"], attention(p["attn"], h, ctx), m)
-  with jax.named_scope("mlp"):
-    h = norm(p["mlp_norm"], x_BTD, m)
-    h = glu_mlp(p["mlp"], h, kernel_order=ctx.kernel_order, impl=ctx.impl,
-                activation=ACTIVATIONS[m.hidden_activation])
-    x_BTD = x_BTD + norm(p["mlp_post_norm"], h, m)
-  return constrain(x_BTD, ACT)
+# Local and global layers share their parameters' shapes: one kind, run with two contexts.
+FAMILY = Family("gemma2", kinds={"dense": dense_kind(plus_one=True, sandwich=True)}, norm_plus_one=True,
+                embed_scale=True)
 
 
 # Hugging Face mapping (see meshlm.hf.maps for the protocol).

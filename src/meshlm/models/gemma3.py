@@ -3,11 +3,15 @@
 with linear rope_scaling). The pattern, the ropes and the grouped scan are the decoder's."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
-from meshlm.models.gemma2 import (EMBED_SCALE, NORM_PLUS_ONE, block, hf_layer_map, layer_spec, pattern_from_hf,
-                                  sandwich_from_hf, sandwich_to_hf)
+import dataclasses
 
-__all__ = ["EMBED_SCALE", "NORM_PLUS_ONE", "block", "hf_layer_map", "layer_spec"]
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.models import gemma2
+from meshlm.models.gemma2 import hf_layer_map, pattern_from_hf, sandwich_from_hf, sandwich_to_hf
+
+__all__ = ["FAMILY", "hf_layer_map"]
+
+FAMILY = dataclasses.replace(gemma2.FAMILY, name="gemma3")
 
 # Hugging Face mapping (see meshlm.hf.maps for the protocol): the text-only Gemma3ForCausalLM.
 HF_MODEL_TYPE = "gemma3_text"

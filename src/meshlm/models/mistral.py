@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.hf import maps
-from meshlm.models.llama import block, layer_spec
+from meshlm.models.blocks import dense_kind
+from meshlm.models.family import Family
 
-__all__ = ["block", "layer_spec"]
+FAMILY = Family("mistral", kinds={"dense": dense_kind()})
 
 HF_MODEL_TYPE = "mistral"
 HF_ARCHITECTURES = ("MistralForCausalLM",)

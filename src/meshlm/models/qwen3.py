@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from meshlm.config import ConfigError, ModelConfig
 from meshlm.hf import maps
-from meshlm.models.llama import block, layer_spec
+from meshlm.models.blocks import dense_kind
+from meshlm.models.family import Family
 
-__all__ = ["block", "layer_spec"]
+FAMILY = Family("qwen3", kinds={"dense": dense_kind()})
 
 HF_MODEL_TYPE = "qwen3"
 HF_ARCHITECTURES = ("Qwen3ForCausalLM",)

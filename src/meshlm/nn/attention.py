@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshlm.nn import kv_cache
 from meshlm.parallel.sharding import auto_region
 
 
@@ -41,29 +42,36 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask:
     return jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
 
 
-def self_attention(p: dict, x_BTD: jax.Array, ctx, *, scale: float, softcap: float | None = None,
-                   q_norm=None, k_norm=None, mask: jax.Array | None = None, rope=None) -> jax.Array:
-  """Projections, RoPE and GQA. p: q [D, N, H], k/v [D, K, H], o [N, H, D].
+def self_attention(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, scale: float,
+                   softcap: float | None = None, q_norm=None, k_norm=None) -> tuple[jax.Array, dict | None]:
+  """Projections, RoPE and GQA: (output [B, T, D], the layer's new KV cache or None).
 
-  ctx carries cos/sin, the mask and the dense flags. q_norm/k_norm are optional per-head
-  functions applied before RoPE (qwen3, gemma3); mask and rope override ctx's (local layers).
+  p: q [D, N, H], k/v [D, K, H], o [N, H, D]. ctx.here carries this layer's RoPE tables, mask and
+  cache slots; ctx.dense is the projection. q_norm/k_norm are optional per-head functions applied
+  before RoPE (qwen3, gemma3). state is the layer's cache {"k", "v"} [B, C, K, H] when decoding;
+  prefill builds it from the prompt's keys and values, train leaves it None.
   """
-  from meshlm.nn.dense import dense
   from meshlm.nn.rope import apply_rope
   dt = x_BTD.dtype
-  kw = dict(kernel_order=ctx.kernel_order, impl=ctx.impl)
+  dense = ctx.dense
   heads = ("batch", "length", "heads", "head_dim")
   kv = ("batch", "length", "kv_heads", "head_dim")
   with jax.named_scope("q"):
-    q = dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", heads, **kw)
+    q = dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", heads)
   with jax.named_scope("k"):
-    k = dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", kv, **kw)
+    k = dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", kv)
   with jax.named_scope("v"):
-    v = dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", kv, **kw)
+    v = dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", kv)
   if q_norm is not None:
     q, k = q_norm(q), k_norm(k)
-  cos, sin = rope if rope is not None else (ctx.cos, ctx.sin)
-  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  here = ctx.here
+  q, k = apply_rope(q, here.cos, here.sin), apply_rope(k, here.cos, here.sin)
+  if ctx.mode == "prefill":
+    state = {"k": kv_cache.fill(k, here.cache), "v": kv_cache.fill(v, here.cache)}
+  elif ctx.mode == "decode":
+    # The new position goes into its slot first, then attends over the whole cache.
+    k, v = kv_cache.write(state["k"], k, here.cache), kv_cache.write(state["v"], v, here.cache)
+    state = {"k": k, "v": v}
   # The attention core and the output projection run in one auto-axes region. Under explicit sharding
   # every einsum output would otherwise carry a sharding annotation between its dot and the
   # transpose after it (the core's own einsums, and the incoming gradient of the output projection
@@ -73,6 +81,6 @@ def self_attention(p: dict, x_BTD: jax.Array, ctx, *, scale: float, softcap: flo
     o = gqa_attention(q, k, v, mask, scale=scale, softcap=softcap)  # [B, T, K, G, H]
     w_o = jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:])  # [N, H, D] -> [K, G, H, D]
     with jax.named_scope("o"):
-      return dense(o, w_o, "btkgh,kghd->btd", ("batch", "length", "act_embed"), **kw)
+      return dense(o, w_o, "btkgh,kghd->btd", ("batch", "length", "act_embed"))
   region = auto_region(attend_and_project, ("batch", "length", "act_embed"), x_BTD.shape)
-  return region(q, k, v, ctx.mask if mask is None else mask, p["o"].astype(dt))
+  return region(q, k, v, here.mask, p["o"].astype(dt)), state

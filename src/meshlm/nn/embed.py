@@ -2,22 +2,14 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from meshlm.parallel.sharding import constrain, is_explicit, out_sharding
-
-ACT = ("batch", "length", "act_embed")
+from meshlm.parallel.sharding import ACT, einsum, take_rows
 
 
 def embed(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
   """[B, T] ids -> [B, T, D] rows of the table."""
   with jax.named_scope("embed"):
-    table = table_VD.astype(dtype)
-    if is_explicit():
-      # Explicit refuses an ambiguous gather: gather from a whole table into batch-sharded rows.
-      table = constrain(table, (None, None))
-      return table.at[ids_BT].get(out_sharding=out_sharding(ACT, ids_BT.shape + table.shape[-1:]))
-    return constrain(jnp.take(table, ids_BT, axis=0), ACT)
+    return take_rows(table_VD.astype(dtype), ids_BT, ACT)
 
 
 def attend(table_VD: jax.Array, x: jax.Array) -> jax.Array:
@@ -28,8 +20,4 @@ def attend(table_VD: jax.Array, x: jax.Array) -> jax.Array:
   with jax.named_scope("attend"):
     lead = "abcefg"[: x.ndim - 1]
     axes = ("batch",) + ("length",) * (x.ndim - 2) + ("vocab",)
-    eqn = f"{lead}d,vd->{lead}v"
-    shape = x.shape[:-1] + table_VD.shape[:1]
-    if is_explicit():
-      return jnp.einsum(eqn, x, table_VD.astype(x.dtype), out_sharding=out_sharding(axes, shape))
-    return constrain(jnp.einsum(eqn, x, table_VD.astype(x.dtype)), axes)
+    return einsum(f"{lead}d,vd->{lead}v", x, table_VD.astype(x.dtype), axes)

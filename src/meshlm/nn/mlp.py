@@ -7,7 +7,7 @@ import jax
 
 from meshlm.nn.dense import dense
 
-ACT = ("batch", "length", "act_embed")
+from meshlm.parallel.sharding import ACT
 HIDDEN = ("batch", "length", "mlp")
 
 # ModelConfig.hidden_activation -> the gate's activation. gelu_tanh is HF's gelu_pytorch_tanh.
@@ -18,15 +18,15 @@ ACTIVATIONS = {
 }
 
 
-def glu_mlp(p: dict, x_BTD: jax.Array, *, kernel_order: bool, impl: str, activation=jax.nn.silu) -> jax.Array:
-  """down(act(gate(x)) * up(x)). p: gate [D, F], up [D, F], down [F, D]."""
+def glu_mlp(p: dict, x_BTD: jax.Array, *, dense=dense, activation=jax.nn.silu) -> jax.Array:
+  """down(act(gate(x)) * up(x)). p: gate [D, F], up [D, F], down [F, D]; dense is the projection
+  (a Context's, bound to the kernel-order flags)."""
   with jax.named_scope("mlp"):
     dt = x_BTD.dtype
-    kw = dict(kernel_order=kernel_order, impl=impl)
     with jax.named_scope("gate"):
-      g = dense(x_BTD, p["gate"].astype(dt), "btd,df->btf", HIDDEN, **kw)
+      g = dense(x_BTD, p["gate"].astype(dt), "btd,df->btf", HIDDEN)
     with jax.named_scope("up"):
-      u = dense(x_BTD, p["up"].astype(dt), "btd,df->btf", HIDDEN, **kw)
+      u = dense(x_BTD, p["up"].astype(dt), "btd,df->btf", HIDDEN)
     h = activation(g) * u
     with jax.named_scope("down"):
-      return dense(h, p["down"].astype(dt), "btf,fd->btd", ACT, **kw)
+      return dense(h, p["down"].astype(dt), "btf,fd->btd", ACT)

@@ -17,6 +17,10 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 Axes = Sequence[str | None]
 
+# The logical axes of the activations every layer passes on, and of the logits.
+ACT = ("batch", "length", "act_embed")
+LOGITS = ("batch", "length", "vocab")
+
 # logical axis -> mesh axes. "embed" is the parameter embed dim (FSDP shards weights along it);
 # activations carry "act_embed", which stays whole, as in levanter's parameter/compute split.
 RULES: dict[str, tuple[str, ...]] = {
@@ -113,3 +117,26 @@ def auto_region(fn, out_axes: Axes, out_shape: Sequence[int]):
   if not is_explicit():
     return lambda *args: constrain(fn(*args), out_axes)
   return jax.sharding.auto_axes(fn, out_sharding=logical_spec(out_axes, out_shape))
+
+
+def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes) -> jax.Array:
+  """table[ids] (rows of a [V, ...] table), sharded as out_axes.
+
+  Explicit sharding refuses a gather from a sharded table into sharded rows as ambiguous: gather
+  from the whole table straight into the output sharding instead.
+  """
+  shape = ids.shape + table.shape[1:]
+  if not is_explicit():
+    return constrain(jax.numpy.take(table, ids, axis=0), out_axes)
+  table = constrain(table, (None,) * table.ndim)
+  return table.at[ids].get(out_sharding=out_sharding(out_axes, shape))
+
+
+def einsum(eqn: str, a: jax.Array, b: jax.Array, out_axes: Axes) -> jax.Array:
+  """jnp.einsum with its output sharded as out_axes (out_sharding= under explicit, a constraint under auto)."""
+  ins, out = eqn.replace(" ", "").split("->")
+  size = dict(zip(ins.split(",")[0], a.shape)) | dict(zip(ins.split(",")[1], b.shape))
+  shape = tuple(size[c] for c in out)
+  if is_explicit():
+    return jax.numpy.einsum(eqn, a, b, out_sharding=out_sharding(out_axes, shape))
+  return constrain(jax.numpy.einsum(eqn, a, b), out_axes)

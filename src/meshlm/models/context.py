@@ -1,0 +1,86 @@
+"""What every block gets besides its parameters, input and state: the `Context`.
+
+It is split in two. The model-wide part: the config, the mode (train | prefill | decode) and the
+dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, eqn, out_axes)`).
+The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
+positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
+A block reads its own with `ctx.here`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import Config
+from meshlm.nn import kv_cache
+from meshlm.nn.attention import attention_mask
+from meshlm.nn.dense import dense
+from meshlm.nn.rope import freqs_at, inv_frequencies, rope_angles
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """The inputs shared by every layer of one attention context."""
+  positions: jax.Array  # [B, T]
+  segment_ids: jax.Array | None  # [B, T]; state-carrying mixers reset at document boundaries
+  cos: jax.Array  # [B, T, rotary_dim / 2]
+  sin: jax.Array
+  mask: jax.Array  # [B or 1, 1, 1, T, S] boolean, S = T (train, prefill) or the cache length (decode)
+  cache: kv_cache.Slots | None = None  # where this context's layers read and write their cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  model: Any  # ModelConfig
+  dense: Callable[..., jax.Array]  # dense(x, kernel, eqn, out_axes), bound to the dense flags
+  inputs: Mapping[str, Inputs]
+  mode: str = "train"  # train | prefill | decode
+  layer_type: str = "global"
+
+  @property
+  def here(self) -> Inputs:
+    return self.inputs[self.layer_type]
+
+  def as_type(self, layer_type: str) -> "Context":
+    return self if layer_type == self.layer_type else dataclasses.replace(self, layer_type=layer_type)
+
+
+def bound_dense(cfg: Config) -> Callable[..., jax.Array]:
+  return functools.partial(dense, kernel_order=cfg.dense_kernel_order, impl=cfg.weight_grad_impl)
+
+
+def make_context(cfg: Config, contexts: tuple[str, ...], positions_BT: jax.Array, segment_ids_BT=None, *,
+                 mode: str = "train", cache_len: int | None = None, lengths_B: jax.Array | None = None) -> Context:
+  """Inputs for each attention context in `contexts`.
+
+  train: causal (and same-segment) masks over the T positions given.
+  prefill: the same over a right-padded prompt block, plus the slots that move each row's first
+    lengths_B[b] keys into a cache of cache_len (a window-sized ring for local layers).
+  decode: one new position per row (positions_BT [B, 1]); masks and write slots over the cache.
+  """
+  m = cfg.model
+  T = positions_BT.shape[1]
+  cos, sin = freqs_at(positions_BT, m.head_dim, m.rope_theta, m.rope_scaling)
+  windows = {"global": None, "local": m.sliding_window}
+  ropes = {"global": (cos, sin)}
+  if "local" in contexts and m.rope_local_theta is not None:
+    ropes["local"] = rope_angles(positions_BT, inv_frequencies(m.head_dim, m.rope_local_theta))
+  inputs = {}
+  for name in ("global",) + tuple(c for c in ("local",) if c in contexts):
+    window = windows[name]
+    c, s = ropes.get(name, ropes["global"])
+    if mode == "train":
+      mask, slots = attention_mask(segment_ids_BT, T, window), None
+    elif mode == "prefill":
+      size = kv_cache.cache_size(cache_len, window)
+      mask, slots = attention_mask(None, T, window), kv_cache.prefill_slots(lengths_B, T, size)
+    else:
+      size = kv_cache.cache_size(cache_len, window)
+      slots = kv_cache.decode_slots(positions_BT[:, 0], size)
+      mask = slots.read_mask  # [B, 1, 1, 1, C]
+    inputs[name] = Inputs(positions_BT, segment_ids_BT, c, s, mask, slots)
+  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode)

@@ -1,0 +1,29 @@
+"""The family registry: family name -> the module that defines its `FAMILY` (models/family.py).
+
+Adding a family is one file defining `FAMILY` plus one line here.
+"""
+from __future__ import annotations
+
+import importlib
+
+from meshlm.config import Config, ConfigError
+
+FAMILIES = {
+    "llama": "meshlm.models.llama",
+    "mistral": "meshlm.models.mistral",
+    "qwen3": "meshlm.models.qwen3",
+    "gemma": "meshlm.models.gemma",
+    "gemma2": "meshlm.models.gemma2",
+    "gemma3": "meshlm.models.gemma3",
+}
+
+
+def get(name: str):
+  """The Family called name."""
+  if name not in FAMILIES:
+    raise ConfigError(f"model.family={name!r}: unknown; known families: {', '.join(sorted(FAMILIES))}")
+  return importlib.import_module(FAMILIES[name]).FAMILY
+
+
+def family(cfg: Config):
+  return get(cfg.model.family)
