@@ -26,7 +26,7 @@ from meshlm.models.registry import family
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
-from meshlm.parallel.sharding import ACT, LOGITS, constrain, logical_spec
+from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum, logical_spec
 
 __all__ = ["ACT", "LOGITS", "decode", "forward", "init_params", "param_shardings", "param_specs", "prefill"]
 
@@ -231,8 +231,12 @@ def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
 
 
 def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: dict | None = None,
-          collect: bool = False) -> tuple[jax.Array, dict | None, dict]:
-  """embed -> layers -> final norm -> head: (logits [B, T, V], new cache, side outputs)."""
+          collect: bool = False, last_B: jax.Array | None = None) -> tuple[jax.Array, dict | None, dict]:
+  """embed -> layers -> final norm -> head: (logits [B, T, V], new cache, side outputs).
+
+  With last_B, only row b's position last_B[b] goes through the head: logits [B, 1, V] (a prefill
+  needs the next-token logits of each prompt's last real token, not [B, T, V]).
+  """
   m = cfg.model
   fam = family(cfg)
   dt = jnp.dtype(cfg.train.compute_dtype)
@@ -242,6 +246,9 @@ def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: 
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
   x, cache, side = run_layers(cfg, params["layers"], x, ctx, cache, collect)
   x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
+  if last_B is not None:
+    pick = jax.nn.one_hot(last_B, x.shape[1], dtype=x.dtype)  # [B, T]
+    x = einsum("btd,bt->bd", x, pick, ("batch", "act_embed"))[:, None]  # [B, 1, D]
   return head(cfg, params, x), cache, side
 
 
@@ -273,17 +280,17 @@ def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, 
 
 
 def prefill(cfg: Config, params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cache_len: int):
-  """Runs right-padded prompts (row b holds lengths_B[b] real tokens): (logits [B, T, V], cache).
+  """Runs right-padded prompts (row b holds lengths_B[b] real tokens): (next-token logits [B, V] at
+  each row's last real token, cache).
 
   The cache holds room for cache_len positions per row (local layers: a ring of their window).
   """
-  B, T = tokens_BT.shape
   lp = plan(cfg)
   ctx = make_context(cfg, lp.contexts, _positions(tokens_BT), mode="prefill", cache_len=cache_len, lengths_B=lengths_B)
   unrolled = len(_unrolled_ids(cfg, lp))
   empty = {"unrolled": [None] * unrolled, "scanned": [None] * lp.period if _scans(cfg, lp) else None}
-  logits, cache, _ = apply(cfg, params, tokens_BT, ctx, empty)
-  return logits, cache
+  logits, cache, _ = apply(cfg, params, tokens_BT, ctx, empty, last_B=lengths_B - 1)
+  return logits[:, 0], cache
 
 
 def decode(cfg: Config, params: dict, tokens_B: jax.Array, positions_B: jax.Array, cache: dict):

@@ -1,0 +1,122 @@
+"""Sampling with a KV cache: cached decoding equals recomputing the prefix, log-probs equal a teacher-
+forced forward, windowed layers hold past their window, one compile per shape bucket, bad requests."""
+import jax
+import numpy as np
+import pytest
+
+import meshlm
+from meshlm.config import ConfigError
+from meshlm.models import generate as G
+from meshlm.nn import kv_cache
+
+PRESETS = ["llama2-tiny", "llama3-tiny", "mistral-tiny", "qwen3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny"]
+NEW = 64
+LENGTHS = (5, 17, 33)  # with 64 new tokens every row runs past mistral's, gemma2's and gemma3's windows
+
+
+def setup(preset: str, mode: str):
+  cfg = meshlm.load_config(f"model={preset}", "train.compute_dtype=float32", "cpu_devices=4", "mesh.fsdp=2",
+                           "mesh.tensor=2", f"shard_mode={mode}")
+  params = meshlm.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(1)
+  prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]
+  return cfg, params, prompts
+
+
+def teacher_forced(cfg, params, prompt, new):
+  """log p(new[j] | prompt + new[:j]) from one forward over the whole sequence."""
+  logits = np.asarray(meshlm.forward(cfg, params, np.array([prompt + new], np.int32)), np.float32)[0]
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  return np.array([logp[len(prompt) - 1 + j, t] for j, t in enumerate(new)])
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cached_greedy_equals_recompute_and_logprobs_equal_forward(preset, mode):
+  cfg, params, prompts = setup(preset, mode)
+  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+  assert out.compilations == {"prefill": 1, "decode": 1}
+  ref = G.recompute_greedy(cfg, params, prompts, NEW)
+  for got, want in zip(out.tokens, ref):
+    assert got == want
+  for prompt, new, lp in zip(prompts, out.tokens, out.logprobs):
+    np.testing.assert_allclose(lp, teacher_forced(cfg, params, prompt, new), atol=1e-5, rtol=0)
+
+
+def test_a_window_bug_is_caught(monkeypatch):
+  """Negative control: local layers given a full-length cache attend past their window, and the
+  log-probs after the window no longer match the teacher-forced forward."""
+  cfg, params, prompts = setup("gemma3-tiny", "explicit")
+  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+  monkeypatch.setattr(kv_cache, "cache_size", lambda length, window: length)
+  G._steps.cache_clear()
+  bad = G.generate(cfg, params, prompts, max_new_tokens=NEW, top_k=1, temperature=1.0)  # same tokens as greedy
+  G._steps.cache_clear()
+  prompt, new = prompts[2], out.tokens[2]
+  want = teacher_forced(cfg, params, prompt, new)
+  diff = np.abs(np.array(bad.logprobs[2][:len(new)]) - want)
+  assert diff.max() > 1e-3
+
+
+def test_one_compile_per_bucket_and_sampling_controls():
+  cfg, params, prompts = setup("llama2-tiny", "explicit")
+  first = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+  # Other prompt lengths in the same buckets reuse both compiled steps.
+  again = G.generate(cfg, params, [prompts[0][:-1], prompts[1][:-2], prompts[2]], max_new_tokens=NEW - 1)
+  assert again.compilations == {"prefill": 0, "decode": 0}
+  # top_k=1 and a tiny top_p are greedy whatever the temperature; log-probs stay the model's.
+  for kw in (dict(temperature=1.5, top_k=1), dict(temperature=1.5, top_p=1e-6)):
+    out = G.generate(cfg, params, prompts, max_new_tokens=NEW, **kw)
+    assert out.tokens == first.tokens
+    np.testing.assert_allclose(out.logprobs, first.logprobs, atol=1e-6)
+  a = G.generate(cfg, params, prompts, max_new_tokens=16, temperature=1.0, seed=1)
+  b = G.generate(cfg, params, prompts, max_new_tokens=16, temperature=1.0, seed=1)
+  c = G.generate(cfg, params, prompts, max_new_tokens=16, temperature=1.0, seed=2)
+  assert a.tokens == b.tokens and a.tokens != c.tokens
+  assert all(x <= 0 for row in a.logprobs for x in row)
+  # A stop token ends its row right after it is sampled.
+  stop = first.tokens[1][3]
+  out = G.generate(cfg, params, prompts, max_new_tokens=NEW, stop_tokens=[stop])
+  for row, full in zip(out.tokens, first.tokens):
+    cut = full.index(stop) + 1 if stop in full else len(full)
+    assert row == full[:cut]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+  logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+  seen = set()
+  for s in range(200):
+    tok, lp = G.sample(logits, jax.random.key(s), 1.0, None, 0.75)
+    seen.add(int(tok[0]))
+  assert seen == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
+  tok, lp = G.sample(logits, jax.random.key(0), 0.0, None, 1.0)
+  assert int(tok[0]) == 0 and abs(float(lp[0]) - np.log(0.5)) < 1e-6
+
+
+def test_kv_cache_ring_slots_hold_the_last_positions():
+  # A ring of 4 over prompts of length 6 and 2 (padded to 8): row 0 keeps positions 4, 5, 2, 3.
+  slots = kv_cache.prefill_slots(np.array([6, 2]), 8, 4)
+  np.testing.assert_array_equal(slots.src, [[4, 5, 2, 3], [0, 1, 2, 3]])
+  np.testing.assert_array_equal(slots.valid, [[1, 1, 1, 1], [1, 1, 0, 0]])
+  d = kv_cache.decode_slots(np.array([6, 2]), 4)
+  np.testing.assert_array_equal(d.write, [[0, 0, 1, 0], [0, 0, 1, 0]])
+  np.testing.assert_array_equal(d.valid, [[1, 1, 1, 1], [1, 1, 1, 0]])
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(prompts=[[1] * 2049]), "longer than model.max_position=2048"),
+    (dict(max_new_tokens=2040), "overflow model.max_position=2048; at most 2038 fit"),
+    (dict(prompts=[[1], []]), "prompt 1: empty"),
+    (dict(prompts=[]), "prompts: empty"),
+    (dict(top_p=0.0), "top_p=0.0: must be in (0, 1]"),
+    (dict(top_p=1.5), "top_p=1.5: must be in (0, 1]"),
+    (dict(temperature=-0.1), "temperature=-0.1: must be >= 0"),
+    (dict(prompts=[[1, 512]]), "token id 512 is outside the vocabulary [0, 512)"),
+])
+def test_bad_requests_fail_in_one_line_before_compiling(kw, msg):
+  cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1")
+  args = dict(prompts=[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], max_new_tokens=4) | kw
+  with pytest.raises(ConfigError, match=None) as e:
+    G.check_request(cfg, args["prompts"], args["max_new_tokens"], args.get("temperature", 0.0), None,
+                    args.get("top_p", 1.0))
+  assert msg in str(e.value) and "\n" not in str(e.value)
