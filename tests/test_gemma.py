@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from meshlm.config import ConfigError, load_config
-from meshlm.models import decoder, gemma, gemma2, gemma3
+from meshlm.hf.adapters import gemma, gemma2, gemma3
+from meshlm.models import decoder
 from meshlm.models import spec as S
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def _ref_forward(m, params, ids):
   x = P["embed"][ids] * np.sqrt(D)  # [B, T, D]
   hidden = []
   for i in range(m.num_layers):
-    p = jax.tree.map(lambda a: a[i], P["layers"])
+    p = jax.tree.map(lambda a: a[i], P["layers"]["dense"])
     local = types[i % len(types)] == "local"
     if local and m.rope_local_theta is not None:
       theta, factor = m.rope_local_theta, 1.0
@@ -163,8 +164,8 @@ def test_reference_sees_every_feature():
                  "attn_logit_softcap=null", "final_logit_softcap=null", "query_pre_attn_scalar=null"):
     other = load_config(*_small("gemma3", attn_logit_softcap=4.0, final_logit_softcap=3.0), f"model.{change}")
     assert _rel(_ref_forward(other.model, params, ids)[0], base) > 1e-3, change
-  no_qk = {**params, "layers": {**params["layers"], "attn": {
-      **params["layers"]["attn"], "q_norm": 0 * params["layers"]["attn"]["q_norm"]}}}
+  dense = params["layers"]["dense"]
+  no_qk = {**params, "layers": {"dense": {**dense, "attn": {**dense["attn"], "q_norm": 0 * dense["attn"]["q_norm"]}}}}
   assert _rel(_ref_forward(cfg.model, no_qk, ids)[0], base) > 1e-3
 
 
@@ -191,7 +192,7 @@ def test_stored_stack_is_one_array_per_layer_parameter():
   L = cfg.model.num_layers
   for s in jax.tree.leaves(specs["layers"], is_leaf=S.is_spec):
     assert s.axes[0] == "layers" and s.shape[0] == L
-  assert specs["layers"]["attn"]["q_norm"].shape == (L, cfg.model.head_dim)
+  assert specs["layers"]["dense"]["attn"]["q_norm"].shape == (L, cfg.model.head_dim)
   assert specs["final_norm"].init == "zeros"  # (1 + w) norms start at unit scale
 
 

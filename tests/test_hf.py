@@ -125,8 +125,8 @@ def test_llama_other_layouts_match():
   # auto mode, heads sharded on tensor=3, layers stacked on axis 1 and unrolled: same numbers.
   cfg, params = hf.load(FIXTURES / "llama", "train.compute_dtype=float32", "cpu_devices=3", "mesh.fsdp=1",
                         "mesh.tensor=3", "shard_mode=auto", "param_scan_axis=1", "scan_layers=false")
-  assert params["layers"]["attn"]["q"].shape == (45, 2, 9, 8)  # [D, L, N, H]
-  assert "tensor" in str(params["layers"]["attn"]["q"].sharding.spec)
+  assert params["layers"]["dense"]["attn"]["q"].shape == (45, 2, 9, 8)  # [D, L, N, H]
+  assert "tensor" in str(params["layers"]["dense"]["attn"]["q"].sharding.spec)
   ref = np.load(FIXTURES / "llama" / "reference.npz")
   logits, hidden = run_forward(cfg, params, ref["input_ids"])
   assert rel(logits, ref["logits"]) <= TOL
@@ -175,7 +175,7 @@ def test_sharded_export_with_index(tmp_path):
 def test_param_scan_axis_1_holds_the_same_values():
   _, p0 = hf.load(FIXTURES / "mistral", "cpu_devices=1")
   _, p1 = hf.load(FIXTURES / "mistral", "cpu_devices=1", "param_scan_axis=1")
-  q0, q1 = np.asarray(p0["layers"]["attn"]["q"]), np.asarray(p1["layers"]["attn"]["q"])
+  q0, q1 = np.asarray(p0["layers"]["dense"]["attn"]["q"]), np.asarray(p1["layers"]["dense"]["attn"]["q"])
   assert q0.shape == (2, 45, 9, 8) and np.array_equal(np.moveaxis(q1, 1, 0), q0)
   # HF q_proj [N*H, D] -> meshlm [D, N, H]
   w = load_file(FIXTURES / "mistral" / "model.safetensors")["model.layers.1.self_attn.q_proj.weight"]

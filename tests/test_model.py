@@ -44,8 +44,8 @@ def test_published_parameter_count_from_eval_shape(name):
   m = cfg.model
   assert shapes["embed"].shape == (m.vocab_size, m.embed_dim)
   assert shapes["lm_head"].shape == (m.embed_dim, m.vocab_size)
-  assert shapes["layers"]["attn"]["k"].shape == (m.num_layers, m.embed_dim, m.num_kv_heads, m.head_dim)
-  assert shapes["layers"]["mlp"]["down"].shape == (m.num_layers, m.mlp_dim, m.embed_dim)
+  assert shapes["layers"]["dense"]["attn"]["k"].shape == (m.num_layers, m.embed_dim, m.num_kv_heads, m.head_dim)
+  assert shapes["layers"]["dense"]["mlp"]["down"].shape == (m.num_layers, m.mlp_dim, m.embed_dim)
 
 
 def test_real_size_forward_shape_without_allocation():

@@ -127,8 +127,8 @@ def test_params_land_on_their_declared_shardings(mode, mesh_args):
   # Spot checks against the rule table: FSDP shards the embed dim, tensor the vocab / heads / mlp.
   tensor = "tensor" if "mesh.tensor=2" in mesh_args else None
   assert_sharded(params["lm_head"], mesh, P("fsdp", tensor))
-  assert_sharded(params["layers"]["mlp"]["down"], mesh, P(None, tensor, "fsdp"))
-  assert_sharded(params["layers"]["attn"]["q"], mesh, P(None, "fsdp", tensor, None))
+  assert_sharded(params["layers"]["dense"]["mlp"]["down"], mesh, P(None, tensor, "fsdp"))
+  assert_sharded(params["layers"]["dense"]["attn"]["q"], mesh, P(None, "fsdp", tensor, None))
   assert_sharded(params["final_norm"], mesh, P(None))
 
 
@@ -163,7 +163,7 @@ def test_odd_shapes_under_tensor_parallelism(tiny_params):
   cfg = load_config("cpu_devices=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", *overrides)
   mesh = make_mesh(cfg)
   params = init_params(cfg, jax.random.key(0), mesh)
-  assert_sharded(params["layers"]["attn"]["k"], mesh, P())
+  assert_sharded(params["layers"]["dense"]["attn"]["k"], mesh, P())
   assert_sharded(params["lm_head"], mesh, P())
   with jax.set_mesh(mesh):
     logits = jax.jit(lambda p, t: forward(cfg, p, t))(params, jnp.asarray(toks))

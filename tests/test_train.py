@@ -151,7 +151,7 @@ def _gradients(micro_batches: int):
   assert step.global_batch == MICRO_ROWS
   state = step.init_state(jax.random.key(0))
   with jax.set_mesh(step.mesh):
-    loss, grads = jax.jit(lambda p, b: grads_and_loss(cfg, p, b))(state.params, step.put_batch(_micro_batch()))
+    loss, grads, _ = jax.jit(lambda p, b: grads_and_loss(cfg, p, b))(state.params, step.put_batch(_micro_batch()))
   return float(loss), jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
 
 

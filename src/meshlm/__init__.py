@@ -3,8 +3,9 @@ import importlib
 
 from meshlm.config import Config, ConfigError, load_config
 from meshlm.models import forward, init_params
+from meshlm.models.generate import generate
 
-__all__ = ["Config", "ConfigError", "forward", "hf", "init_params", "load_config"]
+__all__ = ["Config", "ConfigError", "forward", "generate", "hf", "init_params", "load_config"]
 __version__ = "0.1.0"
 
 # Subpackages that `meshlm.NAME` reaches without an import of their own, loaded on first use so

@@ -14,6 +14,7 @@ commands:
   census    HLO census of the train step: meshlm census [key=value ...] [--json]
   compare   A/B census: meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm ... [--json]
   bench     interleaved timing: meshlm bench [key=value ...] --arm ... --reps N [--json] [--plot PATH]
+  generate  sample with a KV cache: meshlm generate PATH prompt="def f(" max_new_tokens=64
 
 Keys are dotted paths into the config; model=NAME picks a preset.
 `meshlm <command> --help` shows the command's usage and every key with its type, default and meaning."""
@@ -25,6 +26,7 @@ SUMMARIES = {
     "compare": "A/B census: the same train step under two or more arms of overrides.",
     "bench": "Interleaved timing of the train step under one or more arms of overrides.",
     "convert": "Convert between Hugging Face and meshlm model directories.",
+    "generate": "Sample from a run, meshlm model or Hugging Face directory (temperature 0 is greedy).",
 }
 
 
@@ -48,6 +50,9 @@ def _usage_of(cmd: str) -> str:
     return BENCH_USAGE
   if cmd == "convert":
     from meshlm.hf.convert import USAGE
+    return USAGE
+  if cmd == "generate":
+    from meshlm.models.generate import USAGE
     return USAGE
   return f"meshlm {cmd}"
 
@@ -134,7 +139,12 @@ def cmd_bench(args: list[str], start: float) -> int:
   return run(args, start)
 
 
-COMMANDS = {"train": cmd_train, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
+def cmd_generate(args: list[str], start: float) -> int:
+  from meshlm.models.generate import main as generate_main
+  return generate_main(args)
+
+
+COMMANDS = {"generate": cmd_generate, "train": cmd_train, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
             "compare": cmd_compare, "bench": cmd_bench}
 
 

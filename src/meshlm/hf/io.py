@@ -31,20 +31,11 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 GENERATION_CONFIG = "generation_config.json"
 
 
-def families() -> dict[str, Any]:
-  """model_type -> family module, over the registered families that map to HF."""
-  from meshlm.models.registry import FAMILIES
-  out = {}
-  for module in FAMILIES.values():
-    try:
-      mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-      if e.name != module:
-        raise
-      continue  # registered before its file landed
-    if hasattr(mod, "HF_MODEL_TYPE"):
-      out[mod.HF_MODEL_TYPE] = mod
-  return out
+def families() -> dict[str, maps.Adapter]:
+  """model_type -> adapter, over the families with a Hugging Face adapter."""
+  from meshlm.hf.adapters import ADAPTERS
+  adapters = (importlib.import_module(module).ADAPTER for module in ADAPTERS.values())
+  return {a.model_type: a for a in adapters}
 
 
 def family_for(hf: dict, where: str):
@@ -54,19 +45,18 @@ def family_for(hf: dict, where: str):
     raise ConfigError(f"{where}: model_type={model_type!r} is not supported; known: {', '.join(sorted(fams))}")
   fam = fams[model_type]
   archs = hf.get("architectures") or []
-  bad = [a for a in archs if a not in fam.HF_ARCHITECTURES]
+  bad = [a for a in archs if a not in fam.architectures]
   if bad:
     raise ConfigError(f"{where}: architectures={bad!r} is not supported for model_type={model_type!r}; "
-                      f"expected {', '.join(fam.HF_ARCHITECTURES)}")
+                      f"expected {', '.join(fam.architectures)}")
   return fam
 
 
-def _family_of_cfg(cfg: Config):
-  from meshlm.models.registry import FAMILIES
-  fam = importlib.import_module(FAMILIES[cfg.model.family])
-  if not hasattr(fam, "HF_MODEL_TYPE"):
+def _family_of_cfg(cfg: Config) -> maps.Adapter:
+  from meshlm.hf.adapters import ADAPTERS
+  if cfg.model.family not in ADAPTERS:
     raise ConfigError(f"model.family={cfg.model.family!r}: has no Hugging Face mapping")
-  return fam
+  return importlib.import_module(ADAPTERS[cfg.model.family]).ADAPTER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +85,8 @@ def entries(cfg: Config) -> list[Entry]:
   from meshlm.models import decoder, spec as S
   fam = _family_of_cfg(cfg)
   m = cfg.model
-  top = getattr(fam, "hf_top_map", maps.default_top_map)(m)
-  layer = fam.hf_layer_map(m)
+  top = fam.top_map(m)
+  layer = fam.layer_map(m)
   out = []
   lp = decoder.plan(cfg)
   rows = {k: [i for i, kind in enumerate(lp.kinds) if kind == k] for k in lp.kind_names()}
@@ -315,7 +305,7 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
 def hf_config(cfg: Config) -> dict:
   fam = _family_of_cfg(cfg)
   m = cfg.model
-  return {"architectures": [fam.HF_ARCHITECTURES[0]], "model_type": fam.HF_MODEL_TYPE,
+  return {"architectures": [fam.architectures[0]], "model_type": fam.model_type,
           **fam.to_hf_config(m), **{k: getattr(m, k) for k in TOKEN_IDS}, "dtype": "float32"}
 
 

@@ -1,16 +1,19 @@
 """The vocabulary of Hugging Face name maps, and the config.json fields llama-like families share.
 
-A family file (models/<family>.py) declares, next to its block and parameter spec:
+A family's adapter (hf/adapters/<family>.py, apart from its block in models/) is one `Adapter`:
 
-- `HF_MODEL_TYPE`: the config.json `model_type` it reads and writes, e.g. "llama".
-- `HF_ARCHITECTURES`: the `architectures` entries it accepts; the first is the one it writes.
+- `model_type`: the config.json `model_type` it reads and writes, e.g. "llama".
+- `architectures`: the `architectures` entries it accepts; the first is the one it writes.
 - `from_hf_config(hf: dict) -> dict`: ModelConfig fields from a config.json dict.
 - `to_hf_config(m: ModelConfig) -> dict`: a config.json dict (without `architectures`/`model_type`,
   which meshlm.hf adds).
-- `hf_layer_map(m: ModelConfig) -> dict[str, Tensor]`: one entry per leaf of `layer_spec(m)`, keyed by
-  its dotted path ("attn.q"), naming the HF tensor with an `{i}` for the layer index.
-- optionally `hf_top_map(m: ModelConfig) -> dict[str, Tensor]`, for the non-layer leaves; the default,
-  `default_top_map`, is llama's (`model.embed_tokens`, `model.norm`, `lm_head`).
+- `layer_map(m: ModelConfig) -> dict[str, Tensor]`: one entry per leaf of a layer kind's spec, keyed
+  by its dotted path without the kind ("attn.q"), naming the HF tensor. The name is a template:
+  `{i}` is the model layer index (never a position in a kind's stack, so the grouping of layers
+  into kinds and scanned periods never reaches a checkpoint); stacked axes beyond the layers (a
+  MoE's `experts`, `{e}`) are formatted the same way.
+- `top_map(m: ModelConfig) -> dict[str, Tensor]` for the non-layer leaves; `default_top_map` is
+  llama's (`model.embed_tokens`, `model.norm`, `lm_head`).
 
 Layouts. An HF `nn.Linear` weight is [out, in]. meshlm kernels put the input dims first:
 q [D, N, H], k/v [D, K, H], o [N, H, D], gate/up [D, F], down [F, D], lm_head [D, V]. `Linear(name,
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -73,6 +76,17 @@ class Linear(Tensor):
     if len(shape) == 2 and self.n_in == 1:
       return (index[1], index[0]), True
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+  """A family's Hugging Face mapping (see the module docstring)."""
+  model_type: str
+  architectures: tuple[str, ...]
+  from_hf_config: Callable[[dict], dict]
+  to_hf_config: Callable[[ModelConfig], dict]
+  layer_map: Callable[[ModelConfig], dict[str, Tensor]]
+  top_map: Callable[[ModelConfig], dict[str, Tensor]] = lambda m: default_top_map(m)
 
 
 def require(hf: dict, key: str) -> Any:

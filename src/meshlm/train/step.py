@@ -1,6 +1,13 @@
 """The train step: loss, gradients over micro-batches, the AdamW update. One builder for all.
 
-`build_train_step` is what `meshlm train`, `census`, `compare` and `bench` all compile.
+`build_train_step(cfg, mesh, loss_fn=..., batch_spec=...)` is what `meshlm train`, `census`, `compare`
+and `bench` all compile. The loss is pluggable: next-token cross-entropy by default; an RL loss
+takes extra batch fields (advantages, old log-probs, forced expert ids) declared in batch_spec.
+
+    loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics)
+
+num_tokens is the loss-mask count of the whole batch (so micro-batches sum to the big-batch loss);
+metrics is a dict of scalars, summed over micro-batches and logged next to the loss.
 """
 from __future__ import annotations
 
@@ -18,8 +25,27 @@ from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import constrain, logical_spec
 from meshlm.train.optimizer import make_optimizer
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 BATCH_AXES = ("batch", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchField:
+  """One field of a batch: [B, T, *trailing] when per_token, else [B, *trailing]."""
+  dtype: str = "int32"
+  per_token: bool = True
+  trailing: tuple[int, ...] = ()
+
+  def shape(self, batch: int, seq_len: int) -> tuple[int, ...]:
+    return (batch,) + ((seq_len,) if self.per_token else ()) + self.trailing
+
+  def axes(self) -> tuple[str | None, ...]:
+    return ("batch",) + (("length",) if self.per_token else ()) + (None,) * len(self.trailing)
+
+
+# What the data pipeline yields and the default loss reads.
+BATCH_SPEC: dict[str, BatchField] = {"inputs": BatchField(), "targets": BatchField(), "segment_ids": BatchField(),
+                                     "positions": BatchField(), "loss_mask": BatchField("float32")}
+BATCH_KEYS = tuple(BATCH_SPEC)
 
 
 class TrainState(NamedTuple):
@@ -39,43 +65,50 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
     return jnp.sum(token_loss * mask_BT), jnp.sum(mask_BT)
 
 
-def loss_fn(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> jax.Array:
+def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> tuple[jax.Array, dict]:
+  """The default loss: mean next-token cross-entropy over the loss mask."""
   logits = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
   loss_sum, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-  return loss_sum / num_tokens
+  return loss_sum / num_tokens, {}
 
 
-def _split_micro(x: jax.Array, m: int) -> jax.Array:
+def _split_micro(x: jax.Array, m: int, axes) -> jax.Array:
   """[M*b, ...] -> [M, b, ...] where micro-batch i takes rows i, M+i, ...: every shard stays local."""
   b = x.shape[0] // m
-  axes = BATCH_AXES + (None,) * (x.ndim - 2)
   y = jnp.reshape(x, (b, m) + x.shape[1:])
-  y = constrain(y, (axes[0], None) + axes[1:])
+  y = constrain(y, (axes[0], None) + tuple(axes[1:]))
   return jnp.swapaxes(y, 0, 1)
 
 
-def grads_and_loss(cfg: Config, params, batch: dict) -> tuple[jax.Array, Any]:
+def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
+                   batch_spec: dict[str, BatchField] = BATCH_SPEC) -> tuple[jax.Array, Any, dict]:
+  """(loss, grads, loss metrics), summed over cfg.train.micro_batches."""
   num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, p, b, num_tokens))
+  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, p, b, num_tokens), has_aux=True)
   m = cfg.train.micro_batches
   if m == 1:
-    return grad_fn(params, batch)
-  micro = {k: _split_micro(v, m) for k, v in batch.items()}
+    (loss, metrics), grads = grad_fn(params, batch)
+    return loss, grads, metrics
+  micro = {k: _split_micro(v, m, batch_spec[k].axes()) for k, v in batch.items()}
   def body(carry, mb):
-    loss, grads = grad_fn(params, {k: constrain(v, BATCH_AXES) for k, v in mb.items()})
-    return jax.tree.map(jnp.add, carry, (loss, grads)), None
-  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (loss, grads), _ = jax.lax.scan(body, zeros, micro)
-  return loss, grads
+    (loss, metrics), grads = grad_fn(params, {k: constrain(v, batch_spec[k].axes()) for k, v in mb.items()})
+    return jax.tree.map(jnp.add, carry, (loss, grads, metrics)), None
+  first = {k: v[0] for k, v in micro.items()}
+  metrics_shape = jax.eval_shape(lambda b: grad_fn(params, b)[0][1], first)
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+           jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape))
+  (loss, grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+  return loss, grads, metrics
 
 
-def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: TrainState, batch: dict):
+def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: TrainState, batch: dict,
+               loss_fn=next_token_loss, batch_spec: dict[str, BatchField] = BATCH_SPEC):
   """One update. A NaN/Inf loss or gradient norm skips it: params and optimizer state come back
   unchanged (so the optimizer's own count, which drives the LR schedule, does not advance), while
   `state.step` still advances, because it counts batches consumed and names the checkpoint."""
-  loss, grads = grads_and_loss(cfg, state.params, batch)
+  loss, grads, loss_metrics = grads_and_loss(cfg, state.params, batch, loss_fn, batch_spec)
   params, opt_state, metrics = guarded_update(optimizer, state.params, state.opt_state, loss, grads)
-  return TrainState(state.step + 1, params, opt_state), metrics
+  return TrainState(state.step + 1, params, opt_state), {**loss_metrics, **metrics}
 
 
 def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, loss: jax.Array, grads):
@@ -99,14 +132,16 @@ class TrainStep:
   mesh: Any
   optimizer: optax.GradientTransformation
   global_batch: int
+  loss_fn: Any = next_token_loss
+  batch_spec: dict = dataclasses.field(default_factory=lambda: dict(BATCH_SPEC))
 
   def __post_init__(self):
     # Pinning both ends keeps the state's sharding fixed from step to step in either mode, so the
     # donated buffers are reused and the step compiles once.
     state_sh = self.state_shardings()
-    batch_sh = {k: self.batch_sharding() for k in BATCH_KEYS}
-    self.fn = jax.jit(lambda s, b: train_step(self.cfg, self.optimizer, s, b), donate_argnums=(0,),
-                      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
+    batch_sh = {k: self.batch_sharding(k) for k in self.batch_spec}
+    step = lambda s, b: train_step(self.cfg, self.optimizer, s, b, self.loss_fn, self.batch_spec)
+    self.fn = jax.jit(step, donate_argnums=(0,), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
 
   def state_shardings(self) -> TrainState:
     """Shardings of the whole state: parameters from their specs, optimizer moments like their parameter."""
@@ -139,21 +174,22 @@ class TrainStep:
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
                         self.state_shardings())
 
-  def batch_sharding(self):
+  def batch_sharding(self, key: str = "inputs"):
     from jax.sharding import NamedSharding
-    shape = (self.global_batch, self.cfg.train.seq_len)
-    return NamedSharding(self.mesh, logical_spec(BATCH_AXES, shape, self.mesh))
+    f = self.batch_spec[key]
+    shape = f.shape(self.global_batch, self.cfg.train.seq_len)
+    return NamedSharding(self.mesh, logical_spec(f.axes(), shape, self.mesh))
 
   def abstract_batch(self) -> dict:
-    shape = (self.global_batch, self.cfg.train.seq_len)
-    sh = self.batch_sharding()
-    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=sh)
-            for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct(f.shape(self.global_batch, self.cfg.train.seq_len), jnp.dtype(f.dtype),
+                                    sharding=self.batch_sharding(k)) for k, f in self.batch_spec.items()}
 
   def put_batch(self, batch: dict) -> dict:
-    """Global numpy batch (or this process's rows of it) -> sharded device arrays."""
-    sh = self.batch_sharding()
-    return {k: jax.make_array_from_process_local_data(sh, batch[k]) for k in BATCH_KEYS}
+    """Global numpy batch (or this process's rows of it) -> sharded device arrays, one per batch_spec field."""
+    missing = [k for k in self.batch_spec if k not in batch]
+    if missing:
+      raise ConfigError(f"batch: missing field {missing[0]!r} (the step's batch_spec needs {', '.join(self.batch_spec)})")
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding(k), batch[k]) for k in self.batch_spec}
 
   def lower(self):
     """jax Lowered of the real step, from abstract inputs: nothing is allocated or run."""
@@ -169,12 +205,18 @@ def global_batch_size(cfg: Config, num_devices: int) -> int:
   return cfg.train.per_device_batch_size * num_devices
 
 
-def build_train_step(cfg: Config, mesh=None) -> TrainStep:
+def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
+                     batch_spec: dict[str, BatchField] | None = None) -> TrainStep:
+  """The step for cfg on mesh. loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics); batch_spec
+  declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
+  batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
+  if "loss_mask" not in batch_spec:
+    raise ConfigError("batch_spec: needs a loss_mask field (the token count that normalizes the loss)")
   global_batch = global_batch_size(cfg, mesh.size)
   m = cfg.train.micro_batches
   if global_batch % m:
     # Checked here, not in the schema: the global batch depends on the device count.
     raise ConfigError(f"train.micro_batches={m} must divide the global batch of {global_batch} rows "
                       f"(train.per_device_batch_size={cfg.train.per_device_batch_size} x {mesh.size} devices)")
-  return TrainStep(cfg, mesh, make_optimizer(cfg.train), global_batch)
+  return TrainStep(cfg, mesh, make_optimizer(cfg.train), global_batch, loss_fn, batch_spec)

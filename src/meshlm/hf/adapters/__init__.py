@@ -1,0 +1,13 @@
+"""Hugging Face adapters, one file per family, apart from the family's block (models/<family>.py).
+
+Family name -> the module defining its `ADAPTER` (meshlm.hf.maps.Adapter). A family without an
+entry trains but has no Hugging Face import or export.
+"""
+ADAPTERS = {
+    "llama": "meshlm.hf.adapters.llama",
+    "mistral": "meshlm.hf.adapters.mistral",
+    "qwen3": "meshlm.hf.adapters.qwen3",
+    "gemma": "meshlm.hf.adapters.gemma",
+    "gemma2": "meshlm.hf.adapters.gemma2",
+    "gemma3": "meshlm.hf.adapters.gemma3",
+}
