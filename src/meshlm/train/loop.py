@@ -301,9 +301,12 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     raise NonFiniteStop(nonfinite_msg)
   sample = None
   if stop_reason == "done" and t.sample_tokens and jax.process_count() == 1:
-    from meshlm.models.generate import greedy
+    from meshlm.models.generate import generate
     tok = getattr(data, "tokenizer", None) or ByteTokenizer()
     text = "def " if cfg.data.source == "stdlib" else "The "
-    out = greedy(cfg, state.params, np.asarray(tok.encode(text.encode())), t.sample_tokens, mesh=step_fn.mesh)
-    sample = text + tok.decode(out)
+    prompt = [int(i) for i in tok.encode(text.encode())]
+    room = cfg.model.max_position - len(prompt)
+    if room > 0:
+      out = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
+      sample = text + tok.decode(out.tokens[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)
