@@ -8,6 +8,7 @@ real loop (one compile) serves the loop-level checks.
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import struct
@@ -256,3 +257,66 @@ def test_tensorboard_holds_the_metrics_of_every_step(loop_run):
       assert scalars[key][r["step"]] == np.float32(r[key]), (key, r["step"])
   # Negative control: the reader tells different values apart.
   assert scalars["loss"][0] != scalars["loss"][4]
+
+
+# --- the loop core, shared by trainers (meshlm.train.loop.Loop) ----------------------------------
+
+class _FakeCkpt:
+  dir = "ckpt"
+
+  def __init__(self, every):
+    self.every, self.saved = every, []
+
+  def should_save(self, step, last):
+    return step % self.every == 0 or step == last
+
+  def save(self, step, state, rng, data_state, counters):
+    self.saved.append((step, state, data_state))
+
+
+def _core_run(queue_ahead: bool, steps: int = 5, every: int = 3):
+  """Runs Loop.run with a Python step (no compile): returns (events, records, checkpoints saved)."""
+  from meshlm.train.loop import Loop
+  from rich.console import Console
+  events, records = [], []
+
+  class Writer:
+    def write(self, r):
+      events.append(("R", r["step"]))
+      records.append(r)
+
+    def close(self):
+      pass
+
+  def step_fn(state, batch):
+    events.append(("D", batch))
+    return state + 1, {"loss": 1.0 / (state + 1), "grad_norm": 0.5, "nonfinite": False, "aux": 2.0 * state}
+
+  def fetch(i):
+    events.append(("F", i))
+    return i
+
+  cfg = load_config("model=llama2-tiny", f"train.steps={steps}", "train.log_every=1")
+  ckpt = _FakeCkpt(every)
+  loop = Loop(cfg, step_fn, ckpt, Console(file=io.StringIO()), lambda *a, **k: None, Writer(), 1,
+              show_progress=False, queue_ahead=queue_ahead)
+  out = loop.run(0, 0, None, {"nonfinite_in_a_row": 0, "nonfinite_total": 0}, fetch=fetch, position=lambda: {})
+  assert out.stop_reason == "done" and out.state == steps
+  return events, records, ckpt.saved
+
+
+def test_loop_core_logs_the_loss_metrics_under_their_names():
+  _, records, saved = _core_run(True)
+  assert [r["aux"] for r in records] == [0.0, 2.0, 4.0, 6.0, 8.0]
+  assert [s[0] for s in saved] == [3, 5]
+
+
+def test_loop_core_without_queue_ahead_fetches_each_batch_after_the_last_step_is_read():
+  """An on-policy trainer's batch depends on the newest parameters: batch i is fetched only once step
+  i - 1 has finished (its metrics read and any checkpoint saved)."""
+  events, _, saved = _core_run(False)
+  D, R, F = (lambda n: ("D", n)), (lambda n: ("R", n)), (lambda n: ("F", n))
+  assert events == [F(0), D(0), R(0), F(1), D(1), R(1), F(2), D(2), R(2), F(3), D(3), R(3), F(4), D(4), R(4)]
+  queued, _, _ = _core_run(True)
+  assert queued.index(F(1)) < queued.index(R(0))  # the default queues ahead: a control that it differs
+  assert [s[0] for s in saved] == [3, 5]

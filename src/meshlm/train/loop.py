@@ -147,6 +147,137 @@ def _scalar_on(sharding, value: int) -> jax.Array:
   return jax.make_array_from_callback((), sharding, lambda _: np.asarray(value, np.int32))
 
 
+@dataclasses.dataclass
+class LoopOutcome:
+  state: object
+  losses: list[float]
+  grad_norms: list[float]
+  first_step_s: float
+  stop_reason: str  # done | preempted | stop_after | nonfinite
+  saved: str | None  # the last checkpoint this run saved
+  nonfinite_msg: str | None
+
+
+@dataclasses.dataclass
+class Loop:
+  """The core every trainer's loop shares: step, read metrics, log (console, metrics.jsonl,
+  TensorBoard), the non-finite guard's stop rule, signals, stop_after and checkpoints.
+
+  What a trainer brings: `fetch(i)`, the device batch of step i (the data pipeline's next batch, or
+  an RL trainer's rollouts), and `position()`, the data position to checkpoint after the last fetch.
+  With queue_ahead, step i + 1 is dispatched before step i's metrics are read (see may_run_past); a
+  trainer whose batches depend on the latest parameters (on-policy rollouts) turns it off.
+  """
+  cfg: Config
+  step_fn: Callable
+  ckpt: object
+  console: Console
+  say: Callable
+  writer: object
+  tokens_per_step: int
+  show_progress: bool = True
+  t_start: float = 0.0
+  on_step: Callable[[int], None] | None = None
+  queue_ahead: bool = True
+
+  def run(self, state, start: int, rng, counters: dict, *, fetch: Callable[[int], dict],
+          position: Callable[[], dict]) -> LoopOutcome:
+    cfg, step_fn, ckpt, say, writer, on_step = self.cfg, self.step_fn, self.ckpt, self.say, self.writer, self.on_step
+    t = cfg.train
+    tokens_per_step = self.tokens_per_step
+    signals = _StopSignals()
+    losses, norms = [], []
+    first_step_s = float("nan")
+    stop_reason, saved, nonfinite_msg = "done", None, None
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"),
+                        TimeRemainingColumn(), console=self.console,
+                        disable=not self.show_progress or jax.process_index() != 0, transient=False)
+    inflight: collections.deque[_InFlight] = collections.deque()
+    preempt = False
+
+    def may_run_past(i: int) -> bool:
+      """Whether step i + 1 may be dispatched before step i's metrics are read. The step donates its
+      state, so this is only when nothing at step i can need the state after it: no checkpoint, no
+      stop_after, no signal seen, and no non-finite stop even if step i turns out non-finite."""
+      done = i + 1
+      return (self.queue_ahead and done < t.steps and not preempt and not ckpt.should_save(done, t.steps)
+              and not (t.stop_after is not None and done - start >= t.stop_after)
+              and t.on_nonfinite == "skip" and counters["nonfinite_in_a_row"] + 1 < t.max_nonfinite_in_a_row)
+
+    try:
+      with progress:
+        task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0)
+        i, batch = start, (fetch(start) if start < t.steps else None)
+        last_done = time.perf_counter()
+        while True:
+          # Keep one step queued behind the one being read, so the host's reading, logging and the
+          # next batch overlap the device's work instead of adding to it.
+          while i < t.steps and (not inflight or (len(inflight) == 1 and may_run_past(inflight[0].step))):
+            state, metrics = step_fn(state, batch)
+            inflight.append(_InFlight(i, metrics, position()))  # the data position right after batch i
+            i += 1
+            batch = fetch(i) if i < t.steps and (self.queue_ahead or not inflight) else None
+          if not inflight:
+            break
+          p = inflight.popleft()
+          m = jax.device_get(p.metrics)  # waits for step p.step
+          loss, gnorm, nonfinite = float(m["loss"]), float(m["grad_norm"]), bool(m["nonfinite"])
+          now = time.perf_counter()
+          dt, last_done = now - last_done, now  # wall time per finished step: the loop's real rate
+          if p.step == start:
+            first_step_s = now - self.t_start
+          losses.append(loss)
+          norms.append(gnorm)
+          counters["nonfinite_in_a_row"] = counters["nonfinite_in_a_row"] + 1 if nonfinite else 0
+          counters["nonfinite_total"] += int(nonfinite)
+          if p.step % t.log_every == 0 or p.step == t.steps - 1 or nonfinite:
+            # The loss's own metrics (aux losses, RL statistics) ride along under their names.
+            extra = {k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm", "nonfinite")}
+            record = {"step": p.step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
+                      "tokens_per_s": tokens_per_step / dt, "nonfinite": nonfinite, **extra, **counters}
+            if p.step == start:
+              record["time_to_first_step_s"] = first_step_s
+            writer.write(record)
+          if nonfinite:
+            say(f"[yellow]warning:[/] step {p.step}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
+                f"({counters['nonfinite_in_a_row']} in a row)")
+          progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
+          if on_step is not None:
+            on_step(p.step)
+
+          done = p.step + 1
+          preempt = signals.requested()  # every process asks once per step: the answer is collective
+          reason = "done"
+          if nonfinite and (t.on_nonfinite == "stop" or counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
+            why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
+                   f"{counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
+            nonfinite_msg = (f"stopped at step {p.step}: non-finite loss or gradient norm, {why}; the last good state is "
+                             f"saved as checkpoint {ckpt.dir}/{done}. Lower train.learning_rate or check the data")
+            reason = "nonfinite"
+          elif preempt:
+            reason = "preempted"
+          elif t.stop_after is not None and done - start >= t.stop_after and done < t.steps:
+            reason = "stop_after"
+          if inflight:
+            # Only a signal can get here (may_run_past rules out the rest): the state has moved on to
+            # the queued step, so finish that one and save after it.
+            assert reason in ("done", "preempted"), reason
+            continue
+          if reason != "done" or ckpt.should_save(done, t.steps):
+            ckpt.save(done, state, rng, p.data_state, counters)
+            saved = f"{ckpt.dir}/{done}"
+          if reason != "done":
+            stop_reason = reason
+            break
+          if batch is None and i < t.steps:
+            batch = fetch(i)  # without queue_ahead the next batch is made only now, from the new state
+    finally:
+      signals.restore()
+      writer.close()
+    return LoopOutcome(state, losses, norms, first_step_s, stop_reason, saved, nonfinite_msg)
+
+
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
           start_time: float | None = None, data=None,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
@@ -205,97 +336,10 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else _NullWriter()
-  signals = _StopSignals()
-  tokens_per_step = step_fn.global_batch * t.seq_len
-  losses, norms = [], []
-  first_step_s = float("nan")
-  stop_reason, saved, nonfinite_msg = "done", None, None
-  progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"),
-                      TimeRemainingColumn(), console=console,
-                      disable=not show_progress or jax.process_index() != 0, transient=False)
-
-  def fetch(i: int) -> dict:
-    return step_fn.put_batch(next(data))
-
-  inflight: collections.deque[_InFlight] = collections.deque()
-  preempt = False
-
-  def may_run_past(i: int) -> bool:
-    """Whether step i + 1 may be dispatched before step i's metrics are read. The step donates its
-    state, so this is only when nothing at step i can need the state after it: no checkpoint, no
-    stop_after, no signal seen, and no non-finite stop even if step i turns out non-finite."""
-    done = i + 1
-    return (done < t.steps and not preempt and not ckpt.should_save(done, t.steps)
-            and not (t.stop_after is not None and done - start >= t.stop_after)
-            and t.on_nonfinite == "skip" and counters["nonfinite_in_a_row"] + 1 < t.max_nonfinite_in_a_row)
-
-  try:
-    with progress:
-      task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0)
-      i, batch = start, (fetch(start) if start < t.steps else None)
-      last_done = time.perf_counter()
-      while True:
-        # Keep one step queued behind the one being read, so the host's reading, logging and the
-        # next batch overlap the device's work instead of adding to it.
-        while i < t.steps and (not inflight or (len(inflight) == 1 and may_run_past(inflight[0].step))):
-          state, metrics = step_fn(state, batch)
-          inflight.append(_InFlight(i, metrics, data.get_state()))  # the data position right after batch i
-          i += 1
-          batch = fetch(i) if i < t.steps else None
-        if not inflight:
-          break
-        p = inflight.popleft()
-        m = jax.device_get(p.metrics)  # waits for step p.step
-        loss, gnorm, nonfinite = float(m["loss"]), float(m["grad_norm"]), bool(m["nonfinite"])
-        now = time.perf_counter()
-        dt, last_done = now - last_done, now  # wall time per finished step: the loop's real rate
-        if p.step == start:
-          first_step_s = now - t_start
-        losses.append(loss)
-        norms.append(gnorm)
-        counters["nonfinite_in_a_row"] = counters["nonfinite_in_a_row"] + 1 if nonfinite else 0
-        counters["nonfinite_total"] += int(nonfinite)
-        if p.step % t.log_every == 0 or p.step == t.steps - 1 or nonfinite:
-          record = {"step": p.step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
-                    "tokens_per_s": tokens_per_step / dt, "nonfinite": nonfinite, **counters}
-          if p.step == start:
-            record["time_to_first_step_s"] = first_step_s
-          writer.write(record)
-        if nonfinite:
-          say(f"[yellow]warning:[/] step {p.step}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
-              f"({counters['nonfinite_in_a_row']} in a row)")
-        progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
-        if on_step is not None:
-          on_step(p.step)
-
-        done = p.step + 1
-        preempt = signals.requested()  # every process asks once per step: the answer is collective
-        reason = "done"
-        if nonfinite and (t.on_nonfinite == "stop" or counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
-          why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
-                 f"{counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
-          nonfinite_msg = (f"stopped at step {p.step}: non-finite loss or gradient norm, {why}; the last good state is "
-                           f"saved as checkpoint {ckpt.dir}/{done}. Lower train.learning_rate or check the data")
-          reason = "nonfinite"
-        elif preempt:
-          reason = "preempted"
-        elif t.stop_after is not None and done - start >= t.stop_after and done < t.steps:
-          reason = "stop_after"
-        if inflight:
-          # Only a signal can get here (may_run_past rules out the rest): the state has moved on to
-          # the queued step, so finish that one and save after it.
-          assert reason in ("done", "preempted"), reason
-          continue
-        if reason != "done" or ckpt.should_save(done, t.steps):
-          ckpt.save(done, state, rng, p.data_state, counters)
-          saved = f"{ckpt.dir}/{done}"
-        if reason != "done":
-          stop_reason = reason
-          break
-  finally:
-    signals.restore()
-    writer.close()
+  loop = Loop(cfg, step_fn, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step)
+  out = loop.run(state, start, rng, counters, fetch=lambda i: step_fn.put_batch(next(data)), position=data.get_state)
+  state, losses, norms, first_step_s = out.state, out.losses, out.grad_norms, out.first_step_s
+  stop_reason, saved, nonfinite_msg = out.stop_reason, out.saved, out.nonfinite_msg
   if nonfinite_msg:
     ckpt.wait()
     raise NonFiniteStop(nonfinite_msg)
@@ -307,6 +351,6 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     prompt = [int(i) for i in tok.encode(text.encode())]
     room = cfg.model.max_position - len(prompt)
     if room > 0:
-      out = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
-      sample = text + tok.decode(out.tokens[0])
+      gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
+      sample = text + tok.decode(gen.tokens[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)
