@@ -12,7 +12,8 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
   """Shapes of a decoder. Field names are the words used in presets and on the CLI."""
-  family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3")
+  family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3, mixtral, "
+                      "qwen3_moe")
   vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
   embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
   num_layers: int = Field(gt=0, description="number of decoder layers")
@@ -56,6 +57,30 @@ class ModelConfig(_Strict):
   pad_token_id: Optional[int] = Field(default=None, description="Hugging Face pad_token_id, carried to the export")
   generation_config: Optional[dict[str, Any]] = Field(
       default=None, description="the imported generation_config.json, written again by the export")
+  # Mixture of experts (mixtral, qwen3_moe): the MoE layers' feed-forward is num_experts GLU experts of
+  # width moe_mlp_dim, each token routed to num_experts_per_tok of them (nn/moe.py).
+  num_experts: int = Field(default=0, ge=0, description="experts per MoE layer (0: no MoE layers)")
+  num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
+                                   "num_experts")
+  moe_mlp_dim: Optional[int] = Field(default=None, gt=0, description="hidden width of each expert's GLU; required "
+                                     "with num_experts > 0")
+  norm_topk_prob: bool = Field(default=True, description="renormalize the top-k routing weights to sum to 1 (mixtral "
+                               "always does; qwen3_moe when set)")
+  decoder_sparse_step: int = Field(default=1, gt=0, description="qwen3_moe: layer i is MoE when (i + 1) % this == 0 "
+                                   "(and i is not in mlp_only_layers); the others are dense")
+  mlp_only_layers: list[int] = Field(default_factory=list, description="qwen3_moe: layer indices that stay dense "
+                                     "(a plain MLP of mlp_dim)")
+  router_dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="dtype of the router logits, "
+                                                       "softmax and top-k")
+  router_aux_loss_coef: float = Field(default=0.0, ge=0, description="weight of the Switch load-balancing loss "
+                                      "added to the training loss (0: off)")
+  router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
+                                    "logsumexp of the router logits) added to the training loss (0: off)")
+  moe_impl: Literal["dropless", "reference", "capacity"] = Field(
+      default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls), reference (every expert on "
+      "every token, masked) or capacity (drops tokens over capacity_factor)")
+  capacity_factor: float = Field(default=1.25, gt=0, description="moe_impl=capacity: each expert takes at most "
+                                 "capacity_factor * tokens * k / num_experts tokens")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
 
   @model_validator(mode="after")
@@ -69,6 +94,15 @@ class ModelConfig(_Strict):
         raise ValueError("layer_pattern: must name at least one layer type (global or local), or be null")
       if "local" in self.layer_pattern and self.sliding_window is None:
         raise ValueError("layer_pattern: has local layers but sliding_window is null; set model.sliding_window")
+    if self.num_experts:
+      if self.num_experts_per_tok > self.num_experts:
+        raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} is larger than num_experts="
+                         f"{self.num_experts}: each token can be routed to at most every expert")
+      if self.moe_mlp_dim is None:
+        raise ValueError(f"moe_mlp_dim: required with num_experts={self.num_experts} (the width of each expert)")
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"mlp_only_layers: layer {bad[0]} is not in [0, num_layers={self.num_layers})")
     kind = (self.rope_scaling or {}).get("rope_type", "llama3")
     if self.rope_scaling and kind not in ("llama3", "linear", "yarn"):
       raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported; expected llama3, linear or yarn")
