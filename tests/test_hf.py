@@ -360,7 +360,8 @@ def test_convert_cli_refuses_existing_dst(tmp_path, capsys):
 
 def test_load_meshlm_shape_mismatch(tmp_path):
   mid = convert.save_meshlm(*hf.load(FIXTURES / "llama", "cpu_devices=1"), tmp_path / "m")
-  with pytest.raises(ConfigError, match=r"params: cannot be read as this model's parameters"):
+  # The model recorded beside the parameters is checked before Orbax reads anything.
+  with pytest.raises(ConfigError, match=r"params: parameters of another model \(model.mlp_dim is 64 here but 56"):
     convert.load_meshlm(mid, "cpu_devices=1", "model.mlp_dim=64")
 
 
@@ -598,7 +599,7 @@ def test_train_refuses_a_shape_changing_override(finetune, capsys):
   assert main(["train", f"model={finetune['src']}", "model.mlp_dim=64", f"run_dir={run}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("meshlm: error: model.mlp_dim=64: would change the shape"), err
-  assert "layers.mlp.down [2, 56, 45] -> [2, 64, 45]" in err[0]
+  assert "layers.dense.mlp.down [2, 56, 45] -> [2, 64, 45]" in err[0]
   assert not run.exists()
   # Shape-preserving changes are fine; a preset name stays a preset.
   from meshlm.config import load_config

@@ -37,8 +37,6 @@ class Lowered:
   hlo: str
   memory: dict[str, int]
   cost: dict[str, float]
-  num_layers: int
-  param_scan_axis: int
 
 
 def lower_and_compile(cfg, mesh=None) -> Lowered:
@@ -46,8 +44,7 @@ def lower_and_compile(cfg, mesh=None) -> Lowered:
   from meshlm.train.step import build_train_step
   lowered = build_train_step(cfg, mesh).lower()
   compiled = lowered.compile()
-  return Lowered(lowered.as_text(debug_info=True), compiled.as_text(), _memory(compiled), _cost(compiled),
-                 cfg.model.num_layers, cfg.param_scan_axis)
+  return Lowered(lowered.as_text(debug_info=True), compiled.as_text(), _memory(compiled), _cost(compiled))
 
 
 def _memory(compiled) -> dict[str, int]:
@@ -200,7 +197,7 @@ def blowups(mod: SH.Module, ratio: int = BLOWUP_RATIO, min_elements: int = BLOWU
 
 # ------------------------------------------------------------------------------------- optimized HLO
 
-def hlo_counts(text: str, num_layers: int | None = None, param_scan_axis: int = 0) -> tuple[dict[str, Any], H.HloModule]:
+def hlo_counts(text: str) -> tuple[dict[str, Any], H.HloModule]:
   mod = H.parse(text)
   ops = collections.Counter(i.opcode for i in mod.instrs())
   collectives: dict[str, dict[str, Any]] = {}
@@ -256,7 +253,7 @@ def scan_layout_flags(mod: H.HloModule) -> list[dict]:
 def census_of(low: Lowered) -> dict[str, Any]:
   """The census dict from lowered/compiled texts (see docs/analysis.md for every field)."""
   shlo, pairs, smod = stablehlo_counts(low.stablehlo)
-  hlo, hmod = hlo_counts(low.hlo, low.num_layers, low.param_scan_axis)
+  hlo, hmod = hlo_counts(low.hlo)
   shlo["transpose_of_dot"]["pairs"] = [{k: p[k] for k in ("kind", "weight_grad", "between", "scope", "shape")}
                                        for p in pairs]
   return {

@@ -21,10 +21,6 @@ _LOC_REF = re.compile(r"loc\(#(loc\d*)\)\s*$")
 _CALLEE = re.compile(r"(?:call|func\.call)\s+@([\w.$-]+)")
 _CUSTOM_TARGET = re.compile(r"custom_call\s*@([\w.$-]+)")
 
-DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "i1": 1,
-               "ui32": 4, "ui8": 1, "ui64": 8, "ui16": 2, "f8E4M3FN": 1, "f8E5M2": 1}
-
-
 @dataclasses.dataclass
 class Op:
   func: str

@@ -140,22 +140,15 @@ def model_dir_tree(value: str) -> dict[str, Any]:
 def _meshlm_model(path: str, key: str) -> tuple[str, dict]:
   """(model_name, model) of a meshlm model dir, run dir or step dir: from the metadata of the step that
   checkpoint.load_params_from will read, else from a config.yaml beside its params."""
-  from meshlm.train.checkpoint import _find_step_dir
+  from meshlm.train.checkpoint import _find_step_dir, saved_model
   try:
     step = _find_step_dir(path, key)
   except ConfigError:
     raise ConfigError(f"{key}: not a Hugging Face model directory (no config.json) nor a meshlm model or run "
                       "directory (no params/, <step>/params or checkpoints/<step>/params)") from None
-  meta_path = os.path.join(step, "meta", "metadata")
-  for f in (meta_path, os.path.join(step, "config.yaml"), os.path.join(path, "config.yaml")):
-    if not os.path.isfile(f):
-      continue
-    try:
-      data = yaml.safe_load(open(f).read()) or {}  # JSON is YAML
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{key}: cannot read {f} ({str(e).splitlines()[0]})") from None
-    if isinstance(data, dict) and isinstance(data.get("model"), dict):
-      return data.get("model_name") or os.path.basename(path), data["model"]
+  saved = saved_model(step, key)
+  if saved is not None:
+    return saved["model_name"], saved["model"]
   raise ConfigError(f"{key}: {step} has params/ but no meta/metadata or config.yaml that says which model")
 
 

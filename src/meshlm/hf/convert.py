@@ -20,16 +20,12 @@ temporary sibling and rename, so a failed conversion leaves nothing at DST.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import yaml
 
-from meshlm.config import Config, ConfigError, load_config, to_yaml
-from meshlm.hf.io import publish_permissions
+from meshlm.config import Config, ConfigError, load_config
 
 
 # A model's tokenizer, copied along by both directions so that model=DIR finds it and the export has it.
@@ -43,64 +39,34 @@ def tokenizer_files(src: Path) -> list[Path]:
 
 def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite: bool = False,
                 files: list[Path] = ()) -> Path:
-  """Writes params/ (Orbax), meta/metadata, config.yaml and a copy of `files`, atomically (temp dir,
-  then rename)."""
-  import orbax.checkpoint as ocp
-  path = Path(path).absolute()
-  if path.exists() and not overwrite:
-    raise ConfigError(f"{path}: already exists (choose another directory)")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-  try:
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp / "params", params)
-    ckpt.wait_until_finished()
-    (tmp / "meta").mkdir()
-    meta = {"model_name": cfg.model_name, "model": cfg.model.model_dump(mode="json")}
-    (tmp / "meta" / "metadata").write_text(json.dumps(meta) + "\n")
-    (tmp / "config.yaml").write_text(to_yaml(cfg))
-    for f in files:
-      shutil.copyfile(f, tmp / f.name)
-    publish_permissions(tmp)
-    if path.exists():
-      shutil.rmtree(path)
-    os.rename(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return path
+  """A meshlm model directory (layout: meshlm.train.checkpoint), written atomically."""
+  from meshlm.train.checkpoint import save_model_dir
+  return Path(save_model_dir(cfg, params, str(path), overwrite=overwrite, files=files))
 
 
 def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, dict]:
   """Reads a meshlm model directory (or a run's checkpoint step dir): each array restored straight
   onto its sharding."""
   import jax
-  import orbax.checkpoint as ocp
   from meshlm.models.decoder import param_shardings, param_specs
   from meshlm.models import spec as S
   from meshlm.parallel.mesh import make_mesh
+  from meshlm.train.checkpoint import restore_params, saved_model
   path = Path(path).absolute()
   if not (path / "params").is_dir():
     raise ConfigError(f"{path}: not a meshlm model directory (no params/)")
-  if (path / "config.yaml").is_file():
-    base = yaml.safe_load((path / "config.yaml").read_text()) or {}
-  elif (path / "meta" / "metadata").is_file():
-    meta = json.loads((path / "meta" / "metadata").read_text())
-    base = {"model_name": meta.get("model_name", path.name), "model": meta["model"]}
-  else:
+  base = saved_model(str(path), str(path))
+  if base is None:
     raise ConfigError(f"{path}: has params/ but neither config.yaml nor meta/metadata to say which model")
+  if (path / "config.yaml").is_file():
+    base = yaml.safe_load((path / "config.yaml").read_text()) or base  # the whole record, not only the model
   cfg = load_config(*overrides, base=base)
   if mesh is None:
     mesh = make_mesh(cfg)
   dtype = cfg.train.param_dtype
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
                           param_specs(cfg), param_shardings(cfg, mesh), is_leaf=S.is_spec)
-  try:
-    params = ocp.StandardCheckpointer().restore(path / "params", abstract)
-  except Exception as e:  # noqa: BLE001 -- Orbax raises many types; the user needs the path and reason
-    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    raise ConfigError(f"{path / 'params'}: cannot be read as this model's parameters ({reason})") from None
-  return cfg, params
+  return cfg, restore_params(cfg, str(path), abstract, str(path / "params"))
 
 
 def _split(args: list[str]) -> tuple[list[str], list[str]]:

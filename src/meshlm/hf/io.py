@@ -14,7 +14,6 @@ import importlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -325,17 +324,6 @@ def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
     del host
 
 
-def publish_permissions(tmp: Path) -> None:
-  """mkdtemp makes a 0700 directory and safetensors writes 0600 files: give the finished export the
-  permissions a plain mkdir and open would have (under the process umask)."""
-  mask = os.umask(0)
-  os.umask(mask)
-  for root, dirs, files in os.walk(tmp):
-    os.chmod(root, 0o777 & ~mask)
-    for f in files:
-      os.chmod(os.path.join(root, f), 0o666 & ~mask)
-
-
 def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30,
          overwrite: bool = False, files: list[Path] = ()) -> Path:
   """Writes an HF model directory (config.json, float32 safetensors shards, and the imported
@@ -346,13 +334,9 @@ def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes:
   replaced only with overwrite=True.
   """
   from safetensors.numpy import save_file
-  path = Path(path)
-  if path.exists() and not overwrite:
-    raise ConfigError(f"{path}: already exists (pass overwrite=True, or choose another directory)")
+  from meshlm.fsutil import new_dir
   config = hf_config(cfg)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-  try:
+  with new_dir(path, overwrite=overwrite, hint="pass overwrite=True, or choose another directory") as tmp:
     current: dict[str, np.ndarray] = {}
     size, total = 0, 0
     written: list[tuple[str, list[str]]] = []
@@ -389,22 +373,4 @@ def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes:
       (tmp / GENERATION_CONFIG).write_text(json.dumps(cfg.model.generation_config, indent=2) + "\n")
     for f in files:  # the tokenizer, copied along
       shutil.copyfile(f, tmp / Path(f).name)
-    publish_permissions(tmp)
-    if path.exists():
-      old = path.with_name(f".{path.name}.old-{os.getpid()}")
-      os.rename(path, old)
-      os.rename(tmp, path)
-      shutil.rmtree(old)
-    else:
-      os.rename(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return path
-
-
-def parameter_count(cfg: Config) -> int:
-  from meshlm.models import decoder, spec as S
-  return S.count(decoder.param_specs(cfg))
-
-
+  return Path(path)

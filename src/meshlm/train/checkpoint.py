@@ -10,6 +10,11 @@ Layout of one checkpoint, `<checkpoint.dir>/<step>/`:
               "data" ({"source", "path"}: resuming on other data is refused),
               "nonfinite_in_a_row", "nonfinite_total"}
 
+A meshlm model directory (`meshlm convert hf-to-meshlm`) has the same params/ and meta/ (without
+the run's fields) plus config.yaml; this module owns both layouts: `save_model_dir` writes one,
+`saved_model` reads which model a step or model directory holds, and `restore_params` restores
+parameters after checking that model against the caller's.
+
 `step` is the number of finished train steps: resuming from it runs step index `step` next.
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a
 process killed mid-write leaves no directory that looks complete; one that is complete-looking but
@@ -248,6 +253,58 @@ def _first_line(e: BaseException) -> str:
   return text.splitlines()[0][:200] if text else type(e).__name__
 
 
+def save_model_dir(cfg: Config, params: dict, path: str, *, overwrite: bool = False, files=()) -> str:
+  """A meshlm model directory: params/ (Orbax), meta/metadata, config.yaml and a copy of `files` (the
+  tokenizer's); it appears only when complete."""
+  from meshlm.config import to_yaml
+  from meshlm.fsutil import new_dir
+  ocp = _ocp()
+  with new_dir(path, overwrite=overwrite) as tmp:
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp / "params", params)
+    ckpt.wait_until_finished()
+    (tmp / "meta").mkdir()
+    meta = {"model_name": cfg.model_name, "model": cfg.model.model_dump(mode="json")}
+    (tmp / "meta" / "metadata").write_text(json.dumps(meta) + "\n")
+    (tmp / "config.yaml").write_text(to_yaml(cfg))
+    for f in files:
+      shutil.copyfile(f, tmp / os.path.basename(f))
+  return os.path.abspath(path)
+
+
+def saved_model(step_dir: str, key: str) -> dict | None:
+  """{"model_name", "model"} of a step or model directory: from meta/metadata, else from a config.yaml
+  in it or in the run directory above its checkpoints; None when neither says."""
+  import yaml
+  run_dir = os.path.dirname(os.path.dirname(step_dir))
+  for f in (os.path.join(step_dir, "meta", "metadata"), os.path.join(step_dir, "config.yaml"),
+            os.path.join(run_dir, "config.yaml")):
+    if not os.path.isfile(f):
+      continue
+    try:
+      # metadata is JSON (PyYAML would read its 1e-05 as a string), config.yaml is YAML.
+      data = json.loads(open(f).read()) if f.endswith("metadata") else (yaml.safe_load(open(f).read()) or {})
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+      raise ConfigError(f"{key}: cannot read {f} ({str(e).splitlines()[0]})") from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+      return {"model_name": data.get("model_name") or os.path.basename(step_dir), "model": data["model"]}
+  return None
+
+
+def restore_params(cfg: Config, step_dir: str, abstract_params, key: str) -> Any:
+  """step_dir/params restored onto abstract_params' shardings, after checking that the directory holds
+  cfg's model; every failure is one line that starts with key."""
+  saved = saved_model(step_dir, key)
+  bad = saved and _model_mismatch(saved["model"], cfg)
+  if bad:
+    raise ConfigError(f"{key}: parameters of another model ({bad})")
+  try:
+    return _ocp().StandardCheckpointer().restore(os.path.join(step_dir, "params"), abstract_params)
+  except Exception as e:  # noqa: BLE001 -- Orbax raises many types; the user needs the path and reason
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    raise ConfigError(f"{key}: cannot read {step_dir}/params ({reason})") from None
+
+
 def load_params(cfg: Config, path: str, abstract_params, param_shardings, mesh) -> Any:
   """Parameters for a new run from `checkpoint.load_params_from`: a meshlm run_dir, checkpoints dir
   or step dir (the newest complete step), or a Hugging Face model directory."""
@@ -257,18 +314,7 @@ def load_params(cfg: Config, path: str, abstract_params, param_shardings, mesh) 
     raise ConfigError(f"{key}: no such directory")
   if os.path.isfile(os.path.join(path, "config.json")):
     return _load_hf(cfg, path, key, param_shardings, mesh)
-  step_dir = _find_step_dir(path, key)
-  ocp = _ocp()
-  meta_path = os.path.join(step_dir, "meta", "metadata")
-  if os.path.isfile(meta_path):
-    with open(meta_path) as f:
-      bad = _model_mismatch(json.load(f).get("model", {}), cfg)
-    if bad:
-      raise ConfigError(f"{key}: parameters of another model ({bad})")
-  try:
-    return ocp.StandardCheckpointer().restore(os.path.join(step_dir, "params"), abstract_params)
-  except Exception as e:  # noqa: BLE001
-    raise ConfigError(f"{key}: cannot read {step_dir}/params ({str(e).strip().splitlines()[0][:200]})") from None
+  return restore_params(cfg, _find_step_dir(path, key), abstract_params, key)
 
 
 def _find_step_dir(path: str, key: str) -> str:

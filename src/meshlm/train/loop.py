@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from meshlm.config import Config, ConfigError, to_yaml
 from meshlm.console import make_console
+from meshlm.fsutil import write_text
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.step import TrainState, build_train_step, global_batch_size
@@ -70,10 +71,7 @@ def write_config(cfg: Config) -> None:
   """The run's record of its resolved config: written once the run starts or resumes, never by a
   command that is refused or has nothing to do, so it always describes the checkpoints beside it."""
   if jax.process_index() == 0:
-    tmp = os.path.join(cfg.run_dir, "config.yaml.tmp")
-    with open(tmp, "w") as f:
-      f.write(to_yaml(cfg))
-    os.replace(tmp, os.path.join(cfg.run_dir, "config.yaml"))
+    write_text(os.path.join(cfg.run_dir, "config.yaml"), to_yaml(cfg))
 
 
 def _trim_metrics(run_dir: str, start_step: int) -> None:
@@ -86,10 +84,7 @@ def _trim_metrics(run_dir: str, start_step: int) -> None:
     lines = [ln for ln in f if ln.strip()]
   keep = [ln for ln in lines if json.loads(ln).get("step", -1) < start_step]
   if len(keep) != len(lines):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(keep)
-    os.replace(tmp, path)
+    write_text(path, "".join(keep))
 
 
 class _NullWriter:

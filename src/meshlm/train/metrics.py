@@ -30,8 +30,3 @@ class MetricsWriter:
     self._f.close()
     if self._tb is not None:
       self._tb.close()
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
