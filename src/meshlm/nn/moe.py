@@ -1,0 +1,422 @@
+"""The mixture-of-experts feed-forward layer: a float32 router, top-k, dropless dispatch.
+
+Per token the router picks k of E experts; each picked expert runs a GLU MLP on the token and the
+k outputs are summed with the routing weights. Dropless dispatch never drops a token:
+
+  route:     logits = x @ router (float32, through the dense primitive) -> softmax -> top-k
+  sort:      perm = argsort(expert id of each of the N*k (token, slot) pairs)      # the only sort
+  gather:    xs[j] = x[perm[j] // k]                                               # [A, D], A = N*k
+  matmuls:   h = xs @ gate_up[e_j] (one grouped matmul), a = act(h_gate) * h_up, ys = a @ down[e_j]
+  unsort:    y_flat = ys[inverse(perm)], y[n] = sum_k w[n, k] * y_flat[n, k]
+
+The reference beside it (`moe_reference.py`) runs every expert on every token and masks.
+
+Two speedups from the RL trainer (issue 11), each kept switchable against its plain version:
+- `unsort="perm"`: the inverse permutation is a scatter of the sort's own permutation, and the
+  unsort's backward is a gather by `perm` (custom VJP) instead of autodiff's scatter-add. The
+  plain version ("argsort") argsorts perm again. Bit-identical gradients; one sort in the forward,
+  none in the backward (`count_sorts`).
+- `fused_gate_up=True`: gate and up are one grouped matmul of width 2F, and `fused_glu`'s backward
+  writes both half-gradients in one concatenate instead of autodiff's pad-and-add.
+
+The grouped matmul has two implementations (`grouped_matmul=`), measured in
+benchmarks/moe_grouped_matmul.py:
+- "blocks": the sorted rows are laid out per expert in row blocks of `block_rows` (each block holds
+  one expert's rows, padded with zeros), and a scan runs one [b, D] x [D, F] matmul per used block.
+  Fast on XLA:CPU, where ragged_dot lowers to a dense masked matmul per group.
+- "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel).
+"auto" picks "blocks" on CPU and "ragged" elsewhere.
+
+Under a mesh, the dispatch runs per batch shard inside `shard_map` (tokens are routed among the
+experts on their own device; expert weights are gathered whole), the same code under explicit and
+auto sharding. Expert parallelism (experts sharded over mesh.expert) is not built here yet.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from meshlm.models import spec as S
+from meshlm.nn.dense import dense as dense_primitive
+from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
+
+ROUTER_LOGITS = ("batch", "length", None)
+TOKENS = ("batch", "length", None)
+GROUPED_MATMULS = ("auto", "blocks", "ragged")
+UNSORTS = ("perm", "argsort")
+
+
+def moe_spec(m) -> dict:
+  """Parameters of one MoE layer: router [D, E], gate/up [E, D, F], down [E, F, D]."""
+  D, E, F = m.embed_dim, m.num_experts, m.moe_mlp_dim
+  return {
+      "router": S.kernel((D, E), ("embed", None)),
+      "gate": S.kernel((E, D, F), ("experts", "embed", "mlp"), n_in=2),
+      "up": S.kernel((E, D, F), ("experts", "embed", "mlp"), n_in=2),
+      "down": S.kernel((E, F, D), ("experts", "mlp", "embed"), n_in=2),
+  }
+
+
+# --- routing ---------------------------------------------------------------------------------------
+
+def route(logits_BTE: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(probs [B, T, E] float32, top-k weights [B, T, k] float32, top-k expert ids [B, T, k] int32)."""
+  probs = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+  weights, ids = jax.lax.top_k(probs, k)
+  if norm_topk:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return probs, weights, ids.astype(jnp.int32)
+
+
+def aux_stats(logits_BTE: jax.Array, probs_BTE: jax.Array, ids_BTk: jax.Array, num_experts: int,
+              token_mask_BT: jax.Array | None = None) -> dict:
+  """Per-layer router statistics and losses, float32.
+
+  moe_expert_fraction [E]: top-k assignments per expert / tokens (sums to k over the experts);
+  moe_expert_prob [E]: mean router probability per expert;
+  moe_load_balance_loss: E * sum_e fraction_e * prob_e, transformers' `load_balancing_loss_func`
+    for this one layer (padding excluded when token_mask is given, as its attention_mask does);
+  moe_z_loss: mean over tokens of logsumexp(logits)^2 (ST-MoE's router z-loss).
+  Over several layers transformers averages fraction and prob over the layers before the product:
+  `load_balancing_loss(side)` does that from the stacked side outputs.
+  """
+  E = num_experts
+  mask = jnp.ones(ids_BTk.shape[:2], jnp.float32) if token_mask_BT is None else token_mask_BT.astype(jnp.float32)
+  rows = jnp.maximum(jnp.sum(mask), 1.0)
+  onehot = jax.nn.one_hot(ids_BTk, E, dtype=jnp.float32)  # [B, T, k, E]
+  fraction = jnp.einsum("btke,bt->e", onehot, mask) / rows
+  prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask) / rows
+  z = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
+  return {
+      "moe_load_balance_loss": E * jnp.sum(fraction * prob),
+      "moe_z_loss": jnp.sum(z * z * mask) / rows,
+      "moe_expert_fraction": fraction,
+      "moe_expert_prob": prob,
+  }
+
+
+def load_balancing_loss(side: dict) -> jax.Array:
+  """transformers' load_balancing_loss_func over all MoE layers, from side outputs stacked [L, E]:
+  E * sum_e mean_L(fraction) * mean_L(prob). (Not the mean of the per-layer losses.)"""
+  frac, prob = side["moe_expert_fraction"], side["moe_expert_prob"]
+  return frac.shape[-1] * jnp.sum(jnp.mean(frac, axis=0) * jnp.mean(prob, axis=0))
+
+
+# --- the speedups: unsort with the sort's permutation, fused GLU -----------------------------------
+
+def inverse_permutation(perm: jax.Array) -> jax.Array:
+  """inv with inv[perm[j]] = j, by one scatter (no sort)."""
+  n = perm.shape[0]
+  return jnp.zeros((n,), perm.dtype).at[perm].set(jnp.arange(n, dtype=perm.dtype), unique_indices=True)
+
+
+@jax.custom_vjp
+def unsort(ys_AD: jax.Array, perm: jax.Array, inv: jax.Array) -> jax.Array:
+  """ys[inv]: rows back from expert order to (token, slot) order. The backward gathers by perm."""
+  return ys_AD[inv]
+
+
+def _unsort_fwd(ys_AD, perm, inv):
+  return ys_AD[inv], perm
+
+
+def _unsort_bwd(perm, dy_AD):
+  # Autodiff of ys[inv] scatter-adds dy into zeros at inv; each row lands once, so that is the gather
+  # dy[perm], except that 0 + (-0) = +0: where() keeps that, so the result is bit-identical.
+  d = dy_AD[perm]
+  return jnp.where(d == 0, jnp.zeros_like(d), d), None, None
+
+
+unsort.defvjp(_unsort_fwd, _unsort_bwd)
+
+
+def _glu(act, g, u):
+  return act(g) * u
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fused_glu(act: Callable, h_A2F: jax.Array) -> jax.Array:
+  """act(gate) * up for h = [gate | up] (the fused gate|up matmul's output), [A, 2F] -> [A, F]."""
+  F = h_A2F.shape[-1] // 2
+  g = checkpoint_name(h_A2F[..., :F], "moe_gate")
+  u = checkpoint_name(h_A2F[..., F:], "moe_up")
+  return _glu(act, g, u)
+
+
+def _fused_glu_fwd(act, h_A2F):
+  F = h_A2F.shape[-1] // 2
+  g = checkpoint_name(h_A2F[..., :F], "moe_gate")
+  u = checkpoint_name(h_A2F[..., F:], "moe_up")
+  return _glu(act, g, u), (g, u)
+
+
+def _fused_glu_bwd(act, res, d_AF):
+  g, u = res
+  _, vjp = jax.vjp(functools.partial(_glu, act), g, u)
+  dg, du = vjp(d_AF)
+  # Autodiff of the split pads each half-gradient with zeros and adds them: -0 becomes +0 there.
+  fix = lambda a: jnp.where(a == 0, jnp.zeros_like(a), a)  # noqa: E731
+  return (jnp.concatenate([fix(dg), fix(du)], axis=-1),)
+
+
+fused_glu.defvjp(_fused_glu_fwd, _fused_glu_bwd)
+
+
+def split_glu(act: Callable, h_A2F: jax.Array) -> jax.Array:
+  """The plain version of fused_glu: slice and let autodiff transpose the slices."""
+  F = h_A2F.shape[-1] // 2
+  return _glu(act, checkpoint_name(h_A2F[..., :F], "moe_gate"), checkpoint_name(h_A2F[..., F:], "moe_up"))
+
+
+# --- grouped matmul ---------------------------------------------------------------------------------
+
+def default_grouped_matmul() -> str:
+  return "blocks" if jax.default_backend() == "cpu" else "ragged"
+
+
+def default_block_rows(rows: int, num_experts: int) -> int:
+  """Rows per block: a power of two near rows / (2 E), in [16, 256], so that padding (at most
+  E * (b - 1) rows) stays within about half the rows and each block is a sizeable matmul."""
+  target = max(rows // (2 * num_experts), 1)
+  return int(min(256, max(16, 2 ** int(math.floor(math.log2(target))))))
+
+
+def grouped_matmul(xs_AD: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, *, impl: str = "auto",
+                   block_rows: int | None = None) -> jax.Array:
+  """ys[j] = xs[j] @ w[e_j] where rows are sorted by expert and sizes_E counts each expert's rows."""
+  impl = default_grouped_matmul() if impl == "auto" else impl
+  if impl == "ragged":
+    return jax.lax.ragged_dot(xs_AD, w_EDF, sizes_E.astype(jnp.int32))
+  if impl == "blocks":
+    b = block_rows or default_block_rows(xs_AD.shape[0], w_EDF.shape[0])
+    return _gmm_blocks(xs_AD, w_EDF, sizes_E, b)
+  raise ValueError(f"grouped_matmul={impl!r}: expected one of {GROUPED_MATMULS}")
+
+
+def block_layout(sizes_E: jax.Array, rows: int, b: int):
+  """Where the expert-sorted rows go in the per-expert block layout.
+
+  Returns (src [P] row of the sorted buffer for each padded row, `rows` for padding; dst [rows] padded
+  row of each sorted row; block_expert [nb]; live [nb], the blocks that hold rows), P = nb * b with
+  nb = (rows + E * (b - 1)) // b, the most blocks any split of `rows` over E experts can need.
+  """
+  E = sizes_E.shape[0]
+  nb = (rows + E * (b - 1)) // b
+  sizes = sizes_E.astype(jnp.int32)
+  nblk = (sizes + b - 1) // b  # [E]
+  blk_end = jnp.cumsum(nblk)
+  pad_start = (blk_end - nblk) * b  # [E] first padded row of each expert
+  row_start = jnp.cumsum(sizes) - sizes  # [E] first sorted row of each expert
+  block_expert = jnp.minimum(jnp.searchsorted(blk_end, jnp.arange(nb, dtype=jnp.int32), side="right",
+                                              method="compare_all"), E - 1).astype(jnp.int32)
+  live = jnp.arange(nb) < blk_end[-1]
+  r = jnp.arange(nb * b, dtype=jnp.int32)
+  e_r = block_expert[r // b]
+  off = r - pad_start[e_r]
+  src = jnp.where(live[r // b] & (off < sizes[e_r]), row_start[e_r] + off, rows)
+  j = jnp.arange(rows, dtype=jnp.int32)
+  e_j = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), j, side="right", method="compare_all"), E - 1)
+  dst = pad_start[e_j] + j - row_start[e_j]
+  return src, dst, block_expert, live
+
+
+def _gmm_blocks(xs_AD, w_EDF, sizes_E, b):
+  A, D = xs_AD.shape
+  src, dst, block_expert, live = block_layout(sizes_E, A, b)
+  nb = block_expert.shape[0]
+  xp = jnp.take(xs_AD, src, axis=0, mode="fill", fill_value=0).reshape(nb, b, D)
+  # Inside shard_map the kernel is invariant and the rows vary: make the kernel varying here, so the
+  # custom backward's dW may vary too and autodiff of this cast does the cross-shard sum.
+  yp = _blocks_matmul(xp, _vary_like(w_EDF, xp), block_expert, live)  # [nb, b, F]
+  return yp.reshape(nb * b, -1)[dst]
+
+
+def _varying(a):
+  mat = getattr(jax.typeof(a), "manual_axis_type", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _vary_like(a, like):
+  """a, marked as varying over the shard_map axes `like` varies over (a no-op outside shard_map)."""
+  axes = tuple(sorted(_varying(like) - _varying(a)))
+  return jax.lax.pcast(a, axes, to="varying") if axes else a
+
+
+def _zeros(shape, like, dtype=None):
+  """Zeros that vary over the same shard_map axes as `like` (cond branches and scan carries must agree)."""
+  return _vary_like(jnp.zeros(shape, dtype or like.dtype), like)
+
+
+@jax.custom_vjp
+def _blocks_matmul(xp_NbD, w_EDF, block_expert, live):
+  """yp[i] = xp[i] @ w[block_expert[i]] for the live blocks, zeros for the rest: [nb, b, F]."""
+  F = w_EDF.shape[-1]
+
+  def body(_, blk):
+    x, e, on = blk
+    y = jax.lax.cond(on, lambda: x @ w_EDF[e], lambda: _zeros((x.shape[0], F), x))
+    return None, y
+
+  return jax.lax.scan(body, None, (xp_NbD, block_expert, live))[1]
+
+
+def _blocks_matmul_fwd(xp, w, block_expert, live):
+  return _blocks_matmul(xp, w, block_expert, live), (xp, w, block_expert, live)
+
+
+def _blocks_matmul_bwd(res, dy_NbF):
+  xp, w, block_expert, live = res
+  D = xp.shape[-1]
+
+  # dx[i] = dy[i] @ w[e]^T; dw[e] += xp[i]^T @ dy[i], accumulated in place (blocks of one expert are
+  # consecutive). Autodiff of the forward would add a full [E, D, F] zero-padded slice per block.
+  def body(dw, blk):
+    x, dy, e, on = blk
+
+    def live_block(dw):
+      dx = dy @ w[e].T
+      dw = jax.lax.dynamic_update_index_in_dim(dw, dw[e] + x.T @ dy, e, 0)
+      return dw, dx
+
+    return jax.lax.cond(on, live_block, lambda dw: (dw, _zeros((x.shape[0], D), x)), dw)
+
+  dw, dx = jax.lax.scan(body, _zeros(w.shape, xp, w.dtype), (xp, dy_NbF, block_expert, live))
+  return dx, dw, None, None
+
+
+_blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd)
+
+
+# --- dispatch ----------------------------------------------------------------------------------------
+
+def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_up_ED2F: jax.Array | None,
+             down_EFD: jax.Array, *, gate_EDF=None, up_EDF=None, activation=jax.nn.silu,
+             grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm"):
+  """Dropless expert computation on local tokens: y [N, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
+
+  Either gate_up_ED2F (the fused [gate | up] kernel) or gate_EDF and up_EDF (two grouped matmuls).
+  """
+  N, D = x_ND.shape
+  K = ids_NK.shape[1]
+  E = down_EFD.shape[0]
+  dt = x_ND.dtype
+  gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
+  with jax.named_scope("sort"):
+    flat = ids_NK.reshape(-1)  # [A], slot j belongs to token j // K
+    perm = checkpoint_name(jnp.argsort(flat, stable=True).astype(jnp.int32), "moe_perm")
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+  with jax.named_scope("gather"):
+    xs = x_ND[perm // K]  # [A, D]
+  with jax.named_scope("experts"):
+    if gate_up_ED2F is not None:
+      h = gmm(xs, gate_up_ED2F.astype(dt), sizes)  # [A, 2F]
+      a = fused_glu(activation, h)
+    else:
+      g = checkpoint_name(gmm(xs, gate_EDF.astype(dt), sizes), "moe_gate")
+      u = checkpoint_name(gmm(xs, up_EDF.astype(dt), sizes), "moe_up")
+      a = activation(g) * u
+    ys = gmm(a, down_EFD.astype(dt), sizes)  # [A, D]
+  with jax.named_scope("unsort"):
+    if unsort_impl == "perm":
+      y_flat = unsort(ys, perm, inverse_permutation(perm))
+    elif unsort_impl == "argsort":
+      y_flat = ys[jnp.argsort(perm)]
+    else:
+      raise ValueError(f"unsort={unsort_impl!r}: expected one of {UNSORTS}")
+    y = jnp.einsum("nkd,nk->nd", y_flat.reshape(N, K, D).astype(jnp.float32), w_NK.astype(jnp.float32))
+  return y.astype(dt)
+
+
+def _batch_spec(shape) -> jax.sharding.PartitionSpec:
+  return logical_spec(TOKENS, shape)
+
+
+def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, norm_topk: bool,
+            activation: Callable = jax.nn.silu, router_dtype=jnp.float32, impl: str = "dropless",
+            grouped_matmul: str = "auto", block_rows: int | None = None, fused_gate_up: bool = True,
+            unsort_impl: str = "perm", token_mask_BT: jax.Array | None = None):
+  """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32).
+
+  p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}, or "gate_up":
+  [E, D, 2F] in place of gate and up. ctx supplies the dense primitive (ctx.dense); without one the
+  plain nn.dense.dense is used. impl: "dropless" or "reference" (every expert on every token).
+  token_mask_BT (1 = real token) only weighs the aux statistics.
+  """
+  E, K = num_experts, k
+  if not 1 <= K <= E:
+    raise ValueError(f"num_experts_per_tok={K} must be between 1 and num_experts={E}")
+  dense = dense_primitive if ctx is None else ctx.dense
+  with jax.named_scope("moe"):
+    with jax.named_scope("router"):
+      rdt = jnp.dtype(router_dtype)
+      logits = dense(x_BTD.astype(rdt), p["router"].astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
+      probs, w, ids = route(logits, K, norm_topk)
+    side = aux_stats(logits, probs, ids, E, token_mask_BT)
+    if impl == "reference":
+      from meshlm.nn.moe_reference import experts_reference
+      gate, up = _gate_and_up(p)
+      return experts_reference(x_BTD, ids, w, gate, up, p["down"], activation=activation), side
+    if impl != "dropless":
+      raise ValueError(f"moe_impl={impl!r}: expected dropless or reference")
+    local = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
+                              block_rows=block_rows, unsort_impl=unsort_impl)
+    if fused_gate_up:
+      kernels = (_fused_kernel(p), p["down"])
+      fn = lambda x, i, wt, gu, dn: local(x, i, wt, gu, dn)  # noqa: E731
+    else:
+      gate, up = _gate_and_up(p)
+      kernels = (gate, up, p["down"])
+      fn = lambda x, i, wt, g, u, dn: local(x, i, wt, None, dn, gate_EDF=g, up_EDF=u)  # noqa: E731
+    mesh = current_mesh()
+    if mesh.empty:
+      return fn(x_BTD, ids, w, *kernels), side
+    # One dispatch per batch (and length) shard: tokens stay on their device; kernels are gathered.
+    spec = _batch_spec(x_BTD.shape)
+    kernels = tuple(constrain(a, (None,) * a.ndim) for a in kernels)
+    x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
+    y = jax.shard_map(fn, in_specs=(spec, spec, spec) + (jax.sharding.PartitionSpec(),) * len(kernels),
+                      out_specs=spec)(x_BTD, ids, w, *kernels)
+    return y, side
+
+
+def _gate_and_up(p):
+  if "gate_up" in p:
+    F = p["gate_up"].shape[-1] // 2
+    return p["gate_up"][..., :F], p["gate_up"][..., F:]
+  return p["gate"], p["up"]
+
+
+def _fused_kernel(p):
+  return p["gate_up"] if "gate_up" in p else jnp.concatenate([p["gate"], p["up"]], axis=-1)
+
+
+def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate_up, down, **kw):
+  B, T, D = x_BTD.shape
+  K = ids_BTk.shape[-1]
+  y = dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, K), w_BTk.reshape(B * T, K), gate_up, down, **kw)
+  return y.reshape(B, T, D)
+
+
+# --- introspection for tests and the census ---------------------------------------------------------
+
+def count_primitives(jaxpr, names: tuple[str, ...]) -> int:
+  """How many equations of the given primitives a (closed) jaxpr holds, sub-jaxprs included."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names:
+      n += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += count_primitives(sub, names)
+  return n
+
+
+def count_sorts(fn, *args) -> int:
+  """Sort ops in the jaxpr of fn(*args) (pass a jax.grad'ed function to count forward + backward)."""
+  return count_primitives(jax.make_jaxpr(fn)(*args), ("sort",))

@@ -1,0 +1,362 @@
+"""The MoE layer (nn/moe.py) against its reference (nn/moe_reference.py), numpy and its plain variants.
+
+- Dropless equals every-expert-on-every-token: forward and every gradient, float32, with routing
+  forced uneven (expert 0 gets every token, two experts get none) at odd sizes, norm_topk on and off,
+  each grouped-matmul implementation; a wrong unsort fails the same check (negative control).
+- The grouped matmul (block scan and ragged_dot) against per-group numpy, empty and full groups.
+- Aux losses against a numpy transcription of transformers' load_balancing_loss_func and the z-loss.
+- Speedup 1: one sort in forward + backward (the plain argsort unsort has two), and its gradient
+  bit-identical to autodiff of the plain gather, -0 cotangents included.
+- Speedup 2: fused_glu bit-identical to autodiff of the split (plain and under jax.checkpoint), one
+  grouped matmul for gate|up, no pad in the backward, and the same named residuals saved.
+- Explicit and auto sharding (fsdp=2) inside jit give the unsharded numbers.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from meshlm.config import load_config
+from meshlm.nn import moe
+from meshlm.nn.dense import dense
+from meshlm.nn.moe_reference import moe_mlp_reference
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.sharding import logical_spec
+
+B, T, D, F, E, K = 3, 13, 24, 20, 8, 2  # odd sizes: 39 tokens, 78 (token, slot) pairs
+TOL = 1e-6  # float32 reassociation: max |diff| <= TOL * max(1, max |reference|), per leaf
+
+
+def _uneven_inputs(seed: int = 0):
+  """x and params whose router sends every token to expert 0 and none to experts E-2, E-1."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((B, T, D)).astype(np.float32)
+  x[..., 0] = np.abs(x[..., 0]) + 1.0  # feature 0 >= 1 for every token
+  router = (0.1 * rng.standard_normal((D, E))).astype(np.float32)
+  router[0, 0], router[0, E - 2], router[0, E - 1] = 3.0, -8.0, -8.0
+  s = lambda n: 1 / np.sqrt(n)  # noqa: E731
+  p = {
+      "router": router,
+      "gate": (s(D) * rng.standard_normal((E, D, F))).astype(np.float32),
+      "up": (s(D) * rng.standard_normal((E, D, F))).astype(np.float32),
+      "down": (s(F) * rng.standard_normal((E, F, D))).astype(np.float32),
+  }
+  return jnp.asarray(x), jax.tree.map(jnp.asarray, p)
+
+
+def _loss(y, side):
+  # A cotangent that differs per element, plus the aux losses so the router gets their gradient too.
+  c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+  return jnp.sum(c * y) / y.shape[0] + side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"]
+
+
+def _dropless(norm_topk, **kw):
+  def f(p, x):
+    y, side = moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=norm_topk, **kw)
+    return _loss(y, side), y
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+def _reference(norm_topk):
+  def f(p, x):
+    y, r = moe_mlp_reference(p, x, num_experts=E, k=K, norm_topk=norm_topk)
+    side = moe.aux_stats(r["logits"], r["probs"], r["ids"], E)
+    return _loss(y, side), y
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+def _max_rel_diffs(out, ref) -> dict:
+  (loss, y), (gp, gx) = out
+  (rloss, ry), (rgp, rgx) = ref
+  pairs = {"loss": (loss, rloss), "y": (y, ry), "d_x": (gx, rgx)} | {f"d_{k}": (gp[k], rgp[k]) for k in rgp}
+  return {k: float(jnp.max(jnp.abs(a - b)) / max(1.0, float(jnp.max(jnp.abs(b))))) for k, (a, b) in pairs.items()}
+
+
+@pytest.fixture(scope="module")
+def uneven():
+  x, p = _uneven_inputs()
+  return x, p, {nt: _reference(nt)(p, x) for nt in (True, False)}
+
+
+def test_routing_is_as_uneven_as_constructed(uneven):
+  x, p, _ = uneven
+  logits = jnp.einsum("btd,de->bte", x, p["router"])
+  _, _, ids = moe.route(logits, K, True)
+  counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
+  assert counts[0] == B * T  # one expert gets every token...
+  assert counts[E - 2] == counts[E - 1] == 0  # ...and two get none
+  assert counts.sum() == B * T * K
+
+
+DROPLESS_ARMS = {
+    "blocks": dict(grouped_matmul="blocks"),
+    "blocks-b4-split-argsort": dict(grouped_matmul="blocks", block_rows=4, fused_gate_up=False, unsort_impl="argsort"),
+    "ragged": dict(grouped_matmul="ragged"),
+}
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("arm", list(DROPLESS_ARMS))
+def test_dropless_equals_reference(uneven, arm, norm_topk):
+  x, p, refs = uneven
+  diffs = _max_rel_diffs(_dropless(norm_topk, **DROPLESS_ARMS[arm])(p, x), refs[norm_topk])
+  print(arm, norm_topk, diffs)
+  assert set(diffs) == {"loss", "y", "d_x", "d_router", "d_gate", "d_up", "d_down"}
+  assert max(diffs.values()) <= TOL, diffs
+
+
+def test_norm_topk_changes_the_output(uneven):
+  _, _, refs = uneven
+  assert float(jnp.max(jnp.abs(refs[True][0][1] - refs[False][0][1]))) > 1e-2
+
+
+def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
+  # Negative control: unsorting by perm itself instead of its inverse must not pass.
+  x, p, refs = uneven
+  monkeypatch.setattr(moe, "inverse_permutation", lambda perm: perm)
+  diffs = _max_rel_diffs(_dropless(True)(p, x), refs[True])
+  assert diffs["y"] > 1e-2
+
+
+@pytest.mark.parametrize("impl,block_rows", [("blocks", 4), ("blocks", 16), ("ragged", None)])
+def test_grouped_matmul_matches_numpy(impl, block_rows):
+  rng = np.random.default_rng(1)
+  sizes = np.array([0, 11, 0, 1, 5, 0], np.int32)  # empty groups first, in between and last
+  rows = int(sizes.sum())
+  x = rng.standard_normal((rows, 7)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 7, 9)).astype(np.float32)
+  c = rng.standard_normal((rows, 9)).astype(np.float32)
+  e_of_row = np.repeat(np.arange(len(sizes)), sizes)
+  want = np.einsum("rd,rdf->rf", x, w[e_of_row])
+  want_dx = np.einsum("rf,rdf->rd", c, w[e_of_row])
+  want_dw = np.zeros_like(w)
+  np.add.at(want_dw, e_of_row, np.einsum("rd,rf->rdf", x, c))
+  fn = lambda x, w: moe.grouped_matmul(x, w, jnp.asarray(sizes), impl=impl, block_rows=block_rows)  # noqa: E731
+  y, vjp = jax.vjp(jax.jit(fn), jnp.asarray(x), jnp.asarray(w))
+  dx, dw = vjp(jnp.asarray(c))
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+  assert not np.any(np.asarray(dw)[sizes == 0])  # experts with no rows get no gradient
+
+
+def test_block_layout_covers_each_row_once():
+  sizes = jnp.array([3, 0, 9, 1], jnp.int32)
+  src, dst, block_expert, live = moe.block_layout(sizes, 13, 4)
+  src, dst = np.asarray(src), np.asarray(dst)
+  assert np.array_equal(src[dst], np.arange(13))  # dst and src are inverse on the real rows
+  assert np.sum(src < 13) == 13  # every other padded row reads the zero fill
+  assert list(np.asarray(block_expert)[np.asarray(live)]) == [0, 2, 2, 2, 3]
+
+
+def test_unknown_grouped_matmul_is_refused():
+  with pytest.raises(ValueError, match="grouped_matmul='nope'"):
+    moe.grouped_matmul(jnp.ones((2, 3)), jnp.ones((1, 3, 4)), jnp.array([2]), impl="nope")
+
+
+def test_top_k_above_num_experts_is_refused():
+  x, p = _uneven_inputs()
+  with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+    moe.moe_mlp(p, x, num_experts=E, k=9, norm_topk=True)
+
+
+# --- aux losses against transformers' formula --------------------------------------------------------
+
+def _hf_load_balancing_loss(gate_logits: list[np.ndarray], num_experts: int, top_k: int, mask=None) -> float:
+  """numpy transcription of transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func
+  (layers: [tokens, experts] logits; mask: [tokens] or None)."""
+  tokens_sum = np.zeros(num_experts)
+  prob_sum = np.zeros(num_experts)
+  total_rows = 0.0
+  for logits in gate_logits:
+    z = logits - logits.max(-1, keepdims=True)
+    w = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    selected = np.argsort(-w, axis=-1, kind="stable")[:, :top_k]
+    m = np.ones(len(w)) if mask is None else mask.astype(np.float64)
+    tokens_sum += np.bincount(selected.ravel(), weights=np.repeat(m, top_k), minlength=num_experts)
+    prob_sum += (w * m[:, None]).sum(0)
+    total_rows += m.sum()
+  return float(np.sum((tokens_sum / total_rows) * (prob_sum / total_rows)) * num_experts)
+
+
+def _z_loss(logits, mask):
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  return float(np.sum(lse ** 2 * mask) / mask.sum())
+
+
+def test_aux_losses_match_transformers_formula():
+  rng = np.random.default_rng(2)
+  layers = [rng.standard_normal((B, T, E)).astype(np.float32) * s for s in (1.0, 3.0)]
+  mask = (rng.random((B, T)) > 0.3).astype(np.float32)
+  sides = []
+  for logits in layers:
+    probs, _, ids = moe.route(jnp.asarray(logits), K, True)
+    side = moe.aux_stats(jnp.asarray(logits), probs, ids, E, jnp.asarray(mask))
+    assert all(v.dtype == jnp.float32 for v in side.values())
+    flat = logits.reshape(-1, E)
+    assert abs(float(side["moe_load_balance_loss"]) - _hf_load_balancing_loss([flat], E, K, mask.ravel())) < 1e-5
+    assert abs(float(side["moe_z_loss"]) - _z_loss(flat, mask.ravel())) < 1e-4
+    np.testing.assert_allclose(jnp.sum(side["moe_expert_fraction"]), K, rtol=1e-6)
+    sides.append(side)
+  stacked = {k: jnp.stack([s[k] for s in sides]) for k in sides[0]}
+  hf = _hf_load_balancing_loss([lg.reshape(-1, E) for lg in layers], E, K, mask.ravel())
+  assert abs(float(moe.load_balancing_loss(stacked)) - hf) < 1e-5
+  # The mean of the per-layer losses is a different number: the combination over layers matters.
+  assert abs(float(jnp.mean(stacked["moe_load_balance_loss"])) - hf) > 1e-3
+  # Without the mask the padding counts, and the number moves.
+  unmasked = moe.aux_stats(jnp.asarray(layers[0]), *moe.route(jnp.asarray(layers[0]), K, True)[::2], E)
+  assert abs(float(unmasked["moe_load_balance_loss"]) - float(sides[0]["moe_load_balance_loss"])) > 1e-4
+
+
+# --- speedup 1: the unsort reuses the sort's permutation ---------------------------------------------
+
+def _layer_grad(unsort_impl):
+  x, p = _uneven_inputs()
+
+  def f(p, x):
+    return _loss(*moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, unsort_impl=unsort_impl))
+  return jax.grad(f, argnums=(0, 1)), (p, x)
+
+
+def test_one_sort_in_forward_and_backward():
+  for impl, want in (("perm", 1), ("argsort", 2)):
+    g, args = _layer_grad(impl)
+    fwd = lambda p, x: moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, unsort_impl=impl)  # noqa: E731
+    assert moe.count_sorts(fwd, *args) == want
+    assert moe.count_sorts(g, *args) == want  # forward + backward: the backward adds none
+
+
+def test_layer_gradient_is_bit_identical_to_the_argsort_unsort():
+  (g1, args), (g2, _) = _layer_grad("perm"), _layer_grad("argsort")
+  a, b = jax.jit(g1)(*args), jax.jit(g2)(*args)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.array_equal(np.asarray(u).view(np.uint32), np.asarray(v).view(np.uint32))
+
+
+def _cotangent_with_signed_zeros(shape, seed):
+  rng = np.random.default_rng(seed)
+  d = rng.standard_normal(shape).astype(np.float32)
+  d[::3] = 0.0  # zero cotangent rows
+  d[1::5] = -0.0
+  return jnp.asarray(d)
+
+
+def _bits(a):
+  return np.asarray(a).view(np.uint32)
+
+
+def test_unsort_backward_is_bit_identical_to_a_plain_gather():
+  A = 23
+  rng = np.random.default_rng(3)
+  perm = jnp.asarray(rng.permutation(A).astype(np.int32))
+  inv = moe.inverse_permutation(perm)
+  assert np.array_equal(np.asarray(perm)[np.asarray(inv)], np.arange(A))
+  ys = jnp.asarray(rng.standard_normal((A, 5)).astype(np.float32))
+  dy = _cotangent_with_signed_zeros((A, 5), 4)
+  plain = jax.jit(jax.vjp(lambda y: y[inv], ys)[1])(dy)[0]
+  fast = jax.jit(jax.vjp(lambda y: moe.unsort(y, perm, inv), ys)[1])(dy)[0]
+  assert np.array_equal(_bits(fast), _bits(plain))
+  # Negative control: the raw gather keeps -0 where autodiff's scatter-add gives +0.
+  assert not np.array_equal(_bits(dy[perm]), _bits(plain))
+  assert moe.count_sorts(jax.grad(lambda y: jnp.sum(moe.unsort(y, perm, inv) * dy)), ys) == 0
+
+
+# --- speedup 2: fused gate|up with the fused GLU VJP -------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_glu_no_zero_fix(act, h):
+  return moe.split_glu(act, h)
+
+
+def _nofix_fwd(act, h):
+  return moe.split_glu(act, h), h
+
+
+def _nofix_bwd(act, h, d):
+  F_ = h.shape[-1] // 2
+  _, vjp = jax.vjp(lambda g, u: act(g) * u, h[..., :F_], h[..., F_:])
+  return (jnp.concatenate(vjp(d), axis=-1),)
+
+
+_fused_glu_no_zero_fix.defvjp(_nofix_fwd, _nofix_bwd)
+
+
+@pytest.mark.parametrize("act", [jax.nn.silu, functools.partial(jax.nn.gelu, approximate=True)],
+                         ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_fused_glu_is_bit_identical_to_the_split(act, remat):
+  rng = np.random.default_rng(5)
+  h = jnp.asarray(rng.standard_normal((37, 2 * 11)).astype(np.float32))
+  d = _cotangent_with_signed_zeros((37, 11), 6)
+  wrap = jax.checkpoint if remat else (lambda f: f)
+
+  def run(glu):
+    y, vjp = jax.vjp(wrap(lambda h: glu(act, h)), h)
+    return y, vjp(d)[0]
+  (y1, g1), (y2, g2) = jax.jit(functools.partial(run, moe.fused_glu))(), jax.jit(functools.partial(run, moe.split_glu))()
+  assert np.array_equal(_bits(y1), _bits(y2))
+  assert np.array_equal(_bits(g1), _bits(g2))
+  # Negative control: without where(d == 0, 0, d) the -0 of zero cotangent rows survives.
+  _, g3 = jax.jit(functools.partial(run, _fused_glu_no_zero_fix))()
+  assert not np.array_equal(_bits(g3), _bits(g2))
+
+
+def _jaxpr_counts(fused):
+  x, p = _uneven_inputs()
+  kw = dict(num_experts=E, k=K, norm_topk=True, fused_gate_up=fused, grouped_matmul="ragged")
+  fwd = jax.make_jaxpr(lambda p, x: moe.moe_mlp(p, x, **kw)[0])(p, x)
+  grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(moe.moe_mlp(p, x, **kw)[0])))(p, x)
+  return moe.count_primitives(fwd, ("ragged_dot_general",)), moe.count_primitives(grad, ("pad",))
+
+
+def test_fused_gate_up_is_one_grouped_matmul_with_no_pad_in_the_backward():
+  assert _jaxpr_counts(True) == (2, 0)  # gate|up and down; the GLU backward concatenates
+  assert _jaxpr_counts(False) == (3, 0)  # the split arm: three grouped matmuls
+  # The fused matmul with a plain split GLU: autodiff pads each half-gradient.
+  x, p = _uneven_inputs()
+  h = jnp.ones((5, 8))
+  assert moe.count_primitives(jax.make_jaxpr(jax.grad(lambda h: jnp.sum(moe.split_glu(jax.nn.silu, h))))(h), ("pad",)) == 2
+  assert moe.count_primitives(jax.make_jaxpr(jax.grad(lambda h: jnp.sum(moe.fused_glu(jax.nn.silu, h))))(h), ("pad",)) == 0
+
+
+def test_fused_glu_saves_the_same_named_residuals():
+  from jax._src.ad_checkpoint import saved_residuals
+  h = jnp.ones((5, 8))
+  policy = jax.checkpoint_policies.save_only_these_names("moe_gate", "moe_up")
+
+  def saved(glu):
+    f = jax.checkpoint(lambda h: jnp.sum(glu(jax.nn.silu, h * 2.0)), policy=policy)
+    return sorted((tuple(a.shape), why.split(" from ")[0]) for a, why in saved_residuals(f, h) if "moe_" in why)
+  fused, split = saved(moe.fused_glu), saved(moe.split_glu)
+  assert split == [((5, 4), "named 'moe_gate'"), ((5, 4), "named 'moe_up'")]
+  assert fused == split
+
+
+# --- sharding -----------------------------------------------------------------------------------------
+
+SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F))())
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_sharded_equals_unsharded(uneven, mode):
+  x, p, _ = uneven
+  want = _dropless(True)(p, x)
+  mesh = make_mesh(load_config("cpu_devices=2", "mesh.fsdp=2", f"shard_mode={mode}"))
+  ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
+
+  def f(p, x):
+    y, side = moe.moe_mlp(p, x, ctx, num_experts=E, k=K, norm_topk=True)
+    return _loss(y, side), y
+  with jax.set_mesh(mesh):
+    put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
+    ps = {k: put(v, SPEC[k].axes) for k, v in p.items()}
+    xs = put(jnp.concatenate([x, x[:1]]), ("batch", "length", "act_embed"))  # B = 4: sharded on fsdp
+    got = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(ps, xs)
+    if mode == "explicit":
+      assert "fsdp" in str(jax.typeof(got[0][1]))  # the output stays batch-sharded
+  want = _dropless(True)(p, jnp.concatenate([x, x[:1]]))
+  diffs = _max_rel_diffs(got, want)
+  assert max(diffs.values()) <= TOL, diffs
