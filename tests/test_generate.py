@@ -120,3 +120,46 @@ def test_bad_requests_fail_in_one_line_before_compiling(kw, msg):
     G.check_request(cfg, args["prompts"], args["max_new_tokens"], args.get("temperature", 0.0), None,
                     args.get("top_p", 1.0))
   assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  """A meshlm model directory of a freshly initialized llama2-tiny (convert's layout)."""
+  from meshlm.hf.convert import save_meshlm
+  cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1", "train.compute_dtype=float32")
+  return save_meshlm(cfg, meshlm.init_params(cfg, jax.random.key(0)), tmp_path_factory.mktemp("gen") / "model")
+
+
+def test_generate_command_samples_from_a_model_directory(model_dir, capsys):
+  from meshlm.cli import main
+  assert main(["generate", str(model_dir), "prompt=def f(", "max_new_tokens=6", "cpu_devices=1"]) == 0
+  out = capsys.readouterr().out
+  cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1", "train.compute_dtype=float32")
+  from meshlm.hf.convert import load_meshlm
+  _, params = load_meshlm(model_dir, "cpu_devices=1")
+  want = G.generate(cfg, params, [list(b"def f(")], max_new_tokens=6)
+  from meshlm.console import printable
+  from meshlm.train.data import ByteTokenizer
+  assert out == printable("def f(" + ByteTokenizer().decode(want.tokens[0])) + "\n"
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["prompt="], "prompt 0: empty"),
+    (["prompt=x", "top_p=0"], "top_p=0.0: must be in (0, 1]"),
+    (["prompt=x", "temperature=-1"], "temperature=-1.0: must be >= 0"),
+    (["prompt=x", "max_new_tokens=5000"], "overflow model.max_position=2048"),
+    (["prompt=" + "x" * 2049], "longer than model.max_position=2048"),
+    (["prompt=x", "top_k=many"], "top_k='many': expected int"),
+])
+def test_generate_command_refuses_bad_input_in_one_line(model_dir, capsys, args, msg):
+  from meshlm.cli import main
+  assert main(["generate", str(model_dir), *args, "cpu_devices=1"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and msg in err[0], err
+
+
+def test_generate_command_refuses_a_path_without_a_model(tmp_path, capsys):
+  from meshlm.cli import main
+  assert main(["generate", str(tmp_path), "prompt=x"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "not a Hugging Face model directory" in err[0], err
