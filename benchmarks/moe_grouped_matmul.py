@@ -1,6 +1,7 @@
 """Grouped matmul on the backend at hand, forward + backward: the candidates for nn/moe.py.
 
   .venv/bin/python benchmarks/moe_grouped_matmul.py [--rows 4096] [--dim 256] [--out 512] [--groups 8 64] [--reps 5]
+  .venv/bin/python benchmarks/moe_grouped_matmul.py --layer [--tokens 1024] [--dim 256] [--out 256] [--experts 8:2 64:8 128:8]
 
 Per group count, every arm computes grad(sum(c * gmm(x, w))) w.r.t. x and w for the same rows
 (x [rows, dim] sorted by group, w [groups, dim, out], group sizes from uniform random routing):
@@ -9,8 +10,14 @@ Per group count, every arm computes grad(sum(c * gmm(x, w))) w.r.t. x and w for 
 - capacity-einsum: an [groups, rows/groups, dim] einsum of equal capacity, i.e. perfectly balanced
   groups, no dispatch at all: a lower bound, not a dropless method.
 Arms run interleaved in rounds (each arm once per round, order rotated) after one compile+warm-up
-call each; the table gives the median wall time, the spread (max - min over reps, relative to the
-median) and the ratio to ragged_dot, all from one run. Prints a markdown table.
+call each; the table gives the median time (process CPU seconds by default, --timer wall for
+elapsed), the spread (max - min over reps, relative to the median) and the ratio to ragged_dot, all
+from one run. Prints a markdown table.
+
+--layer times the whole MoE layer (nn/moe.moe_mlp, forward + backward w.r.t. x and every kernel) per
+(experts, k): the every-expert reference, dropless as configured by default, and dropless with each
+speedup switched back to its plain version (split gate/up matmuls; argsort unsort), plus ragged_dot
+as the grouped matmul where --ragged-up-to allows (its CPU cost grows with the experts).
 """
 import argparse
 import os
@@ -49,7 +56,49 @@ def arms(rows, dim, out, groups, blocks):
   return out_arms
 
 
-def measure(fns, reps):
+def layer_arms(tokens, dim, out, experts, k, ragged):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, tokens, dim)), jnp.float32)
+  p = {"router": rng.standard_normal((dim, experts)) / np.sqrt(dim),
+       "gate": rng.standard_normal((experts, dim, out)) / np.sqrt(dim),
+       "up": rng.standard_normal((experts, dim, out)) / np.sqrt(dim),
+       "down": rng.standard_normal((experts, out, dim)) / np.sqrt(out)}
+  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)
+  c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  variants = {"reference": dict(impl="reference"), "dropless": {},
+              "dropless, split gate/up": dict(fused_gate_up=False),
+              "dropless, argsort unsort": dict(unsort_impl="argsort")}
+  if ragged:
+    variants["dropless, ragged_dot"] = dict(grouped_matmul="ragged")
+  arms_ = {}
+  for name, kw in variants.items():
+    f = lambda p, x, kw=kw: jnp.sum(c * moe.moe_mlp(p, x, num_experts=experts, k=k, norm_topk=True, **kw)[0])
+    arms_[name] = (jax.jit(jax.grad(f, argnums=(0, 1))), (p, x))
+  return arms_
+
+
+def layer_main(a) -> int:
+  print(f"Command: `python benchmarks/moe_grouped_matmul.py {' '.join(sys.argv[1:])}`  ")
+  print(f"JAX {jax.__version__} on {jax.default_backend()}, {platform.machine()}, {os.cpu_count()} cores; MoE layer "
+        f"forward+backward, {a.tokens} tokens, D={a.dim}, F={a.out}, float32; {a.reps} reps per arm, arms interleaved, {a.timer} time.\n")
+  print("| experts, k | arm | median (s) | spread | tokens/s | vs reference |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for ek in a.experts:
+    e, k = map(int, ek.split(":"))
+    times = measure(layer_arms(a.tokens, a.dim, a.out, e, k, e <= a.ragged_up_to), a.reps, a.timer)
+    base = statistics.median(times["reference"])
+    for name, ts in times.items():
+      med = statistics.median(ts)
+      print(f"| {e}, {k} | {name} | {med:.4f} | {(max(ts) - min(ts)) / med:.0%} | {a.tokens / med:,.0f} | "
+            f"{base / med:.2f}x |", flush=True)
+  return 0
+
+
+TIMERS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def measure(fns, reps, timer="cpu"):
+  clock = TIMERS[timer]
   times = {name: [] for name in fns}
   for name, (fn, args) in fns.items():
     jax.block_until_ready(fn(*args))  # compile + warm
@@ -57,9 +106,9 @@ def measure(fns, reps):
   for r in range(reps):
     for name in names[r % len(names):] + names[:r % len(names)]:
       fn, args = fns[name]
-      t = time.perf_counter()
+      t = clock()
       jax.block_until_ready(fn(*args))
-      times[name].append(time.perf_counter() - t)
+      times[name].append(clock() - t)
   return times
 
 
@@ -71,14 +120,25 @@ def main() -> int:
   ap.add_argument("--groups", type=int, nargs="+", default=[8, 64])
   ap.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--timer", choices=list(TIMERS), default="cpu",
+                  help="cpu: process CPU seconds (all threads; time spent waiting for a core another process "
+                       "holds is not counted, so a shared machine's load does not inflate it); wall: elapsed")
+  ap.add_argument("--layer", action="store_true", help="time the whole MoE layer instead")
+  ap.add_argument("--tokens", type=int, default=1024)
+  ap.add_argument("--experts", nargs="+", default=["8:2", "64:8", "128:8"], help="E:k pairs for --layer")
+  ap.add_argument("--ragged-up-to", type=int, default=8, help="--layer: a ragged_dot arm up to this many experts")
   a = ap.parse_args()
+  if a.layer:
+    if "--out" not in sys.argv:
+      a.out = 256
+    return layer_main(a)
   print(f"Command: `python benchmarks/moe_grouped_matmul.py {' '.join(sys.argv[1:])}`  ")
   print(f"JAX {jax.__version__} on {jax.default_backend()}, {platform.machine()}, {os.cpu_count()} cores; "
-        f"forward+backward at {a.rows}x{a.dim}x{a.out}; {a.reps} reps per arm, arms interleaved.\n")
+        f"forward+backward at {a.rows}x{a.dim}x{a.out}; {a.reps} reps per arm, arms interleaved, {a.timer} time.\n")
   print("| groups | arm | median (s) | spread | vs ragged_dot |")
   print("| --- | --- | --- | --- | --- |")
   for g in a.groups:
-    times = measure(arms(a.rows, a.dim, a.out, g, a.blocks), a.reps)
+    times = measure(arms(a.rows, a.dim, a.out, g, a.blocks), a.reps, a.timer)
     base = statistics.median(times["ragged_dot"])
     for name, ts in times.items():
       med = statistics.median(ts)

@@ -229,6 +229,17 @@ def test_one_sort_in_forward_and_backward():
     assert moe.count_sorts(g, *args) == want  # forward + backward: the backward adds none
 
 
+def test_remat_saving_the_permutation_keeps_the_backward_sort_free():
+  g, (p, x) = _layer_grad("perm")
+  f = lambda p, x: jnp.sum(moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True)[0])  # noqa: E731
+  cp = jax.checkpoint_policies
+  dots = jax.checkpoint(f, policy=cp.checkpoint_dots)
+  dots_perm = jax.checkpoint(f, policy=cp.save_from_both_policies(
+      cp.checkpoint_dots, cp.save_only_these_names(*moe.REMAT_SAVE_NAMES)))
+  assert moe.count_sorts(jax.grad(dots), p, x) == 2  # the argsort is replayed in the backward
+  assert moe.count_sorts(jax.grad(dots_perm), p, x) == 1
+
+
 def test_layer_gradient_is_bit_identical_to_the_argsort_unsort():
   (g1, args), (g2, _) = _layer_grad("perm"), _layer_grad("argsort")
   a, b = jax.jit(g1)(*args), jax.jit(g2)(*args)

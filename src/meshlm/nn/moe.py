@@ -47,6 +47,10 @@ from meshlm.nn.dense import dense as dense_primitive
 from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
 
 ROUTER_LOGITS = ("batch", "length", None)
+# Values a remat policy should save so that the backward replays no sort: the sort's permutation.
+# jax.checkpoint(policy=checkpoint_dots) alone recomputes the argsort in the backward; combine it with
+# save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
+REMAT_SAVE_NAMES = ("moe_perm",)
 TOKENS = ("batch", "length", None)
 GROUPED_MATMULS = ("auto", "blocks", "ragged")
 UNSORTS = ("perm", "argsort")
@@ -276,15 +280,12 @@ def _blocks_matmul_bwd(res, dy_NbF):
 
   # dx[i] = dy[i] @ w[e]^T; dw[e] += xp[i]^T @ dy[i], accumulated in place (blocks of one expert are
   # consecutive). Autodiff of the forward would add a full [E, D, F] zero-padded slice per block.
+  # The cond holds only the block's matmuls: with the [E, D, F] carry as its operand it would copy it.
   def body(dw, blk):
     x, dy, e, on = blk
-
-    def live_block(dw):
-      dx = dy @ w[e].T
-      dw = jax.lax.dynamic_update_index_in_dim(dw, dw[e] + x.T @ dy, e, 0)
-      return dw, dx
-
-    return jax.lax.cond(on, live_block, lambda dw: (dw, _zeros((x.shape[0], D), x)), dw)
+    dx, dw_e = jax.lax.cond(on, lambda: (dy @ w[e].T, x.T @ dy),
+                            lambda: (_zeros((x.shape[0], D), x), _zeros(w.shape[1:], x, w.dtype)))
+    return jax.lax.dynamic_update_index_in_dim(dw, dw[e] + dw_e, e, 0), dx
 
   dw, dx = jax.lax.scan(body, _zeros(w.shape, xp, w.dtype), (xp, dy_NbF, block_expert, live))
   return dx, dw, None, None
