@@ -4,7 +4,8 @@ Every arm times the real compiled train step (built by `build_train_step`, as `m
 does) on one fixed synthetic batch. A round visits the arms forward then backward (A B B A, or
 A B C C B A): every arm's two visits sit at the same mean position, so a linear drift of the
 machine inside the round cancels, and so does an order effect (a step that runs faster or slower
-just after another arm's). Each round gives one time per arm (the mean of its two visits) and so one
+just after another arm's). The next round starts one arm later (B A A B), so every arm takes the
+round's ends equally often. Each round gives one time per arm (the mean of its two visits) and so one
 ratio per arm against the baseline; the report is the median of those ratios with a distribution-free
 95% interval (stats.py). With a target half-width, rounds are added until the interval is that
 narrow or the time budget runs out.
@@ -120,7 +121,10 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, ste
   rounds, reason, widest = 0, "failed", None
   t0 = clock()
   while runners:
+    # Rotate the starting arm from round to round, so that every arm takes the round's ends (the
+    # visits next to the harness's own work between rounds) equally often, not only the baseline.
     order = list(runners)
+    order = order[rounds % len(order):] + order[:rounds % len(order)]
     visits: dict[str, list[float]] = {n: [] for n in order}
     for name in order + order[::-1]:  # ABBA: both visits of every arm average to the same position
       if name not in runners:
