@@ -61,7 +61,10 @@ def layer_spec(m: ModelConfig, *, plus_one: bool = False, sandwich: bool = False
   return out
 
 
-def block(p: dict, x_BTD: jax.Array, ctx, state=None, *, plus_one: bool = False, sandwich: bool = False):
+def attention_residual(p: dict, x_BTD: jax.Array, ctx, state=None, *, plus_one: bool = False,
+                       sandwich: bool = False):
+  """The attention half of a layer, x + attn(norm(x)) (post-normed when sandwich): (x [B, T, D], state).
+  Every kind with pre-norm attention (dense, moe) runs this, then its own feed-forward."""
   m = ctx.model
 
   def norm(scale, y):
@@ -76,6 +79,16 @@ def block(p: dict, x_BTD: jax.Array, ctx, state=None, *, plus_one: bool = False,
     a, state = self_attention(p["attn"], h, ctx, state, scale=(m.query_pre_attn_scalar or m.head_dim) ** -0.5,
                               softcap=m.attn_logit_softcap, **qk)
     x_BTD = x_BTD + (norm(p["attn_post_norm"], a) if sandwich else a)
+  return x_BTD, state
+
+
+def block(p: dict, x_BTD: jax.Array, ctx, state=None, *, plus_one: bool = False, sandwich: bool = False):
+  m = ctx.model
+
+  def norm(scale, y):
+    return rms_norm(scale, y, m.norm_eps, plus_one=plus_one)
+
+  x_BTD, state = attention_residual(p, x_BTD, ctx, state, plus_one=plus_one, sandwich=sandwich)
   with jax.named_scope("mlp"):
     h = norm(p["mlp_norm"], x_BTD)
     h = glu_mlp(p["mlp"], h, dense=ctx.dense, activation=ACTIVATIONS[m.hidden_activation])

@@ -15,6 +15,8 @@ FAMILIES = {
     "gemma": "meshlm.models.gemma",
     "gemma2": "meshlm.models.gemma2",
     "gemma3": "meshlm.models.gemma3",
+    "mixtral": "meshlm.models.mixtral",
+    "qwen3_moe": "meshlm.models.qwen3_moe",
 }
 
 

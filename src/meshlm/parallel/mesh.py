@@ -37,7 +37,16 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
   elif fixed != num_devices:
     raise ConfigError(f"mesh: {_fmt(sizes)} needs {fixed} devices but {num_devices} are in use "
                       "(set cpu_devices=N, or make one axis -1)")
+  check_expert_axis(cfg, sizes["expert"])
   return sizes
+
+
+def check_expert_axis(cfg: Config, expert: int) -> None:
+  """Expert weights shard whole experts over mesh.expert, so it must divide model.num_experts."""
+  e = cfg.model.num_experts
+  if e and e % expert:
+    raise ConfigError(f"mesh.expert={expert} does not divide model.num_experts={e}; pick a mesh.expert that "
+                      f"divides {e}")
 
 
 def _fmt(sizes: dict[str, int], skip: int = 1) -> str:

@@ -21,7 +21,7 @@ import optax
 from meshlm.config import Config, ConfigError
 from meshlm.models import decoder
 from meshlm.models import spec as S
-from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.mesh import check_expert_axis, make_mesh
 from meshlm.parallel.sharding import constrain, logical_spec
 from meshlm.train.optimizer import make_optimizer
 
@@ -66,10 +66,40 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
 
 
 def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> tuple[jax.Array, dict]:
-  """The default loss: mean next-token cross-entropy over the loss mask."""
-  logits = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
-  loss_sum, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-  return loss_sum / num_tokens, {}
+  """The default loss: mean next-token cross-entropy over the loss mask, plus the MoE router losses
+  when their coefficients are set (`router_losses`)."""
+  m = cfg.model
+  aux = m.num_experts > 0 and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0)
+  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=aux)
+  logits, side = out if aux else (out, {})
+  loss_sum, mb_tokens = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  loss = loss_sum / num_tokens
+  if not aux:
+    return loss, {}
+  # This micro-batch's share of the batch's tokens (exactly 1 without micro-batches): the per-micro-batch
+  # router losses then sum to their token-weighted mean, as the cross-entropy sums to the batch's.
+  extra, metrics = router_losses(cfg, side, mb_tokens / num_tokens)
+  return loss + extra, metrics
+
+
+def router_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array, dict]:
+  """(router_aux_loss_coef * load-balancing loss + router_z_loss_coef * z-loss, their metrics), each times
+  weight, from the MoE layers' stacked side outputs.
+
+  The load-balancing loss is transformers' load_balancing_loss_func over all MoE layers (nn/moe.py:
+  load_balancing_loss); the z-loss is the mean over the layers of each layer's mean squared logsumexp.
+  Only the losses whose coefficient is set are computed and logged (moe_aux_loss, moe_z_loss).
+  """
+  from meshlm.nn.moe import load_balancing_loss
+  m = cfg.model
+  total, metrics = jnp.zeros((), jnp.float32), {}
+  if m.router_aux_loss_coef > 0:
+    metrics["moe_aux_loss"] = weight * load_balancing_loss(side)
+    total = total + m.router_aux_loss_coef * metrics["moe_aux_loss"]
+  if m.router_z_loss_coef > 0:
+    metrics["moe_z_loss"] = weight * jnp.mean(side["moe_z_loss"])
+    total = total + m.router_z_loss_coef * metrics["moe_z_loss"]
+  return total, metrics
 
 
 def _split_micro(x: jax.Array, m: int, axes) -> jax.Array:
@@ -80,11 +110,46 @@ def _split_micro(x: jax.Array, m: int, axes) -> jax.Array:
   return jnp.swapaxes(y, 0, 1)
 
 
+def param_paths(cfg: Config) -> Any:
+  """Each parameter's dotted path ("layers.dense.attn.q", "embed"), in the parameter tree's structure."""
+  return jax.tree_util.tree_map_with_path(lambda p, _: ".".join(str(k.key) for k in p), decoder.param_specs(cfg),
+                                          is_leaf=S.is_spec)
+
+
+def trainable_mask(cfg: Config) -> Any | None:
+  """True for every parameter train.freeze leaves trainable; None when nothing is frozen. A pattern that
+  is not a regex, or matches no parameter, is refused in one line."""
+  import re
+  if not cfg.train.freeze:
+    return None
+  paths = param_paths(cfg)
+  names = jax.tree.leaves(paths)
+  pats = []
+  for pat in cfg.train.freeze:
+    try:
+      rx = re.compile(pat)
+    except re.error as e:
+      raise ConfigError(f"train.freeze: {pat!r} is not a regular expression ({e})") from None
+    if not any(rx.fullmatch(n) for n in names):
+      raise ConfigError(f"train.freeze: {pat!r} matches no parameter (paths look like {names[0]}, "
+                        f"{names[len(names) // 2]}, {names[-1]})")
+    pats.append(rx)
+  return jax.tree.map(lambda n: not any(rx.fullmatch(n) for rx in pats), paths)
+
+
+def frozen(params, trainable) -> Any:
+  """params with every frozen leaf behind stop_gradient: autodiff then emits no gradient work for it."""
+  if trainable is None:
+    return params
+  return jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p), params, trainable)
+
+
 def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
-                   batch_spec: dict[str, BatchField] = BATCH_SPEC) -> tuple[jax.Array, Any, dict]:
-  """(loss, grads, loss metrics), summed over cfg.train.micro_batches."""
+                   batch_spec: dict[str, BatchField] = BATCH_SPEC, trainable=None) -> tuple[jax.Array, Any, dict]:
+  """(loss, grads, loss metrics), summed over cfg.train.micro_batches. Frozen leaves (trainable False)
+  get zero gradients without any backward work."""
   num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, p, b, num_tokens), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, frozen(p, trainable), b, num_tokens), has_aux=True)
   m = cfg.train.micro_batches
   if m == 1:
     (loss, metrics), grads = grad_fn(params, batch)
@@ -102,22 +167,26 @@ def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
 
 
 def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: TrainState, batch: dict,
-               loss_fn=next_token_loss, batch_spec: dict[str, BatchField] = BATCH_SPEC):
+               loss_fn=next_token_loss, batch_spec: dict[str, BatchField] = BATCH_SPEC, trainable=None):
   """One update. A NaN/Inf loss or gradient norm skips it: params and optimizer state come back
   unchanged (so the optimizer's own count, which drives the LR schedule, does not advance), while
   `state.step` still advances, because it counts batches consumed and names the checkpoint."""
-  loss, grads, loss_metrics = grads_and_loss(cfg, state.params, batch, loss_fn, batch_spec)
-  params, opt_state, metrics = guarded_update(optimizer, state.params, state.opt_state, loss, grads)
+  loss, grads, loss_metrics = grads_and_loss(cfg, state.params, batch, loss_fn, batch_spec, trainable)
+  params, opt_state, metrics = guarded_update(optimizer, state.params, state.opt_state, loss, grads, trainable)
   return TrainState(state.step + 1, params, opt_state), {**loss_metrics, **metrics}
 
 
-def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, loss: jax.Array, grads):
+def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, loss: jax.Array, grads,
+                   trainable=None):
   """(params, opt_state, metrics) after one optimizer update, or the inputs unchanged when the loss or
   the global gradient norm is NaN/Inf. One NaN or Inf anywhere in the gradients makes the norm
-  non-finite, so a finite loss with a bad gradient is caught too."""
+  non-finite, so a finite loss with a bad gradient is caught too. Frozen leaves (trainable False)
+  come back as they went in."""
   grad_norm = optax.tree.norm(grads)
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
+  if trainable is not None:
+    new_params = jax.tree.map(lambda new, old, t: new if t else old, new_params, params, trainable)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep_new = lambda new, old: jnp.where(finite, new, old)
   new_params = jax.tree.map(keep_new, new_params, params)
@@ -134,13 +203,14 @@ class TrainStep:
   global_batch: int
   loss_fn: Any = next_token_loss
   batch_spec: dict = dataclasses.field(default_factory=lambda: dict(BATCH_SPEC))
+  trainable: Any = None  # train.freeze's mask: True for trainable leaves; None when nothing is frozen
 
   def __post_init__(self):
     # Pinning both ends keeps the state's sharding fixed from step to step in either mode, so the
     # donated buffers are reused and the step compiles once.
     state_sh = self.state_shardings()
     batch_sh = {k: self.batch_sharding(k) for k in self.batch_spec}
-    step = lambda s, b: train_step(self.cfg, self.optimizer, s, b, self.loss_fn, self.batch_spec)
+    step = lambda s, b: train_step(self.cfg, self.optimizer, s, b, self.loss_fn, self.batch_spec, self.trainable)
     self.fn = jax.jit(step, donate_argnums=(0,), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
 
   def state_shardings(self) -> TrainState:
@@ -210,6 +280,7 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
   """The step for cfg on mesh. loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics); batch_spec
   declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
+  check_expert_axis(cfg, dict(mesh.shape).get("expert", 1))
   batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
   if "loss_mask" not in batch_spec:
     raise ConfigError("batch_spec: needs a loss_mask field (the token count that normalizes the loss)")
@@ -219,4 +290,5 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
     # Checked here, not in the schema: the global batch depends on the device count.
     raise ConfigError(f"train.micro_batches={m} must divide the global batch of {global_batch} rows "
                       f"(train.per_device_batch_size={cfg.train.per_device_batch_size} x {mesh.size} devices)")
-  return TrainStep(cfg, mesh, make_optimizer(cfg.train), global_batch, loss_fn, batch_spec)
+  trainable = trainable_mask(cfg)
+  return TrainStep(cfg, mesh, make_optimizer(cfg.train, trainable), global_batch, loss_fn, batch_spec, trainable)
