@@ -172,6 +172,9 @@ class TrainConfig(_Strict):
   # Run at most this many steps in this invocation, then save a checkpoint and exit as a preemption
   # would; running the same command again continues. None: run to train.steps.
   stop_after: Optional[int] = Field(default=None, gt=0, description="run at most N steps now, save, exit; the same command continues (null: to train.steps)")
+  # Frozen parameters: stop_gradient inside the loss (no weight-gradient dots or collectives for
+  # them), no optimizer state, and their values never change.
+  freeze: list[str] = Field(default_factory=list, description="regexes, each matching whole parameter paths (e.g. layers.dense.attn.q, .*norm.*): those parameters are frozen")
 
 
 class DataConfig(_Strict):

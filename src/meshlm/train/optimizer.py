@@ -13,8 +13,10 @@ def schedule(t: TrainConfig) -> optax.Schedule:
       decay_steps=max(t.steps, warmup + 1), end_value=t.learning_rate * t.min_lr_ratio)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-  return optax.chain(
+def make_optimizer(t: TrainConfig, trainable=None) -> optax.GradientTransformation:
+  """trainable: a pytree of bools over the parameters (train.freeze); frozen leaves get no state."""
+  opt = optax.chain(
       optax.clip_by_global_norm(t.grad_clip),
       optax.adamw(schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay),
   )
+  return opt if trainable is None else optax.masked(opt, trainable)

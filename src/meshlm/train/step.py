@@ -222,7 +222,10 @@ class TrainStep:
                                    decoder.param_specs(self.cfg), param_sh, is_leaf=S.is_spec)
     with jax.set_mesh(self.mesh):
       abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-    opt_sh = optax.tree_map_params(self.optimizer, lambda _, sh: sh, abstract_opt, param_sh,
+    # Frozen leaves have no optimizer state: optax.masked leaves a MaskedNode (no leaves) in their place.
+    param_like = param_sh if self.trainable is None else jax.tree.map(
+        lambda sh, t: sh if t else optax.MaskedNode(), param_sh, self.trainable)
+    opt_sh = optax.tree_map_params(self.optimizer, lambda _, sh: sh, abstract_opt, param_like,
                                    transform_non_params=lambda _: replicated)
     return TrainState(replicated, param_sh, opt_sh)
 
