@@ -113,6 +113,15 @@ def test_norm_topk_changes_the_output(uneven):
   assert float(jnp.max(jnp.abs(refs[True][0][1] - refs[False][0][1]))) > 1e-2
 
 
+def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
+  x, p, refs = uneven
+  y, side = moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, impl="reference")
+  np.testing.assert_allclose(y, refs[True][0][1], rtol=1e-6, atol=1e-6)
+  assert set(side) == {"moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob"}
+  with pytest.raises(ValueError, match="moe_impl='capacity'"):
+    moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, impl="capacity")
+
+
 def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
   # Negative control: unsorting by perm itself instead of its inverse must not pass.
   x, p, refs = uneven
@@ -141,6 +150,14 @@ def test_grouped_matmul_matches_numpy(impl, block_rows):
   np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
   assert not np.any(np.asarray(dw)[sizes == 0])  # experts with no rows get no gradient
+  # A tuple of kernels is one grouped matmul against their concatenation (the fused gate|up).
+  split = lambda x, w1, w2: moe.grouped_matmul(x, (w1, w2), jnp.asarray(sizes), impl=impl,  # noqa: E731
+                                               block_rows=block_rows)
+  y2, vjp2 = jax.vjp(jax.jit(split), jnp.asarray(x), jnp.asarray(w[..., :4]), jnp.asarray(w[..., 4:]))
+  dx2, dw1, dw2 = vjp2(jnp.asarray(c))
+  np.testing.assert_allclose(y2, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx2, want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.concatenate([dw1, dw2], -1), want_dw, rtol=1e-5, atol=1e-5)
 
 
 def test_block_layout_covers_each_row_once():

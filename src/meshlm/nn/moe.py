@@ -34,6 +34,7 @@ auto sharding. Expert parallelism (experts sharded over mesh.expert) is not buil
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Callable
 
@@ -185,21 +186,29 @@ def default_grouped_matmul() -> str:
 
 
 def default_block_rows(rows: int, num_experts: int) -> int:
-  """Rows per block: a power of two near rows / (2 E), in [16, 256], so that padding (at most
-  E * (b - 1) rows) stays within about half the rows and each block is a sizeable matmul."""
-  target = max(rows // (2 * num_experts), 1)
+  """Rows per block: the power of two at or below rows / E (the mean group), in [16, 256]. Padding
+  is at most E * (b - 1) rows, about rows / 2 on average; measured best of 32..256 at 4096 rows with
+  8 and 64 groups (benchmarks/moe_grouped_matmul.py)."""
+  target = max(rows // num_experts, 1)
   return int(min(256, max(16, 2 ** int(math.floor(math.log2(target))))))
 
 
-def grouped_matmul(xs_AD: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, *, impl: str = "auto",
+def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "auto",
                    block_rows: int | None = None) -> jax.Array:
-  """ys[j] = xs[j] @ w[e_j] where rows are sorted by expert and sizes_E counts each expert's rows."""
+  """ys[j] = xs[j] @ w[e_j] where rows are sorted by expert and sizes_E counts each expert's rows.
+
+  w_EDF may be a tuple of kernels [E, D, F_i]: one grouped matmul against their concatenation along
+  F (the fused gate|up), [A, sum F_i]. "ragged" concatenates them; "blocks" runs each block's rows
+  against each kernel in the same pass and concatenates the [b, F_i] outputs, with no kernel copy.
+  """
+  ws = tuple(w_EDF) if isinstance(w_EDF, (tuple, list)) else (w_EDF,)
   impl = default_grouped_matmul() if impl == "auto" else impl
   if impl == "ragged":
-    return jax.lax.ragged_dot(xs_AD, w_EDF, sizes_E.astype(jnp.int32))
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
+    return jax.lax.ragged_dot(xs_AD, w, sizes_E.astype(jnp.int32))
   if impl == "blocks":
-    b = block_rows or default_block_rows(xs_AD.shape[0], w_EDF.shape[0])
-    return _gmm_blocks(xs_AD, w_EDF, sizes_E, b)
+    b = block_rows or default_block_rows(xs_AD.shape[0], ws[0].shape[0])
+    return _gmm_blocks(xs_AD, ws, sizes_E, b)
   raise ValueError(f"grouped_matmul={impl!r}: expected one of {GROUPED_MATMULS}")
 
 
@@ -230,14 +239,14 @@ def block_layout(sizes_E: jax.Array, rows: int, b: int):
   return src, dst, block_expert, live
 
 
-def _gmm_blocks(xs_AD, w_EDF, sizes_E, b):
+def _gmm_blocks(xs_AD, ws, sizes_E, b):
   A, D = xs_AD.shape
   src, dst, block_expert, live = block_layout(sizes_E, A, b)
   nb = block_expert.shape[0]
   xp = jnp.take(xs_AD, src, axis=0, mode="fill", fill_value=0).reshape(nb, b, D)
   # Inside shard_map the kernel is invariant and the rows vary: make the kernel varying here, so the
   # custom backward's dW may vary too and autodiff of this cast does the cross-shard sum.
-  yp = _blocks_matmul(xp, _vary_like(w_EDF, xp), block_expert, live)  # [nb, b, F]
+  yp = _blocks_matmul(xp, tuple(_vary_like(w, xp) for w in ws), block_expert, live)  # [nb, b, F]
   return yp.reshape(nb * b, -1)[dst]
 
 
@@ -257,38 +266,52 @@ def _zeros(shape, like, dtype=None):
   return _vary_like(jnp.zeros(shape, dtype or like.dtype), like)
 
 
+def _cat(parts):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
 @jax.custom_vjp
-def _blocks_matmul(xp_NbD, w_EDF, block_expert, live):
-  """yp[i] = xp[i] @ w[block_expert[i]] for the live blocks, zeros for the rest: [nb, b, F]."""
-  F = w_EDF.shape[-1]
+def _blocks_matmul(xp_NbD, ws, block_expert, live):
+  """yp[i] = xp[i] @ [w_0 | w_1 ...][block_expert[i]] for the live blocks, zeros for the rest:
+  [nb, b, sum F_i]."""
+  F = sum(w.shape[-1] for w in ws)
 
   def body(_, blk):
     x, e, on = blk
-    y = jax.lax.cond(on, lambda: x @ w_EDF[e], lambda: _zeros((x.shape[0], F), x))
+    y = jax.lax.cond(on, lambda: _cat([x @ w[e] for w in ws]), lambda: _zeros((x.shape[0], F), x))
     return None, y
 
   return jax.lax.scan(body, None, (xp_NbD, block_expert, live))[1]
 
 
-def _blocks_matmul_fwd(xp, w, block_expert, live):
-  return _blocks_matmul(xp, w, block_expert, live), (xp, w, block_expert, live)
+def _blocks_matmul_fwd(xp, ws, block_expert, live):
+  return _blocks_matmul(xp, ws, block_expert, live), (xp, ws, block_expert, live)
 
 
 def _blocks_matmul_bwd(res, dy_NbF):
-  xp, w, block_expert, live = res
+  xp, ws, block_expert, live = res
   D = xp.shape[-1]
+  cuts = list(itertools.accumulate(w.shape[-1] for w in ws))[:-1]
 
   # dx[i] = dy[i] @ w[e]^T; dw[e] += xp[i]^T @ dy[i], accumulated in place (blocks of one expert are
   # consecutive). Autodiff of the forward would add a full [E, D, F] zero-padded slice per block.
   # The cond holds only the block's matmuls: with the [E, D, F] carry as its operand it would copy it.
-  def body(dw, blk):
+  def body(dws, blk):
     x, dy, e, on = blk
-    dx, dw_e = jax.lax.cond(on, lambda: (dy @ w[e].T, x.T @ dy),
-                            lambda: (_zeros((x.shape[0], D), x), _zeros(w.shape[1:], x, w.dtype)))
-    return jax.lax.dynamic_update_index_in_dim(dw, dw[e] + dw_e, e, 0), dx
 
-  dw, dx = jax.lax.scan(body, _zeros(w.shape, xp, w.dtype), (xp, dy_NbF, block_expert, live))
-  return dx, dw, None, None
+    def live_block():
+      dys = jnp.split(dy, cuts, axis=-1)
+      dx = sum(d @ w[e].T for d, w in zip(dys, ws))
+      return dx, tuple(x.T @ d for d in dys)
+
+    dead = lambda: (_zeros((x.shape[0], D), x), tuple(_zeros(w.shape[1:], x, w.dtype) for w in ws))  # noqa: E731
+    dx, dw_e = jax.lax.cond(on, live_block, dead)
+    dws = tuple(jax.lax.dynamic_update_index_in_dim(dw, dw[e] + d, e, 0) for dw, d in zip(dws, dw_e))
+    return dws, dx
+
+  zeros = tuple(_zeros(w.shape, xp, w.dtype) for w in ws)
+  dws, dx = jax.lax.scan(body, zeros, (xp, dy_NbF, block_expert, live))
+  return dx, dws, None, None
 
 
 _blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd)
@@ -296,12 +319,12 @@ _blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd)
 
 # --- dispatch ----------------------------------------------------------------------------------------
 
-def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_up_ED2F: jax.Array | None,
-             down_EFD: jax.Array, *, gate_EDF=None, up_EDF=None, activation=jax.nn.silu,
+def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+             down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
              grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm"):
   """Dropless expert computation on local tokens: y [N, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
 
-  Either gate_up_ED2F (the fused [gate | up] kernel) or gate_EDF and up_EDF (two grouped matmuls).
+  fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
   """
   N, D = x_ND.shape
   K = ids_NK.shape[1]
@@ -315,8 +338,8 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_up_ED2F: 
   with jax.named_scope("gather"):
     xs = x_ND[perm // K]  # [A, D]
   with jax.named_scope("experts"):
-    if gate_up_ED2F is not None:
-      h = gmm(xs, gate_up_ED2F.astype(dt), sizes)  # [A, 2F]
+    if fused_gate_up:
+      h = gmm(xs, (gate_EDF.astype(dt), up_EDF.astype(dt)), sizes)  # [A, 2F]
       a = fused_glu(activation, h)
     else:
       g = checkpoint_name(gmm(xs, gate_EDF.astype(dt), sizes), "moe_gate")
@@ -365,15 +388,9 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
       return experts_reference(x_BTD, ids, w, gate, up, p["down"], activation=activation), side
     if impl != "dropless":
       raise ValueError(f"moe_impl={impl!r}: expected dropless or reference")
-    local = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
-                              block_rows=block_rows, unsort_impl=unsort_impl)
-    if fused_gate_up:
-      kernels = (_fused_kernel(p), p["down"])
-      fn = lambda x, i, wt, gu, dn: local(x, i, wt, gu, dn)  # noqa: E731
-    else:
-      gate, up = _gate_and_up(p)
-      kernels = (gate, up, p["down"])
-      fn = lambda x, i, wt, g, u, dn: local(x, i, wt, None, dn, gate_EDF=g, up_EDF=u)  # noqa: E731
+    fn = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
+                           block_rows=block_rows, unsort_impl=unsort_impl, fused_gate_up=fused_gate_up)
+    kernels = (*_gate_and_up(p), p["down"])
     mesh = current_mesh()
     if mesh.empty:
       return fn(x_BTD, ids, w, *kernels), side
@@ -393,14 +410,10 @@ def _gate_and_up(p):
   return p["gate"], p["up"]
 
 
-def _fused_kernel(p):
-  return p["gate_up"] if "gate_up" in p else jnp.concatenate([p["gate"], p["up"]], axis=-1)
-
-
-def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate_up, down, **kw):
+def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate, up, down, **kw):
   B, T, D = x_BTD.shape
   K = ids_BTk.shape[-1]
-  y = dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, K), w_BTk.reshape(B * T, K), gate_up, down, **kw)
+  y = dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, K), w_BTk.reshape(B * T, K), gate, up, down, **kw)
   return y.reshape(B, T, D)
 
 
