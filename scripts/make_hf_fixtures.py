@@ -18,6 +18,9 @@ Each fixture directory holds what `save_pretrained(..., safe_serialization=True)
                                    final norm. (`output_hidden_states` has L + 1 entries, the
                                    embeddings first, and its last one is taken after the final norm,
                                    so it cannot give the last layer's own output.)
+  MoE fixtures also:
+  router_logits float32 [M, B*T, E] each MoE layer's router logits (output_router_logits=True)
+  aux_loss     float32 []           transformers' load_balancing_loss_func over those layers
 
 This is what `meshlm.forward(cfg, params, input_ids, return_hidden=True)` returns.
 
@@ -27,7 +30,12 @@ not powers of two (embed 45, vocab 151, mlp 56, head counts 9 and 3, head_dim !=
 gemma), T = 20 is longer than every sliding window (8), gemma2's soft caps are small enough to bite,
 gemma3 has 7 layers (one 5 local : 1 global period plus a remainder layer) with different local and
 global rope thetas, llama uses llama3 rope scaling with all three frequency bands in play, and qwen3
-comes tied and untied.
+comes tied and untied. The MoE fixtures (mixtral, qwen3-moe*) have 5 experts of width 22: mixtral
+slides (window 8); qwen3-moe renormalizes its top-2 weights, qwen3-moe-nonorm takes its top-3 weights
+as they are and has a dense first layer (mlp_only_layers=[0]), and qwen3-moe-sparse2 has 5 layers with
+every second one MoE (decoder_sparse_step=2). transformers 5 holds the experts fused in memory
+(`mlp.experts.gate_up_proj` [E, 2F, D]) but save_pretrained writes one tensor per expert
+(`block_sparse_moe.experts.{e}.w1`, `mlp.experts.{e}.gate_proj`), the Hub layout.
 
 The export check: for every fixture (a fixture whose family meshlm has not registered fails), meshlm
 (run with the project venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm
@@ -94,7 +102,33 @@ FIXTURES = {
                                             "full_attention": dict(rope_type="linear", factor=4.0,
                                                                    rope_theta=10000.0),
                                             "sliding_attention": dict(rope_type="default", rope_theta=100.0)})),
+    # Mixture of experts: 5 experts of width 22, top-2, every expert saved as its own tensors.
+    "mixtral": ("MixtralConfig", dict(BASE, intermediate_size=22, num_local_experts=5, num_experts_per_tok=2,
+                                      sliding_window=8, rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(BASE, head_dim=12, num_experts=5, num_experts_per_tok=2,
+                                         moe_intermediate_size=22, norm_topk_prob=True,
+                                         rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    # Top-3 weights used as the softmax gives them, and a dense first layer (mlp_only_layers).
+    "qwen3-moe-nonorm": ("Qwen3MoeConfig", dict(BASE, num_hidden_layers=3, head_dim=12, num_experts=5,
+                                                num_experts_per_tok=3, moe_intermediate_size=22,
+                                                norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True,
+                                                rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    # Every second layer MoE: dense, moe, dense, moe, dense (two kinds in one scanned period, plus a rest).
+    "qwen3-moe-sparse2": ("Qwen3MoeConfig", dict(BASE, num_hidden_layers=5, head_dim=12, num_experts=5,
+                                                 num_experts_per_tok=2, moe_intermediate_size=22, norm_topk_prob=True,
+                                                 decoder_sparse_step=2, intermediate_size=30,
+                                                 rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
 }
+
+
+MOE_TYPES = ("mixtral", "qwen3_moe")
+
+
+def eager(model_type: str) -> dict:
+  """from_config / from_pretrained kwargs for the plain torch paths: eager attention, and for MoE models the
+  eager per-expert loop (transformers' default grouped_mm needs 16-byte strides, which odd sizes lack)."""
+  return dict(attn_implementation="eager", dtype=torch.float32,
+              **(dict(experts_implementation="eager") if model_type in MOE_TYPES else {}))
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -107,7 +141,7 @@ def build(name: str):
   config = getattr(transformers, cls_name)(**kwargs)
   config._attn_implementation = "eager"
   torch.manual_seed(SEED + sum(map(ord, name)))
-  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(config, **eager(config.model_type))
   with torch.no_grad():
     for pname, p in model.named_parameters():
       if p.ndim == 1:
@@ -117,7 +151,8 @@ def build(name: str):
       elif "embed_tokens" in pname:
         p.copy_(torch.randn_like(p))
       else:
-        p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
+        # Linear weights [out, in], and transformers 5's fused experts [E, out, in]: fan-in is the last dim.
+        p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
   model.eval()
   return model
 
@@ -132,12 +167,18 @@ def reference(model, vocab: int, layers: int) -> dict[str, np.ndarray]:
     hidden.append(h.detach().float().numpy().copy())
 
   handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+  moe = model.config.model_type in MOE_TYPES
   with torch.no_grad():
-    logits = model(torch.from_numpy(ids).long()).logits.float().numpy()
+    out = model(torch.from_numpy(ids).long(), **(dict(output_router_logits=True) if moe else {}))
+  logits = out.logits.float().numpy()
   for h in handles:
     h.remove()
   assert len(hidden) == layers, (len(hidden), layers)
-  return {"input_ids": ids, "logits": logits.astype(np.float32), "hidden": np.stack(hidden).astype(np.float32)}
+  ref = {"input_ids": ids, "logits": logits.astype(np.float32), "hidden": np.stack(hidden).astype(np.float32)}
+  if moe:
+    ref["router_logits"] = np.stack([r.float().numpy() for r in out.router_logits]).astype(np.float32)
+    ref["aux_loss"] = np.float32(out.aux_loss.item())
+  return ref
 
 
 def make(name: str) -> None:
@@ -150,7 +191,7 @@ def make(name: str) -> None:
   ref = reference(model, cfg.vocab_size, cfg.num_hidden_layers)
   np.savez(out / "reference.npz", **ref)
   # Reload from disk: the saved files alone must reproduce the reference.
-  again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+  again = transformers.AutoModelForCausalLM.from_pretrained(out, **eager(cfg.model_type))
   with torch.no_grad():
     logits = again(torch.from_numpy(ref["input_ids"]).long()).logits.float().numpy()
   assert np.array_equal(logits, ref["logits"]), f"{name}: reloaded model differs"
@@ -171,7 +212,8 @@ def meshlm_cli(meshlm_python: str, *argv: str) -> None:
 
 
 def hf_logits(path: Path, ids: np.ndarray):
-  model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+  model_type = json.loads((path / "config.json").read_text())["model_type"]
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, **eager(model_type))
   with torch.no_grad():
     return model(torch.from_numpy(ids).long()).logits.float().numpy(), model
 

@@ -68,7 +68,7 @@ def hf_tensors(path: Path) -> dict[str, np.ndarray]:
 def test_every_fixture_family_is_registered():
   # No parity test below can be skipped: each fixture's family is registered, and every family has one.
   types = {model_type(n) for n in NAMES}
-  assert types == {"llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text"}
+  assert types == {"llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"}
   assert types <= set(families())
   assert {"qwen3", "qwen3-tied"} <= set(NAMES)  # untied and tied heads
 
@@ -396,8 +396,9 @@ FIXTURE_ONLY = {
     "_sliding_window_pattern": "sliding_window_pattern",  # gemma3: a private copy of that key
 }
 # Keys the export adds: transformers 4's spelling of rope_parameters (without them transformers 4 would
-# silently take rope theta 10000 and no scaling). They must say what rope_parameters says.
-EXPORT_ONLY = ("rope_theta", "rope_scaling", "rope_local_base_freq")
+# silently take rope theta 10000 and no scaling). They must say what rope_parameters says. Likewise
+# qwen3_moe's num_experts, which transformers 5 writes as num_local_experts (checked equal below).
+EXPORT_ONLY = ("rope_theta", "rope_scaling", "rope_local_base_freq", "num_experts")
 
 
 def check_legacy_rope(ours: dict) -> None:
@@ -421,6 +422,8 @@ def test_export_config_matches_transformers(name, tmp_path):
   assert {k: ours[k] for k in ours.keys() & theirs.keys() if ours[k] != theirs[k]} == {}
   assert set(ours) - set(theirs) <= set(EXPORT_ONLY), set(ours) - set(theirs)
   check_legacy_rope(ours)
+  if "num_experts" in ours:
+    assert ours["num_experts"] == theirs["num_local_experts"]
   for k in set(theirs) - set(ours):
     assert k in FIXTURE_ONLY, f"{name}: the export drops {k}={theirs[k]!r}"
     allowed = FIXTURE_ONLY[k]

@@ -60,22 +60,39 @@ def _family_of_cfg(cfg: Config) -> maps.Adapter:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  """One meshlm parameter leaf and where its values live in the HF checkpoint."""
+  """One meshlm parameter leaf and where its values live in the HF checkpoint.
+
+  A stacked leaf holds one HF tensor per model layer (`{i}` in the name) and, for a MoE's expert
+  kernels, one per expert too (`{e}`): the leaf [layers, experts, ...] is the HF tensors stacked on
+  those two axes, and each HF tensor converts like an unstacked one (`tensor_shape()`).
+  """
   path: tuple[str, ...]
   tensor: maps.Tensor
   shape: tuple[int, ...]  # the meshlm leaf's shape (stacked for layer params)
   layer_axis: int | None  # position of the "layers" axis, None for non-layer leaves
   layer_ids: tuple[int, ...] = ()  # the model layer index of each row of the stack
+  expert_axis: int | None = None  # position of the "experts" axis when the name has {e}, else None
 
   def layer_shape(self) -> tuple[int, ...]:
     if self.layer_axis is None:
       return self.shape
     return self.shape[:self.layer_axis] + self.shape[self.layer_axis + 1:]
 
+  def tensor_shape(self) -> tuple[int, ...]:
+    """The shape of the meshlm slice one HF tensor holds: the leaf without its layer and expert axes."""
+    return tuple(n for ax, n in enumerate(self.shape) if ax not in (self.layer_axis, self.expert_axis))
+
+  def layers(self) -> list[int | None]:
+    return [None] if self.layer_axis is None else list(self.layer_ids)
+
+  def experts(self) -> list[int | None]:
+    return [None] if self.expert_axis is None else list(range(self.shape[self.expert_axis]))
+
+  def name(self, layer: int | None, expert: int | None) -> str:
+    return self.tensor.name.format(i=layer, e=expert)
+
   def hf_names(self) -> list[str]:
-    if self.layer_axis is None:
-      return [self.tensor.name]
-    return [self.tensor.name.format(i=i) for i in self.layer_ids]
+    return [self.name(i, e) for i in self.layers() for e in self.experts()]
 
 
 def entries(cfg: Config) -> list[Entry]:
@@ -103,7 +120,13 @@ def entries(cfg: Config) -> list[Entry]:
     if key not in table:
       raise ValueError(f"family {m.family!r}: its HF name map has no entry for parameter {'.'.join(path)}")
     axis = s.axes.index("layers") if "layers" in s.axes else None
-    out.append(Entry(path, table[key], tuple(s.shape), axis, ids))
+    experts = None
+    if "{e}" in table[key].name:
+      if "experts" not in s.axes:
+        raise ValueError(f"family {m.family!r}: {table[key].name} has {{e}} but parameter {'.'.join(path)} has no "
+                         "experts axis")
+      experts = s.axes.index("experts")
+    out.append(Entry(path, table[key], tuple(s.shape), axis, ids, experts))
   return out
 
 
@@ -214,7 +237,7 @@ def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], t
   """Names, shapes and dtypes, before anything is read: each error names the tensor."""
   expected = {}
   for e in ents:
-    hf_shape = e.tensor.hf_shape(e.layer_shape())
+    hf_shape = e.tensor.hf_shape(e.tensor_shape())
     for name in e.hf_names():
       expected[name] = hf_shape
   for name, shape in expected.items():
@@ -237,27 +260,55 @@ def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], t
 
 
 def _leaf(e: Entry, reader: _Reader, sharding, dtype) -> Any:
+  """The leaf as a sharded array: each device's callback reads only the HF tensors (layers, experts) of
+  its shard, and of each, only its rows and columns where the layout allows (Tensor.hf_index)."""
   import jax
-  layer_shape = e.layer_shape()
+  tensor_shape = e.tensor_shape()
+  stacked = [ax for ax in (e.layer_axis, e.expert_axis) if ax is not None]
 
-  def one_layer(name: str, index: tuple[slice, ...]) -> np.ndarray:
-    direct = e.tensor.hf_index(index, layer_shape)
+  def one_tensor(name: str, index: tuple[slice, ...]) -> np.ndarray:
+    direct = e.tensor.hf_index(index, tensor_shape)
     if direct is not None:
       hf_index, transpose = direct
       x = reader.read(name, hf_index)
       return x.T if transpose else x
-    return e.tensor.to_meshlm(reader.read(name), layer_shape)[index]
+    return e.tensor.to_meshlm(reader.read(name), tensor_shape)[index]
 
   def callback(index: tuple[slice, ...]) -> np.ndarray:
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, e.shape))
-    if e.layer_axis is None:
-      return one_layer(e.tensor.name, index).astype(dtype)
-    a = e.layer_axis
-    inner = index[:a] + index[a + 1:]
-    layers = [one_layer(e.tensor.name.format(i=e.layer_ids[i]), inner) for i in range(*index[a].indices(e.shape[a]))]
-    return np.stack(layers, axis=a).astype(dtype)
+    inner = tuple(s for ax, s in enumerate(index) if ax not in stacked)
+    layers = e.layers() if e.layer_axis is None else [e.layer_ids[r] for r in range(*index[e.layer_axis].indices(
+        e.shape[e.layer_axis]))]
+    experts = e.experts() if e.expert_axis is None else list(range(*index[e.expert_axis].indices(
+        e.shape[e.expert_axis])))
+    grid = np.stack([np.stack([one_tensor(e.name(i, x), inner) for x in experts]) for i in layers])
+    return _from_grid(grid, e).astype(dtype)
 
   return jax.make_array_from_callback(e.shape, sharding, callback)
+
+
+def _to_grid(leaf: np.ndarray, e: Entry) -> np.ndarray:
+  """A leaf (or a shard of it) as [layers, experts, *tensor dims], with 1 for an axis it does not stack."""
+  la, xa = e.layer_axis, e.expert_axis
+  if la is not None and xa is not None:
+    return np.moveaxis(leaf, (la, xa), (0, 1))
+  if la is not None:
+    return np.moveaxis(leaf, la, 0)[:, None]
+  if xa is not None:
+    return np.moveaxis(leaf, xa, 0)[None]
+  return leaf[None, None]
+
+
+def _from_grid(grid: np.ndarray, e: Entry) -> np.ndarray:
+  """The inverse of _to_grid."""
+  la, xa = e.layer_axis, e.expert_axis
+  if la is not None and xa is not None:
+    return np.moveaxis(grid, (0, 1), (la, xa))
+  if la is not None:
+    return np.moveaxis(grid[:, 0], 0, la)
+  if xa is not None:
+    return np.moveaxis(grid[0], 0, xa)
+  return grid[0, 0]
 
 
 def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, dict]:
@@ -316,12 +367,11 @@ def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
       raise ConfigError(f"parameter {'.'.join(e.path)}: shape {list(leaf.shape)}, but the config implies "
                         f"{list(e.shape)}")
     host = np.asarray(leaf, dtype=np.float32)
-    if e.layer_axis is None:
-      yield e.tensor.name, np.ascontiguousarray(e.tensor.to_hf(host))
-      continue
-    for i, name in enumerate(e.hf_names()):
-      yield name, np.ascontiguousarray(e.tensor.to_hf(np.take(host, i, axis=e.layer_axis)))
-    del host
+    grid = _to_grid(host, e)  # one HF tensor per (layer, expert)
+    for r, i in enumerate(e.layers()):
+      for c, x in enumerate(e.experts()):
+        yield e.name(i, x), np.ascontiguousarray(e.tensor.to_hf(grid[r, c]))
+    del host, grid
 
 
 def save(cfg: Config, params: dict, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30,

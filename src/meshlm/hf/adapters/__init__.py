@@ -10,4 +10,6 @@ ADAPTERS = {
     "gemma": "meshlm.hf.adapters.gemma",
     "gemma2": "meshlm.hf.adapters.gemma2",
     "gemma3": "meshlm.hf.adapters.gemma3",
+    "mixtral": "meshlm.hf.adapters.mixtral",
+    "qwen3_moe": "meshlm.hf.adapters.qwen3_moe",
 }
