@@ -193,8 +193,12 @@ def test_router_statistics_match_transformers(name):
   ref = np.load(FIXTURES / name / "reference.npz")
   cfg, params = hf.load(FIXTURES / name, *F32)
   _, side = run_forward(cfg, params, ref["input_ids"], return_side=True)
-  lb = float(load_balancing_loss(side))
-  assert abs(lb - float(ref["aux_loss"])) <= 1e-5 * float(ref["aux_loss"]), (lb, float(ref["aux_loss"]))
+  lb, want = float(load_balancing_loss(side)), float(ref["aux_loss"])
+  assert abs(lb - want) <= 1e-5 * want, (lb, want)
+  # Control: the mean of the per-layer losses (fractions and probabilities not averaged over the layers
+  # first) is a different number, which this check tells apart.
+  per_layer = float(jnp.mean(side["moe_load_balance_loss"]))
+  assert abs(per_layer - want) > 1e-4 * want, (per_layer, want)
   z = np.mean(logsumexp(ref["router_logits"]) ** 2, axis=-1)  # [M]
   np.testing.assert_allclose(np.asarray(side["moe_z_loss"]), z, rtol=1e-5)
   assert side["moe_z_loss"].shape == (ref["router_logits"].shape[0],)  # one per MoE layer, model order

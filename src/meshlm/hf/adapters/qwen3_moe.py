@@ -25,8 +25,6 @@ def from_hf_config(hf: dict) -> dict:
          "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
          "decoder_sparse_step": int(hf.get("decoder_sparse_step", 1)),
          "mlp_only_layers": [int(i) for i in hf.get("mlp_only_layers") or []]}
-  if not out["num_experts"]:
-    out["moe_mlp_dim"] = None  # no MoE layer: every layer dense
   return out
 
 
@@ -39,7 +37,7 @@ def to_hf_config(m: ModelConfig) -> dict:
   return {**out, "use_sliding_window": False, "sliding_window": None, **moe,
           # transformers 4 reads num_experts; 5 maps it onto num_local_experts, which it writes.
           "num_experts": m.num_experts,
-          "moe_intermediate_size": m.moe_mlp_dim if m.num_experts else 768,
+          "moe_intermediate_size": m.moe_mlp_dim or m.mlp_dim,  # read only when there are experts
           "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": m.decoder_sparse_step,
           "mlp_only_layers": list(m.mlp_only_layers)}
 
