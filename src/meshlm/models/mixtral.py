@@ -2,17 +2,13 @@
 a mixture of experts (models/moe_block.py); the top-k routing weights are always renormalized."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
 from meshlm.models.family import Family, LayerPlan
 from meshlm.models.moe_block import moe_kind
 
 
 def plan(m: ModelConfig) -> LayerPlan:
-  if not m.num_experts:
-    raise ConfigError("model.num_experts: mixtral needs experts on every layer (set model.num_experts and "
-                      "model.moe_mlp_dim)")
-  if not m.norm_topk_prob:
-    raise ConfigError("model.norm_topk_prob=false: mixtral always renormalizes its top-k routing weights")
+  # ModelConfig refuses a mixtral without experts or with norm_topk_prob=false.
   types = m.layer_types()
   return LayerPlan(kinds=("moe",) * m.num_layers, contexts=tuple(types[i % len(types)] for i in range(m.num_layers)),
                    period=len(types))
