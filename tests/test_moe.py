@@ -174,6 +174,12 @@ def test_unknown_grouped_matmul_is_refused():
     moe.grouped_matmul(jnp.ones((2, 3)), jnp.ones((1, 3, 4)), jnp.array([2]), impl="nope")
 
 
+def test_unknown_unsort_is_refused():
+  x, p = _uneven_inputs()
+  with pytest.raises(ValueError, match="unsort_impl='nope'"):
+    moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, unsort_impl="nope")
+
+
 def test_top_k_above_num_experts_is_refused():
   x, p = _uneven_inputs()
   with pytest.raises(ValueError, match="num_experts_per_tok=9"):

@@ -326,6 +326,8 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
 
   fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
   """
+  if unsort_impl not in UNSORTS:
+    raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
   N, D = x_ND.shape
   K = ids_NK.shape[1]
   E = down_EFD.shape[0]
@@ -349,10 +351,8 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
   with jax.named_scope("unsort"):
     if unsort_impl == "perm":
       y_flat = unsort(ys, perm, inverse_permutation(perm))
-    elif unsort_impl == "argsort":
-      y_flat = ys[jnp.argsort(perm)]
     else:
-      raise ValueError(f"unsort={unsort_impl!r}: expected one of {UNSORTS}")
+      y_flat = ys[jnp.argsort(perm)]
     y = jnp.einsum("nkd,nk->nd", y_flat.reshape(N, K, D).astype(jnp.float32), w_NK.astype(jnp.float32))
   return y.astype(dt)
 
