@@ -14,6 +14,7 @@
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -261,6 +262,21 @@ def test_remat_saving_the_permutation_keeps_the_backward_sort_free():
       cp.checkpoint_dots, cp.save_only_these_names(*moe.REMAT_SAVE_NAMES)))
   assert moe.count_sorts(jax.grad(dots), p, x) == 2  # the argsort is replayed in the backward
   assert moe.count_sorts(jax.grad(dots_perm), p, x) == 1
+
+
+def _int_gathers(jaxpr) -> int:
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  n = sum(e.primitive.name == "gather" and jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer) for e in jaxpr.eqns)
+  return n + sum(_int_gathers(sub) for e in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(e.params))
+
+
+def test_token_of_each_slot_is_perm_floordiv_k_not_an_index_gather():
+  x, p = _uneven_inputs()
+  fwd = lambda p, x: moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, grouped_matmul="ragged")[0]  # noqa: E731
+  assert _int_gathers(jax.make_jaxpr(fwd)(p, x)) == 0
+  # Negative control: the repeated-token-id formulation is an int32 gather.
+  perm = jnp.arange(6, dtype=jnp.int32)
+  assert _int_gathers(jax.make_jaxpr(lambda q: jnp.repeat(jnp.arange(3), 2)[q])(perm)) == 1
 
 
 def test_layer_gradient_is_bit_identical_to_the_argsort_unsort():
