@@ -12,7 +12,7 @@ k outputs are summed with the routing weights. Dropless dispatch never drops a t
 The reference beside it (`moe_reference.py`) runs every expert on every token and masks.
 
 Two speedups from the RL trainer (issue 11), each kept switchable against its plain version:
-- `unsort="perm"`: the inverse permutation is a scatter of the sort's own permutation, and the
+- `unsort_impl="perm"`: the inverse permutation is a scatter of the sort's own permutation, and the
   unsort's backward is a gather by `perm` (custom VJP) instead of autodiff's scatter-add. The
   plain version ("argsort") argsorts perm again. Bit-identical gradients; one sort in the forward,
   none in the backward (`count_sorts`).
