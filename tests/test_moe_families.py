@@ -285,19 +285,24 @@ def test_router_losses_enter_the_loss():
   params = decoder.init_params(plain, jax.random.key(0))
   batch = {k: jnp.asarray(v) for k, v in tiny_batch(64, 2, 9).items()}
   n = jnp.sum(batch["loss_mask"])
-  loss0, m0 = jax.jit(lambda p: next_token_loss(plain, p, batch, n))(params)
-  loss1, m1 = jax.jit(lambda p: next_token_loss(coefs, p, batch, n))(params)
+
+  def loss_and_router_grad(cfg):
+    fn = jax.jit(jax.value_and_grad(lambda p: next_token_loss(cfg, p, batch, n), has_aux=True))
+    (loss, metrics), grads = fn(params)
+    return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grads["layers"]["moe"]["moe"]["router"])
+
+  loss0, m0, g0 = loss_and_router_grad(plain)
+  loss1, m1, g1 = loss_and_router_grad(coefs)
   assert m0 == {} and set(m1) == {"moe_aux_loss", "moe_z_loss"}
-  logits, side = forward(plain, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=True)
-  ce = cross_entropy(logits, batch["targets"], batch["loss_mask"])[0] / n
+  logits, side = jax.jit(lambda p: forward(plain, p, batch["inputs"], batch["positions"], batch["segment_ids"],
+                                           return_side=True))(params)
+  ce = float(cross_entropy(logits, batch["targets"], batch["loss_mask"])[0] / n)
   lb, z = float(load_balancing_loss(side)), float(jnp.mean(side["moe_z_loss"]))
   assert side["moe_z_loss"].shape == (3,)  # the three MoE layers of qwen3-moe-tiny
-  np.testing.assert_allclose([float(loss0), float(m1["moe_aux_loss"]), float(m1["moe_z_loss"])], [ce, lb, z], rtol=1e-6)
-  np.testing.assert_allclose(float(loss1), ce + 0.3 * lb + 0.02 * z, rtol=1e-6)
+  np.testing.assert_allclose([loss0, m1["moe_aux_loss"], m1["moe_z_loss"]], [ce, lb, z], rtol=1e-6)
+  np.testing.assert_allclose(loss1, ce + 0.3 * lb + 0.02 * z, rtol=1e-6)
   # Their gradient reaches the router: with the losses on, the router gradient changes.
-  g0 = jax.grad(lambda p: next_token_loss(plain, p, batch, n)[0])(params)["layers"]["moe"]["moe"]["router"]
-  g1 = jax.grad(lambda p: next_token_loss(coefs, p, batch, n)[0])(params)["layers"]["moe"]["moe"]["router"]
-  assert not np.allclose(np.asarray(g0), np.asarray(g1), rtol=1e-3, atol=0)
+  assert not np.allclose(g0, g1, rtol=1e-3, atol=0)
 
 
 def test_micro_batches_weigh_router_losses_by_their_tokens():
@@ -312,7 +317,8 @@ def test_micro_batches_weigh_router_losses_by_their_tokens():
   _, _, metrics = jax.jit(lambda p, b: grads_and_loss(cfg2, p, b))(params, {k: jnp.asarray(v) for k, v in batch.items()})
   # grads_and_loss puts rows i, M + i, ... in micro-batch i.
   halves = [{k: jnp.asarray(v[i::2]) for k, v in batch.items()} for i in range(2)]
-  own = [next_token_loss(cfg1, params, h, jnp.sum(h["loss_mask"]))[1] for h in halves]
+  own_loss = jax.jit(lambda p, h: next_token_loss(cfg1, p, h, jnp.sum(h["loss_mask"]))[1])
+  own = [own_loss(params, h) for h in halves]
   share = [float(jnp.sum(h["loss_mask"])) / float(np.sum(batch["loss_mask"])) for h in halves]
   for key in ("moe_aux_loss", "moe_z_loss"):
     want = sum(s * float(o[key]) for s, o in zip(share, own))

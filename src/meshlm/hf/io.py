@@ -73,11 +73,6 @@ class Entry:
   layer_ids: tuple[int, ...] = ()  # the model layer index of each row of the stack
   expert_axis: int | None = None  # position of the "experts" axis when the name has {e}, else None
 
-  def layer_shape(self) -> tuple[int, ...]:
-    if self.layer_axis is None:
-      return self.shape
-    return self.shape[:self.layer_axis] + self.shape[self.layer_axis + 1:]
-
   def tensor_shape(self) -> tuple[int, ...]:
     """The shape of the meshlm slice one HF tensor holds: the leaf without its layer and expert axes."""
     return tuple(n for ax, n in enumerate(self.shape) if ax not in (self.layer_axis, self.expert_axis))
