@@ -217,12 +217,13 @@ def test_bad_input_exits_with_one_line_and_keeps_checkpoints(reference, tmp_path
   before = _checkpoint_files(run_dir)
   assert before
 
-  # A coordinator that never answers: a port nobody listens on.
+  # A coordinator that never answers: a port held bound but never listening, for the whole run, so
+  # nothing else on the machine can be handed it and start answering.
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  p = run(run_dir, f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-          "distributed.process_id=1", "distributed.timeout_s=2", env=env, check=False)
+    p = run(run_dir, f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+            "distributed.process_id=1", "distributed.timeout_s=2", env=env, check=False)
   assert p.returncode == 2, p.stderr[-2000:]
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(
