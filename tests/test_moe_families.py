@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from meshlm import forward, hf
+from meshlm import forward, hf, init_params
 from meshlm.config import ConfigError, load_config
 from meshlm.hf import io as hf_io
 from meshlm.models import decoder
@@ -349,3 +349,21 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
   aux = [r["moe_aux_loss"] for r in records]
   assert all(0 < a <= experts for a in aux), aux
   assert all(r["moe_z_loss"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_keeps_the_sort_permutation(remat):
+  """Under remat the backward replays the layer unless told otherwise; the decoder's policies save the
+  MoE sort permutation (nn/moe.REMAT_SAVE_NAMES), so forward + backward sorts once, not twice."""
+  from meshlm.models import decoder
+  from meshlm.nn.moe import count_sorts
+  cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", f"remat={remat}", "train.compute_dtype=float32",
+                    "train.seq_len=16")
+  params = init_params(cfg, jax.random.key(0))
+  toks = np.zeros((1, 16), np.int32)
+  grad = jax.grad(lambda p: decoder.forward(cfg, p, toks).sum())
+  assert count_sorts(grad, params) == 1  # the scanned MoE body's one sort
+  plain = lambda fn, policy: jax.checkpoint(fn)  # a policy that saves nothing: the control
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(decoder, "_remat", plain)
+    assert count_sorts(grad, params) == 2

@@ -101,11 +101,16 @@ def _layer(stack: Any, i: int, axis: int) -> Any:
 
 
 def _remat(fn, policy: str):
+  """remat=full saves nothing but the named values that are cheap to keep and dear to recompute (a
+  MoE layer's sort permutation: without it the backward sorts again); remat=dots saves dots too."""
   if policy == "none":
     return fn
+  from meshlm.nn.moe import REMAT_SAVE_NAMES
+  cp = jax.checkpoint_policies
+  names = cp.save_only_these_names(*REMAT_SAVE_NAMES)
   if policy == "full":
-    return jax.checkpoint(fn)
-  return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots)
+    return jax.checkpoint(fn, policy=names)
+  return jax.checkpoint(fn, policy=cp.save_from_both_policies(cp.checkpoint_dots, names))
 
 
 def _stack_side(pieces: list[tuple[list[int], dict]]) -> dict:
