@@ -6,8 +6,9 @@
 Both arms are greedy over the same batch of prompts (--prompt-len tokens each), float32, one process,
 each timed after a warm-up call that compiles it; the arms alternate within each rep. The recompute
 arm runs the whole [B, bucket] buffer through `forward` for each new token (the reference in
-meshlm.models.generate, batched); on a large model --recompute-tokens times only its first N tokens,
-which favours it (its later tokens cost the same, the cache's get no dearer). Prints tokens/s per
+meshlm.models.generate, batched). Every recompute step costs the same (the buffer has a fixed
+width), so --recompute-tokens N times only its first N tokens to save time without changing its
+rate. Prints tokens/s per
 arm (median over reps, spread = (max - min) / median), the ratio, and the compilations that one
 generate call caused.
 """
