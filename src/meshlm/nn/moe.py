@@ -45,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.models import spec as S
 from meshlm.nn.dense import dense as dense_primitive
+from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
 from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
 
 ROUTER_LOGITS = ("batch", "length", None)
@@ -53,6 +54,8 @@ ROUTER_LOGITS = ("batch", "length", None)
 # save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
 REMAT_SAVE_NAMES = ("moe_perm",)
 TOKENS = ("batch", "length", None)
+EXPERT_AXIS = "expert"  # the mesh axis that shards the "experts" logical axis (parallel/sharding.RULES)
+EXPERT_KERNEL = ("experts",)  # the experts dim of a kernel under expert parallelism; the rest gathered
 GROUPED_MATMULS = ("auto", "blocks", "ragged")
 UNSORTS = ("perm", "argsort")
 
@@ -321,10 +324,14 @@ _blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd)
 
 def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
              down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
-             grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm"):
+             grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
+             expert_offset: jax.Array | None = None):
   """Dropless expert computation on local tokens: y [N, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
 
   fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
+  expert_offset (expert parallelism): the kernels hold experts [offset, offset + E) of all experts;
+  only the slots routed to those run, the rest sort to the end, get no rows in the grouped matmul
+  and give zeros (y is this shard's part of the sum over k).
   """
   if unsort_impl not in UNSORTS:
     raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
@@ -335,24 +342,38 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
   gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
   with jax.named_scope("sort"):
     flat = ids_NK.reshape(-1)  # [A], slot j belongs to token j // K
+    local = None
+    if expert_offset is not None:
+      # Local expert ids; every other expert becomes E, which sorts last and is counted in no group.
+      flat = flat - expert_offset
+      local = (flat >= 0) & (flat < E)  # [A]
+      flat = jnp.where(local, flat, E)
     perm = checkpoint_name(jnp.argsort(flat, stable=True).astype(jnp.int32), "moe_perm")
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
   with jax.named_scope("gather"):
     xs = x_ND[perm // K]  # [A, D]
+  # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
   with jax.named_scope("experts"):
     if fused_gate_up:
-      h = gmm(xs, (gate_EDF.astype(dt), up_EDF.astype(dt)), sizes)  # [A, 2F]
+      with jax.named_scope("gate_up"):
+        h = gmm(xs, (gate_EDF.astype(dt), up_EDF.astype(dt)), sizes)  # [A, 2F]
       a = fused_glu(activation, h)
     else:
-      g = checkpoint_name(gmm(xs, gate_EDF.astype(dt), sizes), "moe_gate")
-      u = checkpoint_name(gmm(xs, up_EDF.astype(dt), sizes), "moe_up")
+      with jax.named_scope("gate"):
+        g = checkpoint_name(gmm(xs, gate_EDF.astype(dt), sizes), "moe_gate")
+      with jax.named_scope("up"):
+        u = checkpoint_name(gmm(xs, up_EDF.astype(dt), sizes), "moe_up")
       a = activation(g) * u
-    ys = gmm(a, down_EFD.astype(dt), sizes)  # [A, D]
+    with jax.named_scope("down"):
+      ys = gmm(a, down_EFD.astype(dt), sizes)  # [A, D]
   with jax.named_scope("unsort"):
     if unsort_impl == "perm":
       y_flat = unsort(ys, perm, inverse_permutation(perm))
     else:
       y_flat = ys[jnp.argsort(perm)]
+    if local is not None:
+      # The rows past the local groups are not computed (zeros, or a clamped gather in "blocks").
+      y_flat = jnp.where(local[:, None], y_flat, jnp.zeros_like(y_flat))
     y = jnp.einsum("nkd,nk->nd", y_flat.reshape(N, K, D).astype(jnp.float32), w_NK.astype(jnp.float32))
   return y.astype(dt)
 
@@ -364,13 +385,18 @@ def _batch_spec(shape) -> jax.sharding.PartitionSpec:
 def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, norm_topk: bool,
             activation: Callable = jax.nn.silu, router_dtype=jnp.float32, impl: str = "dropless",
             grouped_matmul: str = "auto", block_rows: int | None = None, fused_gate_up: bool = True,
-            unsort_impl: str = "perm", token_mask_BT: jax.Array | None = None):
-  """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32).
+            unsort_impl: str = "perm", token_mask_BT: jax.Array | None = None,
+            forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact"):
+  """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
+  "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces).
 
   p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}, or "gate_up":
   [E, D, 2F] in place of gate and up. ctx supplies the dense primitive (ctx.dense); without one the
   plain nn.dense.dense is used. impl: "dropless" or "reference" (every expert on every token).
-  token_mask_BT (1 = real token) only weighs the aux statistics.
+  token_mask_BT (1 = real token) weighs the aux statistics (and, under replay, spares padding top-k).
+  forced_ids_BTk (int32 [B, T, k], -1 = not forced): router replay (nn/router_replay.py). Forced tokens
+  use these ids with weights from the live router probabilities; top-k runs over at most replay_rows
+  of the rest (replay_impl "compact"), or over all rows ("full"): bit-identical either way.
   """
   E, K = num_experts, k
   if not 1 <= K <= E:
@@ -380,8 +406,13 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     with jax.named_scope("router"):
       rdt = jnp.dtype(router_dtype)
       logits = dense(x_BTD.astype(rdt), p["router"].astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
-      probs, w, ids = route(logits, K, norm_topk)
-    side = aux_stats(logits, probs, ids, E, token_mask_BT)
+      if forced_ids_BTk is None:
+        probs, w, ids = route(logits, K, norm_topk)
+      else:
+        check_forced_ids(forced_ids_BTk, (*x_BTD.shape[:2], K), E)
+        probs, w, ids = replay_route(logits, forced_ids_BTk, K, norm_topk, token_mask_BT, rows=replay_rows,
+                                     impl=replay_impl)
+    side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
     if impl == "reference":
       from meshlm.nn.moe_reference import experts_reference
       gate, up = _gate_and_up(p)
@@ -394,11 +425,21 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     mesh = current_mesh()
     if mesh.empty:
       return fn(x_BTD, ids, w, *kernels), side
-    # One dispatch per batch (and length) shard: tokens stay on their device; kernels are gathered.
     spec = _batch_spec(x_BTD.shape)
-    kernels = tuple(constrain(a, (None,) * a.ndim) for a in kernels)
     x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
-    y = jax.shard_map(fn, in_specs=(spec, spec, spec) + (jax.sharding.PartitionSpec(),) * len(kernels),
+    if EXPERT_AXIS not in _axes_of(logical_spec(EXPERT_KERNEL, kernels[-1].shape[:1])):
+      # One dispatch per batch (and length) shard: tokens stay on their device; kernels are gathered.
+      kernels = tuple(constrain(a, (None,) * a.ndim) for a in kernels)
+      y = jax.shard_map(fn, in_specs=(spec, spec, spec) + (jax.sharding.PartitionSpec(),) * len(kernels),
+                        out_specs=spec)(x_BTD, ids, w, *kernels)
+      return y, side
+    # Expert parallelism: each device keeps its E / ep experts (gathered over fsdp only) and computes
+    # them for every token of its expert group (see _dispatch_ep).
+    kspec = logical_spec(EXPERT_KERNEL, kernels[-1].shape[:1])
+    kernels = tuple(constrain(a, EXPERT_KERNEL + (None,) * (a.ndim - 1)) for a in kernels)
+    ep_fn = functools.partial(_dispatch_ep, fn, gathered=EXPERT_AXIS in _axes_of(spec[:1]),
+                              block_rows=block_rows, num_experts=E)
+    y = jax.shard_map(ep_fn, in_specs=(spec, spec, spec) + (kspec,) * len(kernels),
                       out_specs=spec)(x_BTD, ids, w, *kernels)
     return y, side
 
@@ -408,6 +449,40 @@ def _gate_and_up(p):
     F = p["gate_up"].shape[-1] // 2
     return p["gate_up"][..., :F], p["gate_up"][..., F:]
   return p["gate"], p["up"]
+
+
+def _axes_of(spec) -> set[str]:
+  """The mesh axes a PartitionSpec (or a slice of one) names."""
+  out = set()
+  for part in spec:
+    out.update((part,) if isinstance(part, str) else (part or ()))
+  return out
+
+
+def local_expert_offset(num_local: int) -> jax.Array:
+  """The first expert this shard holds: experts are split over the mesh's expert axis in order."""
+  return jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32) * num_local
+
+
+def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, gathered: bool, block_rows, num_experts: int):
+  """Inside shard_map: this device's E_l = E / ep experts on all tokens of its expert group.
+
+  gathered (the batch is sharded over the expert axis): all-gather the group's tokens in [ep * B, T, D],
+  compute the local experts' part of every token's sum over k, reduce-scatter the parts back, so each
+  device gets its own tokens' full sums. Otherwise the tokens are already the group's, and a psum adds
+  the parts. The kernels are never gathered over the expert axis; their gradient stays local.
+  """
+  E_l = down.shape[0]
+  ep = num_experts // E_l
+  if gathered:
+    x_BTD, ids_BTk, w_BTk = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x_BTD, ids_BTk, w_BTk))
+  B, T, K = ids_BTk.shape
+  # About 1 / ep of the group's slots are local: size the blocks from that, not from all slots.
+  b = block_rows or default_block_rows(B * T * K // ep, E_l)
+  y = fn(x_BTD, ids_BTk, w_BTk, gate, up, down, block_rows=b, expert_offset=local_expert_offset(E_l))
+  if gathered:
+    return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+  return jax.lax.psum(y, EXPERT_AXIS)
 
 
 def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate, up, down, **kw):
