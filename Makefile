@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench bench-table clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/startup_and_step.py
+
+# The explicit-vs-auto table for every tiny preset into docs/performance.md (about an hour; a quiet machine).
+bench-table: $(STAMP)
+	$(BIN)/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/performance.md
 
 clean:
 	rm -rf $(VENV) runs

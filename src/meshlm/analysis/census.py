@@ -43,7 +43,11 @@ def lower_and_compile(cfg, mesh=None) -> Lowered:
   """Builds the train step exactly as `meshlm train` does, lowers and compiles it. Runs nothing."""
   from meshlm.train.step import build_train_step
   lowered = build_train_step(cfg, mesh).lower()
-  compiled = lowered.compile()
+  return lowered_of(lowered, lowered.compile())
+
+
+def lowered_of(lowered, compiled) -> Lowered:
+  """What the census reads, from a jax Lowered and its Compiled (e.g. the executable a bench times)."""
   return Lowered(lowered.as_text(debug_info=True), compiled.as_text(), _memory(compiled), _cost(compiled))
 
 

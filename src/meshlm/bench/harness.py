@@ -57,16 +57,37 @@ def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) 
           "loss_mask": np.ones((global_batch, seq_len), np.float32)}
 
 
-def prepare_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> _Runner:
-  """The default runner: the arm's compiled train step, its initialized state and the fixed batch."""
+@dataclasses.dataclass
+class CompiledArm:
+  """An arm's runner and what building it produced, so that a census or a compile-time table reads
+  the very executable that is timed (one compile per arm, not two)."""
+  runner: _Runner
+  lowered: Any  # jax Lowered
+  compiled: Any  # jax Compiled
+  lower_s: float  # wall seconds to trace and lower the step
+  compile_s: float  # wall seconds for XLA to compile it
+  compile_cpu_s: float  # this process's CPU seconds for that compile (every thread)
+
+
+def compile_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> CompiledArm:
+  """Builds the arm's train step, its initialized state and the fixed batch; lowers and compiles it."""
   import jax
   from meshlm.train.step import build_train_step
   step = build_train_step(arm.cfg)
   state = step.init_state(jax.random.key(arm.cfg.train.seed))
   batch = step.put_batch(synthetic_batch(step.global_batch, arm.cfg.train.seq_len, arm.cfg.model.vocab_size))
   with jax.set_mesh(step.mesh):
-    compiled = step.fn.lower(state, batch).compile()
-  return _Runner(arm.name, compiled, state, batch, timer)
+    t0 = time.perf_counter()
+    lowered = step.fn.lower(state, batch)
+    t1, c1 = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    t2, c2 = time.perf_counter(), time.process_time()
+  return CompiledArm(_Runner(arm.name, compiled, state, batch, timer), lowered, compiled, t1 - t0, t2 - t1, c2 - c1)
+
+
+def prepare_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> _Runner:
+  """The default runner: the arm's compiled train step, its initialized state and the fixed batch."""
+  return compile_arm(arm, timer).runner
 
 
 def _reason(e: BaseException) -> str:
