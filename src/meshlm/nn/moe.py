@@ -476,6 +476,10 @@ def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, gathered: bool, b
   ep = num_experts // E_l
   if gathered:
     x_BTD, ids_BTk, w_BTk = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x_BTD, ids_BTk, w_BTk))
+  else:
+    # Mark the shared tokens as varying over the expert axis, so their cotangent is summed over it
+    # (left invariant, x's gradient through the gather by the varying perm misses the other shards').
+    x_BTD, w_BTk = (jax.lax.pcast(a, (EXPERT_AXIS,), to="varying") for a in (x_BTD, w_BTk))
   B, T, K = ids_BTk.shape
   # About 1 / ep of the group's slots are local: size the blocks from that, not from all slots.
   b = block_rows or default_block_rows(B * T * K // ep, E_l)
