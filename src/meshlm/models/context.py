@@ -4,7 +4,8 @@ It is split in two. The model-wide part: the config, the mode (train | prefill |
 dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, eqn, out_axes)`).
 The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
 positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
-A block reads its own with `ctx.here`.
+A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
+this one layer (decoder.run_layers' layer_inputs, e.g. a MoE layer's forced expert ids).
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   layer_type: str = "global"
+  # This layer's own inputs, {name: array} (the decoder's per-layer channel, run_layers' layer_inputs:
+  # a MoE layer's forced expert ids); empty when none are given.
+  layer: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 
   @property
   def here(self) -> Inputs:
@@ -47,6 +51,9 @@ class Context:
 
   def as_type(self, layer_type: str) -> "Context":
     return self if layer_type == self.layer_type else dataclasses.replace(self, layer_type=layer_type)
+
+  def with_layer(self, inputs: Mapping[str, jax.Array]) -> "Context":
+    return self if not inputs and not self.layer else dataclasses.replace(self, layer=dict(inputs))
 
 
 def bound_dense(cfg: Config) -> Callable[..., jax.Array]:

@@ -127,16 +127,33 @@ def _stack_side(pieces: list[tuple[list[int], dict]]) -> dict:
   return out
 
 
+def check_layer_inputs(lp, layer_inputs: dict) -> None:
+  """Refuses per-layer inputs for a kind the plan lacks, or whose leading axis is not that kind's
+  layer count (ValueError, one line)."""
+  for kind, inputs in layer_inputs.items():
+    if kind not in lp.kind_names():
+      raise ValueError(f"layer_inputs: the model has no {kind!r} layers (its kinds: {', '.join(lp.kind_names())})")
+    for name, a in inputs.items():
+      if not a.shape or a.shape[0] != lp.count(kind):
+        raise ValueError(f"layer_inputs: {name} has shape {tuple(a.shape)}; its first axis must be the model's "
+                         f"{lp.count(kind)} {kind!r} layers")
+
+
 def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache: dict | None = None,
-               collect: bool = False) -> tuple[jax.Array, dict | None, dict]:
+               collect: bool = False, layer_inputs: dict | None = None) -> tuple[jax.Array, dict | None, dict]:
   """Runs every layer: (x [B, T, D], new cache or None, side outputs).
 
   cache (sampling) holds each layer's state: {"unrolled": [state per unrolled layer, in model order],
   "scanned": [state per period position, stacked over the scan's groups]}. With collect, side
   outputs include "hidden": every layer's output [L, B, T, D], for layer-by-layer comparisons.
+  layer_inputs, {kind: {name: [n, ...]}}, are per-layer inputs stacked in model order over the n
+  layers of a kind (axis 0, whatever param_scan_axis): each layer gets its row as `ctx.layer[name]`,
+  sliced like its parameters when unrolled and scanned alongside them otherwise.
   """
   fam = family(cfg)
   lp = fam.layer_plan(cfg.model)
+  layer_inputs = layer_inputs or {}
+  check_layer_inputs(lp, layer_inputs)
   slots = lp.slots()
   L, P, pre, G, R = lp.num_layers, lp.period, lp.prefix, lp.groups, lp.rest
   axis = cfg.param_scan_axis
@@ -147,12 +164,12 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
   scan_states = cache["scanned"] if cache is not None and scan else None
 
   def run(i: int):
-    """Layer i's block as f(p, x, state) -> (x, state, side), rematerialized per cfg.remat."""
+    """Layer i's block as f(p, x, state, inputs) -> (x, state, side), rematerialized per cfg.remat."""
     kind, ctype = lp.kinds[i], lp.contexts[i]
-    block = functools.partial(fam.kinds[kind].block, ctx=ctx.as_type(ctype))
+    block, here = fam.kinds[kind].block, ctx.as_type(ctype)
 
-    def f(p, x, state):
-      x, state, side = block(p, x, state=state)
+    def f(p, x, state, inputs):
+      x, state, side = block(p, x, ctx=here.with_layer(inputs), state=state)
       return x, state, (dict(side, hidden=x) if collect else side)
     return _remat(f, cfg.remat)
 
@@ -164,7 +181,8 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
     for i in ids:
       kind, row = slots[i]
       with jax.named_scope(f"layer_{i}"):
-        x_BTD, st, side = run(i)(_layer(stacks[kind], row, stack_axis), x_BTD, states[len(new_unrolled)])
+        x_BTD, st, side = run(i)(_layer(stacks[kind], row, stack_axis), x_BTD, states[len(new_unrolled)],
+                                 _layer(layer_inputs.get(kind, {}), row, 0))
       new_unrolled.append(st)
       pieces.append(([i], {k: v[None] for k, v in side.items()}))
 
@@ -180,37 +198,45 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
   # [G, ...] when n is 1. A kind's rank within the period picks its row inside a group.
   period = lp.kinds[pre:pre + P]
   rank = [period[:j].count(period[j]) for j in range(P)]
-  groups = {}
-  for kind in dict.fromkeys(period):
-    n, start = period.count(kind), lp.kinds[:pre].count(kind)
-    g = stacks[kind]
-    if start or lp.count(kind) != start + G * n:
-      g = jax.tree.map(lambda a: a[start:start + G * n], g)
-    if n > 1:
-      g = jax.tree.map(lambda a: jnp.reshape(a, (G, n) + a.shape[1:]), g)
-    groups[kind] = g
+  def grouped(by_kind: dict) -> dict:
+    groups = {}
+    for kind in dict.fromkeys(period):
+      if kind not in by_kind:
+        continue
+      n, start = period.count(kind), lp.kinds[:pre].count(kind)
+      g = by_kind[kind]
+      if start or lp.count(kind) != start + G * n:
+        g = jax.tree.map(lambda a: a[start:start + G * n], g)
+      if n > 1:
+        g = jax.tree.map(lambda a: jnp.reshape(a, (G, n) + a.shape[1:]), g)
+      groups[kind] = g
+    return groups
+  groups, input_groups = grouped(stacks), grouped(layer_inputs)
   label = (lambda j: lp.contexts[pre + j]) if one_kind else (lambda j: f"{period[j]}.{lp.contexts[pre + j]}")
   fns = [run(pre + j) for j in range(P)]
 
   def body(x, xs):
-    ps, sts = xs
+    ps, sts, ins = xs
     new_sts, sides = [], []
     with jax.named_scope("layers"):
       for j in range(P):
         kind = period[j]
-        p = ps[kind] if period.count(kind) == 1 else _layer(ps[kind], rank[j], 0)
+        one = period.count(kind) == 1
+        p = ps[kind] if one else _layer(ps[kind], rank[j], 0)
+        li = ins.get(kind, {})
+        li = li if one else _layer(li, rank[j], 0)
         st = None if sts is None else sts[j]
         if P == 1:
-          x, st, side = fns[j](p, x, st)
+          x, st, side = fns[j](p, x, st, li)
         else:
           # Each position in the period names its scope ("layers/local_0"), so profiles tell them apart.
           with jax.named_scope(f"{label(j)}_{j}"):
-            x, st, side = fns[j](p, x, st)
+            x, st, side = fns[j](p, x, st, li)
         new_sts.append(st)
         sides.append(side)
     return x, (None if sts is None else new_sts, sides)
 
-  x_BTD, (scan_states, sides) = jax.lax.scan(body, x_BTD, (groups, scan_states))
+  x_BTD, (scan_states, sides) = jax.lax.scan(body, x_BTD, (groups, scan_states, input_groups))
   for j, side in enumerate(sides):
     pieces.append(([pre + g * P + j for g in range(G)], side))
   run_unrolled(list(range(pre + G * P, L)), stacks, 0)
@@ -236,7 +262,8 @@ def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
 
 
 def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: dict | None = None,
-          collect: bool = False, last_B: jax.Array | None = None) -> tuple[jax.Array, dict | None, dict]:
+          collect: bool = False, last_B: jax.Array | None = None,
+          layer_inputs: dict | None = None) -> tuple[jax.Array, dict | None, dict]:
   """embed -> layers -> final norm -> head: (logits [B, T, V], new cache, side outputs).
 
   With last_B, only row b's position last_B[b] goes through the head: logits [B, 1, V] (a prefill
@@ -249,7 +276,7 @@ def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: 
   if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
-  x, cache, side = run_layers(cfg, params["layers"], x, ctx, cache, collect)
+  x, cache, side = run_layers(cfg, params["layers"], x, ctx, cache, collect, layer_inputs)
   x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
   if last_B is not None:
     pick = jax.nn.one_hot(last_B, x.shape[1], dtype=x.dtype)  # [B, T]
@@ -265,7 +292,8 @@ def _positions(tokens_BT: jax.Array, positions_BT=None) -> jax.Array:
 
 
 def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
-            return_hidden: bool = False, return_side: bool = False):
+            return_hidden: bool = False, return_side: bool = False, forced_expert_ids=None,
+            layer_inputs: dict | None = None):
   """Logits [B, T, V] in the compute dtype.
 
   tokens_BT must lie in [0, model.vocab_size): an id outside it reads no embedding row (JAX clamps
@@ -274,14 +302,35 @@ def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, 
   positions and segment ids describe packed rows (each document restarts its positions, and
   attention never crosses segments). With return_hidden, returns (logits, hidden) where hidden
   [L, B, T, D] holds each layer's output (before the final norm), in layer order. With
-  return_side, returns (logits, side outputs), e.g. aux losses of MoE layers.
+  return_side, returns (logits, side outputs), e.g. aux losses of MoE layers and the routed expert
+  ids "moe_expert_ids" [L_moe, B, T, k] (L_moe: the MoE layers, in model order).
+
+  forced_expert_ids [L_moe, B, T, k] (int32, -1 = not forced) replays routing (nn/router_replay.py):
+  pass the "moe_expert_ids" of an earlier forward. Checked here: its shape, and its range when the
+  array is concrete (called outside jit). layer_inputs: run_layers' general per-layer channel.
   """
   positions_BT = _positions(tokens_BT, positions_BT)
-  ctx = make_context(cfg, plan(cfg).contexts, positions_BT, segment_ids_BT)
-  logits, _, side = apply(cfg, params, tokens_BT, ctx, collect=return_hidden)
+  lp = plan(cfg)
+  ctx = make_context(cfg, lp.contexts, positions_BT, segment_ids_BT)
+  if forced_expert_ids is not None:
+    layer_inputs = with_forced_expert_ids(cfg, lp, layer_inputs, forced_expert_ids, tokens_BT.shape)
+  logits, _, side = apply(cfg, params, tokens_BT, ctx, collect=return_hidden, layer_inputs=layer_inputs)
   if return_hidden:
     return logits, side.pop("hidden")
   return (logits, side) if return_side else logits
+
+
+def with_forced_expert_ids(cfg: Config, lp, layer_inputs: dict | None, forced, shape_BT) -> dict:
+  """layer_inputs plus the MoE layers' forced ids, checked (nn/router_replay.check_forced_ids)."""
+  from meshlm.models import moe_block
+  from meshlm.nn.router_replay import check_forced_ids
+  n = lp.count(moe_block.KIND)
+  if not n:
+    raise ValueError(f"forced_expert_ids: model family {cfg.model.family!r} here has no MoE layers")
+  check_forced_ids(forced, (n, *shape_BT, cfg.model.num_experts_per_tok), cfg.model.num_experts)
+  layer_inputs = dict(layer_inputs or {})
+  layer_inputs[moe_block.KIND] = dict(layer_inputs.get(moe_block.KIND, {}), **{moe_block.FORCED_IDS: forced})
+  return layer_inputs
 
 
 def prefill(cfg: Config, params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cache_len: int):
