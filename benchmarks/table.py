@@ -226,15 +226,15 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
       v = r["bench"].get("verdict", {}).get(n)
       if not v or v.get("ratio") is None:
         continue
-      y = len(rows) - 1 - i + (k - 1) * 0.22
+      y = len(rows) - 1 - i - (k - 1) * 0.22  # the arms top to bottom in legend order
       ci = v.get("ratio_ci") or [v["ratio"], v["ratio"]]
       ys.append(y), xs.append(v["ratio"]), lo.append(v["ratio"] - ci[0]), hi.append(ci[1] - v["ratio"])
     ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=4, capsize=3, color=colors[k % len(colors)], label=f"{n} / auto")
   ax.axvline(1.0, color="black", lw=0.8, ls="--")
   ax.set_yticks(range(len(rows)), [r["preset"] for r in reversed(rows)])
   ax.set_xlabel("step time / auto (median of per-round ratios, 95% interval)")
-  ax.legend(fontsize=8, loc="best")
-  ax.set_title(title or "explicit vs auto, every tiny preset", fontsize=10)
+  ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(names), frameon=False)
+  fig.suptitle(title or "explicit vs auto, every tiny preset", fontsize=10)
   fig.savefig(path)
   plt.close(fig)
 

@@ -163,14 +163,16 @@ def test_unknown_preset_is_one_line_and_exit_2(capsys, tmp_path):
 
 # ------------------------------------------------------------------------------------------ depth
 
-def depth_row(d, cell, compile_s, instrs=100, scan=True, layout=()):
+def depth_row(d, cell, compile_s, instrs=100, scan=True, layout=(), cpu=None):
+  cpu = compile_s / 2 if cpu is None else cpu
   return {"depth": d, "cell": cell, "scan": scan, "lower_s": 0.5, "compile_s": compile_s - 0.5,
+          "lower_cpu_s": 0.25, "compile_cpu_s": cpu - 0.25,
           "hlo_instructions": instrs, "stablehlo_ops": 2 * instrs, "scan_layout": list(layout)}
 
 
 def test_depth_compile_ratio_deepest_over_shallowest():
   rows = [depth_row(2, "scan-axis0-explicit", 4.0), depth_row(8, "scan-axis0-explicit", 4.4),
-          depth_row(32, "scan-axis0-explicit", 5.2, instrs=110),
+          depth_row(32, "scan-axis0-explicit", 5.2, instrs=110, cpu=3.0),
           depth_row(2, "unrolled-axis0-explicit", 4.0, scan=False), depth_row(32, "unrolled-axis0-explicit", 40.0,
                                                                               instrs=1600, scan=False),
           depth_row(4, "scan-axis1-auto", 2.0), depth_row(16, "scan-axis1-auto", 2.8)]
@@ -181,6 +183,8 @@ def test_depth_compile_ratio_deepest_over_shallowest():
   lines = depth.summary_lines(rows)
   # 5.2 / 4.0 = 1.3 exactly: within the bound (flat); 2.8 / 2.0 = 1.4: not flat; unrolled is not judged.
   assert "**1.30** (flat)" in lines[0] and "HLO instructions x1.10" in lines[0]
+  assert "in CPU seconds 1.50" in lines[0]  # 3.0 / (4.0 / 2): the CPU-seconds ratio is its own
+  assert depth.growth(rows, depth.compile_cpu)["scan-axis0-explicit"]["ratio"] == pytest.approx(1.5)
   assert "unrolled: expected to grow" in lines[1] and "HLO instructions x16.00" in lines[1]
   assert "**1.40** (NOT flat (> 1.3x))" in lines[2]
 

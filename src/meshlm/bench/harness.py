@@ -66,7 +66,8 @@ class CompiledArm:
   compiled: Any  # jax Compiled
   lower_s: float  # wall seconds to trace and lower the step
   compile_s: float  # wall seconds for XLA to compile it
-  compile_cpu_s: float  # this process's CPU seconds for that compile (every thread)
+  lower_cpu_s: float  # this process's CPU seconds (every thread) for the lowering ...
+  compile_cpu_s: float  # ... and for the compile: on a shared machine, steadier than wall seconds
 
 
 def compile_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> CompiledArm:
@@ -77,12 +78,13 @@ def compile_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> Com
   state = step.init_state(jax.random.key(arm.cfg.train.seed))
   batch = step.put_batch(synthetic_batch(step.global_batch, arm.cfg.train.seq_len, arm.cfg.model.vocab_size))
   with jax.set_mesh(step.mesh):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = step.fn.lower(state, batch)
     t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
     t2, c2 = time.perf_counter(), time.process_time()
-  return CompiledArm(_Runner(arm.name, compiled, state, batch, timer), lowered, compiled, t1 - t0, t2 - t1, c2 - c1)
+  return CompiledArm(_Runner(arm.name, compiled, state, batch, timer), lowered, compiled, t1 - t0, t2 - t1,
+                     c1 - c0, c2 - c1)
 
 
 def prepare_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> _Runner:
