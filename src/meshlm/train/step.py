@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from meshlm.config import Config, ConfigError
@@ -30,10 +31,12 @@ BATCH_AXES = ("batch", "length")
 
 @dataclasses.dataclass(frozen=True)
 class BatchField:
-  """One field of a batch: [B, T, *trailing] when per_token, else [B, *trailing]."""
+  """One field of a batch: [B, T, *trailing] when per_token, else [B, *trailing]. check(name, host array),
+  when given, refuses bad values in TrainStep.put_batch (on the host, before the step runs)."""
   dtype: str = "int32"
   per_token: bool = True
   trailing: tuple[int, ...] = ()
+  check: Any = dataclasses.field(default=None, compare=False)
 
   def shape(self, batch: int, seq_len: int) -> tuple[int, ...]:
     return (batch,) + ((seq_len,) if self.per_token else ()) + self.trailing
@@ -46,6 +49,26 @@ class BatchField:
 BATCH_SPEC: dict[str, BatchField] = {"inputs": BatchField(), "targets": BatchField(), "segment_ids": BatchField(),
                                      "positions": BatchField(), "loss_mask": BatchField("float32")}
 BATCH_KEYS = tuple(BATCH_SPEC)
+# Router replay's batch field: [B, T, L_moe, k] int32, -1 = not forced (replay_batch_spec).
+FORCED_EXPERT_IDS = "forced_expert_ids"
+
+
+def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> dict[str, BatchField]:
+  """base plus "forced_expert_ids" [B, T, L_moe, k] (int32, -1 = not forced; L_moe: the MoE layers in
+  model order, k = num_experts_per_tok), sharded like the tokens on batch and length (the trailing
+  axes stay whole, so micro-batches split it as they split the tokens). The default loss passes it to
+  decoder.forward as [L_moe, B, T, k]; put_batch refuses a wrong shape or ids outside [-1, E)."""
+  from meshlm.models import moe_block
+  from meshlm.nn.router_replay import check_forced_ids
+  m = cfg.model
+  n = decoder.plan(cfg).count(moe_block.KIND)
+  if not n:
+    raise ConfigError(f"{FORCED_EXPERT_IDS}: model family {m.family!r} here has no MoE layers to replay")
+
+  def check(name, a):
+    check_forced_ids(a, (a.shape[0] if a.ndim else 0, cfg.train.seq_len, n, m.num_experts_per_tok),
+                     m.num_experts, name)
+  return dict(base, **{FORCED_EXPERT_IDS: BatchField("int32", True, (n, m.num_experts_per_tok), check=check)})
 
 
 class TrainState(NamedTuple):
@@ -70,7 +93,9 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
   when their coefficients are set (`router_losses`)."""
   m = cfg.model
   aux = m.num_experts > 0 and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0)
-  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=aux)
+  forced = batch.get(FORCED_EXPERT_IDS)  # [B, T, L_moe, k] when the batch replays routing
+  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=aux,
+                        forced_expert_ids=None if forced is None else jnp.moveaxis(forced, 2, 0))
   logits, side = out if aux else (out, {})
   loss_sum, mb_tokens = cross_entropy(logits, batch["targets"], batch["loss_mask"])
   loss = loss_sum / num_tokens
@@ -262,6 +287,9 @@ class TrainStep:
     missing = [k for k in self.batch_spec if k not in batch]
     if missing:
       raise ConfigError(f"batch: missing field {missing[0]!r} (the step's batch_spec needs {', '.join(self.batch_spec)})")
+    for k, f in self.batch_spec.items():
+      if f.check is not None:
+        f.check(k, np.asarray(batch[k]))
     return {k: jax.make_array_from_process_local_data(self.batch_sharding(k), batch[k]) for k in self.batch_spec}
 
   def lower(self):

@@ -1,0 +1,245 @@
+"""Router replay (nn/router_replay.py): forced expert ids through moe_mlp, the decoder and the train step.
+
+- The compact top-k (at most R gathered rows, lax.cond fallback to the full top-k) is bit-identical to
+  the plain full top-k in the forward and every gradient, on both branches and at the R / R+1
+  boundary, padding included; the compact branch alone at R+1 rows is wrong (negative control).
+- Replaying the ids an unforced forward recorded gives its logits and gradients bit for bit (whole
+  qwen3-moe-tiny and mixtral-tiny); other ids change the output; the router keeps a gradient when
+  every token is forced; explicit and auto sharding give the unsharded ids.
+- The train step takes the ids as a batch field; bad shapes and ranges are refused in one line.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from meshlm.config import ConfigError, load_config
+from meshlm.models import decoder
+from meshlm.nn import moe
+from meshlm.nn import router_replay as rr
+from meshlm.nn.dense import dense
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.sharding import logical_spec
+from meshlm.train import step as train_step
+
+B, T, D, F, E, K = 2, 9, 16, 12, 8, 2  # 18 tokens
+R = 6  # replay rows of the compact top-k in these tests
+TOL = 1e-6
+
+
+def _same(a, b) -> bool:
+  """Bit-identical pytrees (same structure, every leaf equal bit for bit)."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(
+      u.shape == v.shape and u.dtype == v.dtype
+      and np.array_equal(np.atleast_1d(np.asarray(u)).view(np.uint8), np.atleast_1d(np.asarray(v)).view(np.uint8))
+      for u, v in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def layer():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  p = {"router": 0.3 * rng.standard_normal((D, E)), "gate": 0.2 * rng.standard_normal((E, D, F)),
+       "up": 0.2 * rng.standard_normal((E, D, F)), "down": 0.2 * rng.standard_normal((E, F, D))}
+  p = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+
+  def f(p, x, forced, mask, *, aux=True, **kw):
+    y, side = moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, forced_ids_BTk=forced, token_mask_BT=mask, **kw)
+    c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+    loss = jnp.sum(c * y) + (side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"] if aux else 0.0)
+    return loss, (y, side["moe_expert_ids"])
+  grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True),
+                 static_argnames=("aux", "replay_rows", "replay_impl"))
+  plain = jax.jit(jax.value_and_grad(lambda p, x: f(p, x, None, None), argnums=(0, 1), has_aux=True))(p, x)
+  return x, p, grad, plain
+
+
+def _forced(recorded, free: int, seed: int = 1) -> np.ndarray:
+  """recorded ids with `free` random tokens set to -1 (not forced)."""
+  forced = np.asarray(recorded).copy().reshape(B * T, K)
+  forced[np.random.default_rng(seed).choice(B * T, free, replace=False)] = -1
+  return forced.reshape(B, T, K)
+
+
+@pytest.mark.parametrize("free,padding", [(R, 0), (R + 1, 0), (B * T, 0), (R + 3, 3)],
+                         ids=["R-compact", "R+1-fallback", "none-forced", "padding-compact"])
+def test_compact_topk_is_bit_identical_to_the_full_topk(layer, free, padding):
+  x, p, grad, plain = layer
+  ids0 = plain[0][1][1]
+  forced = _forced(ids0, free)
+  mask = np.ones((B, T), np.int32)
+  if padding:
+    # Padding rows among the unforced ones: they need no top-k, so R + 3 unforced rows with 3 of them
+    # padding fit the compact branch.
+    unforced = np.flatnonzero(forced.reshape(-1, K)[:, 0] < 0)
+    mask.reshape(-1)[unforced[:padding]] = 0
+  need = (forced[..., 0] < 0) & (mask > 0)
+  assert bool(rr.compact_fits(jnp.asarray(need.reshape(-1)), R)) == (need.sum() <= R)
+  compact = grad(p, x, jnp.asarray(forced), jnp.asarray(mask), replay_rows=R)
+  full = grad(p, x, jnp.asarray(forced), jnp.asarray(mask), replay_impl="full")
+  assert _same(compact, full)
+  ids = np.asarray(compact[0][1][1])
+  # Forced tokens use their ids; real unforced ones the live top-k; padding unforced ones 0..k-1.
+  np.testing.assert_array_equal(ids[forced[..., 0] >= 0], forced[forced[..., 0] >= 0])
+  np.testing.assert_array_equal(ids[need], np.asarray(ids0)[need])
+  np.testing.assert_array_equal(ids[(forced[..., 0] < 0) & (mask == 0)], np.broadcast_to(np.arange(K), (padding, K)))
+  if not padding:
+    # With no padding every token's ids are the recorded top-k: the unforced forward, bit for bit.
+    assert _same(compact, plain)
+
+
+def test_the_compact_branch_alone_is_wrong_past_R_rows(layer):
+  """Negative control: at R + 1 rows the compact top-k (without its fallback) misses one row."""
+  x, p, grad, plain = layer
+  forced = _forced(plain[0][1][1], R + 1)
+  need = jnp.asarray(forced[..., 0].reshape(-1) < 0)
+  probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, p["router"]).reshape(B * T, E), axis=-1)
+  wrong, right = rr.compact_topk(probs, need, K, R), rr.full_topk(probs, need, K)
+  assert not _same(wrong, right)
+  assert int(jnp.sum(jnp.any(wrong != right, axis=-1))) == 1
+  assert _same(rr.compact_topk(probs, need, K, R + 1), right)
+
+
+def test_forcing_other_ids_changes_the_output_and_the_router_keeps_its_gradient(layer):
+  x, p, grad, plain = layer
+  ids0 = np.asarray(plain[0][1][1])
+  shifted = (ids0 + 1) % E  # every token forced, to other experts
+  (_, (y, ids)), (gp, _) = grad(p, x, jnp.asarray(shifted), None, aux=False, replay_rows=R)
+  np.testing.assert_array_equal(ids, shifted)
+  assert float(jnp.max(jnp.abs(y - plain[0][1][0]))) > 1e-3
+  # No aux loss here: the router's gradient flows only through the weights gathered at the forced ids.
+  assert float(jnp.max(jnp.abs(gp["router"]))) > 1e-4
+  (_, _), (gp_same, _) = grad(p, x, jnp.asarray(ids0), None, aux=False, replay_rows=R)
+  assert float(jnp.max(jnp.abs(gp_same["router"] - gp["router"]))) > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_sharded_replay_gives_the_unsharded_ids(layer, mode):
+  x, p, grad, plain = layer
+  x4 = jnp.concatenate([x, x])  # B = 4: two rows per fsdp shard
+  forced = np.concatenate([_forced(plain[0][1][1], 2), _forced(plain[0][1][1], 5, seed=2)])
+  rows = 3  # shard 0 needs 2 rows (compact branch), shard 1 needs 5 (the fallback)
+  want = grad(p, x4, jnp.asarray(forced), None, replay_impl="full")
+  mesh = make_mesh(load_config("cpu_devices=2", "mesh.fsdp=2", f"shard_mode={mode}"))
+  ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
+
+  def f(p, x, forced):
+    y, side = moe.moe_mlp(p, x, ctx, num_experts=E, k=K, norm_topk=True, forced_ids_BTk=forced, replay_rows=rows)
+    c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+    return jnp.sum(c * y) + side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"], (y, side["moe_expert_ids"])
+  spec = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F))())
+  with jax.set_mesh(mesh):
+    put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
+    ps = {k: put(v, spec[k].axes) for k, v in p.items()}
+    got = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+        ps, put(x4, ("batch", "length", "act_embed")), put(jnp.asarray(forced), ("batch", "length", None)))
+  np.testing.assert_array_equal(got[0][1][1], want[0][1][1])
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= TOL * max(1.0, np.max(np.abs(b)))
+
+
+def test_bad_forced_ids_are_refused(layer):
+  x, p, _, _ = layer
+  call = lambda f: moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, forced_ids_BTk=f)  # noqa: E731
+  good = np.zeros((B, T, K), np.int32)
+  with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(2, 9, 3\), expected \(2, 9, 2\)"):
+    call(np.zeros((B, T, K + 1), np.int32))
+  with pytest.raises(ValueError, match=r"ids range over \[0, 8\], expected -1 \(not forced\) or an expert in \[0, 8\)"):
+    call(np.where(np.arange(K) == 1, E, good))
+  with pytest.raises(ValueError, match=r"ids range over \[-2, 0\]"):
+    call(good - 2 * (np.arange(T)[:, None] == 3))
+  with pytest.raises(ValueError, match="row 0 .* mixes -1 with expert ids"):
+    call(np.where(np.arange(K) == 0, -1, good))
+  with pytest.raises(ValueError, match="dtype float32, expected integer"):
+    call(good.astype(np.float32))
+  with pytest.raises(ValueError, match="router replay impl='sorted'"):
+    moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, forced_ids_BTk=good, replay_impl="sorted")
+
+
+# --- the whole model ---------------------------------------------------------------------------------
+
+MB, MT = 4, 16
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "mixtral-tiny"])
+def model(request):
+  cfg = load_config(f"model={request.param}", "cpu_devices=1", "train.compute_dtype=float32")
+  params = decoder.init_params(cfg, jax.random.key(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (MB, MT)), jnp.int32)
+  c = jnp.cos(jnp.arange(MB * MT * cfg.model.vocab_size, dtype=jnp.float32)).reshape(MB, MT, -1)
+
+  def f(p, forced):
+    logits, side = decoder.forward(cfg, p, tokens, return_side=True, forced_expert_ids=forced)
+    return jnp.sum(logits * c), (logits, side["moe_expert_ids"])
+  plain = jax.jit(jax.value_and_grad(lambda p: f(p, None), has_aux=True))(params)
+  replay = jax.jit(jax.value_and_grad(f, has_aux=True))
+  return cfg, params, tokens, plain, replay
+
+
+def test_replaying_recorded_ids_gives_the_unforced_logits_and_gradients(model):
+  cfg, params, _, plain, replay = model
+  ids = plain[0][1][1]
+  n_moe = decoder.plan(cfg).count("moe")
+  assert ids.shape == (n_moe, MB, MT, cfg.model.num_experts_per_tok) and ids.dtype == jnp.int32
+  assert _same(replay(params, ids), plain)
+  # Control: other ids (every token forced elsewhere) change the logits and the gradients.
+  (_, (logits, got_ids)), grads = replay(params, (ids + 1) % cfg.model.num_experts)
+  np.testing.assert_array_equal(got_ids, (ids + 1) % cfg.model.num_experts)
+  assert float(jnp.max(jnp.abs(logits - plain[0][1][0]))) > 1e-4
+  assert not _same(grads, plain[1])
+  router = jnp.moveaxis(grads["layers"]["moe"]["moe"]["router"], cfg.param_scan_axis, 0)  # [L_moe, D, E]
+  assert router.shape[0] == n_moe
+  assert float(jnp.min(jnp.max(jnp.abs(router), axis=(1, 2)))) > 0  # every MoE layer's router learns
+
+
+def test_bad_forced_ids_are_refused_by_forward(model):
+  cfg, params, tokens, plain, _ = model
+  ids = np.asarray(plain[0][1][1])
+  with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(.*\), expected \(.*\)"):
+    decoder.forward(cfg, params, tokens, forced_expert_ids=ids[:-1])
+  with pytest.raises(ValueError, match=r"forced_expert_ids: ids range over \[\d+, \d+\], expected -1"):
+    decoder.forward(cfg, params, tokens, forced_expert_ids=ids + cfg.model.num_experts)
+  dense_cfg = load_config("model=llama2-tiny", "cpu_devices=1")
+  with pytest.raises(ValueError, match="has no MoE layers"):
+    decoder.forward(dense_cfg, {}, tokens, forced_expert_ids=ids)
+  with pytest.raises(ConfigError, match="no MoE layers to replay"):
+    train_step.replay_batch_spec(dense_cfg)
+  with pytest.raises(ValueError, match="layer_inputs: the model has no 'gdn' layers"):
+    decoder.forward(cfg, params, tokens, layer_inputs={"gdn": {"x": ids}})
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe-tiny"], indirect=True)  # one preset: a step compile each
+def test_train_step_with_forced_ids(model):
+  _, _, tokens, plain, _ = model
+  cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32",
+                    f"train.seq_len={MT}", f"train.per_device_batch_size={MB // 2}", "train.micro_batches=2")
+  step = train_step.build_train_step(cfg, batch_spec=train_step.replay_batch_spec(cfg))
+  field = step.batch_spec["forced_expert_ids"]
+  n_moe = decoder.plan(cfg).count("moe")
+  assert field.shape(MB, MT) == (MB, MT, n_moe, cfg.model.num_experts_per_tok)
+  targets = jnp.roll(tokens, -1, axis=1)
+  logits = plain[0][1][0]
+  want = float(jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)))
+  ids = np.asarray(plain[0][1][1])  # [L_moe, B, T, k]
+  batch = {"inputs": np.asarray(tokens), "targets": np.asarray(targets),
+           "positions": np.broadcast_to(np.arange(MT, dtype=np.int32), (MB, MT)).copy(),
+           "segment_ids": np.ones((MB, MT), np.int32), "loss_mask": np.ones((MB, MT), np.float32)}
+
+  def loss_with(forced_LBTk):
+    state = step.init_state(jax.random.key(0))
+    _, metrics = step(state, step.put_batch(dict(batch, forced_expert_ids=np.moveaxis(forced_LBTk, 0, 2))))
+    assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+    return float(metrics["loss"])
+  assert abs(loss_with(ids) - want) <= 1e-5 * abs(want)  # replaying the recorded routing
+  assert abs(loss_with(np.full_like(ids, -1)) - want) <= 1e-5 * abs(want)  # nothing forced: top-k
+  assert abs(loss_with((ids + 1) % cfg.model.num_experts) - want) > 1e-4  # control: other experts
+  with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(4, 16, 3, 1\), expected \(4, 16, 3, 2\)"):
+    step.put_batch(dict(batch, forced_expert_ids=np.zeros((MB, MT, n_moe, 1), np.int32)))
+  with pytest.raises(ValueError, match=r"forced_expert_ids: ids range over \[-3, -1\]"):
+    step.put_batch(dict(batch, forced_expert_ids=np.full((MB, MT, n_moe, 2), -3, np.int32)
+                        + (np.arange(2) == 0) * 2))
