@@ -2,8 +2,9 @@
 scanned and unrolled, param_scan_axis 0 and 1, under both shard modes; the scan-stack layout
 detector's verdict on every cell.
 
-  .venv/bin/python benchmarks/depth.py --smoke          # tiny widths, depths 2 and 4: ~2-3 min
-  .venv/bin/python benchmarks/depth.py --reps 9         # the full sweep (llama2-tiny widths)
+  .venv/bin/python benchmarks/depth.py --smoke    # tiny widths, depths 2 and 4: 16 compiles, 4-10 min
+  .venv/bin/python benchmarks/depth.py --reps 9   # the full sweep, llama2-tiny widths: 40 compiles, ~30-45 min
+  (--depths, --layouts, --axes, --modes restrict the grid)
 
 For each depth, the cells (layout x param_scan_axis x shard mode) are the arms of one
 `bench.harness.run` (ABBA rounds, ratios against the first cell, scanned / axis 0 / explicit, with

@@ -32,7 +32,8 @@ attention not halved, the embedding lookup not counted) and its MFU against that
       --reps 3 --steps 20 --skip 5
   .venv/bin/python benchmarks/maxtext_vs_meshlm.py --geometry compute --smoke   # meshlm only, 1 rep of 3 steps
 
-Without --maxtext-python only the meshlm arms run, and the output says so.
+Without --maxtext-python only the meshlm arms run, and the output says so. --only TEXT (repeatable)
+keeps the arms whose name contains TEXT.
 """
 from __future__ import annotations
 
@@ -197,6 +198,8 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--skip", type=int, default=5, help="leading steps left out of each run's median")
   ap.add_argument("--peak-sizes", default="1024,2048,4096", help="matmul sizes n of the peak measurement")
+  ap.add_argument("--only", action="append", help="keep the arms whose name contains this text (repeatable; e.g. "
+                  "'unrolled' or 'MaxText, float32, scanned')")
   ap.add_argument("--smoke", action="store_true", help="1 rep of 3 steps (median of steps >= 1), peak at n=1024 only")
   ap.add_argument("--other-meshlm", help="a meshlm command installed beside another JAX (e.g. MaxText's "
                   "virtualenv, `pip install --no-deps .` there): adds its float32 preset arm")
@@ -204,12 +207,19 @@ def main() -> None:
   if args.smoke:
     args.reps, args.steps, args.skip, args.peak_sizes = 1, 3, 1, "1024"
   if args.skip >= args.steps:
-    raise SystemExit(f"--skip {args.skip} must be below --steps {args.steps}")
+    print(f"--skip {args.skip} must be below --steps {args.steps}", file=sys.stderr)
+    sys.exit(2)
   g = GEOMETRIES[args.geometry]
   mesh_base, mt_base = meshlm_base(g), maxtext_base(g)
   arms = dict(ARMS if args.geometry == "reference" else COMPUTE_ARMS)
   if not args.maxtext_python:
     arms = {k: v for k, v in arms.items() if v[0] == "meshlm"}
+  if args.only:
+    arms = {k: v for k, v in arms.items() if any(w in k for w in args.only)}
+    if not arms:
+      print(f"--only {' / '.join(args.only)}: no arm's name contains it; arms: "
+            f"{'; '.join(ARMS if args.geometry == 'reference' else COMPUTE_ARMS)}", file=sys.stderr)
+      sys.exit(2)
   if args.other_meshlm:
     other = os.path.join(os.path.dirname(args.other_meshlm), "python")
     jax_version = subprocess.run([other, "-c", "import jax; print(jax.__version__)"], capture_output=True, text=True,
@@ -253,7 +263,8 @@ def main() -> None:
         + "; ".join(f"n={n}: {peaks[0]['per_size'][n] / 1e9:.1f} / {peaks[1]['per_size'][n] / 1e9:.1f}" for n in sizes)
         + f"; peak used: {peak / 1e9:.1f} GFLOP/s")
   ratio_to = ("MaxText, bfloat16, scanned (its defaults)" if args.geometry == "reference" else
-              "MaxText, float32, scanned") if args.maxtext_python else next(iter(arms))
+              "MaxText, float32, scanned")
+  ratio_to = ratio_to if ratio_to in arms else next(iter(arms))
   print(mfu_table(results, ratio_to, step_flops, peak))
 
 

@@ -1,9 +1,9 @@
 """The explicit-vs-auto table for every tiny preset: step-time ratio with its 95% interval, census
 deltas against auto, compiled memory and the blow-up detector, per preset and arm.
 
-  .venv/bin/python benchmarks/table.py --smoke                      # one preset, tiny shapes, ~2-4 min
+  .venv/bin/python benchmarks/table.py --smoke     # llama2-tiny, tiny shapes, 6 rounds: ~2 min
   .venv/bin/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/performance.md
-  make bench-table                                                  # the full run, as above
+  make bench-table                                 # the full run, as above: up to ~1 h for 9 presets
 
 Rows: every preset named `*-tiny` in the preset registry (`meshlm presets`), so new families join
 by adding a preset. Arms (ARMS): auto; explicit (the default: both kernel-order flags on,
