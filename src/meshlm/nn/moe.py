@@ -19,6 +19,12 @@ Two speedups from the RL trainer (issue 11), each kept switchable against its pl
 - `fused_gate_up=True`: gate and up are one grouped matmul of width 2F, and `fused_glu`'s backward
   writes both half-gradients in one concatenate instead of autodiff's pad-and-add.
 
+Router replay (`forced_ids_BTk` [B, T, k], -1 = not forced; nn/router_replay.py): forced tokens take
+the given expert ids, weighted by the live router probabilities at those ids (so the router keeps its
+gradient); top-k runs over at most `replay_rows` gathered tokens that are neither forced nor padding,
+with a lax.cond fallback to the full top-k, bit-identical to `replay_impl="full"`. The side outputs
+always carry the routed ids ("moe_expert_ids"), which is what a rollout records for replay.
+
 The grouped matmul has two implementations (`grouped_matmul=`), measured in
 benchmarks/moe_grouped_matmul.py:
 - "blocks": the sorted rows are laid out per expert in row blocks of `block_rows` (each block holds
