@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any
 
 from meshlm.analysis import hlo as H
@@ -114,6 +115,116 @@ def _kernel_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
   return shapes
 
 
+def executed(mod: SH.Module, entry: str = "main"):
+  """Every op as the step runs it: (op, its full name-stack path, times per step).
+
+  Walks the call graph from the entry: an op in a function called from k sites is met k times, each
+  with its call site's path (a function JAX lowered once may run in the forward and in the backward),
+  and an op in a while body runs the loop's trip count times (1 when the count is not a constant).
+  Ops inside a shard_map (sdy.manual_computation) name their scopes from the shard_map's own.
+  """
+  stack: list[str] = []
+
+  def scope(op: SH.Op) -> str:
+    path = ""
+    for k in op.parents:
+      if mod.ops[k].name == "sdy.manual_computation":
+        path = join(path, mod.ops[k].close_scope)
+    return join(path, op.scope or op.close_scope)
+
+  def walk(func: str, prefix: str, times: int):
+    if func not in mod.funcs or func in stack or len(stack) > 64:
+      return
+    stack.append(func)
+    for op in mod.funcs[func]:
+      n = times
+      for w in op.loops:
+        n *= mod.trip_counts.get(w) or 1
+      path = join(prefix, scope(op))
+      yield op, path, n
+      if op.name == "func.call" and op.target:
+        yield from walk(op.target, path, n)
+    stack.pop()
+
+  yield from walk(entry, "", 1)
+
+
+def _param_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
+  """Shapes a weight gradient can have, as `_dims` tuples (a gradient may come out transposed):
+  each rank>=2 argument of the step with 0, 1 or 2 of its leading (layer, expert) axes dropped, or
+  one stacked axis dropped; and of a rank-3 slice, also with one dim of at most 64 (a head count)
+  split in two, as grouped-query attention computes a projection's gradient per kv head and group."""
+  shapes = set()
+  for _, shape, _ in mod.func_args.get("main", []):
+    cuts = [shape[k:] for k in range(min(3, len(shape) - 1))]
+    if len(shape) >= 3:
+      cuts.append(shape[:1] + shape[2:])
+    for cut in cuts:
+      shapes.add(_dims(cut))
+      if len(cut) != 3:
+        continue
+      for i, d in enumerate(cut):
+        for a in range(2, d if d <= 64 else 0):
+          if d % a == 0:
+            shapes.add(_dims(cut[:i] + (a, d // a) + cut[i + 1:]))
+  return shapes
+
+
+def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """A shape compared up to order and size-1 axes (one kv head: [D, 1, G, Dh] is [D, H, Dh])."""
+  return tuple(sorted(d for d in shape if d != 1))
+
+
+_CONTRACT = re.compile(r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\]")
+_PERM = re.compile(r"dims = \[([\d, ]*)\]")
+
+
+def _contracts_leading_axes(mod: SH.Module, op: SH.Op) -> bool:
+  """Whether a dot contracts the leading axis of both operands (looking through a transpose):
+  the token axis of activations, which a weight gradient sums over and an input gradient keeps."""
+  m = _CONTRACT.search(op.text)
+  if not m or len(op.operands) < 2:
+    return False
+  for side, operand in zip(m.groups(), op.operands[:2]):
+    dims = [int(d) for d in side.split(",") if d.strip()]
+    src = mod.def_of(op.func, operand)
+    if src is not None and src.name == "stablehlo.transpose":
+      perm = _PERM.search(src.text)
+      if perm:
+        order = [int(d) for d in perm.group(1).split(",") if d.strip()]
+        dims = [order[d] for d in dims if d < len(order)]
+    if 0 not in dims:
+      return False
+  return True
+
+
+def _strip_direction(where: str) -> str:
+  return where.rsplit(" ", 1)[0]
+
+
+def moe_counts(mod: SH.Module) -> dict[str, Any]:
+  """Sorts, gathers/scatters in MoE layers and weight-gradient dots, per step (see docs/analysis.md)."""
+  sorts = {"forward": 0, "backward": 0}
+  moe = {kind: {"forward": 0, "backward": 0} for kind in ("gathers", "scatters")}
+  wgrad: collections.Counter = collections.Counter()
+  params = _param_shapes(mod)
+  for op, path, n in executed(mod):
+    if op.name not in ("stablehlo.sort", "stablehlo.gather", "stablehlo.scatter", "stablehlo.dot_general"):
+      continue
+    where = attribute(path)
+    direction = "backward" if where.endswith(" backward") else "forward"
+    if op.name == "stablehlo.sort":
+      sorts[direction] += n
+    elif op.name == "stablehlo.dot_general":
+      shape = op.result_types[0][0] if op.result_types else ()
+      if (direction == "backward" and len(_dims(shape)) >= 2 and _dims(shape) in params
+          and _contracts_leading_axes(mod, op)):
+        wgrad[_strip_direction(where)] += n
+    elif "moe" in where.split(" ")[0].split("/"):
+      moe["gathers" if op.name == "stablehlo.gather" else "scatters"][direction] += n
+  return {"sorts": sorts, "moe": moe, "weight_grad_dots": dict(sorted(wgrad.items()))}
+
+
 def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
   """StableHLO fields, the transpose-of-dot pair list and the parsed module."""
   mod = SH.parse(text)
@@ -154,6 +265,7 @@ def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
       "transposes": kinds["stablehlo.transpose"],
       "dots": kinds["stablehlo.dot_general"],
       "op_counts": dict(sorted(kinds.items())),
+      **moe_counts(mod),
   }
   return counts, pairs, mod
 
@@ -293,7 +405,11 @@ SUMMARY_FIELDS = (
     "stablehlo.transposes", "stablehlo.dots", "hlo.transposes", "hlo.copies", "hlo.fusions",
     *[f"hlo.collectives.{k}.{f}" for k in COLLECTIVES for f in ("count", "bytes")],
     "blowups", "scan_layout", "memory.temp_size_in_bytes", "memory.total_bytes", "cost.flops", "cost.bytes_accessed",
+    "stablehlo.sorts.forward", "stablehlo.sorts.backward",
+    *[f"stablehlo.moe.{k}.{d}" for k in ("gathers", "scatters") for d in ("forward", "backward")],
 )
+# A dict field shown as one row per key: "stablehlo.weight_grad_dots.layers/mlp/moe/router".
+SUMMARY_DICTS = ("stablehlo.weight_grad_dots",)
 
 
 def field(result: dict, dotted: str) -> Any:
@@ -307,7 +423,11 @@ def field(result: dict, dotted: str) -> Any:
 
 
 def summary(result: dict) -> dict[str, Any]:
-  return {f: field(result, f) for f in SUMMARY_FIELDS}
+  out = {f: field(result, f) for f in SUMMARY_FIELDS}
+  for f in SUMMARY_DICTS:
+    for k, v in (field(result, f) or {}).items():
+      out[f"{f}.{k}"] = v
+  return out
 
 
 def fmt_value(v: Any) -> str:
@@ -328,8 +448,9 @@ def render(result: dict) -> str:
     lines.append(f"census {c['model']}  shard_mode={c['shard_mode']}  lm_head_kernel_order="
                  f"{c['lm_head_weight_grad_in_kernel_order']}  dense_kernel_order={c['dense_weight_grad_in_kernel_order']}"
                  f"  weight_grad_impl={c['weight_grad_impl']}")
-  width = max(len(f) for f in SUMMARY_FIELDS)
-  for f, v in summary(result).items():
+  rows = summary(result)
+  width = max(len(f) for f in rows)
+  for f, v in rows.items():
     lines.append(f"  {f:<{width}}  {fmt_value(v)}")
   pairs = result["stablehlo"]["transpose_of_dot"].get("pairs", [])
   if pairs:

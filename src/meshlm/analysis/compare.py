@@ -59,10 +59,12 @@ def compare(results: dict[str, dict[str, Any]], hlo_texts: dict[str, str]) -> di
 
 def render(report: dict[str, Any], max_buckets: int = 40) -> str:
   names = list(report["arms"])
-  width = max(len(f) for f in SUMMARY_FIELDS)
+  # The fixed fields, then each arm's per-key rows (weight-gradient dots by parameter), in order met.
+  fields = list(dict.fromkeys([*SUMMARY_FIELDS, *(f for n in names for f in report["arms"][n])]))
+  width = max(len(f) for f in fields)
   cols = [max(12, len(n)) for n in names]
   lines = [f"  {'field':<{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols))]
-  for f in SUMMARY_FIELDS:
+  for f in fields:
     vals = [report["arms"][n].get(f) for n in names]
     mark = "  *" if len(set(map(str, vals))) > 1 else ""
     lines.append(f"  {f:<{width}}  " + "  ".join(f"{fmt_value(v):>{w}}" for v, w in zip(vals, cols)) + mark)

@@ -29,7 +29,11 @@ ARMS: dict[str, tuple[str, ...]] = {
 }
 KEYS = ("stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "stablehlo.transpose_of_dot.blocked",
         "stablehlo.transpose_of_dot.weight_grad.adjacent", "stablehlo.transpose_of_dot.weight_grad.blocked",
-        "stablehlo.transposes", "stablehlo.dots", "blowups")
+        "stablehlo.transposes", "stablehlo.dots", "blowups",
+        # MoE fields (per step: call sites expanded, scan bodies times their trip count).
+        "stablehlo.sorts.forward", "stablehlo.sorts.backward", "stablehlo.moe.gathers.forward",
+        "stablehlo.moe.gathers.backward", "stablehlo.moe.scatters.forward", "stablehlo.moe.scatters.backward",
+        "stablehlo.weight_grad_dots")
 
 # The scanned stack, as real-size models run it (the llama2-tiny preset itself unrolls its layers).
 COMPILED_CONFIG = ("model=llama2-tiny", "scan_layers=true") + BASE

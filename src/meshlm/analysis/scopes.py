@@ -62,7 +62,9 @@ def attribute(path: str) -> str:
 def _is_scope(name: str) -> bool:
   if not name or name in _NOISE or "->" in name or "," in name or "(" in name or "<" in name:
     return False
-  return bool(re.match(r"^[A-Za-z_][\w.-]*$", name)) and not name.startswith("jit")
+  # lax.cond's branches are traced as "branch_<i>_fun": JAX's, not a layer's.
+  return (bool(re.match(r"^[A-Za-z_][\w.-]*$", name)) and not name.startswith("jit")
+          and not re.match(r"^branch_\d+_fun$", name))
 
 
 def join(caller: str, callee: str) -> str:

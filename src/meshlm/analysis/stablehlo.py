@@ -32,6 +32,12 @@ class Op:
   scope: str  # raw named-scope path from the location ("" when unknown)
   line: int
   text: str
+  # Index (into Module.ops) of each stablehlo.while whose body holds this op, outermost first.
+  loops: tuple[int, ...] = ()
+  # Index of every op whose region holds this op (whiles, sdy.manual_computation, case, ...).
+  parents: tuple[int, ...] = ()
+  # A region op's location printed after its region (`}) : ... loc(#N)`): its name-stack path.
+  close_scope: str = ""
 
   @property
   def target(self) -> str | None:
@@ -50,6 +56,8 @@ class Module:
   funcs: dict[str, list[Op]]
   func_args: dict[str, list[tuple[str, tuple[int, ...], str]]]
   defs: dict[tuple[str, str], Op]  # (func, value) -> defining op
+  # Index of each stablehlo.while op -> its trip count (None when the bound is not a constant).
+  trip_counts: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
   def def_of(self, func: str, value: str) -> Op | None:
     return self.defs.get((func, value.split("#")[0]))
@@ -116,7 +124,30 @@ def parse(text: str) -> Module:
   func_args: dict[str, list] = {}
   defs: dict[tuple[str, str], Op] = {}
   func = ""
+  # Open regions, innermost last: [op index, brace depth inside, "cond" | "do" (a while's) | "region"].
+  # JAX prints a while's `cond {`, `} do {` and `}` on lines of their own, and every other region
+  # op opens its region at the end of its line and closes it on a line that starts with `}` and
+  # carries the op's location; other braces balance within a line (attribute dicts).
+  depth, regions, pending = 0, [], None
+  trips: dict[int, int | None] = {}
+  seen_bound: set[int] = set()
   for i, line in enumerate(text.splitlines()):
+    before = depth
+    depth += line.count("{") - line.count("}")
+    stripped = line.strip()
+    if stripped == "cond {" and pending is not None:
+      regions.append([pending, depth, "cond"])
+      trips[pending] = None
+      pending = None
+      continue
+    if stripped == "} do {" and regions and regions[-1][1] == before:
+      regions[-1][2] = "do"
+      continue
+    while regions and depth < regions[-1][1]:
+      k, _, kind = regions.pop()
+      loc = _LOC_REF.search(line)
+      if kind == "region" and loc and not ops[k].close_scope:
+        ops[k].close_scope = locs.get(loc.group(1), "")
     m = _FUNC.match(line)
     if m:
       func = m.group(1)
@@ -150,10 +181,21 @@ def parse(text: str) -> Module:
     for r in results:
       base, _, count = r.partition(":")
       expanded += [f"{base}#{k}" for k in range(int(count))] if count else [base]
-    op = Op(func, expanded, name, operands, out_types, in_types, scope, i, line.strip())
+    op = Op(func, expanded, name, operands, out_types, in_types, scope, i, line.strip(),
+            tuple(k for k, _, kind in regions if kind == "do"), tuple(k for k, _, _ in regions))
+    if regions and regions[-1][2] == "cond" and name == "stablehlo.constant" and out_types == [((), "i32")]:
+      # The cond region compares the counter with the trip count: its one scalar i32 constant.
+      m = re.search(r"dense<(-?\d+)>", line)
+      w = regions[-1][0]
+      trips[w] = int(m.group(1)) if m and w not in seen_bound else None
+      seen_bound.add(w)
+    if name == "stablehlo.while":
+      pending = len(ops)
+    elif depth > before:
+      regions.append([len(ops), depth, "region"])
     ops.append(op)
     funcs.setdefault(func, []).append(op)
     for k, r in enumerate(expanded):
       defs[(func, r.split("#")[0] if len(expanded) == 1 else r)] = op
       defs.setdefault((func, r.split("#")[0]), op)
-  return Module(ops, funcs, func_args, defs)
+  return Module(ops, funcs, func_args, defs, trips)

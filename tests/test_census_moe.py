@@ -1,0 +1,157 @@
+"""The census's MoE fields: sorts forward/backward, gathers and scatters in MoE layers, weight-gradient
+dots by parameter, counted per step (call sites expanded, scan bodies times their trip count)."""
+import functools
+
+import jax
+import pytest
+
+from meshlm.analysis import census as C
+from meshlm.analysis import golden
+from meshlm.analysis import stablehlo as SH
+from meshlm.config import load_config
+
+# A hand-written module: @body runs in a 3-trip while; @shared is called from main and from @body,
+# once under a transpose(...) path; a shard_map region names its ops' scopes.
+TEXT = """module @m {
+  func.func public @main(%arg0: tensor<4x8xf32>, %arg1: tensor<2x8x16xf32>) -> tensor<4xi32> {
+    %0 = func.call @shared(%arg0) : (tensor<4x8xf32>) -> tensor<4xi32> loc(#loc1)
+    %c = stablehlo.constant dense<0> : tensor<i32> loc(#loc0)
+    %1:2 = stablehlo.while(%iterArg = %c, %iterArg_1 = %arg0) : tensor<i32>, tensor<4x8xf32>
+    cond {
+      %c_2 = stablehlo.constant dense<3> : tensor<i32> loc(#loc0)
+      %2 = stablehlo.compare LT, %iterArg, %c_2, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1> loc(#loc0)
+      stablehlo.return %2 : tensor<i1> loc(#loc0)
+    } do {
+      %2 = func.call @body(%iterArg_1) : (tensor<4x8xf32>) -> tensor<4x8xf32> loc(#loc2)
+      stablehlo.return %iterArg, %2 : tensor<i32>, tensor<4x8xf32> loc(#loc0)
+    } loc(#loc0)
+    return %0 : tensor<4xi32> loc(#loc0)
+  } loc(#loc0)
+  func.func private @body(%arg0: tensor<4x8xf32>) -> tensor<4x8xf32> {
+    %0 = func.call @shared(%arg0) : (tensor<4x8xf32>) -> tensor<4xi32> loc(#loc3)
+    %1 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"fsdp"}, {}]>] out_shardings=[<@mesh, [{"fsdp"}, {}]>] manual_axes={"fsdp"} (%arg1: tensor<1x8xf32>) {
+      %2 = "stablehlo.gather"(%arg1, %arg1) <{dimension_numbers = #stablehlo.gather<offset_dims = [1]>}> : (tensor<1x8xf32>, tensor<1x8xf32>) -> tensor<1x8xf32> loc(#loc4)
+      %3 = stablehlo.dot_general %2, %2, contracting_dims = [0] x [0] : (tensor<1x8xf32>, tensor<1x8xf32>) -> tensor<8x16xf32> loc(#loc5)
+      sdy.return %2 : tensor<1x8xf32> loc(#loc0)
+    } : (tensor<4x8xf32>) -> tensor<4x8xf32> loc(#loc6)
+    return %1 : tensor<4x8xf32> loc(#loc0)
+  } loc(#loc0)
+  func.func private @shared(%arg0: tensor<4x8xf32>) -> tensor<4xi32> {
+    %0:2 = "stablehlo.sort"(%arg0, %arg0) <{dimension = 0 : i64}> ({
+    ^bb0(%arg1: tensor<f32>, %arg2: tensor<f32>):
+      %1 = stablehlo.compare LT, %arg1, %arg2 : (tensor<f32>, tensor<f32>) -> tensor<i1> loc(#loc0)
+      stablehlo.return %1 : tensor<i1> loc(#loc0)
+    }) : (tensor<4x8xf32>, tensor<4x8xf32>) -> (tensor<4x8xf32>, tensor<4x8xf32>) loc(#loc7)
+    return %0#0 : tensor<4xi32> loc(#loc0)
+  } loc(#loc0)
+}
+#loc0 = loc(unknown)
+#loc1 = loc("jit(f)/jvp(head)/argsort")
+#loc2 = loc("jit(f)/transpose(jvp())/while/body/closed_call")
+#loc3 = loc("layers/argsort")
+#loc4 = loc("gather/gather")
+#loc5 = loc("experts/down/dot_general")
+#loc6 = loc("layers/moe/shard_map")
+#loc7 = loc("sort")
+"""
+
+
+def test_counts_per_step_through_calls_loops_and_shard_map():
+  mod = SH.parse(TEXT)
+  assert list(mod.trip_counts.values()) == [3]
+  got = C.moe_counts(mod)
+  # @shared's sort: once from main (forward), 3 times from the loop body (a transpose path: backward).
+  assert got["sorts"] == {"forward": 1, "backward": 3}
+  # The gather sits in the shard_map, whose scope "layers/moe/shard_map" puts it in a MoE layer.
+  assert got["moe"]["gathers"] == {"forward": 0, "backward": 3}
+  # The [8, 16] dot result is a slice of the [2, 8, 16] argument: a weight gradient, named by its scope.
+  assert got["weight_grad_dots"] == {"layers/moe/experts/down": 3}
+  # Controls: a loop bound that is not a constant counts the body once; without the shard_map's
+  # location its ops lose the "moe" scope.
+  once = C.moe_counts(SH.parse(TEXT.replace("dense<3>", "dense<3> : tensor<i32>\n      %c_3 = stablehlo.constant dense<4>")))
+  assert once["sorts"] == {"forward": 1, "backward": 1}
+  assert C.moe_counts(SH.parse(TEXT.replace('"layers/moe/shard_map"', '"shard_map"')))["moe"]["gathers"]["backward"] == 0
+  # A dot that keeps an operand's leading (token) axis is an input gradient, whatever its shape.
+  dx = TEXT.replace("contracting_dims = [0] x [0]", "contracting_dims = [1] x [0]")
+  assert C.moe_counts(SH.parse(dx))["weight_grad_dots"] == {}
+
+
+BASE = ("cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1", "train.seq_len=32", "shard_mode=explicit")
+
+
+def _census(preset: str, *over: str) -> dict:
+  jax.clear_caches()  # monkeypatched variants must not reuse a cached trace
+  return golden.stablehlo_census(load_config(f"model={preset}", *BASE, *over))["stablehlo"]
+
+
+def _wgrad(result: dict, name: str) -> dict:
+  return {k: v for k, v in result["weight_grad_dots"].items() if k.endswith("/" + name)}
+
+
+@pytest.fixture(scope="module")
+def qwen():
+  return _census("qwen3-moe-tiny")
+
+
+def test_qwen3_moe_tiny_one_sort_per_moe_layer_forward_none_backward(qwen):
+  # 4 layers: a dense one, then 3 MoE layers in a scan (trip count 3).
+  assert qwen["sorts"] == {"forward": 3, "backward": 0}
+  assert qwen["weight_grad_dots"]["layers/mlp/moe/router"] == 3
+  assert qwen["weight_grad_dots"]["layer_0/mlp/gate"] == 1  # the dense layer
+  # Per-expert dots in the scan over row blocks: gate and up per block, down per block.
+  assert qwen["weight_grad_dots"]["layers/mlp/moe/experts/gate_up"] == 2 * qwen["weight_grad_dots"][
+      "layers/mlp/moe/experts/down"] > 0
+  # The unsort's backward gathers by perm (custom VJP): one gather per layer in the backward.
+  assert qwen["moe"]["gathers"]["backward"] == 3
+
+
+def test_mixtral_tiny_unrolled_layers(monkeypatch):
+  r = _census("mixtral-tiny")
+  assert r["sorts"] == {"forward": 2, "backward": 0}
+  assert _wgrad(r, "moe/router") == {"layer_0/mlp/moe/router": 1, "layer_1/mlp/moe/router": 1}
+
+
+def test_remat_without_the_save_names_sorts_again_in_the_backward(monkeypatch):
+  """remat=full saves the permutation (0 sorts in the backward); without the names the backward
+  replays the argsort, once per MoE layer: the census sees it."""
+  assert _census("qwen3-moe-tiny", "remat=full")["sorts"] == {"forward": 3, "backward": 0}
+  from meshlm.nn import moe
+  monkeypatch.setattr(moe, "REMAT_SAVE_NAMES", ())
+  assert _census("qwen3-moe-tiny", "remat=full")["sorts"] == {"forward": 3, "backward": 3}
+
+
+def test_argsort_unsort_adds_a_sort_per_layer(monkeypatch):
+  """The plain unsort (argsort of perm) is a second sort per MoE layer."""
+  from meshlm.nn import moe
+  monkeypatch.setattr(moe, "moe_mlp", functools.partial(moe.moe_mlp, unsort_impl="argsort"))
+  assert _census("qwen3-moe-tiny")["sorts"] == {"forward": 6, "backward": 0}
+
+
+def test_frozen_router_has_no_weight_gradient_dots(qwen):
+  r = _census("qwen3-moe-tiny", "train.freeze=['.*router.*']")
+  assert _wgrad(r, "router") == {}
+  assert _wgrad(qwen, "router") == {"layers/mlp/moe/router": 3}  # control: not frozen
+  # Everything else keeps its weight-gradient dots.
+  rest = {k: v for k, v in qwen["weight_grad_dots"].items() if not k.endswith("router")}
+  assert r["weight_grad_dots"] == rest
+
+
+def test_dense_preset_has_no_sorts_and_seven_weight_gradients_per_layer():
+  r = _census("llama2-tiny")
+  assert r["sorts"] == {"forward": 0, "backward": 0}
+  assert r["moe"] == {"gathers": {"forward": 0, "backward": 0}, "scatters": {"forward": 0, "backward": 0}}
+  per_layer = {k.split("/", 1)[1] for k in r["weight_grad_dots"] if k.startswith("layer_0/")}
+  assert per_layer == {"attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down"}
+  assert sum(r["weight_grad_dots"].values()) == 2 * 7 + 1  # and the LM head
+
+
+def test_summary_and_compare_show_the_moe_fields(qwen):
+  from meshlm.analysis.compare import render
+  s = C.summary({"stablehlo": qwen})
+  assert s["stablehlo.sorts.forward"] == 3 and s["stablehlo.sorts.backward"] == 0
+  assert s["stablehlo.weight_grad_dots.layers/mlp/moe/router"] == 3
+  frozen = dict(s)
+  del frozen["stablehlo.weight_grad_dots.layers/mlp/moe/router"]
+  text = render({"arms": {"a": s, "b": frozen}, "identical_op_counts": False, "diff": []})
+  row = next(line for line in text.splitlines() if "weight_grad_dots.layers/mlp/moe/router" in line)
+  assert row.split()[1:] == ["3", "-", "*"]
