@@ -25,8 +25,9 @@ fake devices with fsdp=4, float32 in both trainers, scanned and unrolled. Every 
 a matmul peak in the same process that launches the arms (a jitted float32 [n, n] @ [n, n] at
 --peak-sizes, median FLOP/s per size, the best size taken as the peak; once before the arms and
 once after, the higher of the two is the peak) and reports each arm's model FLOP/s (flops_per_token:
-the PaLM convention, 6 x matmul parameters + 12 x layers x heads x head_dim x seq per token, causal
-attention not halved, the embedding lookup not counted) and its MFU against that peak.
+6 x matmul parameters + 6 x layers x heads x head_dim x seq per token: causal attention halved as
+Megatron and MaxText count it, the embedding lookup not counted) and its MFU against that peak;
+MaxText's own count, read from its TFLOP/s log, is printed beside it as a check.
 
   .venv/bin/python benchmarks/maxtext_vs_meshlm.py --geometry compute --maxtext-python /tmp/mtvenv/bin/python \
       --reps 3 --steps 20 --skip 5
@@ -99,18 +100,23 @@ COMPUTE_ARMS = {
     "MaxText, float32, unrolled": ("maxtext", ["dtype=float32", "scan_layers=false"]),
 }
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
+# MaxText's own model-FLOP rate on the same line (its calculate_tflops_training_per_device).
+TFLOPS = re.compile(r"TFLOP/s/device: ([\d.]+)")
+MAXTEXT_FLOPS: dict[str, float] = {}  # MaxText's own model FLOPs per step, by its arguments (see run_maxtext)
 
 
-def flops_per_token(g: dict) -> float:
-  """Model FLOPs of one training token (forward + backward) for geometry g, the PaLM convention:
-  6 x the matmul parameters a token meets (per layer q, k, v, o and the gated MLP's three; the LM
-  head) + 12 x layers x heads x head_dim x seq for the attention scores and values (each 2 x seq x
-  heads x head_dim forward, full square: causal masking not halved). Norms, softmax, rotary and the
-  embedding lookup are not counted."""
+def flops_per_token(g: dict, causal: bool = True) -> float:
+  """Model FLOPs of one training token (forward + backward) for geometry g: 6 x the matmul
+  parameters a token meets (per layer q, k, v, o and the gated MLP's three; the LM head) + 12 x
+  layers x heads x head_dim x seq for the attention scores and values (PaLM's count: forward 2 x
+  seq x heads x head_dim each), halved for the causal mask when causal (the Megatron / MaxText
+  convention, so MaxText's own TFLOP/s is comparable). Norms, softmax, rotary and the embedding
+  lookup are not counted."""
   d, hd = g["embed"], g["head_dim"]
   per_layer = d * g["heads"] * hd + 2 * d * g["kv_heads"] * hd + g["heads"] * hd * d + 3 * d * g["mlp"]
   matmul_params = g["layers"] * per_layer + d * g["vocab"]
-  return 6.0 * matmul_params + 12.0 * g["layers"] * g["heads"] * hd * g["seq"]
+  attention = 12.0 * g["layers"] * g["heads"] * hd * g["seq"]
+  return 6.0 * matmul_params + (attention / 2 if causal else attention)
 
 
 def flops_per_step(g: dict) -> float:
@@ -143,6 +149,18 @@ def matmul_peak(sizes=(1024, 2048, 4096), reps: int = 5) -> dict:
   return {"per_size": per_size, "peak": max(per_size.values())}
 
 
+def parse_step_line(line: str) -> tuple[int, float, float | None] | None:
+  """A MaxText "completed step" log line -> (step, seconds, its own model FLOPs for the whole step
+  or None); None for any other line."""
+  m = STEP_LINE.search(line)
+  if not m:
+    return None
+  step, seconds = int(m.group(1)), float(m.group(2))
+  f = TFLOPS.search(line)
+  own = float(f.group(1)) * 1e12 * seconds * DEVICES if f and seconds > 0 else None  # per device -> the step's
+  return step, seconds, own
+
+
 def run_meshlm(extra: list[str], steps: int, binary: str = MESHLM, base: list[str] | None = None) -> tuple[float, list[float]]:
   return launch([*(MESHLM_BASE if base is None else base), *extra], steps, binary)
 
@@ -154,18 +172,22 @@ def run_maxtext(python: str, config: str, extra: list[str], steps: int, base: li
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, **MAXTEXT_ENV}, cwd=out)
-    first, times, tail = None, {}, []
+    first, times, tail, own = None, {}, [], []
     for line in proc.stdout:
       tail = (tail + [line])[-40:]
-      m = STEP_LINE.search(line)
-      if m:
+      parsed = parse_step_line(line)
+      if parsed:
         if first is None:
           first = time.perf_counter() - t0
-        times[int(m.group(1))] = float(m.group(2))
+        times[parsed[0]] = parsed[1]
+        if parsed[2] is not None:
+          own.append(parsed[2])
     if proc.wait():
       raise SystemExit(f"{' '.join(cmd)} failed:\n{''.join(tail)}")
     if first is None:
       raise SystemExit(f"no 'completed step' lines from MaxText:\n{''.join(tail)}")
+    if own:
+      MAXTEXT_FLOPS[" ".join(extra)] = statistics.median(own)
     return first, [times[k] for k in sorted(times)]
 
 
@@ -266,6 +288,9 @@ def main() -> None:
               "MaxText, float32, scanned")
   ratio_to = ratio_to if ratio_to in arms else next(iter(arms))
   print(mfu_table(results, ratio_to, step_flops, peak))
+  for arm_keys, own in MAXTEXT_FLOPS.items():
+    print(f"MaxText's own count ({arm_keys}): {own:.4g} model FLOPs per step, {own / step_flops:.3f} of this "
+          "script's (its TFLOP/s/device x seconds x devices; the seconds are printed to 3 decimals)")
 
 
 if __name__ == "__main__":

@@ -214,11 +214,13 @@ TINY = dict(embed=4, mlp=6, layers=1, heads=2, kv_heads=1, head_dim=2, vocab=10,
 
 def test_flops_per_token_hand_count():
   # q 4x(2x2) = 16, k and v 4x(1x2) = 8 each, o (2x2)x4 = 16, gate/up/down 3 x 4x6 = 72: 120 per layer;
-  # head 4x10 = 40: 160 matmul parameters, 6 x 160 = 960. Attention: 12 x 1 layer x 2 heads x 2 x seq 3 = 144.
-  assert mt.flops_per_token(TINY) == 960 + 144
-  assert mt.flops_per_step(TINY) == (960 + 144) * 1 * mt.DEVICES * 3
+  # head 4x10 = 40: 160 matmul parameters, 6 x 160 = 960. Attention: 12 x 1 layer x 2 heads x 2 x seq 3 = 144,
+  # halved for the causal mask (72) unless causal=False.
+  assert mt.flops_per_token(TINY) == 960 + 72
+  assert mt.flops_per_token(TINY, causal=False) == 960 + 144
+  assert mt.flops_per_step(TINY) == (960 + 72) * 1 * mt.DEVICES * 3
   # Negative control: grouped-query heads count: with kv_heads = heads the count moves by 6 x 2 x 4 x 2.
-  assert mt.flops_per_token(TINY | {"kv_heads": 2}) == 960 + 144 + 6 * 16
+  assert mt.flops_per_token(TINY | {"kv_heads": 2}) == 960 + 72 + 6 * 16
 
 
 def test_flops_per_token_matches_meshlm_parameter_shapes():
@@ -238,7 +240,7 @@ def test_flops_per_token_matches_meshlm_parameter_shapes():
     if len(dims) >= 2 and "embed" != jax.tree_util.keystr(path).strip("[]'"):
       total += layers * math.prod(dims)
   attention = 12 * g["layers"] * g["heads"] * g["head_dim"] * g["seq"]
-  assert mt.flops_per_token(g) == 6 * total + attention
+  assert mt.flops_per_token(g, causal=False) == 6 * total + attention
   assert (cfg.model.embed_dim, cfg.model.mlp_dim, cfg.model.num_layers, cfg.model.vocab_size) == (512, 1376, 4, 4096)
   assert cfg.train.per_device_batch_size * 4 == 8 and cfg.train.seq_len == 256 and cfg.mesh.fsdp == 4
 
@@ -262,3 +264,15 @@ def test_reference_geometry_is_the_old_command_line():
   assert mt.MAXTEXT_BASE[:10] == ["dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=128",
                                   "base_emb_dim=256", "base_num_decoder_layers=2", "base_num_query_heads=8",
                                   "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=768", "vocab_size=512"]
+
+
+def test_maxtext_step_line():
+  """The line MaxText 0.2.5's metric_logger writes: step, seconds and its own FLOPs (TFLOP/s/device x
+  seconds x devices); other lines are None."""
+  line = ("I1130 13:45:01 metric_logger.py:240] completed step: 7, seconds: 2.000, TFLOP/s/device: 0.025, "
+          "Tokens/s/device: 256.0, total_weights: 2048, loss: 8.3, lm_loss: 8.3, perplexity: 4000.0")
+  step, seconds, own = mt.parse_step_line(line)
+  assert (step, seconds) == (7, 2.0)
+  assert own == pytest.approx(0.025e12 * 2.0 * mt.DEVICES)
+  assert mt.parse_step_line("completed step: 3, seconds: 1.500, loss: 2.0") == (3, 1.5, None)
+  assert mt.parse_step_line("completed profiler activation/deactivation step: 3") is None
