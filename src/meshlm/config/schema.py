@@ -134,7 +134,7 @@ class MeshConfig(_Strict):
   data: int = Field(default=1, description="data-parallel size (-1: the devices left)")
   fsdp: int = Field(default=-1, description="FSDP size: shards parameters along embed (-1: the devices left)")
   tensor: int = Field(default=1, description="tensor-parallel size: shards heads, mlp and vocab (-1: the devices left)")
-  expert: int = Field(default=1, description="expert-parallel size (no model shards on it yet)")
+  expert: int = Field(default=1, description="expert-parallel size: shards the MoE experts (must divide num_experts)")
   context: int = Field(default=1, description="context-parallel size over the sequence (no model shards on it yet)")
 
   @model_validator(mode="after")

@@ -33,9 +33,19 @@ benchmarks/moe_grouped_matmul.py:
 - "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel).
 "auto" picks "blocks" on CPU and "ragged" elsewhere.
 
-Under a mesh, the dispatch runs per batch shard inside `shard_map` (tokens are routed among the
-experts on their own device; expert weights are gathered whole), the same code under explicit and
-auto sharding. Expert parallelism (experts sharded over mesh.expert) is not built here yet.
+Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding:
+- mesh.expert = 1: per batch (and length) shard; tokens stay on their device, the expert kernels
+  are gathered whole.
+- mesh.expert = ep > 1 (expert parallelism, `_dispatch_ep`): the kernels stay sharded on their
+  experts axis, each device holding E / ep experts (FSDP still gathers their embed dim). The tokens of
+  the ep devices of an expert group are all-gathered over the expert axis; each device sorts the
+  group's (token, slot) pairs with its local experts first (ids outside its range sort last and get
+  no grouped-matmul rows: `dispatch(expert_offset=)`), computes its experts' part of every token's
+  weighted sum, and a reduce-scatter over the expert axis returns each device its own tokens' sums.
+  The kernels' gradients stay local to their experts. (A batch that does not split over the expert
+  axis is already shared by the group: no gather, and a psum adds the parts.) All-gather in and
+  reduce-scatter out was chosen over all-to-all: dropless routing has no static per-peer row count,
+  so an all-to-all would need worst-case buffers of the same size, plus a second sort.
 """
 from __future__ import annotations
 
