@@ -125,7 +125,7 @@ def test_second_signal_exits_at_once(tmp_path, env):
           "assert s.requested()\n"
           "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
           "print('still running')\n")
-  p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+  p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
   assert p.returncode == 128 + signal.SIGINT, p.stderr
   assert "still running" not in p.stdout
   assert "second SIGINT: exiting now" in p.stderr

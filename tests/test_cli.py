@@ -37,7 +37,7 @@ def error_runs(tmp_path_factory):
   procs = {name: subprocess.Popen([MESHLM, "train", *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
            for name, (args, _) in ERRORS.items()}
-  out = {name: (p.wait(timeout=120),) + p.communicate() for name, p in procs.items()}
+  out = {name: (p.wait(timeout=600),) + p.communicate() for name, p in procs.items()}
   out["cwd"] = cwd
   return out
 
