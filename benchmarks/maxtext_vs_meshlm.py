@@ -27,7 +27,8 @@ a matmul peak in the same process that launches the arms (a jitted float32 [n, n
 once after, the higher of the two is the peak) and reports each arm's model FLOP/s (flops_per_token:
 6 x matmul parameters + 6 x layers x heads x head_dim x seq per token: causal attention halved as
 Megatron and MaxText count it, the embedding lookup not counted) and its MFU against that peak;
-MaxText's own count, read from its TFLOP/s log, is printed beside it as a check.
+MaxText's own count's split (attention against weights, from its start-up log) is printed beside
+this script's as a check of the convention.
 
   .venv/bin/python benchmarks/maxtext_vs_meshlm.py --geometry compute --maxtext-python /tmp/mtvenv/bin/python \
       --reps 3 --steps 20 --skip 5
@@ -100,9 +101,10 @@ COMPUTE_ARMS = {
     "MaxText, float32, unrolled": ("maxtext", ["dtype=float32", "scan_layers=false"]),
 }
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
-# MaxText's own model-FLOP rate on the same line (its calculate_tflops_training_per_device).
-TFLOPS = re.compile(r"TFLOP/s/device: ([\d.]+)")
-MAXTEXT_FLOPS: dict[str, float] = {}  # MaxText's own model FLOPs per step, by its arguments (see run_maxtext)
+# MaxText prints its own model-FLOP count at start-up (calculate_tflops_training_per_device): the total
+# to 2 decimals of a TFLOP (too coarse at CPU sizes) and its split to 0.01%, which is what is checked.
+SPLIT_LINE = re.compile(r"split as ([\d.]+)% learnable weight flops and ([\d.]+)% attention flops")
+MAXTEXT_SPLIT: dict[str, float] = {}  # MaxText's attention share of its model FLOPs (%), by the arm's keys
 
 
 def flops_per_token(g: dict, causal: bool = True) -> float:
@@ -149,16 +151,16 @@ def matmul_peak(sizes=(1024, 2048, 4096), reps: int = 5) -> dict:
   return {"per_size": per_size, "peak": max(per_size.values())}
 
 
-def parse_step_line(line: str) -> tuple[int, float, float | None] | None:
-  """A MaxText "completed step" log line -> (step, seconds, its own model FLOPs for the whole step
-  or None); None for any other line."""
+def parse_step_line(line: str) -> tuple[int, float] | None:
+  """A MaxText "completed step" log line -> (step, seconds); None for any other line."""
   m = STEP_LINE.search(line)
-  if not m:
-    return None
-  step, seconds = int(m.group(1)), float(m.group(2))
-  f = TFLOPS.search(line)
-  own = float(f.group(1)) * 1e12 * seconds * DEVICES if f and seconds > 0 else None  # per device -> the step's
-  return step, seconds, own
+  return (int(m.group(1)), float(m.group(2))) if m else None
+
+
+def attention_share(g: dict, causal: bool = True) -> float:
+  """The attention scores and values' share of flops_per_token, in % (MaxText prints its own)."""
+  weights = flops_per_token(g, causal=False) - 12.0 * g["layers"] * g["heads"] * g["head_dim"] * g["seq"]
+  return 100.0 * (flops_per_token(g, causal) - weights) / flops_per_token(g, causal)
 
 
 def run_meshlm(extra: list[str], steps: int, binary: str = MESHLM, base: list[str] | None = None) -> tuple[float, list[float]]:
@@ -172,7 +174,7 @@ def run_maxtext(python: str, config: str, extra: list[str], steps: int, base: li
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, **MAXTEXT_ENV}, cwd=out)
-    first, times, tail, own = None, {}, [], []
+    first, times, tail = None, {}, []
     for line in proc.stdout:
       tail = (tail + [line])[-40:]
       parsed = parse_step_line(line)
@@ -180,14 +182,13 @@ def run_maxtext(python: str, config: str, extra: list[str], steps: int, base: li
         if first is None:
           first = time.perf_counter() - t0
         times[parsed[0]] = parsed[1]
-        if parsed[2] is not None:
-          own.append(parsed[2])
+      split = SPLIT_LINE.search(line)
+      if split:
+        MAXTEXT_SPLIT[" ".join(extra)] = float(split.group(2))
     if proc.wait():
       raise SystemExit(f"{' '.join(cmd)} failed:\n{''.join(tail)}")
     if first is None:
       raise SystemExit(f"no 'completed step' lines from MaxText:\n{''.join(tail)}")
-    if own:
-      MAXTEXT_FLOPS[" ".join(extra)] = statistics.median(own)
     return first, [times[k] for k in sorted(times)]
 
 
@@ -288,9 +289,9 @@ def main() -> None:
               "MaxText, float32, scanned")
   ratio_to = ratio_to if ratio_to in arms else next(iter(arms))
   print(mfu_table(results, ratio_to, step_flops, peak))
-  for arm_keys, own in MAXTEXT_FLOPS.items():
-    print(f"MaxText's own count ({arm_keys}): {own:.4g} model FLOPs per step, {own / step_flops:.3f} of this "
-          "script's (its TFLOP/s/device x seconds x devices; the seconds are printed to 3 decimals)")
+  for arm_keys, share in MAXTEXT_SPLIT.items():
+    print(f"attention's share of the model FLOPs: MaxText's own count ({arm_keys}) {share:.2f}%, this script's "
+          f"{attention_share(g):.2f}% (causal halved; {attention_share(g, causal=False):.2f}% if not)")
 
 
 if __name__ == "__main__":

@@ -266,13 +266,17 @@ def test_reference_geometry_is_the_old_command_line():
                                   "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=768", "vocab_size=512"]
 
 
-def test_maxtext_step_line():
-  """The line MaxText 0.2.5's metric_logger writes: step, seconds and its own FLOPs (TFLOP/s/device x
-  seconds x devices); other lines are None."""
+def test_maxtext_log_lines():
+  """MaxText 0.2.5's lines: a step's seconds, and its start-up FLOP split; other lines are None."""
   line = ("I1130 13:45:01 metric_logger.py:240] completed step: 7, seconds: 2.000, TFLOP/s/device: 0.025, "
           "Tokens/s/device: 256.0, total_weights: 2048, loss: 8.3, lm_loss: 8.3, perplexity: 4000.0")
-  step, seconds, own = mt.parse_step_line(line)
-  assert (step, seconds) == (7, 2.0)
-  assert own == pytest.approx(0.025e12 * 2.0 * mt.DEVICES)
-  assert mt.parse_step_line("completed step: 3, seconds: 1.500, loss: 2.0") == (3, 1.5, None)
+  assert mt.parse_step_line(line) == (7, 2.0)
   assert mt.parse_step_line("completed profiler activation/deactivation step: 3") is None
+  split = mt.SPLIT_LINE.search(" split as 98.28% learnable weight flops and 1.72% attention flops")
+  assert split and float(split.group(2)) == 1.72
+
+
+def test_attention_share():
+  # TINY: weights 960, attention 144 full or 72 causal.
+  assert mt.attention_share(TINY) == pytest.approx(100 * 72 / 1032)
+  assert mt.attention_share(TINY, causal=False) == pytest.approx(100 * 144 / 1104)
