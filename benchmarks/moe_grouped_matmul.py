@@ -67,7 +67,8 @@ def layer_arms(tokens, dim, out, experts, k, ragged):
   c = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
   variants = {"reference": dict(impl="reference"), "dropless": {},
               "dropless, split gate/up": dict(fused_gate_up=False),
-              "dropless, argsort unsort": dict(unsort_impl="argsort")}
+              "dropless, argsort unsort": dict(unsort_impl="argsort"),
+              "dropless, no grad barrier": dict(grad_barrier=False)}
   if ragged:
     variants["dropless, ragged_dot"] = dict(grouped_matmul="ragged")
   arms_ = {}

@@ -336,15 +336,41 @@ def _blocks_matmul_bwd(res, dy_NbF):
 _blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd)
 
 
+# --- the expert-weight-gradient scheduling barrier ---------------------------------------------------
+
+@jax.custom_vjp
+def expert_grad_barrier(xs_AD: jax.Array, kernels: tuple) -> tuple[jax.Array, tuple]:
+  """Identity on (the experts' input rows, expert kernels). In the backward, the rows' cotangent
+  (what the gather's scatter-add turns into x's gradient) and the kernels' cotangents (the grouped
+  matmuls' weight gradients) pass one optimization_barrier together: XLA must have all of them
+  before any leaves, so the expert weight gradients are scheduled with the input gradient that the
+  previous layer's backward waits on, not deferred and interleaved with it. Numerically a no-op
+  (bit-identical values)."""
+  return xs_AD, kernels
+
+
+def _expert_grad_barrier_fwd(xs_AD, kernels):
+  return (xs_AD, kernels), None
+
+
+def _expert_grad_barrier_bwd(_, cts):
+  return jax.lax.optimization_barrier(cts)
+
+
+expert_grad_barrier.defvjp(_expert_grad_barrier_fwd, _expert_grad_barrier_bwd)
+
+
 # --- dispatch ----------------------------------------------------------------------------------------
 
 def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
              down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
              grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
-             expert_offset: jax.Array | None = None):
+             expert_offset: jax.Array | None = None, grad_barrier: bool = True):
   """Dropless expert computation on local tokens: y [N, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
 
   fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
+  grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
+  optimization barrier over their cotangents in the backward).
   expert_offset (expert parallelism): the kernels hold experts [offset, offset + E) of all experts;
   only the slots routed to those run, the rest sort to the end, get no rows in the grouped matmul
   and give zeros (y is this shard's part of the sum over k).
@@ -368,6 +394,14 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
   with jax.named_scope("gather"):
     xs = x_ND[perm // K]  # [A, D]
+  if grad_barrier:
+    # On the grouped matmuls' input rows and kernels: the rows' cotangent enters the barrier before
+    # the gather's scatter-add, so XLA may still fold other gradients of x into that scatter (as
+    # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
+    # shard_map the kernels are made varying first (as the grouped matmul would), so the barrier's
+    # cotangents have its inputs' types; the cast's transpose (the cross-shard sum) stays outside.
+    kernels = tuple(_vary_like(w, xs) for w in (gate_EDF, up_EDF, down_EFD))
+    xs, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs, kernels)
   # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
   with jax.named_scope("experts"):
     if fused_gate_up:
@@ -402,7 +436,8 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
             activation: Callable = jax.nn.silu, router_dtype=jnp.float32, impl: str = "dropless",
             grouped_matmul: str = "auto", block_rows: int | None = None, fused_gate_up: bool = True,
             unsort_impl: str = "perm", token_mask_BT: jax.Array | None = None,
-            forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact"):
+            forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact",
+            grad_barrier: bool = True):
   """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
   "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces).
 
@@ -436,7 +471,8 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     if impl != "dropless":
       raise ValueError(f"moe_impl={impl!r}: expected dropless or reference")
     fn = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
-                           block_rows=block_rows, unsort_impl=unsort_impl, fused_gate_up=fused_gate_up)
+                           block_rows=block_rows, unsort_impl=unsort_impl, fused_gate_up=fused_gate_up,
+                           grad_barrier=grad_barrier)
     kernels = (*_gate_and_up(p), p["down"])
     mesh = current_mesh()
     if mesh.empty:
