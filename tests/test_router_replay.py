@@ -7,6 +7,9 @@
   qwen3-moe-tiny and mixtral-tiny); other ids change the output; the router keeps a gradient when
   every token is forced; explicit and auto sharding give the unsharded ids.
 - The train step takes the ids as a batch field; bad shapes and ranges are refused in one line.
+- The decoder's per-layer inputs reach each MoE layer through a scan period holding two of them, an
+  unrolled remainder, param_scan_axis=1 and remat=full (checked to fail when the period's rank is
+  ignored in the slicing).
 """
 import functools
 
@@ -243,3 +246,27 @@ def test_train_step_with_forced_ids(model):
   with pytest.raises(ValueError, match=r"forced_expert_ids: ids range over \[-3, -1\]"):
     step.put_batch(dict(batch, forced_expert_ids=np.full((MB, MT, n_moe, 2), -3, np.int32)
                         + (np.arange(2) == 0) * 2))
+
+
+def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
+  """A plan whose scanned period holds two MoE layers ([G, n] grouping), an unrolled MoE remainder,
+  param_scan_axis=1 and remat=full: every MoE layer routes by its own row of the forced ids, and the
+  recorded ids replay bit for bit (forward only, small dims)."""
+  cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", "model.num_layers=7", "model.mlp_only_layers=[2,5]",
+                    "model.embed_dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+                    "model.mlp_dim=64", "model.moe_mlp_dim=32", "model.vocab_size=128", "param_scan_axis=1",
+                    "remat=full", "train.compute_dtype=float32")
+  lp = decoder.plan(cfg)
+  assert (lp.kinds, lp.period, lp.groups, lp.rest) == (("moe", "moe", "dense") * 2 + ("moe",), 3, 2, 1)
+  params = decoder.init_params(cfg, jax.random.key(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 8)), jnp.int32)
+  fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, forced_expert_ids=f))
+  logits, side = jax.jit(lambda p: decoder.forward(cfg, p, tokens, return_side=True))(params)
+  ids = np.asarray(side["moe_expert_ids"])  # [5, 2, 8, 2]
+  assert ids.shape == (5, 2, 8, 2)
+  assert _same(fwd(params, ids), (logits, side))
+  # Each layer gets its own row: a different shift per MoE layer comes back layer by layer.
+  shifted = (ids + 1 + np.arange(5)[:, None, None, None]) % cfg.model.num_experts
+  got_logits, got = fwd(params, shifted)
+  np.testing.assert_array_equal(got["moe_expert_ids"], shifted)
+  assert float(jnp.max(jnp.abs(got_logits - logits))) > 1e-4
