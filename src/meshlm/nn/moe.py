@@ -478,17 +478,18 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     if mesh.empty:
       return fn(x_BTD, ids, w, *kernels), side
     spec = _batch_spec(x_BTD.shape)
-    x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
-    if EXPERT_AXIS not in _axes_of(logical_spec(EXPERT_KERNEL, kernels[-1].shape[:1])):
+    kspec = logical_spec(EXPERT_KERNEL, kernels[-1].shape[:1])
+    if EXPERT_AXIS not in _axes_of(kspec):
       # One dispatch per batch (and length) shard: tokens stay on their device; kernels are gathered.
       kernels = tuple(constrain(a, (None,) * a.ndim) for a in kernels)
+      x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
       y = jax.shard_map(fn, in_specs=(spec, spec, spec) + (jax.sharding.PartitionSpec(),) * len(kernels),
                         out_specs=spec)(x_BTD, ids, w, *kernels)
       return y, side
     # Expert parallelism: each device keeps its E / ep experts (gathered over fsdp only) and computes
     # them for every token of its expert group (see _dispatch_ep).
-    kspec = logical_spec(EXPERT_KERNEL, kernels[-1].shape[:1])
     kernels = tuple(constrain(a, EXPERT_KERNEL + (None,) * (a.ndim - 1)) for a in kernels)
+    x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
     ep_fn = functools.partial(_dispatch_ep, fn, gathered=EXPERT_AXIS in _axes_of(spec[:1]),
                               block_rows=block_rows, num_experts=E)
     y = jax.shard_map(ep_fn, in_specs=(spec, spec, spec) + (kspec,) * len(kernels),
