@@ -261,6 +261,7 @@ def max_diff(a: dict, b: dict) -> float:
 MODEL_PRESETS = ["qwen3-moe-tiny", "mixtral-tiny"]
 
 
+@pytest.mark.slow  # 2 compiles of a whole train step and 20 steps each
 @pytest.mark.parametrize("mesh", ["expert2-fsdp2", "data2-expert2"])
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
 def test_model_explicit_equals_auto_under_ep(preset, mesh):
@@ -273,6 +274,7 @@ def test_model_explicit_equals_auto_under_ep(preset, mesh):
   assert max_diff(explicit, auto) <= PARITY_ATOL
 
 
+@pytest.mark.slow  # one more train step (fsdp=4); the EP run is shared with the test above
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
 def test_model_ep_equals_no_ep(preset):
   ep, no_ep = trained(preset, "expert2-fsdp2", "explicit"), trained(preset, "fsdp4", "explicit")
