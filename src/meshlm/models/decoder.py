@@ -23,6 +23,7 @@ from meshlm.config import Config
 from meshlm.models import spec as S
 from meshlm.models.context import Context, make_context
 from meshlm.models.registry import family
+from meshlm.nn import moe
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
@@ -276,7 +277,9 @@ def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: 
   if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
-  x, cache, side = run_layers(cfg, params["layers"], x, ctx, cache, collect, layer_inputs)
+  # MoE routers: each stacked router kernel is all-gathered once here, not per layer in the scan.
+  layers = moe.gather_router_once(params["layers"], param_specs(cfg)["layers"])
+  x, cache, side = run_layers(cfg, layers, x, ctx, cache, collect, layer_inputs)
   x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
   if last_B is not None:
     pick = jax.nn.one_hot(last_B, x.shape[1], dtype=x.dtype)  # [B, T]

@@ -65,6 +65,7 @@ from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
 from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
 
 ROUTER_LOGITS = ("batch", "length", None)
+ROUTER_AXES = ("embed", None)
 # Values a remat policy should save so that the backward replays no sort: the sort's permutation.
 # jax.checkpoint(policy=checkpoint_dots) alone recomputes the argsort in the backward; combine it with
 # save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
@@ -80,7 +81,7 @@ def moe_spec(m) -> dict:
   """Parameters of one MoE layer: router [D, E], gate/up [E, D, F], down [E, F, D]."""
   D, E, F = m.embed_dim, m.num_experts, m.moe_mlp_dim
   return {
-      "router": S.kernel((D, E), ("embed", None)),
+      "router": S.kernel((D, E), ROUTER_AXES),
       "gate": S.kernel((E, D, F), ("experts", "embed", "mlp"), n_in=2),
       "up": S.kernel((E, D, F), ("experts", "embed", "mlp"), n_in=2),
       "down": S.kernel((E, F, D), ("experts", "mlp", "embed"), n_in=2),
@@ -360,6 +361,50 @@ def _expert_grad_barrier_bwd(_, cts):
 expert_grad_barrier.defvjp(_expert_grad_barrier_fwd, _expert_grad_barrier_bwd)
 
 
+# --- the router kernel, gathered once before the layers (issue 11 speedup 5) -------------------------
+
+@jax.custom_vjp
+def gathered_router(router_DE: jax.Array, full_DE: jax.Array) -> jax.Array:
+  """full_DE (this layer's slice of the router stack gathered once before the layers); its
+  gradient goes to router_DE (the slice of the stored, FSDP-sharded stack), pinned to the kernel's
+  sharding: one reduce-scatter per layer instead of a per-layer all-gather in the forward and a
+  full-size reduction of the stack after the backward. The slice is pinned whole (under auto, XLA
+  would otherwise keep the stack sharded into the loop and gather each slice there)."""
+  del router_DE
+  return constrain(full_DE, (None,) * full_DE.ndim)
+
+
+def _gathered_router_fwd(router_DE, full_DE):
+  return gathered_router(router_DE, full_DE), None
+
+
+def _gathered_router_bwd(_, g_DE):
+  return constrain(g_DE, ROUTER_AXES), None
+
+
+gathered_router.defvjp(_gathered_router_fwd, _gathered_router_bwd)
+
+
+def gather_router_once(layers: dict, specs: dict) -> dict:
+  """The layer stacks with each MoE router stack's gathered copy beside it ("router_full").
+
+  layers: params["layers"] ({kind: stacked params}); specs: their ParamSpecs (decoder.param_specs).
+  The copy is the whole stack [L, D, E] constrained to no sharding but the layer axis's: one
+  all-gather before the layer scan (no gather in its body). It is stop_gradient'ed: the gradient
+  reaches the stored stack through `gathered_router`, per layer. Kinds without a router pass through.
+  """
+  out = dict(layers)
+  for kind, stack in layers.items():
+    sub = stack.get("moe") if isinstance(stack, dict) else None
+    if not isinstance(sub, dict) or "router" not in sub:
+      continue
+    axes = tuple(a if a == "layers" else None for a in specs[kind]["moe"]["router"].axes)
+    with jax.named_scope("router_gather_once"):
+      full = jax.lax.stop_gradient(constrain(sub["router"], axes))
+    out[kind] = dict(stack, moe=dict(sub, router_full=full))
+  return out
+
+
 # --- dispatch ----------------------------------------------------------------------------------------
 
 def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
@@ -456,7 +501,8 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
   with jax.named_scope("moe"):
     with jax.named_scope("router"):
       rdt = jnp.dtype(router_dtype)
-      logits = dense(x_BTD.astype(rdt), p["router"].astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
+      router = p["router"] if "router_full" not in p else gathered_router(p["router"], p["router_full"])
+      logits = dense(x_BTD.astype(rdt), router.astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
       if forced_ids_BTk is None:
         probs, w, ids = route(logits, K, norm_topk)
       else:

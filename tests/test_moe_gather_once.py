@@ -1,0 +1,88 @@
+"""The router kernel gathered once before the layer scan (issue 11, speedup 5): under FSDP one
+all-gather of the stacked router [L, D, E] before the layers and none in the scanned body; each
+layer's gradient stays a per-layer [D, E] reduction in the backward loop (no full-size reduction of
+the stack); loss and gradients equal the per-layer-gather path, under explicit and auto."""
+import jax
+import numpy as np
+import pytest
+
+from meshlm.analysis import census as C
+from meshlm.config import load_config
+from meshlm.nn import moe
+from meshlm.train import step as ST
+
+# qwen3-moe-tiny: a dense layer, then 3 MoE layers in a scan; router [3, 256, 8] sharded on fsdp.
+BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
+        "train.per_device_batch_size=1")
+L, D, E = 3, 256, 8
+
+
+def _batch(step):
+  rng = np.random.default_rng(0)
+  B, T = step.global_batch, step.cfg.train.seq_len
+  toks = rng.integers(0, step.cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+  return step.put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
+                         "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+                         "segment_ids": np.ones((B, T), np.int32)})
+
+
+def _run(mode: str, gather_once: bool):
+  """(loss, grads as numpy, router collectives of the compiled forward+backward)."""
+  mp = pytest.MonkeyPatch()
+  if not gather_once:
+    mp.setattr(moe, "gather_router_once", lambda layers, specs: layers)
+  try:
+    jax.clear_caches()
+    step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}"))
+    state = step.init_state(jax.random.key(0))
+    batch = _batch(step)
+    with jax.set_mesh(step.mesh):
+      fn = jax.jit(lambda p, b: ST.grads_and_loss(step.cfg, p, b, step.loss_fn, step.batch_spec, step.trainable)[:2])
+      compiled = fn.lower(state.params, batch).compile()
+      loss, grads = compiled(state.params, batch)
+  finally:
+    mp.undo()
+    jax.clear_caches()
+  counts, mod = C.hlo_counts(compiled.as_text())
+  in_loop = {c for c, m in mod.multipliers.items() if m > 1}
+  gathers = [(ins.out.shape, ins.comp in in_loop) for ins in mod.instrs()
+             if ins.opcode in ("all-gather", "all-gather-start") and "router" in ins.op_name
+             and ins.out is not None and ins.out.shape[-2:] == (D, E)]
+  # Router-gradient reductions: arrays of a router's shape (a layer's or the stack's, whole or an fsdp
+  # shard, any dim order) in reducing collectives (XLA combines several into one tuple).
+  router_shapes = {tuple(sorted(s)) for s in ((D, E), (D // 4, E), (L, D, E), (L, D // 4, E))}
+  reductions = [(tuple(a.shape), ins.comp in in_loop) for ins in mod.instrs()
+                if ins.opcode in ("all-reduce", "all-reduce-start", "reduce-scatter", "reduce-scatter-start")
+                for a in ins.result if tuple(sorted(d for d in a.shape if d != 1)) in router_shapes]
+  return np.asarray(loss), jax.tree.map(np.asarray, grads), gathers, reductions
+
+
+@pytest.fixture(scope="module", params=["explicit", "auto"])
+def arms(request):
+  return {on: _run(request.param, on) for on in (True, False)}
+
+
+def test_one_router_gather_before_the_scan_none_inside(arms):
+  _, _, gathers, _ = arms[True]
+  assert gathers == [((L, D, E), False)]
+  # Control: without it the scanned body gathers each layer's [D, E] slice (forward, and the
+  # backward again), and nothing gathers the stack.
+  _, _, plain, _ = arms[False]
+  assert plain and all(shape == (D, E) and looped for shape, looped in plain)
+
+
+def test_router_gradient_stays_per_layer(arms):
+  _, _, _, reductions = arms[True]
+  # A per-layer [D, E] (or its [D/fsdp, E] shard) reduction in the backward loop; nothing of the
+  # stack's [L, D, E] size.
+  assert reductions and all(looped and len(shape) == 2 for shape, looped in reductions), reductions
+
+
+def test_loss_and_gradients_match_the_per_layer_gather(arms):
+  loss_on, grads_on, _, _ = arms[True]
+  loss_off, grads_off, _, _ = arms[False]
+  np.testing.assert_allclose(loss_on, loss_off, rtol=0, atol=1e-6)
+  router_on = grads_on["layers"]["moe"]["moe"]["router"]
+  assert router_on.shape == (L, D, E) and np.all(np.any(router_on != 0, axis=(1, 2)))  # every layer's
+  worst = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(grads_on), jax.tree.leaves(grads_off)))
+  assert worst <= 1e-6, worst
