@@ -1,7 +1,7 @@
 """The router kernel gathered once before the layer scan (issue 11, speedup 5): under FSDP one
 all-gather of the stacked router [L, D, E] before the layers and none in the scanned body; each
 layer's gradient stays a per-layer [D, E] reduction in the backward loop (no full-size reduction of
-the stack); loss and gradients equal the per-layer-gather path, under explicit and auto."""
+the stack); loss and gradients bit-identical to the per-layer-gather path, under explicit and auto."""
 import jax
 import numpy as np
 import pytest
@@ -81,8 +81,9 @@ def test_router_gradient_stays_per_layer(arms):
 def test_loss_and_gradients_match_the_per_layer_gather(arms):
   loss_on, grads_on, _, _ = arms[True]
   loss_off, grads_off, _, _ = arms[False]
-  np.testing.assert_allclose(loss_on, loss_off, rtol=0, atol=1e-6)
+  # Bit-identical on XLA:CPU with the pinned JAX (measured: loss and every gradient, both modes).
+  np.testing.assert_array_equal(loss_on, loss_off)
   router_on = grads_on["layers"]["moe"]["moe"]["router"]
   assert router_on.shape == (L, D, E) and np.all(np.any(router_on != 0, axis=(1, 2)))  # every layer's
-  worst = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(grads_on), jax.tree.leaves(grads_off)))
-  assert worst <= 1e-6, worst
+  for a, b in zip(jax.tree.leaves(grads_on), jax.tree.leaves(grads_off)):
+    np.testing.assert_array_equal(a, b)
