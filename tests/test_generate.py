@@ -23,6 +23,28 @@ def setup(preset: str, mode: str):
   return cfg, params, prompts
 
 
+_setups: dict = {}
+_greedy: dict = {}
+
+
+def shared_setup(preset: str, mode: str):
+  """setup(), made once per (preset, mode) for the module (each makes and compiles the params' init)."""
+  if (preset, mode) not in _setups:
+    _setups[preset, mode] = setup(preset, mode)
+  return _setups[preset, mode]
+
+
+def greedy(preset: str, mode: str):
+  """(cfg, params, prompts, greedy generate() output, its compilations, teacher_forced of its tokens), once per
+  (preset, mode) for the module: the window control reuses gemma3-tiny's instead of compiling another forward."""
+  if (preset, mode) not in _greedy:
+    cfg, params, prompts = shared_setup(preset, mode)
+    out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+    _greedy[preset, mode] = (cfg, params, prompts, out, dict(out.compilations),
+                             teacher_forced(cfg, params, prompts, out.tokens))
+  return _greedy[preset, mode]
+
+
 def teacher_forced(cfg, params, prompts, news):
   """For each row: (log p(new[j] | prompt + new[:j]), the greedy token after prompt + new[:j]) from one
   jitted forward over all rows, right-padded. Causal attention makes position i's logits those of the
@@ -43,38 +65,37 @@ def teacher_forced(cfg, params, prompts, news):
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cached_greedy_equals_uncached_and_logprobs_equal_forward(preset, mode):
-  cfg, params, prompts = setup(preset, mode)
-  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
-  assert out.compilations == {"prefill": 1, "decode": 1}
-  for new, lp, (want_lp, want_tokens) in zip(out.tokens, out.logprobs, teacher_forced(cfg, params, prompts, out.tokens)):
+  _, _, _, out, compilations, forced = greedy(preset, mode)
+  assert compilations == {"prefill": 1, "decode": 1}
+  for new, lp, (want_lp, want_tokens) in zip(out.tokens, out.logprobs, forced):
     assert new == want_tokens
     np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
 
 
 def test_recompute_reference_agrees_token_for_token():
   """The plain reference (the whole prefix through forward for each new token) gives the same tokens."""
-  cfg, params, prompts = setup("llama2-tiny", "explicit")
-  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+  cfg, params, prompts, out, _, _ = greedy("llama2-tiny", "explicit")
   assert G.recompute_greedy(cfg, params, prompts, NEW) == out.tokens
 
 
 def test_a_window_bug_is_caught(monkeypatch):
   """Negative control: local layers given a full-length cache attend past their window, and the
   log-probs after the window no longer match the teacher-forced forward."""
-  cfg, params, prompts = setup("gemma3-tiny", "explicit")
-  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+  # The correct run and its teacher-forced forward (all rows at once; row 2 is the longest, so the
+  # padded block is as wide as for row 2 alone).
+  cfg, params, prompts, out, _, forced = greedy("gemma3-tiny", "explicit")
   monkeypatch.setattr(kv_cache, "cache_size", lambda length, window: length)
   G._steps.cache_clear()
   bad = G.generate(cfg, params, prompts, max_new_tokens=NEW, top_k=1, temperature=1.0)  # same tokens as greedy
   G._steps.cache_clear()
   new = out.tokens[2]
-  want, _ = teacher_forced(cfg, params, prompts[2:], [new])[0]
+  want, _ = forced[2]
   diff = np.abs(np.array(bad.logprobs[2][:len(new)]) - want)
   assert diff.max() > 1e-3
 
 
 def test_one_compile_per_bucket_and_sampling_controls():
-  cfg, params, prompts = setup("llama2-tiny", "explicit")
+  cfg, params, prompts = shared_setup("llama2-tiny", "explicit")
   first = G.generate(cfg, params, prompts, max_new_tokens=NEW)
   # Other prompt lengths in the same buckets reuse both compiled steps.
   again = G.generate(cfg, params, [prompts[0][:-1], prompts[1][:-2], prompts[2]], max_new_tokens=NEW - 1)
