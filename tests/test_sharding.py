@@ -138,12 +138,18 @@ def tiny_params():
   return cfg, jax.device_get(init_params(cfg, jax.random.key(0)))
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-def test_batch_of_one_under_fsdp4(tiny_params, mode):
-  """A batch of 1 cannot shard over fsdp=4: it stays whole and the forward still matches."""
+@pytest.fixture(scope="module")
+def batch_of_one(tiny_params):
+  """(tokens, the unsharded forward's logits): the reference, computed once for both modes."""
   ref_cfg, host_params = tiny_params
   toks = np.random.default_rng(0).integers(0, 512, (1, 24)).astype(np.int32)
-  ref = np.asarray(jax.jit(lambda p, t: forward(ref_cfg, p, t))(host_params, toks))
+  return toks, np.asarray(jax.jit(lambda p, t: forward(ref_cfg, p, t))(host_params, toks))
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_batch_of_one_under_fsdp4(batch_of_one, mode):
+  """A batch of 1 cannot shard over fsdp=4: it stays whole and the forward still matches."""
+  toks, ref = batch_of_one
   cfg = load_config("cpu_devices=4", "mesh.fsdp=4", f"shard_mode={mode}", "train.compute_dtype=float32")
   mesh = make_mesh(cfg)
   params = init_params(cfg, jax.random.key(0), mesh)
