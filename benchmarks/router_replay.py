@@ -18,7 +18,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import numpy as np
 from meshlm.nn import moe
 from meshlm.nn import router_replay as rr
 
-TIMERS = {"cpu": time.process_time, "wall": time.perf_counter}
+from moe_grouped_matmul import TIMERS, measure  # noqa: E402  (this folder; same timing loop)
 
 
 def arms(tokens: int, experts: int, k: int, free: int, rows: int):
@@ -47,21 +46,6 @@ def arms(tokens: int, experts: int, k: int, free: int, rows: int):
       "compact": (fwd_bwd(lambda lg, f: rr.replay_route(lg, f, k, True, rows=rows)[1]), (logits, forced)),
       "unforced": (fwd_bwd(lambda lg, f: moe.route(lg, k, True)[1]), (logits, forced)),
   }
-
-
-def measure(fns, reps, timer="cpu"):
-  clock = TIMERS[timer]
-  times = {name: [] for name in fns}
-  for fn, args in fns.values():
-    jax.block_until_ready(fn(*args))  # compile + warm
-  names = list(fns)
-  for r in range(reps):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      fn, args = fns[name]
-      t = clock()
-      jax.block_until_ready(fn(*args))
-      times[name].append(clock() - t)
-  return times
 
 
 def main() -> int:

@@ -3,6 +3,8 @@ never change; everything else is bit-identical to differentiating all and zeroin
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from seams import random_batch
 import pytest
 
 from meshlm.config import ConfigError, load_config
@@ -13,13 +15,7 @@ BASE = ("model=llama2-tiny", "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtyp
 FREEZE = r"train.freeze=['layers\.dense\.attn\..*', 'embed']"
 
 
-def _batch(step):
-  rng = np.random.default_rng(0)
-  B, T = step.global_batch, step.cfg.train.seq_len
-  toks = rng.integers(0, step.cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
-  return step.put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
-                         "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-                         "segment_ids": np.ones((B, T), np.int32)})
+_batch = random_batch
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ layer's gradient stays a per-layer [D, E] reduction in the backward loop (no ful
 the stack); loss and gradients bit-identical to the per-layer-gather path, under explicit and auto."""
 import jax
 import numpy as np
+
+from seams import random_batch
 import pytest
 
 from meshlm.analysis import census as C
@@ -17,13 +19,7 @@ BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_d
 L, D, E = 3, 256, 8
 
 
-def _batch(step):
-  rng = np.random.default_rng(0)
-  B, T = step.global_batch, step.cfg.train.seq_len
-  toks = rng.integers(0, step.cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
-  return step.put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
-                         "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-                         "segment_ids": np.ones((B, T), np.int32)})
+_batch = random_batch
 
 
 def _run(mode: str, gather_once: bool):
