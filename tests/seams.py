@@ -88,6 +88,15 @@ def _hang_save_at(step: int) -> None:
     return await finalize(self)
   atomicity.AtomicRenameTemporaryPath.finalize = hanging
 
+def random_batch(step):
+  """One fixed random batch of next-token data (seed 0), placed by the train step's put_batch."""
+  rng = np.random.default_rng(0)
+  B, T = step.global_batch, step.cfg.train.seq_len
+  toks = rng.integers(0, step.cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+  return step.put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
+                         "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+                         "segment_ids": np.ones((B, T), np.int32)})
+
 
 def main(argv: list[str]) -> int:
   seams = dict(a[2:].split("=", 1) for a in argv if a.startswith("--"))
@@ -116,13 +125,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
   sys.exit(main(sys.argv[1:]))
-
-
-def random_batch(step):
-  """One fixed random batch of next-token data (seed 0), placed by the train step's put_batch."""
-  rng = np.random.default_rng(0)
-  B, T = step.global_batch, step.cfg.train.seq_len
-  toks = rng.integers(0, step.cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
-  return step.put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
-                         "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-                         "segment_ids": np.ones((B, T), np.int32)})

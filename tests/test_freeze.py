@@ -3,19 +3,17 @@ never change; everything else is bit-identical to differentiating all and zeroin
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from seams import random_batch
 import pytest
 
 from meshlm.config import ConfigError, load_config
 from meshlm.train import step as ST
 
+from seams import random_batch
+
 BASE = ("model=llama2-tiny", "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32", "train.seq_len=32",
         "train.per_device_batch_size=2", "train.steps=10")
 FREEZE = r"train.freeze=['layers\.dense\.attn\..*', 'embed']"
 
-
-_batch = random_batch
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +27,7 @@ def test_frozen_leaves_keep_their_values_and_get_no_optimizer_state(runs):
   _, step = runs
   state = step.init_state(jax.random.key(0))
   before = jax.tree.map(np.asarray, state.params)
-  batch = _batch(step)
+  batch = random_batch(step)
   for _ in range(3):
     state, metrics = step(state, batch)
   after = jax.tree.map(np.asarray, state.params)
@@ -49,7 +47,7 @@ def test_frozen_leaves_keep_their_values_and_get_no_optimizer_state(runs):
 def test_equals_differentiating_everything_and_zeroing_the_frozen_gradients(runs):
   plain, step = runs
   state = step.init_state(jax.random.key(0))
-  batch = _batch(step)
+  batch = random_batch(step)
   trainable = step.trainable
   full_opt = plain.optimizer
 

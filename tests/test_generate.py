@@ -1,5 +1,7 @@
 """Sampling with a KV cache: cached decoding equals recomputing the prefix, log-probs equal a teacher-
 forced forward, windowed layers hold past their window, one compile per shape bucket, bad requests."""
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ NEW = 64
 LENGTHS = (5, 17, 33)  # with 64 new tokens every row runs past mistral's, gemma2's and gemma3's windows
 
 
+@functools.cache  # once per (preset, mode) for the module: each makes and compiles the params' init
 def setup(preset: str, mode: str):
   cfg = meshlm.load_config(f"model={preset}", "train.compute_dtype=float32", "cpu_devices=4", "mesh.fsdp=2",
                            "mesh.tensor=2", f"shard_mode={mode}")
@@ -23,26 +26,13 @@ def setup(preset: str, mode: str):
   return cfg, params, prompts
 
 
-_setups: dict = {}
-_greedy: dict = {}
-
-
-def shared_setup(preset: str, mode: str):
-  """setup(), made once per (preset, mode) for the module (each makes and compiles the params' init)."""
-  if (preset, mode) not in _setups:
-    _setups[preset, mode] = setup(preset, mode)
-  return _setups[preset, mode]
-
-
+@functools.cache
 def greedy(preset: str, mode: str):
   """(cfg, params, prompts, greedy generate() output, its compilations, teacher_forced of its tokens), once per
   (preset, mode) for the module: the window control reuses gemma3-tiny's instead of compiling another forward."""
-  if (preset, mode) not in _greedy:
-    cfg, params, prompts = shared_setup(preset, mode)
-    out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
-    _greedy[preset, mode] = (cfg, params, prompts, out, dict(out.compilations),
-                             teacher_forced(cfg, params, prompts, out.tokens))
-  return _greedy[preset, mode]
+  cfg, params, prompts = setup(preset, mode)
+  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
+  return cfg, params, prompts, out, dict(out.compilations), teacher_forced(cfg, params, prompts, out.tokens)
 
 
 def teacher_forced(cfg, params, prompts, news):
@@ -95,7 +85,7 @@ def test_a_window_bug_is_caught(monkeypatch):
 
 
 def test_one_compile_per_bucket_and_sampling_controls():
-  cfg, params, prompts = shared_setup("llama2-tiny", "explicit")
+  cfg, params, prompts = setup("llama2-tiny", "explicit")
   first = G.generate(cfg, params, prompts, max_new_tokens=NEW)
   # Other prompt lengths in the same buckets reuse both compiled steps.
   again = G.generate(cfg, params, [prompts[0][:-1], prompts[1][:-2], prompts[2]], max_new_tokens=NEW - 1)

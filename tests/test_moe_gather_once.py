@@ -4,8 +4,6 @@ layer's gradient stays a per-layer [D, E] reduction in the backward loop (no ful
 the stack); loss and gradients bit-identical to the per-layer-gather path, under explicit and auto."""
 import jax
 import numpy as np
-
-from seams import random_batch
 import pytest
 
 from meshlm.analysis import census as C
@@ -14,12 +12,12 @@ from meshlm.nn import moe
 from meshlm.train import step as ST
 
 # qwen3-moe-tiny: a dense layer, then 3 MoE layers in a scan; router [3, 256, 8] sharded on fsdp.
+from seams import random_batch
+
 BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
         "train.per_device_batch_size=1")
 L, D, E = 3, 256, 8
 
-
-_batch = random_batch
 
 
 def _run(mode: str, gather_once: bool):
@@ -31,7 +29,7 @@ def _run(mode: str, gather_once: bool):
     jax.clear_caches()
     step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}"))
     state = step.init_state(jax.random.key(0))
-    batch = _batch(step)
+    batch = random_batch(step)
     with jax.set_mesh(step.mesh):
       fn = jax.jit(lambda p, b: ST.grads_and_loss(step.cfg, p, b, step.loss_fn, step.batch_spec, step.trainable)[:2])
       compiled = fn.lower(state.params, batch).compile()
