@@ -64,11 +64,11 @@ def main() -> None:
 
   def cached() -> float:
     t0 = time.perf_counter()
-    out = G.generate(cfg, params, prompts, max_new_tokens=args.new, mesh=mesh)
-    assert all(len(t) == args.new for t in out.tokens)
+    out = G.generate(cfg, params, prompts, max_new_tokens=args.new, stop_tokens=(), mesh=mesh)
+    assert all(len(t) == args.new for t in out.token_lists())
     return args.batch * args.new / (time.perf_counter() - t0)
 
-  first = G.generate(cfg, params, prompts, max_new_tokens=args.new, mesh=mesh)  # warm-up: compiles
+  first = G.generate(cfg, params, prompts, max_new_tokens=args.new, stop_tokens=(), mesh=mesh)  # warm-up: compiles
   compilations = first.compilations
   with jax.set_mesh(mesh):
     np.asarray(next_tokens(params, jnp.zeros((args.batch, width), jnp.int32), args.prompt_len))

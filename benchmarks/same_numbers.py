@@ -18,7 +18,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ["llama2-tiny", "llama3-tiny", "mistral-tiny", "qwen3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny"]
+PRESETS = ["llama2-tiny", "llama3-tiny", "mistral-tiny", "qwen3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny",
+           "mixtral-tiny", "qwen3-moe-tiny"]
 
 
 def run(src: str, preset: str, steps: int) -> list[str]:

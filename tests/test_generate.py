@@ -32,7 +32,7 @@ def greedy(preset: str, mode: str):
   (preset, mode) for the module: the window control reuses gemma3-tiny's instead of compiling another forward."""
   cfg, params, prompts = setup(preset, mode)
   out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
-  return cfg, params, prompts, out, dict(out.compilations), teacher_forced(cfg, params, prompts, out.tokens)
+  return cfg, params, prompts, out, dict(out.compilations), teacher_forced(cfg, params, prompts, out.token_lists())
 
 
 def teacher_forced(cfg, params, prompts, news):
@@ -57,7 +57,7 @@ def teacher_forced(cfg, params, prompts, news):
 def test_cached_greedy_equals_uncached_and_logprobs_equal_forward(preset, mode):
   _, _, _, out, compilations, forced = greedy(preset, mode)
   assert compilations == {"prefill": 1, "decode": 1}
-  for new, lp, (want_lp, want_tokens) in zip(out.tokens, out.logprobs, forced):
+  for new, lp, (want_lp, want_tokens) in zip(out.token_lists(), out.logprob_lists(), forced):
     assert new == want_tokens
     np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
 
@@ -65,7 +65,7 @@ def test_cached_greedy_equals_uncached_and_logprobs_equal_forward(preset, mode):
 def test_recompute_reference_agrees_token_for_token():
   """The plain reference (the whole prefix through forward for each new token) gives the same tokens."""
   cfg, params, prompts, out, _, _ = greedy("llama2-tiny", "explicit")
-  assert G.recompute_greedy(cfg, params, prompts, NEW) == out.tokens
+  assert G.recompute_greedy(cfg, params, prompts, NEW) == out.token_lists()
 
 
 def test_a_window_bug_is_caught(monkeypatch):
@@ -78,9 +78,9 @@ def test_a_window_bug_is_caught(monkeypatch):
   G._steps.cache_clear()
   bad = G.generate(cfg, params, prompts, max_new_tokens=NEW, top_k=1, temperature=1.0)  # same tokens as greedy
   G._steps.cache_clear()
-  new = out.tokens[2]
+  new = out.token_lists()[2]
   want, _ = forced[2]
-  diff = np.abs(np.array(bad.logprobs[2][:len(new)]) - want)
+  diff = np.abs(np.array(bad.logprob_lists()[2][:len(new)]) - want)
   assert diff.max() > 1e-3
 
 
@@ -93,17 +93,17 @@ def test_one_compile_per_bucket_and_sampling_controls():
   # top_k=1 and a tiny top_p are greedy whatever the temperature; log-probs stay the model's.
   for kw in (dict(temperature=1.5, top_k=1), dict(temperature=1.5, top_p=1e-6)):
     out = G.generate(cfg, params, prompts, max_new_tokens=NEW, **kw)
-    assert out.tokens == first.tokens
+    assert out.token_lists() == first.token_lists()
     np.testing.assert_allclose(out.logprobs, first.logprobs, atol=1e-6)
   a = G.generate(cfg, params, prompts, max_new_tokens=16, temperature=1.0, seed=1)
   b = G.generate(cfg, params, prompts, max_new_tokens=16, temperature=1.0, seed=1)
   c = G.generate(cfg, params, prompts, max_new_tokens=16, temperature=1.0, seed=2)
-  assert a.tokens == b.tokens and a.tokens != c.tokens
-  assert all(x <= 0 for row in a.logprobs for x in row)
+  assert a.token_lists() == b.token_lists() and a.token_lists() != c.token_lists()
+  assert all(x <= 0 for row in a.logprob_lists() for x in row)
   # A stop token ends its row right after it is sampled.
   stop = first.tokens[1][3]
   out = G.generate(cfg, params, prompts, max_new_tokens=NEW, stop_tokens=[stop])
-  for row, full in zip(out.tokens, first.tokens):
+  for row, full in zip(out.token_lists(), first.token_lists()):
     cut = full.index(stop) + 1 if stop in full else len(full)
     assert row == full[:cut]
 
@@ -166,7 +166,7 @@ def test_generate_command_samples_from_a_model_directory(model_dir, capsys):
   want = G.generate(cfg, params, [list(b"def f(")], max_new_tokens=6)
   from meshlm.console import printable
   from meshlm.train.data import ByteTokenizer
-  assert out == printable("def f(" + ByteTokenizer().decode(want.tokens[0])) + "\n"
+  assert out == printable("def f(" + ByteTokenizer().decode(want.token_lists()[0])) + "\n"
 
 
 @pytest.mark.parametrize("args, msg", [

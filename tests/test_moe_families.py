@@ -148,7 +148,7 @@ def test_sampling_with_the_cache_equals_recomputing(preset):
   params = decoder.init_params(cfg, jax.random.key(2))
   prompts = [[1, 2, 3, 4], [5, 6]]
   out = meshlm.generate(cfg, params, prompts, max_new_tokens=5, temperature=0)
-  assert out.tokens == recompute_greedy(cfg, params, prompts, 5)
+  assert out.token_lists() == recompute_greedy(cfg, params, prompts, 5)
 
 
 # --- HF import / export -----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ def _run(mode: str, gather_once: bool):
   """(loss, grads as numpy, router collectives of the compiled forward+backward)."""
   mp = pytest.MonkeyPatch()
   if not gather_once:
-    mp.setattr(moe, "gather_router_once", lambda layers, specs: layers)
+    # The stack itself as the "gathered" copy: each layer then gathers its slice inside the scan.
+    mp.setattr(moe, "gather_router_once", lambda stack, axes: stack)
   try:
     jax.clear_caches()
     step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}"))

@@ -28,10 +28,10 @@ class Inputs:
   """The inputs shared by every layer of one attention context."""
   positions: jax.Array  # [B, T]
   segment_ids: jax.Array | None  # [B, T]; state-carrying mixers reset at document boundaries
-  cos: jax.Array  # [B, T, rotary_dim / 2]
-  sin: jax.Array
+  rope: Mapping[int, tuple[jax.Array, jax.Array]]  # rotary width -> (cos, sin) [B, T, width / 2]
   mask: jax.Array  # [B or 1, 1, 1, T, S] boolean, S = T (train, prefill) or the cache length (decode)
   cache: kv_cache.Slots | None = None  # where this context's layers read and write their cache
+  lengths: jax.Array | None = None  # prefill: [B] real tokens per right-padded prompt row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,8 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   layer_type: str = "global"
-  # This layer's own inputs, {name: array} (the decoder's per-layer channel, run_layers' layer_inputs:
-  # a MoE layer's forced expert ids); empty when none are given.
+  # This layer's own inputs, {name: array} (the decoder's per-layer channel: a MoE layer's forced
+  # expert ids); empty when none are given.
   layer: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 
   @property
@@ -60,9 +60,15 @@ def bound_dense(cfg: Config) -> Callable[..., jax.Array]:
   return functools.partial(dense, kernel_order=cfg.dense_kernel_order, impl=cfg.weight_grad_impl)
 
 
-def make_context(cfg: Config, contexts: tuple[str, ...], positions_BT: jax.Array, segment_ids_BT=None, *,
-                 mode: str = "train", cache_len: int | None = None, lengths_B: jax.Array | None = None) -> Context:
-  """Inputs for each attention context in `contexts`.
+def windows(m) -> dict[str, int | None]:
+  """Each attention context's sliding window (None: full attention)."""
+  return {"global": None, "local": m.sliding_window}
+
+
+def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int, ...], positions_BT: jax.Array,
+                 segment_ids_BT=None, *, mode: str = "train", cache_len: int | None = None,
+                 lengths_B: jax.Array | None = None) -> Context:
+  """Inputs for each attention context in `contexts`, with RoPE tables at each width in rotary_dims.
 
   train: causal (and same-segment) masks over the T positions given.
   prefill: the same over a right-padded prompt block, plus the slots that move each row's first
@@ -71,15 +77,12 @@ def make_context(cfg: Config, contexts: tuple[str, ...], positions_BT: jax.Array
   """
   m = cfg.model
   T = positions_BT.shape[1]
-  cos, sin = freqs_at(positions_BT, m.head_dim, m.rope_theta, m.rope_scaling)
-  windows = {"global": None, "local": m.sliding_window}
-  ropes = {"global": (cos, sin)}
+  ropes = {"global": {d: freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling) for d in rotary_dims}}
   if "local" in contexts and m.rope_local_theta is not None:
-    ropes["local"] = rope_angles(positions_BT, inv_frequencies(m.head_dim, m.rope_local_theta))
+    ropes["local"] = {d: rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)) for d in rotary_dims}
   inputs = {}
   for name in ("global",) + tuple(c for c in ("local",) if c in contexts):
-    window = windows[name]
-    c, s = ropes.get(name, ropes["global"])
+    window = windows(m)[name]
     if mode == "train":
       mask, slots = attention_mask(segment_ids_BT, T, window), None
     elif mode == "prefill":
@@ -89,5 +92,6 @@ def make_context(cfg: Config, contexts: tuple[str, ...], positions_BT: jax.Array
       size = kv_cache.cache_size(cache_len, window)
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
       mask = slots.read_mask  # [B, 1, 1, 1, C]
-    inputs[name] = Inputs(positions_BT, segment_ids_BT, c, s, mask, slots)
+    inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
+                          lengths_B if mode == "prefill" else None)
   return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode)

@@ -12,6 +12,7 @@ token per row against the cache).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -21,9 +22,10 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.models import spec as S
-from meshlm.models.context import Context, make_context
+from meshlm.models.context import Context, make_context, windows
+from meshlm.models.family import StateLeaf
 from meshlm.models.registry import family
-from meshlm.nn import moe
+from meshlm.nn import kv_cache
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
@@ -54,9 +56,90 @@ def param_specs(cfg: Config) -> dict:
   return specs
 
 
-def param_shardings(cfg: Config, mesh) -> dict:
+def model_state_specs(cfg: Config) -> dict:
+  """The non-trainable leaves the parts declare (Part.model_state), stacked like the parameters:
+  {"layers": {kind: {part key: ...}}} for the kinds that have any; {} when none do."""
+  m, fam, lp = cfg.model, family(cfg), plan(cfg)
+  layers = {k: S.stack(fam.kinds[k].model_state(m), lp.count(k), cfg.param_scan_axis) for k in lp.kind_names()
+            if fam.kinds[k].model_state(m)}
+  return {"layers": layers} if layers else {}
+
+
+def _shardings(specs: dict, mesh) -> dict:
   from jax.sharding import NamedSharding
-  return S.map_specs(lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh)), param_specs(cfg))
+  return S.map_specs(lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh)), specs)
+
+
+def param_shardings(cfg: Config, mesh) -> dict:
+  return _shardings(param_specs(cfg), mesh)
+
+
+def model_state_shardings(cfg: Config, mesh) -> dict:
+  return _shardings(model_state_specs(cfg), mesh)
+
+
+def merge_state(params: dict, model_state: dict) -> dict:
+  """The whole model tree: the parameters with the model-state leaves beside them (what forward,
+  checkpoints and Hugging Face files hold)."""
+  if not model_state:
+    return params
+  out = dict(params, layers=dict(params["layers"]))
+  for kind, parts in model_state["layers"].items():
+    out["layers"][kind] = dict(out["layers"][kind])
+    for key, leaves in parts.items():
+      out["layers"][kind][key] = {**out["layers"][kind][key], **leaves}
+  return out
+
+
+def split_state(cfg: Config, tree: dict) -> tuple[dict, dict]:
+  """merge_state's inverse: (params, model_state) of a whole model tree."""
+  state_specs = model_state_specs(cfg)
+  if not state_specs:
+    return tree, {}
+  params = dict(tree, layers=dict(tree["layers"]))
+  state = {"layers": {}}
+  for kind, parts in state_specs["layers"].items():
+    params["layers"][kind] = dict(params["layers"][kind])
+    state["layers"][kind] = {}
+    for key, leaves in parts.items():
+      sub = dict(params["layers"][kind][key])
+      state["layers"][kind][key] = {name: sub.pop(name) for name in leaves}
+      params["layers"][kind][key] = sub
+  return params, state
+
+
+def after_step_side_names(cfg: Config) -> tuple[str, ...]:
+  """The side outputs the parts' after_step rules read."""
+  return tuple(sorted({n for _, p in _parts(cfg) if p.after_step is not None for n in p.side_names}))
+
+
+def side_layers(cfg: Config, name: str) -> list[int]:
+  """The model layers (in order) whose kind has a part that returns the side output `name`."""
+  fam, lp = family(cfg), plan(cfg)
+  return [i for i, k in enumerate(lp.kinds) if any(name in p.side_names for p in fam.kinds[k].parts)]
+
+
+def after_step(cfg: Config, model_state: dict, side: dict) -> dict:
+  """Each part's after_step rule on its leaves (stacked over its kind's layers, layer axis leading)
+  and its side outputs, sliced to that kind's layers: the new model state."""
+  if not model_state:
+    return model_state
+  fam, lp, axis = family(cfg), plan(cfg), cfg.param_scan_axis
+  out = {"layers": {}}
+  for kind, parts in model_state["layers"].items():
+    out["layers"][kind] = dict(parts)
+    for part in fam.kinds[kind].parts:
+      if part.after_step is None or part.key not in parts:
+        continue
+      mine = {}
+      for name in part.side_names:
+        layers = side_layers(cfg, name)
+        rows = [j for j, i in enumerate(layers) if lp.kinds[i] == kind]
+        mine[name] = side[name] if len(rows) == len(layers) else side[name][np.asarray(rows)]
+      leaves = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), parts[part.key])
+      new = part.after_step(leaves, mine, cfg.model)
+      out["layers"][kind][part.key] = jax.tree.map(lambda a: jnp.moveaxis(a, 0, min(axis, a.ndim - 1)), new)
+  return out
 
 
 def _seed_paths(cfg: Config, specs: dict) -> Any:
@@ -80,14 +163,23 @@ def init_params(cfg: Config, key: jax.Array, mesh=None) -> dict:
   on the host. Under tracing (jax.eval_shape, jit) it draws with jax.random instead: use that for
   shapes, not for numbers.
   """
-  specs = param_specs(cfg)
+  return _init(cfg, param_specs(cfg), key, mesh)
+
+
+def init_model_state(cfg: Config, key: jax.Array, mesh=None) -> dict:
+  """The model-state leaves' initial values (model_state_specs), as init_params draws them."""
+  specs = model_state_specs(cfg)
+  return _init(cfg, specs, key, mesh) if specs else {}
+
+
+def _init(cfg: Config, specs: dict, key: jax.Array, mesh) -> dict:
   paths = _seed_paths(cfg, specs)
   dtype = jnp.dtype(cfg.train.param_dtype)
   try:
     seed = tuple(int(v) for v in np.asarray(jax.random.key_data(key)).ravel())
   except jax.errors.TracerArrayConversionError:
     return jax.tree.map(lambda s, p: S.init_leaf(s, S.path_key(key, p), dtype), specs, paths, is_leaf=S.is_spec)
-  shardings = param_shardings(cfg, mesh) if mesh is not None else S.map_specs(lambda _: None, specs)
+  shardings = _shardings(specs, mesh) if mesh is not None else S.map_specs(lambda _: None, specs)
 
   def leaf(s, path, sharding):
     host = S.init_leaf_host(s, seed, path).astype(dtype)
@@ -101,17 +193,18 @@ def _layer(stack: Any, i: int, axis: int) -> Any:
   return jax.tree.map(lambda a: jax.lax.index_in_dim(a, i, axis=min(axis, a.ndim - 1), keepdims=False), stack)
 
 
-def _remat(fn, policy: str):
-  """remat=full saves nothing but the named values that are cheap to keep and dear to recompute (a
+def _parts(cfg: Config):
+  """Every (kind name, Part) of the plan's kinds."""
+  fam = family(cfg)
+  return [(k, part) for k in plan(cfg).kind_names() for part in fam.kinds[k].parts]
+
+
+def remat_policy(cfg: Config):
+  """remat=full saves nothing but the values the parts name as cheap to keep and dear to recompute (a
   MoE layer's sort permutation: without it the backward sorts again); remat=dots saves dots too."""
-  if policy == "none":
-    return fn
-  from meshlm.nn.moe import REMAT_SAVE_NAMES
   cp = jax.checkpoint_policies
-  names = cp.save_only_these_names(*REMAT_SAVE_NAMES)
-  if policy == "full":
-    return jax.checkpoint(fn, policy=names)
-  return jax.checkpoint(fn, policy=cp.save_from_both_policies(cp.checkpoint_dots, names))
+  names = cp.save_only_these_names(*sorted({n for _, p in _parts(cfg) for n in p.remat_save_names}))
+  return names if cfg.remat == "full" else cp.save_from_both_policies(cp.checkpoint_dots, names)
 
 
 def _stack_side(pieces: list[tuple[list[int], dict]]) -> dict:
@@ -128,97 +221,173 @@ def _stack_side(pieces: list[tuple[list[int], dict]]) -> dict:
   return out
 
 
-def check_layer_inputs(lp, layer_inputs: dict) -> None:
-  """Refuses per-layer inputs for a kind the plan lacks, or whose leading axis is not that kind's
-  layer count (ValueError, one line)."""
-  for kind, inputs in layer_inputs.items():
-    if kind not in lp.kind_names():
-      raise ValueError(f"layer_inputs: the model has no {kind!r} layers (its kinds: {', '.join(lp.kind_names())})")
-    for name, a in inputs.items():
-      if not a.shape or a.shape[0] != lp.count(kind):
-        raise ValueError(f"layer_inputs: {name} has shape {tuple(a.shape)}; its first axis must be the model's "
-                         f"{lp.count(kind)} {kind!r} layers")
+# --- per-layer inputs -------------------------------------------------------------------------------
+
+def input_readers(cfg: Config, name: str) -> list[int]:
+  """The model layers (in order) whose kind has a part that reads the per-layer input `name`."""
+  fam, lp = family(cfg), plan(cfg)
+  return [i for i, k in enumerate(lp.kinds) if any(name in p.layer_inputs for p in fam.kinds[k].parts)]
 
 
-def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache: dict | None = None,
-               collect: bool = False, layer_inputs: dict | None = None) -> tuple[jax.Array, dict | None, dict]:
-  """Runs every layer: (x [B, T, D], new cache or None, side outputs).
+def split_layer_inputs(cfg: Config, layer_inputs: dict, shape_BT) -> dict:
+  """{name: [n_readers, ...]} (stacked over input_readers(name), model order) -> {kind: {name: rows of
+  that kind's layers}}, each checked by the part that reads it (ValueError, one line)."""
+  fam, lp = family(cfg), plan(cfg)
+  out: dict[str, dict] = {}
+  for name, a in layer_inputs.items():
+    readers = input_readers(cfg, name)
+    if not readers:
+      known = sorted({n for _, p in _parts(cfg) for n in p.layer_inputs})
+      raise ValueError(f"layer_inputs: no layer of model family {cfg.model.family!r} here reads {name!r} "
+                       f"(inputs its layers read: {', '.join(known) or 'none'})")
+    check = next(p.layer_inputs[name] for p in fam.kinds[lp.kinds[readers[0]]].parts if name in p.layer_inputs)
+    check(cfg.model, a, len(readers), tuple(shape_BT))
+    kinds = [lp.kinds[i] for i in readers]
+    for kind in dict.fromkeys(kinds):
+      rows = [j for j, k in enumerate(kinds) if k == kind]
+      out.setdefault(kind, {})[name] = a if len(rows) == len(kinds) else a[np.asarray(rows)]
+  return out
 
-  cache (sampling) holds each layer's state: {"unrolled": [state per unrolled layer, in model order],
-  "scanned": [state per period position, stacked over the scan's groups]}. With collect, side
-  outputs include "hidden": every layer's output [L, B, T, D], for layer-by-layer comparisons.
-  layer_inputs, {kind: {name: [n, ...]}}, are per-layer inputs stacked in model order over the n
-  layers of a kind (axis 0, whatever param_scan_axis): each layer gets its row as `ctx.layer[name]`,
-  sliced like its parameters when unrolled and scanned alongside them otherwise.
-  """
-  fam = family(cfg)
-  lp = fam.layer_plan(cfg.model)
-  layer_inputs = layer_inputs or {}
-  check_layer_inputs(lp, layer_inputs)
-  slots = lp.slots()
-  L, P, pre, G, R = lp.num_layers, lp.period, lp.prefix, lp.groups, lp.rest
-  axis = cfg.param_scan_axis
-  one_kind = len(layers) == 1
-  scan = cfg.scan_layers and G > 0
-  unrolled = list(range(pre)) + list(range(pre + G * P, L)) if scan else list(range(L))
-  states = cache["unrolled"] if cache is not None else [None] * len(unrolled)
-  scan_states = cache["scanned"] if cache is not None and scan else None
 
-  def run(i: int):
-    """Layer i's block as f(p, x, state, inputs) -> (x, state, side), rematerialized per cfg.remat."""
-    kind, ctype = lp.kinds[i], lp.contexts[i]
-    block, here = fam.kinds[kind].block, ctx.as_type(ctype)
+# --- decode state ------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cache:
+  """Every layer's decode state: `unrolled` [per unrolled layer, in model order] and `scanned` [per
+  position in the period, stacked over the scan's groups], each a {part key: {leaf: array}}; `length`
+  (static) is the full-attention cache length."""
+  unrolled: list
+  scanned: list | None
+  length: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _state_spec(cfg: Config, i: int, batch: int, cache_len: int) -> dict:
+  """Model layer i's {part key: {leaf: StateLeaf}} for a cache of cache_len positions."""
+  lp = plan(cfg)
+  size = kv_cache.cache_size(cache_len, windows(cfg.model)[lp.contexts[i]])
+  return family(cfg).kinds[lp.kinds[i]].state_spec(cfg.model, batch, size)
+
+
+def _commit(specs: dict, old: dict | None, update: dict, ctx: Context, stacked: bool) -> dict:
+  """A layer's (or a stack of layers') new state from its update, by each leaf's commit rule."""
+  slots = ctx.here.cache
+  out = {}
+  for key, leaves in specs.items():
+    out[key] = {}
+    for name, leaf in leaves.items():
+      new = update[key][name]
+      if leaf.commit == "replace":
+        out[key][name] = new
+      elif ctx.mode == "prefill":
+        assert not stacked  # a prefill builds each layer's cache inside the scan
+        out[key][name] = kv_cache.fill(new, slots, leaf.axes)
+      else:
+        axes = (("layers",) + tuple(leaf.axes)) if stacked else tuple(leaf.axes)
+        out[key][name] = kv_cache.write_rows(old[key][name], new, slots, axes)
+  return out
+
+
+# --- the layers ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What every layer of one run shares: the plan, the context and whether to collect hidden states."""
+  cfg: Config
+  ctx: Context
+  collect: bool
+
+  def layer_fn(self, i: int):
+    """Model layer i as f(p, x, state, inputs) -> (x, update, side), rematerialized per cfg.remat."""
+    lp = plan(self.cfg)
+    kind = family(self.cfg).kinds[lp.kinds[i]]
+    here = self.ctx.as_type(lp.contexts[i])
 
     def f(p, x, state, inputs):
-      x, state, side = block(p, x, ctx=here.with_layer(inputs), state=state)
-      return x, state, (dict(side, hidden=x) if collect else side)
-    return _remat(f, cfg.remat)
+      x, update, side = kind.apply(p, x, here.with_layer(inputs), state)
+      return x, update, (dict(side, hidden=x) if self.collect else side)
+    return f if self.cfg.remat == "none" else jax.checkpoint(f, policy=remat_policy(self.cfg))
 
+
+def _grouped(lp, by_kind: dict, G: int) -> dict:
+  """Each kind's rows for the scanned layers, as [G, n, ...] (n = that kind's layers per period), or
+  [G, ...] when n is 1 (stacks with the layer axis leading)."""
+  pre, P = lp.prefix, lp.period
+  period = lp.kinds[pre:pre + P]
+  groups = {}
+  for kind in dict.fromkeys(period):
+    if kind not in by_kind:
+      continue
+    n, start = period.count(kind), lp.kinds[:pre].count(kind)
+    g = by_kind[kind]
+    if start or lp.count(kind) != start + G * n:
+      g = jax.tree.map(lambda a: a[start:start + G * n], g)
+    if n > 1:
+      g = jax.tree.map(lambda a: jnp.reshape(a, (G, n) + a.shape[1:]), g)
+    groups[kind] = g
+  return groups
+
+
+def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache: Cache | None = None,
+               collect: bool = False, layer_inputs: dict | None = None) -> tuple[jax.Array, Cache | None, dict]:
+  """Runs every layer: (x [B, T, D], new cache or None, side outputs).
+
+  layers: each kind's (prepared) stack with its layer axis leading. cache: the decode state (decode),
+  an empty Cache (prefill: built from the layers' updates), or None (training). With collect, side
+  outputs include "hidden": every layer's output [L, B, T, D], for layer-by-layer comparisons.
+  layer_inputs: {kind: {name: [n, ...]}} (split_layer_inputs), each layer's row as `ctx.layer[name]`.
+  Decode writes each layer's update into the (donated) cache once, after the scan.
+  """
+  lp = plan(cfg)
+  run = _Run(cfg, ctx, collect)
+  layer_inputs = layer_inputs or {}
+  slots = lp.slots()
+  L, P, pre, G = lp.num_layers, lp.period, lp.prefix, lp.groups
+  scan = cfg.scan_layers and G > 0
+  ids = _unrolled_ids(cfg, lp)
+  B = x_BTD.shape[0]
+  states = list(cache.unrolled) if cache is not None else [None] * len(ids)
   pieces: list[tuple[list[int], dict]] = []
-  new_unrolled: list[Any] = []
 
-  def run_unrolled(ids: list[int], stacks: dict, stack_axis: int):
+  def unrolled(i: int):
     nonlocal x_BTD
-    for i in ids:
-      kind, row = slots[i]
-      with jax.named_scope(f"layer_{i}"):
-        x_BTD, st, side = run(i)(_layer(stacks[kind], row, stack_axis), x_BTD, states[len(new_unrolled)],
-                                 _layer(layer_inputs.get(kind, {}), row, 0))
-      new_unrolled.append(st)
-      pieces.append(([i], {k: v[None] for k, v in side.items()}))
+    kind, row = slots[i]
+    u = ids.index(i)
+    with jax.named_scope(f"layer_{i}"):
+      x_BTD, update, side = run.layer_fn(i)(_layer(layers[kind], row, 0), x_BTD,
+                                            states[u] if ctx.mode == "decode" else None,
+                                            _layer(layer_inputs.get(kind, {}), row, 0))
+    if cache is not None:
+      states[u] = _commit(_state_spec(cfg, i, B, cache.length), states[u], update, ctx.as_type(lp.contexts[i]), False)
+    pieces.append(([i], {k: v[None] for k, v in side.items()}))
 
-  if not scan:
-    run_unrolled(unrolled, layers, axis)
-    return x_BTD, _cache(new_unrolled, None, cache), _stack_side(pieces)
+  for i in ids[:pre] if scan else ids:
+    unrolled(i)
+  scanned = None
+  if scan:
+    x_BTD, scanned, sides = _scan(run, lp, layers, layer_inputs, x_BTD, cache)
+    for j, side in enumerate(sides):
+      pieces.append(([pre + g * P + j for g in range(G)], side))
+    for i in ids[pre:]:
+      unrolled(i)
+  new_cache = None if cache is None else Cache(states, scanned, cache.length)
+  return x_BTD, new_cache, _stack_side(pieces)
 
-  stacks = layers
-  if axis != 0:
-    stacks = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stacks)
-  run_unrolled(list(range(pre)), stacks, 0)
-  # Each kind's rows for the scanned layers, as [G, n, ...] (n = that kind's layers per period), or
-  # [G, ...] when n is 1. A kind's rank within the period picks its row inside a group.
+
+def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cache: Cache | None):
+  """The scan over whole periods: (x, the scanned layers' new states or None, side per period position)."""
+  cfg, ctx = run.cfg, run.ctx
+  pre, P, G = lp.prefix, lp.period, lp.groups
+  one_kind = len(layers) == 1
   period = lp.kinds[pre:pre + P]
   rank = [period[:j].count(period[j]) for j in range(P)]
-  def grouped(by_kind: dict) -> dict:
-    groups = {}
-    for kind in dict.fromkeys(period):
-      if kind not in by_kind:
-        continue
-      n, start = period.count(kind), lp.kinds[:pre].count(kind)
-      g = by_kind[kind]
-      if start or lp.count(kind) != start + G * n:
-        g = jax.tree.map(lambda a: a[start:start + G * n], g)
-      if n > 1:
-        g = jax.tree.map(lambda a: jnp.reshape(a, (G, n) + a.shape[1:]), g)
-      groups[kind] = g
-    return groups
-  groups, input_groups = grouped(stacks), grouped(layer_inputs)
+  fns = [run.layer_fn(pre + j) for j in range(P)]
   label = (lambda j: lp.contexts[pre + j]) if one_kind else (lambda j: f"{period[j]}.{lp.contexts[pre + j]}")
-  fns = [run(pre + j) for j in range(P)]
+  states = cache.scanned if cache is not None and ctx.mode == "decode" else None
 
   def body(x, xs):
     ps, sts, ins = xs
-    new_sts, sides = [], []
+    updates, sides = [], []
     with jax.named_scope("layers"):
       for j in range(P):
         kind = period[j]
@@ -228,24 +397,43 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
         li = li if one else _layer(li, rank[j], 0)
         st = None if sts is None else sts[j]
         if P == 1:
-          x, st, side = fns[j](p, x, st, li)
+          x, update, side = fns[j](p, x, st, li)
         else:
           # Each position in the period names its scope ("layers/local_0"), so profiles tell them apart.
           with jax.named_scope(f"{label(j)}_{j}"):
-            x, st, side = fns[j](p, x, st, li)
-        new_sts.append(st)
+            x, update, side = fns[j](p, x, st, li)
+        if ctx.mode == "prefill":
+          # A prefill builds each layer's cache from its rows here; nothing exists yet to write into.
+          spec = _state_spec(cfg, pre + j, x.shape[0], cache.length)
+          update = _commit(spec, None, update, ctx.as_type(lp.contexts[pre + j]), False)
+        updates.append(update)
         sides.append(side)
-    return x, (None if sts is None else new_sts, sides)
+    return x, (updates if cache is not None else None, sides)
 
-  x_BTD, (scan_states, sides) = jax.lax.scan(body, x_BTD, (groups, scan_states, input_groups))
-  for j, side in enumerate(sides):
-    pieces.append(([pre + g * P + j for g in range(G)], side))
-  run_unrolled(list(range(pre + G * P, L)), stacks, 0)
-  return x_BTD, _cache(new_unrolled, scan_states, cache), _stack_side(pieces)
+  x_BTD, (updates, sides) = jax.lax.scan(body, x_BTD, (_grouped(lp, layers, G), states, _grouped(lp, layer_inputs, G)))
+  if cache is None or ctx.mode == "prefill":
+    return x_BTD, updates, sides
+  B = x_BTD.shape[0]
+  new = [_commit(_state_spec(cfg, pre + j, B, cache.length), states[j], updates[j],
+                 ctx.as_type(lp.contexts[pre + j]), True) for j in range(P)]
+  return x_BTD, new, sides
 
 
-def _cache(unrolled: list, scanned: list | None, cache: dict | None) -> dict | None:
-  return None if cache is None else {"unrolled": unrolled, "scanned": scanned}
+def _prepare(cfg: Config, layers: dict) -> dict:
+  """Each kind's stack with its layer axis leading, after each part's `prepare` (gather-once)."""
+  fam = family(cfg)
+  specs = param_specs(cfg)["layers"]
+  axis = cfg.param_scan_axis
+  out = {}
+  for kind, stack in layers.items():
+    stack = dict(stack)
+    for part in fam.kinds[kind].parts:
+      if part.prepare is not None:
+        stack[part.key] = part.prepare(stack[part.key], specs[kind][part.key])
+    if axis != 0:
+      stack = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stack)
+    out[kind] = stack
+  return out
 
 
 def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
@@ -262,13 +450,14 @@ def head(cfg: Config, params: dict, x_BTD: jax.Array) -> jax.Array:
     return logits
 
 
-def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: dict | None = None,
+def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: Cache | None = None,
           collect: bool = False, last_B: jax.Array | None = None,
-          layer_inputs: dict | None = None) -> tuple[jax.Array, dict | None, dict]:
+          layer_inputs: dict | None = None) -> tuple[jax.Array, Cache | None, dict]:
   """embed -> layers -> final norm -> head: (logits [B, T, V], new cache, side outputs).
 
   With last_B, only row b's position last_B[b] goes through the head: logits [B, 1, V] (a prefill
   needs the next-token logits of each prompt's last real token, not [B, T, V]).
+  layer_inputs: {name: [n_readers, ...]} (see forward).
   """
   m = cfg.model
   fam = family(cfg)
@@ -277,9 +466,8 @@ def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: 
   if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
-  # MoE routers: each stacked router kernel is all-gathered once here, not per layer in the scan.
-  layers = moe.gather_router_once(params["layers"], param_specs(cfg)["layers"])
-  x, cache, side = run_layers(cfg, layers, x, ctx, cache, collect, layer_inputs)
+  by_kind = split_layer_inputs(cfg, layer_inputs or {}, tokens_BT.shape)
+  x, cache, side = run_layers(cfg, _prepare(cfg, params["layers"]), x, ctx, cache, collect, by_kind)
   x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
   if last_B is not None:
     pick = jax.nn.one_hot(last_B, x.shape[1], dtype=x.dtype)  # [B, T]
@@ -292,6 +480,15 @@ def _positions(tokens_BT: jax.Array, positions_BT=None) -> jax.Array:
     return positions_BT
   B, T = tokens_BT.shape
   return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def context(cfg: Config, positions_BT: jax.Array, segment_ids_BT=None, **kw) -> Context:
+  """The Context for this config's plan: its contexts and the RoPE widths its parts read."""
+  dims = tuple(sorted({d for _, p in _parts(cfg) for d in p.rotary_dims(cfg.model)}))
+  return make_context(cfg, plan(cfg).contexts, dims, positions_BT, segment_ids_BT, **kw)
+
+
+FORCED_EXPERT_IDS = "forced_expert_ids"
 
 
 def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
@@ -308,54 +505,64 @@ def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, 
   return_side, returns (logits, side outputs), e.g. aux losses of MoE layers and the routed expert
   ids "moe_expert_ids" [L_moe, B, T, k] (L_moe: the MoE layers, in model order).
 
-  forced_expert_ids [L_moe, B, T, k] (int32, -1 = not forced) replays routing (nn/router_replay.py):
-  pass the "moe_expert_ids" of an earlier forward. Checked here: its shape, and its range when the
-  array is concrete (called outside jit). layer_inputs: run_layers' general per-layer channel.
+  layer_inputs: {name: [n, ...]}, a per-layer input stacked over the n model layers that read it
+  (input_readers(cfg, name)), in model order; each is checked by the part that reads it.
+  forced_expert_ids [L_moe, B, T, k] (int32, -1 = not forced) is layer_inputs' "forced_expert_ids":
+  router replay (nn/router_replay.py); pass the "moe_expert_ids" of an earlier forward. Its shape is
+  checked, and its range when the array is concrete (called outside jit).
   """
   positions_BT = _positions(tokens_BT, positions_BT)
-  lp = plan(cfg)
-  ctx = make_context(cfg, lp.contexts, positions_BT, segment_ids_BT)
   if forced_expert_ids is not None:
-    layer_inputs = with_forced_expert_ids(cfg, lp, layer_inputs, forced_expert_ids, tokens_BT.shape)
+    layer_inputs = dict(layer_inputs or {}, **{FORCED_EXPERT_IDS: forced_expert_ids})
+  ctx = context(cfg, positions_BT, segment_ids_BT)
   logits, _, side = apply(cfg, params, tokens_BT, ctx, collect=return_hidden, layer_inputs=layer_inputs)
   if return_hidden:
     return logits, side.pop("hidden")
   return (logits, side) if return_side else logits
 
 
-def with_forced_expert_ids(cfg: Config, lp, layer_inputs: dict | None, forced, shape_BT) -> dict:
-  """layer_inputs plus the MoE layers' forced ids, checked (nn/router_replay.check_forced_ids)."""
-  from meshlm.models import moe_block
-  from meshlm.nn.router_replay import check_forced_ids
-  n = lp.count(moe_block.KIND)
-  if not n:
-    raise ValueError(f"forced_expert_ids: model family {cfg.model.family!r} here has no MoE layers")
-  check_forced_ids(forced, (n, *shape_BT, cfg.model.num_experts_per_tok), cfg.model.num_experts)
-  layer_inputs = dict(layer_inputs or {})
-  layer_inputs[moe_block.KIND] = dict(layer_inputs.get(moe_block.KIND, {}), **{moe_block.FORCED_IDS: forced})
-  return layer_inputs
-
-
-def prefill(cfg: Config, params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cache_len: int):
+def prefill(cfg: Config, params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cache_len: int,
+            layer_inputs: dict | None = None) -> tuple[jax.Array, Cache, dict]:
   """Runs right-padded prompts (row b holds lengths_B[b] real tokens): (next-token logits [B, V] at
-  each row's last real token, cache).
+  each row's last real token, the cache, side outputs [n, B, T, ...]).
 
   The cache holds room for cache_len positions per row (local layers: a ring of their window).
   """
   lp = plan(cfg)
-  ctx = make_context(cfg, lp.contexts, _positions(tokens_BT), mode="prefill", cache_len=cache_len, lengths_B=lengths_B)
-  unrolled = len(_unrolled_ids(cfg, lp))
-  empty = {"unrolled": [None] * unrolled, "scanned": [None] * lp.period if _scans(cfg, lp) else None}
-  logits, cache, _ = apply(cfg, params, tokens_BT, ctx, empty, last_B=lengths_B - 1)
-  return logits[:, 0], cache
+  ctx = context(cfg, _positions(tokens_BT), mode="prefill", cache_len=cache_len, lengths_B=lengths_B)
+  empty = Cache([None] * len(_unrolled_ids(cfg, lp)), None, cache_len)
+  logits, cache, side = apply(cfg, params, tokens_BT, ctx, empty, last_B=lengths_B - 1, layer_inputs=layer_inputs)
+  return logits[:, 0], cache, side
 
 
-def decode(cfg: Config, params: dict, tokens_B: jax.Array, positions_B: jax.Array, cache: dict):
-  """One new token per row at its position: (logits [B, V], the updated cache)."""
-  ctx = make_context(cfg, plan(cfg).contexts, positions_B[:, None], mode="decode",
-                     cache_len=_cache_len(cfg, cache))
-  logits, cache, _ = apply(cfg, params, tokens_B[:, None], ctx, cache)
-  return logits[:, 0], cache
+def decode(cfg: Config, params: dict, tokens_B: jax.Array, positions_B: jax.Array, cache: Cache,
+           layer_inputs: dict | None = None) -> tuple[jax.Array, Cache, dict]:
+  """One new token per row at its position: (logits [B, V], the cache with the new rows written in
+  place, side outputs [n, B, 1, ...]). Donate the cache (jax.jit(donate_argnums=...)) so XLA writes
+  its buffers instead of copying them."""
+  ctx = context(cfg, positions_B[:, None], mode="decode", cache_len=cache.length)
+  logits, cache, side = apply(cfg, params, tokens_B[:, None], ctx, cache, layer_inputs=layer_inputs)
+  return logits[:, 0], cache, side
+
+
+def cache_specs(cfg: Config, batch: int, cache_len: int) -> Cache:
+  """The decode state's leaves (StateLeaf: shape, logical axes, commit rule), laid out as the Cache."""
+  lp = plan(cfg)
+  ids = _unrolled_ids(cfg, lp)
+  unrolled = [_state_spec(cfg, i, batch, cache_len) for i in ids]
+  if not _scans(cfg, lp):
+    return Cache(unrolled, None, cache_len)
+  G = lp.groups
+
+  def stacked(leaf):
+    return dataclasses.replace(leaf, shape=(G,) + leaf.shape, axes=("layers",) + tuple(leaf.axes))
+  scanned = [jax.tree.map(stacked, _state_spec(cfg, lp.prefix + j, batch, cache_len), is_leaf=_is_leaf)
+             for j in range(lp.period)]
+  return Cache(unrolled, scanned, cache_len)
+
+
+def _is_leaf(x) -> bool:
+  return isinstance(x, StateLeaf)
 
 
 def _scans(cfg: Config, lp) -> bool:
@@ -366,9 +573,3 @@ def _unrolled_ids(cfg: Config, lp) -> list[int]:
   if not _scans(cfg, lp):
     return list(range(lp.num_layers))
   return list(range(lp.prefix)) + list(range(lp.prefix + lp.groups * lp.period, lp.num_layers))
-
-
-def _cache_len(cfg: Config, cache: dict) -> int:
-  """The full-attention cache length: the largest cache any layer holds."""
-  lens = [a.shape[-3] for a in jax.tree.leaves(cache)]
-  return max(lens)

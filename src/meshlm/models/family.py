@@ -1,30 +1,134 @@
-"""The family interface: what a model family declares, and the layer plan the decoder runs.
+"""The layer interface: parts, kinds, the plan, and the family that composes them.
 
-A family is one `Family` value in one file (`models/<name>.py`), registered by one line in
-`models/registry.py`. It names its layer kinds, each with a parameter spec and a block function,
-and the plan that says which kind (and which attention context) each model layer is.
+A layer **kind** is a mixer and a feed-forward plus their norms:
 
-    block(p, x_BTD, ctx, state) -> (x_BTD, state, side)
+    x = x + post_norm(mixer(norm(x)))        # gqa, later mla, gdn, gated_gqa
+    x = x + post_norm(ffn(norm(x)))          # glu, moe
 
-- p: one layer's parameters (a slice of its kind's stack).
-- ctx: a `Context` (models/context.py): the model config, the dense projection bound to its
-  flags, and the per-context inputs (RoPE tables, mask, positions, segment ids, cache slots).
-- state: the layer's decode state (its KV cache), or None when training.
-- side: a dict of per-layer side outputs (aux losses, routed expert ids), {} when there are none.
+Both halves are a `Part`, declared with typed fields (models/mixers/, models/ffns/; registered in
+models/registry.py):
+
+- spec(m) -> one layer's ParamSpec tree, stored under `key` in the layer's parameters.
+- apply(p, x_BTD, ctx, state) -> (y_BTD, update, side). p: the part's parameters for one layer
+  (after `prepare`, with the model-state leaves merged in); ctx: the `Context` (models/context.py);
+  state: the layer's decode state (its leaves as `state_spec` declares them) in decode, else None;
+  update: what the layer wrote (None when training), committed by the decoder after the layer scan;
+  side: per-layer side outputs ({name: array}), {} when there are none.
+- state_spec(m, batch, size) -> {leaf: StateLeaf}: the decode state of one layer whose context holds
+  `size` cache slots, and how its update is committed ("rows" or "replace").
+- prepare(stack, specs) -> stack: runs once before the layer scan on the part's stacked parameters
+  (a "layers" axis leading or at param_scan_axis): gather-once transforms live here.
+- remat_save_names: names (jax.ad_checkpoint.checkpoint_name) a remat policy must save.
+- layer_inputs: {name: check(m, array, n_layers, shape_BT)}: per-layer inputs the part reads from
+  `ctx.layer[name]`, given to the decoder stacked over the model layers that read them.
+- model_state(m) -> ParamSpec tree of non-trainable leaves (merged into p, never seen by the
+  optimizer), and after_step(leaves, side, m) -> leaves, the rule that updates them after each step
+  from the part's side outputs (stacked over the kind's layers).
+- rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
+- side_names: the side outputs apply returns; replays: {side output: the per-layer input that
+  forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
+
+The generic decoder (models/decoder.py) reads only these fields: it knows no part by name.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import jax
+
 from meshlm.config import ModelConfig
+from meshlm.models import spec as S
+from meshlm.nn.norm import rms_norm
+from meshlm.parallel.sharding import ACT, constrain
+
+COMMITS = ("rows", "replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLeaf:
+  """One leaf of a layer's decode state.
+
+  commit "rows": the leaf is [B, C, ...] (C cache slots); in prefill the update is the prompt's rows
+  [B, T, ...], moved into the slots; in decode it is the new position's row [B, 1, ...], written at
+  each row's slot in place. "replace": the update is the whole new leaf (a recurrent state).
+  """
+  shape: tuple[int, ...]
+  axes: tuple[str | None, ...]
+  dtype: str = "float32"
+  commit: str = "rows"
+
+  def __post_init__(self):
+    assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+    assert self.commit in COMMITS, self.commit
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """A mixer or a feed-forward: the declared interface of one half of a layer kind."""
+  name: str
+  key: str  # its subtree in one layer's parameters ("attn", "mlp", "moe")
+  spec: Callable[[ModelConfig], dict]
+  apply: Callable[..., tuple[jax.Array, Any, dict]]
+  state_spec: Callable[[ModelConfig, int, int], dict[str, StateLeaf]] | None = None
+  prepare: Callable[[dict, dict], dict] | None = None
+  remat_save_names: tuple[str, ...] = ()
+  layer_inputs: Mapping[str, Callable[..., None]] = dataclasses.field(default_factory=dict)
+  model_state: Callable[[ModelConfig], dict] | None = None
+  after_step: Callable[[dict, dict, ModelConfig], dict] | None = None
+  rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
+  side_names: tuple[str, ...] = ()  # the side outputs apply returns (every one, every call)
+  replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
 
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-  """A kind of layer: its own parameter stack (`params["layers"][kind]`) and its block."""
-  spec: Callable[[ModelConfig], dict]  # one layer's ParamSpec tree
-  block: Callable[..., tuple[Any, Any, dict]]
+  """A kind of layer: a mixer and a feed-forward, each pre-normed, post-normed when `sandwich`
+  (gemma2/3), with (1 + w) norms when `plus_one` (gemma). Its parameters are one stack,
+  `params["layers"][kind]`: {"attn_norm", mixer.key, "mlp_norm", ffn.key[, "attn_post_norm",
+  "mlp_post_norm"]} (the norm names are the checkpoints' and Hugging Face maps')."""
+  mixer: Part
+  ffn: Part
+  plus_one: bool = False
+  sandwich: bool = False
+
+  @property
+  def parts(self) -> tuple[Part, Part]:
+    return (self.mixer, self.ffn)
+
+  def spec(self, m: ModelConfig) -> dict:
+    norm = S.zeros if self.plus_one else S.ones
+    out = {"attn_norm": norm(m.embed_dim), self.mixer.key: self.mixer.spec(m),
+           "mlp_norm": norm(m.embed_dim), self.ffn.key: self.ffn.spec(m)}
+    if self.sandwich:
+      out["attn_post_norm"] = norm(m.embed_dim)
+      out["mlp_post_norm"] = norm(m.embed_dim)
+    return out
+
+  def state_spec(self, m: ModelConfig, batch: int, size: int) -> dict:
+    """{part key: {leaf: StateLeaf}} for the parts that keep decode state."""
+    return {p.key: p.state_spec(m, batch, size) for p in self.parts if p.state_spec is not None}
+
+  def model_state(self, m: ModelConfig) -> dict:
+    """{part key: ParamSpec tree} of the parts' non-trainable leaves."""
+    return {p.key: p.model_state(m) for p in self.parts if p.model_state is not None}
+
+  def apply(self, p: dict, x_BTD: jax.Array, ctx, state: dict | None = None) -> tuple[jax.Array, dict, dict]:
+    """One layer: (x [B, T, D], {part key: update} for the parts that returned one, side outputs)."""
+    m = ctx.model
+    updates, side = {}, {}
+    for half, part in zip(("attn", "mlp"), self.parts):
+      with jax.named_scope(half):
+        h = rms_norm(p[f"{half}_norm"], x_BTD, m.norm_eps, plus_one=self.plus_one)
+        part_state = None if state is None else state.get(part.key)
+        h, update, part_side = part.apply(p[part.key], h, ctx, part_state)
+        if self.sandwich:
+          h = rms_norm(p[f"{half}_post_norm"], h, m.norm_eps, plus_one=self.plus_one)
+        x_BTD = x_BTD + h
+      if update is not None:
+        updates[part.key] = update
+      side.update(part_side)
+    return constrain(x_BTD, ACT), updates, side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +180,15 @@ class LayerPlan:
     return self.kinds.count(kind)
 
 
+def periodic_contexts(m: ModelConfig) -> tuple[str, ...]:
+  """Each layer's attention context from ModelConfig.layer_types(), repeated over the layers."""
+  types = m.layer_types()
+  return tuple(types[i % len(types)] for i in range(m.num_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A model family: its layer kinds, its plan, and the two decoder-level switches."""
+  """A model family: its layer kinds, its plan, the two decoder-level switches and its own checks."""
   name: str
   kinds: Mapping[str, Kind]
   # The layer plan for a config; default: every layer of the first kind, contexts repeating
@@ -86,11 +196,11 @@ class Family:
   plan: Callable[[ModelConfig], LayerPlan] | None = None
   norm_plus_one: bool = False  # RMSNorms scale by (1 + w); the final norm starts at zero
   embed_scale: bool = False  # embeddings are multiplied by sqrt(D) in the compute dtype
+  # Refuses config fields this family cannot run (raise meshlm's ConfigError, one line naming the key).
+  validate: Callable[[ModelConfig], None] = lambda m: None
 
   def layer_plan(self, m: ModelConfig) -> LayerPlan:
     if self.plan is not None:
       return self.plan(m)
-    types = m.layer_types()
     kind = next(iter(self.kinds))
-    return LayerPlan(kinds=(kind,) * m.num_layers,
-                     contexts=tuple(types[i % len(types)] for i in range(m.num_layers)), period=len(types))
+    return LayerPlan(kinds=(kind,) * m.num_layers, contexts=periodic_contexts(m), period=len(m.layer_types()))

@@ -1,9 +1,11 @@
-"""gemma: llama-shaped pre-norm blocks with (1 + w) RMSNorms, a tanh-GELU GLU, an embedding scaled by
+"""gemma: llama-shaped pre-norm layers with (1 + w) RMSNorms, a tanh-GELU GLU, an embedding scaled by
 sqrt(D) and a tied head (the last two live in the decoder, switched on by the family's flags)."""
 from __future__ import annotations
 
-from meshlm.models.blocks import dense_kind
-from meshlm.models.family import Family
+from meshlm.models.family import Family, Kind
+from meshlm.models.ffns.glu import glu
+from meshlm.models.mixers.gqa import gqa
 
 # (1 + w) norms everywhere, the final norm included; embeddings are multiplied by sqrt(D).
-FAMILY = Family("gemma", kinds={"dense": dense_kind(plus_one=True)}, norm_plus_one=True, embed_scale=True)
+FAMILY = Family("gemma", kinds={"dense": Kind(gqa(plus_one=True), glu(), plus_one=True)}, norm_plus_one=True,
+                embed_scale=True)

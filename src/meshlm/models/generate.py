@@ -1,15 +1,24 @@
-"""Sampling with a KV cache: one jitted prefill, then one jitted decode step per token, the cache donated.
+"""Sampling with a KV cache: one jitted prefill, then the whole decode loop on the device.
 
     out = meshlm.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=64, temperature=0.8, top_p=0.95)
-    out.tokens[i], out.logprobs[i]  # prompt i's new tokens and the model's log-probability of each
+    out.tokens [B, N], out.logprobs [B, N], out.lengths [B]   # row b's new tokens are tokens[b, :lengths[b]]
+    out.token_lists(), out.logprob_lists()                    # the same as Python lists
+    out.expert_ids [B, T, L_moe, k]                           # MoE: the routing of every token fed
 
 Prompts of different lengths are right-padded into one block; each row then advances from its own
-length. Shapes come in buckets (prompt block and cache length rounded up to a power of two), so a
-call compiles the prefill once and the decode step once per bucket, never once per token.
+length. The decode loop is a `lax.while_loop` with a done mask: no host round-trip per token, and it
+stops when every row has sampled a stop token. Each decode step writes its K/V rows into the donated
+cache in place. Shapes come in buckets (prompt block, new tokens and cache length rounded up to a power
+of two), so a call compiles the prefill once and the decode loop once per bucket, never once per token.
 
 `logprobs` are log softmax of the model's (soft-capped) logits at the sampled token: the policy's
 log-probabilities that RL needs, independent of temperature, top-k and top-p, which only shape the
-draw. `recompute_greedy` is the plain reference: the whole prefix through `forward` for every token.
+draw. `expert_ids` (models with a part that records what a per-layer input replays: MoE's routed ids)
+are laid out as the train step's `forced_expert_ids` for the rows prompt + completion: position p of
+row b holds the routing of its token p, and -1 where no token was fed (padding, the last token).
+Sampling is seeded per row (`seed` an int or one per row): row b's draw depends only on its seed, its
+logits and the step. `recompute_greedy` is the plain reference: the whole prefix through `forward`
+for every token.
 """
 from __future__ import annotations
 
@@ -26,20 +35,34 @@ import numpy as np
 
 from meshlm.config import Config, ConfigError
 from meshlm.models import decoder
+from meshlm.models.registry import family
 from meshlm.parallel.sharding import constrain
 
 MIN_BUCKET = 16
 
-# Traces of the jitted prefill / decode step, counted where they happen (at trace time), so a call can
+# Traces of the jitted prefill / decode loop, counted where they happen (at trace time), so a call can
 # report how many compilations it caused.
 TRACES: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
 class Generation:
-  tokens: list[list[int]]  # each prompt's new tokens, up to and including a stop token
-  logprobs: list[list[float]]  # log p(token | prefix) under the model, one per new token
+  tokens: np.ndarray  # [B, N] int32: row b's new tokens in [:lengths[b]] (up to and including a stop token), 0 after
+  logprobs: np.ndarray  # [B, N] float32: log p(token | prefix) under the model, 0 after the row's length
+  lengths: np.ndarray  # [B] int32
+  recorded: dict[str, np.ndarray]  # per-layer input name -> [B, T, n, ...] what a replay of this sample forces
   compilations: dict[str, int]  # {"prefill": n, "decode": n} traced during this call
+
+  @property
+  def expert_ids(self) -> np.ndarray | None:
+    """[B, T, L_moe, k] int32 routed ids (the train step's forced_expert_ids), None without MoE layers."""
+    return self.recorded.get(decoder.FORCED_EXPERT_IDS)
+
+  def token_lists(self) -> list[list[int]]:
+    return [[int(t) for t in row[:n]] for row, n in zip(self.tokens, self.lengths)]
+
+  def logprob_lists(self) -> list[list[float]]:
+    return [[float(x) for x in row[:n]] for row, n in zip(self.logprobs, self.lengths)]
 
 
 def bucket(n: int, cap: int) -> int:
@@ -77,7 +100,8 @@ def check_request(cfg: Config, prompts: Sequence[Sequence[int]], max_new_tokens:
 
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int | None,
            top_p: float) -> tuple[jax.Array, jax.Array]:
-  """(token [B], log p(token) [B]). temperature 0 is greedy; top-k and top-p cut the tail first."""
+  """(token [B], log p(token) [B]). temperature 0 is greedy; top-k and top-p cut the tail first.
+  key: one key for the batch, or one per row ([B] keys: row b's draw depends on its key alone)."""
   # The vocab whole on each device: top-k, sort and the draw are then local, and unambiguous under
   # explicit sharding. [B, V] is one row per sequence, small next to the step's weights.
   logits = constrain(logits_BV.astype(jnp.float32), ("batch", None))
@@ -95,76 +119,130 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int 
       cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
       cut = jnp.sum(cum - jax.nn.softmax(desc, axis=-1) < top_p, axis=-1, keepdims=True)  # tokens kept, >= 1
       z = jnp.where(z < jnp.take_along_axis(desc, cut - 1, axis=-1), -jnp.inf, z)
-    tok = jax.random.categorical(key, z, axis=-1)
+    if key.ndim:
+      tok = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, z)
+    else:
+      tok = jax.random.categorical(key, z, axis=-1)
   tok = tok.astype(jnp.int32)
   return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
+def recorded_inputs(cfg: Config) -> dict[str, str]:
+  """{side output name: the per-layer input it replays} over the plan's parts (MoE: routed ids)."""
+  fam = family(cfg)
+  return {side: name for k in decoder.plan(cfg).kind_names() for p in fam.kinds[k].parts
+          for side, name in p.replays.items()}
+
+
+def _record(buf_BTn, side_nBt, start_B, real_B):
+  """Writes side [n, B, t, ...] into buf [B, T, n, ...] at positions start_B[b] + [0, t), where real."""
+  vals = jnp.moveaxis(side_nBt, 0, 2)  # [B, t, n, ...]
+  t = vals.shape[1]
+  pos = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, t]
+  real = real_B if real_B.ndim == 2 else jnp.broadcast_to(real_B[:, None], pos.shape)
+  pos = jnp.where(real, pos, buf_BTn.shape[1])  # out of range: dropped
+  rows = jnp.broadcast_to(jnp.arange(pos.shape[0], dtype=jnp.int32)[:, None], pos.shape)
+  return buf_BTn.at[rows, pos].set(vals.astype(buf_BTn.dtype), mode="drop")
+
+
 @functools.lru_cache(maxsize=32)
 def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: float):
-  """The jitted prefill and decode step for one config and sampling setting (cached across calls)."""
+  """The jitted prefill and decode loop for one config and sampling setting (cached across calls)."""
   cfg = Config.model_validate_json(cfg_json)
+  records = recorded_inputs(cfg)
 
-  def prefill(params, tokens_BT, lengths_B, key, cache_len):
+  def keys_at(seeds_B, t):
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), t))(seeds_B)
+
+  def prefill(params, tokens_BT, lengths_B, seeds_B, stops, cache_len, new_len, total_len):
     TRACES["prefill"] += 1
-    logits, cache = decoder.prefill(cfg, params, tokens_BT, lengths_B, cache_len)
-    tok, lp = sample(logits, key, temperature, top_k, top_p)
-    return tok, lp, cache
+    B, T = tokens_BT.shape
+    logits, cache, side = decoder.prefill(cfg, params, tokens_BT, lengths_B, cache_len)
+    tok, lp = sample(logits, keys_at(seeds_B, 0), temperature, top_k, top_p)
+    bufs = {}
+    for name, field in records.items():
+      vals = side[name]  # [n, B, T, ...]
+      buf = jnp.full((B, total_len) + vals.shape[:1] + vals.shape[3:], -1, vals.dtype)
+      real = jnp.arange(T, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+      bufs[field] = _record(buf, vals, jnp.zeros((B,), jnp.int32), real)
+    toks = jnp.zeros((B, new_len), jnp.int32).at[:, 0].set(tok)
+    lps = jnp.zeros((B, new_len), jnp.float32).at[:, 0].set(lp)
+    done = jnp.isin(tok, stops)
+    return toks, lps, jnp.ones((B,), jnp.int32), done, cache, bufs
 
-  def decode(params, tokens_B, positions_B, cache, key):
+  def decode_loop(params, toks, lps, lengths, done, cache, bufs, prompt_B, seeds_B, stops, max_new):
     TRACES["decode"] += 1
-    logits, cache = decoder.decode(cfg, params, tokens_B, positions_B, cache)
-    tok, lp = sample(logits, key, temperature, top_k, top_p)
-    return tok, lp, cache
 
-  return (jax.jit(prefill, static_argnames="cache_len"), jax.jit(decode, donate_argnums=(3,)))
+    def cond(c):
+      t, _, _, _, done, _, _ = c
+      return (t < max_new) & ~jnp.all(done)
+
+    def body(c):
+      t, toks, lps, lengths, done, cache, bufs = c
+      fed = toks[:, t - 1]  # the previous token, at position prompt + t - 1
+      logits, cache, side = decoder.decode(cfg, params, fed, prompt_B + t - 1, cache)
+      real = (t - 1) < lengths  # the fed token is one of the row's own
+      bufs = {field: _record(bufs[field], side[name], prompt_B + t - 1, real) for name, field in records.items()}
+      tok, lp = sample(logits, keys_at(seeds_B, t), temperature, top_k, top_p)
+      live = ~done
+      toks = toks.at[:, t].set(jnp.where(live, tok, 0))
+      lps = lps.at[:, t].set(jnp.where(live, lp, 0.0))
+      lengths = lengths + live.astype(jnp.int32)
+      done = done | (live & jnp.isin(tok, stops))
+      return t + 1, toks, lps, lengths, done, cache, bufs
+
+    out = jax.lax.while_loop(cond, body, (jnp.int32(1), toks, lps, lengths, done, cache, bufs))
+    return out[1:]
+
+  return (jax.jit(prefill, static_argnames=("cache_len", "new_len", "total_len")),
+          jax.jit(decode_loop, donate_argnums=(5,)))
+
+
+def stop_ids(cfg: Config, stop_tokens: Sequence[int] | None) -> list[int]:
+  """The ids that end a row: stop_tokens when given (() for none), else the model's eos_token_id."""
+  if stop_tokens is not None:
+    return [int(t) for t in stop_tokens]
+  eos = cfg.model.eos_token_id
+  return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
-             stop_tokens: Sequence[int] = (), seed: int = 0, mesh=None) -> Generation:
+             stop_tokens: Sequence[int] | None = None, seed: int | Sequence[int] = 0, mesh=None) -> Generation:
   """Samples up to max_new_tokens after each prompt (lists of token ids of any lengths).
 
-  A row stops after it samples one of stop_tokens (kept as its last token). mesh: where params live
-  (default: the config's mesh; params not yet on it are placed onto their shardings).
+  A row stops after it samples a stop token (kept as its last token): stop_tokens, or by default the
+  model's eos_token_id (model.eos_token_id; pass () to never stop early). seed: an int (row b draws
+  with seed + b) or one seed per row. mesh: where params live (default: the config's mesh; params not
+  yet on it are placed onto their shardings).
   """
   from meshlm.parallel.mesh import make_mesh
   check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
+  B = len(prompts)
+  seeds = np.asarray([seed + b for b in range(B)] if isinstance(seed, int) else list(seed), np.int32)
+  if seeds.shape != (B,):
+    raise ConfigError(f"seed: {len(seeds)} seeds for {B} prompts; give one int or one seed per prompt")
   mesh = make_mesh(cfg) if mesh is None else mesh
   params = jax.device_put(params, decoder.param_shardings(cfg, mesh))
-  B = len(prompts)
   lengths = np.array([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()), cfg.model.max_position)
+  N = bucket(max_new_tokens, cfg.model.max_position)
   cache_len = bucket(int(lengths.max()) + max_new_tokens, cfg.model.max_position)
   block = np.zeros((B, T), np.int32)
   for i, p in enumerate(prompts):
     block[i, :len(p)] = p
-  prefill, decode = _steps(cfg.model_dump_json(), mesh, float(temperature), top_k, float(top_p))
+  stops = np.asarray(stop_ids(cfg, stop_tokens) or [-1], np.int32)  # -1 is never sampled
+  prefill, decode_loop = _steps(cfg.model_dump_json(), mesh, float(temperature), top_k, float(top_p))
   before = dict(TRACES)
-  stops = np.asarray(list(stop_tokens), np.int32)
-  toks, lps = [], []
-  key = jax.random.key(seed)
   with jax.set_mesh(mesh):
-    key, sub = jax.random.split(key)
-    tok, lp, cache = prefill(params, block, lengths, sub, cache_len=cache_len)
-    done = np.zeros(B, bool)
-    for t in range(max_new_tokens):
-      host_tok, host_lp = np.asarray(tok), np.asarray(lp)
-      toks.append(np.where(done, -1, host_tok))
-      lps.append(host_lp)
-      done |= np.isin(host_tok, stops)
-      if done.all() or t == max_new_tokens - 1:
-        break
-      key, sub = jax.random.split(key)
-      tok, lp, cache = decode(params, tok, jnp.asarray(lengths + t), cache, sub)
-  out_t, out_lp = np.stack(toks, 1), np.stack(lps, 1)
-  tokens, logprobs = [], []
-  for i in range(B):
-    n = int(np.sum(out_t[i] >= 0))
-    tokens.append([int(x) for x in out_t[i, :n]])
-    logprobs.append([float(x) for x in out_lp[i, :n]])
+    toks, lps, n, done, cache, bufs = prefill(params, block, lengths, seeds, stops, cache_len=cache_len, new_len=N,
+                                              total_len=T + N)
+    toks, lps, n, done, cache, bufs = decode_loop(params, toks, lps, n, done, cache, bufs, lengths, seeds, stops,
+                                                  np.int32(max_new_tokens))
   used = {k: TRACES[k] - before.get(k, 0) for k in ("prefill", "decode")}
-  return Generation(tokens, logprobs, used)
+  total = int(lengths.max()) + max_new_tokens
+  return Generation(np.asarray(toks)[:, :max_new_tokens], np.asarray(lps)[:, :max_new_tokens], np.asarray(n),
+                    {k: np.asarray(v)[:, :total] for k, v in bufs.items()}, used)
 
 
 def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -237,7 +315,7 @@ def main(args: list[str]) -> int:
                           decoder.param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
   params = load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)
   out = generate(cfg, params, [ids], max_new_tokens=opts["max_new_tokens"], temperature=opts["temperature"],
-                 top_k=opts["top_k"], top_p=opts["top_p"], stop_tokens=stop, seed=opts["seed"], mesh=mesh)
-  print(printable(opts["prompt"] + tok.decode(out.tokens[0])))
+                 top_k=opts["top_k"], top_p=opts["top_p"], stop_tokens=stop or None, seed=opts["seed"], mesh=mesh)
+  print(printable(opts["prompt"] + tok.decode(out.token_lists()[0])))
   sys.stdout.flush()
   return 0

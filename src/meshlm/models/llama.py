@@ -1,7 +1,8 @@
-"""llama 2/3: pre-norm blocks of GQA attention with RoPE and a SwiGLU MLP (models/blocks.py)."""
+"""llama 2/3: pre-norm layers of GQA attention with RoPE and a SwiGLU MLP."""
 from __future__ import annotations
 
-from meshlm.models.blocks import dense_kind
-from meshlm.models.family import Family
+from meshlm.models.family import Family, Kind
+from meshlm.models.ffns.glu import glu
+from meshlm.models.mixers.gqa import gqa
 
-FAMILY = Family("llama", kinds={"dense": dense_kind()})
+FAMILY = Family("llama", kinds={"dense": Kind(gqa(), glu())})

@@ -1,17 +1,16 @@
-"""mixtral: mistral's attention (an optional sliding window, model.sliding_window) with every layer's MLP
-a mixture of experts (models/moe_block.py); the top-k routing weights are always renormalized."""
+"""mixtral: mistral's attention (an optional sliding window, model.sliding_window) with every layer's
+feed-forward a mixture of experts (models/ffns/moe.py); the top-k routing weights are always
+renormalized."""
 from __future__ import annotations
 
-from meshlm.config import ModelConfig
-from meshlm.models.family import Family, LayerPlan
-from meshlm.models.moe_block import moe_kind
+from meshlm.models.family import Family, Kind, LayerPlan, periodic_contexts
+from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.mixers.gqa import gqa
 
 
-def plan(m: ModelConfig) -> LayerPlan:
+def plan(m) -> LayerPlan:
   # ModelConfig refuses a mixtral without experts or with norm_topk_prob=false.
-  types = m.layer_types()
-  return LayerPlan(kinds=("moe",) * m.num_layers, contexts=tuple(types[i % len(types)] for i in range(m.num_layers)),
-                   period=len(types))
+  return LayerPlan(kinds=("moe",) * m.num_layers, contexts=periodic_contexts(m), period=len(m.layer_types()))
 
 
-FAMILY = Family("mixtral", kinds={"moe": moe_kind(norm_topk=True)}, plan=plan)
+FAMILY = Family("mixtral", kinds={"moe": Kind(gqa(), moe_ffn(norm_topk=True))}, plan=plan)

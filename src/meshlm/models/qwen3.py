@@ -1,8 +1,9 @@
-"""qwen3: llama's block with RMSNorm on each q and k head before RoPE (model.qk_norm), tied or
+"""qwen3: llama's layers with RMSNorm on each q and k head before RoPE (model.qk_norm), tied or
 untied head."""
 from __future__ import annotations
 
-from meshlm.models.blocks import dense_kind
-from meshlm.models.family import Family
+from meshlm.models.family import Family, Kind
+from meshlm.models.ffns.glu import glu
+from meshlm.models.mixers.gqa import gqa
 
-FAMILY = Family("qwen3", kinds={"dense": dense_kind()})
+FAMILY = Family("qwen3", kinds={"dense": Kind(gqa(), glu())})

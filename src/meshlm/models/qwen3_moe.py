@@ -8,9 +8,10 @@ stretch of kinds (qwen3-moe-30b-a3b: every layer MoE, a scan of period 1).
 from __future__ import annotations
 
 from meshlm.config import ModelConfig
-from meshlm.models.blocks import dense_kind
-from meshlm.models.family import Family, LayerPlan
-from meshlm.models.moe_block import moe_kind
+from meshlm.models.family import Family, Kind, LayerPlan, periodic_contexts
+from meshlm.models.ffns.glu import glu
+from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.mixers.gqa import gqa
 
 
 def layer_kinds(m: ModelConfig) -> tuple[str, ...]:
@@ -36,8 +37,7 @@ def periodic_plan(kinds: tuple[str, ...], contexts: tuple[str, ...]) -> LayerPla
 
 
 def plan(m: ModelConfig) -> LayerPlan:
-  types = m.layer_types()
-  return periodic_plan(layer_kinds(m), tuple(types[i % len(types)] for i in range(m.num_layers)))
+  return periodic_plan(layer_kinds(m), periodic_contexts(m))
 
 
-FAMILY = Family("qwen3_moe", kinds={"dense": dense_kind(), "moe": moe_kind()}, plan=plan)
+FAMILY = Family("qwen3_moe", kinds={"dense": Kind(gqa(), glu()), "moe": Kind(gqa(), moe_ffn())}, plan=plan)

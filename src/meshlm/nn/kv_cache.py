@@ -1,6 +1,6 @@
 """KV-cache slots: where each position's keys and values live while sampling.
 
-A layer's cache is {"k", "v"}: [B, C, K, H]. Full-attention layers get C = the whole sampled length,
+A layer's cache leaf is [B, C, ...] (GQA's "k" and "v": [B, C, K, H]). Full-attention layers get C = the whole sampled length,
 so slot s holds position s. Sliding-window layers get C = min(window, length) slots used as a ring:
 position p lives in slot p % C. Either way, at current position `cur` slot s holds the largest
 p <= cur with p % C == s, so which position a slot holds never needs storing: it follows from each
@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from meshlm.parallel.sharding import constrain
+from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
 
 CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, C, K, H]
 
@@ -29,6 +29,7 @@ class Slots:
   src: jax.Array | None = None  # prefill: [B, C] the prompt position each slot takes
   valid: jax.Array | None = None  # [B, C] whether the slot holds a position at all
   write: jax.Array | None = None  # decode: [B, C] the slot the new position goes to
+  write_slot: jax.Array | None = None  # decode: [B] that slot's index
 
   @property
   def read_mask(self) -> jax.Array:
@@ -50,27 +51,48 @@ def prefill_slots(lengths_B: jax.Array, T: int, size: int) -> Slots:
 
 
 def decode_slots(cur_B: jax.Array, size: int) -> Slots:
-  """One new position cur_B[b] per row: it is written to slot cur % C, then every slot is read."""
+  """One new position cur_B[b] per row: it reads every other valid slot and its own key, and is then
+  written to slot cur % C."""
   _, valid = _slot_positions(cur_B.astype(jnp.int32), size)
-  write = jnp.arange(size, dtype=jnp.int32)[None, :] == (cur_B.astype(jnp.int32) % size)[:, None]
-  return Slots(size, valid=valid, write=write)
+  slot = cur_B.astype(jnp.int32) % size
+  write = jnp.arange(size, dtype=jnp.int32)[None, :] == slot[:, None]
+  return Slots(size, valid=valid, write=write, write_slot=slot)
 
 
-def fill(x_BTKH: jax.Array, slots: Slots) -> jax.Array:
-  """A prefill's keys or values [B, T, K, H] -> the cache [B, C, K, H]."""
-  B, T = x_BTKH.shape[:2]
+def fill(rows_BT: jax.Array, slots: Slots, axes) -> jax.Array:
+  """A prefill's rows [B, T, ...] (keys, values, a latent) -> the cache [B, C, ...], sharded as axes."""
+  B, T = rows_BT.shape[:2]
+  rest = (1,) * (rows_BT.ndim - 2)
   if slots.size == T:
-    out = x_BTKH  # slot s holds position s
+    out = rows_BT  # slot s holds position s
   elif slots.size > T:
-    out = jnp.pad(x_BTKH, ((0, 0), (0, slots.size - T), (0, 0), (0, 0)))
+    out = jnp.pad(rows_BT, ((0, 0), (0, slots.size - T)) + ((0, 0),) * len(rest))
   else:
     # A ring smaller than the prompt: each row keeps its last C positions, at p % C.
-    out = jnp.take_along_axis(x_BTKH, slots.src[:, :, None, None], axis=1)
-  out = jnp.where(slots.valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-  return constrain(out, CACHE_AXES)
+    out = jnp.take_along_axis(rows_BT, jnp.reshape(slots.src, slots.src.shape + rest), axis=1)
+  out = jnp.where(jnp.reshape(slots.valid, slots.valid.shape + rest), out, jnp.zeros((), out.dtype))
+  return constrain(out, axes)
 
 
-def write(cache_BCKH: jax.Array, x_B1KH: jax.Array, slots: Slots) -> jax.Array:
-  """Puts one new position's keys or values into its slot."""
-  out = jnp.where(slots.write[:, :, None, None], x_B1KH.astype(cache_BCKH.dtype), cache_BCKH)
-  return constrain(out, CACHE_AXES)
+def write_rows(cache: jax.Array, rows: jax.Array, slots: Slots, axes) -> jax.Array:
+  """Writes each row's new position into its slot, in place: cache [..., B, C, *rest] (a layer's cache,
+  or a stack of them), rows [..., B, 1, *rest]. One scatter of B rows per layer inside shard_map, so
+  the update is local to each shard and XLA writes the donated buffer instead of copying it."""
+  assert cache.ndim == rows.ndim == len(axes), (cache.shape, rows.shape, axes)
+  b_axis = list(axes).index("batch")
+  slot_B = slots.write_slot
+
+  def local(c, r, s):
+    c = jnp.moveaxis(c, (b_axis, b_axis + 1), (0, 1))  # [B, C, ...]
+    r = jnp.moveaxis(r, (b_axis, b_axis + 1), (0, 1))  # [B, 1, ...]
+    c = c.at[jnp.arange(c.shape[0]), s].set(r[:, 0].astype(c.dtype), unique_indices=True)
+    return jnp.moveaxis(c, (0, 1), (b_axis, b_axis + 1))
+
+  mesh = current_mesh()
+  if mesh.empty:
+    return local(cache, rows, slot_B)
+  spec = logical_spec(axes, cache.shape)
+  row_spec = logical_spec(axes, rows.shape)
+  s_spec = jax.sharding.PartitionSpec(spec[b_axis])
+  cache, rows, slot_B = constrain(cache, axes), constrain(rows, axes), constrain(slot_B, ("batch",))
+  return jax.shard_map(local, in_specs=(spec, row_spec, s_spec), out_specs=spec)(cache, rows, slot_B)

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.models import spec as S
+from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
 from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
@@ -363,46 +364,10 @@ expert_grad_barrier.defvjp(_expert_grad_barrier_fwd, _expert_grad_barrier_bwd)
 
 # --- the router kernel, gathered once before the layers (issue 11 speedup 5) -------------------------
 
-@jax.custom_vjp
-def gathered_router(router_DE: jax.Array, full_DE: jax.Array) -> jax.Array:
-  """full_DE (this layer's slice of the router stack gathered once before the layers); its
-  gradient goes to router_DE (the slice of the stored, FSDP-sharded stack), pinned to the kernel's
-  sharding: one reduce-scatter per layer instead of a per-layer all-gather in the forward and a
-  full-size reduction of the stack after the backward. The slice is pinned whole (under auto, XLA
-  would otherwise keep the stack sharded into the loop and gather each slice there)."""
-  del router_DE
-  return constrain(full_DE, (None,) * full_DE.ndim)
-
-
-def _gathered_router_fwd(router_DE, full_DE):
-  return gathered_router(router_DE, full_DE), None
-
-
-def _gathered_router_bwd(_, g_DE):
-  return constrain(g_DE, ROUTER_AXES), None
-
-
-gathered_router.defvjp(_gathered_router_fwd, _gathered_router_bwd)
-
-
-def gather_router_once(layers: dict, specs: dict) -> dict:
-  """The layer stacks with each MoE router stack's gathered copy beside it ("router_full").
-
-  layers: params["layers"] ({kind: stacked params}); specs: their ParamSpecs (decoder.param_specs).
-  The copy is the whole stack [L, D, E] constrained to no sharding but the layer axis's: one
-  all-gather before the layer scan (no gather in its body). It is stop_gradient'ed: the gradient
-  reaches the stored stack through `gathered_router`, per layer. Kinds without a router pass through.
-  """
-  out = dict(layers)
-  for kind, stack in layers.items():
-    sub = stack.get("moe") if isinstance(stack, dict) else None
-    if not isinstance(sub, dict) or "router" not in sub:
-      continue
-    axes = tuple(a if a == "layers" else None for a in specs[kind]["moe"]["router"].axes)
-    with jax.named_scope("router_gather_once"):
-      full = jax.lax.stop_gradient(constrain(sub["router"], axes))
-    out[kind] = dict(stack, moe=dict(sub, router_full=full))
-  return out
+def gather_router_once(router_stack: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  """The stacked router [L, D, E] (logical axes `axes`) gathered once before the layer scan: no
+  all-gather in the scan's body; each layer's gradient goes back per layer (nn/gather_once.py)."""
+  return gather_once.gather_stack(router_stack, axes, "router_gather_once")
 
 
 # --- dispatch ----------------------------------------------------------------------------------------
@@ -482,12 +447,12 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
             grouped_matmul: str = "auto", block_rows: int | None = None, fused_gate_up: bool = True,
             unsort_impl: str = "perm", token_mask_BT: jax.Array | None = None,
             forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact",
-            grad_barrier: bool = True):
+            grad_barrier: bool = True, router_full: jax.Array | None = None):
   """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
   "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces).
 
-  p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}, or "gate_up":
-  [E, D, 2F] in place of gate and up. ctx supplies the dense primitive (ctx.dense); without one the
+  p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}; router_full: this
+  layer's slice of the router stack gathered once before the layers (gather_router_once). ctx supplies the dense primitive (ctx.dense); without one the
   plain nn.dense.dense is used. impl: "dropless" or "reference" (every expert on every token).
   token_mask_BT (1 = real token) weighs the aux statistics (and, under replay, spares padding top-k).
   forced_ids_BTk (int32 [B, T, k], -1 = not forced): router replay (nn/router_replay.py). Forced tokens
@@ -501,7 +466,7 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
   with jax.named_scope("moe"):
     with jax.named_scope("router"):
       rdt = jnp.dtype(router_dtype)
-      router = p["router"] if "router_full" not in p else gathered_router(p["router"], p["router_full"])
+      router = p["router"] if router_full is None else gather_once.gathered(p["router"], router_full, ROUTER_AXES)
       logits = dense(x_BTD.astype(rdt), router.astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
       if forced_ids_BTk is None:
         probs, w, ids = route(logits, K, norm_topk)
@@ -512,14 +477,13 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
     if impl == "reference":
       from meshlm.nn.moe_reference import experts_reference
-      gate, up = _gate_and_up(p)
-      return experts_reference(x_BTD, ids, w, gate, up, p["down"], activation=activation), side
+      return experts_reference(x_BTD, ids, w, p["gate"], p["up"], p["down"], activation=activation), side
     if impl != "dropless":
       raise ValueError(f"moe_impl={impl!r}: expected dropless or reference")
     fn = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
                            block_rows=block_rows, unsort_impl=unsort_impl, fused_gate_up=fused_gate_up,
                            grad_barrier=grad_barrier)
-    kernels = (*_gate_and_up(p), p["down"])
+    kernels = (p["gate"], p["up"], p["down"])
     mesh = current_mesh()
     if mesh.empty:
       return fn(x_BTD, ids, w, *kernels), side
@@ -541,13 +505,6 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     y = jax.shard_map(ep_fn, in_specs=(spec, spec, spec) + (kspec,) * len(kernels),
                       out_specs=spec)(x_BTD, ids, w, *kernels)
     return y, side
-
-
-def _gate_and_up(p):
-  if "gate_up" in p:
-    F = p["gate_up"].shape[-1] // 2
-    return p["gate_up"][..., :F], p["gate_up"][..., F:]
-  return p["gate"], p["up"]
 
 
 def _axes_of(spec) -> set[str]:

@@ -2,7 +2,8 @@
 `checkpoint.keep`, resume from the latest complete one, skip corrupted ones.
 
 Layout of one checkpoint, `<checkpoint.dir>/<step>/`:
-  params/     the parameter pytree (Orbax StandardSave: sharded arrays, restored onto any mesh)
+  params/     the whole model tree (Orbax StandardSave: sharded arrays, restored onto any mesh): the
+              trainable parameters and the model-state leaves beside them (decoder.merge_state)
   opt_state/  the optimizer state pytree
   data/       JSON: the data-iterator state, {"state": ..., "process_count"}: the position in the
               sequence of global batches, the same on every process and for any process count
@@ -38,6 +39,7 @@ import jax
 import numpy as np
 
 from meshlm.config import Config, ConfigError
+from meshlm.models.decoder import merge_state, split_state
 
 ITEMS = ("params", "opt_state", "data", "meta")
 
@@ -182,14 +184,16 @@ class Checkpointer:
             "model": self.cfg.model.model_dump(mode="json"), "data": _data_key(self.cfg), **counters}
     try:
       self.manager.save(step, args=ocp.args.Composite(
-          params=ocp.args.StandardSave(state.params), opt_state=ocp.args.StandardSave(state.opt_state),
+          params=ocp.args.StandardSave(merge_state(state.params, state.model_state)),
+          opt_state=ocp.args.StandardSave(state.opt_state),
           data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta)),
           force=True)
     except Exception as e:  # noqa: BLE001
       raise self._save_failed(step, _first_line(e)) from None
 
   def restore_latest(self, abstract_state) -> dict | None:
-    """The newest readable checkpoint as {"step", "params", "opt_state", "rng", "data_state", "meta"},
+    """The newest readable checkpoint as {"step", "params", "model_state", "opt_state", "rng", "data_state",
+    "meta"},
     or None. Unreadable ones are moved aside with a warning; older ones are tried next."""
     ocp = _ocp()
     for step in sorted(self.manager.all_steps(), reverse=True):
@@ -206,13 +210,14 @@ class Checkpointer:
                             "where its data position means nothing; put the data.* key back, or use a new run_dir "
                             "with checkpoint.load_params_from to start from its parameters")
         out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_state.params),
+            params=ocp.args.StandardRestore(merge_state(abstract_state.params, abstract_state.model_state)),
             opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
             data=ocp.args.JsonRestore()))
         data_state = _data_state(out["data"], path)
         rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
-        return {"step": step, "params": out["params"], "opt_state": out["opt_state"], "rng": rng,
-                "data_state": data_state, "meta": meta}
+        params, model_state = split_state(self.cfg, out["params"])
+        return {"step": step, "params": params, "model_state": model_state, "opt_state": out["opt_state"],
+                "rng": rng, "data_state": data_state, "meta": meta}
       except ConfigError:
         raise
       except Exception as e:  # noqa: BLE001 -- any read failure means this checkpoint is unusable

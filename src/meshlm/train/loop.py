@@ -313,7 +313,8 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
   restored = ckpt.restore_latest(step_fn.abstract_state())
   if restored is not None:
     start = restored["step"]
-    state = TrainState(_scalar_on(step_fn.state_shardings().step, start), restored["params"], restored["opt_state"])
+    state = TrainState(_scalar_on(step_fn.state_shardings().step, start), restored["params"], restored["opt_state"],
+                       restored["model_state"])
     data.set_state(restored["data_state"])
     rng = restored["rng"]
     counters = {k: int(restored["meta"].get(k, 0)) for k in counters}
@@ -347,5 +348,5 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     room = cfg.model.max_position - len(prompt)
     if room > 0:
       gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
-      sample = text + tok.decode(gen.tokens[0])
+      sample = text + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)

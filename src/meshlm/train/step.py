@@ -50,7 +50,7 @@ BATCH_SPEC: dict[str, BatchField] = {"inputs": BatchField(), "targets": BatchFie
                                      "positions": BatchField(), "loss_mask": BatchField("float32")}
 BATCH_KEYS = tuple(BATCH_SPEC)
 # Router replay's batch field: [B, T, L_moe, k] int32, -1 = not forced (replay_batch_spec).
-FORCED_EXPERT_IDS = "forced_expert_ids"
+FORCED_EXPERT_IDS = decoder.FORCED_EXPERT_IDS
 
 
 def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> dict[str, BatchField]:
@@ -58,10 +58,9 @@ def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> 
   model order, k = num_experts_per_tok), sharded like the tokens on batch and length (the trailing
   axes stay whole, so micro-batches split it as they split the tokens). The default loss passes it to
   decoder.forward as [L_moe, B, T, k]; put_batch refuses a wrong shape or ids outside [-1, E)."""
-  from meshlm.models import moe_block
   from meshlm.nn.router_replay import check_forced_ids
   m = cfg.model
-  n = decoder.plan(cfg).count(moe_block.KIND)
+  n = len(decoder.input_readers(cfg, FORCED_EXPERT_IDS))
   if not n:
     raise ConfigError(f"{FORCED_EXPERT_IDS}: model family {m.family!r} here has no MoE layers to replay")
 
@@ -72,9 +71,18 @@ def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> 
 
 
 class TrainState(NamedTuple):
+  """step: batches consumed; params: the trainable tree (what the optimizer sees); opt_state; and
+  model_state: the non-trainable leaves the layer parts declare (decoder.model_state_specs), changed
+  only by their after-step rules ({} for models without any)."""
   step: jax.Array
   params: Any
   opt_state: Any
+  model_state: Any = {}
+
+
+# The loss metric holding the side outputs that the model state's after-step rules read (summed over
+# micro-batches, each weighted by its share of the tokens); train_step takes it out of the metrics.
+MODEL_SIDE = "model_side"
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -93,17 +101,22 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
   when their coefficients are set (`router_losses`)."""
   m = cfg.model
   aux = m.num_experts > 0 and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0)
+  state_side = decoder.after_step_side_names(cfg)
   forced = batch.get(FORCED_EXPERT_IDS)  # [B, T, L_moe, k] when the batch replays routing
-  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=aux,
-                        forced_expert_ids=None if forced is None else jnp.moveaxis(forced, 2, 0))
-  logits, side = out if aux else (out, {})
+  want_side = aux or bool(state_side)
+  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                        return_side=want_side, forced_expert_ids=None if forced is None else jnp.moveaxis(forced, 2, 0))
+  logits, side = out if want_side else (out, {})
   loss_sum, mb_tokens = cross_entropy(logits, batch["targets"], batch["loss_mask"])
   loss = loss_sum / num_tokens
-  if not aux:
+  if not want_side:
     return loss, {}
   # This micro-batch's share of the batch's tokens (exactly 1 without micro-batches): the per-micro-batch
   # router losses then sum to their token-weighted mean, as the cross-entropy sums to the batch's.
-  extra, metrics = router_losses(cfg, side, mb_tokens / num_tokens)
+  share = mb_tokens / num_tokens
+  extra, metrics = router_losses(cfg, side, share) if aux else (0.0, {})
+  if state_side:
+    metrics[MODEL_SIDE] = {n: jax.lax.stop_gradient(side[n].astype(jnp.float32)) * share for n in state_side}
   return loss + extra, metrics
 
 
@@ -170,11 +183,14 @@ def frozen(params, trainable) -> Any:
 
 
 def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
-                   batch_spec: dict[str, BatchField] = BATCH_SPEC, trainable=None) -> tuple[jax.Array, Any, dict]:
+                   batch_spec: dict[str, BatchField] = BATCH_SPEC, trainable=None,
+                   model_state=None) -> tuple[jax.Array, Any, dict]:
   """(loss, grads, loss metrics), summed over cfg.train.micro_batches. Frozen leaves (trainable False)
-  get zero gradients without any backward work."""
+  get zero gradients without any backward work; the model state's leaves are read, never differentiated."""
   num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-  grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, frozen(p, trainable), b, num_tokens), has_aux=True)
+  fixed = jax.lax.stop_gradient(model_state or {})
+  grad_fn = jax.value_and_grad(
+      lambda p, b: loss_fn(cfg, decoder.merge_state(frozen(p, trainable), fixed), b, num_tokens), has_aux=True)
   m = cfg.train.micro_batches
   if m == 1:
     (loss, metrics), grads = grad_fn(params, batch)
@@ -196,9 +212,15 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: Trai
   """One update. A NaN/Inf loss or gradient norm skips it: params and optimizer state come back
   unchanged (so the optimizer's own count, which drives the LR schedule, does not advance), while
   `state.step` still advances, because it counts batches consumed and names the checkpoint."""
-  loss, grads, loss_metrics = grads_and_loss(cfg, state.params, batch, loss_fn, batch_spec, trainable)
+  loss, grads, loss_metrics = grads_and_loss(cfg, state.params, batch, loss_fn, batch_spec, trainable,
+                                             state.model_state)
   params, opt_state, metrics = guarded_update(optimizer, state.params, state.opt_state, loss, grads, trainable)
-  return TrainState(state.step + 1, params, opt_state), {**loss_metrics, **metrics}
+  model_state = state.model_state
+  if model_state:
+    # Each part's rule, from this step's side outputs; a skipped (non-finite) step changes nothing.
+    new = decoder.after_step(cfg, model_state, loss_metrics.pop(MODEL_SIDE))
+    model_state = jax.tree.map(lambda a, b: jnp.where(metrics["nonfinite"], a, b), model_state, new)
+  return TrainState(state.step + 1, params, opt_state, model_state), {**loss_metrics, **metrics}
 
 
 def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, loss: jax.Array, grads,
@@ -252,11 +274,13 @@ class TrainStep:
         lambda sh, t: sh if t else optax.MaskedNode(), param_sh, self.trainable)
     opt_sh = optax.tree_map_params(self.optimizer, lambda _, sh: sh, abstract_opt, param_like,
                                    transform_non_params=lambda _: replicated)
-    return TrainState(replicated, param_sh, opt_sh)
+    return TrainState(replicated, param_sh, opt_sh, decoder.model_state_shardings(self.cfg, self.mesh))
 
   def _init(self, key: jax.Array) -> TrainState:
-    params = S.init_tree(decoder.param_specs(self.cfg), key, jnp.dtype(self.cfg.train.param_dtype))
-    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    dtype = jnp.dtype(self.cfg.train.param_dtype)
+    params = S.init_tree(decoder.param_specs(self.cfg), key, dtype)
+    return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params),
+                      S.init_tree(decoder.model_state_specs(self.cfg), key, dtype))
 
   def init_state(self, key: jax.Array) -> TrainState:
     """A fresh state, every leaf created straight onto its sharding."""
@@ -264,7 +288,8 @@ class TrainStep:
     params = decoder.init_params(self.cfg, key, self.mesh)
     with jax.set_mesh(self.mesh):
       opt_state = jax.jit(self.optimizer.init, out_shardings=sh.opt_state)(params)
-    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), sh.step), params, opt_state)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), sh.step), params, opt_state,
+                      decoder.init_model_state(self.cfg, key, self.mesh))
 
   def abstract_state(self) -> TrainState:
     with jax.set_mesh(self.mesh):

@@ -1,0 +1,1 @@
+"""Feed-forwards: the per-position half of a layer kind (models/family.Part), one file each."""

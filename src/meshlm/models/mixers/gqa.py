@@ -1,0 +1,118 @@
+"""The `gqa` mixer: grouped-query attention with RoPE, an optional sliding window (the context's mask
+and cache), optional per-head q/k RMSNorm before RoPE (`model.qk_norm`: qwen3, gemma3), the score
+scale `model.query_pre_attn_scalar` (default head_dim) and attention soft-capping
+(`model.attn_logit_softcap`). Its decode state is K/V rows at the context's cache slots.
+
+Under FSDP the query kernel is gathered once before the layer scan (`prepare`), as the router is:
+each layer reads its slice of the gathered stack and its gradient is pinned back to the kernel's
+sharding per layer (nn/gather_once.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ModelConfig
+from meshlm.models import spec as S
+from meshlm.models.family import Part, StateLeaf
+from meshlm.nn import gather_once
+from meshlm.nn.attention import gqa_attention, gqa_attention_decode
+from meshlm.nn.kv_cache import CACHE_AXES
+from meshlm.nn.norm import rms_norm
+from meshlm.nn.rope import apply_rope
+from meshlm.parallel.sharding import auto_region
+
+Q_AXES = ("embed", "heads", "head_dim")
+OUT = ("batch", "length", "act_embed")
+
+
+def spec(m: ModelConfig, *, plus_one: bool = False) -> dict:
+  D, N, Kv, H = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
+  out = {
+      "q": S.kernel((D, N, H), Q_AXES),
+      "k": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
+      "v": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
+      "o": S.kernel((N, H, D), ("heads", "head_dim", "embed"), n_in=2),
+  }
+  if m.qk_norm:
+    # (1 + w) norms start at w = 0, i.e. unit scale.
+    norm = S.zeros if plus_one else S.ones
+    out["q_norm"] = norm(H, "head_dim")
+    out["k_norm"] = norm(H, "head_dim")
+  return out
+
+
+def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
+  shape = (batch, size, m.num_kv_heads, m.head_dim)
+  return {"k": StateLeaf(shape, CACHE_AXES), "v": StateLeaf(shape, CACHE_AXES)}
+
+
+def prepare(p: dict, specs: dict) -> dict:
+  """The query kernel stack gathered once (all but its layer and tensor-sharded axes), "q_full"."""
+  return dict(p, q_full=gather_once.gather_stack(p["q"], specs["q"].axes, "q_gather_once"))
+
+
+def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one: bool = False):
+  """(attention output [B, T, D], update, {}). update: the new K/V rows ({"k", "v"} [B, T, Kv, H] in
+  prefill, [B, 1, Kv, H] in decode), None when training.
+
+  p: q [D, N, H] (+ q_full, its gathered copy), k/v [D, Kv, H], o [N, H, D], q_norm/k_norm [H].
+  state (decode): the layer's cache {"k", "v"} [B, C, Kv, H], read only: the new position attends to
+  the cache's other slots and to its own K/V, and the decoder writes the rows into the cache after
+  the layer scan.
+  """
+  m = ctx.model
+  dt = x_BTD.dtype
+  dense = ctx.dense
+  heads = ("batch", "length", "heads", "head_dim")
+  kv = ("batch", "length", "kv_heads", "head_dim")
+  with jax.named_scope("q"):
+    q_kernel = gather_once.gathered(p["q"], p["q_full"], Q_AXES)
+    q = dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", heads)
+  with jax.named_scope("k"):
+    k = dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", kv)
+  with jax.named_scope("v"):
+    v = dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", kv)
+  if m.qk_norm:
+    # Per-head RMSNorm over head_dim, before RoPE.
+    q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=plus_one)
+    k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=plus_one)
+  here = ctx.here
+  cos, sin = here.rope[m.head_dim]
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  scale = (m.query_pre_attn_scalar or m.head_dim) ** -0.5
+  softcap = m.attn_logit_softcap
+  update = None if ctx.mode == "train" else {"k": k, "v": v}
+
+  # The attention core and the output projection run in one auto-axes region. Under explicit sharding
+  # every einsum output would otherwise carry a sharding annotation between its dot and the
+  # transpose after it (the core's own einsums, and the incoming gradient of the output projection
+  # in the backward pass), which XLA cannot fold. Inside the region XLA folds them as under auto;
+  # the output projection still goes through dense.
+  def project(o, w_o):
+    w_o = jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:])  # [N, H, D] -> [Kv, G, H, D]
+    with jax.named_scope("o"):
+      return dense(o, w_o, "btkgh,kghd->btd", OUT)
+
+  if ctx.mode == "decode":
+    def attend_and_project(q, k, v, k_cache, v_cache, mask, w_o):
+      o = gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
+      return project(o, w_o)
+    region = auto_region(attend_and_project, OUT, x_BTD.shape)
+    # The slot being written holds a position the new one no longer sees (out of the window) or none.
+    mask = here.mask & ~here.cache.write[:, None, None, None, :]
+    return region(q, k, v, state["k"], state["v"], mask, p["o"].astype(dt)), update, {}
+
+  def attend_and_project(q, k, v, mask, w_o):
+    return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o)  # [B, T, Kv, G, H]
+  region = auto_region(attend_and_project, OUT, x_BTD.shape)
+  return region(q, k, v, here.mask, p["o"].astype(dt)), update, {}
+
+
+def gqa(*, plus_one: bool = False) -> Part:
+  """plus_one: the q/k norms scale by (1 + w) (gemma3)."""
+  return Part(name="gqa", key="attn", spec=functools.partial(spec, plus_one=plus_one),
+              apply=functools.partial(apply, plus_one=plus_one), state_spec=state_spec, prepare=prepare,
+              rotary_dims=lambda m: (m.head_dim,))

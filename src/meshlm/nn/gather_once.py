@@ -1,0 +1,50 @@
+"""Kernels gathered once before the layer scan (the RL trainer's router and query speedups).
+
+Under FSDP a stacked kernel [L, ...] is sharded on its embed dim, so every layer would all-gather its
+slice on the critical path, and the backward gathers it again. `gather_stack` gathers the whole
+stack once, before the scan (stop_gradient'ed), and `gathered` gives each layer that slice with a
+backward that pins the layer's gradient to the stored kernel's sharding: a per-layer reduce-scatter
+into the sharded stack, not a full-size reduction of the stack after the backward. Numerically the
+identity.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from meshlm.parallel.sharding import constrain
+
+FSDP_AXES = frozenset({"embed"})  # the parameter axes FSDP shards (parallel/sharding.RULES)
+
+
+def gathered_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
+  """The axes of the gathered copy: the FSDP-sharded ones left whole, the rest (layers, tensor) kept."""
+  return tuple(None if a in FSDP_AXES else a for a in axes)
+
+
+def gather_stack(stack: jax.Array, axes: tuple[str | None, ...], scope: str) -> jax.Array:
+  """The stacked kernel (logical axes `axes`, "layers" among them) gathered once, stop_gradient'ed:
+  its gradient reaches the stored stack through `gathered`, per layer."""
+  with jax.named_scope(scope):
+    return jax.lax.stop_gradient(constrain(stack, gathered_axes(axes)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gathered(kernel: jax.Array, full: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  """full (this layer's slice of the gathered stack), with its gradient sent to kernel (the slice of
+  the stored stack, logical axes `axes`) pinned to the kernel's sharding. The slice is pinned whole
+  (under auto, XLA would otherwise keep the stack sharded into the loop and gather each slice there)."""
+  del kernel
+  return constrain(full, gathered_axes(axes))
+
+
+def _gathered_fwd(kernel, full, axes):
+  return gathered(kernel, full, axes), None
+
+
+def _gathered_bwd(axes, _, g):
+  return constrain(g, axes), None
+
+
+gathered.defvjp(_gathered_fwd, _gathered_bwd)
