@@ -10,7 +10,7 @@ import pytest
 from meshlm.analysis.arms import Arm, build_arms
 from meshlm.bench.harness import TIMERS, _Runner, plot, render, run
 from meshlm.bench.stats import arm_stats, median_ci, order_stat_rank, paired, ratios, verdict, verdict_word
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 def test_arm_stats_median_and_spread():

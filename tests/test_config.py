@@ -5,7 +5,8 @@ import pytest
 import yaml
 from jax.sharding import PartitionSpec as P
 
-from meshlm.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_yaml
+from meshlm.config import Config, load_config, parse_overrides, preset_names, to_yaml
+from meshlm.errors import ConfigError
 from meshlm.parallel.mesh import make_mesh, resolve_mesh_shape
 
 KO_LM = "lm_head_weight_grad_in_kernel_order"

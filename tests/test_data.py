@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 from meshlm.train import data as D
 from meshlm.train.data import sources as DS
 from meshlm.train.data import ByteTokenizer, make_dataset

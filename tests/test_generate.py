@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.models import generate as G
 from meshlm.nn import kv_cache
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from meshlm import forward, hf
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.hf import convert
 from meshlm.hf.io import families
 

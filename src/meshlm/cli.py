@@ -5,6 +5,8 @@ import sys
 import time
 import warnings
 
+from meshlm.errors import ConfigError, UsageError
+
 USAGE = """usage: meshlm <command> [key=value ...]
 
 commands:
@@ -28,10 +30,6 @@ SUMMARIES = {
     "convert": "Convert between Hugging Face and meshlm model directories.",
     "generate": "Sample from a run, meshlm model or Hugging Face directory (temperature 0 is greedy).",
 }
-
-
-class UsageError(Exception):
-  pass
 
 
 def _fail(msg: str) -> int:
@@ -156,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(USAGE)
     return 0 if argv else 2
-  from meshlm.config import ConfigError
   cmd, args = argv[0], argv[1:]
   if cmd not in COMMANDS:
     return _fail(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 
 
 @dataclasses.dataclass

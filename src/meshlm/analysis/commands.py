@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 
 CENSUS_USAGE = "meshlm census [key=value ...] [--json]"
 COMPARE_USAGE = "meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm NAME:k=v[,k=v] [--json]"

@@ -1,7 +1,7 @@
 """`meshlm bench`: argument handling and output (registered in cli.py)."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 
 BENCH_USAGE = ("meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... [--reps N] [--target-ci F [--max-seconds S]] "
                "[--timer wall|cpu] [--steps-per-rep K] [--warmup N] [--json] [--plot PATH]")

@@ -10,10 +10,7 @@ import pydantic
 import yaml
 
 from meshlm.config.schema import Config
-
-
-class ConfigError(ValueError):
-  """A config problem, reported as one line that names the key. The CLI exits 2 on it."""
+from meshlm.errors import ConfigError
 
 
 def preset_names() -> list[str]:
@@ -155,7 +152,8 @@ def _meshlm_model(path: str, key: str) -> tuple[str, dict]:
 def refuse_shape_overrides(value: str, tree: dict[str, Any], pairs: list[tuple[str, Any]]) -> None:
   """model=PATH loads PATH's parameters: a model.* override that changes any parameter's shape cannot
   apply to them, and is refused naming the key (norm_eps, rope or token ids may change)."""
-  from meshlm.models import decoder, spec as S
+  from meshlm import spec as S
+  from meshlm.models import decoder
 
   def shapes(t: dict) -> dict:
     try:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from meshlm.config import Config, ConfigError, load_config
+from meshlm.config import Config, load_config
+from meshlm.errors import ConfigError
 
 
 # A model's tokenizer, copied along by both directions so that model=DIR finds it and the export has it.
@@ -49,7 +50,7 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
   onto its sharding."""
   import jax
   from meshlm.models.decoder import param_shardings, param_specs
-  from meshlm.models import spec as S
+  from meshlm import spec as S
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.checkpoint import restore_params, saved_model
   path = Path(path).absolute()

@@ -14,7 +14,7 @@ import functools
 import jax
 
 from meshlm.config import ModelConfig
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.models.family import Kind
 from meshlm.nn.attention import self_attention
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.config import Config
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.models.context import Context, make_context
 from meshlm.models.registry import family
 from meshlm.nn import moe

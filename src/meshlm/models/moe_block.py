@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm.models import blocks
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.models.family import Kind
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS

@@ -37,7 +37,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 ITEMS = ("params", "opt_state", "data", "meta")
 

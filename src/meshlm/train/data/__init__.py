@@ -32,7 +32,8 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.train.data.sources import Doc, _jsonl_lines, _parquet_rows, _ParquetRead, _TextFiles, data_files, stdlib_files
 from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, UTF8_STATS, decode_utf8,  # noqa: F401
                                           make_tokenizer, replace_invalid_utf8)

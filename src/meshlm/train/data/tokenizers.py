@@ -9,7 +9,8 @@ import threading
 
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 log = logging.getLogger("meshlm.data")
 
