@@ -41,16 +41,16 @@ def _usage_of(cmd: str) -> str:
   if cmd == "train":
     return "meshlm train [key=value ...]"
   if cmd in ("census", "compare"):
-    from meshlm.analysis.commands import CENSUS_USAGE, COMPARE_USAGE
+    from meshlm.commands.census import CENSUS_USAGE, COMPARE_USAGE
     return CENSUS_USAGE if cmd == "census" else COMPARE_USAGE
   if cmd == "bench":
-    from meshlm.bench.command import BENCH_USAGE
+    from meshlm.commands.bench import BENCH_USAGE
     return BENCH_USAGE
   if cmd == "convert":
-    from meshlm.hf.convert import USAGE
+    from meshlm.commands.convert import USAGE
     return USAGE
   if cmd == "generate":
-    from meshlm.models.generate import USAGE
+    from meshlm.commands.generate import USAGE
     return USAGE
   return f"meshlm {cmd}"
 
@@ -79,7 +79,7 @@ _python_showwarning = warnings.showwarning
 
 
 def cmd_train(args: list[str], start: float) -> int:
-  from meshlm.config import load_config
+  from meshlm.commands.resolve import load_config
   from meshlm.parallel import set_cpu_devices
   cfg = load_config(*args)
   set_cpu_devices(cfg.cpu_devices)
@@ -118,27 +118,27 @@ def cmd_presets(args: list[str], start: float) -> int:
 
 
 def cmd_convert(args: list[str], start: float) -> int:
-  from meshlm.hf.convert import main as convert_main
+  from meshlm.commands.convert import main as convert_main
   return convert_main(args)
 
 
 def cmd_census(args: list[str], start: float) -> int:
-  from meshlm.analysis.commands import cmd_census as run
+  from meshlm.commands.census import cmd_census as run
   return run(args, start)
 
 
 def cmd_compare(args: list[str], start: float) -> int:
-  from meshlm.analysis.commands import cmd_compare as run
+  from meshlm.commands.census import cmd_compare as run
   return run(args, start)
 
 
 def cmd_bench(args: list[str], start: float) -> int:
-  from meshlm.bench.command import cmd_bench as run
+  from meshlm.commands.bench import cmd_bench as run
   return run(args, start)
 
 
 def cmd_generate(args: list[str], start: float) -> int:
-  from meshlm.models.generate import main as generate_main
+  from meshlm.commands.generate import main as generate_main
   return generate_main(args)
 
 

@@ -1,6 +1,7 @@
 """`meshlm bench`: argument handling and output (registered in cli.py)."""
 from __future__ import annotations
 
+from meshlm.commands.resolve import load_config
 from meshlm.errors import ConfigError
 
 BENCH_USAGE = ("meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... [--reps N] [--target-ci F [--max-seconds S]] "
@@ -35,7 +36,7 @@ def _float_opt(opts: dict, key: str, low: float, high: float) -> float | None:
 
 def cmd_bench(args: list[str], start: float) -> int:
   from meshlm.analysis.arms import build_arms, prepare_devices, split_args
-  from meshlm.analysis.commands import dumps
+  from meshlm.commands.census import dumps
   from meshlm.bench.harness import plot, render, run
   overrides, opts = split_args(args, {"--json": False, "--arm": True, "--reps": True, "--warmup": True,
                                       "--plot": True, "--steps-per-rep": True, "--target-ci": True,
@@ -53,7 +54,7 @@ def cmd_bench(args: list[str], start: float) -> int:
     raise ConfigError(f"--timer: expected wall or cpu, got {timer!r}")
   warmup = _int_opt(opts, "--warmup", 2, 0)
   steps_per_rep = _int_opt(opts, "--steps-per-rep", 1, 1)
-  arms = build_arms(overrides, opts.get("--arm", []), min_arms=1)
+  arms = build_arms(overrides, opts.get("--arm", []), min_arms=1, load=load_config)
   plot_path = opts.get("--plot", [None])[-1]
   if plot_path is not None:
     import os

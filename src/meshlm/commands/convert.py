@@ -25,7 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from meshlm.config import Config, load_config
+from meshlm.commands.resolve import load_config
+from meshlm.config import Config
 from meshlm.errors import ConfigError
 
 

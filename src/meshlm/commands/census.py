@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshlm.config import load_config
+from meshlm.commands.resolve import load_config
 from meshlm.errors import ConfigError
 
 CENSUS_USAGE = "meshlm census [key=value ...] [--json]"
@@ -35,7 +35,7 @@ def cmd_compare(args: list[str], start: float) -> int:
   from meshlm.analysis.census import census_of, config_summary, lower_and_compile
   from meshlm.analysis.compare import compare, render
   overrides, opts = split_args(args, {"--json": False, "--arm": True})
-  arms = build_arms(overrides, opts.get("--arm", []), min_arms=2)
+  arms = build_arms(overrides, opts.get("--arm", []), min_arms=2, load=load_config)
   prepare_devices(arms)
   results, texts, errors = {}, {}, {}
   for arm in arms:
