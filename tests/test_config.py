@@ -155,6 +155,23 @@ def test_preset_name_must_be_a_string():
   assert _error("model=3").startswith("model:")
 
 
+def test_moe_impl_capacity_is_not_offered():
+  """Rough edge 5: capacity was in the schema and --help but not built (a 61-line traceback at trace time)."""
+  from meshlm.config.keys import render_keys
+  msg = _error("model=qwen3-moe-tiny", "model.moe_impl=capacity")
+  assert msg.startswith("model.moe_impl:") and "'dropless' or 'reference'" in msg and "'capacity'" in msg, msg
+  assert "capacity" not in render_keys()
+  assert load_config("model=qwen3-moe-tiny", "model.moe_impl=reference").model.moe_impl == "reference"
+
+
+def test_expert_axis_on_a_dense_model_is_refused():
+  """Rough edge 15: mesh.expert=2 on a dense model trained silently; a MoE model still takes it."""
+  msg = _error("model=llama2-tiny", "mesh.expert=2")
+  assert msg.startswith("mesh.expert=2: llama2-tiny is dense (model.num_experts=0)") and "leave mesh.expert at 1" in msg
+  assert load_config("model=qwen3-moe-tiny", "mesh.expert=2").mesh.expert == 2
+  assert load_config("model=llama2-tiny", "mesh.expert=1").mesh.expert == 1
+
+
 def test_tied_embedding_refuses_the_lm_head_flag():
   msg = _error("model.tie_embeddings=true", f"{KO_LM}=true")
   assert msg.startswith(f"{KO_LM}=true") and "model.tie_embeddings" in msg

@@ -55,6 +55,11 @@ def cmd_bench(args: list[str], start: float) -> int:
   warmup = _int_opt(opts, "--warmup", 2, 0)
   steps_per_rep = _int_opt(opts, "--steps-per-rep", 1, 1)
   arms = build_arms(overrides, opts.get("--arm", []), min_arms=1, load=load_config)
+  from meshlm.bench.stats import LEVEL, min_rounds
+  # Without --target-ci exactly --reps rounds run; a ratio's interval needs min_rounds of them, so say so now.
+  if len(arms) > 1 and target_ci is None and reps < min_rounds(LEVEL):
+    raise ConfigError(f"--reps {reps}: comparing {len(arms)} arms needs at least {min_rounds(LEVEL)} rounds for a "
+                      f"{LEVEL:.0%} interval on each ratio; use --reps {min_rounds(LEVEL)} or more, or --target-ci F")
   plot_path = opts.get("--plot", [None])[-1]
   if plot_path is not None:
     import os

@@ -76,11 +76,10 @@ class ModelConfig(_Strict):
                                       "added to the training loss (0: off)")
   router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
                                     "logsumexp of the router logits) added to the training loss (0: off)")
-  moe_impl: Literal["dropless", "reference", "capacity"] = Field(
-      default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls), reference (every expert on "
-      "every token, masked) or capacity (drops tokens over capacity_factor)")
-  capacity_factor: float = Field(default=1.25, gt=0, description="moe_impl=capacity: each expert takes at most "
-                                 "capacity_factor * tokens * k / num_experts tokens")
+  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe.py has only these two.
+  moe_impl: Literal["dropless", "reference"] = Field(
+      default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls) or reference (every expert "
+      "on every token, masked)")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
 
   @model_validator(mode="after")
@@ -266,6 +265,10 @@ class Config(_Strict):
       raise ValueError(
           "lm_head_weight_grad_in_kernel_order=true needs an untied LM head, but model.tie_embeddings "
           "is true (the tied head is an einsum over the embedding table); leave the flag unset or false")
+    if self.mesh.expert != 1 and not self.model.num_experts:
+      raise ValueError(
+          f"mesh.expert={self.mesh.expert}: {self.model_name} is dense (model.num_experts=0), so there are no experts "
+          "to shard; leave mesh.expert at 1 and give the devices to mesh.data or mesh.fsdp")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "
