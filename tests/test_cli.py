@@ -179,7 +179,7 @@ def test_train_messages_stay_on_one_line_at_any_columns(monkeypatch, capsys, fak
     assert main(["train", "cpu_devices=2", f"run_dir={run_dir}"]) == 0
     err = capsys.readouterr().err.splitlines()
     banner = [ln for ln in err if ln.startswith("meshlm train llama2-tiny")]
-    assert len(banner) == 1 and banner[0].endswith(f"run_dir={run_dir}"), err
+    assert len(banner) == 1 and banner[0].endswith(f"data=stdlib  run_dir={run_dir}"), err
     assert any(ln.startswith("loss 6.2000 -> 3.1000 (50% of the first step) in 2 steps; first step finished 1.5 s")
                for ln in err), err
 

@@ -172,6 +172,16 @@ def test_expert_axis_on_a_dense_model_is_refused():
   assert load_config("model=llama2-tiny", "mesh.expert=1").mesh.expert == 1
 
 
+def test_data_source_follows_the_path_when_unset():
+  """Rough edge 3: data.path without data.source trained on the stdlib corpus; now the ending says it."""
+  for path, source in (("c/*.jsonl", "jsonl"), ("c/**/*.txt", "text"), ("c/a.parquet", "parquet")):
+    assert load_config(f"data.path={path}").data.source == source
+  assert load_config("data.source=text", "data.path=c/*.jsonl").data.source == "text"  # a given source wins
+  assert load_config().data.source == "stdlib"
+  msg = _error("data.path=corpus/**")
+  assert "data.path=corpus/**: data.source is not set" in msg and "set data.source=text|jsonl|parquet" in msg, msg
+
+
 def test_tied_embedding_refuses_the_lm_head_flag():
   msg = _error("model.tie_embeddings=true", f"{KO_LM}=true")
   assert msg.startswith(f"{KO_LM}=true") and "model.tie_embeddings" in msg

@@ -78,6 +78,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 _python_showwarning = warnings.showwarning
 
 
+def _data_label(cfg) -> str:
+  """The header's data source: what the run reads, so a forgotten data.source shows at once."""
+  d = cfg.data
+  return f"{d.source}:{d.path}" if d.path else d.source
+
+
 def cmd_train(args: list[str], start: float) -> int:
   from meshlm.commands.resolve import load_config
   from meshlm.parallel import set_cpu_devices
@@ -93,7 +99,7 @@ def cmd_train(args: list[str], start: float) -> int:
   console = make_console()
   console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                 f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
-                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  run_dir={cfg.run_dir}")
+                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
   result = train(cfg, console=console, start_time=start)
   if result.stop_reason != "done":
     console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "

@@ -186,11 +186,27 @@ class TrainConfig(_Strict):
 class DataConfig(_Strict):
   """Training data; docs/data.md describes the pipeline, the tokenizer rules and the errors."""
   source: Literal["stdlib", "synthetic", "text", "jsonl", "parquet"] = Field(
-      default="stdlib", description="training data: the stdlib .py corpus, synthetic tokens, or files at data.path")
+      default="stdlib", description="training data: the stdlib .py corpus, synthetic tokens, or files at data.path "
+      "(unset with data.path: inferred from its ending, .txt/.md text, .jsonl, .parquet)")
   path: Optional[str] = Field(default=None, description="glob of the data files (** recurses), for source=text|jsonl|parquet")
   field: str = Field(default="text", min_length=1, description="the JSONL key / Parquet column holding the text")
   tokenizer: str = Field(default="byte", min_length=1, description="byte, a Hugging Face tokenizer.json, or a directory holding one")
   seed: int = Field(default=0, description="seed of the data order")
+
+  # data.path with no data.source once trained on the stdlib corpus without a word: infer it instead.
+  SUFFIX_SOURCES: ClassVar[dict[str, str]] = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+  @model_validator(mode="before")
+  @classmethod
+  def _source_from_path(cls, data):
+    if isinstance(data, dict) and data.get("path") and data.get("source") is None:
+      path = str(data["path"])
+      suffix = next((x for x in cls.SUFFIX_SOURCES if path.endswith(x)), None)
+      if suffix is None:
+        raise ValueError(f"data.path={path}: data.source is not set and the name does not say it (a .txt, .md, "
+                         ".jsonl or .parquet ending); set data.source=text|jsonl|parquet")
+      data = {**data, "source": cls.SUFFIX_SOURCES[suffix]}
+    return data
 
 
 class CheckpointConfig(_Strict):
