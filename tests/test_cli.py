@@ -111,6 +111,23 @@ def test_help_exits_0_with_usage_and_every_key(capsys, command):
   assert main([command, "-h", "model=llama2-tiny"]) == 0 and capsys.readouterr().out == out
 
 
+@pytest.mark.parametrize("command, own", [
+    ("generate", ["prompt=TEXT", "max_new_tokens=N", "temperature=T", "stop=ID,ID"]),
+    ("bench", ["--timer wall|cpu", "--reps N", "--warmup N", "--arm NAME"]),
+    ("census", ["--json"]), ("compare", ["--arm NAME", "--json"]), ("convert", ["hf-to-meshlm SRC DST"]),
+])
+def test_each_command_help_leads_with_its_own_options(command, own):
+  """Rough edge 10: every command's --help printed the training key table first; train has no options block."""
+  from meshlm.cli import command_help
+  text = command_help(command)
+  head = text[:text.index("config keys:")]
+  assert "options:" in head, head
+  options = head[head.index("options:"):]
+  for opt in own:
+    assert f"\n  {opt}" in options, (command, opt, options)
+  assert "options:" not in command_help("train")
+
+
 def test_help_shows_types_and_defaults():
   from meshlm.cli import command_help
   rows = {line.split()[0]: line.split()[1:3] for line in command_help("train").splitlines()

@@ -37,30 +37,33 @@ def _fail(msg: str) -> int:
   return 2
 
 
-def _usage_of(cmd: str) -> str:
+def _usage_of(cmd: str) -> tuple[str, str | None]:
+  """(usage line, the command's own options or None); each comes from the command's module."""
   if cmd == "train":
-    return "meshlm train [key=value ...]"
+    return "meshlm train [key=value ...]", None
   if cmd in ("census", "compare"):
-    from meshlm.commands.census import CENSUS_USAGE, COMPARE_USAGE
-    return CENSUS_USAGE if cmd == "census" else COMPARE_USAGE
+    from meshlm.commands import census as c
+    return (c.CENSUS_USAGE, c.CENSUS_OPTIONS) if cmd == "census" else (c.COMPARE_USAGE, c.COMPARE_OPTIONS)
   if cmd == "bench":
-    from meshlm.commands.bench import BENCH_USAGE
-    return BENCH_USAGE
+    from meshlm.commands.bench import BENCH_OPTIONS, BENCH_USAGE
+    return BENCH_USAGE, BENCH_OPTIONS
   if cmd == "convert":
-    from meshlm.commands.convert import USAGE
-    return USAGE
+    from meshlm.commands.convert import OPTIONS, USAGE
+    return USAGE, OPTIONS
   if cmd == "generate":
-    from meshlm.commands.generate import USAGE
-    return USAGE
-  return f"meshlm {cmd}"
+    from meshlm.commands.generate import OPTIONS, USAGE
+    return USAGE, OPTIONS
+  return f"meshlm {cmd}", None
 
 
 def command_help(cmd: str) -> str:
-  """`meshlm <cmd> --help`: usage, then every config key from the schema (type, default, meaning)."""
+  """`meshlm <cmd> --help`: usage, the command's own options, then every config key from the schema."""
   from meshlm.config.keys import render_keys
+  usage, options = _usage_of(cmd)
   if cmd not in SUMMARIES:  # presets: takes no keys
-    return f"usage: {_usage_of(cmd)}"
-  return (f"usage: {_usage_of(cmd)}\n\n{SUMMARIES.get(cmd, '')}\n\n"
+    return f"usage: {usage}"
+  own = f"options:\n{options}\n\n" if options else ""
+  return (f"usage: {usage}\n\n{SUMMARIES.get(cmd, '')}\n\n{own}"
           "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
           "and the default column shows the schema's default where the preset says nothing.\n"
           "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"

@@ -7,6 +7,15 @@ from meshlm.errors import ConfigError
 BENCH_USAGE = ("meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... [--reps N] [--target-ci F [--max-seconds S]] "
                "[--timer wall|cpu] [--steps-per-rep K] [--warmup N] [--json] [--plot PATH]")
 
+BENCH_OPTIONS = """  --arm NAME:k=v[,k=v]  one arm: the base keys plus these overrides (repeat; the first is the baseline)
+  --reps N              timed rounds (default 7); with 2+ arms at least 6, for a 95% interval on each ratio
+  --target-ci F         add rounds until every ratio's half-width is <= F (0.01 = 1%); --reps is then the fewest
+  --max-seconds S       bounds --target-ci (default 600)
+  --timer wall|cpu      what a round measures (default wall)
+  --steps-per-rep K     back-to-back steps per timed visit (default 1)
+  --warmup N            untimed rounds first (default 2)
+  --json, --plot PATH   the report as JSON; a per-round plot"""
+
 
 def _int_opt(opts: dict, key: str, default: int, minimum: int) -> int:
   vals = opts.get(key)

@@ -9,6 +9,9 @@ from meshlm.errors import ConfigError
 
 CENSUS_USAGE = "meshlm census [key=value ...] [--json]"
 COMPARE_USAGE = "meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm NAME:k=v[,k=v] [--json]"
+CENSUS_OPTIONS = "  --json  the census as JSON (field list: docs/analysis.md); nothing runs, the step is only compiled"
+COMPARE_OPTIONS = """  --arm NAME:k=v[,k=v]  one arm: the base keys plus these overrides (at least 2; the first is the baseline)
+  --json                the report as JSON"""
 
 
 def dumps(obj) -> str:

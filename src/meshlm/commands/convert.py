@@ -88,6 +88,10 @@ def _set_devices(overrides: list[str]) -> None:
 USAGE = ("meshlm convert hf-to-meshlm SRC DST [key=value ...] | meshlm convert meshlm-to-hf SRC DST "
          "[key=value ...]")
 
+OPTIONS = """  hf-to-meshlm SRC DST  a Hugging Face directory (config.json, *.safetensors) to a meshlm model directory
+  meshlm-to-hf SRC DST  a meshlm model directory or a run's step directory to a Hugging Face directory
+  DST must not exist; the tokenizer files are copied along. key=value pairs: cpu_devices, mesh.*"""
+
 
 def main(args: list[str]) -> int:
   """The CLI entry point; ConfigErrors become exit code 2 in meshlm.cli."""

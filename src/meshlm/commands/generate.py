@@ -8,6 +8,14 @@ from meshlm.errors import ConfigError
 
 USAGE = ("meshlm generate PATH prompt=TEXT [max_new_tokens=64] [temperature=0] [top_k=N] [top_p=1] [seed=0] "
          "[stop=ID,ID] [key=value ...]")
+OPTIONS = """  PATH              a run directory, a meshlm model directory or a Hugging Face model directory
+  prompt=TEXT       the text to continue (required)
+  max_new_tokens=N  tokens to sample after the prompt (default 64)
+  temperature=T     0 is greedy (default 0)
+  top_k=N, top_p=P  restrict the draw to the N likeliest tokens / the smallest set holding mass P
+  seed=N            the sampling seed (default 0)
+  stop=ID,ID        token ids that end the completion (kept as its last token)
+  other key=value pairs are config overrides: cpu_devices, mesh.*, shard_mode, data.tokenizer"""
 SAMPLING_KEYS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float,
                  "seed": int, "stop": str}
 
@@ -41,6 +49,12 @@ def main(args: list[str]) -> int:
   if "prompt" not in opts:
     raise ConfigError(f"generate: prompt=TEXT is required; usage: {USAGE}")
   if not path.startswith(("/", ".")) and "/" not in path:
+    from meshlm.config import preset_names
+    import os
+    if path in preset_names() and not os.path.isdir(path):
+      raise ConfigError(f"generate {path}: a preset, which has no trained weights; generate needs a run, meshlm "
+                        f"model or Hugging Face directory (train one: meshlm train model={path} run_dir=runs/{path}, "
+                        f"then meshlm generate runs/{path} prompt=...)")
     path = "./" + path  # a directory, never a preset name
   cfg = load_config(f"model={path}", "train.compute_dtype=float32", *overrides)
   from meshlm.parallel import set_cpu_devices
