@@ -571,7 +571,7 @@ def test_cli_refuses_a_tokenizer_past_the_vocab(tmp_path, capsys):
   err = [l for l in capsys.readouterr().err.splitlines() if "error" in l or "Traceback" in l]
   assert rc == 2 and len(err) == 1, err
   assert err[0] == (f"meshlm: error: model.vocab_size=16 is too small for data.tokenizer={tmp_path}, which has 22 "
-                    f"ids (0..21); set model.vocab_size>=22")
+                    f"ids (0..21); give a data.tokenizer that fits, set model.vocab_size>=22, or use data.source=synthetic")
 
 
 def test_cli_exits_2_on_bad_data(tmp_path, capsys):

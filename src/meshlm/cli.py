@@ -104,6 +104,8 @@ def cmd_train(args: list[str], start: float) -> int:
                 f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                 f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
   result = train(cfg, console=console, start_time=start)
+  from meshlm.commands.train import carry_tokenizer
+  carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind
   if result.stop_reason != "done":
     console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
                   f"{cfg.train.steps}; checkpoint {result.checkpoint}; run the same command to continue")
