@@ -77,9 +77,15 @@ def test_usage_and_unknown_command(capsys):
 
 
 def test_presets_command(capsys):
+  """Rough edge 13: each preset with its family and parameter count, one line each."""
+  from meshlm.config import load_config, preset_names
+  from meshlm.models import count, param_specs
   assert main(["presets"]) == 0
-  names = capsys.readouterr().out.split()
-  assert {"llama2-tiny", "llama2-7b", "llama3-8b"} <= set(names)
+  rows = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines()}
+  assert set(rows) == set(preset_names()) and {"llama2-tiny", "llama2-7b", "llama3-8b"} <= set(rows)
+  assert rows["qwen3-moe-tiny"] == ["qwen3_moe", f"{count(param_specs(load_config('model=qwen3-moe-tiny'))):,}",
+                                    "parameters"]
+  assert rows["llama2-7b"][:2] == ["llama", "6,738,415,616"]
 
 
 # --- --help: usage and every config key, from the schema ---------------------------------------

@@ -123,8 +123,13 @@ def cmd_train(args: list[str], start: float) -> int:
 
 
 def cmd_presets(args: list[str], start: float) -> int:
-  from meshlm.config import preset_names
-  print("\n".join(preset_names()))
+  """Each preset with its family and parameter count (from the spec tree; nothing is allocated)."""
+  from meshlm.config import load_config, preset_names
+  from meshlm.models import count, param_specs
+  rows = [(n, (c := load_config(f"model={n}")).model.family, f"{count(param_specs(c)):,}") for n in preset_names()]
+  widths = [max(len(r[i]) for r in rows) for i in range(2)]
+  for name, family, params in rows:
+    print(f"{name.ljust(widths[0])}  {family.ljust(widths[1])}  {params} parameters")
   return 0
 
 
