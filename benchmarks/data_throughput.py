@@ -21,7 +21,8 @@ import time
 # The pipeline is host-only; keep JAX (imported by meshlm.config's callers) off any accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from meshlm.config import ConfigError, load_config  # noqa: E402
+from meshlm.config import load_config  # noqa: E402
+from meshlm.errors import ConfigError  # noqa: E402
 from meshlm.train.data import make_dataset  # noqa: E402
 
 

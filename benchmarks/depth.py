@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
   cell_list = cells(layouts, axes, modes)
   os.makedirs(a.out, exist_ok=True)
   rows: list[dict[str, Any]] = []
-  from meshlm.config import ConfigError
+  from meshlm.errors import ConfigError
   for d in depths:
     print(f"depth: {d} layers", file=sys.stderr)
     try:

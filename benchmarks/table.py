@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("overrides", nargs="*", help="key=value for every row, after the base "
                   f"({' '.join(BASE)})")
   a = ap.parse_args(argv)
-  from meshlm.config import ConfigError
+  from meshlm.errors import ConfigError
   known = tiny_presets()
   presets = a.presets.split(",") if a.presets else (["llama2-tiny"] if a.smoke else known)
   unknown = [p for p in presets if p not in known]

@@ -10,7 +10,7 @@ import pytest
 from meshlm.analysis.arms import Arm, build_arms
 from meshlm.bench.harness import TIMERS, _Runner, plot, render, run
 from meshlm.bench.stats import arm_stats, median_ci, order_stat_rank, paired, ratios, verdict, verdict_word
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 def test_arm_stats_median_and_spread():
@@ -393,6 +393,25 @@ def test_bench_cli_input_errors(capsys, args, message):
   from meshlm.cli import main
   assert main(["bench", "model=llama2-tiny", "--arm", "a:shard_mode=auto", *args]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_bench_cli_too_few_reps_fails_before_compiling(capsys, monkeypatch):
+  """Two arms and --reps 3 (a ratio's 95% interval needs 6): refused in one line, nothing run; one arm or
+  --reps 6 passes the check (negative control: the same run is reached)."""
+  from meshlm.bench import harness
+  from meshlm.cli import main
+  ran = []
+  monkeypatch.setattr(harness, "run", lambda *a, **k: ran.append(a) or (_ for _ in ()).throw(SystemExit(7)))
+  two = ["bench", "model=llama2-tiny", "--arm", "a:shard_mode=auto", "--arm", "b:shard_mode=explicit"]
+  assert main([*two, "--reps", "3"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["meshlm: error: --reps 3: comparing 2 arms needs at least 6 rounds for a 95% interval on each "
+                 "ratio; use --reps 6 or more, or --target-ci F"], err
+  assert ran == []
+  for args in ([*two, "--reps", "6"], [*two[:4], "--reps", "3"]):
+    with pytest.raises(SystemExit):
+      main(args)
+  assert len(ran) == 2
 
 
 def test_bench_cli_plot_folder_must_exist(capsys, tmp_path):

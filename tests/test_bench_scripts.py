@@ -228,7 +228,7 @@ def test_flops_per_token_matches_meshlm_parameter_shapes():
   compute geometry's sizes (layer axis aside), minus the embedding table (a lookup, not a matmul)."""
   from meshlm.config import load_config
   from meshlm.models import decoder
-  from meshlm.models import spec as S
+  from meshlm import spec as S
   import jax
   g = mt.GEOMETRIES["compute"]
   cfg = load_config(*mt.meshlm_base(g))

@@ -268,7 +268,8 @@ def test_load_params_from_a_meshlm_run(reference, tmp_path, env):
   """In-process: the loader returns the newest checkpoint's parameters on this run's shardings;
   then a new run (subprocess) starts from them at step 0, with fresh optimizer state."""
   import jax
-  from meshlm.config import ConfigError, load_config
+  from meshlm.config import load_config
+  from meshlm.errors import ConfigError
   from meshlm.train.checkpoint import load_params
   from meshlm.train.step import build_train_step
   ref_dir, ref_losses = reference

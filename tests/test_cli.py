@@ -77,9 +77,15 @@ def test_usage_and_unknown_command(capsys):
 
 
 def test_presets_command(capsys):
+  """Rough edge 13: each preset with its family and parameter count, one line each."""
+  from meshlm.config import load_config, preset_names
+  from meshlm.models import count, param_specs
   assert main(["presets"]) == 0
-  names = capsys.readouterr().out.split()
-  assert {"llama2-tiny", "llama2-7b", "llama3-8b"} <= set(names)
+  rows = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines()}
+  assert set(rows) == set(preset_names()) and {"llama2-tiny", "llama2-7b", "llama3-8b"} <= set(rows)
+  assert rows["qwen3-moe-tiny"] == ["qwen3_moe", f"{count(param_specs(load_config('model=qwen3-moe-tiny'))):,}",
+                                    "parameters"]
+  assert rows["llama2-7b"][:2] == ["llama", "6,738,415,616"]
 
 
 # --- --help: usage and every config key, from the schema ---------------------------------------
@@ -109,6 +115,23 @@ def test_help_exits_0_with_usage_and_every_key(capsys, command):
     assert field.description, f"{key}: give it Field(description=...), the meaning --help shows"
     assert " ".join(field.description.split()) in rows[key]
   assert main([command, "-h", "model=llama2-tiny"]) == 0 and capsys.readouterr().out == out
+
+
+@pytest.mark.parametrize("command, own", [
+    ("generate", ["prompt=TEXT", "max_new_tokens=N", "temperature=T", "stop=ID,ID"]),
+    ("bench", ["--timer wall|cpu", "--reps N", "--warmup N", "--arm NAME"]),
+    ("census", ["--json"]), ("compare", ["--arm NAME", "--json"]), ("convert", ["hf-to-meshlm SRC DST"]),
+])
+def test_each_command_help_leads_with_its_own_options(command, own):
+  """Rough edge 10: every command's --help printed the training key table first; train has no options block."""
+  from meshlm.cli import command_help
+  text = command_help(command)
+  head = text[:text.index("config keys:")]
+  assert "options:" in head, head
+  options = head[head.index("options:"):]
+  for opt in own:
+    assert f"\n  {opt}" in options, (command, opt, options)
+  assert "options:" not in command_help("train")
 
 
 def test_help_shows_types_and_defaults():
@@ -179,7 +202,7 @@ def test_train_messages_stay_on_one_line_at_any_columns(monkeypatch, capsys, fak
     assert main(["train", "cpu_devices=2", f"run_dir={run_dir}"]) == 0
     err = capsys.readouterr().err.splitlines()
     banner = [ln for ln in err if ln.startswith("meshlm train llama2-tiny")]
-    assert len(banner) == 1 and banner[0].endswith(f"run_dir={run_dir}"), err
+    assert len(banner) == 1 and banner[0].endswith(f"data=stdlib  run_dir={run_dir}"), err
     assert any(ln.startswith("loss 6.2000 -> 3.1000 (50% of the first step) in 2 steps; first step finished 1.5 s")
                for ln in err), err
 

@@ -5,7 +5,8 @@ import pytest
 import yaml
 from jax.sharding import PartitionSpec as P
 
-from meshlm.config import Config, ConfigError, load_config, parse_overrides, preset_names, to_yaml
+from meshlm.config import Config, load_config, parse_overrides, preset_names, to_yaml
+from meshlm.errors import ConfigError
 from meshlm.parallel.mesh import make_mesh, resolve_mesh_shape
 
 KO_LM = "lm_head_weight_grad_in_kernel_order"
@@ -152,6 +153,33 @@ def test_unknown_preset():
 
 def test_preset_name_must_be_a_string():
   assert _error("model=3").startswith("model:")
+
+
+def test_moe_impl_capacity_is_not_offered():
+  """Rough edge 5: capacity was in the schema and --help but not built (a 61-line traceback at trace time)."""
+  from meshlm.config.keys import render_keys
+  msg = _error("model=qwen3-moe-tiny", "model.moe_impl=capacity")
+  assert msg.startswith("model.moe_impl:") and "'dropless' or 'reference'" in msg and "'capacity'" in msg, msg
+  assert "capacity" not in render_keys()
+  assert load_config("model=qwen3-moe-tiny", "model.moe_impl=reference").model.moe_impl == "reference"
+
+
+def test_expert_axis_on_a_dense_model_is_refused():
+  """Rough edge 15: mesh.expert=2 on a dense model trained silently; a MoE model still takes it."""
+  msg = _error("model=llama2-tiny", "mesh.expert=2")
+  assert msg.startswith("mesh.expert=2: llama2-tiny is dense (model.num_experts=0)") and "leave mesh.expert at 1" in msg
+  assert load_config("model=qwen3-moe-tiny", "mesh.expert=2").mesh.expert == 2
+  assert load_config("model=llama2-tiny", "mesh.expert=1").mesh.expert == 1
+
+
+def test_data_source_follows_the_path_when_unset():
+  """Rough edge 3: data.path without data.source trained on the stdlib corpus; now the ending says it."""
+  for path, source in (("c/*.jsonl", "jsonl"), ("c/**/*.txt", "text"), ("c/a.parquet", "parquet")):
+    assert load_config(f"data.path={path}").data.source == source
+  assert load_config("data.source=text", "data.path=c/*.jsonl").data.source == "text"  # a given source wins
+  assert load_config().data.source == "stdlib"
+  msg = _error("data.path=corpus/**")
+  assert "data.path=corpus/**: data.source is not set" in msg and "set data.source=text|jsonl|parquet" in msg, msg
 
 
 def test_tied_embedding_refuses_the_lm_head_flag():

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 from meshlm.train import data as D
 from meshlm.train.data import sources as DS
 from meshlm.train.data import ByteTokenizer, make_dataset
@@ -570,7 +571,7 @@ def test_cli_refuses_a_tokenizer_past_the_vocab(tmp_path, capsys):
   err = [l for l in capsys.readouterr().err.splitlines() if "error" in l or "Traceback" in l]
   assert rc == 2 and len(err) == 1, err
   assert err[0] == (f"meshlm: error: model.vocab_size=16 is too small for data.tokenizer={tmp_path}, which has 22 "
-                    f"ids (0..21); set model.vocab_size>=22")
+                    f"ids (0..21); give a data.tokenizer that fits, set model.vocab_size>=22, or use data.source=synthetic")
 
 
 def test_cli_exits_2_on_bad_data(tmp_path, capsys):

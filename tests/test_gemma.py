@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 from meshlm.hf.adapters import gemma, gemma2, gemma3
 from meshlm.models import decoder
-from meshlm.models import spec as S
+from meshlm import spec as S
 
 # --- sizes -------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 from meshlm.models import generate as G
 from meshlm.nn import kv_cache
 
@@ -151,7 +151,7 @@ def test_bad_requests_fail_in_one_line_before_compiling(kw, msg):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   """A meshlm model directory of a freshly initialized llama2-tiny (convert's layout)."""
-  from meshlm.hf.convert import save_meshlm
+  from meshlm.commands.convert import save_meshlm
   cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1", "train.compute_dtype=float32")
   return save_meshlm(cfg, meshlm.init_params(cfg, jax.random.key(0)), tmp_path_factory.mktemp("gen") / "model")
 
@@ -161,7 +161,7 @@ def test_generate_command_samples_from_a_model_directory(model_dir, capsys):
   assert main(["generate", str(model_dir), "prompt=def f(", "max_new_tokens=6", "cpu_devices=1"]) == 0
   out = capsys.readouterr().out
   cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1", "train.compute_dtype=float32")
-  from meshlm.hf.convert import load_meshlm
+  from meshlm.commands.convert import load_meshlm
   _, params = load_meshlm(model_dir, "cpu_devices=1")
   want = G.generate(cfg, params, [list(b"def f(")], max_new_tokens=6)
   from meshlm.console import printable

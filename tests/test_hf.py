@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from meshlm import forward, hf
-from meshlm.config import ConfigError
-from meshlm.hf import convert
+from meshlm.errors import ConfigError
+from meshlm.commands import convert
 from meshlm.hf.io import families
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -605,7 +605,7 @@ def test_train_refuses_a_shape_changing_override(finetune, capsys):
   assert "layers.dense.mlp.down [2, 56, 45] -> [2, 64, 45]" in err[0]
   assert not run.exists()
   # Shape-preserving changes are fine; a preset name stays a preset.
-  from meshlm.config import load_config
+  from meshlm.commands.resolve import load_config
   assert load_config(f"model={finetune['src']}", "model.norm_eps=1e-6").model.norm_eps == 1e-6
   assert load_config("model=llama2-tiny").checkpoint.load_params_from is None
 
@@ -626,7 +626,7 @@ def test_train_model_meshlm_dir_and_truncated_params(finetune, capsys):
   assert recorded["checkpoint"]["load_params_from"] == str(mid)
   assert recorded["model"]["eos_token_id"] == 2 and recorded["data"]["tokenizer"] == str(mid / "tokenizer.json")
   # A run directory works as model= too (its newest checkpoint).
-  from meshlm.config import load_config
+  from meshlm.commands.resolve import load_config
   assert load_config(f"model={run}").model == load_config(f"model={mid}").model
   bad = truncated_copy("llama", tmp)
   capsys.readouterr()

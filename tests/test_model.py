@@ -9,7 +9,7 @@ import pytest
 import meshlm
 from meshlm.config import load_config
 from meshlm.models import count, forward, init_params, param_shardings, param_specs
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.parallel.mesh import make_mesh
 
 # Published totals: Llama 2 7B (untied, 32 MHA layers) and Llama 3 8B (GQA 8 KV heads, 128k vocab).

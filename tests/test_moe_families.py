@@ -19,7 +19,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from meshlm import forward, hf, init_params
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 from meshlm.hf import io as hf_io
 from meshlm.models import decoder
 from meshlm.models.qwen3_moe import layer_kinds, periodic_plan

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 from meshlm.models import decoder
 from meshlm.nn import moe
 from meshlm.nn import router_replay as rr

@@ -7,7 +7,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from meshlm.config import load_config
 from meshlm.models import forward, init_params, param_specs
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.parallel import constrain, is_explicit, logical_spec, make_mesh, out_sharding
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 from meshlm.train.loop import train
 from meshlm.train.optimizer import schedule
 from meshlm.train.step import build_train_step, cross_entropy, grads_and_loss

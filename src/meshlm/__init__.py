@@ -1,7 +1,9 @@
 """meshlm: a compact, fast JAX trainer for decoder LLMs where explicit sharding costs nothing."""
 import importlib
 
-from meshlm.config import Config, ConfigError, load_config
+from meshlm.commands.resolve import load_config  # presets, overrides and model=PATH
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.models import forward, init_params
 from meshlm.models.generate import generate
 

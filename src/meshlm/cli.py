@@ -5,6 +5,8 @@ import sys
 import time
 import warnings
 
+from meshlm.errors import ConfigError, UsageError
+
 USAGE = """usage: meshlm <command> [key=value ...]
 
 commands:
@@ -30,39 +32,38 @@ SUMMARIES = {
 }
 
 
-class UsageError(Exception):
-  pass
-
-
 def _fail(msg: str) -> int:
   print(f"meshlm: error: {msg}", file=sys.stderr)
   return 2
 
 
-def _usage_of(cmd: str) -> str:
+def _usage_of(cmd: str) -> tuple[str, str | None]:
+  """(usage line, the command's own options or None); each comes from the command's module."""
   if cmd == "train":
-    return "meshlm train [key=value ...]"
+    return "meshlm train [key=value ...]", None
   if cmd in ("census", "compare"):
-    from meshlm.analysis.commands import CENSUS_USAGE, COMPARE_USAGE
-    return CENSUS_USAGE if cmd == "census" else COMPARE_USAGE
+    from meshlm.commands import census as c
+    return (c.CENSUS_USAGE, c.CENSUS_OPTIONS) if cmd == "census" else (c.COMPARE_USAGE, c.COMPARE_OPTIONS)
   if cmd == "bench":
-    from meshlm.bench.command import BENCH_USAGE
-    return BENCH_USAGE
+    from meshlm.commands.bench import BENCH_OPTIONS, BENCH_USAGE
+    return BENCH_USAGE, BENCH_OPTIONS
   if cmd == "convert":
-    from meshlm.hf.convert import USAGE
-    return USAGE
+    from meshlm.commands.convert import OPTIONS, USAGE
+    return USAGE, OPTIONS
   if cmd == "generate":
-    from meshlm.models.generate import USAGE
-    return USAGE
-  return f"meshlm {cmd}"
+    from meshlm.commands.generate import OPTIONS, USAGE
+    return USAGE, OPTIONS
+  return f"meshlm {cmd}", None
 
 
 def command_help(cmd: str) -> str:
-  """`meshlm <cmd> --help`: usage, then every config key from the schema (type, default, meaning)."""
+  """`meshlm <cmd> --help`: usage, the command's own options, then every config key from the schema."""
   from meshlm.config.keys import render_keys
+  usage, options = _usage_of(cmd)
   if cmd not in SUMMARIES:  # presets: takes no keys
-    return f"usage: {_usage_of(cmd)}"
-  return (f"usage: {_usage_of(cmd)}\n\n{SUMMARIES.get(cmd, '')}\n\n"
+    return f"usage: {usage}"
+  own = f"options:\n{options}\n\n" if options else ""
+  return (f"usage: {usage}\n\n{SUMMARIES.get(cmd, '')}\n\n{own}"
           "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
           "and the default column shows the schema's default where the preset says nothing.\n"
           "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"
@@ -80,8 +81,14 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 _python_showwarning = warnings.showwarning
 
 
+def _data_label(cfg) -> str:
+  """The header's data source: what the run reads, so a forgotten data.source shows at once."""
+  d = cfg.data
+  return f"{d.source}:{d.path}" if d.path else d.source
+
+
 def cmd_train(args: list[str], start: float) -> int:
-  from meshlm.config import load_config
+  from meshlm.commands.resolve import load_config
   from meshlm.parallel import set_cpu_devices
   cfg = load_config(*args)
   set_cpu_devices(cfg.cpu_devices)
@@ -95,8 +102,10 @@ def cmd_train(args: list[str], start: float) -> int:
   console = make_console()
   console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                 f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
-                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  run_dir={cfg.run_dir}")
+                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
   result = train(cfg, console=console, start_time=start)
+  from meshlm.commands.train import carry_tokenizer
+  carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind
   if result.stop_reason != "done":
     console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
                   f"{cfg.train.steps}; checkpoint {result.checkpoint}; run the same command to continue")
@@ -114,33 +123,38 @@ def cmd_train(args: list[str], start: float) -> int:
 
 
 def cmd_presets(args: list[str], start: float) -> int:
-  from meshlm.config import preset_names
-  print("\n".join(preset_names()))
+  """Each preset with its family and parameter count (from the spec tree; nothing is allocated)."""
+  from meshlm.config import load_config, preset_names
+  from meshlm.models import count, param_specs
+  rows = [(n, (c := load_config(f"model={n}")).model.family, f"{count(param_specs(c)):,}") for n in preset_names()]
+  widths = [max(len(r[i]) for r in rows) for i in range(2)]
+  for name, family, params in rows:
+    print(f"{name.ljust(widths[0])}  {family.ljust(widths[1])}  {params} parameters")
   return 0
 
 
 def cmd_convert(args: list[str], start: float) -> int:
-  from meshlm.hf.convert import main as convert_main
+  from meshlm.commands.convert import main as convert_main
   return convert_main(args)
 
 
 def cmd_census(args: list[str], start: float) -> int:
-  from meshlm.analysis.commands import cmd_census as run
+  from meshlm.commands.census import cmd_census as run
   return run(args, start)
 
 
 def cmd_compare(args: list[str], start: float) -> int:
-  from meshlm.analysis.commands import cmd_compare as run
+  from meshlm.commands.census import cmd_compare as run
   return run(args, start)
 
 
 def cmd_bench(args: list[str], start: float) -> int:
-  from meshlm.bench.command import cmd_bench as run
+  from meshlm.commands.bench import cmd_bench as run
   return run(args, start)
 
 
 def cmd_generate(args: list[str], start: float) -> int:
-  from meshlm.models.generate import main as generate_main
+  from meshlm.commands.generate import main as generate_main
   return generate_main(args)
 
 
@@ -156,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(USAGE)
     return 0 if argv else 2
-  from meshlm.config import ConfigError
   cmd, args = argv[0], argv[1:]
   if cmd not in COMMANDS:
     return _fail(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")

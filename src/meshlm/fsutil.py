@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from meshlm.config import ConfigError
+from meshlm.errors import ConfigError
 
 
 def publish_permissions(tmp: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from meshlm.config import ConfigError, load_config
+from meshlm.config import load_config
+from meshlm.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -50,8 +51,11 @@ def parse_arm(spec: str) -> tuple[str, list[str]]:
   return name, overrides
 
 
-def build_arms(base: list[str], specs: list[str], *, min_arms: int = 1) -> list[Arm]:
-  """Validates every arm's config (base overrides, then the arm's). Fails before any compilation."""
+def build_arms(base: list[str], specs: list[str], *, min_arms: int = 1, load=load_config) -> list[Arm]:
+  """Validates every arm's config (base overrides, then the arm's). Fails before any compilation.
+
+  load: the config loader; the commands pass theirs, which also resolves model=PATH.
+  """
   if len(specs) < min_arms:
     raise ConfigError(f"--arm: need at least {min_arms} arms, got {len(specs)}")
   arms: list[Arm] = []
@@ -62,7 +66,7 @@ def build_arms(base: list[str], specs: list[str], *, min_arms: int = 1) -> list[
       raise ConfigError(f"--arm {name}: duplicate arm name")
     seen.add(name)
     try:
-      cfg = load_config(*base, *overrides)
+      cfg = load(*base, *overrides)
     except ConfigError as e:
       raise ConfigError(f"--arm {name}: {e}") from None
     arms.append(Arm(name, overrides, cfg))

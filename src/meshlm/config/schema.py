@@ -76,11 +76,10 @@ class ModelConfig(_Strict):
                                       "added to the training loss (0: off)")
   router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
                                     "logsumexp of the router logits) added to the training loss (0: off)")
-  moe_impl: Literal["dropless", "reference", "capacity"] = Field(
-      default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls), reference (every expert on "
-      "every token, masked) or capacity (drops tokens over capacity_factor)")
-  capacity_factor: float = Field(default=1.25, gt=0, description="moe_impl=capacity: each expert takes at most "
-                                 "capacity_factor * tokens * k / num_experts tokens")
+  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe.py has only these two.
+  moe_impl: Literal["dropless", "reference"] = Field(
+      default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls) or reference (every expert "
+      "on every token, masked)")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
 
   @model_validator(mode="after")
@@ -187,11 +186,27 @@ class TrainConfig(_Strict):
 class DataConfig(_Strict):
   """Training data; docs/data.md describes the pipeline, the tokenizer rules and the errors."""
   source: Literal["stdlib", "synthetic", "text", "jsonl", "parquet"] = Field(
-      default="stdlib", description="training data: the stdlib .py corpus, synthetic tokens, or files at data.path")
+      default="stdlib", description="training data: the stdlib .py corpus, synthetic tokens, or files at data.path "
+      "(unset with data.path: inferred from its ending, .txt/.md text, .jsonl, .parquet)")
   path: Optional[str] = Field(default=None, description="glob of the data files (** recurses), for source=text|jsonl|parquet")
   field: str = Field(default="text", min_length=1, description="the JSONL key / Parquet column holding the text")
   tokenizer: str = Field(default="byte", min_length=1, description="byte, a Hugging Face tokenizer.json, or a directory holding one")
   seed: int = Field(default=0, description="seed of the data order")
+
+  # data.path with no data.source once trained on the stdlib corpus without a word: infer it instead.
+  SUFFIX_SOURCES: ClassVar[dict[str, str]] = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+  @model_validator(mode="before")
+  @classmethod
+  def _source_from_path(cls, data):
+    if isinstance(data, dict) and data.get("path") and data.get("source") is None:
+      path = str(data["path"])
+      suffix = next((x for x in cls.SUFFIX_SOURCES if path.endswith(x)), None)
+      if suffix is None:
+        raise ValueError(f"data.path={path}: data.source is not set and the name does not say it (a .txt, .md, "
+                         ".jsonl or .parquet ending); set data.source=text|jsonl|parquet")
+      data = {**data, "source": cls.SUFFIX_SOURCES[suffix]}
+    return data
 
 
 class CheckpointConfig(_Strict):
@@ -266,6 +281,10 @@ class Config(_Strict):
       raise ValueError(
           "lm_head_weight_grad_in_kernel_order=true needs an untied LM head, but model.tie_embeddings "
           "is true (the tied head is an einsum over the embedding table); leave the flag unset or false")
+    if self.mesh.expert != 1 and not self.model.num_experts:
+      raise ValueError(
+          f"mesh.expert={self.mesh.expert}: {self.model_name} is dense (model.num_experts=0), so there are no experts "
+          "to shard; leave mesh.expert at 1 and give the devices to mesh.data or mesh.fsdp")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "

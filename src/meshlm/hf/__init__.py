@@ -2,7 +2,7 @@
 
 `path` is a Hugging Face model directory: `config.json` plus `model.safetensors` or sharded
 `model-*.safetensors` with `model.safetensors.index.json`. Each family file maps its names (see
-meshlm.hf.maps for the protocol). `meshlm convert` (meshlm.hf.convert) wraps both for the CLI.
+meshlm.hf.maps for the protocol). `meshlm convert` (meshlm.commands.convert) wraps both for the CLI.
 """
 from meshlm.hf.io import hf_config, load, save
 

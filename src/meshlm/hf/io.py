@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from meshlm.config import Config, ConfigError, load_config
+from meshlm.config import Config, load_config
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 
 # Tensors in some checkpoints that carry no weights (precomputed RoPE tables), skipped on load.
@@ -93,7 +94,8 @@ class Entry:
 def entries(cfg: Config) -> list[Entry]:
   """Every meshlm parameter leaf paired with its HF tensor, in parameter-tree order."""
   import jax
-  from meshlm.models import decoder, spec as S
+  from meshlm import spec as S
+  from meshlm.models import decoder
   fam = _family_of_cfg(cfg)
   m = cfg.model
   top = fam.top_map(m)

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.config import Config
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.models.context import Context, make_context, windows
 from meshlm.models.family import StateLeaf
 from meshlm.models.registry import family

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from meshlm.config import ModelConfig
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, constrain
 

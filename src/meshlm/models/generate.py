@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.models import decoder
 from meshlm.models.registry import family
 from meshlm.parallel.sharding import constrain
@@ -268,54 +269,3 @@ def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_
       out.append([int(x) for x in buf[0, len(p):len(p) + max_new_tokens]])
   return out
 
-
-USAGE = ("meshlm generate PATH prompt=TEXT [max_new_tokens=64] [temperature=0] [top_k=N] [top_p=1] [seed=0] "
-         "[stop=ID,ID] [key=value ...]")
-SAMPLING_KEYS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-                 "seed": int, "stop": str}
-
-
-def main(args: list[str]) -> int:
-  """`meshlm generate PATH prompt=...`: PATH is a run directory, a meshlm model directory or a Hugging
-  Face model directory; other key=value pairs are config overrides (cpu_devices, mesh.*, shard_mode)."""
-  import sys
-  from meshlm.config import load_config
-  from meshlm.console import printable
-  if not args or "=" in args[0]:
-    raise ConfigError(f"generate: expected a model directory first; usage: {USAGE}")
-  path, rest = args[0], args[1:]
-  opts: dict = {"max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": 1.0, "seed": 0, "stop": ""}
-  overrides = []
-  for item in rest:
-    key, _, value = item.partition("=")
-    if key in SAMPLING_KEYS and _:
-      try:
-        opts[key] = SAMPLING_KEYS[key](value)
-      except ValueError:
-        raise ConfigError(f"{key}={value!r}: expected {SAMPLING_KEYS[key].__name__}") from None
-    else:
-      overrides.append(item)
-  if "prompt" not in opts:
-    raise ConfigError(f"generate: prompt=TEXT is required; usage: {USAGE}")
-  if not path.startswith(("/", ".")) and "/" not in path:
-    path = "./" + path  # a directory, never a preset name
-  cfg = load_config(f"model={path}", "train.compute_dtype=float32", *overrides)
-  from meshlm.parallel import set_cpu_devices
-  set_cpu_devices(cfg.cpu_devices)
-  from meshlm.parallel.mesh import make_mesh
-  from meshlm.train.checkpoint import load_params
-  from meshlm.train.data.tokenizers import make_tokenizer
-  mesh = make_mesh(cfg)
-  tok = make_tokenizer(cfg)
-  ids = [int(t) for t in tok.encode(opts["prompt"])]
-  stop = [int(s) for s in opts["stop"].split(",") if s.strip()]
-  check_request(cfg, [ids], opts["max_new_tokens"], opts["temperature"], opts["top_k"], opts["top_p"])
-  shardings = decoder.param_shardings(cfg, mesh)
-  abstract = jax.tree.map(lambda sh, s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shardings,
-                          decoder.param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
-  params = load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)
-  out = generate(cfg, params, [ids], max_new_tokens=opts["max_new_tokens"], temperature=opts["temperature"],
-                 top_k=opts["top_k"], top_p=opts["top_p"], stop_tokens=stop or None, seed=opts["seed"], mesh=mesh)
-  print(printable(opts["prompt"] + tok.decode(out.token_lists()[0])))
-  sys.stdout.flush()
-  return 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import importlib
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 FAMILIES = {
     "llama": "meshlm.models.llama",

@@ -59,7 +59,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route

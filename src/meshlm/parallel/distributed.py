@@ -8,7 +8,8 @@ from __future__ import annotations
 import socket
 import time
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 
 def _wait_for_coordinator(address: str, timeout_s: int) -> None:

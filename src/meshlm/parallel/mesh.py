@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor", "expert", "context")
 

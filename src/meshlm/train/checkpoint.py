@@ -38,7 +38,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.models.decoder import merge_state, split_state
 
 ITEMS = ("params", "opt_state", "data", "meta")

@@ -25,7 +25,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from meshlm.config import Config, ConfigError, to_yaml
+from meshlm.config import Config, to_yaml
+from meshlm.errors import ConfigError
 from meshlm.console import make_console
 from meshlm.fsutil import write_text
 from meshlm.parallel.mesh import make_mesh

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.models import decoder
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.parallel.mesh import check_expert_axis, make_mesh
 from meshlm.parallel.sharding import constrain, logical_spec
 from meshlm.train.optimizer import make_optimizer

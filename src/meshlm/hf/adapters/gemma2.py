@@ -1,7 +1,8 @@
 """Hugging Face adapter for gemma2 (the block is models/gemma2.py): config.json fields and tensor names."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.gemma import activation_from_hf, shared_from_hf, shared_to_hf
 

@@ -1,7 +1,8 @@
 """Hugging Face adapter for gemma3 (the block is models/gemma3.py): config.json fields and tensor names."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.gemma2 import hf_layer_map, pattern_from_hf, sandwich_from_hf, sandwich_to_hf
 

@@ -1,7 +1,8 @@
 """Hugging Face adapter for mistral (the block is models/mistral.py): config.json fields and tensor names."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 
 HF_MODEL_TYPE = "mistral"

@@ -7,7 +7,8 @@ but save_pretrained writes these per-expert names, as the Hub checkpoints have t
 """
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 
 HF_MODEL_TYPE = "mixtral"

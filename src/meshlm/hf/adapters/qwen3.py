@@ -1,7 +1,8 @@
 """Hugging Face adapter for qwen3 (the block is models/qwen3.py): config.json fields and tensor names."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 
 HF_MODEL_TYPE = "qwen3"

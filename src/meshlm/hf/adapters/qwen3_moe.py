@@ -7,7 +7,8 @@ mlp_only_layers, as in transformers.
 """
 from __future__ import annotations
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.mixtral import moe_from_hf, moe_to_hf
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from meshlm.config import ModelConfig
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.models.family import Part
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
-from meshlm.models import spec as S
+from meshlm import spec as S
 from meshlm.models.family import Part, StateLeaf
 from meshlm.nn import gather_once
 from meshlm.nn.attention import gqa_attention, gqa_attention_decode

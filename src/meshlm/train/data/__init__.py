@@ -32,7 +32,8 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.train.data.sources import Doc, _jsonl_lines, _parquet_rows, _ParquetRead, _TextFiles, data_files, stdlib_files
 from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, UTF8_STATS, decode_utf8,  # noqa: F401
                                           make_tokenizer, replace_invalid_utf8)
@@ -41,22 +42,25 @@ from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, UTF8_STATS
 SYNTHETIC_DOCS = 4096
 
 
-def synthetic_doc(seed: int, index: int) -> np.ndarray:
-  """An arithmetic sequence mod 256 of random start, step and length, then EOS.
+def synthetic_doc(seed: int, index: int, vocab_size: int = 257) -> np.ndarray:
+  """An arithmetic sequence mod M of random start, step and length, then EOS (id M), where
+  M = min(256, vocab_size - 1): byte ids and the byte EOS for any vocabulary of 257 or more, and ids that
+  fit a smaller one (an HF model with no tokenizer can still train on synthetic data).
 
   Every token after the second follows from the two before it, so a model's loss can fall far.
   """
+  m = min(256, vocab_size - 1)
   rng = np.random.default_rng([seed, index])
   n = int(rng.integers(16, 512))
   start, step = rng.integers(0, 256), rng.integers(1, 256)
   doc = np.empty(n + 1, np.int32)  # [n + 1]
-  doc[:n] = (start + step * np.arange(n)) % 256
-  doc[n] = ByteTokenizer.eos_id
+  doc[:n] = (start + step * np.arange(n)) % m
+  doc[n] = ByteTokenizer.eos_id if m == 256 else m
   return doc
 
 
-def _synthetic_example(seed: int, index: int) -> dict[str, np.ndarray]:
-  return {"tokens": synthetic_doc(seed, index)}
+def _synthetic_example(seed: int, vocab_size: int, index: int) -> dict[str, np.ndarray]:
+  return {"tokens": synthetic_doc(seed, index, vocab_size)}
 
 
 class _Encode:
@@ -202,13 +206,14 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
   if cfg.data.source == "synthetic" and cfg.data.tokenizer != "byte":
     raise ConfigError(f"data.tokenizer={cfg.data.tokenizer}: data.source=synthetic makes byte ids; "
                       f"use data.tokenizer=byte or a file source")
-  tok = make_tokenizer(cfg)
+  # Synthetic ids fit the model's vocabulary themselves; the byte tokenizer only decodes samples.
+  tok = ByteTokenizer() if cfg.data.source == "synthetic" else make_tokenizer(cfg)
   num_docs, ds = _documents(cfg)
   # Documents are read on demand a few ahead; Grain's defaults (16 threads, 500 reads) would hog the CPU.
   read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
   # Partials and callables, not lambdas, so the tail of the pipeline stays picklable.
   if cfg.data.source == "synthetic":
-    it_ds = ds.map(functools.partial(_synthetic_example, cfg.data.seed)).to_iter_dataset(read)
+    it_ds = ds.map(functools.partial(_synthetic_example, cfg.data.seed, cfg.model.vocab_size)).to_iter_dataset(read)
   else:
     it_ds = ds.map(_Encode(tok)).to_iter_dataset(read).map(_count_invalid_utf8)
   it_ds = grain.experimental.ConcatThenSplitIterDataset(it_ds, length_struct={"tokens": seq_len + 1})

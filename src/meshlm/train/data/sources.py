@@ -11,7 +11,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 from meshlm.train.data.tokenizers import replace_invalid_utf8
 
 # Directories of the stdlib that are tests, tools or installed packages rather than library code.

@@ -9,7 +9,8 @@ import threading
 
 import numpy as np
 
-from meshlm.config import Config, ConfigError
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 log = logging.getLogger("meshlm.data")
 
@@ -136,8 +137,13 @@ def make_tokenizer(cfg: Config) -> ByteTokenizer | HFTokenizer:
   if cfg.model.vocab_size < tok.vocab_size:
     what = ("the byte tokenizer, which has 257 ids (256 bytes + EOS)" if name == "byte"
             else f"data.tokenizer={name}, which has {tok.vocab_size} ids (0..{tok.vocab_size - 1})")
-    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for {what}; "
-                      f"set model.vocab_size>={tok.vocab_size}")
+    # With loaded parameters (model=PATH) the vocabulary is fixed: the fix is a tokenizer that fits it.
+    fixes = ["give data.tokenizer=PATH (the model's tokenizer.json)" if name == "byte" else
+             "give a data.tokenizer that fits", "or use data.source=synthetic"]
+    if cfg.checkpoint.load_params_from is None:
+      fixes.insert(1, f"set model.vocab_size>={tok.vocab_size}")
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for {what}; {', '.join(fixes[:-1])}, "
+                      f"{fixes[-1]}")
   return tok
 
 

@@ -1,10 +1,20 @@
 """`meshlm bench`: argument handling and output (registered in cli.py)."""
 from __future__ import annotations
 
-from meshlm.config import ConfigError
+from meshlm.commands.resolve import load_config
+from meshlm.errors import ConfigError
 
 BENCH_USAGE = ("meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... [--reps N] [--target-ci F [--max-seconds S]] "
                "[--timer wall|cpu] [--steps-per-rep K] [--warmup N] [--json] [--plot PATH]")
+
+BENCH_OPTIONS = """  --arm NAME:k=v[,k=v]  one arm: the base keys plus these overrides (repeat; the first is the baseline)
+  --reps N              timed rounds (default 7); with 2+ arms at least 6, for a 95% interval on each ratio
+  --target-ci F         add rounds until every ratio's half-width is <= F (0.01 = 1%); --reps is then the fewest
+  --max-seconds S       bounds --target-ci (default 600)
+  --timer wall|cpu      what a round measures (default wall)
+  --steps-per-rep K     back-to-back steps per timed visit (default 1)
+  --warmup N            untimed rounds first (default 2)
+  --json, --plot PATH   the report as JSON; a per-round plot"""
 
 
 def _int_opt(opts: dict, key: str, default: int, minimum: int) -> int:
@@ -35,7 +45,7 @@ def _float_opt(opts: dict, key: str, low: float, high: float) -> float | None:
 
 def cmd_bench(args: list[str], start: float) -> int:
   from meshlm.analysis.arms import build_arms, prepare_devices, split_args
-  from meshlm.analysis.commands import dumps
+  from meshlm.commands.census import dumps
   from meshlm.bench.harness import plot, render, run
   overrides, opts = split_args(args, {"--json": False, "--arm": True, "--reps": True, "--warmup": True,
                                       "--plot": True, "--steps-per-rep": True, "--target-ci": True,
@@ -53,7 +63,12 @@ def cmd_bench(args: list[str], start: float) -> int:
     raise ConfigError(f"--timer: expected wall or cpu, got {timer!r}")
   warmup = _int_opt(opts, "--warmup", 2, 0)
   steps_per_rep = _int_opt(opts, "--steps-per-rep", 1, 1)
-  arms = build_arms(overrides, opts.get("--arm", []), min_arms=1)
+  arms = build_arms(overrides, opts.get("--arm", []), min_arms=1, load=load_config)
+  from meshlm.bench.stats import LEVEL, min_rounds
+  # Without --target-ci exactly --reps rounds run; a ratio's interval needs min_rounds of them, so say so now.
+  if len(arms) > 1 and target_ci is None and reps < min_rounds(LEVEL):
+    raise ConfigError(f"--reps {reps}: comparing {len(arms)} arms needs at least {min_rounds(LEVEL)} rounds for a "
+                      f"{LEVEL:.0%} interval on each ratio; use --reps {min_rounds(LEVEL)} or more, or --target-ci F")
   plot_path = opts.get("--plot", [None])[-1]
   if plot_path is not None:
     import os

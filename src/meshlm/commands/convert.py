@@ -25,7 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from meshlm.config import Config, ConfigError, load_config
+from meshlm.commands.resolve import load_config
+from meshlm.config import Config
+from meshlm.errors import ConfigError
 
 
 # A model's tokenizer, copied along by both directions so that model=DIR finds it and the export has it.
@@ -49,17 +51,22 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
   onto its sharding."""
   import jax
   from meshlm.models.decoder import param_shardings, param_specs
-  from meshlm.models import spec as S
+  from meshlm import spec as S
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.checkpoint import restore_params, saved_model
-  path = Path(path).absolute()
-  if not (path / "params").is_dir():
-    raise ConfigError(f"{path}: not a meshlm model directory (no params/)")
+  from meshlm.train.checkpoint import _find_step_dir
+  given = Path(path).absolute()
+  try:
+    path = Path(_find_step_dir(str(given), str(given)))  # a model or step dir itself, or a run's newest step
+  except ConfigError:
+    raise ConfigError(f"{given}: not a meshlm model directory (no params/) nor a run directory (no "
+                      "checkpoints/<step>/params)") from None
   base = saved_model(str(path), str(path))
   if base is None:
     raise ConfigError(f"{path}: has params/ but neither config.yaml nor meta/metadata to say which model")
-  if (path / "config.yaml").is_file():
-    base = yaml.safe_load((path / "config.yaml").read_text()) or base  # the whole record, not only the model
+  record = next((d / "config.yaml" for d in (path, given) if (d / "config.yaml").is_file()), None)
+  if record is not None:
+    base = yaml.safe_load(record.read_text()) or base  # the whole record, not only the model
   cfg = load_config(*overrides, base=base)
   if mesh is None:
     mesh = make_mesh(cfg)
@@ -85,6 +92,10 @@ def _set_devices(overrides: list[str]) -> None:
 
 USAGE = ("meshlm convert hf-to-meshlm SRC DST [key=value ...] | meshlm convert meshlm-to-hf SRC DST "
          "[key=value ...]")
+
+OPTIONS = """  hf-to-meshlm SRC DST  a Hugging Face directory (config.json, *.safetensors) to a meshlm model directory
+  meshlm-to-hf SRC DST  a meshlm model, run (its newest checkpoint) or step directory to a Hugging Face directory
+  DST must not exist; the tokenizer files are copied along. key=value pairs: cpu_devices, mesh.*"""
 
 
 def main(args: list[str]) -> int:

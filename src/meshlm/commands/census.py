@@ -4,10 +4,14 @@ from __future__ import annotations
 import json
 import sys
 
-from meshlm.config import ConfigError, load_config
+from meshlm.commands.resolve import load_config
+from meshlm.errors import ConfigError
 
 CENSUS_USAGE = "meshlm census [key=value ...] [--json]"
 COMPARE_USAGE = "meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm NAME:k=v[,k=v] [--json]"
+CENSUS_OPTIONS = "  --json  the census as JSON (field list: docs/analysis.md); nothing runs, the step is only compiled"
+COMPARE_OPTIONS = """  --arm NAME:k=v[,k=v]  one arm: the base keys plus these overrides (at least 2; the first is the baseline)
+  --json                the report as JSON"""
 
 
 def dumps(obj) -> str:
@@ -34,7 +38,7 @@ def cmd_compare(args: list[str], start: float) -> int:
   from meshlm.analysis.census import census_of, config_summary, lower_and_compile
   from meshlm.analysis.compare import compare, render
   overrides, opts = split_args(args, {"--json": False, "--arm": True})
-  arms = build_arms(overrides, opts.get("--arm", []), min_arms=2)
+  arms = build_arms(overrides, opts.get("--arm", []), min_arms=2, load=load_config)
   prepare_devices(arms)
   results, texts, errors = {}, {}, {}
   for arm in arms:

@@ -1,0 +1,82 @@
+"""`meshlm generate PATH prompt=...`: sample from a run, meshlm model or Hugging Face directory."""
+from __future__ import annotations
+
+import sys
+
+from meshlm.commands.resolve import load_config
+from meshlm.errors import ConfigError
+
+USAGE = ("meshlm generate PATH prompt=TEXT [max_new_tokens=64] [temperature=0] [top_k=N] [top_p=1] [seed=0] "
+         "[stop=ID,ID] [key=value ...]")
+OPTIONS = """  PATH              a run directory, a meshlm model directory or a Hugging Face model directory
+  prompt=TEXT       the text to continue (required)
+  max_new_tokens=N  tokens to sample after the prompt (default 64)
+  temperature=T     0 is greedy (default 0)
+  top_k=N, top_p=P  restrict the draw to the N likeliest tokens / the smallest set holding mass P
+  seed=N            the sampling seed (default 0)
+  stop=ID,ID        token ids that end the completion (kept as its last token); default: the model's
+                    eos_token_id
+  other key=value pairs are config overrides: cpu_devices, mesh.*, shard_mode, data.tokenizer"""
+SAMPLING_KEYS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float,
+                 "seed": int, "stop": str}
+
+
+def _completion(cfg, params, ids: list[int], opts: dict, stop: list[int] | None, mesh) -> list[int]:
+  """The one prompt's new tokens. The one place that knows generate's return type and its stop default."""
+  from meshlm.models.generate import generate
+  out = generate(cfg, params, [ids], max_new_tokens=opts["max_new_tokens"], temperature=opts["temperature"],
+                 top_k=opts["top_k"], top_p=opts["top_p"], stop_tokens=stop, seed=opts["seed"], mesh=mesh)
+  return out.token_lists()[0]
+
+
+def main(args: list[str]) -> int:
+  """PATH is a run directory, a meshlm model directory or a Hugging Face model directory; other key=value
+  pairs are config overrides (cpu_devices, mesh.*, shard_mode)."""
+  if not args or "=" in args[0]:
+    raise ConfigError(f"generate: expected a model directory first; usage: {USAGE}")
+  path, rest = args[0], args[1:]
+  opts: dict = {"max_new_tokens": 64, "temperature": 0.0, "top_k": None, "top_p": 1.0, "seed": 0, "stop": ""}
+  overrides = []
+  for item in rest:
+    key, _, value = item.partition("=")
+    if key in SAMPLING_KEYS and _:
+      try:
+        opts[key] = SAMPLING_KEYS[key](value)
+      except ValueError:
+        raise ConfigError(f"{key}={value!r}: expected {SAMPLING_KEYS[key].__name__}") from None
+    else:
+      overrides.append(item)
+  if "prompt" not in opts:
+    raise ConfigError(f"generate: prompt=TEXT is required; usage: {USAGE}")
+  if not path.startswith(("/", ".")) and "/" not in path:
+    from meshlm.config import preset_names
+    import os
+    if path in preset_names() and not os.path.isdir(path):
+      raise ConfigError(f"generate {path}: a preset, which has no trained weights; generate needs a run, meshlm "
+                        f"model or Hugging Face directory (train one: meshlm train model={path} run_dir=runs/{path}, "
+                        f"then meshlm generate runs/{path} prompt=...)")
+    path = "./" + path  # a directory, never a preset name
+  cfg = load_config(f"model={path}", "train.compute_dtype=float32", *overrides)
+  from meshlm.parallel import set_cpu_devices
+  set_cpu_devices(cfg.cpu_devices)
+  import jax
+  import jax.numpy as jnp
+  from meshlm.console import printable
+  from meshlm.models import decoder
+  from meshlm.models.generate import check_request
+  from meshlm.parallel.mesh import make_mesh
+  from meshlm.train.checkpoint import load_params
+  from meshlm.train.data.tokenizers import make_tokenizer
+  mesh = make_mesh(cfg)
+  tok = make_tokenizer(cfg)
+  ids = [int(t) for t in tok.encode(opts["prompt"])]
+  stop = [int(s) for s in opts["stop"].split(",") if s.strip()]
+  check_request(cfg, [ids], opts["max_new_tokens"], opts["temperature"], opts["top_k"], opts["top_p"])
+  shardings = decoder.param_shardings(cfg, mesh)
+  abstract = jax.tree.map(lambda sh, s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shardings,
+                          decoder.param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
+  params = load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)
+  new = _completion(cfg, params, ids, opts, stop or None, mesh)
+  print(printable(opts["prompt"] + tok.decode(new)))
+  sys.stdout.flush()
+  return 0

@@ -1,0 +1,89 @@
+"""model=PATH: a Hugging Face model directory, or a meshlm model, run or step directory.
+
+`load_config` here is meshlm.load_config and what every command reads its keys with: presets and
+overrides as meshlm.config.load_config, plus model=PATH, which needs hf/ (an HF config.json) and train/
+(the checkpoint layout), both above config/.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from meshlm import config
+from meshlm.config import Config, loader
+from meshlm.errors import ConfigError
+
+
+def load_config(*overrides: str, base: dict[str, Any] | None = None) -> Config:
+  """config.load_config, where `model=PATH` starts from the directory's tree (model_dir_tree; applied
+  first, wherever it appears) and a model.* override that changes a loaded parameter's shape is refused."""
+  pairs = config.parse_overrides(overrides)
+  name = next((v for k, v in reversed(pairs) if k == "model"), None)
+  if base is not None or not isinstance(name, str) or not loader.is_model_path(name):
+    return config.load_config(*overrides, base=base)
+  tree = model_dir_tree(name)
+  cfg = config.load_config(*overrides, base=tree)
+  refuse_shape_overrides(name, tree, pairs)
+  return cfg
+
+
+
+def model_dir_tree(value: str) -> dict[str, Any]:
+  """The config tree model=PATH starts from: the directory's model config, its parameters
+  (checkpoint.load_params_from) and its tokenizer.json (data.tokenizer). key=value overrides go on top."""
+  path = os.path.abspath(os.path.expanduser(value))
+  key = f"model={value}"
+  if not os.path.isdir(path):
+    raise ConfigError(f"{key}: no such directory (nor a preset: meshlm presets lists them)")
+  if os.path.isfile(os.path.join(path, "config.json")):
+    from pathlib import Path
+    from meshlm.hf.io import model_fields  # lazy: safetensors and the family maps, only for an HF dir
+    name, model = os.path.basename(path), model_fields(Path(path))
+  else:
+    name, model = _meshlm_model(path, key)
+  tree: dict[str, Any] = {"model_name": name, "model": model, "checkpoint": {"load_params_from": path}}
+  tokenizer = os.path.join(path, "tokenizer.json")
+  if os.path.isfile(tokenizer):
+    tree["data"] = {"tokenizer": tokenizer}
+  return tree
+
+
+def _meshlm_model(path: str, key: str) -> tuple[str, dict]:
+  """(model_name, model) of a meshlm model dir, run dir or step dir: from the metadata of the step that
+  checkpoint.load_params_from will read, else from a config.yaml beside its params."""
+  from meshlm.train.checkpoint import _find_step_dir, saved_model  # lazy: orbax
+  try:
+    step = _find_step_dir(path, key)
+  except ConfigError:
+    raise ConfigError(f"{key}: not a Hugging Face model directory (no config.json) nor a meshlm model or run "
+                      "directory (no params/, <step>/params or checkpoints/<step>/params)") from None
+  saved = saved_model(step, key)
+  if saved is not None:
+    return saved["model_name"], saved["model"]
+  raise ConfigError(f"{key}: {step} has params/ but no meta/metadata or config.yaml that says which model")
+
+
+def refuse_shape_overrides(value: str, tree: dict[str, Any], pairs: list[tuple[str, Any]]) -> None:
+  """model=PATH loads PATH's parameters: a model.* override that changes any parameter's shape cannot
+  apply to them, and is refused naming the key (norm_eps, rope or token ids may change)."""
+  import jax
+  from meshlm import spec as S
+  from meshlm.models import decoder  # lazy: jax, only once a directory is named
+
+  def shapes(t: dict) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(loader.validate(t)), is_leaf=S.is_spec)[0]
+    return {".".join(str(k.key) for k in p): s.shape for p, s in flat}
+
+  before = shapes(tree)
+  for key, v in pairs:
+    if not key.startswith("model."):
+      continue
+    one = copy.deepcopy(tree)
+    loader.set_key(one, key, v)
+    after = shapes(one)
+    if after != before:
+      what = next((f"{p} {list(before[p])} -> {list(after[p])}" for p in before if after.get(p, before[p]) != before[p]),
+                  f"parameters {sorted(set(before) ^ set(after))[:3]} appear or go")
+      raise ConfigError(f"{key}={v}: would change the shape of parameters loaded from model={value} ({what}); "
+                        "only settings that keep every shape can be changed")

@@ -1,0 +1,151 @@
+"""The import graph runs downward: config → parallel → nn → models → hf → train → analysis → bench →
+commands → cli, with errors.py, spec.py, console.py and fsutil.py at the bottom.
+
+Every import is read with `ast`, at module level and inside functions alike (a lazy import is still an
+edge: it only moves the cycle from import time to call time). Dynamic imports (importlib.import_module
+of a computed name) are invisible here; meshlm uses them only for hf/adapters/* and meshlm.hf.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Each top-level unit of meshlm and its rank: a module may import its own unit, or a unit ranked lower.
+# Rank-0 modules import only each other (fsutil raises errors.ConfigError); the cycle test guards them.
+# "meshlm" is the package's __init__ (the public API), which re-exports commands.resolve.load_config.
+RANKS = {
+    "errors": 0, "spec": 0, "console": 0, "fsutil": 0,
+    "config": 1, "parallel": 2, "nn": 3, "models": 4, "hf": 5, "train": 6,
+    "analysis": 7, "bench": 8, "commands": 9, "cli": 10, "meshlm": 10,
+}
+
+
+def module_names(src: Path = SRC) -> set[str]:
+  out = set()
+  for p in (src / "meshlm").rglob("*.py"):
+    parts = list(p.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out.add(".".join(parts))
+  return out
+
+
+def imports_of(source: str, module: str, modules: set[str], is_package: bool = False) -> set[str]:
+  """The meshlm modules that `module`'s source imports, anywhere in it (module level or in a function).
+  `from pkg import name` is pkg.name when that is a module, else pkg (its __init__)."""
+  package = module if is_package else module.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+      for a in node.names:
+        found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+  return {m for m in found if m == "meshlm" or m.startswith("meshlm.")}
+
+
+def graph(src: Path = SRC) -> dict[str, set[str]]:
+  modules = module_names(src)
+  out = {}
+  for p in (src / "meshlm").rglob("*.py"):
+    parts = list(p.relative_to(src).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    name = ".".join(parts[:-1] if is_package else parts)
+    out[name] = imports_of(p.read_text(), name, modules, is_package) - {name}
+  return out
+
+
+def unit(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else "meshlm"
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+  """Each import of a unit ranked above (or beside) the importer's, as 'importer -> imported'."""
+  bad = []
+  for src, targets in sorted(edges.items()):
+    for dst in sorted(targets):
+      a, b = unit(src), unit(dst)
+      if a == b or (RANKS[b] < RANKS[a]) or (RANKS[a] == RANKS[b] == 0):
+        continue
+      bad.append(f"{src} ({a}, rank {RANKS[a]}) -> {dst} ({b}, rank {RANKS[b]})")
+  return bad
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan), each sorted."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in edges.get(v, ()):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        out.append(sorted(comp))
+
+  for v in sorted(edges):
+    if v not in index:
+      visit(v)
+  return out
+
+
+@pytest.fixture(scope="module")
+def edges():
+  return graph()
+
+
+def test_every_unit_has_a_rank(edges):
+  assert {unit(m) for m in edges} <= set(RANKS), sorted({unit(m) for m in edges} - set(RANKS))
+
+
+def test_imports_run_downward(edges):
+  assert upward(edges) == []
+
+
+def test_no_import_cycle(edges):
+  assert cycles(edges) == []
+
+
+def test_config_imports_only_config_and_errors(edges):
+  """The issue's first case: config/ read hf.io, models.decoder and train.checkpoint for model=PATH."""
+  outside = {d for s, ds in edges.items() if unit(s) == "config" for d in ds if unit(d) != "config"}
+  assert outside <= {"meshlm.errors"}, sorted(outside)
+
+
+def test_the_checker_sees_upward_and_lazy_imports(edges):
+  """Negative controls: an upward import at module level, one inside a function and a relative one are
+  each reported; an added back-edge is reported as a cycle."""
+  modules = module_names()
+  top = "from meshlm.train.checkpoint import _find_step_dir\n"
+  lazy = "def f():\n  if True:\n    from meshlm.commands import resolve\n  return resolve\n"
+  rel = "from ..models import decoder\n"
+  for name, source in (("meshlm.config.fake", top), ("meshlm.nn.fake", lazy), ("meshlm.parallel.fake", rel)):
+    bad = upward(edges | {name: imports_of(source, name, modules)})
+    assert len(bad) == 1 and bad[0].startswith(name), (name, bad)
+  assert imports_of(rel, "meshlm.parallel.fake", modules) == {"meshlm.models.decoder"}
+  assert imports_of("from meshlm import spec as S, hf\n", "meshlm.nn.fake", modules) == {"meshlm.spec", "meshlm.hf"}
+  looped = {k: set(v) for k, v in edges.items()}
+  looped["meshlm.errors"] = looped["meshlm.errors"] | {"meshlm.fsutil"}  # fsutil imports errors
+  assert cycles(looped) == [["meshlm.errors", "meshlm.fsutil"]]
