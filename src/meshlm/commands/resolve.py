@@ -17,15 +17,17 @@ from meshlm.errors import ConfigError
 
 def load_config(*overrides: str, base: dict[str, Any] | None = None) -> Config:
   """config.load_config, where `model=PATH` starts from the directory's tree (model_dir_tree; applied
-  first, wherever it appears) and a model.* override that changes a loaded parameter's shape is refused."""
+  first, wherever it appears) and a model.* override that changes a loaded parameter's shape is refused;
+  then the model family checks its own fields (Family.validate)."""
+  from meshlm.models import registry  # lazy: jax
   pairs = config.parse_overrides(overrides)
   name = next((v for k, v in reversed(pairs) if k == "model"), None)
   if base is not None or not isinstance(name, str) or not loader.is_model_path(name):
-    return config.load_config(*overrides, base=base)
+    return registry.validate(config.load_config(*overrides, base=base))
   tree = model_dir_tree(name)
   cfg = config.load_config(*overrides, base=tree)
   refuse_shape_overrides(name, tree, pairs)
-  return cfg
+  return registry.validate(cfg)
 
 
 

@@ -99,13 +99,6 @@ class ModelConfig(_Strict):
                          f"{self.num_experts}: each token can be routed to at most every expert")
       if self.moe_mlp_dim is None:
         raise ValueError(f"moe_mlp_dim: required with num_experts={self.num_experts} (the width of each expert)")
-    if self.family == "mixtral":
-      # Checked here, not in the family's plan, so that `meshlm train` refuses it before touching run_dir.
-      if not self.num_experts:
-        raise ValueError("num_experts: mixtral needs experts on every layer (set model.num_experts and "
-                         "model.moe_mlp_dim)")
-      if not self.norm_topk_prob:
-        raise ValueError("norm_topk_prob=false: mixtral always renormalizes its top-k routing weights")
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
     if bad:
       raise ValueError(f"mlp_only_layers: layer {bad[0]} is not in [0, num_layers={self.num_layers})")

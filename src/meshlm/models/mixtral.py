@@ -3,14 +3,22 @@ feed-forward a mixture of experts (models/ffns/moe.py); the top-k routing weight
 renormalized."""
 from __future__ import annotations
 
+from meshlm.errors import ConfigError
 from meshlm.models.family import Family, Kind, LayerPlan, periodic_contexts
 from meshlm.models.ffns.moe import moe_ffn
 from meshlm.models.mixers.gqa import gqa
 
 
+def validate(m) -> None:
+  if not m.num_experts:
+    raise ConfigError("model: num_experts: mixtral needs experts on every layer (set model.num_experts and "
+                      "model.moe_mlp_dim)")
+  if not m.norm_topk_prob:
+    raise ConfigError("model: norm_topk_prob=false: mixtral always renormalizes its top-k routing weights")
+
+
 def plan(m) -> LayerPlan:
-  # ModelConfig refuses a mixtral without experts or with norm_topk_prob=false.
   return LayerPlan(kinds=("moe",) * m.num_layers, contexts=periodic_contexts(m), period=len(m.layer_types()))
 
 
-FAMILY = Family("mixtral", kinds={"moe": Kind(gqa(), moe_ffn(norm_topk=True))}, plan=plan)
+FAMILY = Family("mixtral", kinds={"moe": Kind(gqa(), moe_ffn(norm_topk=True))}, plan=plan, validate=validate)

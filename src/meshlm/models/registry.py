@@ -29,4 +29,14 @@ def get(name: str):
 
 
 def family(cfg: Config):
-  return get(cfg.model.family)
+  """cfg's Family, after its own checks of the model config (Family.validate)."""
+  fam = get(cfg.model.family)
+  fam.validate(cfg.model)
+  return fam
+
+
+def validate(cfg: Config) -> Config:
+  """cfg, once its family accepts its model fields (ConfigError otherwise): commands call this right
+  after loading a config, before anything touches the run directory."""
+  family(cfg)
+  return cfg
