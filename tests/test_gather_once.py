@@ -1,14 +1,15 @@
-"""The router kernel gathered once before the layer scan (issue 11, speedup 5): under FSDP one
-all-gather of the stacked router [L, D, E] before the layers and none in the scanned body; each
-layer's gradient stays a per-layer [D, E] reduction in the backward loop (no full-size reduction of
-the stack); loss and gradients bit-identical to the per-layer-gather path, under explicit and auto."""
+"""Kernels gathered once before the layer scan (nn/gather_once.py; the parts' `prepare`): the MoE router
+(issue 11, speedup 5) and the attention query kernel. Under FSDP one all-gather of each stacked kernel
+([L, D, E], [L, D, N, H]) before the layers and none in the scanned body; each layer's router gradient
+stays a per-layer [D, E] reduction in the backward loop (no full-size reduction of the stack); loss and
+gradients bit-identical to the per-layer-gather path, under explicit and auto."""
 import jax
 import numpy as np
 import pytest
 
 from meshlm.analysis import census as C
 from meshlm.config import load_config
-from meshlm.nn import moe
+from meshlm.nn import gather_once as GO
 from meshlm.train import step as ST
 
 # qwen3-moe-tiny: a dense layer, then 3 MoE layers in a scan; router [3, 256, 8] sharded on fsdp.
@@ -17,6 +18,7 @@ from seams import random_batch
 BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
         "train.per_device_batch_size=1")
 L, D, E = 3, 256, 8
+Q = (D, 8, 48)  # the query kernel [D, N, H]; its stacks: one dense layer, then 3 MoE layers
 
 
 
@@ -24,8 +26,9 @@ def _run(mode: str, gather_once: bool):
   """(loss, grads as numpy, router collectives of the compiled forward+backward)."""
   mp = pytest.MonkeyPatch()
   if not gather_once:
-    # The stack itself as the "gathered" copy: each layer then gathers its slice inside the scan.
-    mp.setattr(moe, "gather_router_once", lambda stack, axes: stack)
+    # The plain path: no gathered copy, each layer's kernel slice goes to its projection as stored.
+    mp.setattr(GO, "gather_stack", lambda stack, axes, scope: None)
+    mp.setattr(GO, "gathered", lambda kernel, full, axes: kernel)
   try:
     jax.clear_caches()
     step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}"))
@@ -40,16 +43,17 @@ def _run(mode: str, gather_once: bool):
     jax.clear_caches()
   counts, mod = C.hlo_counts(compiled.as_text())
   in_loop = {c for c, m in mod.multipliers.items() if m > 1}
-  gathers = [(ins.out.shape, ins.comp in in_loop) for ins in mod.instrs()
-             if ins.opcode in ("all-gather", "all-gather-start") and "router" in ins.op_name
-             and ins.out is not None and ins.out.shape[-2:] == (D, E)]
+  all_gathers = [ins for ins in mod.instrs() if ins.opcode in ("all-gather", "all-gather-start") and ins.out is not None]
+  gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers
+             if "router" in ins.op_name and ins.out.shape[-2:] == (D, E)]
+  q_gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers if ins.out.shape[-3:] == Q]
   # Router-gradient reductions: arrays of a router's shape (a layer's or the stack's, whole or an fsdp
   # shard, any dim order) in reducing collectives (XLA combines several into one tuple).
   router_shapes = {tuple(sorted(s)) for s in ((D, E), (D // 4, E), (L, D, E), (L, D // 4, E))}
   reductions = [(tuple(a.shape), ins.comp in in_loop) for ins in mod.instrs()
                 if ins.opcode in ("all-reduce", "all-reduce-start", "reduce-scatter", "reduce-scatter-start")
                 for a in ins.result if tuple(sorted(d for d in a.shape if d != 1)) in router_shapes]
-  return np.asarray(loss), jax.tree.map(np.asarray, grads), gathers, reductions
+  return np.asarray(loss), jax.tree.map(np.asarray, grads), gathers, reductions, q_gathers
 
 
 @pytest.fixture(scope="module", params=["explicit", "auto"])
@@ -58,24 +62,35 @@ def arms(request):
 
 
 def test_one_router_gather_before_the_scan_none_inside(arms):
-  _, _, gathers, _ = arms[True]
+  _, _, gathers, _, _ = arms[True]
   assert gathers == [((L, D, E), False)]
   # Control: without it the scanned body gathers each layer's [D, E] slice (forward, and the
   # backward again), and nothing gathers the stack.
-  _, _, plain, _ = arms[False]
+  _, _, plain, _, _ = arms[False]
   assert plain and all(shape == (D, E) and looped for shape, looped in plain)
 
 
+def test_one_query_gather_per_stack_before_the_scan_none_inside(arms):
+  *_, q_gathers = arms[True]
+  # The dense layer's stack [1, D, N, H] and the MoE layers' [3, D, N, H], each gathered once, outside
+  # every loop.
+  assert sorted(q_gathers) == [((1,) + Q, False), ((L,) + Q, False)], q_gathers
+  # Control: without it the scan's body gathers each MoE layer's [D, N, H] slice (forward and backward).
+  *_, plain = arms[False]
+  assert any(shape == Q and looped for shape, looped in plain), plain
+  assert not any(shape == (L,) + Q for shape, _ in plain)
+
+
 def test_router_gradient_stays_per_layer(arms):
-  _, _, _, reductions = arms[True]
+  _, _, _, reductions, _ = arms[True]
   # A per-layer [D, E] (or its [D/fsdp, E] shard) reduction in the backward loop; nothing of the
   # stack's [L, D, E] size.
   assert reductions and all(looped and len(shape) == 2 for shape, looped in reductions), reductions
 
 
 def test_loss_and_gradients_match_the_per_layer_gather(arms):
-  loss_on, grads_on, _, _ = arms[True]
-  loss_off, grads_off, _, _ = arms[False]
+  loss_on, grads_on, _, _, _ = arms[True]
+  loss_off, grads_off, _, _, _ = arms[False]
   # Bit-identical on XLA:CPU with the pinned JAX (measured: loss and every gradient, both modes).
   np.testing.assert_array_equal(loss_on, loss_off)
   router_on = grads_on["layers"]["moe"]["moe"]["router"]
