@@ -1,6 +1,6 @@
-"""The family registry: family name -> the module that defines its `FAMILY` (models/family.py).
-
-Adding a family is one file defining `FAMILY` plus one line here.
+"""The registries: family name -> the module that defines its `FAMILY`, and part name -> the factory
+of a layer part (models/family.py). Adding a family, a mixer or a feed-forward is one file plus one
+line here.
 """
 from __future__ import annotations
 
@@ -19,6 +19,23 @@ FAMILIES = {
     "mixtral": "meshlm.models.mixtral",
     "qwen3_moe": "meshlm.models.qwen3_moe",
 }
+
+
+# The layer parts families compose (models/family.Part): name -> "module:factory". A new mixer or
+# feed-forward is one file under models/mixers/ or models/ffns/ plus one line here.
+PARTS = {
+    "gqa": "meshlm.models.mixers.gqa:gqa",
+    "glu": "meshlm.models.ffns.glu:glu",
+    "moe": "meshlm.models.ffns.moe:moe_ffn",
+}
+
+
+def part(name: str, **options):
+  """The Part called name, built with its options (e.g. part("gqa", plus_one=True))."""
+  if name not in PARTS:
+    raise ConfigError(f"layer part {name!r}: unknown; known parts: {', '.join(sorted(PARTS))}")
+  module, factory = PARTS[name].split(":")
+  return getattr(importlib.import_module(module), factory)(**options)
 
 
 def get(name: str):
