@@ -286,3 +286,47 @@ def test_train_prints_progress_and_a_sample(tiny_run):
   assert sample.startswith("def ")
   assert len(sample) <= len("def ") + 8 * 6
   assert all(ch.isprintable() or ch in "\n\t" for ch in sample)
+
+
+# --- the run directory: fresh by default, left as found when the run fails to start -------------
+
+RUN_NAME = r"llama2-tiny-\d{8}-\d{6}(-\d+)?"
+
+
+def test_runs_without_run_dir_each_get_a_fresh_directory(monkeypatch, capsys, fake_train, tmp_path):
+  """Before, both went to runs/default, where the second resumed the first's checkpoint."""
+  import re
+  monkeypatch.chdir(tmp_path)
+  dirs = []
+  for _ in range(2):
+    assert main(["train", "cpu_devices=2"]) == 0
+    banner = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("meshlm train")]
+    dirs.append(banner[0].rsplit("run_dir=", 1)[1])
+  assert dirs[0] != dirs[1], dirs
+  for d in dirs:
+    assert re.fullmatch(f"runs/{RUN_NAME}", d), d
+  assert sorted(os.listdir(tmp_path / "runs")) == sorted(os.path.basename(d) for d in dirs)
+
+
+def test_fresh_run_dirs_are_unique_within_one_second(tmp_path):
+  import datetime
+
+  from meshlm.train.run_dir import fresh_run_dir
+  now = datetime.datetime(2026, 1, 2, 3, 4, 5)
+  got = [fresh_run_dir(name, str(tmp_path), now) for name in ("llama2-tiny", "llama2-tiny", "/some/hf/Llama 3")]
+  assert [os.path.basename(p) for p in got] == ["llama2-tiny-20260102-030405", "llama2-tiny-20260102-030405-2",
+                                                "Llama-3-20260102-030405"]
+  assert all(os.path.isdir(p) for p in got)
+
+
+def test_an_error_after_the_header_leaves_no_directory(monkeypatch, capsys, tmp_path):
+  """A bad data.path is found in train(), after the header line; before, run_dir/checkpoints stayed."""
+  monkeypatch.chdir(tmp_path)
+  bad = ["cpu_devices=2", "data.source=text", f"data.path={tmp_path}/nowhere/*.txt"]
+  for extra in ([f"run_dir={tmp_path}/a/run"], []):  # a given run_dir (and its parent), and a fresh one
+    assert main(["train", *bad, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("meshlm train llama2-tiny"), err  # the header came first
+    assert err.splitlines()[-1].startswith("meshlm: error: data.path="), err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+

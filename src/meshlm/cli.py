@@ -98,17 +98,22 @@ def cmd_train(args: list[str], start: float) -> int:
   make_mesh(cfg)  # validates the mesh against the devices before anything compiles
   from meshlm.console import make_console, printable
   from meshlm.train.loop import prepare_run_dir, train
-  prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
+  from meshlm.train.run_dir import leave_as_found
   console = make_console()
-  console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
-                f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
-                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
-  result = train(cfg, console=console, start_time=start)
-  from meshlm.commands.train import carry_tokenizer
-  carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind
+  with leave_as_found(cfg) as cfg:  # a fresh run_dir when it is null; removed again if the run fails to start
+    prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
+    console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
+                  f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
+                  f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  "
+                  f"run_dir={cfg.run_dir}")
+    result = train(cfg, console=console, start_time=start)
+    from meshlm.commands.train import carry_tokenizer
+    carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind
   if result.stop_reason != "done":
+    # run_dir named: with the default (null) the same command alone would start a fresh run.
     console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
-                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; run the same command to continue")
+                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; to continue, run the same command "
+                  f"with run_dir={cfg.run_dir}")
     return 0
   if not result.losses:
     console.print(f"nothing to do: {cfg.run_dir} is already at step {result.start_step} of {cfg.train.steps}")

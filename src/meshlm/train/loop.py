@@ -48,6 +48,7 @@ class TrainResult:
   start_step: int = 0  # the step this invocation started from (> 0 after a resume)
   stop_reason: str = "done"  # done | preempted | stop_after
   checkpoint: str | None = None  # the last checkpoint saved by this invocation
+  run_dir: str | None = None  # the run's directory (a fresh one when cfg.run_dir was null)
 
 
 @dataclasses.dataclass
@@ -60,10 +61,14 @@ class _InFlight:
 
 def prepare_run_dir(cfg: Config) -> None:
   """Fails in one line, before anything compiles, if run_dir or checkpoint.dir cannot be written.
-  Writes nothing that lasts: config.yaml waits until the run really starts (write_config)."""
+  Creates nothing: it probes the nearest directory that exists (the run creates the rest when it
+  starts), and config.yaml waits until the run really starts (write_config)."""
   from meshlm.train.checkpoint import checkpoint_dir, writable_or_error
   for key, path in (("run_dir", cfg.run_dir), ("checkpoint.dir", checkpoint_dir(cfg))):
-    err = writable_or_error(path)
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+      existing = os.path.dirname(existing)
+    err = writable_or_error(existing)
     if err:
       raise ConfigError(f"{key}={path}: not writable ({err})")
 
@@ -277,7 +282,10 @@ class Loop:
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
           start_time: float | None = None, data=None,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
-  """Trains cfg to cfg.train.steps, resuming from the run_dir's latest checkpoint if there is one.
+  """Trains cfg to cfg.train.steps, resuming from the run_dir's latest checkpoint if there is one
+(run_dir null: a fresh directory, TrainResult.run_dir). Resuming with settings other than the run's
+config.yaml is refused (train/run_dir.py lists the keys that may change). A failure before the run
+starts leaves no directory it created behind.
 
   data: an iterator of host batches to use instead of make_dataset(cfg) (tests); to be checkpointed
   it needs get_state()/set_state().
@@ -286,31 +294,38 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   """
   from meshlm.train.checkpoint import Checkpointer
   from meshlm.train.data import batch_rows, make_dataset
+  from meshlm.train.run_dir import leave_as_found
   t_start = time.perf_counter() if start_time is None else start_time
   console = console or make_console()
   say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
-  prepare_run_dir(cfg)
-  mesh = make_mesh(cfg)
-  if data is None:
-    # Data first: a bad glob or file fails in one line before anything is traced or compiled.
-    global_batch = global_batch_size(cfg, mesh.size)
-    data = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len,
-                        rows=batch_rows(mesh, global_batch, cfg.train.seq_len))
-  step_fn = build_train_step(cfg, mesh)
-  ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
-  try:
-    return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step)
-  finally:
-    ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
+  with leave_as_found(cfg) as cfg:
+    prepare_run_dir(cfg)
+    mesh = make_mesh(cfg)
+    if data is None:
+      # Data first: a bad glob or file fails in one line before anything is traced or compiled.
+      global_batch = global_batch_size(cfg, mesh.size)
+      data = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len,
+                          rows=batch_rows(mesh, global_batch, cfg.train.seq_len))
+    step_fn = build_train_step(cfg, mesh)
+    ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
+    try:
+      return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step)
+    finally:
+      ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
 
 
 def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
          on_step: Callable[[int], None] | None = None) -> TrainResult:
   from meshlm.train.checkpoint import load_params
   from meshlm.train.data import ByteTokenizer
+  from meshlm.train.run_dir import resume_mismatch
   t = cfg.train
   rng = jax.random.key(t.seed)
   counters = {"nonfinite_in_a_row": 0, "nonfinite_total": 0}
+  steps = ckpt.manager.all_steps()
+  bad = steps and resume_mismatch(cfg, max(steps))  # before restoring: refusing costs no array read
+  if bad:
+    raise ConfigError(bad)
   restored = ckpt.restore_latest(step_fn.abstract_state())
   if restored is not None:
     start = restored["step"]
@@ -350,4 +365,4 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     if room > 0:
       gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
-  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)
+  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, run_dir=cfg.run_dir)
