@@ -330,3 +330,29 @@ def test_an_error_after_the_header_leaves_no_directory(monkeypatch, capsys, tmp_
     assert err.splitlines()[-1].startswith("meshlm: error: data.path="), err
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
+
+# --- train.freeze: the counts in the header; nothing to train is refused -------------------------
+
+def test_header_reports_trainable_and_frozen_parameter_counts(capsys, fake_train):
+  from meshlm.config import load_config
+  from meshlm.models import decoder
+  from meshlm.models import spec as S
+  run_dir, _ = fake_train
+  total = S.count(decoder.param_specs(load_config("model=llama2-tiny")))
+  frozen = 512 * 256  # llama2-tiny's embedding table, [vocab, embed]
+  assert main(["train", "cpu_devices=2", "train.freeze=[embed]", f"run_dir={run_dir}"]) == 0
+  banner = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("meshlm train")][0]
+  assert f"  trainable={total - frozen:,}  frozen={frozen:,}  " in banner, banner
+  assert main(["train", "cpu_devices=2", f"run_dir={run_dir}"]) == 0
+  assert f"  trainable={total:,}  frozen=0  " in capsys.readouterr().err
+
+
+def test_freezing_everything_is_refused(capsys, tmp_path):
+  """Before, the run trained for its steps with nothing trainable and no word."""
+  assert main(["train", "cpu_devices=2", "train.freeze=['.*']", f"run_dir={tmp_path}/run"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert err.startswith("meshlm: error: train.freeze=['.*']: freezes all "), err
+  assert "parameters (" in err and "so nothing would train; narrow the patterns (paths look like embed, " in err
+  assert not os.path.exists(tmp_path / "run")
+

@@ -97,15 +97,16 @@ def cmd_train(args: list[str], start: float) -> int:
   from meshlm.parallel.mesh import make_mesh
   make_mesh(cfg)  # validates the mesh against the devices before anything compiles
   from meshlm.console import make_console, printable
-  from meshlm.train.loop import prepare_run_dir, train
+  from meshlm.train.loop import param_counts, prepare_run_dir, train
   from meshlm.train.run_dir import leave_as_found
+  trainable, frozen = param_counts(cfg)  # train.freeze that leaves nothing to train fails here
   console = make_console()
   with leave_as_found(cfg) as cfg:  # a fresh run_dir when it is null; removed again if the run fails to start
     prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
     console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                   f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                   f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  "
-                  f"run_dir={cfg.run_dir}")
+                  f"trainable={trainable:,}  frozen={frozen:,}  run_dir={cfg.run_dir}")
     result = train(cfg, console=console, start_time=start)
     from meshlm.commands.train import carry_tokenizer
     carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind

@@ -73,6 +73,26 @@ def prepare_run_dir(cfg: Config) -> None:
       raise ConfigError(f"{key}={path}: not writable ({err})")
 
 
+def param_counts(cfg: Config) -> tuple[int, int]:
+  """(trainable, frozen) parameter counts, from the parameter specs (nothing is built). A train.freeze
+  that leaves nothing to train is refused: the run would spend its steps changing nothing."""
+  import math
+
+  from meshlm.models import decoder
+  from meshlm.models import spec as S
+  from meshlm.train.step import param_paths, trainable_mask
+  sizes = [math.prod(s.shape) for s in jax.tree.leaves(decoder.param_specs(cfg), is_leaf=S.is_spec)]
+  mask = trainable_mask(cfg)
+  flags = [True] * len(sizes) if mask is None else jax.tree.leaves(mask)
+  trainable = sum(n for n, t in zip(sizes, flags) if t)
+  if trainable == 0:
+    paths = jax.tree.leaves(param_paths(cfg))
+    raise ConfigError(f"train.freeze={cfg.train.freeze}: freezes all {sum(sizes):,} parameters ({len(paths)} arrays), "
+                      f"so nothing would train; narrow the patterns (paths look like {paths[0]}, "
+                      f"{paths[len(paths) // 2]}, {paths[-1]}) or drop train.freeze")
+  return trainable, sum(sizes) - trainable
+
+
 def write_config(cfg: Config) -> None:
   """The run's record of its resolved config: written once the run starts or resumes, never by a
   command that is refused or has nothing to do, so it always describes the checkpoints beside it."""
@@ -298,6 +318,7 @@ starts leaves no directory it created behind.
   t_start = time.perf_counter() if start_time is None else start_time
   console = console or make_console()
   say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
+  param_counts(cfg)  # nothing to train fails here, before any directory exists
   with leave_as_found(cfg) as cfg:
     prepare_run_dir(cfg)
     mesh = make_mesh(cfg)
