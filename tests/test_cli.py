@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -356,3 +357,44 @@ def test_freezing_everything_is_refused(capsys, tmp_path):
   assert "parameters (" in err and "so nothing would train; narrow the patterns (paths look like embed, " in err
   assert not os.path.exists(tmp_path / "run")
 
+
+# --- signals: saved, then a non-zero exit ---------------------------------------------------------
+
+SIGNAL_RUN = ["model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
+              "model.mlp_dim=128", "model.num_layers=1", "train.per_device_batch_size=1", "train.seq_len=16",
+              "train.sample_tokens=0", "cpu_devices=2", "mesh.fsdp=2", "data.source=synthetic",
+              "train.compute_dtype=float32", "train.steps=100000"]
+
+
+@pytest.fixture(scope="module")
+def signal_env(tmp_path_factory):
+  cache = tmp_path_factory.mktemp("jax-cache")
+  return dict(_env(), JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              PYTHONUNBUFFERED="1")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_then_exits_128_plus_the_signal(tmp_path, signal_env, sig):
+  """`meshlm train ... && meshlm convert ...` must not convert a run a Ctrl-C cut short; before, exit 0.
+  The signal is sent once metrics.jsonl has a step, i.e. the loop (and its handler) is running."""
+  import time
+  run_dir = tmp_path / "run"
+  p = subprocess.Popen([MESHLM, "train", *SIGNAL_RUN, f"run_dir={run_dir}"], env=signal_env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300  # a hang guard only: the wait ends when the file has a line
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):
+      assert p.poll() is None, p.communicate()[1][-3000:]
+      assert time.monotonic() < deadline, "no step within 300 s"
+      time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=300)
+  finally:
+    p.kill()
+  name = signal.Signals(sig).name
+  assert p.returncode == 128 + sig, err[-3000:]
+  saved = [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()]
+  assert len(saved) == 1, saved
+  assert (f"stopped (preempted) after step {saved[0]} of 100000; checkpoint {run_dir}/checkpoints/{saved[0]}; "
+          f"exit code {128 + sig} ({name}); to continue, run the same command with run_dir={run_dir}") in err, err

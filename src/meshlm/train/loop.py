@@ -3,7 +3,8 @@ non-finite guard, a progress bar and a sample at the end.
 
 Stopping, and what each leaves behind (the same command then continues where it stopped):
   - SIGTERM/SIGINT: the current step finishes, a checkpoint is saved, train() returns with
-    stop_reason="preempted". A second signal exits at once (exit code 128 + signal number).
+    stop_reason="preempted" and the signal (`meshlm train` then exits 128 + its number: 143, 130, so
+    `train && convert` stops there). A second signal exits at once (also 128 + signal number).
   - train.stop_after=N: the same after N steps of this invocation ("stop_after").
   - non-finite loss or grad norm: the update is skipped (see train_step). With
     train.on_nonfinite=stop, or after train.max_nonfinite_in_a_row in a row, the last good state
@@ -48,6 +49,7 @@ class TrainResult:
   start_step: int = 0  # the step this invocation started from (> 0 after a resume)
   stop_reason: str = "done"  # done | preempted | stop_after
   checkpoint: str | None = None  # the last checkpoint saved by this invocation
+  signal: int | None = None  # the signal that preempted this process (None: none, or only another process's)
   run_dir: str | None = None  # the run's directory (a fresh one when cfg.run_dir was null)
 
 
@@ -177,6 +179,7 @@ class LoopOutcome:
   stop_reason: str  # done | preempted | stop_after | nonfinite
   saved: str | None  # the last checkpoint this run saved
   nonfinite_msg: str | None
+  signal: int | None = None  # the signal this process received, if any
 
 
 @dataclasses.dataclass
@@ -296,7 +299,7 @@ class Loop:
     finally:
       signals.restore()
       writer.close()
-    return LoopOutcome(state, losses, norms, first_step_s, stop_reason, saved, nonfinite_msg)
+    return LoopOutcome(state, losses, norms, first_step_s, stop_reason, saved, nonfinite_msg, signals.received)
 
 
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
@@ -386,4 +389,4 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     if room > 0:
       gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
-  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, run_dir=cfg.run_dir)
+  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)
