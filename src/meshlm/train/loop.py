@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -70,7 +71,8 @@ def prepare_run_dir(cfg: Config) -> None:
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
       existing = os.path.dirname(existing)
-    err = writable_or_error(existing)
+    # A regular file on the way (run_dir=FILE/run) is what mkdir would meet first.
+    err = writable_or_error(existing) if os.path.isdir(existing) else os.strerror(errno.ENOTDIR)
     if err:
       raise ConfigError(f"{key}={path}: not writable ({err})")
 
@@ -368,6 +370,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
                            step_fn.state_shardings().params, step_fn.mesh)
       state = state._replace(params=params)
       say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
+  os.makedirs(cfg.run_dir, exist_ok=True)  # the run starts: a checkpoint.dir elsewhere did not make it
   if start < t.steps:  # "nothing to do" leaves the record as it is
     write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
