@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements.lock
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/meshlm train model=llama2-tiny
+	$(BIN)/meshlm train model=llama2-tiny train.steps=600
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
