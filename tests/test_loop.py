@@ -329,7 +329,7 @@ def test_resume_with_other_settings_is_refused_naming_the_keys(loop_run, tmp_pat
   it trained on with the new value and no word."""
   import shutil
 
-  from meshlm.config import ConfigError
+  from meshlm.errors import ConfigError
   from meshlm.train.loop import train
   _, src, _ = loop_run
   run_dir = tmp_path / "run"

@@ -107,8 +107,8 @@ def cmd_train(args: list[str], start: float) -> int:
       prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
       console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                     f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
-                    f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  "
-                    f"trainable={trainable:,}  frozen={frozen:,}  run_dir={cfg.run_dir}")
+                    f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  "
+                    f"trainable={trainable:,}  frozen={frozen:,}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
       result = train(cfg, console=console, start_time=start)
       from meshlm.commands.train import carry_tokenizer
       carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind

@@ -83,7 +83,7 @@ def param_counts(cfg: Config) -> tuple[int, int]:
   import math
 
   from meshlm.models import decoder
-  from meshlm.models import spec as S
+  from meshlm import spec as S
   from meshlm.train.step import param_paths, trainable_mask
   sizes = [math.prod(s.shape) for s in jax.tree.leaves(decoder.param_specs(cfg), is_leaf=S.is_spec)]
   mask = trainable_mask(cfg)

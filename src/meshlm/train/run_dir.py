@@ -20,7 +20,8 @@ from typing import Iterator
 
 import yaml
 
-from meshlm.config import Config, ConfigError, to_yaml
+from meshlm.config import Config, to_yaml
+from meshlm.errors import ConfigError
 
 RUNS_ROOT = "runs"
 
