@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements.lock
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/meshlm train model=llama2-tiny run_dir=runs/llama2-tiny-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/meshlm train model=llama2-tiny train.steps=600
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

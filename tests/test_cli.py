@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -286,3 +287,114 @@ def test_train_prints_progress_and_a_sample(tiny_run):
   assert sample.startswith("def ")
   assert len(sample) <= len("def ") + 8 * 6
   assert all(ch.isprintable() or ch in "\n\t" for ch in sample)
+
+
+# --- the run directory: fresh by default, left as found when the run fails to start -------------
+
+RUN_NAME = r"llama2-tiny-\d{8}-\d{6}(-\d+)?"
+
+
+def test_runs_without_run_dir_each_get_a_fresh_directory(monkeypatch, capsys, fake_train, tmp_path):
+  """Before, both went to runs/default, where the second resumed the first's checkpoint."""
+  import re
+  monkeypatch.chdir(tmp_path)
+  dirs = []
+  for _ in range(2):
+    assert main(["train", "cpu_devices=2"]) == 0
+    banner = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("meshlm train")]
+    dirs.append(banner[0].rsplit("run_dir=", 1)[1])
+  assert dirs[0] != dirs[1], dirs
+  for d in dirs:
+    assert re.fullmatch(f"runs/{RUN_NAME}", d), d
+  assert sorted(os.listdir(tmp_path / "runs")) == sorted(os.path.basename(d) for d in dirs)
+
+
+def test_fresh_run_dirs_are_unique_within_one_second(tmp_path):
+  import datetime
+
+  from meshlm.train.run_dir import fresh_run_dir
+  now = datetime.datetime(2026, 1, 2, 3, 4, 5)
+  got = [fresh_run_dir(name, str(tmp_path), now) for name in ("llama2-tiny", "llama2-tiny", "/some/hf/Llama 3")]
+  assert [os.path.basename(p) for p in got] == ["llama2-tiny-20260102-030405", "llama2-tiny-20260102-030405-2",
+                                                "Llama-3-20260102-030405"]
+  assert all(os.path.isdir(p) for p in got)
+
+
+def test_an_error_after_the_header_leaves_no_directory(monkeypatch, capsys, tmp_path):
+  """A bad data.path is found in train(), after the header line; before, run_dir/checkpoints stayed."""
+  monkeypatch.chdir(tmp_path)
+  bad = ["cpu_devices=2", "data.source=text", f"data.path={tmp_path}/nowhere/*.txt"]
+  for extra in ([f"run_dir={tmp_path}/a/run"], []):  # a given run_dir (and its parent), and a fresh one
+    assert main(["train", *bad, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("meshlm train llama2-tiny"), err  # the header came first
+    assert err.splitlines()[-1].startswith("meshlm: error: data.path="), err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+# --- train.freeze: the counts in the header; nothing to train is refused -------------------------
+
+def test_header_reports_trainable_and_frozen_parameter_counts(capsys, fake_train):
+  from meshlm.config import load_config
+  from meshlm.models import decoder
+  from meshlm import spec as S
+  run_dir, _ = fake_train
+  total = S.count(decoder.param_specs(load_config("model=llama2-tiny")))
+  frozen = 512 * 256  # llama2-tiny's embedding table, [vocab, embed]
+  assert main(["train", "cpu_devices=2", "train.freeze=[embed]", f"run_dir={run_dir}"]) == 0
+  banner = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("meshlm train")][0]
+  assert f"  trainable={total - frozen:,}  frozen={frozen:,}  " in banner, banner
+  assert main(["train", "cpu_devices=2", f"run_dir={run_dir}"]) == 0
+  assert f"  trainable={total:,}  frozen=0  " in capsys.readouterr().err
+
+
+def test_freezing_everything_is_refused(capsys, tmp_path):
+  """Before, the run trained for its steps with nothing trainable and no word."""
+  assert main(["train", "cpu_devices=2", "train.freeze=['.*']", f"run_dir={tmp_path}/run"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert err.startswith("meshlm: error: train.freeze=['.*']: freezes all "), err
+  assert "parameters (" in err and "so nothing would train; narrow the patterns (paths look like embed, " in err
+  assert not os.path.exists(tmp_path / "run")
+
+
+# --- signals: saved, then a non-zero exit ---------------------------------------------------------
+
+SIGNAL_RUN = ["model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
+              "model.mlp_dim=128", "model.num_layers=1", "train.per_device_batch_size=1", "train.seq_len=16",
+              "train.sample_tokens=0", "cpu_devices=2", "mesh.fsdp=2", "data.source=synthetic",
+              "train.compute_dtype=float32", "train.steps=100000"]
+
+
+@pytest.fixture(scope="module")
+def signal_env(tmp_path_factory):
+  cache = tmp_path_factory.mktemp("jax-cache")
+  return dict(_env(), JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              PYTHONUNBUFFERED="1")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_then_exits_128_plus_the_signal(tmp_path, signal_env, sig):
+  """`meshlm train ... && meshlm convert ...` must not convert a run a Ctrl-C cut short; before, exit 0.
+  The signal is sent once metrics.jsonl has a step, i.e. the loop (and its handler) is running."""
+  import time
+  run_dir = tmp_path / "run"
+  p = subprocess.Popen([MESHLM, "train", *SIGNAL_RUN, f"run_dir={run_dir}"], env=signal_env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300  # a hang guard only: the wait ends when the file has a line
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):
+      assert p.poll() is None, p.communicate()[1][-3000:]
+      assert time.monotonic() < deadline, "no step within 300 s"
+      time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=300)
+  finally:
+    p.kill()
+  name = signal.Signals(sig).name
+  assert p.returncode == 128 + sig, err[-3000:]
+  saved = [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()]
+  assert len(saved) == 1, saved
+  assert (f"stopped (preempted) after step {saved[0]} of 100000; checkpoint {run_dir}/checkpoints/{saved[0]}; "
+          f"exit code {128 + sig} ({name}); to continue, run the same command with run_dir={run_dir}") in err, err

@@ -320,3 +320,54 @@ def test_loop_core_without_queue_ahead_fetches_each_batch_after_the_last_step_is
   queued, _, _ = _core_run(True)
   assert queued.index(F(1)) < queued.index(R(0))  # the default queues ahead: a control that it differs
   assert [s[0] for s in saved] == [3, 5]
+
+
+# --- resuming: other settings are refused, naming the keys; the documented ones may change ---------
+
+def test_resume_with_other_settings_is_refused_naming_the_keys(loop_run, tmp_path):
+  """Before, a changed learning rate on a finished run said "nothing to do", and on an unfinished one
+  it trained on with the new value and no word."""
+  import shutil
+
+  from meshlm.errors import ConfigError
+  from meshlm.train.loop import train
+  _, src, _ = loop_run
+  run_dir = tmp_path / "run"
+  shutil.copytree(src, run_dir)
+  record = (run_dir / "config.yaml").read_bytes()
+  cfg = load_config(*LOOP, "checkpoint.every=1", "checkpoint.keep=2", f"run_dir={run_dir}",
+                    "train.learning_rate=1e-4", "train.seed=7", "train.steps=6")
+  with pytest.raises(ConfigError) as e:
+    train(cfg, show_progress=False)
+  assert str(e.value) == (
+      f"run_dir={run_dir}: resuming its checkpoint at step 5 with settings other than its config.yaml "
+      "(train.learning_rate is 0.0001 here but 0.003 there; train.seed is 7 here but 0 there); put them back, "
+      f"or use a new run_dir (checkpoint.load_params_from={run_dir} starts one from its parameters). Only the keys "
+      "README.md's 'Stopping and resuming' lists may change on resume")
+  assert (run_dir / "config.yaml").read_bytes() == record
+  assert sorted(n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()) == ["4", "5"]
+
+
+def test_resume_may_change_the_steps_and_the_cadence(loop_run, tmp_path):
+  """Negative control of the refusal: more steps, another log and checkpoint cadence resume."""
+  import shutil
+
+  from meshlm.train.loop import train
+  _, src, _ = loop_run
+  run_dir = tmp_path / "run"
+  shutil.copytree(src, run_dir)
+  cfg = load_config(*LOOP, "checkpoint.every=3", "checkpoint.keep=3", "train.log_every=2", "train.steps=6",
+                    f"run_dir={run_dir}")
+  result = train(cfg, show_progress=False)
+  assert result.start_step == 5 and len(result.losses) == 1 and result.stop_reason == "done"
+  assert "steps: 6" in (run_dir / "config.yaml").read_text()
+
+
+def test_resumable_keys_are_config_keys():
+  """A renamed key would quietly turn its entry off: each entry must name a key (or a section)."""
+  from meshlm.config import to_yaml
+  from meshlm.train.run_dir import RESUMABLE, _flat
+  import yaml
+  keys = _flat(yaml.safe_load(to_yaml(load_config(*LOOP))))
+  for entry in RESUMABLE:
+    assert (entry in keys if not entry.endswith(".*") else any(k.startswith(entry[:-1]) for k in keys)), entry

@@ -1,6 +1,7 @@
 """meshlm <command> [key=value ...]: train | census | compare | bench | convert | generate."""
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import warnings
@@ -97,19 +98,35 @@ def cmd_train(args: list[str], start: float) -> int:
   from meshlm.parallel.mesh import make_mesh
   make_mesh(cfg)  # validates the mesh against the devices before anything compiles
   from meshlm.console import make_console, printable
-  from meshlm.train.loop import prepare_run_dir, train
-  prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
+  from meshlm.train.loop import param_counts, prepare_run_dir, train
+  from meshlm.train.run_dir import leave_as_found
+  trainable, frozen = param_counts(cfg)  # train.freeze that leaves nothing to train fails here
   console = make_console()
-  console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
-                f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
-                f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
-  result = train(cfg, console=console, start_time=start)
-  from meshlm.commands.train import carry_tokenizer
-  carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind
+  try:
+    with leave_as_found(cfg) as cfg:  # a fresh run_dir when it is null; removed again if the run fails to start
+      prepare_run_dir(cfg)  # a run_dir we cannot write fails here, in one line, before the banner
+      console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
+                    f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
+                    f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  "
+                    f"trainable={trainable:,}  frozen={frozen:,}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
+      result = train(cfg, console=console, start_time=start)
+      from meshlm.commands.train import carry_tokenizer
+      carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind
+  except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal: nothing to save yet
+    print("\nmeshlm: SIGINT before the first step; nothing was saved", file=sys.stderr)
+    return 128 + signal.SIGINT
   if result.stop_reason != "done":
+    # A preempted run exits 128 + the signal, as the shell reports a killed command, so that
+    # `meshlm train ... && meshlm convert ...` does not go on with a partly trained run.
+    code, why = 0, ""
+    if result.stop_reason == "preempted":
+      sig = result.signal or signal.SIGTERM  # only another process was signalled: stopped as if by SIGTERM
+      code, why = 128 + sig, f"exit code {128 + sig} ({signal.Signals(sig).name}); "
+    # run_dir named: with the default (null) the same command alone would start a fresh run.
     console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
-                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; run the same command to continue")
-    return 0
+                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; {why}to continue, run the same command "
+                  f"with run_dir={cfg.run_dir}")
+    return code
   if not result.losses:
     console.print(f"nothing to do: {cfg.run_dir} is already at step {result.start_step} of {cfg.train.steps}")
     return 0

@@ -266,7 +266,8 @@ class Config(_Strict):
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   distributed: DistributedConfig = DistributedConfig()
-  run_dir: str = Field(default="runs/default", description="where metrics.jsonl, config.yaml and checkpoints go")
+  run_dir: Optional[str] = Field(default=None, description="where metrics.jsonl, config.yaml and checkpoints go; "
+                                 "null: a fresh runs/<model_name>-<YYYYmmdd-HHMMSS>")
 
   @model_validator(mode="after")
   def _flags(self):

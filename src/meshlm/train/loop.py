@@ -3,7 +3,8 @@ non-finite guard, a progress bar and a sample at the end.
 
 Stopping, and what each leaves behind (the same command then continues where it stopped):
   - SIGTERM/SIGINT: the current step finishes, a checkpoint is saved, train() returns with
-    stop_reason="preempted". A second signal exits at once (exit code 128 + signal number).
+    stop_reason="preempted" and the signal (`meshlm train` then exits 128 + its number: 143, 130, so
+    `train && convert` stops there). A second signal exits at once (also 128 + signal number).
   - train.stop_after=N: the same after N steps of this invocation ("stop_after").
   - non-finite loss or grad norm: the update is skipped (see train_step). With
     train.on_nonfinite=stop, or after train.max_nonfinite_in_a_row in a row, the last good state
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -48,6 +50,8 @@ class TrainResult:
   start_step: int = 0  # the step this invocation started from (> 0 after a resume)
   stop_reason: str = "done"  # done | preempted | stop_after
   checkpoint: str | None = None  # the last checkpoint saved by this invocation
+  signal: int | None = None  # the signal that preempted this process (None: none, or only another process's)
+  run_dir: str | None = None  # the run's directory (a fresh one when cfg.run_dir was null)
 
 
 @dataclasses.dataclass
@@ -60,12 +64,37 @@ class _InFlight:
 
 def prepare_run_dir(cfg: Config) -> None:
   """Fails in one line, before anything compiles, if run_dir or checkpoint.dir cannot be written.
-  Writes nothing that lasts: config.yaml waits until the run really starts (write_config)."""
+  Creates nothing: it probes the nearest directory that exists (the run creates the rest when it
+  starts), and config.yaml waits until the run really starts (write_config)."""
   from meshlm.train.checkpoint import checkpoint_dir, writable_or_error
   for key, path in (("run_dir", cfg.run_dir), ("checkpoint.dir", checkpoint_dir(cfg))):
-    err = writable_or_error(path)
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+      existing = os.path.dirname(existing)
+    # A regular file on the way (run_dir=FILE/run) is what mkdir would meet first.
+    err = writable_or_error(existing) if os.path.isdir(existing) else os.strerror(errno.ENOTDIR)
     if err:
       raise ConfigError(f"{key}={path}: not writable ({err})")
+
+
+def param_counts(cfg: Config) -> tuple[int, int]:
+  """(trainable, frozen) parameter counts, from the parameter specs (nothing is built). A train.freeze
+  that leaves nothing to train is refused: the run would spend its steps changing nothing."""
+  import math
+
+  from meshlm.models import decoder
+  from meshlm import spec as S
+  from meshlm.train.step import param_paths, trainable_mask
+  sizes = [math.prod(s.shape) for s in jax.tree.leaves(decoder.param_specs(cfg), is_leaf=S.is_spec)]
+  mask = trainable_mask(cfg)
+  flags = [True] * len(sizes) if mask is None else jax.tree.leaves(mask)
+  trainable = sum(n for n, t in zip(sizes, flags) if t)
+  if trainable == 0:
+    paths = jax.tree.leaves(param_paths(cfg))
+    raise ConfigError(f"train.freeze={cfg.train.freeze}: freezes all {sum(sizes):,} parameters ({len(paths)} arrays), "
+                      f"so nothing would train; narrow the patterns (paths look like {paths[0]}, "
+                      f"{paths[len(paths) // 2]}, {paths[-1]}) or drop train.freeze")
+  return trainable, sum(sizes) - trainable
 
 
 def write_config(cfg: Config) -> None:
@@ -152,6 +181,7 @@ class LoopOutcome:
   stop_reason: str  # done | preempted | stop_after | nonfinite
   saved: str | None  # the last checkpoint this run saved
   nonfinite_msg: str | None
+  signal: int | None = None  # the signal this process received, if any
 
 
 @dataclasses.dataclass
@@ -271,13 +301,16 @@ class Loop:
     finally:
       signals.restore()
       writer.close()
-    return LoopOutcome(state, losses, norms, first_step_s, stop_reason, saved, nonfinite_msg)
+    return LoopOutcome(state, losses, norms, first_step_s, stop_reason, saved, nonfinite_msg, signals.received)
 
 
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
           start_time: float | None = None, data=None,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
-  """Trains cfg to cfg.train.steps, resuming from the run_dir's latest checkpoint if there is one.
+  """Trains cfg to cfg.train.steps, resuming from the run_dir's latest checkpoint if there is one
+(run_dir null: a fresh directory, TrainResult.run_dir). Resuming with settings other than the run's
+config.yaml is refused (train/run_dir.py lists the keys that may change). A failure before the run
+starts leaves no directory it created behind.
 
   data: an iterator of host batches to use instead of make_dataset(cfg) (tests); to be checkpointed
   it needs get_state()/set_state().
@@ -286,31 +319,39 @@ def train(cfg: Config, *, console: Console | None = None, show_progress: bool = 
   """
   from meshlm.train.checkpoint import Checkpointer
   from meshlm.train.data import batch_rows, make_dataset
+  from meshlm.train.run_dir import leave_as_found
   t_start = time.perf_counter() if start_time is None else start_time
   console = console or make_console()
   say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
-  prepare_run_dir(cfg)
-  mesh = make_mesh(cfg)
-  if data is None:
-    # Data first: a bad glob or file fails in one line before anything is traced or compiled.
-    global_batch = global_batch_size(cfg, mesh.size)
-    data = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len,
-                        rows=batch_rows(mesh, global_batch, cfg.train.seq_len))
-  step_fn = build_train_step(cfg, mesh)
-  ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
-  try:
-    return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step)
-  finally:
-    ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
+  param_counts(cfg)  # nothing to train fails here, before any directory exists
+  with leave_as_found(cfg) as cfg:
+    prepare_run_dir(cfg)
+    mesh = make_mesh(cfg)
+    if data is None:
+      # Data first: a bad glob or file fails in one line before anything is traced or compiled.
+      global_batch = global_batch_size(cfg, mesh.size)
+      data = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len,
+                          rows=batch_rows(mesh, global_batch, cfg.train.seq_len))
+    step_fn = build_train_step(cfg, mesh)
+    ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
+    try:
+      return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step)
+    finally:
+      ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
 
 
 def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
          on_step: Callable[[int], None] | None = None) -> TrainResult:
   from meshlm.train.checkpoint import load_params
   from meshlm.train.data import ByteTokenizer
+  from meshlm.train.run_dir import resume_mismatch
   t = cfg.train
   rng = jax.random.key(t.seed)
   counters = {"nonfinite_in_a_row": 0, "nonfinite_total": 0}
+  steps = ckpt.manager.all_steps()
+  bad = steps and resume_mismatch(cfg, max(steps))  # before restoring: refusing costs no array read
+  if bad:
+    raise ConfigError(bad)
   restored = ckpt.restore_latest(step_fn.abstract_state())
   if restored is not None:
     start = restored["step"]
@@ -329,6 +370,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
                            step_fn.state_shardings().params, step_fn.mesh)
       state = state._replace(params=params)
       say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
+  os.makedirs(cfg.run_dir, exist_ok=True)  # the run starts: a checkpoint.dir elsewhere did not make it
   if start < t.steps:  # "nothing to do" leaves the record as it is
     write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
@@ -350,4 +392,4 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     if room > 0:
       gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
-  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved)
+  return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)
