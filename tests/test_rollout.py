@@ -1,0 +1,92 @@
+"""generate as an RL rollout: arrays out, a seed per row, and for MoE models the routed expert ids of
+every token fed, in the train step's forced_expert_ids layout. Replaying them in the training forward
+routes exactly as the sampler did: the same logits, bit for bit, as the forward routing by itself."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import meshlm
+from meshlm.models import decoder
+from meshlm.models import generate as G
+
+LENGTHS, NEW = (5, 9, 12), 8
+
+
+@functools.cache
+def rollout():
+  cfg = meshlm.load_config("model=qwen3-moe-tiny", "train.compute_dtype=float32", "cpu_devices=2", "mesh.fsdp=2")
+  params = meshlm.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(3)
+  prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]
+  out = G.generate(cfg, params, prompts, max_new_tokens=NEW, temperature=1.0, seed=[11, 12, 13], stop_tokens=())
+  seqs = [p + n for p, n in zip(prompts, out.token_lists())]
+  block = np.zeros((len(seqs), out.expert_ids.shape[1]), np.int32)
+  for i, s in enumerate(seqs):
+    block[i, :len(s)] = s
+  return cfg, params, prompts, out, block
+
+
+def _forward(cfg, params, block, forced=None):
+  fwd = jax.jit(lambda p, t, f: decoder.forward(cfg, p, t, return_side=True, forced_expert_ids=f))
+  logits, side = fwd(params, block, forced)
+  return np.asarray(logits), np.asarray(side["moe_expert_ids"])
+
+
+def test_outputs_are_arrays_in_the_replay_layout():
+  cfg, _, prompts, out, block = rollout()
+  B, L, k = len(prompts), len(decoder.input_readers(cfg, "forced_expert_ids")), cfg.model.num_experts_per_tok
+  assert out.tokens.shape == out.logprobs.shape == (B, NEW) and list(out.lengths) == [NEW] * B
+  assert out.expert_ids.shape == (B, max(LENGTHS) + NEW, L, k) and out.expert_ids.dtype == np.int32
+  for b, n in enumerate(LENGTHS):
+    # Routed: every prompt token and every new token but the last (never fed); the rest -1.
+    fed = n + NEW - 1
+    assert np.all(out.expert_ids[b, :fed] >= 0) and np.all(out.expert_ids[b, fed:] == -1)
+
+
+def test_replayed_ids_give_the_samplers_routing_and_the_same_logits_bit_for_bit():
+  cfg, params, _, out, block = rollout()
+  free_logits, free_ids = _forward(cfg, params, block)
+  recorded = out.expert_ids >= 0
+  # The sampler (prefill + cached decode) routed every fed token as the training forward does.
+  np.testing.assert_array_equal(np.moveaxis(free_ids, 0, 2)[recorded], out.expert_ids[recorded])
+  forced = np.moveaxis(out.expert_ids, 2, 0)  # [L_moe, B, T, k]
+  logits, ids = _forward(cfg, params, block, forced)
+  np.testing.assert_array_equal(logits, free_logits)
+  np.testing.assert_array_equal(ids, free_ids)
+  # The policy's log-probs of the sampled tokens, from the replayed forward, are the sampler's.
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  for b, n in enumerate(LENGTHS):
+    want = [logp[b, n - 1 + j, block[b, n + j]] for j in range(NEW)]
+    np.testing.assert_allclose(out.logprobs[b], want, atol=1e-5, rtol=0)
+  # Control: other experts at the recorded positions change the logits.
+  E = cfg.model.num_experts
+  shifted = np.where(forced >= 0, (forced + 1) % E, -1)
+  other, _ = _forward(cfg, params, block, shifted)
+  assert np.abs(other - free_logits).max() > 1e-4
+
+
+def test_a_row_seed_replays_that_row():
+  """Row b's draw depends on its seed and its logits alone: the same seed gives the same tokens in
+  another batch position; another seed gives other tokens."""
+  cfg, params, prompts, out, _ = rollout()
+  again = G.generate(cfg, params, prompts[::-1], max_new_tokens=NEW, temperature=1.0, seed=[13, 12, 11],
+                     stop_tokens=())
+  assert again.token_lists()[::-1] == out.token_lists()
+  other = G.generate(cfg, params, prompts, max_new_tokens=NEW, temperature=1.0, seed=[21, 22, 23], stop_tokens=())
+  assert other.token_lists() != out.token_lists()
+  with pytest.raises(meshlm.ConfigError, match="seed: 2 seeds for 3 prompts"):
+    G.generate(cfg, params, prompts, max_new_tokens=NEW, seed=[1, 2])
+
+
+def test_eos_stops_a_row_by_default():
+  cfg, params, prompts, out, _ = rollout()
+  eos = int(out.tokens[0, 2])  # row 0's third sampled token, as if it were the model's eos
+  stopped = G.generate(cfg.model_copy(update={"model": cfg.model.model_copy(update={"eos_token_id": eos})}), params,
+                       prompts, max_new_tokens=NEW, temperature=1.0, seed=[11, 12, 13])
+  assert stopped.lengths[0] <= 3 and stopped.token_lists()[0][-1] == eos
+  assert stopped.token_lists()[0] == out.token_lists()[0][:stopped.lengths[0]]
+  full = G.generate(cfg.model_copy(update={"model": cfg.model.model_copy(update={"eos_token_id": eos})}), params,
+                    prompts, max_new_tokens=NEW, temperature=1.0, seed=[11, 12, 13], stop_tokens=())
+  assert full.token_lists() == out.token_lists()  # () never stops early
