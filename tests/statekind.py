@@ -7,7 +7,6 @@
 Registered by tests that need it (registry.FAMILIES["statekind"] = "statekind"). RULE lets a test
 swap the rule (the identity, for the control that the leaf moves only through it).
 """
-import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S

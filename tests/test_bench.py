@@ -175,7 +175,7 @@ def test_rotation_cancels_an_effect_at_the_ends_of_a_round():
 
 def test_abba_cancels_a_linear_drift_that_plain_alternation_does_not():
   # The machine slows by 1% per visit; the arms are identical. ABBA gives ratio exactly 1.
-  clock, order = _Clock(), []
+  clock = _Clock()
 
   class Drift:
     def __init__(self):

@@ -470,7 +470,6 @@ def test_token_ids_survive_a_meshlm_dir_and_eos_lists(tmp_path):
 
 def test_other_token_ids_do_not_block_loading_params(tmp_path):
   """Ids change no parameter: a run whose model differs only in them still loads the checkpoint."""
-  from meshlm.config import load_config
   from meshlm.train.checkpoint import _model_mismatch
   cfg = hf.load(FIXTURES / "llama", "cpu_devices=1")[0]
   saved = {**cfg.model.model_dump(mode="json"), "eos_token_id": 5, "generation_config": None}

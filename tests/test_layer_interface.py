@@ -7,7 +7,6 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from meshlm import spec as S

@@ -5,7 +5,6 @@ optimizer sees); a checkpoint holds it beside the parameters; 10 + 10 steps equa
 leaf included.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -14,7 +14,6 @@ import functools
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 
 from meshlm.config import Config
 from meshlm.nn import kv_cache

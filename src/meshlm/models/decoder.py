@@ -13,7 +13,6 @@ token per row against the cache).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -342,7 +341,7 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
   run = _Run(cfg, ctx, collect)
   layer_inputs = layer_inputs or {}
   slots = lp.slots()
-  L, P, pre, G = lp.num_layers, lp.period, lp.prefix, lp.groups
+  P, pre, G = lp.period, lp.prefix, lp.groups
   scan = cfg.scan_layers and G > 0
   ids = _unrolled_ids(cfg, lp)
   B = x_BTD.shape[0]
