@@ -20,7 +20,8 @@ assert len(jax.devices()) == 8
 from hypothesis import settings  # noqa: E402
 
 # The same examples on every run and worker: a red suite reproduces, and none turns red by luck.
-# database=None: a derandomized run replays nothing, so it writes no .hypothesis/ directory.
+# database=None: a derandomized run has no failures of earlier runs to replay. (Hypothesis still
+# caches source constants in .hypothesis/, which .gitignore lists.)
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 # Random examples, for looking for new failures by hand: HYPOTHESIS_PROFILE=explore make test.
 settings.register_profile("explore", derandomize=False)
