@@ -1,4 +1,5 @@
-"""Every test process sees 8 fake CPU devices; meshes use the first N they need."""
+"""Every test process sees 8 fake CPU devices; meshes use the first N they need. Hypothesis runs
+derandomized (profile "ci") unless HYPOTHESIS_PROFILE names another, e.g. "explore"."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -15,3 +16,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 # Start the backend now: a later cpu_devices=N in some test's config must find it running (and then
 # only checks the count) rather than set the device count for every test after it.
 assert len(jax.devices()) == 8
+
+from hypothesis import settings  # noqa: E402
+
+# The same examples on every run and worker: a red suite reproduces, and none turns red by luck.
+# database=None: a derandomized run has no failures of earlier runs to replay. (Hypothesis still
+# caches source constants in .hypothesis/, which .gitignore lists.)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+# Random examples, for looking for new failures by hand: HYPOTHESIS_PROFILE=explore make test.
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

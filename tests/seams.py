@@ -3,14 +3,14 @@
 In-process tests use `Poisoned` (pass it as `train(..., data=...)`) and `train(..., on_step=...)`.
 Subprocess tests run this file, the real `meshlm train` with these seams added:
 
-  python tests/seams.py [--nan-at=I,J,...] [--sigterm-at=I] [--lock-checkpoints-at=I] [--hang-save-at=N]
+  python tests/seams.py [--nan-at=I,J,...] [--sigterm-at=I] [--block-checkpoints-at=I] [--hang-save-at=N]
                         key=value ...
 
   --nan-at               the batches of those steps (counted from this invocation's first) get a NaN
                          loss mask, so the step's loss and gradients are NaN; the compiled step is unchanged
   --sigterm-at           once step I's metrics are read, the process sends itself SIGTERM
-  --lock-checkpoints-at  once step I's metrics are read, checkpoint.dir is made unwritable
-                         (chattr +i as root, where chmod would not stop it; chmod 555 otherwise)
+  --block-checkpoints-at once step I's metrics are read, checkpoint.dir is made unwritable, root
+                         included: its parent folder becomes a regular file (see block)
   --hang-save-at         the write of checkpoint N stops before its final rename and never finishes;
                          "hang-save N" on stdout says it is there (the test then kills the process)
 """
@@ -45,35 +45,21 @@ class Poisoned:
     return getattr(self.data, name)
 
 
-def lock(path: str) -> None:
-  """Makes `path` unwritable, also for root."""
-  if os.geteuid() == 0:
-    subprocess.run(["chattr", "+i", path], check=True)
-  else:
-    os.chmod(path, 0o555)
-
-
-def unlock(path: str) -> None:
-  if os.geteuid() == 0:
-    subprocess.run(["chattr", "-i", path], check=True)
-  else:
-    os.chmod(path, 0o755)
-
-
-def can_lock(path: str) -> bool:
-  """Whether lock() works here (chattr needs a filesystem that supports it)."""
-  os.makedirs(path, exist_ok=True)
-  try:
-    lock(path)
-  except (subprocess.CalledProcessError, FileNotFoundError):
-    return False
-  try:
-    open(os.path.join(path, "probe"), "w").close()
-    locked = False
-  except OSError:
-    locked = True
-  unlock(path)
-  return locked
+def block(path: str) -> None:
+  """Makes the directory `path` unwritable for every user, root included, on any filesystem (chmod
+  does not stop root, and chattr +i needs root and a filesystem that supports it): its parent folder
+  is replaced by a regular file, so creating anything at `path` fails with ENOTDIR. The parent must
+  be the caller's own folder holding nothing but `path`, itself empty (nothing saved there yet)."""
+  parent = os.path.dirname(os.path.abspath(path))
+  held = os.listdir(parent) if os.path.isdir(parent) else []
+  if held not in ([], [os.path.basename(path)]) or (os.path.isdir(path) and os.listdir(path)):
+    raise RuntimeError(f"block({path}): its parent must hold only it, and it nothing; found {held}")
+  if os.path.isdir(path):
+    os.rmdir(path)
+  if os.path.isdir(parent):
+    os.rmdir(parent)
+  with open(parent, "w") as f:
+    f.write("blocks the folder of the same name\n")
 
 
 def _hang_save_at(step: int) -> None:
@@ -115,8 +101,8 @@ def main(argv: list[str]) -> int:
     def on_step(i: int) -> None:
       if str(i) == seams.get("sigterm-at"):
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the loop looks at the flag
-      if str(i) == seams.get("lock-checkpoints-at"):
-        lock(checkpoint_dir(cfg))
+      if str(i) == seams.get("block-checkpoints-at"):
+        block(checkpoint_dir(cfg))
     return real_train(cfg, on_step=on_step, **kw)
   loop.train = train  # cli.cmd_train imports it when it runs
   from meshlm.cli import main as cli_main

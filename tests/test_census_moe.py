@@ -1,5 +1,6 @@
 """The census's MoE fields: sorts forward/backward, gathers and scatters in MoE layers, weight-gradient
-dots by parameter, counted per step (call sites expanded, scan bodies times their trip count)."""
+dots by parameter, optimization barriers (the expert-weight-gradient barrier), counted per step (call
+sites expanded, scan bodies times their trip count)."""
 import functools
 
 import jax
@@ -105,9 +106,20 @@ def test_qwen3_moe_tiny_one_sort_per_moe_layer_forward_none_backward(qwen):
   assert qwen["moe"]["gathers"]["backward"] == 3
 
 
+def test_expert_grad_barrier_is_in_the_step_once_per_moe_layer(qwen, monkeypatch):
+  """moe_mlp's default grad_barrier=True reaches the model: one optimization barrier per MoE layer,
+  in the backward only (the preset passes no grad_barrier, so this is the default's)."""
+  assert qwen["optimization_barriers"] == {"forward": 0, "backward": 3}
+  # Control: the same step with the barrier off has none.
+  from meshlm.nn import moe
+  monkeypatch.setattr(moe, "moe_mlp", functools.partial(moe.moe_mlp, grad_barrier=False))
+  assert _census("qwen3-moe-tiny")["optimization_barriers"] == {"forward": 0, "backward": 0}
+
+
 def test_mixtral_tiny_unrolled_layers(monkeypatch):
   r = _census("mixtral-tiny")
   assert r["sorts"] == {"forward": 2, "backward": 0}
+  assert r["optimization_barriers"] == {"forward": 0, "backward": 2}
   assert _wgrad(r, "moe/router") == {"layer_0/mlp/moe/router": 1, "layer_1/mlp/moe/router": 1}
 
 
@@ -143,6 +155,7 @@ def test_frozen_router_has_no_weight_gradient_dots(qwen):
 def test_dense_preset_has_no_sorts_and_seven_weight_gradients_per_layer():
   r = _census("llama2-tiny")
   assert r["sorts"] == {"forward": 0, "backward": 0}
+  assert r["optimization_barriers"] == {"forward": 0, "backward": 0}
   assert r["moe"] == {"gathers": {"forward": 0, "backward": 0}, "scatters": {"forward": 0, "backward": 0}}
   per_layer = {k.split("/", 1)[1] for k in r["weight_grad_dots"] if k.startswith("layer_0/")}
   assert per_layer == {"attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down"}
@@ -154,8 +167,14 @@ def test_summary_and_compare_show_the_moe_fields(qwen):
   s = C.summary({"stablehlo": qwen})
   assert s["stablehlo.sorts.forward"] == 3 and s["stablehlo.sorts.backward"] == 0
   assert s["stablehlo.weight_grad_dots.layers/mlp/moe/router"] == 3
-  frozen = dict(s)
+  assert s["stablehlo.optimization_barriers.forward"] == 0 and s["stablehlo.optimization_barriers.backward"] == 3
+  table = C.render({"stablehlo": qwen, "hlo": {"collectives": {}}})
+  assert [line.split() for line in table.splitlines() if "optimization_barriers" in line] == [
+      ["stablehlo.optimization_barriers.forward", "0"], ["stablehlo.optimization_barriers.backward", "3"]]
+  frozen = dict(s, **{"stablehlo.optimization_barriers.backward": 0})
   del frozen["stablehlo.weight_grad_dots.layers/mlp/moe/router"]
   text = render({"arms": {"a": s, "b": frozen}, "identical_op_counts": False, "diff": []})
   row = next(line for line in text.splitlines() if "weight_grad_dots.layers/mlp/moe/router" in line)
   assert row.split()[1:] == ["3", "-", "*"]
+  row = next(line for line in text.splitlines() if "optimization_barriers.backward" in line)
+  assert row.split()[1:] == ["3", "0", "*"]

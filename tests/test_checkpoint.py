@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 
-from seams import can_lock, lock, unlock
 
 MESHLM = os.path.join(os.path.dirname(sys.executable), "meshlm")
 # The real `meshlm train` with test-owned seams (a NaN batch, a signal at a step, a save that hangs).
@@ -308,40 +307,37 @@ def test_load_params_from_a_hugging_face_directory(tmp_path):
 
 # --- an unwritable checkpoint.dir ----------------------------------------------------------------
 
-@pytest.fixture
-def lockable(tmp_path):
-  """A directory the test can make unwritable (root included); unlocked again at the end."""
-  d = tmp_path / "locked-ckpts"
-  if not can_lock(str(d)):
-    pytest.skip("cannot make a directory unwritable here (chattr +i unsupported)")
-  yield d
-  unlock(str(d))
+# The directory is made unwritable by turning its parent into a regular file (ENOTDIR): that stops
+# root too (chmod would not) and needs nothing from the filesystem (chattr +i does), so these run
+# as CI runs them, as root in a container.
 
-
-def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, lockable, env):
+def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, env):
   """Before the fix the run trained on, Orbax waited 300 s for the step directory, and exited 1 with a
   409-line traceback. Now it is one line and exit 2 before anything compiles (no banner either)."""
-  lock(str(lockable))
-  p = run(tmp_path / "run", f"checkpoint.dir={lockable}", env=env, check=False)
+  blocker = tmp_path / "a-file"
+  blocker.write_text("x")
+  ckpts = blocker / "ckpts"
+  p = run(tmp_path / "run", f"checkpoint.dir={ckpts}", env=env, check=False)
   assert p.returncode == 2, p.stderr[-3000:]
-  assert p.stderr.strip().splitlines() == [f"meshlm: error: checkpoint.dir={lockable}: not writable "
-                                           f"({os.strerror(1 if os.geteuid() == 0 else 13)})"]
+  assert p.stderr.strip().splitlines() == [f"meshlm: error: checkpoint.dir={ckpts}: not writable (Not a directory)"]
   assert not (tmp_path / "run" / "config.yaml").exists()
+  assert blocker.read_text() == "x"
 
 
-def test_checkpoint_dir_that_becomes_unwritable_stops_the_run(tmp_path, lockable, env):
-  """checkpoint.dir is locked once step 0 is read (a seam); the save after step 1 fails: the run stops
-  there with one line naming the directory and the cause, exit 2, no traceback and no 300 s wait."""
-  p = run(tmp_path / "run", f"checkpoint.dir={lockable}", "checkpoint.every=2", env=env, check=False,
-          seams=["--lock-checkpoints-at=0"])
+def test_checkpoint_dir_that_becomes_unwritable_stops_the_run(tmp_path, env):
+  """checkpoint.dir is blocked once step 0 is read (a seam; it refuses if anything was saved there
+  already); the save after step 1 fails: the run stops there with one line naming the directory and
+  the cause, exit 2, no traceback and no 300 s wait."""
+  ckpts = tmp_path / "holder" / "ckpts"
+  p = run(tmp_path / "run", f"checkpoint.dir={ckpts}", "checkpoint.every=2", env=env, check=False,
+          seams=["--block-checkpoints-at=0"])
   assert p.returncode == 2, p.stderr[-3000:]
-  cause = os.strerror(1 if os.geteuid() == 0 else 13)
   assert p.stderr.strip().splitlines()[-1] == (
-      f"meshlm: error: checkpoint.dir={lockable}: cannot save checkpoint 2 ({cause}); the run stopped. Make it "
-      "writable (or set checkpoint.dir) and run the same command to continue from the last checkpoint")
+      f"meshlm: error: checkpoint.dir={ckpts}: cannot save checkpoint 2 (Not a directory); the run stopped. "
+      "Make it writable (or set checkpoint.dir) and run the same command to continue from the last checkpoint")
   assert "Traceback" not in p.stderr and "ERROR" not in p.stderr
   assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]  # stopped at once, not trained on
-  assert os.listdir(lockable) == []
+  assert (tmp_path / "holder").is_file()  # the seam ran: the block is still there
 
 
 # --- refused and do-nothing commands leave the run as it was ------------------------------------

@@ -8,6 +8,7 @@ routing setting fails that parity, and the router statistics against transformer
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -139,17 +140,77 @@ def test_irregular_layout_scans_like_it_unrolls():
   assert rel(a, b) <= 1e-6 and max(rel(ha[i], hb[i]) for i in range(6)) <= 1e-6
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen3-moe-tiny"])
-def test_sampling_with_the_cache_equals_recomputing(preset):
-  """meshlm.generate (prefill + cached decode) through MoE layers picks the tokens that recomputing the
-  whole prefix picks; mixtral-tiny's window (shrunk to 4) slides within the 9 positions."""
+NEW_TOKENS = 5
+PROMPTS = ([1, 2, 3, 4], [5, 6])
+
+
+def generation_rows(out) -> tuple[list[list[int]], list[list[float]]]:
+  """(tokens, log-probs) per row of a generate() result, as lists cut at each row's length."""
+  return out.token_lists(), out.logprob_lists()
+
+
+@functools.cache  # once per preset for the module: the negative control reuses the good run
+def cached_generation(preset: str):
+  """(cfg, params, per-row tokens, per-row log-probs) of greedy meshlm.generate (prefill + cached
+  decode); mixtral-tiny's window (shrunk to 4) slides within the 9 positions."""
   import meshlm
-  from meshlm.models.generate import recompute_greedy
   cfg = load_config(f"model={preset}", *F32, *SMALL, *(("model.sliding_window=4",) if preset == "mixtral-tiny" else ()))
   params = decoder.init_params(cfg, jax.random.key(2))
-  prompts = [[1, 2, 3, 4], [5, 6]]
-  out = meshlm.generate(cfg, params, prompts, max_new_tokens=5, temperature=0)
-  assert out.token_lists() == recompute_greedy(cfg, params, prompts, 5)
+  tokens, logprobs = generation_rows(meshlm.generate(cfg, params, list(PROMPTS), max_new_tokens=NEW_TOKENS,
+                                                     temperature=0))
+  return cfg, params, tokens, logprobs
+
+
+def teacher_forced_logprobs(cfg, params, news) -> list[np.ndarray]:
+  """Per row, log p(new[j] | prompt + new[:j]) from one forward over prompt + new (right-padded): causal
+  attention and per-token routing make position i's logits those of the prefix up to i."""
+  seqs = [list(p) + list(n) for p, n in zip(PROMPTS, news)]
+  block = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for i, seq in enumerate(seqs):
+    block[i, :len(seq)] = seq
+  logp = np.asarray(jax.nn.log_softmax(jax.jit(lambda p, t: forward(cfg, p, t))(params, block), axis=-1))
+  return [np.array([logp[i, len(p) - 1 + j, t] for j, t in enumerate(n)])
+          for i, (p, n) in enumerate(zip(PROMPTS, news))]
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen3-moe-tiny"])
+def test_sampling_with_the_cache_equals_recomputing(preset):
+  """Through MoE layers, cached decoding picks the tokens that recomputing the whole prefix picks, and
+  its log-probs are a teacher-forced forward's to 1e-5 (test_generate.py's tolerance for dense models)."""
+  from meshlm.models.generate import recompute_greedy
+  cfg, params, tokens, logprobs = cached_generation(preset)
+  assert tokens == recompute_greedy(cfg, params, list(PROMPTS), NEW_TOKENS)
+  assert [len(t) for t in tokens] == [NEW_TOKENS] * len(PROMPTS)
+  for lp, want in zip(logprobs, teacher_forced_logprobs(cfg, params, tokens)):
+    np.testing.assert_allclose(lp, want, atol=1e-5, rtol=0)
+
+
+def test_a_decode_routing_bug_is_caught(monkeypatch):
+  """Negative control: the decode step's MoE layers weigh their experts wrongly (norm_topk flipped for
+  one-token inputs; prefill is untouched). The greedy tokens stay the same here, so a tokens-only
+  check passes; the log-probs after the first token no longer match the teacher-forced forward."""
+  import meshlm
+  from meshlm.models import generate as G
+  from meshlm.nn import moe
+  cfg, params, tokens, _ = cached_generation("qwen3-moe-tiny")
+  real = moe.moe_mlp
+
+  def decode_routes_wrongly(p, x_BTD, ctx=None, **kw):
+    if x_BTD.shape[1] == 1:
+      kw["norm_topk"] = not kw["norm_topk"]
+    return real(p, x_BTD, ctx, **kw)
+  monkeypatch.setattr(moe, "moe_mlp", decode_routes_wrongly)
+  G._steps.cache_clear()
+  try:
+    bad_tokens, bad = generation_rows(meshlm.generate(cfg, params, list(PROMPTS), max_new_tokens=NEW_TOKENS,
+                                                      temperature=0))
+  finally:
+    G._steps.cache_clear()
+  monkeypatch.undo()
+  assert bad_tokens == tokens
+  want = teacher_forced_logprobs(cfg, params, bad_tokens)
+  np.testing.assert_allclose([row[0] for row in bad], [row[0] for row in want], atol=1e-5, rtol=0)  # prefill's
+  assert max(np.abs(np.array(b[1:]) - w[1:]).max() for b, w in zip(bad, want)) > 1e-3
 
 
 # --- HF import / export -----------------------------------------------------------------------------

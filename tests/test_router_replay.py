@@ -2,7 +2,11 @@
 
 - The compact top-k (at most R gathered rows, lax.cond fallback to the full top-k) is bit-identical to
   the plain full top-k in the forward and every gradient, on both branches and at the R / R+1
-  boundary, padding included; the compact branch alone at R+1 rows is wrong (negative control).
+  boundary, padding included, and at the default R (R and R + 1 of 300 tokens unforced); the compact
+  branch alone at R+1 rows is wrong (negative control).
+- In a whole model with more tokens than R (qwen3-moe-tiny, small dims, 2 x 144): the replay program
+  holds the cond with a top-k over [R, E], and the compact branch's ids are the ones used (a wrong full
+  top-k changes nothing while the free rows fit, and comes through when they do not).
 - Replaying the ids an unforced forward recorded gives its logits and gradients bit for bit (whole
   qwen3-moe-tiny and mixtral-tiny); other ids change the output; the router keeps a gradient when
   every token is forced; explicit and auto sharding give the unsharded ids.
@@ -94,6 +98,26 @@ def test_compact_topk_is_bit_identical_to_the_full_topk(layer, free, padding):
   if not padding:
     # With no padding every token's ids are the recorded top-k: the unforced forward, bit for bit.
     assert _same(compact, plain)
+
+
+@pytest.mark.parametrize("free", [rr.REPLAY_ROWS, rr.REPLAY_ROWS + 1], ids=["R-compact", "R+1-fallback"])
+def test_default_R_compact_and_fallback_are_bit_identical_to_the_full_topk(layer, free):
+  """At the default R (what the models run), 300 tokens with R or R + 1 of them unforced: the compact
+  branch and the fallback give the full top-k's ids, weights and gradients bit for bit."""
+  _, p, grad, _ = layer
+  R, N = rr.REPLAY_ROWS, 300
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((1, N, D)), jnp.float32)
+  probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, p["router"]).reshape(N, E), axis=-1)
+  forced = np.array(jax.lax.top_k(probs, K)[1], np.int32)  # the top-k ids, forced; then `free` unforced
+  forced[np.random.default_rng(5).choice(N, free, replace=False)] = -1
+  need = jnp.asarray(forced[:, 0] < 0)
+  assert bool(rr.compact_fits(need, R)) == (free <= R)
+  compact = grad(p, x, jnp.asarray(forced[None]), None)  # replay_rows left at its default
+  full = grad(p, x, jnp.asarray(forced[None]), None, replay_impl="full")
+  assert _same(compact, full)
+  if free > R:  # control: the compact branch alone (no fallback) misses the last row
+    wrong = rr.compact_topk(probs, need, K, R)
+    assert int(jnp.sum(jnp.any(wrong != rr.full_topk(probs, need, K), axis=-1))) == 1
 
 
 def test_the_compact_branch_alone_is_wrong_past_R_rows(layer):
@@ -270,4 +294,88 @@ def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
   shifted = (ids + 1 + np.arange(5)[:, None, None, None]) % cfg.model.num_experts
   got_logits, got = fwd(params, shifted)
   np.testing.assert_array_equal(got["moe_expert_ids"], shifted)
+  assert float(jnp.max(jnp.abs(got_logits - logits))) > 1e-4
+
+
+# --- the compact branch in a whole model -------------------------------------------------------------
+# The model tests above route 4 x 16 tokens, fewer than REPLAY_ROWS, so they take the full top-k
+# without a cond. Here 2 x 144 = 288 tokens per MoE layer: more than R = 256, so the cond is in the
+# program, and each of its branches can be taken (at most R unforced rows, or more).
+
+LB, LT = 2, 144
+FITS = 200  # unforced tokens per layer: fits R
+SMALL_MOE = ("model=qwen3-moe-tiny", "cpu_devices=1", "train.compute_dtype=float32", "model.embed_dim=64",
+             "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64",
+             "model.moe_mlp_dim=32", "model.vocab_size=128")
+
+
+@pytest.fixture(scope="module")
+def long_model():
+  assert LB * LT > rr.REPLAY_ROWS >= FITS
+  cfg = load_config(*SMALL_MOE)
+  params = decoder.init_params(cfg, jax.random.key(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (LB, LT)), jnp.int32)
+  logits, side = jax.jit(lambda p: decoder.forward(cfg, p, tokens, return_side=True))(params)
+  return cfg, params, tokens, logits, np.asarray(side["moe_expert_ids"])  # ids [L_moe, B, T, k]
+
+
+def _unforce(ids_LBTk: np.ndarray, free: int) -> np.ndarray:
+  """The recorded ids with `free` random tokens of every MoE layer set to -1 (not forced)."""
+  out = ids_LBTk.copy().reshape(ids_LBTk.shape[0], -1, ids_LBTk.shape[-1])
+  rng = np.random.default_rng(3)
+  for layer in out:
+    layer[rng.choice(layer.shape[0], free, replace=False)] = -1
+  return out.reshape(ids_LBTk.shape)
+
+
+def _eqns(jaxpr):
+  """Every equation of a (closed) jaxpr, sub-jaxprs included, in order."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
+def _top_k_operands(jaxpr) -> list[tuple[int, ...]]:
+  return [tuple(e.invars[0].aval.shape) for e in _eqns(jaxpr) if e.primitive.name == "top_k"]
+
+
+def _routing_conds(jaxpr) -> list:
+  """The conds with a top-k in a branch (the grouped matmul's block loop has conds of its own)."""
+  return [e for e in _eqns(jaxpr) if e.primitive.name == "cond"
+          and any(_top_k_operands(b) for b in e.params["branches"])]
+
+
+def test_the_replay_program_of_a_model_holds_the_cond_and_an_R_row_top_k(long_model):
+  cfg, params, tokens, _, ids = long_model
+  R, N, E = rr.REPLAY_ROWS, LB * LT, cfg.model.num_experts
+  replay = jax.make_jaxpr(lambda p, f: decoder.forward(cfg, p, tokens, forced_expert_ids=f))(params, ids)
+  conds = _routing_conds(replay)
+  # One cond in the scanned MoE layers' body; its branches: the full top-k over [N, E], the compact
+  # one over [R, E] (lax.cond's order: the false branch first), and no other top-k in the program.
+  assert len(conds) == 1
+  assert [_top_k_operands(b) for b in conds[0].params["branches"]] == [[(N, E)], [(R, E)]]
+  assert _top_k_operands(replay) == [(N, E), (R, E)]
+  # Control: the unforced forward routes by one top-k over every row, in no cond.
+  plain = jax.make_jaxpr(lambda p: decoder.forward(cfg, p, tokens))(params)
+  assert _top_k_operands(plain) == [(LB, LT, E)]
+  assert not _routing_conds(plain)
+
+
+def test_a_model_uses_the_compact_branch_when_the_free_rows_fit(long_model, monkeypatch):
+  """The full top-k is made wrong (every id shifted by one expert): with FITS <= R unforced tokens per
+  layer the replay still gives the unforced logits bit for bit, so its top-k is the compact branch's;
+  with every token unforced (N > R) the cond falls back and the wrong ids come through (control)."""
+  cfg, params, tokens, logits, ids = long_model
+  E = cfg.model.num_experts
+  full_topk = rr.full_topk
+  monkeypatch.setattr(rr, "full_topk", lambda probs, need, k: (full_topk(probs, need, k) + 1) % E)
+  fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, forced_expert_ids=f))
+  fits = _unforce(ids, FITS)
+  got_logits, side = fwd(params, fits)
+  np.testing.assert_array_equal(side["moe_expert_ids"], ids)
+  assert _same(got_logits, logits)
+  got_logits, side = fwd(params, np.full_like(ids, -1))
+  # The first MoE layer's ids are the wrong ones (the later layers see other inputs from then on).
+  np.testing.assert_array_equal(side["moe_expert_ids"][0], (ids[0] + 1) % E)
   assert float(jnp.max(jnp.abs(got_logits - logits))) > 1e-4

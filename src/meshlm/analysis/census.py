@@ -225,6 +225,16 @@ def moe_counts(mod: SH.Module) -> dict[str, Any]:
   return {"sorts": sorts, "moe": moe, "weight_grad_dots": dict(sorted(wgrad.items()))}
 
 
+def optimization_barriers(mod: SH.Module) -> dict[str, int]:
+  """`stablehlo.optimization_barrier` ops per step, by direction: the scheduling fences the step asks
+  XLA for (MoE's expert_grad_barrier, one per layer in the backward; remat's own, if any)."""
+  out = {"forward": 0, "backward": 0}
+  for op, path, n in executed(mod):
+    if op.name == "stablehlo.optimization_barrier":
+      out["backward" if attribute(path).endswith(" backward") else "forward"] += n
+  return out
+
+
 def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
   """StableHLO fields, the transpose-of-dot pair list and the parsed module."""
   mod = SH.parse(text)
@@ -265,6 +275,7 @@ def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
       "transposes": kinds["stablehlo.transpose"],
       "dots": kinds["stablehlo.dot_general"],
       "op_counts": dict(sorted(kinds.items())),
+      "optimization_barriers": optimization_barriers(mod),
       **moe_counts(mod),
   }
   return counts, pairs, mod
@@ -406,6 +417,7 @@ SUMMARY_FIELDS = (
     *[f"hlo.collectives.{k}.{f}" for k in COLLECTIVES for f in ("count", "bytes")],
     "blowups", "scan_layout", "memory.temp_size_in_bytes", "memory.total_bytes", "cost.flops", "cost.bytes_accessed",
     "stablehlo.sorts.forward", "stablehlo.sorts.backward",
+    "stablehlo.optimization_barriers.forward", "stablehlo.optimization_barriers.backward",
     *[f"stablehlo.moe.{k}.{d}" for k in ("gathers", "scatters") for d in ("forward", "backward")],
 )
 # A dict field shown as one row per key: "stablehlo.weight_grad_dots.layers/mlp/moe/router".

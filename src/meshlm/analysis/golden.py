@@ -33,7 +33,9 @@ KEYS = ("stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "s
         # MoE fields (per step: call sites expanded, scan bodies times their trip count).
         "stablehlo.sorts.forward", "stablehlo.sorts.backward", "stablehlo.moe.gathers.forward",
         "stablehlo.moe.gathers.backward", "stablehlo.moe.scatters.forward", "stablehlo.moe.scatters.backward",
-        "stablehlo.weight_grad_dots")
+        "stablehlo.weight_grad_dots",
+        # Scheduling fences (MoE's expert-weight-gradient barrier: one per MoE layer in the backward).
+        "stablehlo.optimization_barriers.forward", "stablehlo.optimization_barriers.backward")
 
 # The scanned stack, as real-size models run it (the llama2-tiny preset itself unrolls its layers).
 COMPILED_CONFIG = ("model=llama2-tiny", "scan_layers=true") + BASE
