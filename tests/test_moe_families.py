@@ -68,7 +68,9 @@ def test_mesh_expert_must_divide_the_experts(tmp_path, capsys):
   # A mesh built elsewhere and handed to the step is checked too.
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.step import build_train_step
-  mesh = make_mesh(load_config("model=llama2-tiny", "cpu_devices=3", "mesh.fsdp=1", "mesh.expert=3"))
+  # (an MoE config with 6 experts builds it; mesh.expert=2 on a dense model is refused at load)
+  mesh = make_mesh(load_config("model=mixtral-tiny", "model.num_experts=6", "cpu_devices=3", "mesh.fsdp=1",
+                               "mesh.expert=3"))
   with pytest.raises(ConfigError, match=r"^mesh.expert=3 does not divide model.num_experts=4"):
     build_train_step(load_config("model=mixtral-tiny", "cpu_devices=3"), mesh)
 
@@ -416,7 +418,8 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_keeps_the_sort_permutation(remat):
   """Under remat the backward replays the layer unless told otherwise; the decoder's policies save the
-  MoE sort permutation (nn/moe.REMAT_SAVE_NAMES), so forward + backward sorts once, not twice."""
+  names the moe part declares (Part.remat_save_names: the sort permutation), so forward + backward
+  sorts once, not twice."""
   from meshlm.models import decoder
   from meshlm.nn.moe import count_sorts
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", f"remat={remat}", "train.compute_dtype=float32",
@@ -425,7 +428,7 @@ def test_remat_keeps_the_sort_permutation(remat):
   toks = np.zeros((1, 16), np.int32)
   grad = lambda: jax.grad(lambda p: decoder.forward(cfg, p, toks).sum())  # a new function: no trace cache
   assert count_sorts(grad(), params) == 1  # the scanned MoE body's one sort
-  plain = lambda fn, policy: jax.checkpoint(fn)  # a policy that saves nothing: the control
+  nothing = lambda cfg: jax.checkpoint_policies.nothing_saveable  # a policy that saves nothing: the control
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(decoder, "_remat", plain)
+    mp.setattr(decoder, "remat_policy", nothing)
     assert count_sorts(grad(), params) == 2

@@ -460,12 +460,12 @@ def apply(cfg: Config, params: dict, tokens_BT: jax.Array, ctx: Context, cache: 
   """
   m = cfg.model
   fam = family(cfg)
+  by_kind = split_layer_inputs(cfg, layer_inputs or {}, tokens_BT.shape)  # checked before anything runs
   dt = jnp.dtype(cfg.train.compute_dtype)
   x = constrain(embed(params["embed"], tokens_BT, dt), ACT)  # [B, T, D]
   if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
-  by_kind = split_layer_inputs(cfg, layer_inputs or {}, tokens_BT.shape)
   x, cache, side = run_layers(cfg, _prepare(cfg, params["layers"]), x, ctx, cache, collect, by_kind)
   x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
   if last_B is not None:
