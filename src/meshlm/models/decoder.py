@@ -280,10 +280,10 @@ def _commit(specs: dict, old: dict | None, update: dict, ctx: Context, stacked: 
         out[key][name] = new
       elif ctx.mode == "prefill":
         assert not stacked  # a prefill builds each layer's cache inside the scan
-        out[key][name] = kv_cache.fill(new, slots, leaf.axes)
+        out[key][name] = kv_cache.fill(new, slots, leaf.axes, leaf.slot_axis)
       else:
         axes = (("layers",) + tuple(leaf.axes)) if stacked else tuple(leaf.axes)
-        out[key][name] = kv_cache.write_rows(old[key][name], new, slots, axes)
+        out[key][name] = kv_cache.write_rows(old[key][name], new, slots, axes, leaf.slot_axis + stacked)
   return out
 
 
@@ -335,7 +335,7 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
   an empty Cache (prefill: built from the layers' updates), or None (training). With collect, side
   outputs include "hidden": every layer's output [L, B, T, D], for layer-by-layer comparisons.
   layer_inputs: {kind: {name: [n, ...]}} (split_layer_inputs), each layer's row as `ctx.layer[name]`.
-  Decode writes each layer's update into the (donated) cache once, after the scan.
+  Decode writes every layer's update into the (donated) cache once, after all the layers, in place.
   """
   lp = plan(cfg)
   run = _Run(cfg, ctx, collect)
@@ -345,7 +345,9 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
   scan = cfg.scan_layers and G > 0
   ids = _unrolled_ids(cfg, lp)
   B = x_BTD.shape[0]
+  decode = ctx.mode == "decode"
   states = list(cache.unrolled) if cache is not None else [None] * len(ids)
+  updates = [None] * len(ids)  # decode: each unrolled layer's update, committed at the end
   pieces: list[tuple[list[int], dict]] = []
 
   def unrolled(i: int):
@@ -356,8 +358,10 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
       x_BTD, update, side = run.layer_fn(i)(_layer(layers[kind], row, 0), x_BTD,
                                             states[u] if ctx.mode == "decode" else None,
                                             _layer(layer_inputs.get(kind, {}), row, 0))
-    if cache is not None:
-      states[u] = _commit(_state_spec(cfg, i, B, cache.length), states[u], update, ctx.as_type(lp.contexts[i]), False)
+    if decode:
+      updates[u] = update
+    elif cache is not None:
+      states[u] = _commit(_state_spec(cfg, i, B, cache.length), None, update, ctx.as_type(lp.contexts[i]), False)
     pieces.append(([i], {k: v[None] for k, v in side.items()}))
 
   for i in ids[:pre] if scan else ids:
@@ -369,8 +373,30 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
       pieces.append(([pre + g * P + j for g in range(G)], side))
     for i in ids[pre:]:
       unrolled(i)
+  if decode:
+    states, scanned = _commit_decode(cfg, lp, ctx, cache, updates, scanned, x_BTD)
   new_cache = None if cache is None else Cache(states, scanned, cache.length)
   return x_BTD, new_cache, _stack_side(pieces)
+
+
+def _commit_decode(cfg: Config, lp, ctx: Context, cache: Cache, updates: list, scanned_updates, x_BTD):
+  """Every layer's decode update written into the cache, in place, once all the layers have read it.
+
+  The updates pass an optimization barrier together with the last layer's output, so every write
+  depends on every read: without that ordering XLA:CPU copies each cache buffer it writes
+  (benchmarks/decode_memory.py).
+  """
+  B = x_BTD.shape[0]
+  (updates, scanned_updates), _ = jax.lax.optimization_barrier(((updates, scanned_updates), x_BTD))
+  ids = _unrolled_ids(cfg, lp)
+  states = [_commit(_state_spec(cfg, i, B, cache.length), cache.unrolled[u], updates[u], ctx.as_type(lp.contexts[i]),
+                    False) for u, i in enumerate(ids)]
+  if scanned_updates is None:
+    return states, None
+  pre = lp.prefix
+  scanned = [_commit(_state_spec(cfg, pre + j, B, cache.length), cache.scanned[j], scanned_updates[j],
+                     ctx.as_type(lp.contexts[pre + j]), True) for j in range(lp.period)]
+  return states, scanned
 
 
 def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cache: Cache | None):
@@ -385,7 +411,11 @@ def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cac
   states = cache.scanned if cache is not None and ctx.mode == "decode" else None
 
   def body(x, xs):
-    ps, sts, ins = xs
+    ps, g, ins = xs
+    # The decode state is read as a loop constant, each layer's slice indexed here: as the scan's xs
+    # XLA:CPU would copy the whole stacked cache to write it after the scan (benchmarks/decode_memory.py).
+    sts = None if states is None else [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), s)
+                                       for s in states]
     updates, sides = [], []
     with jax.named_scope("layers"):
       for j in range(P):
@@ -409,13 +439,10 @@ def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cac
         sides.append(side)
     return x, (updates if cache is not None else None, sides)
 
-  x_BTD, (updates, sides) = jax.lax.scan(body, x_BTD, (_grouped(lp, layers, G), states, _grouped(lp, layer_inputs, G)))
-  if cache is None or ctx.mode == "prefill":
-    return x_BTD, updates, sides
-  B = x_BTD.shape[0]
-  new = [_commit(_state_spec(cfg, pre + j, B, cache.length), states[j], updates[j],
-                 ctx.as_type(lp.contexts[pre + j]), True) for j in range(P)]
-  return x_BTD, new, sides
+  xs = (_grouped(lp, layers, G), jnp.arange(G, dtype=jnp.int32), _grouped(lp, layer_inputs, G))
+  x_BTD, (updates, sides) = jax.lax.scan(body, x_BTD, xs)
+  # prefill: the built caches; decode: the updates, stacked over the groups (run_layers commits them).
+  return x_BTD, updates, sides
 
 
 def _prepare(cfg: Config, layers: dict) -> dict:

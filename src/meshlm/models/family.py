@@ -49,14 +49,15 @@ COMMITS = ("rows", "replace")
 class StateLeaf:
   """One leaf of a layer's decode state.
 
-  commit "rows": the leaf is [B, C, ...] (C cache slots); in prefill the update is the prompt's rows
-  [B, T, ...], moved into the slots; in decode it is the new position's row [B, 1, ...], written at
-  each row's slot in place. "replace": the update is the whole new leaf (a recurrent state).
+  commit "rows": the leaf holds C cache slots on its slot_axis (e.g. [B, C, ...]); in prefill the update
+  is the prompt's rows (T at slot_axis), moved into the slots; in decode it is the new position's row
+  (1 at slot_axis), written at each row's slot in place. "replace": the update is the whole new leaf (a
+  recurrent state). Its dtype is the update's (the compute dtype).
   """
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]
-  dtype: str = "float32"
   commit: str = "rows"
+  slot_axis: int = 1  # "rows": the axis of the C slots (batch is axes' "batch")
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)

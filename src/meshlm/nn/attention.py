@@ -41,24 +41,29 @@ def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask:
     return jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
 
 
-def gqa_attention_decode(q_B1NH: jax.Array, k_B1KH: jax.Array, v_B1KH: jax.Array, k_BCKH: jax.Array,
-                         v_BCKH: jax.Array, mask: jax.Array, *, scale: float, softcap: float | None = None) -> jax.Array:
+def gqa_attention_decode(q_B1NH: jax.Array, k_BK1H: jax.Array, v_BK1H: jax.Array, k_BKCH: jax.Array,
+                         v_BKCH: jax.Array, mask: jax.Array, *, scale: float, softcap: float | None = None) -> jax.Array:
   """One new position attends to the cache's slots (mask [B, 1, 1, 1, C]) and to its own key and value,
   which are not in the cache yet: one softmax over C + 1 scores, so the cache is only read here and the
-  decoder writes the new row into it once, in place, after the layer scan. Returns [B, 1, K, G, H].
+  decoder writes the new row into it once, in place, after the layers. Returns [B, 1, K, G, H].
+
+  The cache is [B, K, C, H]: its batch dims (b, k) lead, so both dots read it as stored (a [B, C, K, H]
+  cache would be transposed first, a cache-sized temporary per layer).
   """
   with jax.named_scope("attention"):
     B, T, N, H = q_B1NH.shape
-    K = k_BCKH.shape[2]
-    q = jnp.reshape(q_B1NH, (B, T, K, N // K, H))
-    s_cache = jnp.einsum("btkgh,bskh->bkgts", q, k_BCKH).astype(jnp.float32) * scale  # [B, K, G, 1, C]
-    s_new = jnp.einsum("btkgh,bskh->bkgts", q, k_B1KH).astype(jnp.float32) * scale  # [B, K, G, 1, 1]
+    K = k_BKCH.shape[1]
+    q = jnp.reshape(q_B1NH, (B, K, N // K, H))  # T = 1
+    f32 = jnp.float32
+    s_cache = jnp.einsum("bkgh,bkch->bkgc", q, k_BKCH).astype(f32) * scale  # [B, K, G, C]
+    s_new = jnp.einsum("bkgh,bkh->bkg", q, k_BK1H[:, :, 0]).astype(f32)[..., None] * scale  # [B, K, G, 1]
     s = jnp.concatenate([s_cache, s_new], axis=-1)
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
-    mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + (1,), bool)], axis=-1)
-    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BCKH.dtype)
-    C = k_BCKH.shape[1]
-    return (jnp.einsum("bkgts,bskh->btkgh", p[..., :C], v_BCKH)
-            + jnp.einsum("bkgts,bskh->btkgh", p[..., C:], v_B1KH))
+    m = mask[:, 0, 0]  # [B, 1, C]
+    m = jnp.concatenate([m, jnp.ones(m.shape[:-1] + (1,), bool)], axis=-1)[:, :, None]  # [B, 1, 1, C + 1]
+    s = jnp.where(m, s, jnp.finfo(f32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BKCH.dtype)
+    C = k_BKCH.shape[2]
+    o = jnp.einsum("bkgc,bkch->bkgh", p[..., :C], v_BKCH) + p[..., C:] * v_BK1H[:, :, 0, None, :]
+    return o[:, None]  # [B, 1, K, G, H]

@@ -1,7 +1,8 @@
 """KV-cache slots: where each position's keys and values live while sampling.
 
-A layer's cache leaf is [B, C, ...] (GQA's "k" and "v": [B, C, K, H]). Full-attention layers get C = the whole sampled length,
-so slot s holds position s. Sliding-window layers get C = min(window, length) slots used as a ring:
+A layer's cache leaf has a batch axis and a slot axis of C slots (GQA's "k" and "v": [B, K, C, H], kv
+heads before slots, so the decode attention contracts it as stored). Full-attention layers get C = the
+whole sampled length, so slot s holds position s. Sliding-window layers get C = min(window, length) slots used as a ring:
 position p lives in slot p % C. Either way, at current position `cur` slot s holds the largest
 p <= cur with p % C == s, so which position a slot holds never needs storing: it follows from each
 row's current position. Rows advance independently (prompts of different lengths).
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 
 from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
 
-CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # [B, C, K, H]
+CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # GQA's K and V: [B, K, C, H]
 
 
 def cache_size(length: int, window: int | None) -> int:
@@ -59,35 +60,41 @@ def decode_slots(cur_B: jax.Array, size: int) -> Slots:
   return Slots(size, valid=valid, write=write, write_slot=slot)
 
 
-def fill(rows_BT: jax.Array, slots: Slots, axes) -> jax.Array:
-  """A prefill's rows [B, T, ...] (keys, values, a latent) -> the cache [B, C, ...], sharded as axes."""
-  B, T = rows_BT.shape[:2]
-  rest = (1,) * (rows_BT.ndim - 2)
+def fill(rows: jax.Array, slots: Slots, axes, slot_axis: int = 1) -> jax.Array:
+  """A prefill's rows (keys, values, a latent; batch first, the T prompt positions at slot_axis) -> the
+  cache, the same with C slots there, sharded as axes."""
+  x = jnp.moveaxis(rows, slot_axis, 1)  # [B, T, ...]
+  B, T = x.shape[:2]
+  rest = (1,) * (x.ndim - 2)
   if slots.size == T:
-    out = rows_BT  # slot s holds position s
+    out = x  # slot s holds position s
   elif slots.size > T:
-    out = jnp.pad(rows_BT, ((0, 0), (0, slots.size - T)) + ((0, 0),) * len(rest))
+    out = jnp.pad(x, ((0, 0), (0, slots.size - T)) + ((0, 0),) * len(rest))
   else:
     # A ring smaller than the prompt: each row keeps its last C positions, at p % C.
-    out = jnp.take_along_axis(rows_BT, jnp.reshape(slots.src, slots.src.shape + rest), axis=1)
+    out = jnp.take_along_axis(x, jnp.reshape(slots.src, slots.src.shape + rest), axis=1)
   out = jnp.where(jnp.reshape(slots.valid, slots.valid.shape + rest), out, jnp.zeros((), out.dtype))
-  return constrain(out, axes)
+  return constrain(jnp.moveaxis(out, 1, slot_axis), axes)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, slots: Slots, axes) -> jax.Array:
-  """Writes each row's new position into its slot, in place: cache [..., B, C, *rest] (a layer's cache,
-  or a stack of them), rows [..., B, 1, *rest]. One scatter of B rows per layer inside shard_map, so
-  the update is local to each shard and XLA writes the donated buffer instead of copying it."""
+def write_rows(cache: jax.Array, rows: jax.Array, slots: Slots, axes, slot_axis: int) -> jax.Array:
+  """Writes each row's new position into its slot, in place: cache with its batch axis (axes' "batch")
+  and its slot axis (slot_axis) among any others (a layer's cache, or a stack of them), rows the same
+  with 1 at slot_axis. One scatter of B rows inside shard_map, so the update is local to each shard and
+  XLA writes the donated buffer instead of copying it."""
   assert cache.ndim == rows.ndim == len(axes), (cache.shape, rows.shape, axes)
   b_axis = list(axes).index("batch")
   slot_B = slots.write_slot
 
   def local(c, r, s):
-    c = jnp.moveaxis(c, (b_axis, b_axis + 1), (0, 1))  # [B, C, ...]
-    r = jnp.moveaxis(r, (b_axis, b_axis + 1), (0, 1))  # [B, 1, ...]
-    c = c.at[jnp.arange(c.shape[0]), s].set(r[:, 0].astype(c.dtype), unique_indices=True)
-    return jnp.moveaxis(c, (0, 1), (b_axis, b_axis + 1))
-
+    # Indexed in place, in the stored layout: a moveaxis of the cache would make XLA copy the buffer.
+    idx = [slice(None)] * c.ndim
+    idx[b_axis], idx[slot_axis] = jnp.arange(c.shape[b_axis]), s
+    new = jax.lax.index_in_dim(r, 0, axis=slot_axis, keepdims=False)  # B still at b_axis (or b_axis - 1)
+    if abs(slot_axis - b_axis) != 1:
+      # Apart, numpy indexing puts the indexed (batch) dimension first.
+      new = jnp.moveaxis(new, b_axis if b_axis < slot_axis else b_axis - 1, 0)
+    return c.at[tuple(idx)].set(new.astype(c.dtype), unique_indices=True)
   mesh = current_mesh()
   if mesh.empty:
     return local(cache, rows, slot_B)

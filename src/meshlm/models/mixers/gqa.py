@@ -45,8 +45,8 @@ def spec(m: ModelConfig, *, plus_one: bool = False) -> dict:
 
 
 def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
-  shape = (batch, size, m.num_kv_heads, m.head_dim)
-  return {"k": StateLeaf(shape, CACHE_AXES), "v": StateLeaf(shape, CACHE_AXES)}
+  shape = (batch, m.num_kv_heads, size, m.head_dim)  # [B, K, C, H]
+  return {"k": StateLeaf(shape, CACHE_AXES, slot_axis=2), "v": StateLeaf(shape, CACHE_AXES, slot_axis=2)}
 
 
 def prepare(p: dict, specs: dict) -> dict:
@@ -55,11 +55,11 @@ def prepare(p: dict, specs: dict) -> dict:
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one: bool = False):
-  """(attention output [B, T, D], update, {}). update: the new K/V rows ({"k", "v"} [B, T, Kv, H] in
-  prefill, [B, 1, Kv, H] in decode), None when training.
+  """(attention output [B, T, D], update, {}). update: the new K/V rows ({"k", "v"} [B, Kv, T, H] in
+  prefill, [B, Kv, 1, H] in decode), None when training.
 
   p: q [D, N, H] (+ q_full, its gathered copy), k/v [D, Kv, H], o [N, H, D], q_norm/k_norm [H].
-  state (decode): the layer's cache {"k", "v"} [B, C, Kv, H], read only: the new position attends to
+  state (decode): the layer's cache {"k", "v"} [B, Kv, C, H], read only: the new position attends to
   the cache's other slots and to its own K/V, and the decoder writes the rows into the cache after
   the layer scan.
   """
@@ -84,7 +84,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   scale = (m.query_pre_attn_scalar or m.head_dim) ** -0.5
   softcap = m.attn_logit_softcap
-  update = None if ctx.mode == "train" else {"k": k, "v": v}
+  # The rows in the cache's layout, [B, K, T, H].
+  update = None if ctx.mode == "train" else {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}
 
   # The attention core and the output projection run in one auto-axes region. Under explicit sharding
   # every einsum output would otherwise carry a sharding annotation between its dot and the
@@ -103,7 +104,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
     region = auto_region(attend_and_project, OUT, x_BTD.shape)
     # The slot being written holds a position the new one no longer sees (out of the window) or none.
     mask = here.mask & ~here.cache.write[:, None, None, None, :]
-    return region(q, k, v, state["k"], state["v"], mask, p["o"].astype(dt)), update, {}
+    return region(q, update["k"], update["v"], state["k"], state["v"], mask, p["o"].astype(dt)), update, {}
 
   def attend_and_project(q, k, v, mask, w_o):
     return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o)  # [B, T, Kv, G, H]
