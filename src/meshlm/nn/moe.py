@@ -4,8 +4,8 @@ Per token the router picks k of E experts; each picked expert runs a GLU MLP on 
 k outputs are summed with the routing weights. Dropless dispatch never drops a token:
 
   route:     logits = x @ router (float32, through the dense primitive) -> softmax -> top-k
-  sort:      perm = argsort(expert id of each of the N*k (token, slot) pairs)      # the only sort
-  gather:    xs[j] = x[perm[j] // k]                                               # [A, D], A = N*k
+  sort:      perm = argsort(expert id of each of the M*k (token, slot) pairs)      # the only sort
+  gather:    xs[j] = x[perm[j] // k]                                               # [A, D], A = M*k
   matmuls:   h = xs @ gate_up[e_j] (one grouped matmul), a = act(h_gate) * h_up, ys = a @ down[e_j]
   unsort:    y_flat = ys[inverse(perm)], y[n] = sum_k w[n, k] * y_flat[n, k]
 
@@ -372,11 +372,11 @@ def gather_router_once(router_stack: jax.Array, axes: tuple[str | None, ...]) ->
 
 # --- dispatch ----------------------------------------------------------------------------------------
 
-def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
              down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
              grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
              expert_offset: jax.Array | None = None, grad_barrier: bool = True):
-  """Dropless expert computation on local tokens: y [N, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
+  """Dropless expert computation on local tokens: y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
 
   fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
   grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
@@ -387,13 +387,13 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
   """
   if unsort_impl not in UNSORTS:
     raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
-  N, D = x_ND.shape
-  K = ids_NK.shape[1]
+  M, D = x_MD.shape
+  k = ids_Mk.shape[1]
   E = down_EFD.shape[0]
-  dt = x_ND.dtype
+  dt = x_MD.dtype
   gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
   with jax.named_scope("sort"):
-    flat = ids_NK.reshape(-1)  # [A], slot j belongs to token j // K
+    flat = ids_Mk.reshape(-1)  # [A], slot j belongs to token j // k
     local = None
     if expert_offset is not None:
       # Local expert ids; every other expert becomes E, which sorts last and is counted in no group.
@@ -403,7 +403,7 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
     perm = checkpoint_name(jnp.argsort(flat, stable=True).astype(jnp.int32), "moe_perm")
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
   with jax.named_scope("gather"):
-    xs = x_ND[perm // K]  # [A, D]
+    xs = x_MD[perm // k]  # [A, D]
   if grad_barrier:
     # On the grouped matmuls' input rows and kernels: the rows' cotangent enters the barrier before
     # the gather's scatter-add, so XLA may still fold other gradients of x into that scatter (as
@@ -434,7 +434,7 @@ def dispatch(x_ND: jax.Array, ids_NK: jax.Array, w_NK: jax.Array, gate_EDF: jax.
     if local is not None:
       # The rows past the local groups are not computed (zeros, or a clamped gather in "blocks").
       y_flat = jnp.where(local[:, None], y_flat, jnp.zeros_like(y_flat))
-    y = jnp.einsum("nkd,nk->nd", y_flat.reshape(N, K, D).astype(jnp.float32), w_NK.astype(jnp.float32))
+    y = jnp.einsum("nkd,nk->nd", y_flat.reshape(M, k, D).astype(jnp.float32), w_Mk.astype(jnp.float32))
   return y.astype(dt)
 
 
@@ -459,9 +459,9 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
   use these ids with weights from the live router probabilities; top-k runs over at most replay_rows
   of the rest (replay_impl "compact"), or over all rows ("full"): bit-identical either way.
   """
-  E, K = num_experts, k
-  if not 1 <= K <= E:
-    raise ValueError(f"num_experts_per_tok={K} must be between 1 and num_experts={E}")
+  E, k = num_experts, k
+  if not 1 <= k <= E:
+    raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
   dense = dense_primitive if ctx is None else ctx.dense
   with jax.named_scope("moe"):
     with jax.named_scope("router"):
@@ -469,10 +469,10 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
       router = p["router"] if router_full is None else gather_once.gathered(p["router"], router_full, ROUTER_AXES)
       logits = dense(x_BTD.astype(rdt), router.astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
       if forced_ids_BTk is None:
-        probs, w, ids = route(logits, K, norm_topk)
+        probs, w, ids = route(logits, k, norm_topk)
       else:
-        check_forced_ids(forced_ids_BTk, (*x_BTD.shape[:2], K), E)
-        probs, w, ids = replay_route(logits, forced_ids_BTk, K, norm_topk, token_mask_BT, rows=replay_rows,
+        check_forced_ids(forced_ids_BTk, (*x_BTD.shape[:2], k), E)
+        probs, w, ids = replay_route(logits, forced_ids_BTk, k, norm_topk, token_mask_BT, rows=replay_rows,
                                      impl=replay_impl)
     side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
     if impl == "reference":
@@ -536,9 +536,9 @@ def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, gathered: bool, b
     # Mark the shared tokens as varying over the expert axis, so their cotangent is summed over it
     # (left invariant, x's gradient through the gather by the varying perm misses the other shards').
     x_BTD, w_BTk = (jax.lax.pcast(a, (EXPERT_AXIS,), to="varying") for a in (x_BTD, w_BTk))
-  B, T, K = ids_BTk.shape
+  B, T, k = ids_BTk.shape
   # About 1 / ep of the group's slots are local: size the blocks from that, not from all slots.
-  b = block_rows or default_block_rows(B * T * K // ep, E_l)
+  b = block_rows or default_block_rows(B * T * k // ep, E_l)
   y = fn(x_BTD, ids_BTk, w_BTk, gate, up, down, block_rows=b, expert_offset=local_expert_offset(E_l))
   if gathered:
     return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
@@ -547,8 +547,8 @@ def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, gathered: bool, b
 
 def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate, up, down, **kw):
   B, T, D = x_BTD.shape
-  K = ids_BTk.shape[-1]
-  y = dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, K), w_BTk.reshape(B * T, K), gate, up, down, **kw)
+  k = ids_BTk.shape[-1]
+  y = dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), gate, up, down, **kw)
   return y.reshape(B, T, D)
 
 

@@ -52,46 +52,46 @@ def check_forced_ids(forced, shape: tuple[int, ...], num_experts: int, name: str
                      f"expert ids; a token is forced in all its k slots or in none")
 
 
-def compact_fits(need_N: jax.Array, rows: int) -> jax.Array:
+def compact_fits(need_M: jax.Array, rows: int) -> jax.Array:
   """The cond's predicate: True when at most `rows` rows need top-k (the compact branch runs)."""
-  return jnp.sum(need_N.astype(jnp.int32)) <= rows
+  return jnp.sum(need_M.astype(jnp.int32)) <= rows
 
 
-def compact_topk(probs_NE: jax.Array, need_N: jax.Array, k: int, rows: int) -> jax.Array:
-  """Top-k ids [N, k] of the first `rows` rows that need it (gathered, top-k'd, scattered back);
+def compact_topk(probs_ME: jax.Array, need_M: jax.Array, k: int, rows: int) -> jax.Array:
+  """Top-k ids [M, k] of the first `rows` rows that need it (gathered, top-k'd, scattered back);
   every other row holds 0..k-1. Exact only when at most `rows` rows need it (see compact_fits)."""
-  N = probs_NE.shape[0]
-  (idx,) = jnp.nonzero(need_N, size=rows, fill_value=N)  # [R]; N (out of range) for unused slots
-  sub = jnp.take(probs_NE, idx, axis=0, mode="fill", fill_value=0)  # [R, E]
+  M = probs_ME.shape[0]
+  (idx,) = jnp.nonzero(need_M, size=rows, fill_value=M)  # [R]; M (out of range) for unused slots
+  sub = jnp.take(probs_ME, idx, axis=0, mode="fill", fill_value=0)  # [R, E]
   _, sub_ids = jax.lax.top_k(sub, k)
-  return _fill(N, k).at[idx].set(sub_ids.astype(jnp.int32), mode="drop")
+  return _fill(M, k).at[idx].set(sub_ids.astype(jnp.int32), mode="drop")
 
 
-def full_topk(probs_NE: jax.Array, need_N: jax.Array, k: int) -> jax.Array:
+def full_topk(probs_ME: jax.Array, need_M: jax.Array, k: int) -> jax.Array:
   """The plain path: top-k over every row, 0..k-1 kept for the rows that do not need it."""
-  _, ids = jax.lax.top_k(probs_NE, k)
-  return jnp.where(need_N[:, None], ids.astype(jnp.int32), _fill(probs_NE.shape[0], k))
+  _, ids = jax.lax.top_k(probs_ME, k)
+  return jnp.where(need_M[:, None], ids.astype(jnp.int32), _fill(probs_ME.shape[0], k))
 
 
-def _fill(N: int, k: int) -> jax.Array:
-  return jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (N, k))
+def _fill(M: int, k: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (M, k))
 
 
 def _local_route(probs_BTE, forced_BTk, mask_BT, *, k: int, norm_topk: bool, rows: int, impl: str):
   """(weights [B, T, k] float32, ids [B, T, k] int32) for the tokens at hand (one shard or all)."""
   B, T, E = probs_BTE.shape
-  N = B * T
-  probs = probs_BTE.reshape(N, E)
-  forced = forced_BTk.reshape(N, k).astype(jnp.int32)
+  M = B * T
+  probs = probs_BTE.reshape(M, E)
+  forced = forced_BTk.reshape(M, k).astype(jnp.int32)
   is_forced = forced[:, 0] >= 0
-  need = ~is_forced & (mask_BT.reshape(N) > 0)
+  need = ~is_forced & (mask_BT.reshape(M) > 0)
   sg = jax.lax.stop_gradient(probs)
-  if impl == "full" or rows >= N:
+  if impl == "full" or rows >= M:
     top = full_topk(sg, need, k)
   else:
     top = jax.lax.cond(compact_fits(need, rows), lambda: compact_topk(sg, need, k, rows),
                        lambda: full_topk(sg, need, k))
-  ids = jnp.where(is_forced[:, None], forced, top)  # [N, k]
+  ids = jnp.where(is_forced[:, None], forced, top)  # [M, k]
   w = jnp.take_along_axis(probs, ids, axis=-1)  # the live probabilities at the ids: the router's gradient
   if norm_topk:
     w = w / jnp.sum(w, axis=-1, keepdims=True)
