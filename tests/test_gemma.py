@@ -226,7 +226,7 @@ def test_explicit_matches_auto_on_fsdp4():
 
 def test_every_projection_goes_through_the_kernel_order_dense():
   """Under explicit with the flag on, each layer's 6 projections outside the attention region (q k v
-  gate up down) are kernel-order custom VJPs, in the scanned group body and in the remainder layers
+  gate up down) are kernel-order custom VJPs (besides the query gather-once's), in the scanned group body and in the remainder layers
   alike. The output projection runs inside the attention's auto-axes region, where XLA folds its
   weight-gradient transpose itself (see nn/attention.py)."""
   from jax.sharding import NamedSharding, PartitionSpec
@@ -240,8 +240,9 @@ def test_every_projection_goes_through_the_kernel_order_dense():
   ids = jax.ShapeDtypeStruct((4, 16), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
   with jax.set_mesh(mesh):
     text = str(jax.make_jaxpr(lambda p, t: decoder.forward(cfg, p, t))(params, ids))
-  # The group body holds its 6 layers once; the 2 remainder layers are unrolled.
-  assert text.count("custom_vjp_call") == 6 * (6 + 2)
+  # The group body holds its 6 layers once; the 2 remainder layers are unrolled. Each layer: the 6
+  # kernel-order projections plus the gathered query kernel's gradient pin (nn/gather_once.gathered).
+  assert text.count("custom_vjp_call") == (6 + 1) * (6 + 2)
 
 
 # --- config errors -----------------------------------------------------------------------------

@@ -120,6 +120,11 @@ class ModelConfig(_Strict):
       return tuple(self.layer_pattern)
     return ("local",) if self.sliding_window is not None else ("global",)
 
+  def layer_contexts(self) -> tuple[str, ...]:
+    """Each layer's attention context: layer_types() repeated over the num_layers layers."""
+    types = self.layer_types()
+    return tuple(types[i % len(types)] for i in range(self.num_layers))
+
 
 class MeshConfig(_Strict):
   """Mesh shape. -1 on one axis fills the devices the others leave."""

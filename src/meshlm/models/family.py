@@ -182,9 +182,8 @@ class LayerPlan:
 
 
 def periodic_contexts(m: ModelConfig) -> tuple[str, ...]:
-  """Each layer's attention context from ModelConfig.layer_types(), repeated over the layers."""
-  types = m.layer_types()
-  return tuple(types[i % len(types)] for i in range(m.num_layers))
+  """Each layer's attention context (ModelConfig.layer_contexts)."""
+  return m.layer_contexts()
 
 
 @dataclasses.dataclass(frozen=True)

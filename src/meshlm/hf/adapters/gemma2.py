@@ -36,8 +36,7 @@ def pattern_from_hf(hf: dict, num_layers: int, default: list[str]) -> list[str]:
 
 def pattern_to_hf(m: ModelConfig) -> list[str]:
   names = {v: k for k, v in HF_LAYER_TYPES.items()}
-  types = m.layer_types()
-  return [names[types[i % len(types)]] for i in range(m.num_layers)]
+  return [names[t] for t in m.layer_contexts()]
 
 
 def sandwich_from_hf(hf: dict, family: str) -> dict:
