@@ -26,3 +26,20 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 # Random examples, for looking for new failures by hand: HYPOTHESIS_PROFILE=explore make test.
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Heaviest files first. Each file runs on one xdist worker (--dist loadfile), handed out in collection
+# order; collected alphabetically, the slow MoE and parity files would start last and one worker would
+# idle at the end. tests/file_durations.json (scripts/record_test_durations.py) holds each file's
+# measured seconds; a file missing from it goes after the measured ones.
+def pytest_collection_modifyitems(session, config, items):
+  import json
+  import pathlib
+  table = pathlib.Path(__file__).with_name("file_durations.json")
+  weights = json.loads(table.read_text()) if table.exists() else {}
+  root = pathlib.Path(str(config.rootpath))
+
+  def weight(item):
+    rel = pathlib.Path(str(item.path)).relative_to(root).as_posix()
+    return -weights.get(rel, -1.0)
+  items.sort(key=weight)  # stable: the order inside a file is kept
