@@ -73,6 +73,46 @@ def test_hlo_reader_counts_async_pairs_once_and_multiplies_loops():
   assert [f["array"] for f in flags] == ["f32[3,8,16]{1,0,2}"]
 
 
+# Two sibling while bodies in one function that reuse the value name %2, as JAX >= 0.11 prints scan
+# bodies inlined into main: a dot then its transpose in the first, an add then a transpose in the second.
+SIBLINGS = """module @m {
+  func.func public @main(%arg0: tensor<4x8xf32>) -> tensor<8x4xf32> {
+    %c = stablehlo.constant dense<0> : tensor<i32> loc(#loc0)
+%WHILE0
+%WHILE1
+    return %arg0 : tensor<4x8xf32> loc(#loc0)
+  } loc(#loc0)
+}
+#loc0 = loc(unknown)
+"""
+_WHILE = """    %R:2 = stablehlo.while(%iterArg = %c, %iterArg_1 = %arg0) : tensor<i32>, tensor<4x8xf32>
+    cond {
+      %c_2 = stablehlo.constant dense<3> : tensor<i32> loc(#loc0)
+      %2 = stablehlo.compare LT, %iterArg, %c_2, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1> loc(#loc0)
+      stablehlo.return %2 : tensor<i1> loc(#loc0)
+    } do {
+      %2 = OP
+      %3 = stablehlo.transpose %2, dims = [1, 0] : (tensor<4x8xf32>) -> tensor<8x4xf32> loc(#loc0)
+      stablehlo.return %iterArg, %iterArg_1 : tensor<i32>, tensor<4x8xf32> loc(#loc0)
+    } loc(#loc0)"""
+_DOT = "stablehlo.dot_general %iterArg_1, %iterArg_1, contracting_dims = [] x [] : (tensor<4x8xf32>, tensor<4x8xf32>) -> tensor<4x8xf32> loc(#loc0)"
+_ADD = "stablehlo.add %iterArg_1, %iterArg_1 : tensor<4x8xf32> loc(#loc0)"
+
+
+def test_stablehlo_reader_resolves_a_value_in_its_own_region():
+  text = (SIBLINGS.replace("%WHILE0", _WHILE.replace("%R", "%0").replace("OP", _DOT))
+          .replace("%WHILE1", _WHILE.replace("%R", "%1").replace("OP", _ADD)))
+  counts, pairs, mod = C.stablehlo_counts(text)
+  assert [(p["kind"], p["shape"]) for p in pairs] == [("adjacent", [8, 4])]  # the first body's; not the add's
+  # Control: with the bodies swapped the one pair is the second body's.
+  swapped = (SIBLINGS.replace("%WHILE0", _WHILE.replace("%R", "%0").replace("OP", _ADD))
+             .replace("%WHILE1", _WHILE.replace("%R", "%1").replace("OP", _DOT)))
+  assert len(C.stablehlo_counts(swapped)[1]) == 1
+  # A block argument has no defining op where it is used.
+  transpose = [op for op in mod.ops if op.name == "stablehlo.transpose"][0]
+  assert mod.def_of("main", "%iterArg_1", at=transpose) is None
+
+
 def test_attribution_names_the_layer_and_direction():
   assert attribute("jit(<lambda>)/transpose(jvp(lm_head))/dot_general") == "lm_head backward"
   assert attribute("jit(<lambda>)/jvp()/while/body/closed_call/layers/mlp/mlp/down/btf,fd->btd/dot_general") \

@@ -44,8 +44,9 @@ def _run(mode: str, gather_once: bool):
   counts, mod = C.hlo_counts(compiled.as_text())
   in_loop = {c for c, m in mod.multipliers.items() if m > 1}
   all_gathers = [ins for ins in mod.instrs() if ins.opcode in ("all-gather", "all-gather-start") and ins.out is not None]
-  gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers
-             if "router" in ins.op_name and ins.out.shape[-2:] == (D, E)]
+  # Router gathers by shape: no other array here ends in [D, E], and JAX >= 0.11 names the per-layer
+  # gather after the nested jit whose result it reshards (".../while/body/jit"), not the router.
+  gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers if ins.out.shape[-2:] == (D, E)]
   q_gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers if ins.out.shape[-3:] == Q]
   # Router-gradient reductions: arrays of a router's shape (a layer's or the stack's, whole or an fsdp
   # shard, any dim order) in reducing collectives (XLA combines several into one tuple).

@@ -32,5 +32,5 @@ def test_the_heaviest_files_are_handed_out_first(tmp_path):
   items = [types.SimpleNamespace(path=root / p, name=n) for p, n in
            [(light, "a"), ("tests/test_unmeasured_file.py", "b"), (heavy, "c"), (heavy, "d")]]
   config = types.SimpleNamespace(rootpath=root)
-  conftest.pytest_collection_modifyitems(None, config, items)
+  conftest.heaviest_first(config, items)
   assert [i.name for i in items] == ["c", "d", "a", "b"]

@@ -187,7 +187,7 @@ def _contracts_leading_axes(mod: SH.Module, op: SH.Op) -> bool:
     return False
   for side, operand in zip(m.groups(), op.operands[:2]):
     dims = [int(d) for d in side.split(",") if d.strip()]
-    src = mod.def_of(op.func, operand)
+    src = mod.def_of(op.func, operand, at=op)
     if src is not None and src.name == "stablehlo.transpose":
       perm = _PERM.search(src.text)
       if perm:
@@ -249,13 +249,13 @@ def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
   for op in mod.ops:
     if op.name != "stablehlo.transpose" or not op.operands:
       continue
-    src = mod.def_of(op.func, op.operands[0])
+    src = mod.def_of(op.func, op.operands[0], at=op)
     between = []
     while src is not None and src.name in PASS_THROUGH and src.name != "stablehlo.dot_general":
       if src.name == "stablehlo.custom_call" and src.target not in SHARDING_TARGETS:
         break
       between.append(src.name if src.name != "stablehlo.custom_call" else f"custom_call @{src.target}")
-      src = mod.def_of(src.func, src.operands[0]) if src.operands else None
+      src = mod.def_of(src.func, src.operands[0], at=src) if src.operands else None
     if src is None or src.name != "stablehlo.dot_general":
       continue
     shape = op.result_types[0][0] if op.result_types else ()

@@ -38,6 +38,8 @@ class Op:
   parents: tuple[int, ...] = ()
   # A region op's location printed after its region (`}) : ... loc(#N)`): its name-stack path.
   close_scope: str = ""
+  # Id of every region that holds this op, outermost first (a while's cond and do are two regions).
+  regions: tuple[int, ...] = ()
 
   @property
   def target(self) -> str | None:
@@ -58,9 +60,20 @@ class Module:
   defs: dict[tuple[str, str], Op]  # (func, value) -> defining op
   # Index of each stablehlo.while op -> its trip count (None when the bound is not a constant).
   trip_counts: dict[int, int | None] = dataclasses.field(default_factory=dict)
+  # (func, value) -> every op that defines that name, in text order. MLIR reuses value names across
+  # sibling regions (two while bodies in one function, as JAX >= 0.11 prints inlined scan bodies).
+  all_defs: dict[tuple[str, str], list[Op]] = dataclasses.field(default_factory=dict)
 
-  def def_of(self, func: str, value: str) -> Op | None:
-    return self.defs.get((func, value.split("#")[0]))
+  def def_of(self, func: str, value: str, at: Op | None = None) -> Op | None:
+    """The op defining value; with `at`, the one visible from that op (the last definition above
+    it in its own region or an enclosing one), None when value is a block argument there."""
+    key = (func, value.split("#")[0])
+    if at is None:
+      return self.defs.get(key)
+    for d in reversed(self.all_defs.get(key, ())):
+      if d.line < at.line and at.regions[:len(d.regions)] == d.regions:
+        return d
+    return None
 
 
 def _parse_tensor(t: str) -> tuple[tuple[int, ...], str]:
@@ -123,8 +136,11 @@ def parse(text: str) -> Module:
   funcs: dict[str, list[Op]] = {}
   func_args: dict[str, list] = {}
   defs: dict[tuple[str, str], Op] = {}
+  all_defs: dict[tuple[str, str], list[Op]] = {}
   func = ""
-  # Open regions, innermost last: [op index, brace depth inside, "cond" | "do" (a while's) | "region"].
+  region_ids = iter(range(1, 1 << 62))
+  # Open regions, innermost last: [op index, brace depth inside, "cond" | "do" (a while's) | "region",
+  # region id].
   # JAX prints a while's `cond {`, `} do {` and `}` on lines of their own, and every other region
   # op opens its region at the end of its line and closes it on a line that starts with `}` and
   # carries the op's location; other braces balance within a line (attribute dicts).
@@ -136,15 +152,16 @@ def parse(text: str) -> Module:
     depth += line.count("{") - line.count("}")
     stripped = line.strip()
     if stripped == "cond {" and pending is not None:
-      regions.append([pending, depth, "cond"])
+      regions.append([pending, depth, "cond", next(region_ids)])
       trips[pending] = None
       pending = None
       continue
     if stripped == "} do {" and regions and regions[-1][1] == before:
       regions[-1][2] = "do"
+      regions[-1][3] = next(region_ids)
       continue
     while regions and depth < regions[-1][1]:
-      k, _, kind = regions.pop()
+      k, _, kind, _ = regions.pop()
       loc = _LOC_REF.search(line)
       if kind == "region" and loc and not ops[k].close_scope:
         ops[k].close_scope = locs.get(loc.group(1), "")
@@ -182,7 +199,8 @@ def parse(text: str) -> Module:
       base, _, count = r.partition(":")
       expanded += [f"{base}#{k}" for k in range(int(count))] if count else [base]
     op = Op(func, expanded, name, operands, out_types, in_types, scope, i, line.strip(),
-            tuple(k for k, _, kind in regions if kind == "do"), tuple(k for k, _, _ in regions))
+            tuple(k for k, _, kind, _ in regions if kind == "do"), tuple(k for k, _, _, _ in regions),
+            regions=tuple(r for _, _, _, r in regions))
     if regions and regions[-1][2] == "cond" and name == "stablehlo.constant" and out_types == [((), "i32")]:
       # The cond region compares the counter with the trip count: its one scalar i32 constant.
       m = re.search(r"dense<(-?\d+)>", line)
@@ -192,10 +210,12 @@ def parse(text: str) -> Module:
     if name == "stablehlo.while":
       pending = len(ops)
     elif depth > before:
-      regions.append([len(ops), depth, "region"])
+      regions.append([len(ops), depth, "region", next(region_ids)])
     ops.append(op)
     funcs.setdefault(func, []).append(op)
     for k, r in enumerate(expanded):
       defs[(func, r.split("#")[0] if len(expanded) == 1 else r)] = op
       defs.setdefault((func, r.split("#")[0]), op)
-  return Module(ops, funcs, func_args, defs, trips)
+    for base in dict.fromkeys(r.split("#")[0] for r in expanded):
+      all_defs.setdefault((func, base), []).append(op)
+  return Module(ops, funcs, func_args, defs, trips, all_defs)
