@@ -24,6 +24,14 @@ def _preset(family: str) -> str:
   return names[0]
 
 
+def test_every_registered_part_is_a_factory_of_its_name():
+  import importlib
+  for name, where in registry.PARTS.items():
+    module, factory = where.split(":")
+    part = getattr(importlib.import_module(module), factory)()
+    assert isinstance(part, Part) and part.name == name
+
+
 def test_every_family_is_registered_with_a_tiny_preset():
   assert sorted(registry.FAMILIES) == sorted({load_config(f"model={n}").model.family for n in preset_names()})
 

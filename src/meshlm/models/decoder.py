@@ -22,7 +22,7 @@ import numpy as np
 from meshlm.config import Config
 from meshlm import spec as S
 from meshlm.models.context import Context, make_context, windows
-from meshlm.models.family import StateLeaf
+from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm.models.registry import family
 from meshlm.nn import kv_cache
 from meshlm.nn.dense import dense
@@ -514,9 +514,6 @@ def context(cfg: Config, positions_BT: jax.Array, segment_ids_BT=None, **kw) -> 
   return make_context(cfg, plan(cfg).contexts, dims, positions_BT, segment_ids_BT, **kw)
 
 
-FORCED_EXPERT_IDS = "forced_expert_ids"
-
-
 def forward(cfg: Config, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
             return_hidden: bool = False, return_side: bool = False, forced_expert_ids=None,
             layer_inputs: dict | None = None):
@@ -569,26 +566,6 @@ def decode(cfg: Config, params: dict, tokens_B: jax.Array, positions_B: jax.Arra
   ctx = context(cfg, positions_B[:, None], mode="decode", cache_len=cache.length)
   logits, cache, side = apply(cfg, params, tokens_B[:, None], ctx, cache, layer_inputs=layer_inputs)
   return logits[:, 0], cache, side
-
-
-def cache_specs(cfg: Config, batch: int, cache_len: int) -> Cache:
-  """The decode state's leaves (StateLeaf: shape, logical axes, commit rule), laid out as the Cache."""
-  lp = plan(cfg)
-  ids = _unrolled_ids(cfg, lp)
-  unrolled = [_state_spec(cfg, i, batch, cache_len) for i in ids]
-  if not _scans(cfg, lp):
-    return Cache(unrolled, None, cache_len)
-  G = lp.groups
-
-  def stacked(leaf):
-    return dataclasses.replace(leaf, shape=(G,) + leaf.shape, axes=("layers",) + tuple(leaf.axes))
-  scanned = [jax.tree.map(stacked, _state_spec(cfg, lp.prefix + j, batch, cache_len), is_leaf=_is_leaf)
-             for j in range(lp.period)]
-  return Cache(unrolled, scanned, cache_len)
-
-
-def _is_leaf(x) -> bool:
-  return isinstance(x, StateLeaf)
 
 
 def _scans(cfg: Config, lp) -> bool:

@@ -43,6 +43,9 @@ from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, constrain
 
 COMMITS = ("rows", "replace")
+# The per-layer input that router replay forces (MoE parts read it; forward, the train step's batch
+# field and generate's record name it).
+FORCED_EXPERT_IDS = "forced_expert_ids"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,11 +184,6 @@ class LayerPlan:
     return self.kinds.count(kind)
 
 
-def periodic_contexts(m: ModelConfig) -> tuple[str, ...]:
-  """Each layer's attention context (ModelConfig.layer_contexts)."""
-  return m.layer_contexts()
-
-
 @dataclasses.dataclass(frozen=True)
 class Family:
   """A model family: its layer kinds, its plan, the two decoder-level switches and its own checks."""
@@ -203,4 +201,4 @@ class Family:
     if self.plan is not None:
       return self.plan(m)
     kind = next(iter(self.kinds))
-    return LayerPlan(kinds=(kind,) * m.num_layers, contexts=periodic_contexts(m), period=len(m.layer_types()))
+    return LayerPlan(kinds=(kind,) * m.num_layers, contexts=m.layer_contexts(), period=len(m.layer_types()))

@@ -36,6 +36,7 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm.models.registry import family
 from meshlm.parallel.sharding import constrain
 
@@ -57,7 +58,7 @@ class Generation:
   @property
   def expert_ids(self) -> np.ndarray | None:
     """[B, T, L_moe, k] int32 routed ids (the train step's forced_expert_ids), None without MoE layers."""
-    return self.recorded.get(decoder.FORCED_EXPERT_IDS)
+    return self.recorded.get(FORCED_EXPERT_IDS)
 
   def token_lists(self) -> list[list[int]]:
     return [[int(t) for t in row[:n]] for row, n in zip(self.tokens, self.lengths)]

@@ -4,7 +4,7 @@ renormalized."""
 from __future__ import annotations
 
 from meshlm.errors import ConfigError
-from meshlm.models.family import Family, Kind, LayerPlan, periodic_contexts
+from meshlm.models.family import Family, Kind, LayerPlan
 from meshlm.models.ffns.moe import moe_ffn
 from meshlm.models.mixers.gqa import gqa
 
@@ -18,7 +18,7 @@ def validate(m) -> None:
 
 
 def plan(m) -> LayerPlan:
-  return LayerPlan(kinds=("moe",) * m.num_layers, contexts=periodic_contexts(m), period=len(m.layer_types()))
+  return LayerPlan(kinds=("moe",) * m.num_layers, contexts=m.layer_contexts(), period=len(m.layer_types()))
 
 
 FAMILY = Family("mixtral", kinds={"moe": Kind(gqa(), moe_ffn(norm_topk=True))}, plan=plan, validate=validate)

@@ -8,7 +8,7 @@ stretch of kinds (qwen3-moe-30b-a3b: every layer MoE, a scan of period 1).
 from __future__ import annotations
 
 from meshlm.config import ModelConfig
-from meshlm.models.family import Family, Kind, LayerPlan, periodic_contexts
+from meshlm.models.family import Family, Kind, LayerPlan
 from meshlm.models.ffns.glu import glu
 from meshlm.models.ffns.moe import moe_ffn
 from meshlm.models.mixers.gqa import gqa
@@ -37,7 +37,7 @@ def periodic_plan(kinds: tuple[str, ...], contexts: tuple[str, ...]) -> LayerPla
 
 
 def plan(m: ModelConfig) -> LayerPlan:
-  return periodic_plan(layer_kinds(m), periodic_contexts(m))
+  return periodic_plan(layer_kinds(m), m.layer_contexts())
 
 
 FAMILY = Family("qwen3_moe", kinds={"dense": Kind(gqa(), glu()), "moe": Kind(gqa(), moe_ffn())}, plan=plan)

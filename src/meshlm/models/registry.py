@@ -30,14 +30,6 @@ PARTS = {
 }
 
 
-def part(name: str, **options):
-  """The Part called name, built with its options (e.g. part("gqa", plus_one=True))."""
-  if name not in PARTS:
-    raise ConfigError(f"layer part {name!r}: unknown; known parts: {', '.join(sorted(PARTS))}")
-  module, factory = PARTS[name].split(":")
-  return getattr(importlib.import_module(module), factory)(**options)
-
-
 def get(name: str):
   """The Family called name."""
   if name not in FAMILIES:

@@ -22,6 +22,7 @@ import optax
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm import spec as S
 from meshlm.parallel.mesh import check_expert_axis, make_mesh
 from meshlm.parallel.sharding import constrain, logical_spec
@@ -50,8 +51,7 @@ class BatchField:
 BATCH_SPEC: dict[str, BatchField] = {"inputs": BatchField(), "targets": BatchField(), "segment_ids": BatchField(),
                                      "positions": BatchField(), "loss_mask": BatchField("float32")}
 BATCH_KEYS = tuple(BATCH_SPEC)
-# Router replay's batch field: [B, T, L_moe, k] int32, -1 = not forced (replay_batch_spec).
-FORCED_EXPERT_IDS = decoder.FORCED_EXPERT_IDS
+# Router replay's batch field, FORCED_EXPERT_IDS: [B, T, L_moe, k] int32, -1 = not forced (replay_batch_spec).
 
 
 def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> dict[str, BatchField]:

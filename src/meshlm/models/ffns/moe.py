@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
-from meshlm.models.family import Part
+from meshlm.models.family import FORCED_EXPERT_IDS, Part
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS
 from meshlm.nn.router_replay import check_forced_ids
 
-FORCED_IDS = "forced_expert_ids"  # the per-layer input (ctx.layer) holding [B, T, k] forced ids
+FORCED_IDS = FORCED_EXPERT_IDS  # the per-layer input (ctx.layer) holding [B, T, k] forced ids
 ROUTED_IDS = "moe_expert_ids"  # the side output holding the routed ids [B, T, k]
 SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", ROUTED_IDS)
 
