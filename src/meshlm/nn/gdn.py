@@ -65,3 +65,10 @@ def gated_delta_rule_reference(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segme
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
   state, o_TBNJ = jax.lax.scan(step, state, tuple(map(time_major, (q, k, v, g, beta, starts))))
   return jnp.moveaxis(o_TBNJ, 0, 1).astype(v_BTNJ.dtype), state
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """x * rsqrt(sum(x^2) + eps) over the last dim, in float32 (transformers' l2norm). Finite, with a finite
+  gradient, for an all-zero row."""
+  xf = x.astype(jnp.float32)
+  return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
