@@ -1,6 +1,10 @@
 """Every test process sees 8 fake CPU devices; meshes use the first N they need. Hypothesis runs
-derandomized (profile "ci") unless HYPOTHESIS_PROFILE names another, e.g. "explore"."""
+derandomized (profile "ci") unless HYPOTHESIS_PROFILE names another, e.g. "explore". Every process of
+one run shares one compilation cache that starts empty."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tiny test programs spend their time compiling, not running: without LLVM's optimization
@@ -10,8 +14,30 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# One persistent compilation cache per run, shared by the xdist workers and every subprocess the tests
+# start (`meshlm train` runs inherit the environment): a program that several files, tests or processes
+# build (the same tiny `meshlm train` config, two processes of a multi-process run, a step rebuilt after
+# jax.clear_caches()) compiles once per run. The controller makes it empty and removes it at exit, so every
+# run is cold; a user's own JAX_COMPILATION_CACHE_DIR is not used. Entries are written under the cache's
+# file lock (a max size turns it on), so a worker never reads another's half-written entry. Only programs
+# that took at least 1 s to compile are written: the rest cost less to compile than to store.
+# Measured, docs/test-durations.md: the files that start `meshlm train` subprocesses, -n 0, 97 s of XLA
+# compile in the pytest process without the cache and 55 s with it (146 -> 125 s user CPU in all).
+# MESHLM_TEST_COMPILE_CACHE=off runs without it (every process compiles everything itself).
+COMPILE_CACHE = {}
+if os.environ.get("MESHLM_TEST_COMPILE_CACHE") != "off":
+  if "MESHLM_TEST_COMPILE_CACHE" not in os.environ:
+    os.environ["MESHLM_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="meshlm-test-compile-cache-")
+    atexit.register(shutil.rmtree, os.environ["MESHLM_TEST_COMPILE_CACHE"], True)
+  COMPILE_CACHE = {"jax_compilation_cache_dir": os.environ["MESHLM_TEST_COMPILE_CACHE"],
+                   "jax_persistent_cache_min_compile_time_secs": 1.0, "jax_persistent_cache_min_entry_size_bytes": 0,
+                   "jax_compilation_cache_max_size": 16 << 30}
+  os.environ.update({k.upper(): str(v) for k, v in COMPILE_CACHE.items()})
+
 import jax  # noqa: E402
 
+for _key, _value in COMPILE_CACHE.items():  # also when jax was imported before this file
+  jax.config.update(_key, _value)
 jax.config.update("jax_num_cpu_devices", 8)
 # Start the backend now: a later cpu_devices=N in some test's config must find it running (and then
 # only checks the count) rather than set the device count for every test after it.
