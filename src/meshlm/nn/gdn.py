@@ -94,6 +94,7 @@ from functools import partial  # noqa: E402
 from meshlm.errors import ConfigError  # noqa: E402
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
+DEFAULT_INVERSE = "right_looking"
 _HI = jax.lax.Precision.HIGHEST  # float32 matmuls on every backend (TPU's default would round to bf16)
 
 
@@ -226,13 +227,11 @@ class _Chunks:
     causal_WW = jnp.tri(W, dtype=bool)
     # The gate cumsum, restarted at each segment start inside the chunk: gamma_i = sum of g from i's
     # segment's first position in the chunk to i.
-    cum_UBWN = jnp.cumsum(g, axis=2)
-    first_UBW = jax.lax.cummax(jnp.where(start_UBW | (jnp.arange(W) == 0), jnp.arange(W), 0), axis=2)
-    before_UBWN = jnp.take_along_axis(cum_UBWN - g, first_UBW[..., None], axis=2)
-    gamma = jnp.moveaxis(cum_UBWN - before_UBWN, 3, 2)  # [U, B, N, W]
+    # segment's first position in the chunk to i. A masked [W, W] matmul: its backward is one too.
+    pair_UBWW = same_UBWW & causal_WW
+    gamma = _einsum("ubij,ubjn->ubni", pair_UBWW.astype(f32), g)  # [U, B, N, W]
     last_UBW = seg_UBW == seg_UBW[:, :, -1:]  # positions in the chunk's last segment
 
-    pair_UBWW = same_UBWW & causal_WW
     diff_UBNWW = gamma[..., :, None] - gamma[..., None, :]
     decay_UBNWW = jnp.where(pair_UBWW[:, :, None], jnp.exp(jnp.where(pair_UBWW[:, :, None], diff_UBNWW, 0.0)), 0.0)
     beta_UBNW = jnp.moveaxis(beta, 3, 2)
@@ -244,11 +243,11 @@ class _Chunks:
     self.w_UBNWH = _einsum("ubnij,ubjnh->ubnih", t_UBNWW,
                            jnp.moveaxis(beta_UBNW * carry_decay_UBNW, 2, 3)[..., None] * k)
     self.p_UBNWW = _einsum("ubinh,ubjnh->ubnij", q, k) * decay_UBNWW
-    self.q_UBWNH = jnp.moveaxis(carry_decay_UBNW, 2, 3)[..., None] * q  # [U, B, W, N, H]
+    self.q_UBNWH = carry_decay_UBNW[..., None] * jnp.moveaxis(q, 3, 2)
     gamma_last = gamma[..., -1:]
     to_last_UBNW = jnp.where(last_UBW[:, :, None], jnp.exp(jnp.where(last_UBW[:, :, None], gamma_last - gamma, 0.0)),
                              0.0)
-    self.k_UBWNH = jnp.moveaxis(to_last_UBNW, 2, 3)[..., None] * k
+    self.k_UBNWH = to_last_UBNW[..., None] * jnp.moveaxis(k, 3, 2)
     self.decay_UBN = carry_decay_UBNW[..., -1]  # the incoming state's decay over the whole chunk (0: reset)
     self.shape = (B, T, N, J, U, W)
 
@@ -256,13 +255,13 @@ class _Chunks:
 def _chunk_step(S_BNHJ, c):
   u, w, p, qd, kd, dec = c
   delta_BNWJ = u - _einsum("bnwh,bnhj->bnwj", w, S_BNHJ)
-  o_BWNJ = _einsum("bwnh,bnhj->bwnj", qd, S_BNHJ) + _einsum("bnij,bnjd->bind", p, delta_BNWJ)
-  S_BNHJ = dec[..., None, None] * S_BNHJ + _einsum("bwnh,bnwj->bnhj", kd, delta_BNWJ)
-  return S_BNHJ, o_BWNJ
+  o_BNWJ = _einsum("bnwh,bnhj->bnwj", qd, S_BNHJ) + _einsum("bnij,bnjd->bnid", p, delta_BNWJ)
+  S_BNHJ = dec[..., None, None] * S_BNHJ + _einsum("bnwh,bnwj->bnhj", kd, delta_BNWJ)
+  return S_BNHJ, o_BNWJ
 
 
 def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
-                             initial_state_BNHJ=None, chunk_size=64, inverse="right_looking"):
+                             initial_state_BNHJ=None, chunk_size=64, inverse=DEFAULT_INVERSE):
   """The gated delta rule in chunks of `chunk_size` positions (the WY form), the reference's contract and
   return: (o [B, T, N, J] in v's dtype, final state [B, N, H, J] float32). Any T (the last chunk is
   padded inside the call); packed documents reset inside a chunk, with no padding to chunk multiples."""
@@ -275,8 +274,11 @@ def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment
     c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT, chunk_size, inverse)
     U, W = c.shape[4:]
     S = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
-    S, o_UBWNJ = jax.lax.scan(_chunk_step, S, (c.u_UBNWJ, c.w_UBNWH, c.p_UBNWW, c.q_UBWNH, c.k_UBWNH, c.decay_UBN))
-    o_BTNJ = jnp.moveaxis(o_UBWNJ, 0, 1).reshape(B, U * W, N, J)[:, :T]
+    # The step is rematerialized: the backward keeps only the state entering each chunk (the chunk states)
+    # and recomputes delta, so the forward stacks no per-chunk residual beyond the states and o.
+    step = jax.checkpoint(_chunk_step, prevent_cse=False)
+    S, o_UBNWJ = jax.lax.scan(step, S, (c.u_UBNWJ, c.w_UBNWH, c.p_UBNWW, c.q_UBNWH, c.k_UBNWH, c.decay_UBN))
+    o_BTNJ = jnp.transpose(o_UBNWJ, (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :T]
   return o_BTNJ.astype(v_BTNJ.dtype), S
 
 
