@@ -4,6 +4,8 @@ the refusals. Float32 throughout; tiny shapes, one jit per shape config (module-
 from __future__ import annotations
 
 import functools
+import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -277,3 +279,54 @@ def test_inverse_backward_matches_autodiff_of_solve_triangular():
   theirs = jax.grad(lambda a: jnp.sum(c * gdn._inverse_solve_triangular(a)))(a)
   theirs = jnp.tril(theirs, -1)  # A's upper part and diagonal are not free
   assert rel_err(ours, theirs) < RULE_RTOL
+
+
+# ------------------------------------------------------------------------------ no layout copies
+
+def _computations(hlo: str) -> dict[str, str]:
+  return {m.group(1): m.group(2) for m in re.finditer(r"\n(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+
+
+def _loop_copies(hlo: str) -> dict[str, Counter]:
+  """Per while body: the copy and transpose ops in it and in the fusions it calls. Keyed "forward" or
+  "backward" by the body's op names (JAX names the backward's ops transpose(jvp(...)))."""
+  comps = _computations(hlo)
+  out = {}
+  for body in re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo):
+    kind = "backward" if "transpose(jvp(" in comps[body] else "forward"
+    count, seen, stack = Counter(), set(), [body]
+    while stack:
+      name = stack.pop()
+      if name in seen or name not in comps:
+        continue
+      seen.add(name)
+      for line in comps[name].split("\n"):
+        op = re.search(r"= [^ ]+ ([\w\-]+)\(", line)
+        if op and op.group(1) in ("copy", "transpose"):
+          count[op.group(1)] += 1
+        stack += re.findall(r"calls=%?([\w.\-]+)", line)
+    out[kind] = count
+  return out
+
+
+def test_no_layout_copies_of_the_chunk_states():
+  # Forward + backward at a small shape (U = 8 chunks of 32, N = 4, H = J = 16). What the compiled HLO
+  # holds (XLA:CPU, jax 0.12): the forward loop copies only its carry (the state and the counter, as
+  # every while loop does) and transposes nothing; the backward loop's 3 transposes are of [B, N, W, J]
+  # cotangents of delta (XLA's dot emits [J, W]), fused into the adds that sum them; the stacked chunk
+  # states [U, B, N, J, H] and their cotangent are never copied or transposed.
+  T, W = 256, 32
+  (q, k, v, g, beta, s0), (co, cs) = rule_inputs(T, b=1, k_heads=2, n=4, h=16, j=16)
+
+  def loss(q, k, v, g, beta, s0):
+    o, S = gdn.gated_delta_rule_chunked(q, k, v, g, beta, segment_ids_BT=jnp.ones((1, T), jnp.int32),
+                                        initial_state_BNHJ=s0, chunk_size=W)
+    return jnp.sum(co[:1] * o) + jnp.sum(cs[:1] * S)
+  hlo = jax.jit(jax.grad(loss, argnums=range(6))).lower(q, k, v, g, beta, s0).compile().as_text()
+  loops = _loop_copies(hlo)
+  assert set(loops) == {"forward", "backward"}, loops
+  assert loops["forward"] == Counter(copy=2), loops
+  assert loops["backward"]["transpose"] <= 3, loops
+  states = r"f32\[8,1,4,16,16\]\{[^}]*\}"
+  moved = re.findall(rf"%[\w.\-]*(?:copy|transpose)[\w.\-]* = {states}|= {states} (?:copy|transpose)\(", hlo)
+  assert not moved, moved

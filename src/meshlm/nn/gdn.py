@@ -253,27 +253,32 @@ class _Chunks:
     self.shape = (B, T, N, J, U, W)
     self._q, self._k, self._decay, self._carry_decay = q, k, decay_UBNWW, carry_decay_UBNW
 
-  def outputs(self, S_in_UBNHJ):
+  def outputs(self, St_in_UBNJH):
     """o [U, B, N, W, J] from the state entering each chunk: o = (c exp(gamma) q - P w) S_in + P u, with
     P = tril(q k^T * decay). All chunks at once, outside the scan."""
     p_UBNWW = _einsum("ubnih,ubnjh->ubnij", self._q, self._k) * self._decay
     q_UBNWH = self._carry_decay[..., None] * self._q
     q_UBNWH = q_UBNWH - _einsum("ubnij,ubnjh->ubnih", p_UBNWW, self.w_UBNWH)
-    return _einsum("ubnwh,ubnhj->ubnwj", q_UBNWH, S_in_UBNHJ) + _einsum("ubnij,ubnjd->ubnid", p_UBNWW, self.u_UBNWJ)
+    return _einsum("ubnwh,ubnjh->ubnwj", q_UBNWH, St_in_UBNJH) + _einsum("ubnij,ubnjd->ubnid", p_UBNWW, self.u_UBNWJ)
 
 
-def _state_step(S_BNHJ, c, *, keep):
-  """One chunk: S -> dec S + kd^T (u - w S). Emits the state entering the chunk when `keep`."""
+def _state_step(St_BNJH, c, *, keep):
+  """One chunk: S -> dec S + kd^T (u - w S), on the state transposed (St = S^T [B, N, J, H]). Emits the
+  state entering the chunk when `keep`."""
   u, w, kd, dec = c
-  delta_BNWJ = u - _einsum("bnwh,bnhj->bnwj", w, S_BNHJ)
-  S_next = dec[..., None, None] * S_BNHJ + _einsum("bnwh,bnwj->bnhj", kd, delta_BNWJ)
-  return S_next, (S_BNHJ if keep else None)
+  delta_BNWJ = u - _einsum("bnwh,bnjh->bnwj", w, St_BNJH)
+  St_next = dec[..., None, None] * St_BNJH + _einsum("bnwj,bnwh->bnjh", delta_BNWJ, kd)
+  return St_next, (St_BNJH if keep else None)
 
 
 def _chunk_states(c: _Chunks, S_BNHJ, *, keep: bool):
-  """The scan over chunks: (final state, the states entering each chunk [U, B, N, H, J] or None)."""
+  """The scan over chunks: (final state [B, N, H, J], the states entering each chunk, transposed,
+  [U, B, N, J, H], or None). Inside, the state is kept as S^T: every product then comes out of XLA's dot
+  in the layout it is stored in, forward and backward, so neither the chunk states nor their cotangent
+  are transposed (with S [H, J] the cotangent of the chunk states was copied once into its layout)."""
   xs = (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN)
-  return jax.lax.scan(partial(_state_step, keep=keep), S_BNHJ, xs)
+  St, St_in = jax.lax.scan(partial(_state_step, keep=keep), jnp.swapaxes(S_BNHJ, -1, -2), xs)
+  return jnp.swapaxes(St, -1, -2), St_in
 
 
 def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
@@ -292,8 +297,8 @@ def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment
     S = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
     # Only the state recurrence is sequential; the scan emits the chunk states (which its backward needs
     # anyway) and the outputs are one batched product after it.
-    S, S_in_UBNHJ = _chunk_states(c, S, keep=True)
-    o_UBNWJ = c.outputs(S_in_UBNHJ)
+    S, St_in_UBNJH = _chunk_states(c, S, keep=True)
+    o_UBNWJ = c.outputs(St_in_UBNJH)
     o_BTNJ = jnp.transpose(o_UBNWJ, (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :T]
   return o_BTNJ.astype(v_BTNJ.dtype), S
 
