@@ -134,15 +134,12 @@ def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: fl
   return (y * w_J.astype(jnp.float32) * jax.nn.silu(z_BTNJ.astype(jnp.float32))).astype(z_BTNJ.dtype)
 
 
-def delta_rule(m: ModelConfig):
-  """The gated delta rule model.gdn_impl names: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=)."""
-  if m.gdn_impl == "reference":
-    return rule.gated_delta_rule_reference
-  chunked = getattr(rule, "gated_delta_rule_chunked", None)
-  if chunked is None:
-    raise NotImplementedError("model.gdn_impl=chunked: nn/gdn.py has no gated_delta_rule_chunked yet; "
-                              "use model.gdn_impl=reference")
-  return functools.partial(chunked, chunk_size=m.gdn_chunk_size)
+def delta_rule(m: ModelConfig, mode: str = "train"):
+  """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
+  prefill use model.gdn_impl (chunked, chunk model.gdn_chunk_size, or the reference recurrence); a decode step
+  is one step of the recurrence."""
+  impl = "reference" if mode == "decode" else m.gdn_impl
+  return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
 
 
 def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, lengths, state):
@@ -168,7 +165,7 @@ def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, l
     real = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
   with jax.named_scope("delta_rule"):
-    o, final = delta_rule(m)(q, k, v, g, beta, segment_ids_BT=segment_ids,
+    o, final = delta_rule(m, mode)(q, k, v, g, beta, segment_ids_BT=segment_ids,
                              initial_state_BNHJ=state["recurrent"] if decode else None)
   with jax.named_scope("norm"):
     o = gated_rms_norm(w["norm"], o, z, m.norm_eps)  # [B, T, N, J]
