@@ -85,18 +85,18 @@ def forward_and_grads(preset: str):
 
 def test_short_conv_matches_its_definition_with_segments_history_and_left_padding():
   rng = np.random.default_rng(0)
-  B, L, C, W = 3, 13, 5, 4
-  x = rng.standard_normal((B, L, C)).astype(np.float32)
-  w = rng.standard_normal((W, C)).astype(np.float32)
+  B, n, C, Q = 3, 13, 5, 4
+  x = rng.standard_normal((B, n, C)).astype(np.float32)
+  w = rng.standard_normal((Q, C)).astype(np.float32)
   # Row 0: one document; row 1: three documents (one of length 1); row 2: left-padded (id 0) then a document.
-  seg = np.array([[1] * L, [1] * 4 + [2] + [3] * 8, [0] * 5 + [1] * 8], np.int32)
+  seg = np.array([[1] * n, [1] * 4 + [2] + [3] * 8, [0] * 5 + [1] * 8], np.int32)
   got = np.asarray(causal_conv(jnp.asarray(x), jnp.asarray(w), segment_ids_BT=jnp.asarray(seg)))
   np.testing.assert_allclose(got, causal_conv_reference(x, w, segment_ids_BT=seg), atol=1e-5)
   # The left-padded row's first real token reads no padding: its output is its own tap alone.
-  np.testing.assert_allclose(got[2, 5], x[2, 5] * w[W - 1], atol=1e-6)
-  hist = rng.standard_normal((B, W - 1, C)).astype(np.float32)
-  got = np.asarray(causal_conv(jnp.asarray(x), jnp.asarray(w), history_BSC=jnp.asarray(hist)))
-  np.testing.assert_allclose(got, causal_conv_reference(x, w, history_BSC=hist), atol=1e-5)
+  np.testing.assert_allclose(got[2, 5], x[2, 5] * w[Q - 1], atol=1e-6)
+  hist = rng.standard_normal((B, Q - 1, C)).astype(np.float32)
+  got = np.asarray(causal_conv(jnp.asarray(x), jnp.asarray(w), history=jnp.asarray(hist)))
+  np.testing.assert_allclose(got, causal_conv_reference(x, w, history=hist), atol=1e-5)
   # Control: without the segment ids the packed rows read across their boundaries.
   leaky = np.asarray(causal_conv(jnp.asarray(x), jnp.asarray(w)))
   assert np.abs(leaky[1:] - causal_conv_reference(x, w, segment_ids_BT=seg)[1:]).max() > 1e-2
@@ -128,7 +128,7 @@ def test_fused_layout_equals_separate_layout_reshaped_as_documented():
   the gdn module docstring says, give the same mixer output: the layouts the HF maps rely on."""
   cfg, _ = setup("qwen3.5-tiny")
   m = cfg.model
-  K, N, G, H, J, W = gdn_mixer.dims(m)
+  K, N, G, H, J, _ = gdn_mixer.dims(m)
   D = m.embed_dim
   fused = S.init_tree(gdn_mixer.spec(m, fused=True), jax.random.key(1), jnp.float32)
   fused = dict(fused, A_log=jnp.linspace(-1, 1, N), dt_bias=jnp.linspace(0.5, 1.5, N))
@@ -156,14 +156,14 @@ def mixer_setup(impl: str):
   chunk and on a chunk edge, a ragged last chunk) holding up to three documents and padding."""
   cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=1", f"model.gdn_impl={impl}")
   m = cfg.model
-  L = 150
+  n = 150
   params = S.init_tree(gdn_mixer.spec(m, fused=True), jax.random.key(3), jnp.float32)
   params = dict(params, A_log=jnp.linspace(-1.0, 1.0, m.linear_num_value_heads))
-  x = jax.random.normal(jax.random.key(4), (2, L, m.embed_dim))
-  seg = np.ones((2, L), np.int32)
+  x = jax.random.normal(jax.random.key(4), (2, n, m.embed_dim))
+  seg = np.ones((2, n), np.int32)
   seg[0, 40:], seg[0, 64:], seg[0, 140:] = 2, 3, 0
   seg[1, 100:] = 2
-  return cfg, params, x, jnp.broadcast_to(jnp.arange(L), (2, L)), jnp.asarray(seg)
+  return cfg, params, x, jnp.broadcast_to(jnp.arange(n), (2, n)), jnp.asarray(seg)
 
 
 def mixer_grads(impl: str):
