@@ -16,7 +16,6 @@ import pytest
 import meshlm
 from meshlm import spec as S
 from meshlm.config import load_config
-from meshlm.errors import ConfigError
 from meshlm.models import decoder, generate as G, registry
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.models.mixers.gated_gqa import partial_rope

@@ -142,15 +142,15 @@ def delta_rule(m: ModelConfig, mode: str = "train"):
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
 
 
-def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, lengths, state):
+def core(m: ModelConfig, mode: str, dense, qkv_BTC, z_BTNJ, b_BTN, a_BTN, w: dict, segment_ids_BT, lengths_B, state):
   """conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final state or None).
   w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype); state: the decode state or None."""
-  dt = qkv.dtype
-  B, T, _ = qkv.shape
+  dt = qkv_BTC.dtype
+  B, T, _ = qkv_BTC.shape
   K, N, G, H, J, Q = dims(m)
   decode = mode == "decode"
   with jax.named_scope("conv1d"):
-    mixed = causal_conv(qkv, w["conv1d"], segment_ids_BT=segment_ids, history=state["conv"] if decode else None)
+    mixed = causal_conv(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT, history=state["conv"] if decode else None)
     mixed = jax.nn.silu(mixed.astype(jnp.float32))
   q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
   k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
@@ -158,25 +158,25 @@ def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, l
   q = rule.l2_normalize(q) * (H ** -0.5)
   k = rule.l2_normalize(k)
   f32 = jnp.float32
-  beta = jax.nn.sigmoid(b.astype(f32))  # [B, T, N]
-  g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + w["dt_bias"].astype(f32))
+  beta = jax.nn.sigmoid(b_BTN.astype(f32))  # [B, T, N]
+  g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a_BTN.astype(f32) + w["dt_bias"].astype(f32))
   if mode == "prefill":
     # Right-padded rows: a padded position neither decays nor writes, so the final state is the last real one's.
-    real = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+    real = (jnp.arange(T)[None, :] < lengths_B[:, None])[..., None]  # [B, T, 1]
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
   with jax.named_scope("delta_rule"):
-    o, final = delta_rule(m, mode)(q, k, v, g, beta, segment_ids_BT=segment_ids,
-                             initial_state_BNHJ=state["recurrent"] if decode else None)
+    o, final = delta_rule(m, mode)(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
+                                   initial_state_BNHJ=state["recurrent"] if decode else None)
   with jax.named_scope("norm"):
-    o = gated_rms_norm(w["norm"], o, z, m.norm_eps)  # [B, T, N, J]
+    o = gated_rms_norm(w["norm"], o, z_BTNJ, m.norm_eps)  # [B, T, N, J]
   with jax.named_scope("out_proj"):
     y = dense(o, w["out_proj"], "btnj,njd->btd", OUT)
   if mode == "train":
     return y, None, None
   if decode:
-    window = jnp.concatenate([state["conv"].astype(dt), qkv], axis=1)[:, 1:]  # [B, Q - 1, C]
+    window = jnp.concatenate([state["conv"].astype(dt), qkv_BTC], axis=1)[:, 1:]  # [B, Q - 1, C]
   else:
-    window = window_at(qkv, lengths, Q - 1)
+    window = window_at(qkv_BTC, lengths_B, Q - 1)
   return y, window, final
 
 
@@ -186,7 +186,6 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
   m = ctx.model
   dt = x_BTD.dtype
   B, T, _ = x_BTD.shape
-  K, N, G, H, J, Q = dims(m)
   here = ctx.here
   qkv, z, b, a = project(p, x_BTD, ctx, fused=fused)
   w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
