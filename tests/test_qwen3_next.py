@@ -165,6 +165,7 @@ def mixer_setup(impl: str):
   return cfg, params, x, jnp.broadcast_to(jnp.arange(n), (2, n)), jnp.asarray(seg)
 
 
+@functools.cache
 def mixer_grads(impl: str):
   """(y, gradients wrt the mixer's parameters and x) in training."""
   cfg, params, x, pos, seg = mixer_setup(impl)
@@ -188,6 +189,43 @@ def test_gdn_mixer_chunked_equals_reference_outputs_and_gradients():
   ctx = decoder.context(cfg, pos)
   y_leak = np.asarray(jax.jit(lambda p, x: gdn_mixer.apply(p, x, ctx, fused=True)[0])(params, x))
   assert np.abs(y_leak - y_r).max() > LEAK
+
+
+@functools.cache
+def mixer_sharded(mode: str):
+  """(y, loss, gradients) of the fused (qwen3-next) gdn mixer on fsdp=2 under shard_mode=mode, its parameters
+  and input placed on their shardings: the fused layout regroups batch-sharded rows, which explicit sharding
+  refuses outside the mixer's auto-axes region."""
+  from jax.sharding import NamedSharding
+  from meshlm.parallel.mesh import make_mesh
+  from meshlm.parallel.sharding import ACT, logical_spec
+  cfg, params, x, pos, seg = mixer_setup("chunked")
+  cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=2", "mesh.fsdp=2",
+                    f"shard_mode={mode}")
+  mesh = make_mesh(cfg)
+  specs = gdn_mixer.spec(cfg.model, fused=True)
+  params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh))),
+                        params, specs, is_leaf=lambda v: isinstance(v, S.ParamSpec))
+  x = jax.device_put(x, NamedSharding(mesh, logical_spec(ACT, x.shape, mesh)))
+  with jax.set_mesh(mesh):
+    ctx = decoder.context(cfg, pos, seg)
+
+    def loss(p, x):
+      y, _, _ = gdn_mixer.apply(p, x, ctx, fused=True)
+      return jnp.sum(jnp.sin(y)), y
+    (value, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  return np.asarray(y), float(value), jax.tree.map(np.asarray, grads)
+
+
+def test_fused_gdn_mixer_explicit_equals_auto_on_fsdp2():
+  y_e, l_e, g_e = mixer_sharded("explicit")
+  y_a, l_a, g_a = mixer_sharded("auto")
+  np.testing.assert_allclose(y_e, y_a, atol=1e-5, rtol=0)
+  assert abs(l_e - l_a) < 1e-4
+  for a, b in zip(jax.tree.leaves(g_e), jax.tree.leaves(g_a)):
+    np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, np.abs(b).max()), rtol=0)
+  y_r, _ = mixer_grads("reference")  # and both are the unsharded mixer
+  np.testing.assert_allclose(y_e, y_r, atol=1e-5, rtol=0)
 
 
 # --- the whole model: forward, gradients, packed documents ------------------------------------------

@@ -97,34 +97,41 @@ def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
           "recurrent": StateLeaf((batch, N, H, J), ("batch", None, None, None), commit="replace")}
 
 
-def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool):
-  """(q|k|v [B, T, C] before the conv, z [B, T, N, J], b [B, T, N], a [B, T, N]) through ctx.dense."""
-  m = ctx.model
+def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool) -> tuple[jax.Array, ...]:
+  """The projections through ctx.dense, as the kernels store them: fused (in_proj_qkvz [B, T, K, 2H + 2GJ],
+  in_proj_ba [B, T, K, 2G]) or separate (q|k|v [B, T, C], z [B, T, N, J], b [B, T, N], a [B, T, N])."""
   dt = x_BTD.dtype
   dense = ctx.dense
-  B, T, _ = x_BTD.shape
-  K, N, G, H, J, Q = dims(m)
-  if not fused:
-    with jax.named_scope("in_proj_qkv"):
-      qkv = dense(x_BTD, p["in_proj_qkv"].astype(dt), "btd,dc->btc", ROWS)
-    with jax.named_scope("in_proj_z"):
-      z = dense(x_BTD, p["in_proj_z"].astype(dt), "btd,dnj->btnj", ROWS + (None,))
-    with jax.named_scope("in_proj_b"):
-      b = dense(x_BTD, p["in_proj_b"].astype(dt), "btd,dn->btn", ROWS)
-    with jax.named_scope("in_proj_a"):
-      a = dense(x_BTD, p["in_proj_a"].astype(dt), "btd,dn->btn", ROWS)
-    return qkv, z, b, a
-  with jax.named_scope("in_proj_qkvz"):
-    qkvz = dense(x_BTD, p["in_proj_qkvz"].astype(dt), "btd,dke->btke", ROWS + (None,))  # [B, T, K, 2H + 2GJ]
-  with jax.named_scope("in_proj_ba"):
-    ba = dense(x_BTD, p["in_proj_ba"].astype(dt), "btd,dke->btke", ROWS + (None,))  # [B, T, K, 2G]
+  if fused:
+    with jax.named_scope("in_proj_qkvz"):
+      qkvz = dense(x_BTD, p["in_proj_qkvz"].astype(dt), "btd,dke->btke", ROWS + (None,))
+    with jax.named_scope("in_proj_ba"):
+      ba = dense(x_BTD, p["in_proj_ba"].astype(dt), "btd,dke->btke", ROWS + (None,))
+    return qkvz, ba
+  with jax.named_scope("in_proj_qkv"):
+    qkv = dense(x_BTD, p["in_proj_qkv"].astype(dt), "btd,dc->btc", ROWS)
+  with jax.named_scope("in_proj_z"):
+    z = dense(x_BTD, p["in_proj_z"].astype(dt), "btd,dnj->btnj", ROWS + (None,))
+  with jax.named_scope("in_proj_b"):
+    b = dense(x_BTD, p["in_proj_b"].astype(dt), "btd,dn->btn", ROWS)
+  with jax.named_scope("in_proj_a"):
+    a = dense(x_BTD, p["in_proj_a"].astype(dt), "btd,dn->btn", ROWS)
+  return qkv, z, b, a
+
+
+def split(m: ModelConfig, proj: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(q|k|v [B, T, C] before the conv, z [B, T, N, J], b [B, T, N], a [B, T, N]) from either layout: the fused
+  one regrouped from per key head (q | k | v | z and b | a) into q all | k all | v all, value head n = k*G + g."""
+  if len(proj) == 4:
+    return proj
+  qkvz, ba = proj
+  B, T = qkvz.shape[:2]
+  K, N, G, H, J, _ = dims(m)
   q, k = qkvz[..., :H], qkvz[..., H:2 * H]  # [B, T, K, H]
   v = jnp.reshape(qkvz[..., 2 * H:2 * H + G * J], (B, T, N * J))
   z = jnp.reshape(qkvz[..., 2 * H + G * J:], (B, T, N, J))
   qkv = jnp.concatenate([jnp.reshape(q, (B, T, K * H)), jnp.reshape(k, (B, T, K * H)), v], axis=-1)
-  b = jnp.reshape(ba[..., :G], (B, T, N))
-  a = jnp.reshape(ba[..., G:], (B, T, N))
-  return qkv, z, b, a
+  return qkv, z, jnp.reshape(ba[..., :G], (B, T, N)), jnp.reshape(ba[..., G:], (B, T, N))
 
 
 def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: float) -> jax.Array:
@@ -142,9 +149,11 @@ def delta_rule(m: ModelConfig, mode: str = "train"):
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
 
 
-def core(m: ModelConfig, mode: str, dense, qkv_BTC, z_BTNJ, b_BTN, a_BTN, w: dict, segment_ids_BT, lengths_B, state):
-  """conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final state or None).
-  w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype); state: the decode state or None."""
+def core(m: ModelConfig, mode: str, dense, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
+  """split -> conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final
+  state or None). proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype);
+  state: the decode state or None."""
+  qkv_BTC, z_BTNJ, b_BTN, a_BTN = split(m, proj)
   dt = qkv_BTC.dtype
   B, T, _ = qkv_BTC.shape
   K, N, G, H, J, Q = dims(m)
@@ -187,23 +196,24 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
   dt = x_BTD.dtype
   B, T, _ = x_BTD.shape
   here = ctx.here
-  qkv, z, b, a = project(p, x_BTD, ctx, fused=fused)
+  proj = project(p, x_BTD, ctx, fused=fused)
   w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
        "out_proj": p["out_proj"].astype(dt)}
   segment_ids = here.segment_ids if ctx.mode == "train" else None
   lengths = here.lengths if ctx.mode == "prefill" else None
   fn = functools.partial(core, m, ctx.mode, ctx.dense)
-  # The conv, the rule and the norm run in one auto-axes region (as gqa's attention core): under explicit
-  # sharding their elementwise, scan and reshape steps would otherwise each need a sharding decision.
+  # The split, the conv, the rule and the norm run in one auto-axes region (as gqa's attention core): under
+  # explicit sharding their reshapes of batch-sharded rows (the fused layout's regrouping), scans and elementwise
+  # steps would otherwise each need a sharding decision.
   out_y = (OUT, (B, T, m.embed_dim))
   if ctx.mode == "train":
     region = auto_region_many(lambda *args: fn(*args)[:1], (out_y,))
-    (y,) = region(qkv, z, b, a, w, segment_ids, lengths, None)
+    (y,) = region(proj, w, segment_ids, lengths, None)
     return y, None, {}
   leaves = state_spec(m, B, 0)
   region = auto_region_many(fn, (out_y, (leaves["conv"].axes, leaves["conv"].shape),
                                  (leaves["recurrent"].axes, leaves["recurrent"].shape)))
-  y, window, final = region(qkv, z, b, a, w, segment_ids, lengths, state)
+  y, window, final = region(proj, w, segment_ids, lengths, state)
   return y, {"conv": window, "recurrent": final}, {}
 
 
