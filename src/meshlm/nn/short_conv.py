@@ -31,10 +31,9 @@ def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, *, segment_ids_BT: jax.Array 
   w = w_WC.astype(f32)
   S = W - 1
   if history_BSC is None:
-    past = jnp.zeros((B, S, C), f32)
+    full = jnp.pad(xf, ((0, 0), (S, 0), (0, 0)))  # [B, S + T, C]: position t sits at S + t
   else:
-    past = history_BSC.astype(f32)
-  full = jnp.concatenate([past, xf], axis=1)  # [B, S + T, C]: position t sits at S + t
+    full = jnp.concatenate([history_BSC.astype(f32), xf], axis=1)
   y = xf * w[S]
   for d in range(1, W):  # tap W - 1 - d reads position t - d
     shifted = jax.lax.slice_in_dim(full, S - d, S - d + T, axis=1)  # [B, T, C]

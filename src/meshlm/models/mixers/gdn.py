@@ -52,6 +52,7 @@ from meshlm import spec as S
 from meshlm.models.family import Part, StateLeaf
 from meshlm.nn import gdn as rule
 from meshlm.nn.short_conv import causal_conv, window_at
+from meshlm.parallel.sharding import auto_region_many
 
 KEY = "linear_attn"
 OUT = ("batch", "length", "act_embed")
@@ -144,6 +145,44 @@ def delta_rule(m: ModelConfig):
   return functools.partial(chunked, chunk_size=m.gdn_chunk_size)
 
 
+def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, lengths, state):
+  """conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final state or None).
+  w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype); state: the decode state or None."""
+  dt = qkv.dtype
+  B, T, _ = qkv.shape
+  K, N, G, H, J, W = dims(m)
+  decode = mode == "decode"
+  with jax.named_scope("conv1d"):
+    mixed = causal_conv(qkv, w["conv1d"], segment_ids_BT=segment_ids, history_BSC=state["conv"] if decode else None)
+    mixed = jax.nn.silu(mixed.astype(jnp.float32))
+  q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
+  k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
+  v = jnp.reshape(mixed[..., 2 * K * H:], (B, T, N, J)).astype(dt)
+  q = rule.l2_normalize(q) * (H ** -0.5)
+  k = rule.l2_normalize(k)
+  f32 = jnp.float32
+  beta = jax.nn.sigmoid(b.astype(f32))  # [B, T, N]
+  g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + w["dt_bias"].astype(f32))
+  if mode == "prefill":
+    # Right-padded rows: a padded position neither decays nor writes, so the final state is the last real one's.
+    real = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+    g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+  with jax.named_scope("delta_rule"):
+    o, final = delta_rule(m)(q, k, v, g, beta, segment_ids_BT=segment_ids,
+                             initial_state_BNHJ=state["recurrent"] if decode else None)
+  with jax.named_scope("norm"):
+    o = gated_rms_norm(w["norm"], o, z, m.norm_eps)  # [B, T, N, J]
+  with jax.named_scope("out_proj"):
+    y = dense(o, w["out_proj"], "btnj,njd->btd", OUT)
+  if mode == "train":
+    return y, None, None
+  if decode:
+    window = jnp.concatenate([state["conv"].astype(dt), qkv], axis=1)[:, 1:]  # [B, W - 1, C]
+  else:
+    window = window_at(qkv, lengths, W - 1)
+  return y, window, final
+
+
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: bool):
   """(y [B, T, D], update, {}). update: {"conv" [B, W - 1, C], "recurrent" [B, N, H, J]} in prefill and decode,
   None when training. state (decode): the layer's {"conv", "recurrent"}."""
@@ -153,37 +192,22 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
   K, N, G, H, J, W = dims(m)
   here = ctx.here
   qkv, z, b, a = project(p, x_BTD, ctx, fused=fused)
-  decode = ctx.mode == "decode"
+  w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
+       "out_proj": p["out_proj"].astype(dt)}
   segment_ids = here.segment_ids if ctx.mode == "train" else None
-  with jax.named_scope("conv1d"):
-    mixed = causal_conv(qkv, p["conv1d"], segment_ids_BT=segment_ids,
-                        history_BSC=state["conv"] if decode else None)
-    mixed = jax.nn.silu(mixed.astype(jnp.float32))
-  q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
-  k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
-  v = jnp.reshape(mixed[..., 2 * K * H:], (B, T, N, J)).astype(dt)
-  q = rule.l2_normalize(q) * (H ** -0.5)
-  k = rule.l2_normalize(k)
-  f32 = jnp.float32
-  beta = jax.nn.sigmoid(b.astype(f32))  # [B, T, N]
-  g = -jnp.exp(p["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + p["dt_bias"].astype(f32))
-  if ctx.mode == "prefill":
-    # Right-padded rows: a padded position neither decays nor writes, so the final state is the last real one's.
-    real = (jnp.arange(T)[None, :] < here.lengths[:, None])[..., None]  # [B, T, 1]
-    g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
-  with jax.named_scope("delta_rule"):
-    o, final = delta_rule(m)(q, k, v, g, beta, segment_ids_BT=segment_ids,
-                             initial_state_BNHJ=state["recurrent"] if decode else None)
-  with jax.named_scope("norm"):
-    o = gated_rms_norm(p["norm"], o, z, m.norm_eps)  # [B, T, N, J]
-  with jax.named_scope("out_proj"):
-    y = ctx.dense(o, p["out_proj"].astype(dt), "btnj,njd->btd", OUT)
+  lengths = here.lengths if ctx.mode == "prefill" else None
+  fn = functools.partial(core, m, ctx.mode, ctx.dense)
+  # The conv, the rule and the norm run in one auto-axes region (as gqa's attention core): under explicit
+  # sharding their elementwise, scan and reshape steps would otherwise each need a sharding decision.
+  out_y = (OUT, (B, T, m.embed_dim))
   if ctx.mode == "train":
+    region = auto_region_many(lambda *args: fn(*args)[:1], (out_y,))
+    (y,) = region(qkv, z, b, a, w, segment_ids, lengths, None)
     return y, None, {}
-  if decode:
-    window = jnp.concatenate([state["conv"].astype(qkv.dtype), qkv], axis=1)[:, 1:]  # [B, W - 1, C]
-  else:
-    window = window_at(qkv, here.lengths, W - 1)
+  leaves = state_spec(m, B, 0)
+  region = auto_region_many(fn, (out_y, (leaves["conv"].axes, leaves["conv"].shape),
+                                 (leaves["recurrent"].axes, leaves["recurrent"].shape)))
+  y, window, final = region(qkv, z, b, a, w, segment_ids, lengths, state)
   return y, {"conv": window, "recurrent": final}, {}
 
 
