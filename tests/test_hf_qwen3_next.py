@@ -259,3 +259,41 @@ def test_bad_fused_and_missing_experts_name_the_tensor(tmp_path):
   (src / "config.json").write_text((FIXTURES / "qwen3.5" / "config.json").read_text())
   with pytest.raises(ConfigError, match=re.escape("unexpected tensor model.visual2.w in model.safetensors")):
     hf.load(src, "cpu_devices=1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Other spellings of the same config, and exports of models that never came from Hugging Face
+
+def test_transformers_4_and_mrope_spellings_read_the_same_model(tmp_path):
+  """transformers 4's config.json (rope_theta and partial_rotary_factor at the top level, no rope_parameters, the
+  pattern as full_attention_interval without layer_types) and qwen3.5's MRoPE fields (mrope_section,
+  mrope_interleaved: plain RoPE for text) give the same model and the same numbers."""
+  cfg, params = hf.load(FIXTURES / "qwen3-next", *ONE)
+  src = copy_with_config("qwen3-next", tmp_path, rope_parameters=None, layer_types=None, rope_theta=1000.0,
+                         partial_rotary_factor=0.25, full_attention_interval=2)
+  cfg4, params4 = hf.load(src, *ONE)
+  assert cfg4.model.full_attention_interval == 2 and cfg4.model.hybrid_layer_types is None
+  assert cfg4.model.hybrid_types() == cfg.model.hybrid_types()
+  assert cfg4.model.model_copy(update={"full_attention_interval": None,
+                                       "hybrid_layer_types": cfg.model.hybrid_layer_types}) == cfg.model
+  assert_same_params(params4, params)
+  assert parity_error(cfg4, params4, "qwen3-next") <= GDN_TOL
+  rope = json.loads((FIXTURES / "qwen3.5" / "config.json").read_text())["rope_parameters"]
+  src = copy_with_config("qwen3.5", tmp_path, rope_parameters={**rope, "mrope_section": [1, 1, 0],
+                                                               "mrope_interleaved": True})
+  assert hf.load(src, *ONE)[0].model == hf.load(FIXTURES / "qwen3.5", *ONE)[0].model
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny"])
+def test_preset_export_round_trips(preset, tmp_path):
+  """A model initialized from a preset exports (config from full_attention_interval) and loads back bit for bit."""
+  from meshlm import load_config
+  from meshlm.models import decoder
+  cfg = load_config(f"model={preset}", "cpu_devices=1")
+  params = decoder.init_params(cfg, jax.random.key(0))
+  out = hf.save(cfg, params, tmp_path / "export")
+  written = json.loads((out / "config.json").read_text())
+  assert written["layer_types"] == list(cfg.model.hybrid_types())
+  cfg2, params2 = hf.load(out, "cpu_devices=1")
+  assert cfg2.model.hybrid_types() == cfg.model.hybrid_types()
+  assert_same_params(params2, params)
