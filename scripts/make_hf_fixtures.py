@@ -56,6 +56,11 @@ The export check: for every fixture (a fixture whose family meshlm has not regis
 convert`; transformers loads that export and must reproduce the reference logits exactly (the export
 holds the fixture's tensors bit for bit), with the fixture's token ids and generation config.
 
+The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny), randomly
+initialized by meshlm and never a Hugging Face model, is exported with `hf.save`; transformers loads it in float32
+and float64, and meshlm's float32 logits (T = 150) must be within 3x transformers' own float32 error of the
+float64 logits (with meshlm's init, these models' float32 noise is up to ~1.5e-5, above the fixtures' 1e-5).
+
 The fine-tune check (the README's "Fine-tuning a Hugging Face model in one command"): the llama fixture
 plus a small word-level tokenizer.json is fine-tuned for 5 steps by `meshlm train model=DIR`, the last
 checkpoint is exported with `meshlm convert meshlm-to-hf`, and transformers loads the export: its
@@ -364,6 +369,46 @@ tok.save(sys.argv[1])
 """
 
 
+MESHLM_PRESET_EXPORT = """
+import sys, numpy as np, jax
+from meshlm import forward, hf, load_config
+from meshlm.models import decoder
+cfg = load_config("model=" + sys.argv[1], "train.compute_dtype=float32", "cpu_devices=1")
+params = decoder.init_params(cfg, jax.random.key(0))
+hf.save(cfg, params, sys.argv[2])
+ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 150)).astype(np.int32)
+np.savez(sys.argv[3], input_ids=ids, logits=np.asarray(jax.jit(lambda p, x: forward(cfg, p, x))(params, ids)))
+"""
+# meshlm's float32 logits against transformers' float64 ones, as a multiple of transformers' own float32 error there.
+PRESET_FACTOR = 3.0
+
+
+def check_preset_export(preset: str, meshlm_python: str) -> tuple[float, float, list[str]]:
+  """A GDN preset that never came from Hugging Face (meshlm's random init, T = 150) exported by meshlm: transformers
+  loads it, and meshlm's logits are as close to transformers' float64 logits as transformers' float32 ones are
+  (PRESET_FACTOR). Returns (meshlm's rel err to float64, transformers float32's, problems)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    subprocess.run([meshlm_python, "-c", MESHLM_PRESET_EXPORT, preset, str(tmp / "hf"), str(tmp / "ref.npz")],
+                   check=True, cwd=ROOT, capture_output=True)
+    ref = np.load(tmp / "ref.npz")
+    ids = torch.from_numpy(ref["input_ids"]).long()
+    model_type = json.loads((tmp / "hf" / "config.json").read_text())["model_type"]
+    logits = {}
+    for dtype in (torch.float32, torch.float64):
+      kwargs = {**eager(model_type), "dtype": dtype}
+      model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf", **kwargs)
+      with torch.no_grad():
+        logits[dtype] = model(ids).logits.double().numpy()
+    ours = rel_err(ref["logits"].astype(np.float64), logits[torch.float64])
+    theirs = rel_err(logits[torch.float32], logits[torch.float64])
+    bad = [] if ours <= PRESET_FACTOR * max(theirs, 1e-7) else [f"meshlm is {ours / theirs:.1f}x further from float64"]
+    return ours, theirs, bad
+
+
+GDN_PRESETS = ("qwen3-next-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny")
+
+
 def check_finetune(meshlm_python: str, steps: int = 5) -> tuple[float, list[str]]:
   """`meshlm train model=<HF llama dir>` for a few steps, export, load in transformers."""
   src = OUT / "llama"
@@ -419,6 +464,12 @@ def main() -> int:
     print(f"export check {name:14s} rel err {err:.2e}  {'ok' if ok else 'FAIL'} {' '.join(bad)}")
     if not ok:
       failed.append(name)
+  for preset in GDN_PRESETS:
+    ours, theirs, bad = check_preset_export(preset, args.meshlm_python)
+    print(f"preset export check {preset}: rel err to transformers float64, meshlm {ours:.2e}, transformers float32 "
+          f"{theirs:.2e}  {'ok' if not bad else 'FAIL'} {' '.join(bad)}")
+    if bad:
+      failed.append(preset)
   err, bad = check_finetune(args.meshlm_python)
   ok = err <= 1e-5 and not bad
   print(f"fine-tune check (llama, 5 steps): transformers vs meshlm on the export, rel err {err:.2e}  "
