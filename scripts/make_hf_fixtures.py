@@ -54,7 +54,9 @@ Its reference is the multimodal model's own text-only forward.
 The export check: for every fixture (a fixture whose family meshlm has not registered fails), meshlm
 (run with the project venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm
 convert`; transformers loads that export and must reproduce the reference logits exactly (the export
-holds the fixture's tensors bit for bit), with the fixture's token ids and generation config.
+holds the fixture's tensors bit for bit), with the fixture's token ids and generation config. A multimodal
+fixture's export is its text model (Qwen3_5MoeForCausalLM, model.layers.*, one tensor per expert, no vision
+tower or mtp), which must reproduce the multimodal model's text-only logits exactly too.
 
 The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny), randomly
 initialized by meshlm and never a Hugging Face model, is exported with `hf.save`; transformers loads it in float32
