@@ -127,6 +127,14 @@ def test_fused_experts_give_the_per_expert_params(name, tmp_path, capsys):
   assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_fused_experts_load_sharded_over_experts():
+  """Under mesh.expert=5 each device reads its own expert's rows of the fused tensors: the same values."""
+  _, params = hf.load(FIXTURES / "qwen3.5-moe-vl", "cpu_devices=1")
+  _, sharded = hf.load(FIXTURES / "qwen3.5-moe-vl", "cpu_devices=5", "mesh.expert=5", "mesh.fsdp=1")
+  assert "expert" in str(sharded["layers"]["full_attn"]["moe"]["gate"].sharding.spec)
+  assert_same_params(sharded, params)
+
+
 def test_multimodal_fixture_skips_its_vision_tower_and_mtp_once(capsys):
   """qwen3.5-moe-vl as transformers wrote it (plus the mtp.* tensors of the Hub checkpoints): one notice line
   per load, counting every tensor not read; its fused experts equal their per-expert reading."""
