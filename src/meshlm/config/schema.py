@@ -97,8 +97,8 @@ class ModelConfig(_Strict):
   gdn_chunk_size: int = Field(default=64, gt=0, description="chunk length of the chunked gated delta rule (a power "
                               "of two)")
   gdn_impl: Literal["chunked", "reference"] = Field(
-      default="reference", description="the gated delta rule: chunked (WY form, a scan over chunks) or reference "
-      "(the naive recurrence, one position at a time)")
+      default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
+      "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
   # Which layers are linear attention: hybrid_layer_types (Hugging Face's layer_types, one entry per layer) or,
   # when that is null, every full_attention_interval-th layer full ((i + 1) % interval == 0), the rest linear.
   hybrid_layer_types: Optional[list[str]] = Field(

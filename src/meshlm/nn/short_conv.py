@@ -1,16 +1,16 @@
 """A short causal depthwise conv1d (Gated DeltaNet's conv over q|k|v), reset at document boundaries.
 
-Letters: W taps, C channels. The kernel w [W, C] has its last tap on the current position:
+Letters (docs/architecture.md): Q taps, C channels. The kernel w [Q, C] has its last tap on the current position:
 
-  y[t, c] = sum_{j < W} w[j, c] * x[t - (W - 1) + j, c]
+  y[t, c] = sum_{j < Q} w[j, c] * x[t - (Q - 1) + j, c]
 
 A tap that reads before the row's start (or, with a history, before the history) reads zero, and with
 segment ids a tap reads zero wherever its position lies in another segment than t: a packed document never
 reads another's tokens, and a left-padded row's first real token never reads its padding (segment id 0).
-This is Hugging Face's `Conv1d(groups=C, padding=W - 1)[..., :T]` with weight[c, 0, j] = w[j, c], no bias.
+This is Hugging Face's `Conv1d(groups=C, padding=Q - 1)[..., :T]` with weight[c, 0, j] = w[j, c], no bias.
 
-`history` [B, W - 1, C] (a decode step's window: the previous W - 1 inputs) enters before position 0.
-`window_at` gathers the W - 1 inputs ending at each row's last real token: the next decode step's window.
+`history` [B, Q - 1, C] (a decode step's window: the previous Q - 1 inputs) enters before position 0.
+`window_at` gathers the Q - 1 inputs ending at each row's last real token: the next decode step's window.
 Plain math with no sharding annotations of its own; `causal_conv_reference` is the loop it is tested against.
 """
 from __future__ import annotations
@@ -19,23 +19,23 @@ import jax
 import jax.numpy as jnp
 
 
-def causal_conv(x_BTC: jax.Array, w_WC: jax.Array, *, segment_ids_BT: jax.Array | None = None,
-                history_BSC: jax.Array | None = None) -> jax.Array:
-  """y [B, T, C] in x's dtype (accumulated in float32). history (S = W - 1 positions) and segment ids
+def causal_conv(x_BTC: jax.Array, w_QC: jax.Array, *, segment_ids_BT: jax.Array | None = None,
+                history: jax.Array | None = None) -> jax.Array:
+  """y [B, T, C] in x's dtype (accumulated in float32). history ([B, Q - 1, C]) and segment ids
   are not combined: a history belongs to the one document a decode row continues."""
-  assert history_BSC is None or segment_ids_BT is None
+  assert history is None or segment_ids_BT is None
   B, T, C = x_BTC.shape
-  W = w_WC.shape[0]
+  Q = w_QC.shape[0]
   f32 = jnp.float32
   xf = x_BTC.astype(f32)
-  w = w_WC.astype(f32)
-  S = W - 1
-  if history_BSC is None:
-    full = jnp.pad(xf, ((0, 0), (S, 0), (0, 0)))  # [B, S + T, C]: position t sits at S + t
+  w = w_QC.astype(f32)
+  S = Q - 1  # positions before t that the taps read
+  if history is None:
+    full = jnp.pad(xf, ((0, 0), (S, 0), (0, 0)))  # [B, Q - 1 + T, C]: position t sits at Q - 1 + t
   else:
-    full = jnp.concatenate([history_BSC.astype(f32), xf], axis=1)
+    full = jnp.concatenate([history.astype(f32), xf], axis=1)
   y = xf * w[S]
-  for d in range(1, W):  # tap W - 1 - d reads position t - d
+  for d in range(1, Q):  # tap Q - 1 - d reads position t - d
     shifted = jax.lax.slice_in_dim(full, S - d, S - d + T, axis=1)  # [B, T, C]
     if segment_ids_BT is not None:
       prev = jnp.concatenate([jnp.full((B, d), -1, segment_ids_BT.dtype), segment_ids_BT[:, :T - d]], axis=1)
@@ -54,24 +54,24 @@ def window_at(x_BTC: jax.Array, lengths_B: jax.Array, size: int) -> jax.Array:
   return jnp.where((pos >= 0)[..., None], got, jnp.zeros((), x_BTC.dtype))
 
 
-def causal_conv_reference(x_BTC, w_WC, *, segment_ids_BT=None, history_BSC=None):
+def causal_conv_reference(x_BTC, w_QC, *, segment_ids_BT=None, history=None):
   """The definition, one output position and one tap at a time (numpy-speed; tests only)."""
   import numpy as np
   x = np.asarray(x_BTC, np.float64)
-  w = np.asarray(w_WC, np.float64)
+  w = np.asarray(w_QC, np.float64)
   B, T, C = x.shape
-  W = w.shape[0]
+  Q = w.shape[0]
   seg = None if segment_ids_BT is None else np.asarray(segment_ids_BT)
-  hist = None if history_BSC is None else np.asarray(history_BSC, np.float64)
+  hist = None if history is None else np.asarray(history, np.float64)
   y = np.zeros((B, T, C))
   for b in range(B):
     for t in range(T):
-      for j in range(W):
-        s = t - (W - 1) + j
+      for j in range(Q):
+        s = t - (Q - 1) + j
         if s >= 0:
           if seg is not None and seg[b, s] != seg[b, t]:
             continue
           y[b, t] += w[j] * x[b, s]
         elif hist is not None:
-          y[b, t] += w[j] * hist[b, W - 1 + s]
+          y[b, t] += w[j] * hist[b, Q - 1 + s]
   return y

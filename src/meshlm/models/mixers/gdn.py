@@ -1,7 +1,7 @@
 """The `gdn` mixer: Gated DeltaNet (qwen3-next, qwen3.5 linear-attention layers).
 
 Letters (docs/architecture.md): D embed, K key heads, N value heads (G = N / K per key head; value head
-n reads key head n // G), H key head dim, J value head dim, W conv taps, C = 2KH + NJ conv channels.
+n reads key head n // G), H key head dim, J value head dim, Q conv taps, C = 2KH + NJ conv channels.
 
     q|k|v, z, b, a = projections of x                        (one layout or the other, below)
     q|k|v = silu(causal_conv(q|k|v))                         nn/short_conv.py, reset at documents
@@ -24,8 +24,8 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
     in_proj_b    [D, N]             [in_proj_b.weight [N, D]: .T]
     in_proj_a    [D, N]             [in_proj_a.weight [N, D]: .T]
   both:
-    conv1d       [W, C]             channels q all | k all | v all, as in_proj_qkv; tap W - 1 is the current
-                                    position  [conv1d.weight [C, 1, W]: [:, 0, :].T]
+    conv1d       [Q, C]             channels q all | k all | v all, as in_proj_qkv; tap Q - 1 is the current
+                                    position  [conv1d.weight [C, 1, Q]: [:, 0, :].T]
     A_log        [N]                zeros (A = 1); no weight decay  [A_log]
     dt_bias      [N]                ones; no weight decay  [dt_bias]
     norm         [J]                ones (a plain scale, not (1 + w)), shared by the value heads  [norm.weight]
@@ -34,11 +34,11 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
 The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
 
 Decode state (both replaced whole each step, StateLeaf commit "replace"):
-  conv       [B, W - 1, C]   the last W - 1 pre-conv inputs q|k|v (zeros before the row's first token)
+  conv       [B, Q - 1, C]   the last Q - 1 pre-conv inputs q|k|v (zeros before the row's first token)
   recurrent  [B, N, H, J]    the delta rule's state, float32
 A prefill (right-padded rows, ctx.here.lengths) returns the states at each row's last real token: padded
 positions get g = 0 and beta = 0, which keep the state, and the conv window is gathered from the last
-W - 1 real inputs. A decode step is the conv against its window and one step of the rule.
+Q - 1 real inputs. A decode step is the conv against its window and one step of the rule.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ ROWS = ("batch", "length", None)  # a projection's per-position output: heads an
 
 
 def dims(m: ModelConfig) -> tuple[int, int, int, int, int, int]:
-  """(K, N, G, H, J, W)."""
+  """(K, N, G, H, J, Q)."""
   K, N = m.linear_num_key_heads, m.linear_num_value_heads
   return K, N, N // K, m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
 
@@ -72,7 +72,7 @@ def channels(m: ModelConfig) -> int:
 
 def spec(m: ModelConfig, *, fused: bool) -> dict:
   D = m.embed_dim
-  K, N, G, H, J, W = dims(m)
+  K, N, G, H, J, Q = dims(m)
   if fused:
     proj = {"in_proj_qkvz": S.kernel((D, K, 2 * H + 2 * G * J), ("embed", None, None)),
             "in_proj_ba": S.kernel((D, K, 2 * G), ("embed", None, None))}
@@ -83,7 +83,7 @@ def spec(m: ModelConfig, *, fused: bool) -> dict:
             "in_proj_a": S.kernel((D, N), ("embed", None))}
   return {
       **proj,
-      "conv1d": S.ParamSpec((W, channels(m)), (None, None), "normal", fan_in=W),
+      "conv1d": S.ParamSpec((Q, channels(m)), (None, None), "normal", fan_in=Q),
       "A_log": S.vector(N, "zeros", decay=False),
       "dt_bias": S.vector(N, "ones", decay=False),
       "norm": S.vector(J, "ones"),
@@ -92,8 +92,8 @@ def spec(m: ModelConfig, *, fused: bool) -> dict:
 
 
 def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
-  K, N, G, H, J, W = dims(m)
-  return {"conv": StateLeaf((batch, W - 1, channels(m)), ("batch", None, None), commit="replace"),
+  K, N, G, H, J, Q = dims(m)
+  return {"conv": StateLeaf((batch, Q - 1, channels(m)), ("batch", None, None), commit="replace"),
           "recurrent": StateLeaf((batch, N, H, J), ("batch", None, None, None), commit="replace")}
 
 
@@ -103,7 +103,7 @@ def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool):
   dt = x_BTD.dtype
   dense = ctx.dense
   B, T, _ = x_BTD.shape
-  K, N, G, H, J, W = dims(m)
+  K, N, G, H, J, Q = dims(m)
   if not fused:
     with jax.named_scope("in_proj_qkv"):
       qkv = dense(x_BTD, p["in_proj_qkv"].astype(dt), "btd,dc->btc", ROWS)
@@ -134,26 +134,23 @@ def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: fl
   return (y * w_J.astype(jnp.float32) * jax.nn.silu(z_BTNJ.astype(jnp.float32))).astype(z_BTNJ.dtype)
 
 
-def delta_rule(m: ModelConfig):
-  """The gated delta rule model.gdn_impl names: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=)."""
-  if m.gdn_impl == "reference":
-    return rule.gated_delta_rule_reference
-  chunked = getattr(rule, "gated_delta_rule_chunked", None)
-  if chunked is None:
-    raise NotImplementedError("model.gdn_impl=chunked: nn/gdn.py has no gated_delta_rule_chunked yet; "
-                              "use model.gdn_impl=reference")
-  return functools.partial(chunked, chunk_size=m.gdn_chunk_size)
+def delta_rule(m: ModelConfig, mode: str = "train"):
+  """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
+  prefill use model.gdn_impl (chunked, chunk model.gdn_chunk_size, or the reference recurrence); a decode step
+  is one step of the recurrence."""
+  impl = "reference" if mode == "decode" else m.gdn_impl
+  return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
 
 
-def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, lengths, state):
+def core(m: ModelConfig, mode: str, dense, qkv_BTC, z_BTNJ, b_BTN, a_BTN, w: dict, segment_ids_BT, lengths_B, state):
   """conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final state or None).
   w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype); state: the decode state or None."""
-  dt = qkv.dtype
-  B, T, _ = qkv.shape
-  K, N, G, H, J, W = dims(m)
+  dt = qkv_BTC.dtype
+  B, T, _ = qkv_BTC.shape
+  K, N, G, H, J, Q = dims(m)
   decode = mode == "decode"
   with jax.named_scope("conv1d"):
-    mixed = causal_conv(qkv, w["conv1d"], segment_ids_BT=segment_ids, history_BSC=state["conv"] if decode else None)
+    mixed = causal_conv(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT, history=state["conv"] if decode else None)
     mixed = jax.nn.silu(mixed.astype(jnp.float32))
   q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
   k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
@@ -161,35 +158,34 @@ def core(m: ModelConfig, mode: str, dense, qkv, z, b, a, w: dict, segment_ids, l
   q = rule.l2_normalize(q) * (H ** -0.5)
   k = rule.l2_normalize(k)
   f32 = jnp.float32
-  beta = jax.nn.sigmoid(b.astype(f32))  # [B, T, N]
-  g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + w["dt_bias"].astype(f32))
+  beta = jax.nn.sigmoid(b_BTN.astype(f32))  # [B, T, N]
+  g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a_BTN.astype(f32) + w["dt_bias"].astype(f32))
   if mode == "prefill":
     # Right-padded rows: a padded position neither decays nor writes, so the final state is the last real one's.
-    real = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+    real = (jnp.arange(T)[None, :] < lengths_B[:, None])[..., None]  # [B, T, 1]
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
   with jax.named_scope("delta_rule"):
-    o, final = delta_rule(m)(q, k, v, g, beta, segment_ids_BT=segment_ids,
-                             initial_state_BNHJ=state["recurrent"] if decode else None)
+    o, final = delta_rule(m, mode)(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
+                                   initial_state_BNHJ=state["recurrent"] if decode else None)
   with jax.named_scope("norm"):
-    o = gated_rms_norm(w["norm"], o, z, m.norm_eps)  # [B, T, N, J]
+    o = gated_rms_norm(w["norm"], o, z_BTNJ, m.norm_eps)  # [B, T, N, J]
   with jax.named_scope("out_proj"):
     y = dense(o, w["out_proj"], "btnj,njd->btd", OUT)
   if mode == "train":
     return y, None, None
   if decode:
-    window = jnp.concatenate([state["conv"].astype(dt), qkv], axis=1)[:, 1:]  # [B, W - 1, C]
+    window = jnp.concatenate([state["conv"].astype(dt), qkv_BTC], axis=1)[:, 1:]  # [B, Q - 1, C]
   else:
-    window = window_at(qkv, lengths, W - 1)
+    window = window_at(qkv_BTC, lengths_B, Q - 1)
   return y, window, final
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: bool):
-  """(y [B, T, D], update, {}). update: {"conv" [B, W - 1, C], "recurrent" [B, N, H, J]} in prefill and decode,
+  """(y [B, T, D], update, {}). update: {"conv" [B, Q - 1, C], "recurrent" [B, N, H, J]} in prefill and decode,
   None when training. state (decode): the layer's {"conv", "recurrent"}."""
   m = ctx.model
   dt = x_BTD.dtype
   B, T, _ = x_BTD.shape
-  K, N, G, H, J, W = dims(m)
   here = ctx.here
   qkv, z, b, a = project(p, x_BTD, ctx, fused=fused)
   w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
