@@ -93,6 +93,7 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 from functools import partial  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
+from meshlm.parallel.sharding import is_explicit  # noqa: E402
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
 DEFAULT_INVERSE = "right_looking"
@@ -215,7 +216,7 @@ def _heads_to_chunks(x_BTNX, U, W):
 class _Chunks:
   """The per-chunk terms that do not depend on the state, for all U chunks at once ([U, B, N, ...])."""
 
-  def __init__(self, q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT, W, inverse):
+  def __init__(self, q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT, W, inverse):
     B, T, N, J = v_BTNJ.shape
     U = -(-T // W)
     f32 = jnp.float32
@@ -226,8 +227,7 @@ class _Chunks:
     beta = _heads_to_chunks(beta_BTN.astype(f32)[..., None], U, W)[..., 0]  # [U, B, N, W]
     # Segment index: the count of starts so far in the row, so equal ids in two separate runs never match.
     # The padded tail (no new start) continues the row's last segment, with g = beta = k = 0: a no-op.
-    starts = segment_starts(segment_ids_BT, T)
-    starts = jnp.zeros((B, T), bool) if starts is None else starts
+    starts = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
     seg_UBW = _to_chunks(jnp.cumsum(starts, axis=1, dtype=jnp.int32), U, W, mode="edge")
     start_UBW = _to_chunks(starts, U, W)
     incoming_UB = seg_UBW[:, :, 0] - start_UBW[:, :, 0].astype(jnp.int32)  # the segment of the incoming state
@@ -292,7 +292,7 @@ def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment
   B, T, N, J = v_BTNJ.shape
   H = q_BTKH.shape[-1]
   with jax.named_scope("gdn_chunked"):
-    c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT, chunk_size, inverse)
+    c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_starts(segment_ids_BT, T), chunk_size, inverse)
     U, W = c.shape[4:]
     S = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
     # Only the state recurrence is sequential; the scan emits the chunk states (which its backward needs
@@ -313,3 +313,83 @@ def gated_delta_rule(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=
     return gated_delta_rule_reference(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT=segment_ids_BT,
                                       initial_state_BNHJ=initial_state_BNHJ)
   raise ValueError(f"impl={impl!r}: expected 'chunked' or 'reference'")
+
+
+# ------------------------------------------------------------------------- context parallelism
+#
+# The sequence sharded over mesh axis `context`, C shards in order. A shard maps the state entering it
+# affinely: S_out = M S_in + S_local, with S_local its final state from zero and M [H, H] the product of
+# its chunk transitions M_c = dec I - kd^T w (a reset inside the shard makes some M_c, so M, zero).
+#   pass 1: each shard computes S_local and M only (a scan carrying both: no outputs, no chunk states);
+#   pass 2: an all-gather of the C small (S_local, M) and a fold in shard order gives every shard's
+#           incoming state (and the final state);
+#   pass 3: each shard runs its chunks from its incoming state, outputs included.
+# The chunk terms (A, its inverse, u, w) are computed once and serve passes 1 and 3.
+
+
+def _transition_step(carry, c):
+  S_BNHJ, M_BNHH = carry
+  u, w, kd, dec = c
+  kw_BNHH = _einsum("bnwh,bnwk->bnhk", kd, w)
+  delta_BNWJ = u - _einsum("bnwk,bnkj->bnwj", w, S_BNHJ)
+  S_BNHJ = dec[..., None, None] * S_BNHJ + _einsum("bnwh,bnwj->bnhj", kd, delta_BNWJ)
+  M_BNHH = dec[..., None, None] * M_BNHH - _einsum("bnhk,bnkl->bnhl", kw_BNHH, M_BNHH)
+  return (S_BNHJ, M_BNHH), None
+
+
+def _shard_transition(c: _Chunks, B, N, H, J, axis):
+  """Pass 1: (S_local [B, N, H, J], M [B, N, H, H]): S_out = M S_in + S_local over this shard's chunks."""
+  eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, N, H, H))
+  # The carry varies over `axis` as the shard's terms do (scan carries must match their update's type).
+  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), (axis,), to="varying")
+  (S, M), _ = jax.lax.scan(_transition_step, init, (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN))
+  return S, M
+
+
+def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
+                                      initial_state_BNHJ=None, chunk_size=64, inverse=DEFAULT_INVERSE,
+                                      axis="context"):
+  """gated_delta_rule_chunked with T sharded over mesh axis `axis` (the current mesh's; without it, or at
+  size 1, the plain chunked rule). Same contract and return; o comes back sharded as T is, the final state
+  replicated. T must divide by the axis size; a shard's length need not be a whole number of chunks (its
+  last chunk is padded with no-op positions). Segment ids may span shards: a start is where the id
+  changes, across shard edges too."""
+  check_chunk_size(chunk_size)
+  if inverse not in INVERSES:
+    raise ValueError(f"inverse={inverse!r}: expected one of {INVERSES}")
+  mesh = jax.sharding.get_abstract_mesh()
+  C = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
+  kw = dict(segment_ids_BT=segment_ids_BT, initial_state_BNHJ=initial_state_BNHJ, chunk_size=chunk_size,
+            inverse=inverse)
+  if C == 1:
+    return gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, **kw)
+  B, T, N, J = v_BTNJ.shape
+  H = q_BTKH.shape[-1]
+  if T % C:
+    raise ValueError(f"gated_delta_rule_context_parallel: T={T} does not divide over mesh.{axis}={C}")
+  # Starts from the whole row, so a shard knows whether its first position opens a segment.
+  starts_BT = segment_starts(segment_ids_BT, T)
+  starts_BT = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
+  S0 = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
+
+  def local(q, k, v, g, beta, starts, S0):
+    c = _Chunks(q, k, v, g, beta, starts, chunk_size, inverse)
+    S_local, M = _shard_transition(c, B, N, H, J, axis)  # pass 1
+    S_all = jax.lax.all_gather(S_local, axis, to="invarying")  # pass 2: [C, B, N, H, J], [C, B, N, H, H]
+    M_all = jax.lax.all_gather(M, axis, to="invarying")
+    S, incoming = S0, []
+    for i in range(C):
+      incoming.append(S)
+      S = _einsum("bnhk,bnkj->bnhj", M_all[i], S) + S_all[i]
+    S_in = jnp.stack(incoming)[jax.lax.axis_index(axis)]
+    _, St_in = _chunk_states(c, S_in, keep=True)  # pass 3
+    U, W = c.shape[4:]
+    o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :q.shape[1]]
+    return o.astype(v.dtype), S
+
+  seq, rep = jax.sharding.PartitionSpec(None, axis), jax.sharding.PartitionSpec()
+  # T over `axis`, everything else replicated (reshard under explicit, a constraint under auto).
+  put = jax.sharding.reshard if is_explicit() else jax.lax.with_sharding_constraint
+  args = [put(x, seq) for x in (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)] + [put(S0, rep)]
+  with jax.named_scope("gdn_context_parallel"):
+    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,), out_specs=(seq, rep))(*args)
