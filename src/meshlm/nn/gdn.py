@@ -19,11 +19,22 @@ Packed documents: segment_ids [B, T] (0 is padding, as the data pipeline writes 
 entering position t is zero wherever segment_ids[t] != segment_ids[t - 1], so no document sees
 another; `initial_state` enters at t = 0 only. A position with g = 0 and beta = 0 leaves the state as
 it is (how a right-padded prompt keeps the state of its last real token).
+
+The rule, three ways, one contract (o [B, T, N, J] in v's dtype, final state [B, N, H, J] float32):
+- `gated_delta_rule_reference`: the recurrence, one position at a time (the reference);
+- `gated_delta_rule_chunked`: chunks of W positions in the WY form, a scan over chunks (the fast path);
+- `gated_delta_rule_context_parallel`: the chunked rule with T sharded over mesh.context.
+`gated_delta_rule(..., impl=)` picks the first two. docs/performance.md ("Gated DeltaNet") measures them.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+
+from meshlm.errors import ConfigError
+from meshlm.parallel.sharding import is_explicit
 
 
 def segment_starts(segment_ids_BT: jax.Array | None, T: int) -> jax.Array | None:
@@ -89,11 +100,6 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 # Only the state line is sequential: a scan over chunks carries S and emits the state entering each chunk
 # (its scan output; no buffer written in place). Every other term is one batched product over all chunks,
 # before the scan (A, Tm, u, w) or after it (o = (c exp(gamma) q - P w) S_in + P u, P the tril term).
-
-from functools import partial  # noqa: E402
-
-from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.parallel.sharding import is_explicit  # noqa: E402
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
 DEFAULT_INVERSE = "right_looking"
