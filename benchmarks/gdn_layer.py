@@ -11,6 +11,8 @@ CPU seconds by default: on a shared machine, time spent waiting for a core anoth
 counted; --timer wall for elapsed), its spread ((max - min) / median) and the naive/chunked ratio, the
 median of the per-round ratios, all from one run.
 
+--forward times the forward alone (o and the final state, no gradient).
+
 --memory prints, per T, the compiled memory analysis (jax.jit(f).lower(...).compile().memory_analysis())
 of both arms' forward + backward: temp, argument and output bytes, and temp per token, to show it is
 linear in T. Nothing runs.
@@ -43,8 +45,10 @@ def rule_inputs(T, n, k, h, seed=0):
   return (q, kk, v, g, beta), (f(1, T, n, h), f(1, n, h, h))
 
 
-def fwd_bwd(impl, cots, **kw):
+def fwd_bwd(impl, cots, forward=False, **kw):
   co, cs = cots
+  if forward:
+    return jax.jit(lambda q, k, v, g, beta: gdn.gated_delta_rule(q, k, v, g, beta, impl=impl, **kw))
 
   def loss(q, k, v, g, beta):
     o, S = gdn.gated_delta_rule(q, k, v, g, beta, impl=impl, **kw)
@@ -74,13 +78,14 @@ def speed(a) -> None:
   n, k = map(int, a.heads.split(":"))
   print(f"Command: `python benchmarks/gdn_layer.py {' '.join(sys.argv[1:])}`  ")
   print(f"JAX {jax.__version__} on {jax.default_backend()}, {platform.machine()}, {os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.1f} at the start; forward+backward of one rule call, B=1, N={n}, K={k}, H=J={a.dim}, "
+        f"{os.getloadavg()[0]:.1f} at the start; {'forward' if a.forward else 'forward+backward'} of one rule call, B=1, N={n}, K={k}, H=J={a.dim}, "
         f"chunk {a.chunk}, float32; {a.reps} reps per arm, arms interleaved, {a.timer} time.\n")
   print("| T | chunked (s) | spread | naive (s) | spread | naive / chunked |")
   print("| --- | --- | --- | --- | --- | --- |")
   for T in a.T:
     args, cots = rule_inputs(T, n, k, a.dim)
-    fns = {"chunked": fwd_bwd("chunked", cots, chunk_size=a.chunk), "naive": fwd_bwd("reference", cots)}
+    fns = {"chunked": fwd_bwd("chunked", cots, a.forward, chunk_size=a.chunk),
+           "naive": fwd_bwd("reference", cots, a.forward)}
     times = measure(fns, args, a.reps, a.timer)
     c, r = times["chunked"], times["naive"]
     ratio = statistics.median([x / y for x, y in zip(r, c)])
@@ -116,6 +121,7 @@ def main() -> int:
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--timer", choices=list(TIMERS), default="cpu")
   ap.add_argument("--memory", action="store_true", help="the compiled memory analysis instead of times")
+  ap.add_argument("--forward", action="store_true", help="time the forward alone (o and the final state)")
   a = ap.parse_args()
   (memory if a.memory else speed)(a)
   return 0

@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.nn import gdn
+from meshlm.parallel.mesh import make_mesh
+from meshlm.parallel.sharding import is_explicit
 
 # max |chunked - reference| / max |reference| per array (o, final state, and the gradients w.r.t. q, k, v,
 # g, beta, initial state). Measured at most 9.5e-7 over every case below (T = 500, chunk 64: the
@@ -347,27 +350,49 @@ def cp_ids(T):
   return jnp.asarray(ids)
 
 
-# (mesh.context, T, chunk): at context=2 the other 2 devices go to fsdp (context=2 x fsdp=2); the last
-# case's shards (48 positions) are not whole chunks of 32.
+def _explicit_vjp(rule, ids, chunk):
+  """jit: (args, cots) -> (o, final state, grads); the cotangents resharded to the outputs' types, as a
+  loss's backward would hand them over under explicit sharding."""
+  def f(args, cots):
+    (o, S), vjp = jax.vjp(lambda *a: rule(*a[:5], segment_ids_BT=ids, initial_state_BNHJ=a[5], chunk_size=chunk),
+                          *args)
+    if is_explicit():
+      cots = tuple(jax.sharding.reshard(c, jax.typeof(x).sharding.spec) for c, x in zip(cots, (o, S)))
+    return o, S, vjp(cots)
+  return jax.jit(f)
+
+
+# (mesh.context, T, chunk): at context=2 the other 2 devices go to fsdp (context=2 x fsdp=2) and the
+# rows are sharded over it (explicit sharding); the last case's shards (48 positions) are not whole
+# chunks of 32.
 @pytest.mark.parametrize("context,T,chunk", [(2, 128, 16), (4, 128, 16), (2, 96, 32)])
 def test_context_parallel_equals_unsharded(context, T, chunk):
-  from meshlm.config import load_config
-  from meshlm.parallel.mesh import make_mesh
   args, cots = rule_inputs(T, seed=4)
   ids = cp_ids(T)
-
-  def run(rule):
-    def f(args, cots):
-      (o, S), vjp = jax.vjp(lambda *a: rule(*a[:5], segment_ids_BT=ids, initial_state_BNHJ=a[5], chunk_size=chunk),
-                            *args)
-      return o, S, vjp(cots)
-    return jax.jit(f)
-  want = run(gdn.gated_delta_rule_chunked)(args, cots)
-  mesh = make_mesh(load_config("cpu_devices=4", f"mesh.context={context}"))
+  want = _explicit_vjp(gdn.gated_delta_rule_chunked, ids, chunk)(args, cots)
+  mesh = make_mesh(load_config("cpu_devices=4", f"mesh.context={context}", "shard_mode=explicit"))
   with jax.set_mesh(mesh):
-    got = run(gdn.gated_delta_rule_context_parallel)(args, cots)
-    assert got[0].sharding.spec[1] == "context"  # o comes back sharded over T
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp" if context == 2 else None))
+    args, cots = jax.device_put((args, cots), rows)
+    got = _explicit_vjp(gdn.gated_delta_rule_context_parallel, jax.device_put(ids, rows), chunk)(args, cots)
+    assert got[0].sharding.spec[:2] == (("fsdp" if context == 2 else None), "context")  # o: rows and T sharded
   names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dinitial state"]
   errs = {n: float(jnp.max(jnp.abs(a - b))) for n, a, b in zip(names, [got[0], got[1], *got[2]],
                                                                  [want[0], want[1], *want[2]])}
   assert max(errs.values()) < CP_ATOL, errs
+
+
+def test_chunked_with_rows_sharded_over_fsdp():
+  # The chunked rule inside a model: rows sharded (explicit), T = 70 not a whole number of chunks (the
+  # padded tail touches only T).
+  T, chunk = 70, 16
+  args, cots = rule_inputs(T, seed=6)
+  ids = several_docs(T)
+  want = _explicit_vjp(gdn.gated_delta_rule_chunked, ids, chunk)(args, cots)
+  mesh = make_mesh(load_config("cpu_devices=2", "mesh.fsdp=2", "shard_mode=explicit"))
+  with jax.set_mesh(mesh):
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    args, cots = jax.device_put((args, cots), rows)
+    got = _explicit_vjp(gdn.gated_delta_rule_chunked, jax.device_put(ids, rows), chunk)(args, cots)
+    assert got[0].sharding.spec[0] == "fsdp"
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))) < CP_ATOL

@@ -19,11 +19,22 @@ Packed documents: segment_ids [B, T] (0 is padding, as the data pipeline writes 
 entering position t is zero wherever segment_ids[t] != segment_ids[t - 1], so no document sees
 another; `initial_state` enters at t = 0 only. A position with g = 0 and beta = 0 leaves the state as
 it is (how a right-padded prompt keeps the state of its last real token).
+
+The rule, three ways, one contract (o [B, T, N, J] in v's dtype, final state [B, N, H, J] float32):
+- `gated_delta_rule_reference`: the recurrence, one position at a time (the reference);
+- `gated_delta_rule_chunked`: chunks of W positions in the WY form, a scan over chunks (the fast path);
+- `gated_delta_rule_context_parallel`: the chunked rule with T sharded over mesh.context.
+`gated_delta_rule(..., impl=)` picks the first two. docs/performance.md ("Gated DeltaNet") measures them.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+
+from meshlm.errors import ConfigError
+from meshlm.parallel.sharding import is_explicit
 
 
 def segment_starts(segment_ids_BT: jax.Array | None, T: int) -> jax.Array | None:
@@ -89,11 +100,6 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 # Only the state line is sequential: a scan over chunks carries S and emits the state entering each chunk
 # (its scan output; no buffer written in place). Every other term is one batched product over all chunks,
 # before the scan (A, Tm, u, w) or after it (o = (c exp(gamma) q - P w) S_in + P u, P the tril term).
-
-from functools import partial  # noqa: E402
-
-from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.parallel.sharding import is_explicit  # noqa: E402
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
 DEFAULT_INVERSE = "right_looking"
@@ -198,12 +204,14 @@ def _unit_lower_inverse_bwd(variant, x_XWW, dx_XWW):
 unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
-def _to_chunks(x_BT, U, W, mode="constant"):
-  """[B, T, ...] -> [U, B, W, ...] after padding T up to U * W (zeros, or `mode` as jnp.pad's; a no-op when
-  T = U * W)."""
+def _to_chunks(x_BT, U, W, edge=False):
+  """[B, T, ...] -> [U, B, W, ...] after padding T up to U * W with zeros, or with the last position's
+  value if `edge` (a no-op when T = U * W). Only T is touched: B may be sharded (jnp.pad's edge mode
+  slices every axis, which explicit sharding refuses on a sharded batch)."""
   B, T = x_BT.shape[:2]
   if U * W != T:
-    x_BT = jnp.pad(x_BT, ((0, 0), (0, U * W - T)) + ((0, 0),) * (x_BT.ndim - 2), mode=mode)
+    tail = x_BT[:, -1:] if edge else jnp.zeros_like(x_BT[:, :1])
+    x_BT = jnp.concatenate([x_BT, jnp.repeat(tail, U * W - T, axis=1)], axis=1)
   return jnp.moveaxis(x_BT.reshape((B, U, W) + x_BT.shape[2:]), 1, 0)
 
 
@@ -228,7 +236,7 @@ class _Chunks:
     # Segment index: the count of starts so far in the row, so equal ids in two separate runs never match.
     # The padded tail (no new start) continues the row's last segment, with g = beta = k = 0: a no-op.
     starts = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
-    seg_UBW = _to_chunks(jnp.cumsum(starts, axis=1, dtype=jnp.int32), U, W, mode="edge")
+    seg_UBW = _to_chunks(jnp.cumsum(starts, axis=1, dtype=jnp.int32), U, W, edge=True)
     start_UBW = _to_chunks(starts, U, W)
     incoming_UB = seg_UBW[:, :, 0] - start_UBW[:, :, 0].astype(jnp.int32)  # the segment of the incoming state
     carry_UB1W = (seg_UBW == incoming_UB[:, :, None])[:, :, None]  # still in the incoming state's segment
@@ -337,11 +345,11 @@ def _transition_step(carry, c):
   return (S_BNHJ, M_BNHH), None
 
 
-def _shard_transition(c: _Chunks, B, N, H, J, axis):
+def _shard_transition(c: _Chunks, B, N, H, J, vary):
   """Pass 1: (S_local [B, N, H, J], M [B, N, H, H]): S_out = M S_in + S_local over this shard's chunks."""
   eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, N, H, H))
-  # The carry varies over `axis` as the shard's terms do (scan carries must match their update's type).
-  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), (axis,), to="varying")
+  # The carry varies over the mesh axes the shard's terms do (scan carries must match their update's type).
+  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), vary, to="varying")
   (S, M), _ = jax.lax.scan(_transition_step, init, (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN))
   return S, M
 
@@ -374,7 +382,8 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
 
   def local(q, k, v, g, beta, starts, S0):
     c = _Chunks(q, k, v, g, beta, starts, chunk_size, inverse)
-    S_local, M = _shard_transition(c, B, N, H, J, axis)  # pass 1
+    Bl = v.shape[0]  # this device's rows (B over the batch axes)
+    S_local, M = _shard_transition(c, Bl, N, H, J, vary)  # pass 1
     S_all = jax.lax.all_gather(S_local, axis, to="invarying")  # pass 2: [C, B, N, H, J], [C, B, N, H, H]
     M_all = jax.lax.all_gather(M, axis, to="invarying")
     S, incoming = S0, []
@@ -384,12 +393,16 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
     S_in = jnp.stack(incoming)[jax.lax.axis_index(axis)]
     _, St_in = _chunk_states(c, S_in, keep=True)  # pass 3
     U, W = c.shape[4:]
-    o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :q.shape[1]]
+    o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(Bl, U * W, N, J)[:, :q.shape[1]]
     return o.astype(v.dtype), S
 
-  seq, rep = jax.sharding.PartitionSpec(None, axis), jax.sharding.PartitionSpec()
-  # T over `axis`, everything else replicated (reshard under explicit, a constraint under auto).
+  # T over `axis`; B keeps the sharding v has under explicit sharding (say over fsdp), else replicated;
+  # heads and head dims replicated. Reshard under explicit, a constraint under auto.
+  b_spec = jax.typeof(v_BTNJ).sharding.spec[0] if is_explicit() else None
+  seq, rows = jax.sharding.PartitionSpec(b_spec, axis), jax.sharding.PartitionSpec(b_spec)
   put = jax.sharding.reshard if is_explicit() else jax.lax.with_sharding_constraint
-  args = [put(x, seq) for x in (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)] + [put(S0, rep)]
+  args = [put(x, seq) for x in (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)] + [put(S0, rows)]
+  b_axes = () if b_spec is None else (b_spec,) if isinstance(b_spec, str) else tuple(b_spec)
+  vary = tuple(b_axes) + (axis,)
   with jax.named_scope("gdn_context_parallel"):
-    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,), out_specs=(seq, rep))(*args)
+    return jax.shard_map(local, in_specs=(seq,) * 6 + (rows,), out_specs=(seq, rows))(*args)
