@@ -37,10 +37,31 @@ every second one MoE (decoder_sparse_step=2). transformers 5 holds the experts f
 (`mlp.experts.gate_up_proj` [E, 2F, D]) but save_pretrained writes one tensor per expert
 (`block_sparse_moe.experts.{e}.w1`, `mlp.experts.{e}.gate_proj`), the Hub layout.
 
+The Gated DeltaNet hybrids (qwen3-next, qwen3.5, qwen3.5-moe, qwen3.5-moe-vl) run T = 150 tokens, across
+the chunk-64 boundaries of the chunked gated delta rule, on transformers' torch GDN path (the script refuses
+to run with flash-linear-attention or kernels installed). They mix linear-attention and gated full-attention
+layers in a repeating pattern, with zero-centred norms (noised like gemma's), the GDN's gated norm, A_log,
+dt_bias and conv weights redrawn (A in [0.02, 0.6], so some heads remember past a chunk), partial rotary
+(a quarter of each head), and more value heads than key heads (3 per key head for qwen3-next, whose fused
+in_proj_qkvz / in_proj_ba group them per key head). qwen3-next and the qwen3.5 MoEs have 5 experts of width 22
+plus a gated shared expert of width 30. qwen3.5-moe-vl is the published multimodal layout
+(Qwen3_5MoeForConditionalGeneration): config.json nests the text model under text_config, its tensors sit under
+`model.language_model.`, beside a tiny vision tower (`model.visual.*`) and the `mtp.*` tensors the Hub
+checkpoints carry (transformers skips them on load); its experts are rewritten fused
+(`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]), which transformers loads as well.
+Its reference is the multimodal model's own text-only forward.
+
 The export check: for every fixture (a fixture whose family meshlm has not registered fails), meshlm
 (run with the project venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm
 convert`; transformers loads that export and must reproduce the reference logits exactly (the export
-holds the fixture's tensors bit for bit), with the fixture's token ids and generation config.
+holds the fixture's tensors bit for bit), with the fixture's token ids and generation config. A multimodal
+fixture's export is its text model (Qwen3_5MoeForCausalLM, model.layers.*, one tensor per expert, no vision
+tower or mtp), which must reproduce the multimodal model's text-only logits exactly too.
+
+The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny), randomly
+initialized by meshlm and never a Hugging Face model, is exported with `hf.save`; transformers loads it in float32
+and float64, and meshlm's float32 logits (T = 150) must be within 3x transformers' own float32 error of the
+float64 logits (with meshlm's init, these models' float32 noise is up to ~1.5e-5, above the fixtures' 1e-5).
 
 The fine-tune check (the README's "Fine-tuning a Hugging Face model in one command"): the llama fixture
 plus a small word-level tokenizer.json is fine-tuned for 5 steps by `meshlm train model=DIR`, the last
@@ -52,6 +73,7 @@ fixture's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -73,6 +95,15 @@ SEED = 1234
 BASE = dict(vocab_size=151, hidden_size=45, intermediate_size=56, num_hidden_layers=2, num_attention_heads=9,
             num_key_value_heads=3, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
             tie_word_embeddings=False)
+GDN_ROPE = dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25)
+GDN_ATTN = dict(num_attention_heads=9, num_key_value_heads=3, rope_parameters=GDN_ROPE)
+GDN_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=22, shared_expert_intermediate_size=30,
+               norm_topk_prob=True)
+# Multi-token-prediction tensors as the Hub's qwen3-next / qwen3.5 checkpoints carry them (name -> shape, D = 45),
+# added to the multimodal fixture: transformers skips them on load, and so must meshlm.
+MTP = {"mtp.fc.weight": (45, 90), "mtp.norm.weight": (45,), "mtp.pre_fc_norm_embedding.weight": (45,),
+       "mtp.pre_fc_norm_hidden.weight": (45,), "mtp.layers.0.input_layernorm.weight": (45,),
+       "mtp.layers.0.mlp.gate.weight": (5, 45)}
 
 # name -> (config class, AutoModel architecture, config kwargs)
 FIXTURES = {
@@ -118,10 +149,42 @@ FIXTURES = {
                                                  num_experts_per_tok=2, moe_intermediate_size=22, norm_topk_prob=True,
                                                  decoder_sparse_step=2, intermediate_size=30,
                                                  rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    # Gated DeltaNet hybrids: linear-attention (GDN) layers between gated full-attention layers, zero-centred
+    # norms, partial rotary (a quarter of each head), more value heads than key heads.
+    # qwen3-next: fused in_proj_qkvz / in_proj_ba grouped per key head (3 value heads per key head), every layer
+    # MoE with a gated shared expert; lin, full, lin, full (a period of 2, scanned twice).
+    "qwen3-next": ("Qwen3NextConfig", dict(
+        BASE, num_hidden_layers=4, full_attention_interval=2, head_dim=24, **GDN_ATTN,
+        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=10, linear_value_head_dim=14,
+        **GDN_MOE)),
+    # qwen3.5: separate in_proj_qkv / z / b / a, dense MLPs, tied; lin, lin, full twice.
+    "qwen3.5": ("Qwen3_5TextConfig", dict(
+        BASE, num_hidden_layers=6, full_attention_interval=3, num_attention_heads=3, num_key_value_heads=1,
+        head_dim=16, tie_word_embeddings=True, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=12, linear_value_head_dim=10, rope_parameters=GDN_ROPE)),
+    # qwen3.5-moe: every layer MoE (always renormalized top-k) with a shared expert; the published 3 : 1 pattern.
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", dict(
+        {k: v for k, v in BASE.items() if k != "intermediate_size"}, num_hidden_layers=4, full_attention_interval=4,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=24, linear_num_key_heads=3, linear_num_value_heads=6,
+        linear_key_head_dim=8, linear_value_head_dim=12, rope_parameters=GDN_ROPE,
+        **{k: v for k, v in GDN_MOE.items() if k != "norm_topk_prob"})),
+    # The published multimodal layout (Qwen3_5MoeForConditionalGeneration): config.json nests the text model under
+    # text_config, its tensors sit under model.language_model., beside a (tiny) vision tower model.visual.* and, as
+    # in the Hub checkpoints, multi-token-prediction tensors mtp.* that transformers does not load. The experts
+    # are stored fused here (mlp.experts.gate_up_proj [E, 2F, D], mlp.experts.down_proj [E, D, F]).
+    "qwen3.5-moe-vl": ("Qwen3_5MoeConfig", dict(
+        text_config=dict({k: v for k, v in BASE.items() if k != "intermediate_size"}, num_hidden_layers=2,
+                         layer_types=["linear_attention", "full_attention"], **GDN_ATTN, head_dim=24,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=10,
+                         linear_value_head_dim=14, **{k: v for k, v in GDN_MOE.items() if k != "norm_topk_prob"}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=45,
+                           patch_size=4, num_position_embeddings=16))),
 }
+# Tokens per row: the GDN fixtures cross the chunk-64 boundaries of the chunked gated delta rule.
+LENGTHS = {name: 150 for name in ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")}
 
 
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def eager(model_type: str) -> dict:
@@ -136,37 +199,54 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def is_multimodal(config) -> bool:
+  return hasattr(config, "text_config")
+
+
+def decoder_layers(model):
+  """The text model's decoder layers (model.model.language_model.layers in the multimodal layout)."""
+  inner = model.model
+  return (inner.language_model if hasattr(inner, "language_model") else inner).layers
+
+
 def build(name: str):
   cls_name, kwargs = FIXTURES[name]
   config = getattr(transformers, cls_name)(**kwargs)
   config._attn_implementation = "eager"
   torch.manual_seed(SEED + sum(map(ord, name)))
-  model = transformers.AutoModelForCausalLM.from_config(config, **eager(config.model_type))
+  auto = transformers.AutoModelForImageTextToText if is_multimodal(config) else transformers.AutoModelForCausalLM
+  model = auto.from_config(config, **eager(config.model_type))
   with torch.no_grad():
     for pname, p in model.named_parameters():
-      if p.ndim == 1:
-        # Norm scales: ones (llama) or zeros (gemma's 1 + w) plus noise, so a swapped or missing
-        # norm shows.
+      if pname.endswith("A_log"):
+        # GDN decay rates A = exp(A_log): transformers draws A in [0.01, 16], where most heads forget within a
+        # token or two; [0.02, 0.6] keeps some heads' memory beyond a 64-token chunk, so the state carried from
+        # chunk to chunk decides the outputs.
+        p.copy_(torch.empty_like(p).uniform_(0.02, 0.6).log())
+      elif p.ndim == 1:
+        # Norm scales: ones (llama, the GDN's gated norm) or zeros (gemma's and qwen3-next's 1 + w) plus noise,
+        # so a swapped or missing norm shows; likewise the GDN's dt_bias.
         p.add_(0.2 * torch.randn_like(p))
       elif "embed_tokens" in pname:
         p.copy_(torch.randn_like(p))
       else:
-        # Linear weights [out, in], and transformers 5's fused experts [E, out, in]: fan-in is the last dim.
+        # Linear weights [out, in], transformers 5's fused experts [E, out, in] and the GDN's depthwise conv
+        # [C, 1, taps]: fan-in is the last dim.
         p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
   model.eval()
   return model
 
 
-def reference(model, vocab: int, layers: int) -> dict[str, np.ndarray]:
+def reference(model, vocab: int, layers: int, length: int = T) -> dict[str, np.ndarray]:
   gen = np.random.default_rng(SEED)
-  ids = gen.integers(0, vocab, size=(B, T)).astype(np.int32)
+  ids = gen.integers(0, vocab, size=(B, length)).astype(np.int32)
   hidden: list[np.ndarray] = []
 
   def hook(_module, _args, out):
     h = out[0] if isinstance(out, tuple) else out
     hidden.append(h.detach().float().numpy().copy())
 
-  handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+  handles = [layer.register_forward_hook(hook) for layer in decoder_layers(model)]
   moe = model.config.model_type in MOE_TYPES
   with torch.no_grad():
     out = model(torch.from_numpy(ids).long(), **(dict(output_router_logits=True) if moe else {}))
@@ -181,22 +261,51 @@ def reference(model, vocab: int, layers: int) -> dict[str, np.ndarray]:
   return ref
 
 
+def fuse_experts_and_add_mtp(path: Path) -> None:
+  """Rewrites a multimodal MoE fixture's safetensors as the Hub's checkpoints hold them: each layer's experts fused
+  (save_pretrained writes one tensor per expert) and mtp.* tensors beside the model's."""
+  from safetensors.torch import load_file, save_file
+  tensors = load_file(path / "model.safetensors")
+  out, experts = {}, {}
+  for name, w in tensors.items():
+    head, sep, rest = name.partition(".mlp.experts.")
+    if sep and rest.split(".")[0].isdigit():
+      e, proj = rest.split(".")[:2]
+      experts.setdefault(head, {}).setdefault(proj, {})[int(e)] = w
+    else:
+      out[name] = w
+  for head, projs in experts.items():
+    n = len(projs["gate_proj"])
+    gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in range(n)]
+    out[head + ".mlp.experts.gate_up_proj"] = torch.stack(gate_up).contiguous()  # [E, 2F, D]
+    out[head + ".mlp.experts.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)]).contiguous()
+  gen = torch.Generator().manual_seed(SEED)
+  for name, shape in MTP.items():
+    out[name] = torch.randn(shape, generator=gen)
+  save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def make(name: str) -> None:
+  assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("kernels") is None, \
+      "uninstall flash-linear-attention and kernels: the fixtures are made on transformers' torch GDN path"
   model = build(name)
   out = OUT / name
   if out.exists():
     shutil.rmtree(out)
   model.save_pretrained(out, safe_serialization=True)
   cfg = model.config
-  ref = reference(model, cfg.vocab_size, cfg.num_hidden_layers)
+  text = cfg.get_text_config()
+  if is_multimodal(cfg):
+    fuse_experts_and_add_mtp(out)
+  ref = reference(model, text.vocab_size, text.num_hidden_layers, LENGTHS.get(name, T))
   np.savez(out / "reference.npz", **ref)
   # Reload from disk: the saved files alone must reproduce the reference.
-  again = transformers.AutoModelForCausalLM.from_pretrained(out, **eager(cfg.model_type))
+  again = type(model).from_pretrained(out, **eager(cfg.model_type))
   with torch.no_grad():
     logits = again(torch.from_numpy(ref["input_ids"]).long()).logits.float().numpy()
   assert np.array_equal(logits, ref["logits"]), f"{name}: reloaded model differs"
   size = sum(f.stat().st_size for f in out.iterdir())
-  print(f"{name:12s} {type(model).__name__:22s} {cfg.num_hidden_layers} layers  {size / 1024:.0f} KiB")
+  print(f"{name:14s} {type(model).__name__:34s} {text.num_hidden_layers} layers  {size / 1024:.0f} KiB")
 
 
 def registered_families(meshlm_python: str) -> set[str]:
@@ -221,6 +330,7 @@ def hf_logits(path: Path, ids: np.ndarray):
 def ids_and_generation(export: Path, model, src: Path) -> list[str]:
   """What differs from the fixture in the loaded model's token ids and generation config."""
   fixture = json.loads((src / "config.json").read_text())
+  fixture = fixture.get("text_config", fixture)  # a multimodal fixture's ids are its text model's
   gen = json.loads((src / "generation_config.json").read_text())
   bad = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(model.config, k) != fixture[k]]
   bad += [f"generation_config.{k}" for k in ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -259,6 +369,46 @@ tok.pre_tokenizer = pre_tokenizers.Whitespace()
 tok.add_special_tokens(["</s>"])
 tok.save(sys.argv[1])
 """
+
+
+MESHLM_PRESET_EXPORT = """
+import sys, numpy as np, jax
+from meshlm import forward, hf, load_config
+from meshlm.models import decoder
+cfg = load_config("model=" + sys.argv[1], "train.compute_dtype=float32", "cpu_devices=1")
+params = decoder.init_params(cfg, jax.random.key(0))
+hf.save(cfg, params, sys.argv[2])
+ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 150)).astype(np.int32)
+np.savez(sys.argv[3], input_ids=ids, logits=np.asarray(jax.jit(lambda p, x: forward(cfg, p, x))(params, ids)))
+"""
+# meshlm's float32 logits against transformers' float64 ones, as a multiple of transformers' own float32 error there.
+PRESET_FACTOR = 3.0
+
+
+def check_preset_export(preset: str, meshlm_python: str) -> tuple[float, float, list[str]]:
+  """A GDN preset that never came from Hugging Face (meshlm's random init, T = 150) exported by meshlm: transformers
+  loads it, and meshlm's logits are as close to transformers' float64 logits as transformers' float32 ones are
+  (PRESET_FACTOR). Returns (meshlm's rel err to float64, transformers float32's, problems)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    subprocess.run([meshlm_python, "-c", MESHLM_PRESET_EXPORT, preset, str(tmp / "hf"), str(tmp / "ref.npz")],
+                   check=True, cwd=ROOT, capture_output=True)
+    ref = np.load(tmp / "ref.npz")
+    ids = torch.from_numpy(ref["input_ids"]).long()
+    model_type = json.loads((tmp / "hf" / "config.json").read_text())["model_type"]
+    logits = {}
+    for dtype in (torch.float32, torch.float64):
+      kwargs = {**eager(model_type), "dtype": dtype}
+      model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf", **kwargs)
+      with torch.no_grad():
+        logits[dtype] = model(ids).logits.double().numpy()
+    ours = rel_err(ref["logits"].astype(np.float64), logits[torch.float64])
+    theirs = rel_err(logits[torch.float32], logits[torch.float64])
+    bad = [] if ours <= PRESET_FACTOR * max(theirs, 1e-7) else [f"meshlm is {ours / theirs:.1f}x further from float64"]
+    return ours, theirs, bad
+
+
+GDN_PRESETS = ("qwen3-next-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny")
 
 
 def check_finetune(meshlm_python: str, steps: int = 5) -> tuple[float, list[str]]:
@@ -308,14 +458,20 @@ def main() -> int:
   for name in names:
     model_type = json.loads((OUT / name / "config.json").read_text())["model_type"]
     if model_type not in families:
-      print(f"export check {name:12s} FAIL: meshlm has no family for model_type={model_type!r}")
+      print(f"export check {name:14s} FAIL: meshlm has no family for model_type={model_type!r}")
       failed.append(name)
       continue
     err, bad = check_export(name, args.meshlm_python)
     ok = err == 0.0 and not bad
-    print(f"export check {name:12s} rel err {err:.2e}  {'ok' if ok else 'FAIL'} {' '.join(bad)}")
+    print(f"export check {name:14s} rel err {err:.2e}  {'ok' if ok else 'FAIL'} {' '.join(bad)}")
     if not ok:
       failed.append(name)
+  for preset in GDN_PRESETS:
+    ours, theirs, bad = check_preset_export(preset, args.meshlm_python)
+    print(f"preset export check {preset}: rel err to transformers float64, meshlm {ours:.2e}, transformers float32 "
+          f"{theirs:.2e}  {'ok' if not bad else 'FAIL'} {' '.join(bad)}")
+    if bad:
+      failed.append(preset)
   err, bad = check_finetune(args.meshlm_python)
   ok = err <= 1e-5 and not bad
   print(f"fine-tune check (llama, 5 steps): transformers vs meshlm on the export, rel err {err:.2e}  "

@@ -60,7 +60,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # any test marked @pytest.mark.ci_must_run. Outside CI they skip as before.
 import pytest  # noqa: E402
 
-CI_MUST_RUN_FILES = ("test_analysis.py", "test_parity.py", "test_hf.py")
+CI_MUST_RUN_FILES = ("test_analysis.py", "test_parity.py", "test_hf.py", "test_hf_qwen3_next.py")
 
 
 def _under_ci() -> bool:

@@ -24,6 +24,14 @@ ERRORS = {
     "mesh_does_not_divide": (["cpu_devices=4", "mesh.fsdp=3"], "mesh: mesh.fsdp=3 needs 3 devices but 4"),
     "tied_head_flag": (["model.tie_embeddings=true", f"{KO_LM}=true"], f"{KO_LM}=true needs an untied LM head"),
     "unknown_preset": (["model=llama5-tiny"], "model=llama5-tiny: unknown preset"),
+    # Gated DeltaNet hybrids (issue 20).
+    "gdn_value_heads": (["model=qwen3.5-tiny", "model.linear_num_value_heads=3"],
+                        "model: linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
+    "gdn_chunk": (["model=qwen3.5-tiny", "model.gdn_chunk_size=48"], "model: gdn_chunk_size=48 must be a power of two"),
+    "gdn_context": (["model=qwen3.5-tiny", "cpu_devices=2", "mesh.fsdp=1", "mesh.context=2", "train.seq_len=96"],
+                    "mesh.context=2: train.seq_len=96 does not split into 2 shards of whole GDN chunks"),
+    "gdn_kind": (["model=qwen3.5-tiny", "model.hybrid_layer_types=[linear_attention,mamba,linear_attention,"
+                  "full_attention]"], "model: hybrid_layer_types[1]='mamba': unknown layer type"),
 }
 
 

@@ -55,6 +55,71 @@ def count_from_config(c: dict) -> int:
   return V * D + L * layer + D + (0 if c["tie_word_embeddings"] else D * V)
 
 
+# Gated DeltaNet hybrids (issue 20): config.json (text_config) fields of Qwen/Qwen3-Next-80B-A3B-Instruct,
+# Qwen/Qwen3.5-27B and Qwen/Qwen3.5-397B-A17B. Their model cards give rounded totals only (80B, 27B, 397B, which
+# also count the MTP head and, for Qwen3.5, the vision tower, neither of which meshlm builds); `count` is the text
+# model's exact count recomputed below from these fields, and docs/architecture.md lists both.
+HYBRID = {
+    "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, intermediate_size=5120, full_attention_interval=4,
+                               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512, card=80e9,
+                               count=79_674_391_296),
+    "qwen3.5-27b": dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
+                        num_key_value_heads=4, head_dim=256, intermediate_size=17408, full_attention_interval=4,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, card=27e9, count=26_895_998_464),
+    "qwen3.5-397b-a17b": dict(vocab_size=248320, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                              num_key_value_heads=2, head_dim=256, intermediate_size=1024, full_attention_interval=4,
+                              linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                              moe_intermediate_size=1024, shared_expert_intermediate_size=1024, card=397e9,
+                              count=396_346_350_336),
+}
+
+
+def count_hybrid(c: dict) -> int:
+  """Qwen3-Next / Qwen3.5 text model: gated attention (q_proj twice as wide, q/k norms) on every
+  full_attention_interval-th layer, Gated DeltaNet (in_proj_qkvz or in_proj_qkv/z/b/a: the same count; a conv of
+  conv_dim channels, A_log and dt_bias per value head, a norm of value_head_dim, out_proj) elsewhere; a SwiGLU, or
+  num_experts experts + a router + a shared expert and its [D, 1] gate; two RMSNorms per layer, final norm, head."""
+  D, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+  N, K, H = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+  attn = D * N * H * 2 + 2 * D * K * H + N * H * D + 2 * H
+  kh, vh, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
+                    c["linear_value_head_dim"])
+  conv_dim = 2 * kh * dk + vh * dv
+  gdn = D * (conv_dim + vh * dv + 2 * vh) + conv_dim * c["linear_conv_kernel_dim"] + 2 * vh + dv + vh * dv * D
+  if "num_experts" in c:
+    E, F, S = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    mlp = E * 3 * D * F + D * E + 3 * D * S + D
+  else:
+    mlp = 3 * D * c["intermediate_size"]
+  n_full = L // c["full_attention_interval"]
+  return V * D + n_full * attn + (L - n_full) * gdn + L * (mlp + 2 * D) + D + D * V
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID))
+def test_hybrid_preset_parameter_count(name):
+  official = HYBRID[name]
+  count_from_config = count_hybrid(official)
+  assert count_from_config == official["count"] and abs(count_from_config / official["card"] - 1) < 0.01
+  m = load_config(f"model={name}").model
+  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.full_attention_interval,
+          m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+          m.linear_conv_kernel_dim) == tuple(official[k] for k in (
+              "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"))
+  assert (m.num_experts, m.moe_mlp_dim, m.shared_expert_mlp_dim) == (
+      official.get("num_experts", 0), official.get("moe_intermediate_size"),
+      official.get("shared_expert_intermediate_size"))
+  assert m.partial_rotary_factor == 0.25 and m.rope_theta == 1e7 and not m.tie_embeddings
+  shapes = jax.eval_shape(lambda k: init_params(load_config(f"model={name}"), k), jax.random.key(0))
+  assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == official["count"]
+
+
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
 def test_real_preset_parameter_count(name):
   official = OFFICIAL[name]
@@ -89,7 +154,9 @@ def test_real_moe_preset_details():
 
 @pytest.mark.parametrize("name, family", [("mistral-tiny", "mistral"), ("qwen3-tiny", "qwen3"),
                                           ("llama3-tiny", "llama"), ("llama2-tiny", "llama"),
-                                          ("mixtral-tiny", "mixtral"), ("qwen3-moe-tiny", "qwen3_moe")])
+                                          ("mixtral-tiny", "mixtral"), ("qwen3-moe-tiny", "qwen3_moe"),
+                                          ("qwen3-next-tiny", "qwen3_next"), ("qwen3.5-tiny", "qwen3_5"),
+                                          ("qwen3.5-moe-tiny", "qwen3_5_moe")])
 def test_tiny_presets(name, family):
   cfg = load_config(f"model={name}")
   assert cfg.model.family == family
@@ -104,3 +171,7 @@ def test_tiny_presets(name, family):
   if family == "qwen3_moe":
     from meshlm.models.decoder import plan
     assert set(plan(cfg).kinds) == {"dense", "moe"}  # both layer kinds in one model
+  if family.startswith("qwen3_5") or family == "qwen3_next":
+    from meshlm.models.decoder import plan
+    assert plan(cfg).kinds == ("linear_attn",) * 3 + ("full_attn",)  # 3 linear + 1 full
+    assert cfg.train.seq_len % cfg.model.gdn_chunk_size == 0

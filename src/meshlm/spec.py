@@ -18,6 +18,7 @@ class ParamSpec:
   init: str = "normal"  # normal | ones | zeros
   fan_in: int = 1  # normal draws have std = scale / sqrt(fan_in)
   scale: float = 1.0
+  decay: bool = True  # False: AdamW's weight decay skips it (GDN's A_log, dt_bias)
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -89,6 +90,17 @@ def path_key(key: jax.Array, path) -> jax.Array:
 def init_tree(specs: Any, key: jax.Array, dtype) -> Any:
   return jax.tree_util.tree_map_with_path(lambda p, s: init_leaf(s, path_key(key, p), dtype), specs,
                                           is_leaf=is_spec)
+
+
+def vector(dim: int, init: str, decay: bool = True) -> ParamSpec:
+  """A per-head vector [dim] (no mesh axis), initialized to ones or zeros."""
+  return ParamSpec((dim,), (None,), init, decay=decay)
+
+
+def no_decay_mask(specs: Any) -> Any | None:
+  """True for each leaf kept out of weight decay (ParamSpec.decay=False); None when no leaf is."""
+  mask = map_specs(lambda s: not s.decay, specs)
+  return mask if any(jax.tree.leaves(mask)) else None
 
 
 def count(specs: Any) -> int:

@@ -375,6 +375,102 @@ def scan_layout_flags(mod: H.HloModule) -> list[dict]:
   return flags
 
 
+# The chunk scans of the gated delta rule (nn/gdn.py names its scope "gdn_chunked"; a backward loop keeps
+# the name inside transpose(jvp(...))).
+GDN_SCOPE = "gdn_chunked"
+_ZERO_CONSTANT = re.compile(r"constant\((-?0(\.0*)?(e[+-]?0+)?|false)\)")
+_LOOKS_THROUGH = ("bitcast", "copy", "reshape", "convert")
+
+
+def _root(mod: H.HloModule, comp: str) -> H.Instr | None:
+  items = mod.comps.get(comp) or []
+  roots = [i for i in items if i.text.startswith("ROOT ")]
+  return roots[0] if roots else (items[-1] if items else None)
+
+
+def _local(mod: H.HloModule, comp: str) -> dict[str, H.Instr]:
+  """comp's instructions by name (printed names repeat across computations)."""
+  return {i.name: i for i in mod.comps.get(comp, [])}
+
+
+def _zero_broadcast(mod: H.HloModule, comp: str, name: str) -> bool:
+  """The instruction (of comp) is a broadcast of a scalar zero, looking through bitcasts, copies, reshapes,
+  converts and XLA:CPU's one-op "wrapped_broadcast" fusions."""
+  local = _local(mod, comp)
+  ins = local.get(name)
+  while ins is not None and ins.opcode in _LOOKS_THROUGH and ins.operands:
+    ins = local.get(ins.operands[0])
+  if ins is None or not ins.operands:
+    return False
+  if ins.opcode == "fusion":
+    root = _root(mod, (ins.called.get("calls") or [""])[0])
+    if root is None or root.opcode != "broadcast":
+      return False
+  elif ins.opcode != "broadcast":
+    return False
+  src = local.get(ins.operands[0])
+  return src is not None and src.opcode == "constant" and bool(_ZERO_CONSTANT.search(src.text))
+
+
+def _reachable(mod: H.HloModule, comp: str) -> set[str]:
+  """comp and every computation it calls (fusions, nested loops), transitively."""
+  out, todo = set(), [comp]
+  while todo:
+    c = todo.pop()
+    if c in out or c not in mod.comps:
+      continue
+    out.add(c)
+    todo.extend(callee for ins in mod.comps[c] for callees in ins.called.values() for callee in callees)
+  return out
+
+
+def _carries(mod: H.HloModule, loop: H.Instr) -> list[tuple[str, str, H.Array]]:
+  """(computation, instruction name, array) of each operand of the loop's initial tuple."""
+  comp, local = loop.comp, _local(mod, loop.comp)
+  init = local.get(loop.operands[0]) if loop.operands else None
+  # XLA:CPU may wrap the loop in a computation of its own: follow its parameter to the call site.
+  for _ in range(4):
+    if init is None or init.opcode != "parameter":
+      break
+    index = int(re.search(r"parameter\((\d+)\)", init.text).group(1))
+    site = next((i for i in mod.instrs() if any(comp in c for c in i.called.values())), None)
+    if site is None or index >= len(site.operands):
+      return []
+    comp, local = site.comp, _local(mod, site.comp)
+    init = local.get(site.operands[index])
+  if init is None or init.opcode != "tuple":
+    return []
+  return [(comp, n, local[n].out) for n in init.operands if n in local and local[n].out is not None]
+
+
+def gdn_counts(mod: H.HloModule) -> dict[str, Any]:
+  """Dead work around the Gated DeltaNet chunk scans of the compiled step (see docs/analysis.md)."""
+  whiles = [ins for ins in mod.instrs() if ins.opcode == "while"]
+  body = lambda loop: (loop.called.get("body") or [""])[0]
+  chunk = [w for w in whiles if GDN_SCOPE in w.op_name]
+  chunk_comps = {w.comp for w in chunk}
+  zero_outputs, copies, transposes = 0, 0, 0
+  shapes = set()
+  for loop in chunk:
+    for comp, name, arr in _carries(mod, loop):
+      shapes.add(arr.shape)
+      # One slot per iteration: a scan output (JAX starts every one as a broadcast zero).
+      zero_outputs += bool(loop.trip_count and arr.shape[:1] == (loop.trip_count,) and _zero_broadcast(mod, comp, name))
+    for comp in _reachable(mod, body(loop)):
+      for ins in mod.comps[comp]:
+        copies += ins.opcode in ("copy", "copy-start")
+        transposes += ins.opcode == "transpose"
+  # A loop around the chunk scans (the layer scan) carrying a zero buffer of a chunk-scan buffer's shape:
+  # XLA hoisted a fill out of the layer body and copies it into every iteration.
+  hoisted = 0
+  for loop in whiles:
+    if loop in chunk or not (_reachable(mod, body(loop)) & chunk_comps):
+      continue
+    hoisted += sum(arr.shape in shapes and _zero_broadcast(mod, comp, name) for comp, name, arr in _carries(mod, loop))
+  return {"chunk_scans": len(chunk), "zero_filled_outputs": zero_outputs, "hoisted_zero_carries": hoisted,
+          "copies": copies, "transposes": transposes}
+
+
 # ---------------------------------------------------------------------------------------- the census
 
 def census_of(low: Lowered) -> dict[str, Any]:
@@ -388,6 +484,7 @@ def census_of(low: Lowered) -> dict[str, Any]:
       "hlo": hlo,
       "blowups": blowups(smod),
       "scan_layout": scan_layout_flags(hmod),
+      "gdn": gdn_counts(hmod),
       "memory": low.memory,
       "cost": low.cost,
   }
@@ -419,6 +516,7 @@ SUMMARY_FIELDS = (
     "stablehlo.sorts.forward", "stablehlo.sorts.backward",
     "stablehlo.optimization_barriers.forward", "stablehlo.optimization_barriers.backward",
     *[f"stablehlo.moe.{k}.{d}" for k in ("gathers", "scatters") for d in ("forward", "backward")],
+    *[f"gdn.{k}" for k in ("chunk_scans", "zero_filled_outputs", "hoisted_zero_carries", "copies", "transposes")],
 )
 # A dict field shown as one row per key: "stablehlo.weight_grad_dots.layers/mlp/moe/router".
 SUMMARY_DICTS = ("stablehlo.weight_grad_dots",)

@@ -13,7 +13,7 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
   """Shapes of a decoder. Field names are the words used in presets and on the CLI."""
   family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3, mixtral, "
-                      "qwen3_moe")
+                      "qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe")
   vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
   embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
   num_layers: int = Field(gt=0, description="number of decoder layers")
@@ -80,6 +80,37 @@ class ModelConfig(_Strict):
   moe_impl: Literal["dropless", "reference"] = Field(
       default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls) or reference (every expert "
       "on every token, masked)")
+  # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
+  # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
+  shared_expert_mlp_dim: Optional[int] = Field(
+      default=None, gt=0, description="width of the gated shared expert beside the routed ones (qwen3_next, "
+      "qwen3_5_moe; HF shared_expert_intermediate_size); null: none")
+  # Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): linear-attention (GDN) layers between gated full
+  # attention layers. Letters (docs/architecture.md): K key heads, N value heads, H key head dim, J value head dim.
+  linear_num_key_heads: Optional[int] = Field(default=None, gt=0, description="GDN key heads K (HF "
+                                              "linear_num_key_heads)")
+  linear_num_value_heads: Optional[int] = Field(default=None, gt=0, description="GDN value heads N, a multiple of "
+                                                "linear_num_key_heads (value head n reads key head n // (N / K))")
+  linear_key_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN key head dim H")
+  linear_value_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN value head dim J")
+  linear_conv_kernel_dim: int = Field(default=4, gt=0, description="taps of the GDN causal depthwise conv over q|k|v")
+  gdn_chunk_size: int = Field(default=64, gt=0, description="chunk length of the chunked gated delta rule (a power "
+                              "of two)")
+  gdn_impl: Literal["chunked", "reference"] = Field(
+      default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
+      "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
+  # Which layers are linear attention: hybrid_layer_types (Hugging Face's layer_types, one entry per layer) or,
+  # when that is null, every full_attention_interval-th layer full ((i + 1) % interval == 0), the rest linear.
+  hybrid_layer_types: Optional[list[str]] = Field(
+      default=None, description="per layer linear_attention or full_attention (HF layer_types); null: from "
+      "full_attention_interval")
+  full_attention_interval: Optional[int] = Field(
+      default=None, gt=0, description="layer i is full attention when (i + 1) % this == 0, else linear (used when "
+      "hybrid_layer_types is null)")
+  # RoPE rotates the first rot = int(head_dim * factor) dims of each head (half-split pairs within them).
+  partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, description="fraction of each head's dims that RoPE "
+                                       "rotates (the first ones); 1: all")
+  HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
 
   @model_validator(mode="after")
@@ -102,6 +133,7 @@ class ModelConfig(_Strict):
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
     if bad:
       raise ValueError(f"mlp_only_layers: layer {bad[0]} is not in [0, num_layers={self.num_layers})")
+    self._check_gdn()
     kind = (self.rope_scaling or {}).get("rope_type", "llama3")
     if self.rope_scaling and kind not in ("llama3", "linear", "yarn"):
       raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported; expected llama3, linear or yarn")
@@ -113,6 +145,43 @@ class ModelConfig(_Strict):
         raise ValueError(f"rope_scaling: {kind} scaling needs {', '.join(missing)} "
                          f"(set model.rope_scaling.{missing[0]}=...)")
     return self
+
+  def _check_gdn(self) -> None:
+    K, N = self.linear_num_key_heads, self.linear_num_value_heads
+    if K is not None and N is not None and N % K:
+      raise ValueError(f"linear_num_value_heads={N} must be a multiple of linear_num_key_heads={K} (value head n "
+                       f"reads key head n // (N / K)); set model.linear_num_value_heads to a multiple of {K}")
+    c = self.gdn_chunk_size
+    if c & (c - 1):
+      raise ValueError(f"gdn_chunk_size={c} must be a power of two; set model.gdn_chunk_size=64 (or 16, 32, 128)")
+    types = self.hybrid_layer_types
+    if types is not None:
+      bad = [(i, t) for i, t in enumerate(types) if t not in self.HYBRID_TYPES]
+      if bad:
+        i, t = bad[0]
+        raise ValueError(f"hybrid_layer_types[{i}]={t!r}: unknown layer type; expected "
+                         f"{' or '.join(self.HYBRID_TYPES)}")
+      if len(types) != self.num_layers:
+        raise ValueError(f"hybrid_layer_types: {len(types)} entries for num_layers={self.num_layers}; give one "
+                         "per layer")
+    rot = self.rotary_dim()
+    if rot < 2 or rot % 2:
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {rot} of head_dim="
+                       f"{self.head_dim} dims; RoPE needs an even number, at least 2")
+
+  def hybrid_types(self) -> tuple[str, ...] | None:
+    """Each layer's mixer type in a GDN hybrid, "linear_attention" or "full_attention" (Hugging Face's
+    layer_types): hybrid_layer_types, else from full_attention_interval; None when neither is set."""
+    if self.hybrid_layer_types is not None:
+      return tuple(self.hybrid_layer_types)
+    n = self.full_attention_interval
+    if n is None:
+      return None
+    return tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_layers))
+
+  def rotary_dim(self) -> int:
+    """The dims of each head that RoPE rotates: int(head_dim * partial_rotary_factor) (transformers' rule)."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   def layer_types(self) -> tuple[str, ...]:
     """The repeating layer-type pattern (one period); layer i has type pattern[i % len(pattern)]."""
@@ -284,6 +353,13 @@ class Config(_Strict):
       raise ValueError(
           f"mesh.expert={self.mesh.expert}: {self.model_name} is dense (model.num_experts=0), so there are no experts "
           "to shard; leave mesh.expert at 1 and give the devices to mesh.data or mesh.fsdp")
+    if self.mesh.context > 1 and self.model.hybrid_types() is not None:
+      # Each context shard of a GDN layer runs whole chunks (the chunked rule's states-only pass per shard).
+      n, c, T = self.mesh.context, self.model.gdn_chunk_size, self.train.seq_len
+      if T % (n * c):
+        raise ValueError(
+            f"mesh.context={n}: train.seq_len={T} does not split into {n} shards of whole GDN chunks "
+            f"(model.gdn_chunk_size={c}); make train.seq_len a multiple of {n * c} or lower mesh.context")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "

@@ -5,6 +5,11 @@ load() never builds the model on the host: each stacked meshlm parameter is made
 embeddings, only the rows and columns) of the device shard it is asked for. save() converts one
 parameter at a time and flushes a safetensors shard whenever it reaches `max_shard_bytes`, into a
 temporary directory that is renamed into place only when complete.
+
+load() also reads the text model of a multimodal checkpoint its family declares (`maps.Wrapped`: the
+text config nested under `text_config`, tensors under `model.language_model.`), and MoE experts stored
+either one tensor per expert or fused (`maps.Fused`). Tensors under a family's skipped prefixes (the
+vision tower, multi-token prediction) are not read, and one line on stderr says how many were skipped.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,24 +38,42 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def families() -> dict[str, maps.Adapter]:
-  """model_type -> adapter, over the families with a Hugging Face adapter."""
+  """model_type -> adapter, over the families with a Hugging Face adapter (and the multimodal model_types
+  whose text model one of them reads)."""
   from meshlm.hf.adapters import ADAPTERS
-  adapters = (importlib.import_module(module).ADAPTER for module in ADAPTERS.values())
-  return {a.model_type: a for a in adapters}
+  adapters = [importlib.import_module(module).ADAPTER for module in ADAPTERS.values()]
+  return {**{w.model_type: a for a in adapters for w in a.wrapped}, **{a.model_type: a for a in adapters}}
 
 
-def family_for(hf: dict, where: str):
+def resolve(hf: dict, where: str) -> tuple[maps.Adapter, dict, maps.Wrapped | None]:
+  """(the family's adapter, the text model's config.json fields, the multimodal layout or None)."""
   fams = families()
   model_type = hf.get("model_type")
   if model_type not in fams:
     raise ConfigError(f"{where}: model_type={model_type!r} is not supported; known: {', '.join(sorted(fams))}")
   fam = fams[model_type]
+  wrapped = next((w for w in fam.wrapped if w.model_type == model_type), None)
+  allowed = fam.architectures if wrapped is None else wrapped.architectures
   archs = hf.get("architectures") or []
-  bad = [a for a in archs if a not in fam.architectures]
+  bad = [a for a in archs if a not in allowed]
   if bad:
     raise ConfigError(f"{where}: architectures={bad!r} is not supported for model_type={model_type!r}; "
-                      f"expected {', '.join(fam.architectures)}")
-  return fam
+                      f"expected {', '.join(allowed)}")
+  if wrapped is None:
+    return fam, hf, None
+  text = hf.get(wrapped.config_key)
+  if not isinstance(text, dict):
+    raise ConfigError(f"{where}: model_type={model_type!r} needs the text model's fields under "
+                      f"{wrapped.config_key!r} (an object)")
+  # transformers ties the head by the top-level flag of a multimodal config; ids the text config lacks are
+  # read from the top level.
+  text = {**{k: hf[k] for k in TOKEN_IDS if k in hf}, **text,
+          "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+  return fam, text, wrapped
+
+
+def family_for(hf: dict, where: str) -> maps.Adapter:
+  return resolve(hf, where)[0]
 
 
 def _family_of_cfg(cfg: Config) -> maps.Adapter:
@@ -91,8 +115,9 @@ class Entry:
     return [self.name(i, e) for i in self.layers() for e in self.experts()]
 
 
-def entries(cfg: Config) -> list[Entry]:
-  """Every meshlm parameter leaf paired with its HF tensor, in parameter-tree order."""
+def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
+  """Every meshlm parameter leaf paired with its HF tensor, in parameter-tree order; with `wrapped`, named as
+  that multimodal layout stores the text model."""
   import jax
   from meshlm import spec as S
   from meshlm.models import decoder
@@ -123,7 +148,11 @@ def entries(cfg: Config) -> list[Entry]:
         raise ValueError(f"family {m.family!r}: {table[key].name} has {{e}} but parameter {'.'.join(path)} has no "
                          "experts axis")
       experts = s.axes.index("experts")
-    out.append(Entry(path, table[key], tuple(s.shape), axis, ids, experts))
+    tensor = table[key]
+    if wrapped is not None:
+      fused = tensor.fused and dataclasses.replace(tensor.fused, name=wrapped.rename(tensor.fused.name))
+      tensor = dataclasses.replace(tensor, name=wrapped.rename(tensor.name), fused=fused)
+    out.append(Entry(path, tensor, tuple(s.shape), axis, ids, experts))
   return out
 
 
@@ -144,7 +173,7 @@ def model_fields(path: Path) -> dict:
   """ModelConfig fields of an HF model directory: its family's reading of config.json, plus the token ids
   (config.json) and generation_config.json, which meshlm carries to the export unchanged."""
   hf = read_hf_config(path)
-  fam = family_for(hf, str(path / "config.json"))
+  fam, hf, _ = resolve(hf, str(path / "config.json"))
   out = fam.from_hf_config(hf)
   gen = None
   gen_path = path / GENERATION_CONFIG
@@ -209,10 +238,18 @@ def _open(f: Path):
 
 
 class _Reader:
-  """Open safetensors files by path, and slices of tensors as float32 numpy arrays."""
+  """Open safetensors files by path, and slices of tensors as float32 numpy arrays.
+
+  `fused` maps a per-expert tensor name to where a fused tensor holds it (fused name, expert, rows): such a
+  name reads as the per-expert tensor would.
+  """
 
   def __init__(self, stack: contextlib.ExitStack, files: dict[str, Path]):
     self._stack, self._files, self._open = stack, files, {}
+    self.fused: dict[str, tuple[str, int, slice]] = {}
+
+  def has(self, name: str) -> bool:
+    return name in self._files or name in self.fused
 
   def _handle(self, name: str):
     f = self._files[name]
@@ -221,39 +258,79 @@ class _Reader:
     return self._open[f]
 
   def info(self, name: str) -> tuple[tuple[int, ...], str]:
+    if name in self.fused:
+      src, _, rows = self.fused[name]
+      shape, dtype = self.info(src)
+      return (rows.stop - rows.start, *shape[2:]), dtype
     sl = self._handle(name).get_slice(name)
     return tuple(sl.get_shape()), sl.get_dtype()
 
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    if name in self.fused:
+      src, e, rows = self.fused[name]
+      x = np.asarray(self._handle(src).get_slice(src)[e:e + 1, rows][0], dtype=np.float32)  # one expert [out, in]
+      return x if index is None else x[index]
     sl = self._handle(name).get_slice(name)
     x = sl[index] if index is not None else sl[:]
     return np.asarray(x, dtype=np.float32)
 
 
-def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], tied: bool) -> None:
-  """Names, shapes and dtypes, before anything is read: each error names the tensor."""
+def _find_fused(ents: list[Entry], reader: _Reader) -> None:
+  """Where a layer's per-expert tensors are absent but its fused tensor is present, reads them from it
+  (reader.fused), after checking the fused tensor's shape [E, parts * out, in]."""
+  for e in ents:
+    fused = e.tensor.fused
+    if fused is None or e.expert_axis is None:
+      continue
+    out, *inner = e.tensor.hf_shape(e.tensor_shape())
+    n = e.shape[e.expert_axis]
+    for i in e.layers():
+      names = [e.name(i, x) for x in e.experts()]
+      src = fused.name.format(i=i)
+      if any(reader.has(name) for name in names) or not reader.has(src):
+        continue  # per-expert (a missing one is reported by _check_tensors), or neither
+      want = (n, fused.parts * out, *inner)
+      got, _ = reader.info(src)
+      if got != want:
+        raise ConfigError(f"tensor {src}: shape {list(got)}, but config.json implies {list(want)} "
+                          f"({n} experts, fused)")
+      for x, name in enumerate(names):
+        reader.fused[name] = (src, x, fused.rows(out))
+
+
+def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], tied: bool,
+                   skipped: tuple[str, ...] = ()) -> dict[str, int]:
+  """Names, shapes and dtypes, before anything is read: each error names the tensor. Returns how many tensors
+  each skipped prefix held."""
   expected = {}
   for e in ents:
     hf_shape = e.tensor.hf_shape(e.tensor_shape())
     for name in e.hf_names():
       expected[name] = hf_shape
   for name, shape in expected.items():
-    if name not in files:
+    if not reader.has(name):
       raise ConfigError(f"missing tensor {name} (expected shape {list(shape)})")
     got, dtype = reader.info(name)
+    where = files[reader.fused[name][0] if name in reader.fused else name].name
     if got != shape:
-      raise ConfigError(f"tensor {name}: shape {list(got)} in {files[name].name}, but config.json implies "
-                        f"{list(shape)}")
+      raise ConfigError(f"tensor {name}: shape {list(got)} in {where}, but config.json implies {list(shape)}")
     if dtype not in FLOAT_DTYPES:
       raise ConfigError(f"tensor {name}: dtype {dtype} cannot be loaded into float32 parameters "
                         f"(expected one of {', '.join(FLOAT_DTYPES)})")
+  read_fused = {src for src, _, _ in reader.fused.values()}
+  counts = dict.fromkeys(skipped, 0)
   for name in files:
-    if name in expected or name.endswith(IGNORED_SUFFIXES):
+    if name in expected or name in read_fused or name.endswith(IGNORED_SUFFIXES):
       continue
     if tied and name == "lm_head.weight":
       continue  # some tied checkpoints also store the head; meshlm uses the embedding table
+    prefix = next((p for p in skipped if name.startswith(p)), None)
+    if prefix is not None:
+      counts[prefix] += 1
+      continue
     raise ConfigError(f"unexpected tensor {name} in {files[name].name} (not part of this "
                       f"{'tied' if tied else 'untied'} model)")
+  return {p: n for p, n in counts.items() if n}
 
 
 def _leaf(e: Entry, reader: _Reader, sharding, dtype) -> Any:
@@ -322,13 +399,19 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   cfg = load_config(*overrides, base=base)
   if mesh is None:
     mesh = make_mesh(cfg)
-  ents = entries(cfg)
+  fam, _, wrapped = resolve(read_hf_config(path), str(path / "config.json"))
+  ents = entries(cfg, wrapped)
   files = _tensor_files(path)
   shardings = param_shardings(cfg, mesh)
   dtype = np.dtype(cfg.train.param_dtype)
   with contextlib.ExitStack() as stack:
     reader = _Reader(stack, files)
-    _check_tensors(ents, reader, files, cfg.model.tie_embeddings)
+    _find_fused(ents, reader)
+    skipped = _check_tensors(ents, reader, files, cfg.model.tie_embeddings,
+                             fam.skipped + (wrapped.skipped if wrapped else ()))
+    if skipped:
+      counts = " and ".join(f"{n} under {p}*" for p, n in skipped.items())
+      print(f"meshlm: {path}: skipped {counts} (not part of the text model)", file=sys.stderr)
     flat = {e.path: _leaf(e, reader, _get(shardings, e.path), dtype) for e in ents}
   params: dict = {}
   for p, v in flat.items():

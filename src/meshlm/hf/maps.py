@@ -15,10 +15,19 @@ A family's adapter (hf/adapters/<family>.py, apart from its block in models/) is
 - `top_map(m: ModelConfig) -> dict[str, Tensor]` for the non-layer leaves; `default_top_map` is
   llama's (`model.embed_tokens`, `model.norm`, `lm_head`).
 
+- `skipped`: name prefixes of tensors a checkpoint may carry beside the model that meshlm does not read
+  (qwen3-next's multi-token-prediction head `mtp.`); load names them in a one-line notice.
+- `wrapped`: the multimodal checkpoints whose text model is this family (`Wrapped`): another model_type
+  and architecture, config.json nesting the text model's fields under `text_config`, and the text
+  model's tensors under `model.language_model.` beside the vision tower's. Import reads their text
+  part; export always writes the text model's own layout.
+
 Layouts. An HF `nn.Linear` weight is [out, in]. meshlm kernels put the input dims first:
 q [D, N, H], k/v [D, K, H], o [N, H, D], gate/up [D, F], down [F, D], lm_head [D, V]. `Linear(name,
 n_in)` says the first n_in meshlm dims are inputs; converting is a reshape plus a transpose. RoPE
-needs no q/k row permutation: HF checkpoints and meshlm both rotate halves (`rotate_half`).
+needs no q/k row permutation: HF checkpoints and meshlm both rotate halves (`rotate_half`). A per-expert
+tensor may also be found in transformers' fused layout (`Fused`), which import reads and export never
+writes.
 """
 from __future__ import annotations
 
@@ -33,9 +42,25 @@ from meshlm.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
+class Fused:
+  """Where transformers' fused expert tensor holds a per-expert weight: expert e's [out, in] weight is rows
+  [part * out, (part + 1) * out) of fused[e]. `mlp.experts.gate_up_proj` [E, 2F, D] holds gate_proj
+  (part 0 of 2) and up_proj (part 1); `mlp.experts.down_proj` [E, D, F] holds down_proj (part 0 of 1).
+  The name is a template in `{i}` only."""
+  name: str
+  part: int = 0
+  parts: int = 1
+
+  def rows(self, out: int) -> slice:
+    return slice(self.part * out, (self.part + 1) * out)
+
+
+@dataclasses.dataclass(frozen=True)
 class Tensor:
   """An HF tensor stored exactly in meshlm's layout (embeddings, norm scales)."""
   name: str
+  # A per-expert tensor ({e} in the name) that checkpoints may also hold fused; None: never fused.
+  fused: Fused | None = dataclasses.field(default=None, kw_only=True)
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape)
@@ -80,6 +105,41 @@ class Linear(Tensor):
 
 
 @dataclasses.dataclass(frozen=True)
+class Conv1d(Tensor):
+  """A depthwise nn.Conv1d weight [C, 1, W] (no bias) <-> a meshlm kernel [W, C], tap W - 1 the current position."""
+
+  def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    W, C = shape
+    return (C, 1, W)
+
+  def to_meshlm(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return np.ascontiguousarray(w[:, 0, :].T)
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(w.T[:, None, :])
+
+  def hf_index(self, index, shape):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrapped:
+  """A multimodal checkpoint holding a family's text model (Qwen3.5's published checkpoints): its config.json
+  has `model_type` and `architectures` of its own and the text model's fields under `config_key`; the text
+  model's tensors are named with `prefix` where the text model's own checkpoints have `model.`; tensors under
+  `skipped` (the vision tower) are not read."""
+  model_type: str
+  architectures: tuple[str, ...]
+  config_key: str = "text_config"
+  prefix: str = "model.language_model."
+  skipped: tuple[str, ...] = ("model.visual.",)
+
+  def rename(self, name: str) -> str:
+    """A text-model tensor name as this layout stores it (lm_head and mtp stay where they are)."""
+    return self.prefix + name[len("model."):] if name.startswith("model.") else name
+
+
+@dataclasses.dataclass(frozen=True)
 class Adapter:
   """A family's Hugging Face mapping (see the module docstring)."""
   model_type: str
@@ -88,6 +148,8 @@ class Adapter:
   to_hf_config: Callable[[ModelConfig], dict]
   layer_map: Callable[[ModelConfig], dict[str, Tensor]]
   top_map: Callable[[ModelConfig], dict[str, Tensor]] = lambda m: default_top_map(m)
+  skipped: tuple[str, ...] = ()
+  wrapped: tuple[Wrapped, ...] = ()
 
 
 def require(hf: dict, key: str) -> Any:

@@ -18,6 +18,9 @@ FAMILIES = {
     "gemma3": "meshlm.models.gemma3",
     "mixtral": "meshlm.models.mixtral",
     "qwen3_moe": "meshlm.models.qwen3_moe",
+    "qwen3_next": "meshlm.models.qwen3_next",
+    "qwen3_5": "meshlm.models.qwen3_5",
+    "qwen3_5_moe": "meshlm.models.qwen3_5_moe",
 }
 
 
@@ -27,6 +30,8 @@ PARTS = {
     "gqa": "meshlm.models.mixers.gqa:gqa",
     "glu": "meshlm.models.ffns.glu:glu",
     "moe": "meshlm.models.ffns.moe:moe_ffn",
+    "gdn": "meshlm.models.mixers.gdn:gdn",
+    "gated_gqa": "meshlm.models.mixers.gated_gqa:gated_gqa",
 }
 
 

@@ -19,11 +19,22 @@ Packed documents: segment_ids [B, T] (0 is padding, as the data pipeline writes 
 entering position t is zero wherever segment_ids[t] != segment_ids[t - 1], so no document sees
 another; `initial_state` enters at t = 0 only. A position with g = 0 and beta = 0 leaves the state as
 it is (how a right-padded prompt keeps the state of its last real token).
+
+The rule, three ways, one contract (o [B, T, N, J] in v's dtype, final state [B, N, H, J] float32):
+- `gated_delta_rule_reference`: the recurrence, one position at a time (the reference);
+- `gated_delta_rule_chunked`: chunks of W positions in the WY form, a scan over chunks (the fast path);
+- `gated_delta_rule_context_parallel`: the chunked rule with T sharded over mesh.context.
+`gated_delta_rule(..., impl=)` picks the first two. docs/performance.md ("Gated DeltaNet") measures them.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+
+from meshlm.errors import ConfigError
+from meshlm.parallel.sharding import is_explicit
 
 
 def segment_starts(segment_ids_BT: jax.Array | None, T: int) -> jax.Array | None:
@@ -72,3 +83,326 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   gradient, for an all-zero row."""
   xf = x.astype(jnp.float32)
   return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+# ---------------------------------------------------------------------------------- the chunked rule
+#
+# Letters of the chunked form: U chunks of W positions each (T padded up to U * W inside the call only).
+# Per chunk and value head, with the state S [H, J] entering it and gamma the gate cumsum inside the chunk
+# (restarted at every segment start), only same-segment pairs (i, j) interact:
+#
+#   A = strict_tril(beta_i (k_i . k_j) exp(gamma_i - gamma_j))       [W, W]
+#   Tm = (I + A)^-1,  u = Tm (beta v),  w = Tm (beta exp(gamma) c k)   c_i: i still in the incoming segment
+#   delta = u - w S                                                   [W, J]  (beta * the delta rule's error)
+#   o = (c exp(gamma) q) S + tril(q_i . k_j exp(gamma_i - gamma_j)) delta
+#   S <- c_last exp(gamma_last) S + (k exp(gamma_last - gamma) [j in the last segment])^T delta
+#
+# Only the state line is sequential: a scan over chunks carries S and emits the state entering each chunk
+# (its scan output; no buffer written in place). Every other term is one batched product over all chunks,
+# before the scan (A, Tm, u, w) or after it (o = (c exp(gamma) q - P w) S_in + P u, P the tril term).
+
+INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
+DEFAULT_INVERSE = "right_looking"
+_HI = jax.lax.Precision.HIGHEST  # float32 matmuls on every backend (TPU's default would round to bf16)
+
+
+def check_chunk_size(chunk_size: int) -> None:
+  """The chunk must be a power of two (the blocked and doubling inverses halve it; chunks tile shards)."""
+  if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+    raise ConfigError(f"model.gdn_chunk_size={chunk_size!r}: the Gated DeltaNet chunk must be a power of two "
+                      "(16, 32, 64, ...); set model.gdn_chunk_size=64")
+
+
+def _einsum(spec, *xs):
+  return jnp.einsum(spec, *xs, precision=_HI)
+
+
+def _inverse_right_looking(a_XWW, *, skip_column=None):
+  """Right-looking: once row j is final, subtract a[i, j] * x_j from every later row (a loop over columns).
+  skip_column drops one column's update: the negative control of the tests, never used otherwise."""
+  W = a_XWW.shape[-1]
+  x = jnp.broadcast_to(jnp.eye(W, dtype=a_XWW.dtype), a_XWW.shape)
+  for j in range(W - 1):
+    if j == skip_column:
+      continue
+    # a[i, j] is zero for i <= j, so rows up to j (already final) are untouched. Whole-row updates: XLA
+    # fuses the unrolled chain of elementwise steps into one loop (restricting each step to the rows below
+    # j and columns up to j with .at[].set measured 5.7x slower on CPU: 27.8 vs 4.9 ms at [256, 64, 64]).
+    x = x - a_XWW[..., :, j:j + 1] * x[..., j:j + 1, :]
+  return x
+
+
+def _inverse_solve_triangular(a_XWW):
+  W = a_XWW.shape[-1]
+  eye = jnp.eye(W, dtype=a_XWW.dtype)
+  l_XWW = a_XWW + eye
+  return jax.scipy.linalg.solve_triangular(l_XWW, jnp.broadcast_to(eye, a_XWW.shape), lower=True,
+                                           unit_diagonal=True)
+
+
+def _diag_blocks(a_XWW, b):
+  """[..., W, W] -> [..., W / b, b, b]: the diagonal b x b blocks."""
+  W = a_XWW.shape[-1]
+  nb = W // b
+  a = a_XWW.reshape(a_XWW.shape[:-2] + (nb, b, nb, b))
+  return jnp.einsum("...ibic->...ibc", a)
+
+
+def _inverse_blocked(a_XWW, base=16):
+  """flash-linear-attention's form: substitution on the base x base diagonal blocks, then merges
+  [[X1, 0], [-X2 A21 X1, X2]] doubling the block until it is the whole chunk."""
+  W = a_XWW.shape[-1]
+  b = min(base, W)
+  x = _inverse_right_looking(_diag_blocks(a_XWW, b))  # [..., W / b, b, b]
+  while b < W:
+    pairs = _diag_blocks(a_XWW, 2 * b)  # [..., W / 2b, 2b, 2b]
+    a21 = pairs[..., b:, :b]
+    x1, x2 = x[..., 0::2, :, :], x[..., 1::2, :, :]
+    x21 = -_einsum("...ab,...bc,...cd->...ad", x2, a21, x1)
+    zero = jnp.zeros_like(x1)
+    x = jnp.concatenate([jnp.concatenate([x1, zero], -1), jnp.concatenate([x21, x2], -1)], -2)
+    b *= 2
+  return x[..., 0, :, :]
+
+
+def _inverse_doubling(a_XWW):
+  """(I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is nilpotent (A^W = 0). Products of powers of A, which
+  grow large when |A| is (the adversarial test)."""
+  W = a_XWW.shape[-1]
+  p = -a_XWW
+  x = jnp.eye(W, dtype=a_XWW.dtype) + p
+  span = 2
+  while span < W:
+    p = _einsum("...ab,...bc->...ac", p, p)
+    x = x + _einsum("...ab,...bc->...ac", x, p)
+    span *= 2
+  return x
+
+
+_INVERSE_FNS = {"right_looking": _inverse_right_looking, "solve_triangular": _inverse_solve_triangular,
+                "blocked": _inverse_blocked, "doubling": _inverse_doubling}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def unit_lower_inverse(a_XWW: jax.Array, variant: str = "right_looking") -> jax.Array:
+  """(I + A)^-1 for A [..., W, W] strictly lower triangular, by `variant` (INVERSES). Every variant has
+  the same backward: dA = -strict_tril(X^T dX X^T), two matmuls, so no variant's loop is differentiated."""
+  return _INVERSE_FNS[variant](a_XWW)
+
+
+def _unit_lower_inverse_fwd(a_XWW, variant):
+  x = _INVERSE_FNS[variant](a_XWW)
+  return x, x
+
+
+def _unit_lower_inverse_bwd(variant, x_XWW, dx_XWW):
+  W = x_XWW.shape[-1]
+  da = -_einsum("...ba,...bc,...dc->...ad", x_XWW, dx_XWW, x_XWW)
+  return (jnp.where(jnp.tri(W, k=-1, dtype=bool), da, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
+def _to_chunks(x_BT, U, W, edge=False):
+  """[B, T, ...] -> [U, B, W, ...] after padding T up to U * W with zeros, or with the last position's
+  value if `edge` (a no-op when T = U * W). Only T is touched: B may be sharded (jnp.pad's edge mode
+  slices every axis, which explicit sharding refuses on a sharded batch)."""
+  B, T = x_BT.shape[:2]
+  if U * W != T:
+    tail = x_BT[:, -1:] if edge else jnp.zeros_like(x_BT[:, :1])
+    x_BT = jnp.concatenate([x_BT, jnp.repeat(tail, U * W - T, axis=1)], axis=1)
+  return jnp.moveaxis(x_BT.reshape((B, U, W) + x_BT.shape[2:]), 1, 0)
+
+
+def _heads_to_chunks(x_BTNX, U, W):
+  """[B, T, N, X] -> [U, B, N, W, X], head-major inside the chunk: one layout copy here, so every batched
+  product below has its batch dims (u, b, n) leading and contiguous."""
+  return jnp.moveaxis(_to_chunks(x_BTNX, U, W), 3, 2)
+
+
+class _Chunks:
+  """The per-chunk terms that do not depend on the state, for all U chunks at once ([U, B, N, ...])."""
+
+  def __init__(self, q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT, W, inverse):
+    B, T, N, J = v_BTNJ.shape
+    U = -(-T // W)
+    f32 = jnp.float32
+    q = _heads_to_chunks(expand_heads(q_BTKH, N).astype(f32), U, W)  # [U, B, N, W, H]
+    k = _heads_to_chunks(expand_heads(k_BTKH, N).astype(f32), U, W)  # [U, B, N, W, H]
+    v = _heads_to_chunks(v_BTNJ.astype(f32), U, W)  # [U, B, N, W, J]
+    g = _heads_to_chunks(g_BTN.astype(f32)[..., None], U, W)[..., 0]  # [U, B, N, W]
+    beta = _heads_to_chunks(beta_BTN.astype(f32)[..., None], U, W)[..., 0]  # [U, B, N, W]
+    # Segment index: the count of starts so far in the row, so equal ids in two separate runs never match.
+    # The padded tail (no new start) continues the row's last segment, with g = beta = k = 0: a no-op.
+    starts = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
+    seg_UBW = _to_chunks(jnp.cumsum(starts, axis=1, dtype=jnp.int32), U, W, edge=True)
+    start_UBW = _to_chunks(starts, U, W)
+    incoming_UB = seg_UBW[:, :, 0] - start_UBW[:, :, 0].astype(jnp.int32)  # the segment of the incoming state
+    carry_UB1W = (seg_UBW == incoming_UB[:, :, None])[:, :, None]  # still in the incoming state's segment
+    same_UBWW = seg_UBW[:, :, :, None] == seg_UBW[:, :, None, :]
+    # The gate cumsum, restarted at each segment start inside the chunk: gamma_i = sum of g from i's
+    # segment's first position in the chunk to i. A masked [W, W] matmul (its backward is one too).
+    pair_UB1WW = (same_UBWW & jnp.tri(W, dtype=bool))[:, :, None]
+    gamma = _einsum("ubnij,ubnj->ubni", pair_UB1WW.astype(f32), g)  # [U, B, N, W]
+    last_UB1W = (seg_UBW == seg_UBW[:, :, -1:])[:, :, None]  # positions in the chunk's last segment
+
+    diff_UBNWW = gamma[..., :, None] - gamma[..., None, :]
+    decay_UBNWW = jnp.where(pair_UB1WW, jnp.exp(jnp.where(pair_UB1WW, diff_UBNWW, 0.0)), 0.0)
+    kk_UBNWW = _einsum("ubnih,ubnjh->ubnij", k, k)
+    a_UBNWW = jnp.where(jnp.tri(W, k=-1, dtype=bool), beta[..., None] * kk_UBNWW * decay_UBNWW, 0.0)
+    t_UBNWW = unit_lower_inverse(a_UBNWW, inverse)
+    carry_decay_UBNW = jnp.where(carry_UB1W, jnp.exp(gamma), 0.0)
+    self.u_UBNWJ = _einsum("ubnij,ubnjd->ubnid", t_UBNWW, beta[..., None] * v)
+    self.w_UBNWH = _einsum("ubnij,ubnjh->ubnih", t_UBNWW, (beta * carry_decay_UBNW)[..., None] * k)
+    to_last_UBNW = jnp.where(last_UB1W, jnp.exp(jnp.where(last_UB1W, gamma[..., -1:] - gamma, 0.0)), 0.0)
+    self.k_UBNWH = to_last_UBNW[..., None] * k
+    self.decay_UBN = carry_decay_UBNW[..., -1]  # the incoming state's decay over the whole chunk (0: reset)
+    self.shape = (B, T, N, J, U, W)
+    self._q, self._k, self._decay, self._carry_decay = q, k, decay_UBNWW, carry_decay_UBNW
+
+  def outputs(self, St_in_UBNJH):
+    """o [U, B, N, W, J] from the state entering each chunk: o = (c exp(gamma) q - P w) S_in + P u, with
+    P = tril(q k^T * decay). All chunks at once, outside the scan."""
+    p_UBNWW = _einsum("ubnih,ubnjh->ubnij", self._q, self._k) * self._decay
+    q_UBNWH = self._carry_decay[..., None] * self._q
+    q_UBNWH = q_UBNWH - _einsum("ubnij,ubnjh->ubnih", p_UBNWW, self.w_UBNWH)
+    return _einsum("ubnwh,ubnjh->ubnwj", q_UBNWH, St_in_UBNJH) + _einsum("ubnij,ubnjd->ubnid", p_UBNWW, self.u_UBNWJ)
+
+
+def _state_step(St_BNJH, c, *, keep):
+  """One chunk: S -> dec S + kd^T (u - w S), on the state transposed (St = S^T [B, N, J, H]). Emits the
+  state entering the chunk when `keep`."""
+  u, w, kd, dec = c
+  delta_BNWJ = u - _einsum("bnwh,bnjh->bnwj", w, St_BNJH)
+  St_next = dec[..., None, None] * St_BNJH + _einsum("bnwj,bnwh->bnjh", delta_BNWJ, kd)
+  return St_next, (St_BNJH if keep else None)
+
+
+def _chunk_states(c: _Chunks, S_BNHJ, *, keep: bool):
+  """The scan over chunks: (final state [B, N, H, J], the states entering each chunk, transposed,
+  [U, B, N, J, H], or None). Inside, the state is kept as S^T: every product then comes out of XLA's dot
+  in the layout it is stored in, forward and backward, so neither the chunk states nor their cotangent
+  are transposed (with S [H, J] the cotangent of the chunk states was copied once into its layout)."""
+  xs = (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN)
+  St, St_in = jax.lax.scan(partial(_state_step, keep=keep), jnp.swapaxes(S_BNHJ, -1, -2), xs)
+  return jnp.swapaxes(St, -1, -2), St_in
+
+
+def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
+                             initial_state_BNHJ=None, chunk_size=64, inverse=DEFAULT_INVERSE):
+  """The gated delta rule in chunks of `chunk_size` positions (the WY form), the reference's contract and
+  return: (o [B, T, N, J] in v's dtype, final state [B, N, H, J] float32). Any T (the last chunk is
+  padded inside the call); packed documents reset inside a chunk, with no padding to chunk multiples."""
+  check_chunk_size(chunk_size)
+  if inverse not in INVERSES:
+    raise ValueError(f"inverse={inverse!r}: expected one of {INVERSES}")
+  B, T, N, J = v_BTNJ.shape
+  H = q_BTKH.shape[-1]
+  with jax.named_scope("gdn_chunked"):
+    c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_starts(segment_ids_BT, T), chunk_size, inverse)
+    U, W = c.shape[4:]
+    S = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
+    # Only the state recurrence is sequential; the scan emits the chunk states (which its backward needs
+    # anyway) and the outputs are one batched product after it.
+    S, St_in_UBNJH = _chunk_states(c, S, keep=True)
+    o_UBNWJ = c.outputs(St_in_UBNJH)
+    o_BTNJ = jnp.transpose(o_UBNWJ, (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :T]
+  return o_BTNJ.astype(v_BTNJ.dtype), S
+
+
+def gated_delta_rule(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None, initial_state_BNHJ=None,
+                     impl="chunked", chunk_size=64):
+  """The gated delta rule by `impl`: "chunked" (the default) or "reference" (the recurrence)."""
+  if impl == "chunked":
+    return gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT=segment_ids_BT,
+                                    initial_state_BNHJ=initial_state_BNHJ, chunk_size=chunk_size)
+  if impl == "reference":
+    return gated_delta_rule_reference(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT=segment_ids_BT,
+                                      initial_state_BNHJ=initial_state_BNHJ)
+  raise ValueError(f"impl={impl!r}: expected 'chunked' or 'reference'")
+
+
+# ------------------------------------------------------------------------- context parallelism
+#
+# The sequence sharded over mesh axis `context`, C shards in order. A shard maps the state entering it
+# affinely: S_out = M S_in + S_local, with S_local its final state from zero and M [H, H] the product of
+# its chunk transitions M_c = dec I - kd^T w (a reset inside the shard makes some M_c, so M, zero).
+#   pass 1: each shard computes S_local and M only (a scan carrying both: no outputs, no chunk states);
+#   pass 2: an all-gather of the C small (S_local, M) and a fold in shard order gives every shard's
+#           incoming state (and the final state);
+#   pass 3: each shard runs its chunks from its incoming state, outputs included.
+# The chunk terms (A, its inverse, u, w) are computed once and serve passes 1 and 3.
+
+
+def _transition_step(carry, c):
+  S_BNHJ, M_BNHH = carry
+  u, w, kd, dec = c
+  kw_BNHH = _einsum("bnwh,bnwk->bnhk", kd, w)
+  delta_BNWJ = u - _einsum("bnwk,bnkj->bnwj", w, S_BNHJ)
+  S_BNHJ = dec[..., None, None] * S_BNHJ + _einsum("bnwh,bnwj->bnhj", kd, delta_BNWJ)
+  M_BNHH = dec[..., None, None] * M_BNHH - _einsum("bnhk,bnkl->bnhl", kw_BNHH, M_BNHH)
+  return (S_BNHJ, M_BNHH), None
+
+
+def _shard_transition(c: _Chunks, B, N, H, J, vary):
+  """Pass 1: (S_local [B, N, H, J], M [B, N, H, H]): S_out = M S_in + S_local over this shard's chunks."""
+  eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, N, H, H))
+  # The carry varies over the mesh axes the shard's terms do (scan carries must match their update's type).
+  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), vary, to="varying")
+  (S, M), _ = jax.lax.scan(_transition_step, init, (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN))
+  return S, M
+
+
+def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
+                                      initial_state_BNHJ=None, chunk_size=64, inverse=DEFAULT_INVERSE,
+                                      axis="context"):
+  """gated_delta_rule_chunked with T sharded over mesh axis `axis` (the current mesh's; without it, or at
+  size 1, the plain chunked rule). Same contract and return; o comes back sharded as T is, the final state
+  replicated. T must divide by the axis size; a shard's length need not be a whole number of chunks (its
+  last chunk is padded with no-op positions). Segment ids may span shards: a start is where the id
+  changes, across shard edges too."""
+  check_chunk_size(chunk_size)
+  if inverse not in INVERSES:
+    raise ValueError(f"inverse={inverse!r}: expected one of {INVERSES}")
+  mesh = jax.sharding.get_abstract_mesh()
+  C = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
+  kw = dict(segment_ids_BT=segment_ids_BT, initial_state_BNHJ=initial_state_BNHJ, chunk_size=chunk_size,
+            inverse=inverse)
+  if C == 1:
+    return gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, **kw)
+  B, T, N, J = v_BTNJ.shape
+  H = q_BTKH.shape[-1]
+  if T % C:
+    raise ValueError(f"gated_delta_rule_context_parallel: T={T} does not divide over mesh.{axis}={C}")
+  # Starts from the whole row, so a shard knows whether its first position opens a segment.
+  starts_BT = segment_starts(segment_ids_BT, T)
+  starts_BT = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
+  S0 = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
+
+  def local(q, k, v, g, beta, starts, S0):
+    c = _Chunks(q, k, v, g, beta, starts, chunk_size, inverse)
+    Bl = v.shape[0]  # this device's rows (B over the batch axes)
+    S_local, M = _shard_transition(c, Bl, N, H, J, vary)  # pass 1
+    S_all = jax.lax.all_gather(S_local, axis, to="invarying")  # pass 2: [C, B, N, H, J], [C, B, N, H, H]
+    M_all = jax.lax.all_gather(M, axis, to="invarying")
+    S, incoming = S0, []
+    for i in range(C):
+      incoming.append(S)
+      S = _einsum("bnhk,bnkj->bnhj", M_all[i], S) + S_all[i]
+    S_in = jnp.stack(incoming)[jax.lax.axis_index(axis)]
+    _, St_in = _chunk_states(c, S_in, keep=True)  # pass 3
+    U, W = c.shape[4:]
+    o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(Bl, U * W, N, J)[:, :q.shape[1]]
+    return o.astype(v.dtype), S
+
+  # T over `axis`; B keeps the sharding v has under explicit sharding (say over fsdp), else replicated;
+  # heads and head dims replicated. Reshard under explicit, a constraint under auto.
+  b_spec = jax.typeof(v_BTNJ).sharding.spec[0] if is_explicit() else None
+  seq, rows = jax.sharding.PartitionSpec(b_spec, axis), jax.sharding.PartitionSpec(b_spec)
+  put = jax.sharding.reshard if is_explicit() else jax.lax.with_sharding_constraint
+  args = [put(x, seq) for x in (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)] + [put(S0, rows)]
+  b_axes = () if b_spec is None else (b_spec,) if isinstance(b_spec, str) else tuple(b_spec)
+  vary = tuple(b_axes) + (axis,)
+  with jax.named_scope("gdn_context_parallel"):
+    return jax.shard_map(local, in_specs=(seq,) * 6 + (rows,), out_specs=(seq, rows))(*args)

@@ -119,6 +119,13 @@ def auto_region(fn, out_axes: Axes, out_shape: Sequence[int]):
   return jax.sharding.auto_axes(fn, out_sharding=logical_spec(out_axes, out_shape))
 
 
+def auto_region_many(fn, outs: Sequence[tuple[Axes, Sequence[int]]]):
+  """auto_region for a fn returning a tuple: outs gives each output's (logical axes, shape)."""
+  if not is_explicit():
+    return lambda *args: tuple(constrain(y, axes) for y, (axes, _) in zip(fn(*args), outs))
+  return jax.sharding.auto_axes(fn, out_sharding=tuple(logical_spec(axes, shape) for axes, shape in outs))
+
+
 def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes) -> jax.Array:
   """table[ids] (rows of a [V, ...] table), sharded as out_axes.
 

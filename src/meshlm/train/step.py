@@ -348,4 +348,5 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
     raise ConfigError(f"train.micro_batches={m} must divide the global batch of {global_batch} rows "
                       f"(train.per_device_batch_size={cfg.train.per_device_batch_size} x {mesh.size} devices)")
   trainable = trainable_mask(cfg)
-  return TrainStep(cfg, mesh, make_optimizer(cfg.train, trainable), global_batch, loss_fn, batch_spec, trainable)
+  optimizer = make_optimizer(cfg.train, trainable, S.no_decay_mask(decoder.param_specs(cfg)))
+  return TrainStep(cfg, mesh, optimizer, global_batch, loss_fn, batch_spec, trainable)

@@ -12,4 +12,7 @@ ADAPTERS = {
     "gemma3": "meshlm.hf.adapters.gemma3",
     "mixtral": "meshlm.hf.adapters.mixtral",
     "qwen3_moe": "meshlm.hf.adapters.qwen3_moe",
+    "qwen3_next": "meshlm.hf.adapters.qwen3_next",
+    "qwen3_5": "meshlm.hf.adapters.qwen3_5",
+    "qwen3_5_moe": "meshlm.hf.adapters.qwen3_5_moe",
 }

@@ -65,23 +65,43 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
   """
   m = ctx.model
   dt = x_BTD.dtype
-  dense = ctx.dense
-  heads = ("batch", "length", "heads", "head_dim")
-  kv = ("batch", "length", "kv_heads", "head_dim")
   with jax.named_scope("q"):
     q_kernel = gather_once.gathered(p["q"], p["q_full"], Q_AXES)
-    q = dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", heads)
-  with jax.named_scope("k"):
-    k = dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", kv)
-  with jax.named_scope("v"):
-    v = dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", kv)
+    q = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", HEADS)
+  k, v = project_kv(p, x_BTD, ctx)
   if m.qk_norm:
     # Per-head RMSNorm over head_dim, before RoPE.
     q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=plus_one)
     k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=plus_one)
-  here = ctx.here
-  cos, sin = here.rope[m.head_dim]
+  cos, sin = ctx.here.rope[m.head_dim]
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  y, update = attend(q, k, v, p["o"].astype(dt), ctx, state)
+  return y, update, {}
+
+
+HEADS = ("batch", "length", "heads", "head_dim")
+KV = ("batch", "length", "kv_heads", "head_dim")
+
+
+def project_kv(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
+  """k, v [B, T, Kv, H] through ctx.dense."""
+  dt = x_BTD.dtype
+  with jax.named_scope("k"):
+    k = ctx.dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", KV)
+  with jax.named_scope("v"):
+    v = ctx.dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", KV)
+  return k, v
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state: dict | None = None,
+           gate: jax.Array | None = None):
+  """The attention core against the context's mask (and, in decode, the cache) and the output projection:
+  (y [B, T, D], update). q [B, T, N, H], k/v [B, T, Kv, H] after RoPE; w_o [N, H, D] in the compute dtype.
+  gate [B, T, N, H] (gated_gqa): the core's output times sigmoid(gate) before the projection. The update
+  is the K/V rows in the cache's layout [B, Kv, T, H] (None when training); the cache is only read here."""
+  m = ctx.model
+  here = ctx.here
+  dense = ctx.dense
   scale = (m.query_pre_attn_scalar or m.head_dim) ** -0.5
   softcap = m.attn_logit_softcap
   # The rows in the cache's layout, [B, K, T, H].
@@ -92,26 +112,27 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
   # transpose after it (the core's own einsums, and the incoming gradient of the output projection
   # in the backward pass), which XLA cannot fold. Inside the region XLA folds them as under auto;
   # the output projection still goes through dense.
-  def project(o, w_o):
+  def project(o, w_o, *gate):
+    if gate:
+      o = o * jax.nn.sigmoid(jnp.reshape(gate[0], o.shape))  # [B, T, Kv, G, H]
     w_o = jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:])  # [N, H, D] -> [Kv, G, H, D]
     with jax.named_scope("o"):
       return dense(o, w_o, "btkgh,kghd->btd", OUT)
 
+  gates = () if gate is None else (gate,)
   if ctx.mode == "decode":
-    def attend_and_project(q, k, v, k_cache, v_cache, mask, w_o):
+    def attend_and_project(q, k, v, k_cache, v_cache, mask, w_o, *gate):
       o = gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
-      return project(o, w_o)
-    region = auto_region(attend_and_project, OUT, x_BTD.shape)
+      return project(o, w_o, *gate)
+    region = auto_region(attend_and_project, OUT, q.shape[:2] + w_o.shape[-1:])
     # The slot being written holds a position the new one no longer sees (out of the window) or none.
     mask = here.mask & ~here.cache.write[:, None, None, None, :]
-    return region(q, update["k"], update["v"], state["k"], state["v"], mask, p["o"].astype(dt)), update, {}
+    return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
-  def attend_and_project(q, k, v, mask, w_o):
-    return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o)  # [B, T, Kv, G, H]
-  region = auto_region(attend_and_project, OUT, x_BTD.shape)
-  return region(q, k, v, here.mask, p["o"].astype(dt)), update, {}
-
-
+  def attend_and_project(q, k, v, mask, w_o, *gate):
+    return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o, *gate)  # [B, T, Kv, G, H]
+  region = auto_region(attend_and_project, OUT, q.shape[:2] + w_o.shape[-1:])
+  return region(q, k, v, here.mask, w_o, *gates), update
 def gqa(*, plus_one: bool = False) -> Part:
   """plus_one: the q/k norms scale by (1 + w) (gemma3)."""
   return Part(name="gqa", key="attn", spec=functools.partial(spec, plus_one=plus_one),

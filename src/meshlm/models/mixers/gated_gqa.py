@@ -1,0 +1,73 @@
+"""The `gated_gqa` mixer (qwen3-next, qwen3.5 full-attention layers): gqa with an output gate, zero-centred
+q/k norms and partial rotary.
+
+    q | gate = q_proj(x)                  [B, T, N, 2H], split per head: q the first H dims, gate the last H
+    q, k = (1 + w) RMSNorm over H         always on (these families have no switch)
+    q, k = RoPE on the first rot dims     rot = int(head_dim * partial_rotary_factor), half-split pairs within
+                                          those rot dims (transformers' apply_rotary_pos_emb); the rest pass
+    y = o_proj(attention(q, k, v) * sigmoid(gate))
+
+qwen3.5's interleaved MRoPE (mrope_section over the rot / 2 frequencies, each frequency taking its angle from
+the temporal, height or width position id) is ordinary RoPE on the rotated dims for text: text tokens carry
+the same position in all three components, so every frequency reads the same position whichever component
+it is assigned to, and the interleaving permutes nothing that differs.
+
+Parameters (part key "attn"; Hugging Face torch weights in brackets): q [D, N, 2H] (head n: q(H) | gate(H))
+[q_proj.weight [N*2H, D]: .T.reshape(D, N, 2H)], k/v [D, Kv, H], o [N, H, D], q_norm/k_norm [H] (zeros:
+(1 + w) starts at unit scale). The attention core, the cache rows and the gather-once of q are gqa's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ModelConfig
+from meshlm import spec as S
+from meshlm.models.family import Part
+from meshlm.models.mixers import gqa
+from meshlm.nn import gather_once
+from meshlm.nn.norm import rms_norm
+from meshlm.nn.rope import apply_rope
+
+
+def spec(m: ModelConfig) -> dict:
+  D, N, Kv, H = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
+  return {
+      "q": S.kernel((D, N, 2 * H), gqa.Q_AXES),
+      "k": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
+      "v": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
+      "o": S.kernel((N, H, D), ("heads", "head_dim", "embed"), n_in=2),
+      "q_norm": S.zeros(H, "head_dim"),
+      "k_norm": S.zeros(H, "head_dim"),
+  }
+
+
+def partial_rope(x_BTNH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """RoPE on the first rot = cos.shape[-1] dims of each head; the others pass unchanged."""
+  rot = cos.shape[-1]
+  if rot == x_BTNH.shape[-1]:
+    return apply_rope(x_BTNH, cos, sin)
+  return jnp.concatenate([apply_rope(x_BTNH[..., :rot], cos, sin), x_BTNH[..., rot:]], axis=-1)
+
+
+def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
+  """As gqa.apply, with the gate: (y [B, T, D], the K/V rows or None, {})."""
+  m = ctx.model
+  dt = x_BTD.dtype
+  H = m.head_dim
+  with jax.named_scope("q"):
+    q_kernel = gather_once.gathered(p["q"], p["q_full"], gqa.Q_AXES)
+    qg = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", gqa.HEADS)  # [B, T, N, 2H]
+  q, gate = qg[..., :H], qg[..., H:]
+  k, v = gqa.project_kv(p, x_BTD, ctx)
+  q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=True)
+  k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=True)
+  cos, sin = ctx.here.rope[m.rotary_dim()]
+  q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
+  y, update = gqa.attend(q, k, v, p["o"].astype(dt), ctx, state, gate=gate)
+  return y, update, {}
+
+
+def gated_gqa() -> Part:
+  return Part(name="gated_gqa", key="attn", spec=spec, apply=apply, state_spec=gqa.state_spec, prepare=gqa.prepare,
+              rotary_dims=lambda m: (m.rotary_dim(),))

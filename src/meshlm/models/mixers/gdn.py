@@ -1,0 +1,223 @@
+"""The `gdn` mixer: Gated DeltaNet (qwen3-next, qwen3.5 linear-attention layers).
+
+Letters (docs/architecture.md): D embed, K key heads, N value heads (G = N / K per key head; value head
+n reads key head n // G), H key head dim, J value head dim, Q conv taps, C = 2KH + NJ conv channels.
+
+    q|k|v, z, b, a = projections of x                        (one layout or the other, below)
+    q|k|v = silu(causal_conv(q|k|v))                         nn/short_conv.py, reset at documents
+    q = l2norm(q) * H ** -0.5, k = l2norm(k)                 float32
+    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)   float32, [B, T, N]
+    o = gated_delta_rule(q, k, v, g, beta)                   nn/gdn.py, reset at documents
+    o = rms_norm(o over J) * norm * silu(z)                  per value head, float32; norm starts at ones
+    y = out_proj(o)
+
+Parameters of one layer, under the part key "linear_attn" (Hugging Face torch weights in brackets; every
+kernel is stored inputs first, so the maps transpose and reshape, never permute rows):
+
+  fused layout (qwen3-next, `gdn(fused=True)`):
+    in_proj_qkvz [D, K, 2H + 2GJ]   per key head k: q(H) | k(H) | v(G*J) | z(G*J), value head n = k*G + g
+                                    [in_proj_qkvz.weight [K*(2H + 2GJ), D]: .T.reshape(D, K, 2H + 2GJ)]
+    in_proj_ba   [D, K, 2G]         per key head k: b(G) | a(G)  [in_proj_ba.weight [2N, D]: .T.reshape(D, K, 2G)]
+  separate layout (qwen3.5, `gdn(fused=False)`):
+    in_proj_qkv  [D, C]             q all (K*H) | k all (K*H) | v all (N*J)  [in_proj_qkv.weight [C, D]: .T]
+    in_proj_z    [D, N, J]          [in_proj_z.weight [N*J, D]: .T.reshape(D, N, J)]
+    in_proj_b    [D, N]             [in_proj_b.weight [N, D]: .T]
+    in_proj_a    [D, N]             [in_proj_a.weight [N, D]: .T]
+  both:
+    conv1d       [Q, C]             channels q all | k all | v all, as in_proj_qkv; tap Q - 1 is the current
+                                    position  [conv1d.weight [C, 1, Q]: [:, 0, :].T]
+    A_log        [N]                zeros (A = 1); no weight decay  [A_log]
+    dt_bias      [N]                ones; no weight decay  [dt_bias]
+    norm         [J]                ones (a plain scale, not (1 + w)), shared by the value heads  [norm.weight]
+    out_proj     [N, J, D]          [out_proj.weight [D, N*J]: .T.reshape(N, J, D)]
+
+The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
+
+Decode state (both replaced whole each step, StateLeaf commit "replace"):
+  conv       [B, Q - 1, C]   the last Q - 1 pre-conv inputs q|k|v (zeros before the row's first token)
+  recurrent  [B, N, H, J]    the delta rule's state, float32
+A prefill (right-padded rows, ctx.here.lengths) returns the states at each row's last real token: padded
+positions get g = 0 and beta = 0, which keep the state, and the conv window is gathered from the last
+Q - 1 real inputs. A decode step is the conv against its window and one step of the rule.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ModelConfig
+from meshlm import spec as S
+from meshlm.models.family import Part, StateLeaf
+from meshlm.nn import gdn as rule
+from meshlm.nn.short_conv import causal_conv, window_at
+from meshlm.parallel.sharding import auto_region_many
+
+KEY = "linear_attn"
+OUT = ("batch", "length", "act_embed")
+ROWS = ("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
+
+
+def dims(m: ModelConfig) -> tuple[int, int, int, int, int, int]:
+  """(K, N, G, H, J, Q)."""
+  K, N = m.linear_num_key_heads, m.linear_num_value_heads
+  return K, N, N // K, m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
+
+
+def channels(m: ModelConfig) -> int:
+  K, N, _, H, J, _ = dims(m)
+  return 2 * K * H + N * J
+
+
+def spec(m: ModelConfig, *, fused: bool) -> dict:
+  D = m.embed_dim
+  K, N, G, H, J, Q = dims(m)
+  if fused:
+    proj = {"in_proj_qkvz": S.kernel((D, K, 2 * H + 2 * G * J), ("embed", None, None)),
+            "in_proj_ba": S.kernel((D, K, 2 * G), ("embed", None, None))}
+  else:
+    proj = {"in_proj_qkv": S.kernel((D, channels(m)), ("embed", None)),
+            "in_proj_z": S.kernel((D, N, J), ("embed", None, None)),
+            "in_proj_b": S.kernel((D, N), ("embed", None)),
+            "in_proj_a": S.kernel((D, N), ("embed", None))}
+  return {
+      **proj,
+      "conv1d": S.ParamSpec((Q, channels(m)), (None, None), "normal", fan_in=Q),
+      "A_log": S.vector(N, "zeros", decay=False),
+      "dt_bias": S.vector(N, "ones", decay=False),
+      "norm": S.vector(J, "ones"),
+      "out_proj": S.kernel((N, J, D), (None, None, "embed"), n_in=2),
+  }
+
+
+def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
+  K, N, G, H, J, Q = dims(m)
+  return {"conv": StateLeaf((batch, Q - 1, channels(m)), ("batch", None, None), commit="replace"),
+          "recurrent": StateLeaf((batch, N, H, J), ("batch", None, None, None), commit="replace")}
+
+
+def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool) -> tuple[jax.Array, ...]:
+  """The projections through ctx.dense, as the kernels store them: fused (in_proj_qkvz [B, T, K, 2H + 2GJ],
+  in_proj_ba [B, T, K, 2G]) or separate (q|k|v [B, T, C], z [B, T, N, J], b [B, T, N], a [B, T, N])."""
+  dt = x_BTD.dtype
+  dense = ctx.dense
+  if fused:
+    with jax.named_scope("in_proj_qkvz"):
+      qkvz = dense(x_BTD, p["in_proj_qkvz"].astype(dt), "btd,dke->btke", ROWS + (None,))
+    with jax.named_scope("in_proj_ba"):
+      ba = dense(x_BTD, p["in_proj_ba"].astype(dt), "btd,dke->btke", ROWS + (None,))
+    return qkvz, ba
+  with jax.named_scope("in_proj_qkv"):
+    qkv = dense(x_BTD, p["in_proj_qkv"].astype(dt), "btd,dc->btc", ROWS)
+  with jax.named_scope("in_proj_z"):
+    z = dense(x_BTD, p["in_proj_z"].astype(dt), "btd,dnj->btnj", ROWS + (None,))
+  with jax.named_scope("in_proj_b"):
+    b = dense(x_BTD, p["in_proj_b"].astype(dt), "btd,dn->btn", ROWS)
+  with jax.named_scope("in_proj_a"):
+    a = dense(x_BTD, p["in_proj_a"].astype(dt), "btd,dn->btn", ROWS)
+  return qkv, z, b, a
+
+
+def split(m: ModelConfig, proj: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(q|k|v [B, T, C] before the conv, z [B, T, N, J], b [B, T, N], a [B, T, N]) from either layout: the fused
+  one regrouped from per key head (q | k | v | z and b | a) into q all | k all | v all, value head n = k*G + g."""
+  if len(proj) == 4:
+    return proj
+  qkvz, ba = proj
+  B, T = qkvz.shape[:2]
+  K, N, G, H, J, _ = dims(m)
+  q, k = qkvz[..., :H], qkvz[..., H:2 * H]  # [B, T, K, H]
+  v = jnp.reshape(qkvz[..., 2 * H:2 * H + G * J], (B, T, N * J))
+  z = jnp.reshape(qkvz[..., 2 * H + G * J:], (B, T, N, J))
+  qkv = jnp.concatenate([jnp.reshape(q, (B, T, K * H)), jnp.reshape(k, (B, T, K * H)), v], axis=-1)
+  return qkv, z, jnp.reshape(ba[..., :G], (B, T, N)), jnp.reshape(ba[..., G:], (B, T, N))
+
+
+def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: float) -> jax.Array:
+  """rms_norm(o) * w * silu(z) over each value head's J dims, in float32, back in z's dtype."""
+  of = o_BTNJ.astype(jnp.float32)
+  y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
+  return (y * w_J.astype(jnp.float32) * jax.nn.silu(z_BTNJ.astype(jnp.float32))).astype(z_BTNJ.dtype)
+
+
+def delta_rule(m: ModelConfig, mode: str = "train"):
+  """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
+  prefill use model.gdn_impl (chunked, chunk model.gdn_chunk_size, or the reference recurrence); a decode step
+  is one step of the recurrence."""
+  impl = "reference" if mode == "decode" else m.gdn_impl
+  return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
+
+
+def core(m: ModelConfig, mode: str, dense, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
+  """split -> conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final
+  state or None). proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype);
+  state: the decode state or None."""
+  qkv_BTC, z_BTNJ, b_BTN, a_BTN = split(m, proj)
+  dt = qkv_BTC.dtype
+  B, T, _ = qkv_BTC.shape
+  K, N, G, H, J, Q = dims(m)
+  decode = mode == "decode"
+  with jax.named_scope("conv1d"):
+    mixed = causal_conv(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT, history=state["conv"] if decode else None)
+    mixed = jax.nn.silu(mixed.astype(jnp.float32))
+  q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
+  k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
+  v = jnp.reshape(mixed[..., 2 * K * H:], (B, T, N, J)).astype(dt)
+  q = rule.l2_normalize(q) * (H ** -0.5)
+  k = rule.l2_normalize(k)
+  f32 = jnp.float32
+  beta = jax.nn.sigmoid(b_BTN.astype(f32))  # [B, T, N]
+  g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a_BTN.astype(f32) + w["dt_bias"].astype(f32))
+  if mode == "prefill":
+    # Right-padded rows: a padded position neither decays nor writes, so the final state is the last real one's.
+    real = (jnp.arange(T)[None, :] < lengths_B[:, None])[..., None]  # [B, T, 1]
+    g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+  with jax.named_scope("delta_rule"):
+    o, final = delta_rule(m, mode)(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
+                                   initial_state_BNHJ=state["recurrent"] if decode else None)
+  with jax.named_scope("norm"):
+    o = gated_rms_norm(w["norm"], o, z_BTNJ, m.norm_eps)  # [B, T, N, J]
+  with jax.named_scope("out_proj"):
+    y = dense(o, w["out_proj"], "btnj,njd->btd", OUT)
+  if mode == "train":
+    return y, None, None
+  if decode:
+    window = jnp.concatenate([state["conv"].astype(dt), qkv_BTC], axis=1)[:, 1:]  # [B, Q - 1, C]
+  else:
+    window = window_at(qkv_BTC, lengths_B, Q - 1)
+  return y, window, final
+
+
+def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: bool):
+  """(y [B, T, D], update, {}). update: {"conv" [B, Q - 1, C], "recurrent" [B, N, H, J]} in prefill and decode,
+  None when training. state (decode): the layer's {"conv", "recurrent"}."""
+  m = ctx.model
+  dt = x_BTD.dtype
+  B, T, _ = x_BTD.shape
+  here = ctx.here
+  proj = project(p, x_BTD, ctx, fused=fused)
+  w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
+       "out_proj": p["out_proj"].astype(dt)}
+  segment_ids = here.segment_ids if ctx.mode == "train" else None
+  lengths = here.lengths if ctx.mode == "prefill" else None
+  fn = functools.partial(core, m, ctx.mode, ctx.dense)
+  # The split, the conv, the rule and the norm run in one auto-axes region (as gqa's attention core): under
+  # explicit sharding their reshapes of batch-sharded rows (the fused layout's regrouping), scans and elementwise
+  # steps would otherwise each need a sharding decision.
+  out_y = (OUT, (B, T, m.embed_dim))
+  if ctx.mode == "train":
+    region = auto_region_many(lambda *args: fn(*args)[:1], (out_y,))
+    (y,) = region(proj, w, segment_ids, lengths, None)
+    return y, None, {}
+  leaves = state_spec(m, B, 0)
+  region = auto_region_many(fn, (out_y, (leaves["conv"].axes, leaves["conv"].shape),
+                                 (leaves["recurrent"].axes, leaves["recurrent"].shape)))
+  y, window, final = region(proj, w, segment_ids, lengths, state)
+  return y, {"conv": window, "recurrent": final}, {}
+
+
+def gdn(*, fused: bool = False) -> Part:
+  """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
+  return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
+              apply=functools.partial(apply, fused=fused), state_spec=state_spec)
