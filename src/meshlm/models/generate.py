@@ -142,9 +142,10 @@ def _record(buf_BTn, side_nBt, start_B, real_B):
   t = vals.shape[1]
   pos = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, t]
   real = real_B if real_B.ndim == 2 else jnp.broadcast_to(real_B[:, None], pos.shape)
-  pos = jnp.where(real, pos, buf_BTn.shape[1])  # out of range: dropped
-  rows = jnp.broadcast_to(jnp.arange(pos.shape[0], dtype=jnp.int32)[:, None], pos.shape)
-  return buf_BTn.at[rows, pos].set(vals.astype(buf_BTn.dtype), mode="drop")
+  pos = constrain(jnp.where(real, pos, buf_BTn.shape[1]), ("batch", None))  # out of range: dropped
+  # One scatter per row (vmapped: the rows are a batch dimension, so a batch-sharded buffer stays sharded).
+  write = lambda buf_Tn, pos_t, vals_tn: buf_Tn.at[pos_t].set(vals_tn, mode="drop")
+  return jax.vmap(write)(buf_BTn, pos, vals.astype(buf_BTn.dtype))
 
 
 @functools.lru_cache(maxsize=32)
@@ -165,12 +166,16 @@ def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: fl
     for name, field in records.items():
       vals = side[name]  # [n, B, T, ...]
       buf = jnp.full((B, total_len) + vals.shape[:1] + vals.shape[3:], -1, vals.dtype)
+      # Rows sharded as the batch is (explicit sharding refuses a replicated buffer written with sharded rows).
+      buf = constrain(buf, ("batch",) + (None,) * (buf.ndim - 1))
       real = jnp.arange(T, dtype=jnp.int32)[None, :] < lengths_B[:, None]
       bufs[field] = _record(buf, vals, jnp.zeros((B,), jnp.int32), real)
-    toks = jnp.zeros((B, new_len), jnp.int32).at[:, 0].set(tok)
-    lps = jnp.zeros((B, new_len), jnp.float32).at[:, 0].set(lp)
+    # Built from tok and lp themselves, so the buffers carry the rows' sharding.
+    first = jnp.arange(new_len)[None, :] == 0
+    toks = jnp.where(first, tok[:, None], 0).astype(jnp.int32)
+    lps = jnp.where(first, lp[:, None], 0.0).astype(jnp.float32)
     done = jnp.isin(tok, stops)
-    return toks, lps, jnp.ones((B,), jnp.int32), done, cache, bufs
+    return toks, lps, jnp.ones_like(tok, jnp.int32), done, cache, bufs
 
   def decode_loop(params, toks, lps, lengths, done, cache, bufs, prompt_B, seeds_B, stops, max_new):
     TRACES["decode"] += 1
