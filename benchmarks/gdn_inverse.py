@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,25 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gdn_layer  # noqa: E402
+from meshlm.bench.harness import TIMERS, time_interleaved  # noqa: E402
 from meshlm.nn import gdn  # noqa: E402
 from test_gdn import inverse64, wy_matrix  # noqa: E402
 
-TIMERS = {"cpu": time.process_time, "wall": time.perf_counter}
-
-
-def measure(fns, reps, timer):
-  clock = TIMERS[timer]
-  for fn, args in fns.values():
-    jax.block_until_ready(fn(*args))
-  times = {name: [] for name in fns}
-  names = list(fns)
-  for r in range(reps):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      fn, args = fns[name]
-      t = clock()
-      jax.block_until_ready(fn(*args))
-      times[name].append(clock() - t)
-  return times
 
 
 def main() -> int:
@@ -78,7 +62,7 @@ def main() -> int:
       o, S = gdn.gated_delta_rule_chunked(q, kk, vv, g, beta, chunk_size=W, inverse=v)
       return jnp.sum(cots[0] * o) + jnp.sum(cots[1] * S)
     arms[(v, "in the rule, forward+backward")] = (jax.jit(jax.grad(loss, argnums=range(5))), args)
-  times = measure(arms, a.reps, a.timer)
+  times = time_interleaved(arms, a.reps, a.timer)
 
   wy = wy_matrix(W, seed=W)
   adv = wy_matrix(W, M=4, seed=11, aligned=8.0)

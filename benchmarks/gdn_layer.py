@@ -22,15 +22,14 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.bench.harness import TIMERS, time_interleaved
 from meshlm.nn import gdn
 
-TIMERS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 def rule_inputs(T, n, k, h, seed=0):
@@ -56,20 +55,6 @@ def fwd_bwd(impl, cots, forward=False, **kw):
   return jax.jit(jax.grad(loss, argnums=range(5)))
 
 
-def measure(fns, args, reps, timer):
-  clock = TIMERS[timer]
-  for fn in fns.values():
-    jax.block_until_ready(fn(*args))  # compile + warm
-  times = {name: [] for name in fns}
-  names = list(fns)
-  for r in range(reps):
-    for name in (names if r % 2 == 0 else names[::-1]):
-      t = clock()
-      jax.block_until_ready(fns[name](*args))
-      times[name].append(clock() - t)
-  return times
-
-
 def spread(ts):
   return (max(ts) - min(ts)) / statistics.median(ts)
 
@@ -86,7 +71,7 @@ def speed(a) -> None:
     args, cots = rule_inputs(T, n, k, a.dim)
     fns = {"chunked": fwd_bwd("chunked", cots, a.forward, chunk_size=a.chunk),
            "naive": fwd_bwd("reference", cots, a.forward)}
-    times = measure(fns, args, a.reps, a.timer)
+    times = time_interleaved({name: (fn, args) for name, fn in fns.items()}, a.reps, a.timer)
     c, r = times["chunked"], times["naive"]
     ratio = statistics.median([x / y for x, y in zip(r, c)])
     print(f"| {T} | {statistics.median(c):.4f} | {spread(c):.0%} | {statistics.median(r):.4f} | {spread(r):.0%} | "

@@ -24,12 +24,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.bench.harness import TIMERS, time_interleaved
 from meshlm.nn import moe
 
 
@@ -86,7 +86,7 @@ def layer_main(a) -> int:
   print("| --- | --- | --- | --- | --- | --- |")
   for ek in a.experts:
     e, k = map(int, ek.split(":"))
-    times = measure(layer_arms(a.tokens, a.dim, a.out, e, k, e <= a.ragged_up_to), a.reps, a.timer)
+    times = time_interleaved(layer_arms(a.tokens, a.dim, a.out, e, k, e <= a.ragged_up_to), a.reps, a.timer)
     base = statistics.median(times["reference"])
     for name, ts in times.items():
       med = statistics.median(ts)
@@ -95,22 +95,6 @@ def layer_main(a) -> int:
   return 0
 
 
-TIMERS = {"cpu": time.process_time, "wall": time.perf_counter}
-
-
-def measure(fns, reps, timer="cpu"):
-  clock = TIMERS[timer]
-  times = {name: [] for name in fns}
-  for name, (fn, args) in fns.items():
-    jax.block_until_ready(fn(*args))  # compile + warm
-  names = list(fns)
-  for r in range(reps):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      fn, args = fns[name]
-      t = clock()
-      jax.block_until_ready(fn(*args))
-      times[name].append(clock() - t)
-  return times
 
 
 def main() -> int:
@@ -139,7 +123,7 @@ def main() -> int:
   print("| groups | arm | median (s) | spread | vs ragged_dot |")
   print("| --- | --- | --- | --- | --- |")
   for g in a.groups:
-    times = measure(arms(a.rows, a.dim, a.out, g, a.blocks), a.reps, a.timer)
+    times = time_interleaved(arms(a.rows, a.dim, a.out, g, a.blocks), a.reps, a.timer)
     base = statistics.median(times["ragged_dot"])
     for name, ts in times.items():
       med = statistics.median(ts)

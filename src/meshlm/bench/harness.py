@@ -29,6 +29,25 @@ from meshlm.bench.stats import CI_METHOD, LEVEL, arm_stats, paired, ratios, verd
 TIMERS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def time_interleaved(fns: dict[str, tuple[Callable, tuple]], reps: int, timer: str = "cpu") -> dict[str, list[float]]:
+  """Seconds per call of each jitted fn(*args), {name: (fn, args)}: each compiled and warmed once, then `reps`
+  rounds that visit every arm in a rotated order (round r starts at arm r mod n), so drift in the machine's
+  load falls on every arm alike. For benchmark scripts that time functions rather than train steps."""
+  import jax
+  clock = TIMERS[timer]
+  for fn, args in fns.values():
+    jax.block_until_ready(fn(*args))  # compile + warm
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  names = list(fns)
+  for r in range(reps):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      fn, args = fns[name]
+      t = clock()
+      jax.block_until_ready(fn(*args))
+      times[name].append(clock() - t)
+  return times
+
+
 @dataclasses.dataclass
 class _Runner:
   name: str
