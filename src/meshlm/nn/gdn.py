@@ -387,9 +387,15 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
     o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :q.shape[1]]
     return o.astype(v.dtype), S
 
-  seq, rep = jax.sharding.PartitionSpec(None, axis), jax.sharding.PartitionSpec()
-  # T over `axis`, everything else replicated (reshard under explicit, a constraint under auto).
-  put = jax.sharding.reshard if is_explicit() else jax.lax.with_sharding_constraint
-  args = [put(x, seq) for x in (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)] + [put(S0, rep)]
+  P = jax.sharding.PartitionSpec
+  seq, rep = P(None, axis), P()
+  # The shard_map is manual over `axis` only: the batch (and any other axis) keeps the sharding it comes
+  # with (fsdp rows stay split, not gathered and computed on every device), and the final state comes back
+  # sharded as the rows are. Explicit: T resharded onto `axis`, the batch's spec kept; auto: the shard_map
+  # moves its inputs.
+  args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)
+  if is_explicit():
+    args = tuple(jax.sharding.reshard(x, P(jax.typeof(x).sharding.spec[0], axis)) for x in args)
   with jax.named_scope("gdn_context_parallel"):
-    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,), out_specs=(seq, rep))(*args)
+    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,), out_specs=(seq, rep),
+                         axis_names=frozenset({axis}))(*args, S0)
