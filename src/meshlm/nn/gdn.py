@@ -367,12 +367,15 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
   H = q_BTKH.shape[-1]
   if T % C:
     raise ValueError(f"gated_delta_rule_context_parallel: T={T} does not divide over mesh.{axis}={C}")
-  # Starts from the whole row, so a shard knows whether its first position opens a segment.
-  starts_BT = segment_starts(segment_ids_BT, T)
-  starts_BT = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
+  seg_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
   S0 = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
 
-  def local(q, k, v, g, beta, starts, S0):
+  def local(q, k, v, g, beta, seg, S0):
+    # A shard's first position opens a segment when its id differs from the previous shard's last one: that
+    # one id per row comes one shard forward (the first shard's first position never starts one).
+    prev_last = jax.lax.ppermute(seg[:, -1:], axis, [(i, i + 1) for i in range(C - 1)])
+    prev_last = jnp.where(jax.lax.axis_index(axis) == 0, seg[:, :1], prev_last)
+    starts = seg != jnp.concatenate([prev_last, seg[:, :-1]], axis=1)
     c = _Chunks(q, k, v, g, beta, starts, chunk_size, inverse)
     S_local, M = _shard_transition(c, B, N, H, J, axis)  # pass 1
     S_all = jax.lax.all_gather(S_local, axis, to="invarying")  # pass 2: [C, B, N, H, J], [C, B, N, H, H]
@@ -393,7 +396,7 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
   # with (fsdp rows stay split, not gathered and computed on every device), and the final state comes back
   # sharded as the rows are. Explicit: T resharded onto `axis`, the batch's spec kept; auto: the shard_map
   # moves its inputs.
-  args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)
+  args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT)
   if is_explicit():
     args = tuple(jax.sharding.reshard(x, P(jax.typeof(x).sharding.spec[0], axis)) for x in args)
   with jax.named_scope("gdn_context_parallel"):
