@@ -134,12 +134,13 @@ def _collectives(hlo: str, scope: str) -> dict[str, list[dict]]:
   return {kind: [c for c in d["calls"] if scope in (c["scope"] or "")] for kind, d in counts["collectives"].items()}
 
 
-@pytest.mark.parametrize("mesh, shards", [("context2", 2), ("context4", 4)])
-def test_gdn_layers_do_not_gather_the_sequence(mesh, shards):
+@pytest.mark.parametrize("mesh, shards, rows", [("context2", 2, 2), ("context4", 4, 2), ("context2_fsdp2_explicit", 2, 1),
+                                               ("context2_fsdp2_auto", 2, 1)])
+def test_gdn_layers_do_not_gather_the_sequence(mesh, shards, rows):
   """In the compiled program, every collective inside a GDN layer is the pass-2 gather of the C per-shard
   (S_local [B, N, H, J], M [B, N, H, H]) (and its backward), the conv halo [B, Q - 1, channels] or a
   segment-id boundary exchange: nothing with T / C positions or more. Every chunk scan runs over the local
-  chunks only."""
+  chunks only, and with fsdp the gathered states are this device's rows only (rows of B = 2)."""
   cfg = load_config("model=qwen3.5-tiny", *SHRINK)
   m = cfg.model
   B, N, H = 2, m.linear_num_value_heads, m.linear_key_head_dim
@@ -154,7 +155,7 @@ def test_gdn_layers_do_not_gather_the_sequence(mesh, shards):
   assert not [c for c in calls["all-gather"] if f",{T}" in c["shape"] or f"{T}," in c["shape"]]
   gathers = [c for c in calls["all-gather"] if "gdn_context_parallel" in c["scope"]]
   assert sum(c["count"] for c in gathers) == 2 * 3  # (S_local, M) per GDN layer, 3 GDN layers
-  assert {c["shape"].split("{")[0] for c in gathers} == {f"f32[{shards},{B},{N},{H},{H}]"}  # H = J here
+  assert {c["shape"].split("{")[0] for c in gathers} == {f"f32[{shards},{rows},{N},{H},{H}]"}  # H = J here
   permutes = [c for c in calls["collective-permute"] if "conv_context_parallel" in c["scope"]]
   assert permutes and all(c["bytes_per_call"] <= halo_bytes for c in permutes)
   counts, _ = hlo_counts(hlo)

@@ -93,7 +93,7 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 from functools import partial  # noqa: E402
 
 from meshlm.errors import ConfigError  # noqa: E402
-from meshlm.parallel.sharding import is_explicit  # noqa: E402
+from meshlm.parallel.sharding import is_explicit, logical_spec  # noqa: E402
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
 DEFAULT_INVERSE = "right_looking"
@@ -337,11 +337,11 @@ def _transition_step(carry, c):
   return (S_BNHJ, M_BNHH), None
 
 
-def _shard_transition(c: _Chunks, B, N, H, J, axis):
+def _shard_transition(c: _Chunks, B, N, H, J, axes):
   """Pass 1: (S_local [B, N, H, J], M [B, N, H, H]): S_out = M S_in + S_local over this shard's chunks."""
   eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, N, H, H))
-  # The carry varies over `axis` as the shard's terms do (scan carries must match their update's type).
-  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), (axis,), to="varying")
+  # The carry varies over `axes` as the shard's terms do (scan carries must match their update's type).
+  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), axes, to="varying")
   (S, M), _ = jax.lax.scan(_transition_step, init, (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN))
   return S, M
 
@@ -351,7 +351,7 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
                                       axis="context"):
   """gated_delta_rule_chunked with T sharded over mesh axis `axis` (the current mesh's; without it, or at
   size 1, the plain chunked rule). Same contract and return; o comes back sharded as T is, the final state
-  replicated. T must divide by the axis size; a shard's length need not be a whole number of chunks (its
+  replicated over `axis` (its rows split as the batch's). T must divide by the axis size; a shard's length need not be a whole number of chunks (its
   last chunk is padded with no-op positions). Segment ids may span shards: a start is where the id
   changes, across shard edges too."""
   check_chunk_size(chunk_size)
@@ -368,37 +368,42 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
   if T % C:
     raise ValueError(f"gated_delta_rule_context_parallel: T={T} does not divide over mesh.{axis}={C}")
   seg_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
-  S0 = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
+  S0 = () if initial_state_BNHJ is None else (initial_state_BNHJ.astype(jnp.float32),)
 
-  def local(q, k, v, g, beta, seg, S0):
+  def local(q, k, v, g, beta, seg, *S0):
     # A shard's first position opens a segment when its id differs from the previous shard's last one: that
     # one id per row comes one shard forward (the first shard's first position never starts one).
     prev_last = jax.lax.ppermute(seg[:, -1:], axis, [(i, i + 1) for i in range(C - 1)])
     prev_last = jnp.where(jax.lax.axis_index(axis) == 0, seg[:, :1], prev_last)
     starts = seg != jnp.concatenate([prev_last, seg[:, :-1]], axis=1)
     c = _Chunks(q, k, v, g, beta, starts, chunk_size, inverse)
-    S_local, M = _shard_transition(c, B, N, H, J, axis)  # pass 1
+    Bl = q.shape[0]  # this device's rows
+    S_local, M = _shard_transition(c, Bl, N, H, J, varying)  # pass 1
     S_all = jax.lax.all_gather(S_local, axis, to="invarying")  # pass 2: [C, B, N, H, J], [C, B, N, H, H]
     M_all = jax.lax.all_gather(M, axis, to="invarying")
-    S, incoming = S0, []
+    # Without an initial state the fold starts from zeros shaped (and, under auto, sharded) as the gathered
+    # states: a replicated zeros array made the fsdp-split rows gather over fsdp here.
+    S, incoming = (S0[0] if S0 else jnp.zeros_like(S_all[0])), []
     for i in range(C):
       incoming.append(S)
       S = _einsum("bnhk,bnkj->bnhj", M_all[i], S) + S_all[i]
     S_in = jnp.stack(incoming)[jax.lax.axis_index(axis)]
     _, St_in = _chunk_states(c, S_in, keep=True)  # pass 3
     U, W = c.shape[4:]
-    o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(B, U * W, N, J)[:, :q.shape[1]]
+    o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(Bl, U * W, N, J)[:, :q.shape[1]]
     return o.astype(v.dtype), S
 
   P = jax.sharding.PartitionSpec
-  seq, rep = P(None, axis), P()
-  # The shard_map is manual over `axis` only: the batch (and any other axis) keeps the sharding it comes
-  # with (fsdp rows stay split, not gathered and computed on every device), and the final state comes back
-  # sharded as the rows are. Explicit: T resharded onto `axis`, the batch's spec kept; auto: the shard_map
+  # Rows split as the batch's logical axis says (data, fsdp, expert), T over `axis`: each device runs its own
+  # rows' shard, and the pass-2 gathers move only its rows' states (manual over `axis` alone, XLA gathered
+  # the fsdp-split rows of the states before the fold). Explicit: resharded onto that; auto: the shard_map
   # moves its inputs.
+  rows = logical_spec(("batch",), (B,))[0]
+  seq, rep = P(rows, axis), P(rows)
+  varying = (() if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)) + (axis,)
   args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT)
   if is_explicit():
-    args = tuple(jax.sharding.reshard(x, P(jax.typeof(x).sharding.spec[0], axis)) for x in args)
+    args = tuple(jax.sharding.reshard(x, seq) for x in args)
+    S0 = tuple(jax.sharding.reshard(x, rep) for x in S0)
   with jax.named_scope("gdn_context_parallel"):
-    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,), out_specs=(seq, rep),
-                         axis_names=frozenset({axis}))(*args, S0)
+    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,) * len(S0), out_specs=(seq, rep))(*args, *S0)
