@@ -11,6 +11,7 @@ loss and gradients), jitted on one mesh.
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -177,3 +178,32 @@ def test_full_attention_gathers_k_and_v():
   gathers = [c for c in calls["all-gather"] if "forward" in c["scope"]]
   assert sum(c["count"] for c in gathers) == 2 and all(c["shape"].startswith(kv) for c in gathers), gathers
   assert not calls["all-to-all"] and not calls["collective-permute"]
+
+
+def test_conv_halo_equals_the_whole_row_conv():
+  """The conv alone, T sharded: forward bit-equal to the whole-row conv (the same products in the same order),
+  its gradients within float32 summation order, on context=4: documents spanning the edges at 32, 64 and 96,
+  one starting on the edge at 64, padding. Without the halo a document spanning an edge reads zeros there."""
+  shards = 4
+  rng = np.random.default_rng(1)
+  B, C, Q = 2, 24, 4
+  x = jnp.asarray(rng.normal(size=(B, T, C)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(Q, C)), jnp.float32)
+  seg = jnp.asarray(batch(64)["segment_ids"])
+  ct = jnp.asarray(rng.normal(size=(B, T, C)), jnp.float32)
+
+  def f(conv):
+    fn = lambda x, w: conv(x, w, segment_ids_BT=seg)
+    return jax.jit(lambda x, w: (fn(x, w),) + jax.vjp(fn, x, w)[1](ct))
+  want = f(short_conv.causal_conv)(x, w)
+  with jax.set_mesh(make_mesh(load_config(f"cpu_devices={shards}", f"mesh.context={shards}"))):
+    got = f(short_conv.causal_conv_context_parallel)(x, w)
+    dropped = f(functools.partial(short_conv.causal_conv_context_parallel, halo=False))(x, w)[0]
+  got, want, dropped = [np.asarray(a) for a in got], [np.asarray(a) for a in want], np.asarray(dropped)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-6)  # dx: measured 4.8e-7
+  np.testing.assert_allclose(got[2], want[2], rtol=1e-6, atol=1e-5)  # dw, |dw| ~ 20: measured 7.6e-6
+  edge = T // shards
+  # Row 1 (one document over 0..67) reads across the first edge; without the halo it does not.
+  assert np.max(np.abs(dropped[1, edge:edge + Q - 1] - want[0][1, edge:edge + Q - 1])) > LEAK
+  np.testing.assert_array_equal(dropped[:, :edge], want[0][:, :edge])

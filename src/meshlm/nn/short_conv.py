@@ -112,6 +112,9 @@ def causal_conv_context_parallel(x_BTC: jax.Array, w_QC: jax.Array, *, segment_i
   P = jax.sharding.PartitionSpec
   seq = P(None, axis)
   segs = () if segment_ids_BT is None else (segment_ids_BT,)
+  mesh_types = set(mesh.axis_types)
+  if mesh_types == {jax.sharding.AxisType.Explicit}:  # outside an auto-axes region: T onto `axis`, rows kept
+    x_BTC, *segs = [jax.sharding.reshard(a, P(jax.typeof(a).sharding.spec[0], axis)) for a in (x_BTC, *segs)]
   with jax.named_scope("conv_context_parallel"):
     return jax.shard_map(local, in_specs=(seq, P()) + (seq,) * len(segs), out_specs=seq,
                          axis_names=frozenset({axis}))(x_BTC, w_QC, *segs)
