@@ -32,6 +32,9 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
     out_proj     [N, J, D]          [out_proj.weight [D, N*J]: .T.reshape(N, J, D)]
 
 The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
+Training on mesh.context > 1 (`context_parallel`): T stays sharded through the layer; the conv takes the previous
+shard's last Q - 1 inputs as a halo (short_conv.causal_conv_context_parallel) and the rule runs per shard
+(rule.gated_delta_rule_context_parallel). Prefill and decode run the sequence whole.
 
 Decode state (both replaced whole each step, StateLeaf commit "replace"):
   conv       [B, Q - 1, C]   the last Q - 1 pre-conv inputs q|k|v (zeros before the row's first token)
