@@ -201,7 +201,7 @@ class MeshConfig(_Strict):
   fsdp: int = Field(default=-1, description="FSDP size: shards parameters along embed (-1: the devices left)")
   tensor: int = Field(default=1, description="tensor-parallel size: shards heads, mlp and vocab (-1: the devices left)")
   expert: int = Field(default=1, description="expert-parallel size: shards the MoE experts (must divide num_experts)")
-  context: int = Field(default=1, description="context-parallel size over the sequence (no model shards on it yet)")
+  context: int = Field(default=1, description="context-parallel size: training shards the sequence over it (GDN layers per shard, attention gathers K/V)")
 
   @model_validator(mode="after")
   def _sizes(self):

@@ -20,6 +20,7 @@ from meshlm.nn import kv_cache
 from meshlm.nn.attention import attention_mask
 from meshlm.nn.dense import dense
 from meshlm.nn.rope import freqs_at, inv_frequencies, rope_angles
+from meshlm.parallel.sharding import auto_region, context_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,17 @@ def windows(m) -> dict[str, int | None]:
   return {"global": None, "local": m.sliding_window}
 
 
+def train_mask(segment_ids_BT, T: int, window: int | None) -> jax.Array:
+  """attention_mask for training. With the sequence sharded over mesh.context its [B, T, T] segment
+  comparison pairs a query shard with every key position, which explicit sharding refuses (T sharded on both
+  of its last axes): built in an auto-axes region, sharded over the query positions only."""
+  if segment_ids_BT is None or context_size() == 1:
+    return attention_mask(segment_ids_BT, T, window)
+  B = segment_ids_BT.shape[0]
+  return auto_region(lambda s: attention_mask(s, T, window), ("batch", None, None, "length", None),
+                     (B, 1, 1, T, T))(segment_ids_BT)
+
+
 def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int, ...], positions_BT: jax.Array,
                  segment_ids_BT=None, *, mode: str = "train", cache_len: int | None = None,
                  lengths_B: jax.Array | None = None) -> Context:
@@ -83,7 +95,7 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   for name in ("global",) + tuple(c for c in ("local",) if c in contexts):
     window = windows(m)[name]
     if mode == "train":
-      mask, slots = attention_mask(segment_ids_BT, T, window), None
+      mask, slots = train_mask(segment_ids_BT, T, window), None
     elif mode == "prefill":
       size = kv_cache.cache_size(cache_len, window)
       mask, slots = attention_mask(None, T, window), kv_cache.prefill_slots(lengths_B, T, size)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.errors import ConfigError
-from meshlm.parallel.sharding import is_explicit
+from meshlm.parallel.sharding import is_explicit, logical_spec
 
 
 def segment_starts(segment_ids_BT: jax.Array | None, T: int) -> jax.Array | None:
@@ -345,11 +345,11 @@ def _transition_step(carry, c):
   return (S_BNHJ, M_BNHH), None
 
 
-def _shard_transition(c: _Chunks, B, N, H, J, vary):
+def _shard_transition(c: _Chunks, B, N, H, J, axes):
   """Pass 1: (S_local [B, N, H, J], M [B, N, H, H]): S_out = M S_in + S_local over this shard's chunks."""
   eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, N, H, H))
-  # The carry varies over the mesh axes the shard's terms do (scan carries must match their update's type).
-  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), vary, to="varying")
+  # The carry varies over `axes` as the shard's terms do (scan carries must match their update's type).
+  init = jax.lax.pcast((jnp.zeros((B, N, H, J), jnp.float32), eye), axes, to="varying")
   (S, M), _ = jax.lax.scan(_transition_step, init, (c.u_UBNWJ, c.w_UBNWH, c.k_UBNWH, c.decay_UBN))
   return S, M
 
@@ -359,7 +359,7 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
                                       axis="context"):
   """gated_delta_rule_chunked with T sharded over mesh axis `axis` (the current mesh's; without it, or at
   size 1, the plain chunked rule). Same contract and return; o comes back sharded as T is, the final state
-  replicated. T must divide by the axis size; a shard's length need not be a whole number of chunks (its
+  replicated over `axis` (its rows split as the batch's). T must divide by the axis size; a shard's length need not be a whole number of chunks (its
   last chunk is padded with no-op positions). Segment ids may span shards: a start is where the id
   changes, across shard edges too."""
   check_chunk_size(chunk_size)
@@ -375,18 +375,23 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
   H = q_BTKH.shape[-1]
   if T % C:
     raise ValueError(f"gated_delta_rule_context_parallel: T={T} does not divide over mesh.{axis}={C}")
-  # Starts from the whole row, so a shard knows whether its first position opens a segment.
-  starts_BT = segment_starts(segment_ids_BT, T)
-  starts_BT = jnp.zeros((B, T), bool) if starts_BT is None else starts_BT
-  S0 = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
+  seg_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
+  S0 = () if initial_state_BNHJ is None else (initial_state_BNHJ.astype(jnp.float32),)
 
-  def local(q, k, v, g, beta, starts, S0):
+  def local(q, k, v, g, beta, seg, *S0):
+    # A shard's first position opens a segment when its id differs from the previous shard's last one: that
+    # one id per row comes one shard forward (the first shard's first position never starts one).
+    prev_last = jax.lax.ppermute(seg[:, -1:], axis, [(i, i + 1) for i in range(C - 1)])
+    prev_last = jnp.where(jax.lax.axis_index(axis) == 0, seg[:, :1], prev_last)
+    starts = seg != jnp.concatenate([prev_last, seg[:, :-1]], axis=1)
     c = _Chunks(q, k, v, g, beta, starts, chunk_size, inverse)
-    Bl = v.shape[0]  # this device's rows (B over the batch axes)
-    S_local, M = _shard_transition(c, Bl, N, H, J, vary)  # pass 1
+    Bl = q.shape[0]  # this device's rows
+    S_local, M = _shard_transition(c, Bl, N, H, J, varying)  # pass 1
     S_all = jax.lax.all_gather(S_local, axis, to="invarying")  # pass 2: [C, B, N, H, J], [C, B, N, H, H]
     M_all = jax.lax.all_gather(M, axis, to="invarying")
-    S, incoming = S0, []
+    # Without an initial state the fold starts from zeros shaped (and, under auto, sharded) as the gathered
+    # states: a replicated zeros array made the fsdp-split rows gather over fsdp here.
+    S, incoming = (S0[0] if S0 else jnp.zeros_like(S_all[0])), []
     for i in range(C):
       incoming.append(S)
       S = _einsum("bnhk,bnkj->bnhj", M_all[i], S) + S_all[i]
@@ -396,13 +401,17 @@ def gated_delta_rule_context_parallel(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *
     o = jnp.transpose(c.outputs(St_in), (1, 0, 3, 2, 4)).reshape(Bl, U * W, N, J)[:, :q.shape[1]]
     return o.astype(v.dtype), S
 
-  # T over `axis`; B keeps the sharding v has under explicit sharding (say over fsdp), else replicated;
-  # heads and head dims replicated. Reshard under explicit, a constraint under auto.
-  b_spec = jax.typeof(v_BTNJ).sharding.spec[0] if is_explicit() else None
-  seq, rows = jax.sharding.PartitionSpec(b_spec, axis), jax.sharding.PartitionSpec(b_spec)
-  put = jax.sharding.reshard if is_explicit() else jax.lax.with_sharding_constraint
-  args = [put(x, seq) for x in (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, starts_BT)] + [put(S0, rows)]
-  b_axes = () if b_spec is None else (b_spec,) if isinstance(b_spec, str) else tuple(b_spec)
-  vary = tuple(b_axes) + (axis,)
+  P = jax.sharding.PartitionSpec
+  # Rows split as the batch's logical axis says (data, fsdp, expert), T over `axis`: each device runs its own
+  # rows' shard, and the pass-2 gathers move only its rows' states (manual over `axis` alone, XLA gathered
+  # the fsdp-split rows of the states before the fold). Explicit: resharded onto that; auto: the shard_map
+  # moves its inputs.
+  rows = logical_spec(("batch",), (B,))[0]
+  seq, rep = P(rows, axis), P(rows)
+  varying = (() if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)) + (axis,)
+  args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT)
+  if is_explicit():
+    args = tuple(jax.sharding.reshard(x, seq) for x in args)
+    S0 = tuple(jax.sharding.reshard(x, rep) for x in S0)
   with jax.named_scope("gdn_context_parallel"):
-    return jax.shard_map(local, in_specs=(seq,) * 6 + (rows,), out_specs=(seq, rows))(*args)
+    return jax.shard_map(local, in_specs=(seq,) * 6 + (rep,) * len(S0), out_specs=(seq, rep))(*args, *S0)

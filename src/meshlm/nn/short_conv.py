@@ -75,3 +75,46 @@ def causal_conv_reference(x_BTC, w_QC, *, segment_ids_BT=None, history=None):
         elif hist is not None:
           y[b, t] += w[j] * hist[b, Q - 1 + s]
   return y
+
+
+def causal_conv_context_parallel(x_BTC: jax.Array, w_QC: jax.Array, *, segment_ids_BT: jax.Array | None = None,
+                                 axis: str = "context", halo: bool = True) -> jax.Array:
+  """causal_conv with T sharded over mesh axis `axis` (C shards in order; without the axis, or at size 1, the
+  plain conv). Each shard's first Q - 1 outputs read the previous shard's last Q - 1 inputs: a halo of
+  [B, Q - 1, C] (and its segment ids) sent one shard forward by ppermute, then the plain conv over the
+  shard with the halo in front (the halo's own outputs dropped). The first shard's halo is zeros with
+  segment id -1, which no position matches, as before the row's start. A document spanning the edge reads
+  across it; one that starts on the new shard does not. halo=False drops it (the tests' negative control).
+  The batch and channel axes stay as they are (a shard_map manual over `axis` only)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  n = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
+  if n == 1:
+    return causal_conv(x_BTC, w_QC, segment_ids_BT=segment_ids_BT)
+  B, T, C = x_BTC.shape
+  S = w_QC.shape[0] - 1
+  if T % n or T // n < S:
+    raise ValueError(f"causal_conv_context_parallel: T={T} over mesh.{axis}={n} gives shards shorter than the "
+                     f"conv's {S}-position halo, or does not divide")
+  perm = [(i, i + 1) for i in range(n - 1)]  # shard i's tail enters shard i + 1; shard 0 receives zeros
+
+  def local(x, w, *seg):
+    hx = jax.lax.ppermute(x[:, -S:], axis, perm)  # [B, Q - 1, C]
+    if not halo:
+      hx = jnp.zeros_like(hx)
+    ext = jnp.concatenate([hx, x], axis=1)  # [B, Q - 1 + T / n, C]
+    ids = None
+    if seg:
+      first = jax.lax.axis_index(axis) == 0
+      hs = jnp.where(first, jnp.asarray(-1, seg[0].dtype), jax.lax.ppermute(seg[0][:, -S:], axis, perm))
+      ids = jnp.concatenate([hs, seg[0]], axis=1)
+    return causal_conv(ext, w, segment_ids_BT=ids)[:, S:]
+
+  P = jax.sharding.PartitionSpec
+  seq = P(None, axis)
+  segs = () if segment_ids_BT is None else (segment_ids_BT,)
+  mesh_types = set(mesh.axis_types)
+  if mesh_types == {jax.sharding.AxisType.Explicit}:  # outside an auto-axes region: T onto `axis`, rows kept
+    x_BTC, *segs = [jax.sharding.reshard(a, P(jax.typeof(a).sharding.spec[0], axis)) for a in (x_BTC, *segs)]
+  with jax.named_scope("conv_context_parallel"):
+    return jax.shard_map(local, in_specs=(seq, P()) + (seq,) * len(segs), out_specs=seq,
+                         axis_names=frozenset({axis}))(x_BTC, w_QC, *segs)

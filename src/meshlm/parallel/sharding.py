@@ -69,6 +69,12 @@ def is_explicit() -> bool:
   return not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types)
 
 
+def context_size() -> int:
+  """The current mesh's `context` axis size (1 with no mesh): how many shards the sequence is split into."""
+  mesh = current_mesh()
+  return 1 if mesh.empty else dict(mesh.shape).get("context", 1)
+
+
 def logical_spec(axes: Axes, shape: Sequence[int] | None = None, mesh=None) -> P:
   """PartitionSpec for logical axes. Mesh axes of size 1 and non-dividing axes are dropped."""
   mesh = current_mesh() if mesh is None else mesh

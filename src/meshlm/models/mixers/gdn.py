@@ -32,6 +32,9 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
     out_proj     [N, J, D]          [out_proj.weight [D, N*J]: .T.reshape(N, J, D)]
 
 The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
+Training on mesh.context > 1 (`context_parallel`): T stays sharded through the layer; the conv takes the previous
+shard's last Q - 1 inputs as a halo (short_conv.causal_conv_context_parallel) and the rule runs per shard
+(rule.gated_delta_rule_context_parallel). Prefill and decode run the sequence whole.
 
 Decode state (both replaced whole each step, StateLeaf commit "replace"):
   conv       [B, Q - 1, C]   the last Q - 1 pre-conv inputs q|k|v (zeros before the row's first token)
@@ -51,8 +54,9 @@ from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Part, StateLeaf
 from meshlm.nn import gdn as rule
+from meshlm.nn import short_conv
 from meshlm.nn.short_conv import causal_conv, window_at
-from meshlm.parallel.sharding import auto_region_many
+from meshlm.parallel.sharding import auto_region_many, context_size
 
 KEY = "linear_attn"
 OUT = ("batch", "length", "act_embed")
@@ -141,10 +145,18 @@ def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: fl
   return (y * w_J.astype(jnp.float32) * jax.nn.silu(z_BTNJ.astype(jnp.float32))).astype(z_BTNJ.dtype)
 
 
+def context_parallel(m: ModelConfig, mode: str) -> bool:
+  """Training with the sequence sharded over mesh.context > 1 (chunked rule): the conv takes a halo from the
+  previous shard and the rule runs its three passes per shard (nn/gdn.py) instead of gathering the sequence."""
+  return mode == "train" and m.gdn_impl == "chunked" and context_size() > 1
+
+
 def delta_rule(m: ModelConfig, mode: str = "train"):
   """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
   prefill use model.gdn_impl (chunked, chunk model.gdn_chunk_size, or the reference recurrence); a decode step
-  is one step of the recurrence."""
+  is one step of the recurrence. Training on mesh.context > 1: the context-parallel chunked rule."""
+  if context_parallel(m, mode):
+    return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=m.gdn_chunk_size)
   impl = "reference" if mode == "decode" else m.gdn_impl
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
 
@@ -159,7 +171,11 @@ def core(m: ModelConfig, mode: str, dense, proj: tuple, w: dict, segment_ids_BT,
   K, N, G, H, J, Q = dims(m)
   decode = mode == "decode"
   with jax.named_scope("conv1d"):
-    mixed = causal_conv(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT, history=state["conv"] if decode else None)
+    if context_parallel(m, mode):
+      mixed = short_conv.causal_conv_context_parallel(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT)
+    else:
+      mixed = causal_conv(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT,
+                          history=state["conv"] if decode else None)
     mixed = jax.nn.silu(mixed.astype(jnp.float32))
   q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
   k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
