@@ -237,7 +237,7 @@ def test_bad_forced_ids_are_refused_by_forward(model):
     decoder.forward(dense_cfg, {}, tokens, forced_expert_ids=ids)
   with pytest.raises(ConfigError, match="no MoE layers to replay"):
     train_step.replay_batch_spec(dense_cfg)
-  with pytest.raises(ValueError, match="layer_inputs: no layer of model family '.*' here reads 'x' \(inputs its layers read: forced_expert_ids\)"):
+  with pytest.raises(ValueError, match=r"layer_inputs: no layer of model family '.*' here reads 'x' \(inputs its layers read: forced_expert_ids\)"):
     decoder.forward(cfg, params, tokens, layer_inputs={"x": ids})
 
 
