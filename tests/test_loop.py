@@ -199,15 +199,36 @@ LOOP = ("model=llama2-tiny", "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtyp
         "data.source=synthetic", "train.log_every=1")
 
 
+class _Drawn:
+  """What the end-of-run sample sees of a Generation."""
+  def token_lists(self):
+    return [[ord("x")] * 3]
+
+
 @pytest.fixture(scope="module")
 def loop_run(tmp_path_factory):
-  """5 steps, a checkpoint after every step with checkpoint.keep=2, on_step recording its calls."""
+  """5 steps, a checkpoint after every step with checkpoint.keep=2, on_step recording its calls; the
+  end-of-run sample's generate replaced by a recorder (SAMPLES)."""
+  import meshlm.models.generate as gen
   from meshlm.train.loop import train
   run_dir = tmp_path_factory.mktemp("loop")
-  cfg = load_config(*LOOP, "checkpoint.every=1", "checkpoint.keep=2", f"run_dir={run_dir}")
+  cfg = load_config(*LOOP, "checkpoint.every=1", "checkpoint.keep=2", "train.sample_tokens=4",
+                    "train.sample_temperature=0.6", f"run_dir={run_dir}")
   calls = []
-  result = train(cfg, show_progress=False, on_step=calls.append)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(gen, "generate", lambda cfg, params, prompts, **kw: SAMPLES.append(kw) or _Drawn())
+    result = train(cfg, show_progress=False, on_step=calls.append)
   return result, run_dir, calls
+
+
+SAMPLES: list = []
+
+
+def test_the_end_sample_is_drawn_at_its_temperature_with_the_run_seed(loop_run):
+  """train.sample_temperature and train.seed reach generate (a tiny model's greedy sample ends in repeats)."""
+  result, _, _ = loop_run
+  assert [(c["temperature"], c["seed"], c["max_new_tokens"]) for c in SAMPLES] == [(0.6, 0, 4)]
+  assert result.sample == "The xxx"  # the prompt for a corpus other than the stdlib, then the drawn tokens
 
 
 def test_on_step_is_called_once_per_step_in_order(loop_run):
@@ -371,3 +392,4 @@ def test_resumable_keys_are_config_keys():
   keys = _flat(yaml.safe_load(to_yaml(load_config(*LOOP))))
   for entry in RESUMABLE:
     assert (entry in keys if not entry.endswith(".*") else any(k.startswith(entry[:-1]) for k in keys)), entry
+

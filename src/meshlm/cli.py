@@ -134,7 +134,9 @@ def cmd_train(args: list[str], start: float) -> int:
   console.print(f"loss {first:.4f} -> {last:.4f} ({last / first:.0%} of the first step) in {len(result.losses)} steps; "
                 f"first step finished {result.first_step_s:.1f} s after start")
   if result.sample is not None:
-    console.print("[bold]sample[/] (greedy):")
+    t = cfg.train
+    how = "greedy" if t.sample_temperature == 0 else f"temperature {t.sample_temperature:g}, seed {t.seed}"
+    console.print(f"[bold]sample[/] ({how}):")
     print(printable(result.sample))  # a model's bytes may hold terminal escapes
   return 0
 

@@ -237,7 +237,9 @@ class TrainConfig(_Strict):
   compute_dtype: DType = Field(default="bfloat16", description="dtype of the forward and backward computation")
   seed: int = Field(default=0, description="seed of parameter init and training randomness")
   log_every: int = Field(default=1, gt=0, description="write metrics every N steps")
-  sample_tokens: int = Field(default=96, ge=0, description="length of the greedy sample printed at the end (0: none)")
+  sample_tokens: int = Field(default=96, ge=0, description="length of the sample printed at the end (0: none)")
+  sample_temperature: float = Field(default=0.7, ge=0, description="temperature of the sample printed at the end, "
+                                    "drawn with train.seed (0: greedy, which a tiny model ends in repeats)")
   # A NaN/Inf loss or gradient norm: skip the update (params and optimizer state unchanged), or
   # stop the run at once. Either way the run stops after this many non-finite steps in a row.
   on_nonfinite: Literal["skip", "stop"] = Field(default="skip", description="on a NaN/Inf loss or grad norm: skip the update, or stop with a checkpoint")

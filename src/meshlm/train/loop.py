@@ -390,6 +390,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     prompt = [int(i) for i in tok.encode(text.encode())]
     room = cfg.model.max_position - len(prompt)
     if room > 0:
-      gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
+      gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room),
+                     temperature=t.sample_temperature, seed=t.seed, mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)

@@ -29,7 +29,8 @@ RUNS_ROOT = "runs"
 # equal to it, or an entry ending in ".*" that is its prefix.
 RESUMABLE = (
     "train.steps",  # more (or fewer) steps; the learning-rate schedule follows the new total
-    "train.stop_after", "train.log_every", "train.sample_tokens", "train.on_nonfinite", "train.max_nonfinite_in_a_row",
+    "train.stop_after", "train.log_every", "train.sample_tokens", "train.sample_temperature", "train.on_nonfinite",
+    "train.max_nonfinite_in_a_row",
     "checkpoint.every", "checkpoint.keep",
     "checkpoint.load_params_from",  # a resume ignores it: the run's own checkpoint wins
     "train.micro_batches",  # the same global batch, accumulated in other pieces
