@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
@@ -60,11 +61,15 @@ def yarn_attention_factor(scaling: dict) -> float:
 def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> jax.Array:
   """[head_dim // 2] YaRN inverse frequencies: interpolated (divided by factor) below the
   beta_slow rotation count over the original context, kept above beta_fast, ramped between."""
-  factor = float(scaling["factor"])
+  # float32 NumPy on constants, as transformers computes them: XLA would contract the blend below into fused
+  # multiply-adds, an ulp off in the ramp's frequencies, which at position 163,839 moves cos by 3e-5.
+  factor = np.float32(scaling["factor"])
   old_len = float(scaling["original_max_position"])
   beta_fast, beta_slow = float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0))
-  pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+  # theta ** (2i / head_dim) correctly rounded to float32 (torch's float32 pow is; NumPy's is not always).
+  exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+  pos_freqs = (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)
+  extrapolated, interpolated = np.float32(1.0) / pos_freqs, np.float32(1.0) / (factor * pos_freqs)
 
   def dim_of(rotations: float) -> float:  # the dimension index that turns `rotations` times over old_len
     return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -72,9 +77,9 @@ def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> jax.Arra
   low = max(math.floor(dim_of(beta_fast)), 0)
   high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
   high = high + 0.001 if low == high else high  # a zero-width ramp would divide by zero
-  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-  keep = 1.0 - ramp  # 1: extrapolate (high frequency), 0: interpolate (low frequency)
-  return interpolated * (1.0 - keep) + extrapolated * keep
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0.0, 1.0)
+  keep = np.float32(1.0) - ramp  # 1: extrapolate (high frequency), 0: interpolate (low frequency)
+  return jnp.asarray(interpolated * (np.float32(1.0) - keep) + extrapolated * keep, dtype=jnp.float32)
 
 
 def is_yarn(scaling: dict | None) -> bool:
