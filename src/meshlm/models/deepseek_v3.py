@@ -1,0 +1,54 @@
+"""deepseek_v3: multi-head latent attention (the mla mixer) on every layer; the first
+model.first_k_dense_replace layers have a dense GLU of mlp_dim, the rest a MoE of moe_mlp_dim experts with
+shared experts (model.shared_expert_mlp_dim wide) beside them, as transformers' DeepseekV3DecoderLayer.
+
+The plan: the dense layers are an unrolled prefix, the MoE layers one scan (deepseek-v3: 3 dense, 58 MoE).
+"""
+from __future__ import annotations
+
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.models.family import Family, Kind, LayerPlan
+from meshlm.models.ffns.glu import glu
+from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.mixers.mla import mla
+
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def plan(m: ModelConfig) -> LayerPlan:
+  k = m.first_k_dense_replace
+  kinds = tuple("dense" if i < k else "moe" for i in range(m.num_layers))
+  return LayerPlan(kinds=kinds, contexts=m.layer_contexts(), period=1, prefix=min(k, m.num_layers))
+
+
+def validate(m: ModelConfig) -> None:
+  """The fields deepseek_v3 needs; one ConfigError line naming the key otherwise."""
+  fam = m.family
+  for key in MLA_FIELDS:
+    if getattr(m, key) is None:
+      raise ConfigError(f"model.{key}: required by model.family={fam} (its multi-head latent attention); set "
+                        f"model.{key}=...")
+  if m.qk_rope_head_dim % 2:
+    raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim}: must be even (RoPE rotates pairs)")
+  if m.first_k_dense_replace > m.num_layers:
+    raise ConfigError(f"model.first_k_dense_replace={m.first_k_dense_replace}: more dense layers than "
+                      f"model.num_layers={m.num_layers}")
+  if m.first_k_dense_replace < m.num_layers:
+    if not m.num_experts:
+      raise ConfigError(f"model.num_experts: model.family={fam} has MoE layers after the first "
+                        f"model.first_k_dense_replace={m.first_k_dense_replace}; set model.num_experts and "
+                        "model.moe_mlp_dim")
+    if m.shared_expert_mlp_dim is None:
+      raise ConfigError(f"model.shared_expert_mlp_dim: required by model.family={fam} (its shared experts: "
+                        "n_shared_experts x moe_intermediate_size)")
+  if m.layer_pattern is not None or m.sliding_window is not None:
+    raise ConfigError(f"model.layer_pattern / model.sliding_window: model.family={fam} has no sliding-window "
+                      "layers; leave them null")
+  if m.mlp_only_layers or m.decoder_sparse_step != 1:
+    raise ConfigError(f"model.mlp_only_layers / model.decoder_sparse_step: model.family={fam} places its dense "
+                      "layers with model.first_k_dense_replace; leave them at [] and 1")
+
+
+FAMILY = Family("deepseek_v3", kinds={"dense": Kind(mla(), glu()), "moe": Kind(mla(), moe_ffn(shared=True))},
+                plan=plan, validate=validate)
