@@ -77,11 +77,13 @@ def softmax_scale(m: ModelConfig) -> float:
 def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
   """q [B, T, N, Hn + Hr] through ctx.dense (q_a -> norm -> q_b, or q)."""
   m, dt = ctx.model, x_BTD.dtype
-  with jax.named_scope("q"):
-    if m.q_lora_rank is None:
+  if m.q_lora_rank is None:
+    with jax.named_scope("q"):
       return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", HEADS)
+  with jax.named_scope("q_a"):
     qa = ctx.dense(x_BTD, p["q_a"].astype(dt), "btd,dr->btr", LATENT)  # [B, T, Rq]
-    qa = rms_norm(p["q_a_norm"], qa, LATENT_NORM_EPS)
+  qa = rms_norm(p["q_a_norm"], qa, LATENT_NORM_EPS)
+  with jax.named_scope("q_b"):
     return ctx.dense(qa, p["q_b"].astype(dt), "btr,rnh->btnh", HEADS)
 
 
