@@ -12,4 +12,4 @@ def plan(m) -> LayerPlan:
 
 
 FAMILY = Family("groupkind", kinds={"moe": Kind(gqa(), moe_ffn(shared=True, shared_gate=False, routing="group_sigmoid"))},
-                plan=plan, validate=validate_group_routing)
+                plan=plan, validate=lambda m: validate_group_routing(m, shared=True))

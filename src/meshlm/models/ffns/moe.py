@@ -115,13 +115,17 @@ def update_router_bias(leaves: dict, side: dict, m: ModelConfig) -> dict:
   return {ROUTER_BIAS: moe.bias_update(leaves[ROUTER_BIAS], side[LOAD], m.router_bias_update_rate)}
 
 
-def validate_group_routing(m: ModelConfig) -> None:
-  """The fields group-limited sigmoid routing needs; one ConfigError line naming the key otherwise."""
+def validate_group_routing(m: ModelConfig, *, shared: bool = False) -> None:
+  """The fields group-limited sigmoid routing needs (and with shared, the shared experts' width); one
+  ConfigError line naming the key otherwise."""
   E, k, G = m.num_experts, m.num_experts_per_tok, m.n_group
   fam = m.family
   if not E:
     raise ConfigError(f"model.num_experts: model.family={fam} routes to experts; set model.num_experts and "
                       "model.moe_mlp_dim")
+  if shared and m.shared_expert_mlp_dim is None:
+    raise ConfigError(f"model.shared_expert_mlp_dim: required by model.family={fam} (its shared experts, HF "
+                      "n_shared_experts x moe_intermediate_size)")
   if m.router_scoring != "sigmoid":
     raise ConfigError(f"model.router_scoring={m.router_scoring}: model.family={fam} routes with group-limited "
                       "sigmoid scores; set model.router_scoring=sigmoid")
