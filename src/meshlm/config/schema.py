@@ -85,6 +85,25 @@ class ModelConfig(_Strict):
   shared_expert_mlp_dim: Optional[int] = Field(
       default=None, gt=0, description="width of the gated shared expert beside the routed ones (qwen3_next, "
       "qwen3_5_moe; HF shared_expert_intermediate_size); null: none")
+  # Group-limited sigmoid routing (deepseek_v3; models/ffns/moe.py `moe_ffn(routing="group_sigmoid")`, nn/moe.py
+  # group_route): sigmoid scores, the experts in n_group groups of which topk_group are kept, a routing bias
+  # (model state) that picks experts and never weighs them, updated after each step at router_bias_update_rate.
+  router_scoring: Literal["softmax", "sigmoid"] = Field(
+      default="softmax", description="router scores: softmax (mixtral, qwen3_moe) or sigmoid (deepseek_v3, with "
+      "group-limited selection)")
+  n_group: int = Field(default=1, gt=0, description="sigmoid routing: expert groups (consecutive ids; must divide "
+                       "num_experts), each scored by the sum of its top 2 biased scores (HF n_group)")
+  topk_group: int = Field(default=1, gt=0, description="sigmoid routing: groups kept per token (at most n_group); "
+                          "the top-k experts come from them (HF topk_group)")
+  routed_scaling_factor: float = Field(default=1.0, gt=0, description="sigmoid routing: the routed experts' "
+                                       "weights are multiplied by this (HF routed_scaling_factor)")
+  router_bias_update_rate: float = Field(
+      default=0.0, ge=0, description="sigmoid routing's aux-loss-free balancing: after each step router_bias += "
+      "rate * sign(mean load - load) per expert, from the whole batch's routing counts; 0: frozen")
+  router_group_mask: Literal["zero", "-inf"] = Field(
+      default="zero", description="sigmoid routing: what the experts of dropped groups score in the final top-k: "
+      "zero (DeepSeek's published modeling_deepseek.py) or -inf (transformers 5's DeepseekV3TopkRouter); they "
+      "differ only where a kept expert's biased score is negative")
   # Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): linear-attention (GDN) layers between gated full
   # attention layers. Letters (docs/architecture.md): K key heads, N value heads, H key head dim, J value head dim.
   linear_num_key_heads: Optional[int] = Field(default=None, gt=0, description="GDN key heads K (HF "
