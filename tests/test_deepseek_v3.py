@@ -72,6 +72,12 @@ def reference(p: dict, x, positions, m, xp, *, mscale: bool = True, interleave: 
   return xp.einsum("btnh,nhd->btd", xp.einsum("bnts,bsnh->btnh", a, v), p["o"])
 
 
+def model_tree(cfg) -> dict:
+  """The parameters with the model state (the MoE layers' router_bias) beside them, as forward reads them."""
+  key = jax.random.key(0)
+  return decoder.merge_state(meshlm.init_params(cfg, key), decoder.init_model_state(cfg, key))
+
+
 def _case(q_lora: bool, interleave: bool):
   over = [f"model={PRESET}", f"model.rope_interleave={str(interleave).lower()}"]
   if not q_lora:
@@ -154,7 +160,7 @@ MESH = ("cpu_devices=4", "mesh.fsdp=2", "mesh.tensor=2", "train.compute_dtype=fl
 @functools.cache
 def _generated(absorb: bool):
   cfg = load_config(f"model={PRESET}", *MESH, f"model.mla_absorb={str(absorb).lower()}")
-  params = meshlm.init_params(cfg, jax.random.key(0))
+  params = model_tree(cfg)
   rng = np.random.default_rng(1)
   prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]
   return cfg, params, prompts, G.generate(cfg, params, prompts, max_new_tokens=NEW)
@@ -191,7 +197,7 @@ def test_the_cache_holds_the_latent_per_token_per_layer():
     assert set(spec) == {"attn"}  # the MoE and GLU halves keep none
     assert sum(math.prod(leaf.shape) for leaf in spec["attn"].values()) == B * C * per_token
   # The compiled prefill's output: the whole cache, and nothing per head.
-  params = jax.eval_shape(lambda k: meshlm.init_params(cfg, k), jax.random.key(0))
+  params = jax.eval_shape(lambda: model_tree(cfg))
   tokens, lengths = jax.ShapeDtypeStruct((B, 16), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32)
   build = jax.jit(lambda p, t, n: decoder.prefill(cfg, p, t, n, C)[1]).lower(params, tokens, lengths).compile()
   out_bytes = build.memory_analysis().output_size_in_bytes

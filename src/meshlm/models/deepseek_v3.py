@@ -1,6 +1,7 @@
 """deepseek_v3: multi-head latent attention (the mla mixer) on every layer; the first
-model.first_k_dense_replace layers have a dense GLU of mlp_dim, the rest a MoE of moe_mlp_dim experts with
-shared experts (model.shared_expert_mlp_dim wide) beside them, as transformers' DeepseekV3DecoderLayer.
+model.first_k_dense_replace layers have a dense GLU of mlp_dim, the rest a MoE of moe_mlp_dim experts routed by
+group-limited sigmoid scores with a routing bias (model state), beside ungated shared experts
+(model.shared_expert_mlp_dim wide), as transformers' DeepseekV3DecoderLayer.
 
 The plan: the dense layers are an unrolled prefix, the MoE layers one scan (deepseek-v3: 3 dense, 58 MoE).
 """
@@ -10,7 +11,7 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.family import Family, Kind, LayerPlan
 from meshlm.models.ffns.glu import glu
-from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.ffns.moe import moe_ffn, validate_group_routing
 from meshlm.models.mixers.mla import mla
 
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -35,13 +36,7 @@ def validate(m: ModelConfig) -> None:
     raise ConfigError(f"model.first_k_dense_replace={m.first_k_dense_replace}: more dense layers than "
                       f"model.num_layers={m.num_layers}")
   if m.first_k_dense_replace < m.num_layers:
-    if not m.num_experts:
-      raise ConfigError(f"model.num_experts: model.family={fam} has MoE layers after the first "
-                        f"model.first_k_dense_replace={m.first_k_dense_replace}; set model.num_experts and "
-                        "model.moe_mlp_dim")
-    if m.shared_expert_mlp_dim is None:
-      raise ConfigError(f"model.shared_expert_mlp_dim: required by model.family={fam} (its shared experts: "
-                        "n_shared_experts x moe_intermediate_size)")
+    validate_group_routing(m, shared=True)
   if m.layer_pattern is not None or m.sliding_window is not None:
     raise ConfigError(f"model.layer_pattern / model.sliding_window: model.family={fam} has no sliding-window "
                       "layers; leave them null")
@@ -50,5 +45,7 @@ def validate(m: ModelConfig) -> None:
                       "layers with model.first_k_dense_replace; leave them at [] and 1")
 
 
-FAMILY = Family("deepseek_v3", kinds={"dense": Kind(mla(), glu()), "moe": Kind(mla(), moe_ffn(shared=True))},
+FAMILY = Family("deepseek_v3",
+                kinds={"dense": Kind(mla(), glu()),
+                       "moe": Kind(mla(), moe_ffn(shared=True, shared_gate=False, routing="group_sigmoid"))},
                 plan=plan, validate=validate)
