@@ -151,8 +151,10 @@ def group_route(logits_BTE: jax.Array, bias_E: jax.Array, k: int, *, n_group: in
 def expert_load(ids_BTk: jax.Array, num_experts: int, token_mask_BT: jax.Array | None = None) -> jax.Array:
   """Routed (token, slot) pairs per expert [E] float32, padding (token_mask 0) excluded: the counts
   the aux-loss-free bias update balances."""
-  mask = jnp.ones(ids_BTk.shape[:2], jnp.float32) if token_mask_BT is None else (token_mask_BT > 0).astype(jnp.float32)
-  return jnp.einsum("btke,bt->e", jax.nn.one_hot(ids_BTk, num_experts, dtype=jnp.float32), mask)
+  onehot = jax.nn.one_hot(ids_BTk, num_experts, dtype=jnp.float32)  # [B, T, k, E]
+  if token_mask_BT is not None:
+    onehot = onehot * (token_mask_BT > 0).astype(jnp.float32)[:, :, None, None]
+  return jnp.sum(onehot, axis=(0, 1, 2))  # integers, exact in float32 below 2^24 pairs
 
 
 def bias_update(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
@@ -181,8 +183,14 @@ def aux_stats(logits_BTE: jax.Array, probs_BTE: jax.Array, ids_BTk: jax.Array, n
   mask = jnp.ones(ids_BTk.shape[:2], jnp.float32) if token_mask_BT is None else token_mask_BT.astype(jnp.float32)
   rows = jnp.maximum(jnp.sum(mask), 1.0)
   onehot = jax.nn.one_hot(ids_BTk, E, dtype=jnp.float32)  # [B, T, k, E]
-  fraction = jnp.einsum("btke,bt->e", onehot, mask) / rows
-  prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask) / rows
+  if token_mask_BT is None:
+    fraction = jnp.einsum("btke,bt->e", onehot, mask) / rows
+    prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask) / rows
+  else:
+    # A mask sharded like the tokens: a product and a sum (an einsum contracting two batch-sharded
+    # operands has no unambiguous output sharding under explicit sharding).
+    fraction = jnp.sum(onehot * mask[:, :, None, None], axis=(0, 1, 2)) / rows
+    prob = jnp.sum(probs_BTE.astype(jnp.float32) * mask[:, :, None], axis=(0, 1)) / rows
   z = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
   return {
       "moe_load_balance_loss": E * jnp.sum(fraction * prob),
