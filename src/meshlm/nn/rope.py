@@ -44,6 +44,20 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
     return y.astype(x_BTNH.dtype)
 
 
+def apply_rope_interleave(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+  """RoPE on adjacent pairs (x0, x1), (x2, x3), ... (transformers' apply_rotary_pos_emb_interleave): pair i
+  turns by the angle of cos[..., i] (the first half of the rotate-half layout), and the output is laid out
+  de-interleaved, [x_even', x_odd']. Queries and keys are both laid out so, which leaves their dot products
+  those of the interleaved rotation."""
+  with jax.named_scope("rope"):
+    half = x_BTNH.shape[-1] // 2
+    cos, sin = cos_BTH[:, :, None, :half], sin_BTH[:, :, None, :half]
+    xf = x_BTNH.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return y.astype(x_BTNH.dtype)
+
+
 # --- YaRN (DeepSeek-V3, Qwen long-context): frequencies and angles straight from the positions. ---
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -51,11 +65,25 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def yarn_attention_factor(scaling: dict) -> float:
-  """The cos/sin magnitude YaRN applies: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
-  if "attention_factor" in scaling:
+  """The cos/sin magnitude YaRN applies (transformers' _compute_yarn_parameters): attention_factor when given,
+  else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (non-zero), else
+  mscale(factor)."""
+  if scaling.get("attention_factor") is not None:
     return float(scaling["attention_factor"])
   factor = float(scaling["factor"])
-  return _yarn_mscale(factor, float(scaling.get("mscale", 1.0))) / _yarn_mscale(factor, float(scaling.get("mscale_all_dim", 0.0)))
+  mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+  if mscale and mscale_all_dim:
+    return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+  return _yarn_mscale(factor)
+
+
+def softmax_mscale(scaling: dict | None) -> float:
+  """The factor on MLA's softmax scale (transformers' yarn_apply_mscale): mscale(factor, mscale_all_dim) ** 2
+  when the rope is scaled and mscale_all_dim is set (non-zero), else 1. A second YaRN correction, beside the
+  attention factor that cos and sin carry."""
+  if not scaling or not scaling.get("mscale_all_dim"):
+    return 1.0
+  return _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
 
 
 def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> jax.Array:
