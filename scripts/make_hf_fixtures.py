@@ -557,6 +557,10 @@ from meshlm import forward, hf, load_config
 from meshlm.models import decoder
 cfg = load_config("model=" + sys.argv[1], "train.compute_dtype=float32", "cpu_devices=1")
 params = decoder.init_params(cfg, jax.random.key(0))
+# The whole model tree: a preset with model state (deepseek-v3's routing bias, drawn here so it matters) has it beside.
+state = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype),
+                     decoder.init_model_state(cfg, jax.random.key(1)))
+params = decoder.merge_state(params, state)
 hf.save(cfg, params, sys.argv[2])
 ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 150)).astype(np.int32)
 np.savez(sys.argv[3], input_ids=ids, logits=np.asarray(jax.jit(lambda p, x: forward(cfg, p, x))(params, ids)))
@@ -589,6 +593,8 @@ def check_preset_export(preset: str, meshlm_python: str) -> tuple[float, float, 
 
 
 GDN_PRESETS = ("qwen3-next-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny")
+# deepseek-v3-tiny: MLA with YaRN past its original 64 positions, group-limited routing with a random routing bias.
+PRESETS = GDN_PRESETS + ("deepseek-v3-tiny",)
 
 
 def check_finetune(meshlm_python: str, steps: int = 5) -> tuple[float, list[str]]:
@@ -649,7 +655,7 @@ def main() -> int:
     print(f"export check {name:14s} rel err {err:.2e}  {'ok' if ok else 'FAIL'} {' '.join(bad)}")
     if not ok:
       failed.append(name)
-  for preset in GDN_PRESETS:
+  for preset in PRESETS:
     ours, theirs, bad = check_preset_export(preset, args.meshlm_python)
     print(f"preset export check {preset}: rel err to transformers float64, meshlm {ours:.2e}, transformers float32 "
           f"{theirs:.2e}  {'ok' if not bad else 'FAIL'} {' '.join(bad)}")

@@ -116,7 +116,7 @@ def from_hf_config(hf: dict) -> dict:
       "num_layers": int(maps.require(hf, "num_hidden_layers")),
       "num_heads": heads,
       "num_kv_heads": heads,
-      "head_dim": nope + rope,
+      "head_dim": rope,  # as transformers sets it (the rotary width); the mla mixer reads the MLA dims
       "mlp_dim": int(maps.require(hf, "intermediate_size")),
       "max_position": int(hf.get("max_position_embeddings", 4096)),
       "rope_theta": theta,
@@ -141,7 +141,8 @@ def from_hf_config(hf: dict) -> dict:
       "n_group": int(_get(hf, "n_group")),
       "topk_group": int(_get(hf, "topk_group")),
       "routed_scaling_factor": float(_get(hf, "routed_scaling_factor")),
-      "router_aux_loss_coef": 0.0,  # DeepseekV3ForCausalLM computes no auxiliary loss
+      # DeepseekV3ForCausalLM computes no auxiliary loss; a coefficient meshlm wrote comes back
+      "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
   }
 
 
@@ -167,6 +168,7 @@ def to_hf_config(m: ModelConfig) -> dict:
       "max_position_embeddings": m.max_position, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
       "rope_interleave": m.rope_interleave, "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
       "num_nextn_predict_layers": 0,  # meshlm has no multi-token-prediction layers to write
+      "output_router_logits": m.router_aux_loss_coef > 0, "router_aux_loss_coef": m.router_aux_loss_coef,
       **rope_to_hf(m),
   }
 
