@@ -51,6 +51,21 @@ checkpoints carry (transformers skips them on load); its experts are rewritten f
 (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]), which transformers loads as well.
 Its reference is the multimodal model's own text-only forward.
 
+The DeepSeek-V3 fixtures (deepseek-v3, deepseek-v3-noqlora) run T = 96 tokens (one row) past YaRN's original
+64 positions (factor 4, theta 100 and a rope width of 8, so the ramp has two fractional entries): q through q_a /
+q_b or a plain q_proj; mscale 0.8 against mscale_all_dim 1.2 (the cos/sin factor and the softmax factor both
+live), or both 1.0 as published; 8 experts in 4 groups keeping 2 (or one group), top-3 (top-2), a perturbed
+e_score_correction_bias with expert 2 at -0.8 so that most tokens have a negative biased score, while
+transformers 5's -inf fill of the dropped groups and DeepSeek's 0.0 pick the same experts on every token
+(deepseek_routing_checks asserts it: meshlm's model.router_group_mask may be either); a dense first layer (two for noqlora), two shared experts'
+width, interleaved rope (transformers' default, which the published config relies on), and in deepseek-v3 eight
+tensors of a multi-token-prediction layer 3 that transformers does not load. deepseek-v3-fp8 and
+deepseek-v3-fp8-ue8m0 (make_fp8) are a one-layer model with a 576-row kv_a_proj_with_mqa, its layers' linear
+weights quantized as DeepSeek's are (float8_e4m3fn, a float32 weight_scale_inv per 128 x 128 block, amax / 448,
+or rounded up to a power of two under scale_fmt ue8m0), with original.npz holding the weights before quantizing;
+transformers does not load these. deepseek-v3-yarn.npz (make_yarn_rows) holds transformers'
+DeepseekV3RotaryEmbedding cos and sin at 14 positions of the published 163,840.
+
 The export check: for every fixture (a fixture whose family meshlm has not registered fails), meshlm
 (run with the project venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm
 convert`; transformers loads that export and must reproduce the reference logits exactly (the export
@@ -58,7 +73,8 @@ holds the fixture's tensors bit for bit), with the fixture's token ids and gener
 fixture's export is its text model (Qwen3_5MoeForCausalLM, model.layers.*, one tensor per expert, no vision
 tower or mtp), which must reproduce the multimodal model's text-only logits exactly too.
 
-The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny), randomly
+The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny) and
+deepseek-v3-tiny (its routing bias drawn at random), randomly
 initialized by meshlm and never a Hugging Face model, is exported with `hf.save`; transformers loads it in float32
 and float64, and meshlm's float32 logits (T = 150) must be within 3x transformers' own float32 error of the
 float64 logits (with meshlm's init, these models' float32 noise is up to ~1.5e-5, above the fixtures' 1e-5).
