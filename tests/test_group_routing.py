@@ -260,3 +260,14 @@ def test_the_cli_exits_2_naming_the_key(tmp_path, capsys, monkeypatch):
   assert cli.main(args) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "model.n_group=3 does not divide" in err[0], err
+
+
+@pytest.mark.parametrize("preset,key", [("mixtral-tiny", "model.router_scoring=sigmoid"),
+                                        ("qwen3-moe-tiny", "model.router_bias_update_rate=0.1"),
+                                        ("qwen3-next-tiny", "model.n_group=2")])
+def test_softmax_families_refuse_the_group_routing_keys(preset, key):
+  from meshlm.models import registry
+  registry.family(load_config(f"model={preset}"))  # as it is: accepted
+  with pytest.raises(ConfigError) as e:
+    registry.family(load_config(f"model={preset}", key))
+  assert str(e.value).startswith(key) and "routes with softmax" in str(e.value)
