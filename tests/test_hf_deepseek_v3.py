@@ -435,12 +435,43 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path, capsys, monkeypatch):
   assert not (tmp_path / "out").exists()
 
 
+# The published deepseek-ai/DeepSeek-V3 config.json (its auto_map left out): transformers 4's rope fields, fp8.
+PUBLISHED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+
+
+def test_the_published_config_is_the_deepseek_v3_preset(tmp_path):
+  """The published config.json reads as the deepseek-v3 preset's model (671,026,419,200 parameters with the routing
+  bias, tests/test_presets.py), token ids apart; its fp8 scheme is 128 x 128 blocks of float32 scales."""
+  from meshlm import load_config
+  (tmp_path / "config.json").write_text(json.dumps(PUBLISHED))
+  ours = load_config(base={"model_name": "x", "model": hf_io.model_fields(tmp_path)}).model
+  preset = load_config("model=deepseek-v3").model
+  assert ours.model_copy(update={"bos_token_id": None, "eos_token_id": None}) == preset
+  assert fp8.scheme(PUBLISHED, "config.json") == fp8.Scheme((128, 128), ue8m0=False)
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(topk_method="greedy"), "topk_method='greedy' is not supported"),
     (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
     (dict(num_key_value_heads=3), "num_key_value_heads=3 must equal num_attention_heads=9"),
     (dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 100.0}), "rope_type='llama3' is not supported"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
 ])
 def test_bad_config(changes, message, tmp_path):
   src = copy_fixture("deepseek-v3", tmp_path / "bad", config=changes)

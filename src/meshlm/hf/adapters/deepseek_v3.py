@@ -97,6 +97,7 @@ def from_hf_config(hf: dict) -> dict:
   maps.refuse(hf, "attention_bias", False, "projections have no bias")
   maps.refuse(hf, "scoring_func", "sigmoid", "DeepSeek-V3 routes by sigmoid scores")
   maps.refuse(hf, "topk_method", "noaux_tc", "DeepSeek-V3 picks experts by group-limited, bias-corrected scores")
+  maps.refuse(hf, "moe_layer_freq", 1, "every layer after the first first_k_dense_replace is MoE")
   heads = int(maps.require(hf, "num_attention_heads"))
   if hf.get("num_key_value_heads") not in (None, heads):
     raise ConfigError(f"config.json: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads="
