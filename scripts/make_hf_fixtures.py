@@ -51,6 +51,21 @@ checkpoints carry (transformers skips them on load); its experts are rewritten f
 (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]), which transformers loads as well.
 Its reference is the multimodal model's own text-only forward.
 
+The DeepSeek-V3 fixtures (deepseek-v3, deepseek-v3-noqlora) run T = 96 tokens (one row) past YaRN's original
+64 positions (factor 4, theta 100 and a rope width of 8, so the ramp has two fractional entries): q through q_a /
+q_b or a plain q_proj; mscale 0.8 against mscale_all_dim 1.2 (the cos/sin factor and the softmax factor both
+live), or both 1.0 as published; 8 experts in 4 groups keeping 2 (or one group), top-3 (top-2), a perturbed
+e_score_correction_bias with expert 2 at -0.8 so that most tokens have a negative biased score, while
+transformers 5's -inf fill of the dropped groups and DeepSeek's 0.0 pick the same experts on every token
+(deepseek_routing_checks asserts it: meshlm's model.router_group_mask may be either); a dense first layer (two for noqlora), two shared experts'
+width, interleaved rope (transformers' default, which the published config relies on), and in deepseek-v3 eight
+tensors of a multi-token-prediction layer 3 that transformers does not load. deepseek-v3-fp8 and
+deepseek-v3-fp8-ue8m0 (make_fp8) are a one-layer model with a 576-row kv_a_proj_with_mqa, its layers' linear
+weights quantized as DeepSeek's are (float8_e4m3fn, a float32 weight_scale_inv per 128 x 128 block, amax / 448,
+or rounded up to a power of two under scale_fmt ue8m0), with original.npz holding the weights before quantizing;
+transformers does not load these. deepseek-v3-yarn.npz (make_yarn_rows) holds transformers'
+DeepseekV3RotaryEmbedding cos and sin at 14 positions of the published 163,840.
+
 The export check: for every fixture (a fixture whose family meshlm has not registered fails), meshlm
 (run with the project venv, `--meshlm-python`) converts the fixture HF -> meshlm -> HF with `meshlm
 convert`; transformers loads that export and must reproduce the reference logits exactly (the export
@@ -58,7 +73,8 @@ holds the fixture's tensors bit for bit), with the fixture's token ids and gener
 fixture's export is its text model (Qwen3_5MoeForCausalLM, model.layers.*, one tensor per expert, no vision
 tower or mtp), which must reproduce the multimodal model's text-only logits exactly too.
 
-The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny), randomly
+The preset export check: each tiny GDN preset (qwen3-next-tiny, qwen3.5-tiny, qwen3.5-moe-tiny) and
+deepseek-v3-tiny (its routing bias drawn at random), randomly
 initialized by meshlm and never a Hugging Face model, is exported with `hf.save`; transformers loads it in float32
 and float64, and meshlm's float32 logits (T = 150) must be within 3x transformers' own float32 error of the
 float64 logits (with meshlm's init, these models' float32 noise is up to ~1.5e-5, above the fixtures' 1e-5).
@@ -104,6 +120,23 @@ GDN_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=22, s
 MTP = {"mtp.fc.weight": (45, 90), "mtp.norm.weight": (45,), "mtp.pre_fc_norm_embedding.weight": (45,),
        "mtp.pre_fc_norm_hidden.weight": (45,), "mtp.layers.0.input_layernorm.weight": (45,),
        "mtp.layers.0.mlp.gate.weight": (5, 45)}
+
+# DeepSeek-V3 (MLA + MoE with shared experts): 9 heads of q/k width 8 + 8 (nope + rope) and v width 10, a kv latent of
+# 14, 8 experts of width 22 and two shared ones (width 44).
+DEEPSEEK = dict({k: v for k, v in BASE.items() if k not in ("num_key_value_heads", "head_dim")}, num_hidden_layers=3,
+                num_attention_heads=9, num_key_value_heads=9, kv_lora_rank=14, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=10, n_routed_experts=8, moe_intermediate_size=22, n_shared_experts=2,
+                max_position_embeddings=256, num_nextn_predict_layers=1)
+# theta 100 with a rope width of 8 over an original context of 64: YaRN's ramp is (0, 1/3, 2/3, 1), one frequency
+# kept, one divided by the factor, two blended.
+DEEPSEEK_YARN = dict(rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=64,
+                     beta_fast=32.0, beta_slow=1.0)
+# Multi-token-prediction tensors of the published checkpoints' layer 61 (here layer 3, past num_hidden_layers = 3):
+# transformers does not load them, and neither does meshlm.
+DEEPSEEK_MTP = {"model.layers.3.embed_tokens.weight": (151, 45), "model.layers.3.enorm.weight": (45,),
+                "model.layers.3.hnorm.weight": (45,), "model.layers.3.eh_proj.weight": (45, 90),
+                "model.layers.3.shared_head.norm.weight": (45,), "model.layers.3.input_layernorm.weight": (45,),
+                "model.layers.3.mlp.gate.weight": (8, 45), "model.layers.3.mlp.gate.e_score_correction_bias": (8,)}
 
 # name -> (config class, AutoModel architecture, config kwargs)
 FIXTURES = {
@@ -179,12 +212,34 @@ FIXTURES = {
                          linear_value_head_dim=14, **{k: v for k, v in GDN_MOE.items() if k != "norm_topk_prob"}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=45,
                            patch_size=4, num_position_embeddings=16))),
+    # DeepSeek-V3: multi-head latent attention (q through a low-rank q_a / q_b with its norm, or a plain q_proj), YaRN
+    # with factor 4 on a rope width of 8 whose ramp has two fractional entries, sequences of 96 against an original
+    # context of 64, 8 experts in 4 groups of 2, top-3 of the top-2 groups' experts, weighted by the unbiased sigmoid
+    # scores, a perturbed routing bias (e_score_correction_bias) that makes some biased scores negative, two shared
+    # experts' width, a dense first layer, interleaved rope as the published config has it (rope_interleave is not
+    # in it: transformers' default, true), and one multi-token-prediction layer's tensors (model.layers.3.*) that
+    # transformers does not load.
+    "deepseek-v3": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=18, n_group=4, topk_group=2, num_experts_per_tok=3,
+                                            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                            rope_parameters=dict(DEEPSEEK_YARN, mscale=0.8, mscale_all_dim=1.2))),
+    # The DeepSeek-V2-Lite shape of attention (no q_lora_rank), equal mscale and mscale_all_dim (the published V3's
+    # choice: cos/sin unscaled, only the softmax scale moves), one group, top-2 weights taken as they come
+    # (norm_topk_prob false), routed_scaling_factor 1.5, two dense layers of three.
+    "deepseek-v3-noqlora": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1,
+                                                    num_experts_per_tok=2, first_k_dense_replace=2,
+                                                    routed_scaling_factor=1.5, norm_topk_prob=False,
+                                                    rope_parameters=dict(DEEPSEEK_YARN, mscale=1.0,
+                                                                         mscale_all_dim=1.0))),
 }
-# Tokens per row: the GDN fixtures cross the chunk-64 boundaries of the chunked gated delta rule.
-LENGTHS = {name: 150 for name in ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")}
+# Tokens per row: the GDN fixtures cross the chunk-64 boundaries of the chunked gated delta rule; the DeepSeek ones
+# run past YaRN's original context (64).
+LENGTHS = {**{name: 150 for name in ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")},
+           "deepseek-v3": 96, "deepseek-v3-noqlora": 96}
+# Rows per batch where not B (the DeepSeek fixtures' long rows: one each).
+BATCH = {"deepseek-v3": 1, "deepseek-v3-noqlora": 1}
 
 
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "deepseek_v3")
 
 
 def eager(model_type: str) -> dict:
@@ -233,13 +288,50 @@ def build(name: str):
         # Linear weights [out, in], transformers 5's fused experts [E, out, in] and the GDN's depthwise conv
         # [C, 1, taps]: fan-in is the last dim.
         p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    for bname, b in model.named_buffers():
+      if bname.endswith("e_score_correction_bias"):
+        # DeepSeek's routing bias: small shifts that reorder close experts, and expert 2 far down, so its biased
+        # score s + b is negative whenever s < 0.8 (at most one such expert among the kept groups' candidates:
+        # transformers 5 fills the other groups with -inf, transformers 4 with 0.0, which would differ when two
+        # candidates go negative; deepseek_routing_checks() checks that this never happens here).
+        b.copy_(0.2 * torch.rand_like(b) - 0.1)
+        b[2] = -0.8
   model.eval()
   return model
 
 
-def reference(model, vocab: int, layers: int, length: int = T) -> dict[str, np.ndarray]:
+def deepseek_choice(biased, cfg, fill: float):
+  """The experts transformers' DeepseekV3TopkRouter picks from the biased scores [tokens, E], sorted, with the groups
+  left out scoring `fill`."""
+  n, per = cfg.n_group, cfg.n_routed_experts // cfg.n_group
+  groups = biased.view(-1, n, per).topk(2, dim=-1)[0].sum(-1)  # [tokens, n]
+  keep = torch.zeros_like(groups).scatter_(1, groups.topk(cfg.topk_group, dim=-1)[1], 1.0)
+  keep = keep.unsqueeze(-1).expand(-1, n, per).reshape(-1, cfg.n_routed_experts).bool()
+  return biased.masked_fill(~keep, fill).topk(cfg.num_experts_per_tok, dim=-1)[1].sort(-1)[0]
+
+
+def deepseek_routing_checks(model, ref: dict) -> str:
+  """For a DeepSeek fixture, how often the bias changes the choice and some biased score is negative; asserts that
+  the groups left out scoring -inf (transformers 5) or 0.0 (transformers 4, DeepSeek's remote code) picks the same
+  experts on every token, so the fixture holds for either convention."""
+  cfg = model.config
+  moe = [layer.mlp.gate for layer in decoder_layers(model) if hasattr(layer.mlp, "gate")]
+  changed = negative = 0
+  for gate, logits in zip(moe, ref["router_logits"]):
+    s = torch.from_numpy(logits).float().sigmoid()  # [tokens, E]
+    biased = s + gate.e_score_correction_bias
+    chosen = deepseek_choice(biased, cfg, float("-inf"))
+    assert torch.equal(chosen, deepseek_choice(biased, cfg, 0.0)), \
+        "the -inf and 0.0 conventions pick different experts: change the bias"
+    changed += int((deepseek_choice(s, cfg, float("-inf")) != chosen).any(-1).sum())
+    negative += int((biased < 0).any(-1).sum())
+  tokens = len(moe) * ref["router_logits"].shape[1]
+  return f"bias changes the experts of {changed}/{tokens} tokens, {negative}/{tokens} have a negative biased score"
+
+
+def reference(model, vocab: int, layers: int, length: int = T, batch: int = B) -> dict[str, np.ndarray]:
   gen = np.random.default_rng(SEED)
-  ids = gen.integers(0, vocab, size=(B, length)).astype(np.int32)
+  ids = gen.integers(0, vocab, size=(batch, length)).astype(np.int32)
   hidden: list[np.ndarray] = []
 
   def hook(_module, _args, out):
@@ -257,7 +349,8 @@ def reference(model, vocab: int, layers: int, length: int = T) -> dict[str, np.n
   ref = {"input_ids": ids, "logits": logits.astype(np.float32), "hidden": np.stack(hidden).astype(np.float32)}
   if moe:
     ref["router_logits"] = np.stack([r.float().numpy() for r in out.router_logits]).astype(np.float32)
-    ref["aux_loss"] = np.float32(out.aux_loss.item())
+    if out.aux_loss is not None:  # DeepseekV3ForCausalLM has none
+      ref["aux_loss"] = np.float32(out.aux_loss.item())
   return ref
 
 
@@ -285,6 +378,16 @@ def fuse_experts_and_add_mtp(path: Path) -> None:
   save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def add_tensors(path: Path, extra: dict[str, tuple[int, ...]]) -> None:
+  """Adds random tensors (name -> shape) to a fixture's model.safetensors, as checkpoints carry them beside the model
+  (multi-token prediction)."""
+  from safetensors.torch import load_file, save_file
+  tensors = load_file(path / "model.safetensors")
+  gen = torch.Generator().manual_seed(SEED)
+  tensors.update({name: torch.randn(shape, generator=gen) for name, shape in extra.items()})
+  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def make(name: str) -> None:
   assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("kernels") is None, \
       "uninstall flash-linear-attention and kernels: the fixtures are made on transformers' torch GDN path"
@@ -297,15 +400,108 @@ def make(name: str) -> None:
   text = cfg.get_text_config()
   if is_multimodal(cfg):
     fuse_experts_and_add_mtp(out)
-  ref = reference(model, text.vocab_size, text.num_hidden_layers, LENGTHS.get(name, T))
+  ref = reference(model, text.vocab_size, text.num_hidden_layers, LENGTHS.get(name, T), BATCH.get(name, B))
   np.savez(out / "reference.npz", **ref)
+  note = ""
+  if cfg.model_type == "deepseek_v3":
+    note = deepseek_routing_checks(model, ref)
+    if name == "deepseek-v3":
+      add_tensors(out, DEEPSEEK_MTP)
   # Reload from disk: the saved files alone must reproduce the reference.
   again = type(model).from_pretrained(out, **eager(cfg.model_type))
   with torch.no_grad():
     logits = again(torch.from_numpy(ref["input_ids"]).long()).logits.float().numpy()
   assert np.array_equal(logits, ref["logits"]), f"{name}: reloaded model differs"
   size = sum(f.stat().st_size for f in out.iterdir())
-  print(f"{name:14s} {type(model).__name__:34s} {text.num_hidden_layers} layers  {size / 1024:.0f} KiB")
+  print(f"{name:14s} {type(model).__name__:34s} {text.num_hidden_layers} layers  {size / 1024:.0f} KiB  {note}")
+
+
+# The fp8 fixtures: a one-layer DeepSeek-V3 whose kv_a_proj_with_mqa has 576 rows (kv latent 560 + rope 16), as the
+# published one has (512 + 64), quantized as DeepSeek's checkpoints are: every linear weight of the layers except the
+# router to float8_e4m3fn with a float32 weight_scale_inv per 128 x 128 block (the last row and column blocks
+# partial). "deepseek-v3-fp8": scale = amax / 448, the first releases'; "deepseek-v3-fp8-ue8m0" (scale_fmt ue8m0,
+# later releases): the scale rounded up to a power of two. original.npz (in deepseek-v3-fp8) holds the float32
+# weights before quantizing.
+FP8_CONFIG = dict({k: v for k, v in DEEPSEEK.items() if k != "num_nextn_predict_layers"}, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=560, qk_nope_head_dim=8,
+                  qk_rope_head_dim=16, v_head_dim=8, q_lora_rank=None, n_routed_experts=4, moe_intermediate_size=16,
+                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
+                  num_nextn_predict_layers=0, rope_parameters=dict(rope_type="default", rope_theta=100.0))
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def quantize_fp8(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+  """(float8_e4m3fn weight, float32 weight_scale_inv [ceil(out / 128), ceil(in / 128)]): each 128 x 128 block divided
+  by its scale, amax / 448 (rounded up to a power of two with ue8m0), so that w ~ fp8 * scale."""
+  out, inp = w.shape
+  rows, cols = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+  padded = torch.zeros(rows * FP8_BLOCK, cols * FP8_BLOCK)
+  padded[:out, :inp] = w
+  blocks = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK)
+  scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rows, cols]
+  if ue8m0:
+    scale = torch.exp2(torch.ceil(torch.log2(scale)))
+  q = (blocks / scale[:, None, :, None]).view(rows * FP8_BLOCK, cols * FP8_BLOCK)[:out, :inp]
+  return q.to(torch.float8_e4m3fn).contiguous(), scale.float().contiguous()
+
+
+def make_fp8() -> None:
+  from safetensors.torch import load_file, save_file
+  config = transformers.DeepseekV3Config(**FP8_CONFIG)
+  torch.manual_seed(SEED + 8)
+  model = transformers.AutoModelForCausalLM.from_config(config, **eager("deepseek_v3"))
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / math.sqrt(p.shape[-1]))
+      if p.ndim == 2 and "layers." in pname:
+        # Each 128 x 128 block at its own scale (x 3 per row block, x 0.25 per column block), so a scale applied
+        # to the wrong block shows.
+        r, c = torch.meshgrid(torch.arange(p.shape[0]) // FP8_BLOCK, torch.arange(p.shape[1]) // FP8_BLOCK,
+                              indexing="ij")
+        p.mul_(3.0 ** r * 0.25 ** c)
+  originals = {}
+  for name, ue8m0 in (("deepseek-v3-fp8", False), ("deepseek-v3-fp8-ue8m0", True)):
+    out = OUT / name
+    if out.exists():
+      shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+    tensors = load_file(out / "model.safetensors")
+    for tname in sorted(tensors):
+      w = tensors[tname]
+      if tname.startswith("model.layers.") and w.ndim == 2 and not tname.endswith("mlp.gate.weight"):
+        originals[tname] = w.numpy().copy()
+        tensors[tname], tensors[tname + "_scale_inv"] = quantize_fp8(w, ue8m0)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((out / "config.json").read_text())
+    hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK], **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+  np.savez(OUT / "deepseek-v3-fp8" / "original.npz", **originals)
+  shapes = {k: tuple(v.shape) for k, v in originals.items() if "kv_a" in k}
+  size = sum(f.stat().st_size for n in ("deepseek-v3-fp8", "deepseek-v3-fp8-ue8m0") for f in (OUT / n).iterdir())
+  print(f"deepseek-v3-fp8(-ue8m0): {len(originals)} fp8 weights, {shapes}, {size / 1024:.0f} KiB")
+
+
+# The YaRN rows: transformers' DeepseekV3RotaryEmbedding cos and sin at the bottom, middle and top of the published
+# config's 163,840 positions (rope width 64, factor 40 over 4,096), and of the same config with mscale 0.8 against
+# mscale_all_dim 1.2 (cos and sin then carry an attention factor).
+YARN_ROWS = np.array([0, 1, 2, 3, 4095, 4096, 81918, 81919, 81920, 81921, 163836, 163837, 163838, 163839])
+YARN_PUBLISHED = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def make_yarn_rows() -> None:
+  out = {"positions": YARN_ROWS}
+  for key, rope in (("published", YARN_PUBLISHED), ("mscale", dict(YARN_PUBLISHED, mscale=0.8, mscale_all_dim=1.2))):
+    config = transformers.DeepseekV3Config(max_position_embeddings=163840, qk_rope_head_dim=64, rope_parameters=rope)
+    emb = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(config)
+    with torch.no_grad():
+      cos, sin = emb(torch.zeros(1, dtype=torch.float32), torch.from_numpy(YARN_ROWS)[None].long())
+    out[f"{key}_cos"], out[f"{key}_sin"] = cos[0].numpy(), sin[0].numpy()  # [P, 64]
+    out[f"{key}_rope"] = np.array(json.dumps(rope))
+  np.savez(OUT / "deepseek-v3-yarn.npz", **out)
+  print(f"deepseek-v3-yarn.npz: {len(YARN_ROWS)} rows of 163,840, two configs")
 
 
 def registered_families(meshlm_python: str) -> set[str]:
@@ -377,6 +573,10 @@ from meshlm import forward, hf, load_config
 from meshlm.models import decoder
 cfg = load_config("model=" + sys.argv[1], "train.compute_dtype=float32", "cpu_devices=1")
 params = decoder.init_params(cfg, jax.random.key(0))
+# The whole model tree: a preset with model state (deepseek-v3's routing bias, drawn here so it matters) has it beside.
+state = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype),
+                     decoder.init_model_state(cfg, jax.random.key(1)))
+params = decoder.merge_state(params, state)
 hf.save(cfg, params, sys.argv[2])
 ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 150)).astype(np.int32)
 np.savez(sys.argv[3], input_ids=ids, logits=np.asarray(jax.jit(lambda p, x: forward(cfg, p, x))(params, ids)))
@@ -409,6 +609,8 @@ def check_preset_export(preset: str, meshlm_python: str) -> tuple[float, float, 
 
 
 GDN_PRESETS = ("qwen3-next-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny")
+# deepseek-v3-tiny: MLA with YaRN past its original 64 positions, group-limited routing with a random routing bias.
+PRESETS = GDN_PRESETS + ("deepseek-v3-tiny",)
 
 
 def check_finetune(meshlm_python: str, steps: int = 5) -> tuple[float, list[str]]:
@@ -451,6 +653,9 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     for name in names:
       make(name)
+    if not args.names:
+      make_fp8()
+      make_yarn_rows()
     total = sum(f.stat().st_size for f in OUT.rglob("*") if f.is_file())
     print(f"fixtures: {total / 1024:.0f} KiB in {OUT.relative_to(ROOT)}")
   families = registered_families(args.meshlm_python)
@@ -466,7 +671,7 @@ def main() -> int:
     print(f"export check {name:14s} rel err {err:.2e}  {'ok' if ok else 'FAIL'} {' '.join(bad)}")
     if not ok:
       failed.append(name)
-  for preset in GDN_PRESETS:
+  for preset in PRESETS:
     ours, theirs, bad = check_preset_export(preset, args.meshlm_python)
     print(f"preset export check {preset}: rel err to transformers float64, meshlm {ours:.2e}, transformers float32 "
           f"{theirs:.2e}  {'ok' if not bad else 'FAIL'} {' '.join(bad)}")

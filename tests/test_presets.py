@@ -156,6 +156,7 @@ def test_real_moe_preset_details():
                                           ("llama3-tiny", "llama"), ("llama2-tiny", "llama"),
                                           ("mixtral-tiny", "mixtral"), ("qwen3-moe-tiny", "qwen3_moe"),
                                           ("qwen3-next-tiny", "qwen3_next"), ("qwen3.5-tiny", "qwen3_5"),
+                                          ("deepseek-v3-tiny", "deepseek_v3"),
                                           ("qwen3.5-moe-tiny", "qwen3_5_moe")])
 def test_tiny_presets(name, family):
   cfg = load_config(f"model={name}")
@@ -175,3 +176,57 @@ def test_tiny_presets(name, family):
     from meshlm.models.decoder import plan
     assert plan(cfg).kinds == ("linear_attn",) * 3 + ("full_attn",)  # 3 linear + 1 full
     assert cfg.train.seq_len % cfg.model.gdn_chunk_size == 0
+  if family == "deepseek_v3":
+    from meshlm.models.decoder import plan
+    lp = plan(cfg)
+    assert lp.kinds == ("dense", "moe", "moe") and lp.prefix == 1 and lp.groups == 2  # dense prefix, MoE scan
+    m = cfg.model
+    assert m.q_lora_rank and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim and m.rope_interleave
+    # YaRN on, and training runs past the original context
+    assert m.rope_scaling["factor"] > 1 and m.rope_scaling["mscale_all_dim"]
+    assert m.rope_scaling["original_max_position"] < cfg.train.seq_len
+    assert 1 < m.n_group and m.topk_group < m.n_group
+
+
+# DeepSeek-V3 (issue 21): deepseek-ai/DeepSeek-V3 config.json. 671,026,419,200 = the 61 layers, embeddings and
+# head, and the 58 MoE layers' 256 routing-bias entries (e_score_correction_bias: model state, not a parameter);
+# not the 14B multi-token-prediction module (num_nextn_predict_layers), which meshlm does not build.
+DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                   num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                   first_k_dense_replace=3, tie_word_embeddings=False, published=671_026_419_200)
+
+
+def count_deepseek_v3(c: dict) -> int:
+  """MLA (q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o) and two RMSNorms per layer; the first k layers a dense
+  SwiGLU, the rest E routed SwiGLU experts, a [D, E] router, the routing bias [E] and the shared experts."""
+  D, V, L, N = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c["num_attention_heads"]
+  Rq, Rkv, Hn, Hr, Hv = (c[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                        "v_head_dim"))
+  attn = D * Rq + Rq + Rq * N * (Hn + Hr) + D * (Rkv + Hr) + Rkv + Rkv * N * (Hn + Hv) + N * Hv * D
+  E, F = c["n_routed_experts"], c["moe_intermediate_size"]
+  moe = E * 3 * D * F + D * E + E + 3 * D * F * c["n_shared_experts"]
+  k = c["first_k_dense_replace"]
+  return V * D * 2 + D + L * (attn + 2 * D) + k * 3 * D * c["intermediate_size"] + (L - k) * moe
+
+
+def test_deepseek_v3_preset_parameter_count():
+  c = DEEPSEEK_V3
+  assert count_deepseek_v3(c) == c["published"]
+  cfg = load_config("model=deepseek-v3")
+  m = cfg.model
+  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
+          m.qk_rope_head_dim, m.v_head_dim, m.mlp_dim, m.moe_mlp_dim, m.num_experts, m.num_experts_per_tok, m.n_group,
+          m.topk_group, m.routed_scaling_factor, m.first_k_dense_replace, m.tie_embeddings) == tuple(c[k] for k in (
+              "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",
+              "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
+              "first_k_dense_replace", "tie_word_embeddings"))
+  assert m.shared_expert_mlp_dim == c["n_shared_experts"] * c["moe_intermediate_size"]
+  assert m.rope_scaling["factor"] == 40 and m.rope_scaling["mscale_all_dim"] == 1.0 and m.max_position == 163840
+  from meshlm.models import decoder
+  shapes = jax.eval_shape(lambda k: (init_params(cfg, k), decoder.init_model_state(cfg, k)), jax.random.key(0))
+  params, state = shapes
+  assert sum(math.prod(x.shape) for x in jax.tree.leaves(state)) == 58 * 256  # the routing bias
+  assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == c["published"]

@@ -48,9 +48,9 @@ def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite
 
 def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, dict]:
   """Reads a meshlm model directory (or a run's checkpoint step dir): each array restored straight
-  onto its sharding."""
+  onto its sharding; the whole model tree, the model state (a routing bias) with the parameters."""
   import jax
-  from meshlm.models.decoder import param_shardings, param_specs
+  from meshlm.hf.io import model_shardings, model_specs
   from meshlm import spec as S
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.checkpoint import restore_params, saved_model
@@ -72,7 +72,7 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
     mesh = make_mesh(cfg)
   dtype = cfg.train.param_dtype
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
-                          param_specs(cfg), param_shardings(cfg, mesh), is_leaf=S.is_spec)
+                          model_specs(cfg), model_shardings(cfg, mesh), is_leaf=S.is_spec)
   return cfg, restore_params(cfg, str(path), abstract, str(path / "params"))
 
 

@@ -13,7 +13,7 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
   """Shapes of a decoder. Field names are the words used in presets and on the CLI."""
   family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3, mixtral, "
-                      "qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe")
+                      "qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe, deepseek_v3")
   vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
   embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
   num_layers: int = Field(gt=0, description="number of decoder layers")
@@ -85,6 +85,25 @@ class ModelConfig(_Strict):
   shared_expert_mlp_dim: Optional[int] = Field(
       default=None, gt=0, description="width of the gated shared expert beside the routed ones (qwen3_next, "
       "qwen3_5_moe; HF shared_expert_intermediate_size); null: none")
+  # Group-limited sigmoid routing (deepseek_v3; models/ffns/moe.py `moe_ffn(routing="group_sigmoid")`, nn/moe.py
+  # group_route): sigmoid scores, the experts in n_group groups of which topk_group are kept, a routing bias
+  # (model state) that picks experts and never weighs them, updated after each step at router_bias_update_rate.
+  router_scoring: Literal["softmax", "sigmoid"] = Field(
+      default="softmax", description="router scores: softmax (mixtral, qwen3_moe) or sigmoid (deepseek_v3, with "
+      "group-limited selection)")
+  n_group: int = Field(default=1, gt=0, description="sigmoid routing: expert groups (consecutive ids; must divide "
+                       "num_experts), each scored by the sum of its top 2 biased scores (HF n_group)")
+  topk_group: int = Field(default=1, gt=0, description="sigmoid routing: groups kept per token (at most n_group); "
+                          "the top-k experts come from them (HF topk_group)")
+  routed_scaling_factor: float = Field(default=1.0, gt=0, description="sigmoid routing: the routed experts' "
+                                       "weights are multiplied by this (HF routed_scaling_factor)")
+  router_bias_update_rate: float = Field(
+      default=0.0, ge=0, description="sigmoid routing's aux-loss-free balancing: after each step router_bias += "
+      "rate * sign(mean load - load) per expert, from the whole batch's routing counts; 0: frozen")
+  router_group_mask: Literal["zero", "-inf"] = Field(
+      default="zero", description="sigmoid routing: what the experts of dropped groups score in the final top-k: "
+      "zero (DeepSeek's published modeling_deepseek.py) or -inf (transformers 5's DeepseekV3TopkRouter); they "
+      "differ only where a kept expert's biased score is negative")
   # Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): linear-attention (GDN) layers between gated full
   # attention layers. Letters (docs/architecture.md): K key heads, N value heads, H key head dim, J value head dim.
   linear_num_key_heads: Optional[int] = Field(default=None, gt=0, description="GDN key heads K (HF "
@@ -110,6 +129,24 @@ class ModelConfig(_Strict):
   # RoPE rotates the first rot = int(head_dim * factor) dims of each head (half-split pairs within them).
   partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, description="fraction of each head's dims that RoPE "
                                        "rotates (the first ones); 1: all")
+  # Multi-head latent attention (deepseek_v3's mla mixer). Letters (docs/architecture.md): Rq/Rkv the lora ranks,
+  # Hn/Hr/Hv the nope, rope and value head dims; each query/key head is Hn + Hr wide, [nope, rope].
+  q_lora_rank: Optional[int] = Field(default=None, gt=0, description="MLA: rank Rq of the query's low-rank "
+                                     "projection (q_a -> q_a_norm -> q_b); null: a plain q projection")
+  kv_lora_rank: Optional[int] = Field(default=None, gt=0, description="MLA: rank Rkv of the compressed kv (the "
+                                      "latent the decode cache holds)")
+  qk_nope_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head query/key dims without "
+                                          "RoPE (Hn)")
+  qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head query dims with RoPE, and "
+                                          "the width of the one rope key shared by every head (Hr, even)")
+  v_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head value dims (Hv)")
+  rope_interleave: bool = Field(default=False, description="MLA: RoPE rotates adjacent pairs (x0, x1), (x2, x3) "
+                                "of the rope dims, as transformers' apply_rotary_pos_emb_interleave; false: "
+                                "rotate-half pairs")
+  mla_absorb: bool = Field(default=True, description="MLA decode: absorb k_b into the query and v_b into the "
+                           "output, attending against the latent cache directly; false: rebuild K/V from it")
+  first_k_dense_replace: int = Field(default=0, ge=0, description="deepseek_v3: the first k layers are dense (a GLU "
+                                     "of mlp_dim), the rest MoE (moe_mlp_dim)")
   HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
 

@@ -9,7 +9,13 @@ temporary directory that is renamed into place only when complete.
 load() also reads the text model of a multimodal checkpoint its family declares (`maps.Wrapped`: the
 text config nested under `text_config`, tensors under `model.language_model.`), and MoE experts stored
 either one tensor per expert or fused (`maps.Fused`). Tensors under a family's skipped prefixes (the
-vision tower, multi-token prediction) are not read, and one line on stderr says how many were skipped.
+vision tower, multi-token prediction) are not read, and one line on stderr says how many were skipped; so
+are a family's layers past num_hidden_layers where it declares them multi-token prediction (DeepSeek-V3's).
+
+The model-state leaves the layer parts declare (decoder.model_state_specs, e.g. DeepSeek-V3's routing bias
+`e_score_correction_bias`) are read and written like parameters: load() returns, and save() takes, the whole model
+tree (decoder.merge_state), what forward and meshlm's checkpoints hold. fp8 block-quantized weights (hf/fp8.py) are
+dequantized to the parameter dtype as they are read.
 """
 from __future__ import annotations
 
@@ -27,11 +33,12 @@ import numpy as np
 
 from meshlm.config import Config, load_config
 from meshlm.errors import ConfigError
-from meshlm.hf import maps
+from meshlm.hf import fp8, maps
 
 # Tensors in some checkpoints that carry no weights (precomputed RoPE tables), skipped on load.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# safetensors dtypes a float32 model can take; anything else (integers, fp8, bool) is refused.
+# safetensors dtypes a float32 model can take; anything else (integers, bool) is refused, and fp8 (F8_E4M3) is read
+# only as a block-scaled weight with its scale tensor (hf/fp8.py).
 FLOAT_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16, "F64": np.float64}
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 GENERATION_CONFIG = "generation_config.json"
@@ -83,6 +90,17 @@ def _family_of_cfg(cfg: Config) -> maps.Adapter:
   return importlib.import_module(ADAPTERS[cfg.model.family]).ADAPTER
 
 
+def model_specs(cfg: Config) -> dict:
+  """The whole model tree's specs: the parameters with the model-state leaves beside them."""
+  from meshlm.models import decoder
+  return decoder.merge_state(decoder.param_specs(cfg), decoder.model_state_specs(cfg))
+
+
+def model_shardings(cfg: Config, mesh) -> dict:
+  from meshlm.models import decoder
+  return decoder.merge_state(decoder.param_shardings(cfg, mesh), decoder.model_state_shardings(cfg, mesh))
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One meshlm parameter leaf and where its values live in the HF checkpoint.
@@ -128,7 +146,7 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
   out = []
   lp = decoder.plan(cfg)
   rows = {k: [i for i, kind in enumerate(lp.kinds) if kind == k] for k in lp.kind_names()}
-  flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(cfg), is_leaf=S.is_spec)[0]
+  flat = jax.tree_util.tree_flatten_with_path(model_specs(cfg), is_leaf=S.is_spec)[0]
   for kpath, s in flat:
     path = tuple(k.key for k in kpath)
     ids: tuple[int, ...] = ()
@@ -244,9 +262,10 @@ class _Reader:
   name reads as the per-expert tensor would.
   """
 
-  def __init__(self, stack: contextlib.ExitStack, files: dict[str, Path]):
+  def __init__(self, stack: contextlib.ExitStack, files: dict[str, Path], quant: fp8.Scheme | None = None):
     self._stack, self._files, self._open = stack, files, {}
     self.fused: dict[str, tuple[str, int, slice]] = {}
+    self.quant, self._raw = quant, fp8.RawTensors()
 
   def has(self, name: str) -> bool:
     return name in self._files or name in self.fused
@@ -271,8 +290,18 @@ class _Reader:
       x = np.asarray(self._handle(src).get_slice(src)[e:e + 1, rows][0], dtype=np.float32)  # one expert [out, in]
       return x if index is None else x[index]
     sl = self._handle(name).get_slice(name)
+    if sl.get_dtype() == fp8.WEIGHT:
+      rows, cols = index if index is not None else (slice(None), slice(None))
+      return fp8.dequantize(self._raw.array(self._files[name], name), self._scales(fp8.scale_name(name)), rows, cols,
+                            self.quant, name)
     x = sl[index] if index is not None else sl[:]
     return np.asarray(x, dtype=np.float32)
+
+  def _scales(self, name: str):
+    """(row blocks, col blocks) -> those blocks of the scale tensor `name`, as float32."""
+    if self.info(name)[1] in fp8.RAW_DTYPES:  # ue8m0 exponent bytes
+      return lambda r, c: np.asarray(self._raw.array(self._files[name], name)[r, c]).astype(np.float32)
+    return lambda r, c: np.asarray(self._handle(name).get_slice(name)[r, c], dtype=np.float32)
 
 
 def _find_fused(ents: list[Entry], reader: _Reader) -> None:
@@ -300,9 +329,9 @@ def _find_fused(ents: list[Entry], reader: _Reader) -> None:
 
 def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], tied: bool,
                    skipped: tuple[str, ...] = ()) -> dict[str, int]:
-  """Names, shapes and dtypes, before anything is read: each error names the tensor. Returns how many tensors
-  each skipped prefix held."""
-  expected = {}
+  """Names, shapes and dtypes (an fp8 weight's scale tensor too), before anything is read: each error names the
+  tensor. Returns how many tensors each skipped prefix held."""
+  expected, scales = {}, set()
   for e in ents:
     hf_shape = e.tensor.hf_shape(e.tensor_shape())
     for name in e.hf_names():
@@ -314,10 +343,12 @@ def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], t
     where = files[reader.fused[name][0] if name in reader.fused else name].name
     if got != shape:
       raise ConfigError(f"tensor {name}: shape {list(got)} in {where}, but config.json implies {list(shape)}")
-    if dtype not in FLOAT_DTYPES:
+    if dtype == fp8.WEIGHT and name not in reader.fused:
+      scales.add(fp8.check(name, got, reader.quant, reader.has, reader.info))
+    elif dtype not in FLOAT_DTYPES:
       raise ConfigError(f"tensor {name}: dtype {dtype} cannot be loaded into float32 parameters "
                         f"(expected one of {', '.join(FLOAT_DTYPES)})")
-  read_fused = {src for src, _, _ in reader.fused.values()}
+  read_fused = {src for src, _, _ in reader.fused.values()} | scales
   counts = dict.fromkeys(skipped, 0)
   for name in files:
     if name in expected or name in read_fused or name.endswith(IGNORED_SUFFIXES):
@@ -392,23 +423,25 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   With no mesh, builds the config's mesh (meshlm.parallel.make_mesh).
   """
   import jax
-  from meshlm.models.decoder import param_shardings
   from meshlm.parallel.mesh import make_mesh
   path = Path(path)
   base = {"model_name": path.name, "model": model_fields(path)}
   cfg = load_config(*overrides, base=base)
   if mesh is None:
     mesh = make_mesh(cfg)
-  fam, _, wrapped = resolve(read_hf_config(path), str(path / "config.json"))
+  hf = read_hf_config(path)
+  fam, _, wrapped = resolve(hf, str(path / "config.json"))
   ents = entries(cfg, wrapped)
   files = _tensor_files(path)
-  shardings = param_shardings(cfg, mesh)
+  shardings = model_shardings(cfg, mesh)
   dtype = np.dtype(cfg.train.param_dtype)
+  skip = fam.skipped + (wrapped.skipped if wrapped else ())
+  if fam.mtp_layers:
+    skip += _layers_past(files, cfg.model.num_layers)
   with contextlib.ExitStack() as stack:
-    reader = _Reader(stack, files)
+    reader = _Reader(stack, files, fp8.scheme(hf, str(path / "config.json")))
     _find_fused(ents, reader)
-    skipped = _check_tensors(ents, reader, files, cfg.model.tie_embeddings,
-                             fam.skipped + (wrapped.skipped if wrapped else ()))
+    skipped = _check_tensors(ents, reader, files, cfg.model.tie_embeddings, skip)
     if skipped:
       counts = " and ".join(f"{n} under {p}*" for p, n in skipped.items())
       print(f"meshlm: {path}: skipped {counts} (not part of the text model)", file=sys.stderr)
@@ -421,6 +454,17 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
     node[p[-1]] = v
   jax.block_until_ready(params)
   return cfg, params
+
+
+def _layers_past(files: dict[str, Path], num_layers: int) -> tuple[str, ...]:
+  """The `model.layers.{i}.` prefixes of the checkpoint's layers i >= num_layers (multi-token prediction)."""
+  found = set()
+  for name in files:
+    head, _, rest = name.partition("model.layers.")
+    index = rest.split(".", 1)[0]
+    if not head and index.isdigit() and int(index) >= num_layers:
+      found.add(int(index))
+  return tuple(f"model.layers.{i}." for i in sorted(found))
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -440,9 +484,15 @@ def hf_config(cfg: Config) -> dict:
 
 
 def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, float32 array in HF layout), one parameter leaf on the host at a time."""
+  """(HF name, float32 array in HF layout), one parameter leaf on the host at a time (the parts of a split tensor
+  until the last one comes)."""
+  split: dict[str, dict[int, np.ndarray]] = {}
   for e in entries(cfg):
-    leaf = _get(params, e.path)
+    try:
+      leaf = _get(params, e.path)
+    except KeyError:
+      raise ConfigError(f"parameter {'.'.join(e.path)}: not in the tree given; save() takes the whole model, the "
+                        "model state merged in (decoder.merge_state(params, model_state))") from None
     if tuple(leaf.shape) != e.shape:
       raise ConfigError(f"parameter {'.'.join(e.path)}: shape {list(leaf.shape)}, but the config implies "
                         f"{list(e.shape)}")
@@ -450,7 +500,16 @@ def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
     grid = _to_grid(host, e)  # one HF tensor per (layer, expert)
     for r, i in enumerate(e.layers()):
       for c, x in enumerate(e.experts()):
-        yield e.name(i, x), np.ascontiguousarray(e.tensor.to_hf(grid[r, c]))
+        name, arr = e.name(i, x), np.ascontiguousarray(e.tensor.to_hf(grid[r, c]))
+        if isinstance(e.tensor, maps.HeadSplit):
+          # One part of an HF tensor that holds several leaves (kv_b_proj: k_b and v_b): written once all are here.
+          parts = split.setdefault(name, {})
+          parts[e.tensor.part] = arr
+          if len(parts) < len(e.tensor.sizes):
+            continue
+          arr = maps.HeadSplit.join([parts[k] for k in sorted(parts)])
+          del split[name]
+        yield name, arr
     del host, grid
 
 

@@ -17,6 +17,8 @@ A family's adapter (hf/adapters/<family>.py, apart from its block in models/) is
 
 - `skipped`: name prefixes of tensors a checkpoint may carry beside the model that meshlm does not read
   (qwen3-next's multi-token-prediction head `mtp.`); load names them in a one-line notice.
+- `mtp_layers`: the checkpoint's layers past num_hidden_layers are multi-token prediction (DeepSeek-V3's
+  `model.layers.61.*`), not read; load names them in the same notice.
 - `wrapped`: the multimodal checkpoints whose text model is this family (`Wrapped`): another model_type
   and architecture, config.json nesting the text model's fields under `text_config`, and the text
   model's tensors under `model.language_model.` beside the vision tower's. Import reads their text
@@ -150,6 +152,7 @@ class Adapter:
   top_map: Callable[[ModelConfig], dict[str, Tensor]] = lambda m: default_top_map(m)
   skipped: tuple[str, ...] = ()
   wrapped: tuple[Wrapped, ...] = ()
+  mtp_layers: bool = False
 
 
 def require(hf: dict, key: str) -> Any:
@@ -281,3 +284,34 @@ def default_top_map(m: ModelConfig) -> dict[str, Tensor]:
   if not m.tie_embeddings:
     out["lm_head"] = Linear("lm_head.weight")
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit(Tensor):
+  """One of the meshlm kernels an HF nn.Linear weight holds side by side within each head's rows: DeepSeek's
+  kv_b_proj [N * (Hn + Hv), R] is, per head, Hn rows of k_b [R, N, Hn] then Hv rows of v_b [R, N, Hv]. `sizes` are
+  the parts' widths per head, `part` this kernel's. Import reads the whole tensor per layer and takes its rows;
+  export joins the parts again (`join`)."""
+  sizes: tuple[int, ...] = ()
+  part: int = 0
+
+  def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    r, n, _ = shape
+    return (n * sum(self.sizes), r)
+
+  def to_meshlm(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    r, n, h = shape
+    start = sum(self.sizes[:self.part])
+    return np.transpose(w.reshape(n, sum(self.sizes), r)[:, start:start + h], (2, 0, 1))  # [R, N, H]
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    return np.transpose(w, (1, 2, 0))  # this part's rows of each head, [N, H, R]
+
+  def hf_index(self, index, shape):
+    return None
+
+  @staticmethod
+  def join(parts: list[np.ndarray]) -> np.ndarray:
+    """The HF tensor from every part's to_hf, in part order."""
+    w = np.concatenate(parts, axis=1)  # [N, sum(sizes), R]
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]))

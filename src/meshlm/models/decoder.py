@@ -109,7 +109,17 @@ def split_state(cfg: Config, tree: dict) -> tuple[dict, dict]:
 
 def after_step_side_names(cfg: Config) -> tuple[str, ...]:
   """The side outputs the parts' after_step rules read."""
-  return tuple(sorted({n for _, p in _parts(cfg) if p.after_step is not None for n in p.side_names}))
+  return tuple(sorted(after_step_side(cfg)))
+
+
+def after_step_side(cfg: Config) -> dict[str, str]:
+  """{side output: "mean" | "sum"} over the parts' after_step rules (Part.after_step_side): how the
+  train step adds each over micro-batches."""
+  out: dict[str, str] = {}
+  for _, p in _parts(cfg):
+    for n, how in p.state_side().items():
+      assert out.setdefault(n, how) == how, (n, how, out[n])
+  return out
 
 
 def side_layers(cfg: Config, name: str) -> list[int]:
@@ -131,7 +141,7 @@ def after_step(cfg: Config, model_state: dict, side: dict) -> dict:
       if part.after_step is None or part.key not in parts:
         continue
       mine = {}
-      for name in part.side_names:
+      for name in part.state_side():
         layers = side_layers(cfg, name)
         rows = [j for j, i in enumerate(layers) if lp.kinds[i] == kind]
         mine[name] = side[name] if len(rows) == len(layers) else side[name][np.asarray(rows)]

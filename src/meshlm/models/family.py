@@ -23,7 +23,10 @@ models/registry.py):
   `ctx.layer[name]`, given to the decoder stacked over the model layers that read them.
 - model_state(m) -> ParamSpec tree of non-trainable leaves (merged into p, never seen by the
   optimizer), and after_step(leaves, side, m) -> leaves, the rule that updates them after each step
-  from the part's side outputs (stacked over the kind's layers).
+  from the part's side outputs (stacked over the kind's layers). after_step_side: {side output: "mean"
+  | "sum"}, the side outputs the rule reads and how the train step adds them over micro-batches:
+  "mean" weights each by its micro-batch's share of the tokens (a token mean), "sum" adds them as
+  they are (counts: the whole batch's total); empty = every side output, "mean".
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
@@ -67,6 +70,9 @@ class StateLeaf:
     assert self.commit in COMMITS, self.commit
 
 
+SIDE_SUMS = ("mean", "sum")  # how the train step adds an after-step side output over micro-batches
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
   """A mixer or a feed-forward: the declared interface of one half of a layer kind."""
@@ -80,9 +86,20 @@ class Part:
   layer_inputs: Mapping[str, Callable[..., None]] = dataclasses.field(default_factory=dict)
   model_state: Callable[[ModelConfig], dict] | None = None
   after_step: Callable[[dict, dict, ModelConfig], dict] | None = None
+  after_step_side: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> "mean" | "sum"
   rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
   side_names: tuple[str, ...] = ()  # the side outputs apply returns (every one, every call)
   replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
+
+  def __post_init__(self):
+    assert set(self.after_step_side) <= set(self.side_names), (self.after_step_side, self.side_names)
+    assert set(self.after_step_side.values()) <= set(SIDE_SUMS), self.after_step_side
+
+  def state_side(self) -> dict[str, str]:
+    """{side output: "mean" | "sum"} that after_step reads (none without an after_step rule)."""
+    if self.after_step is None:
+      return {}
+    return dict(self.after_step_side) or {n: "mean" for n in self.side_names}
 
 
 @dataclasses.dataclass(frozen=True)

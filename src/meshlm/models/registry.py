@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen3_next": "meshlm.models.qwen3_next",
     "qwen3_5": "meshlm.models.qwen3_5",
     "qwen3_5_moe": "meshlm.models.qwen3_5_moe",
+    "deepseek_v3": "meshlm.models.deepseek_v3",
 }
 
 
@@ -32,6 +33,7 @@ PARTS = {
     "moe": "meshlm.models.ffns.moe:moe_ffn",
     "gdn": "meshlm.models.mixers.gdn:gdn",
     "gated_gqa": "meshlm.models.mixers.gated_gqa:gated_gqa",
+    "mla": "meshlm.models.mixers.mla:mla",
 }
 
 

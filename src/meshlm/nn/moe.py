@@ -100,6 +100,73 @@ def route(logits_BTE: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, ja
   return probs, weights, ids.astype(jnp.int32)
 
 
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+# What an expert of a dropped group scores in group-limited routing's final top-k (model.router_group_mask):
+# "zero" (0.0, DeepSeek's published modeling_deepseek.py; a dropped expert then beats a kept one whose
+# biased score is negative) or "-inf" (transformers 5's DeepseekV3TopkRouter: only kept groups' experts).
+GROUP_MASKS = {"zero": 0.0, "-inf": -math.inf}
+NORM_EPS = 1e-20  # sigmoid routing's top-k renormalization: w / (sum + NORM_EPS), as DeepSeek-V3 does
+
+
+def group_limited_topk(scores_ME: jax.Array, bias_E: jax.Array, k: int, *, n_group: int, topk_group: int,
+                       dropped: float = 0.0) -> jax.Array:
+  """DeepSeek-V3's selection: top-k expert ids [..., k] int32 of scores + bias (float32), limited to groups.
+
+  The E experts form n_group consecutive groups; each group scores the sum of its top 2 biased scores;
+  the topk_group best groups are kept and every expert of the others scores `dropped` (0.0 or -inf);
+  then the top k of all E. Ties go to the lower index (jax.lax.top_k), in both top-k's.
+  """
+  biased = scores_ME.astype(jnp.float32) + bias_E.astype(jnp.float32)  # [..., E]
+  if n_group == 1:
+    return jax.lax.top_k(biased, k)[1].astype(jnp.int32)
+  *lead, E = biased.shape
+  grouped = biased.reshape(*lead, n_group, E // n_group)  # [..., G, E / G]
+  group_score = jnp.sum(jax.lax.top_k(grouped, min(2, E // n_group))[0], axis=-1)  # [..., G]
+  _, kept = jax.lax.top_k(group_score, topk_group)  # [..., topk_group]
+  keep = jnp.any(kept[..., :, None] == jnp.arange(n_group), axis=-2)  # [..., G]
+  choice = jnp.where(keep[..., None], grouped, jnp.float32(dropped)).reshape(*lead, E)
+  return jax.lax.top_k(choice, k)[1].astype(jnp.int32)
+
+
+def sigmoid_weights(w_Mk: jax.Array, norm_topk: bool, scaling: float) -> jax.Array:
+  """The routing weights from the unbiased sigmoid scores at the chosen ids: renormalized by
+  (sum + 1e-20) with norm_topk, times routed_scaling_factor."""
+  if norm_topk:
+    w_Mk = w_Mk / (jnp.sum(w_Mk, axis=-1, keepdims=True) + NORM_EPS)
+  return w_Mk * jnp.float32(scaling)
+
+
+def group_route(logits_BTE: jax.Array, bias_E: jax.Array, k: int, *, n_group: int, topk_group: int,
+                norm_topk: bool, scaling: float = 1.0, dropped: float = 0.0
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Group-limited sigmoid routing (DeepSeek-V3): (scores s = sigmoid(logits) [B, T, E] float32, weights
+  [B, T, k] float32, ids [B, T, k] int32). The bias (float32) picks experts and never weights them: the
+  weights are s at the chosen ids (sigmoid_weights)."""
+  s = jax.nn.sigmoid(logits_BTE.astype(jnp.float32))
+  ids = group_limited_topk(jax.lax.stop_gradient(s), bias_E, k, n_group=n_group, topk_group=topk_group,
+                           dropped=dropped)
+  return s, sigmoid_weights(jnp.take_along_axis(s, ids, axis=-1), norm_topk, scaling), ids
+
+
+def expert_load(ids_BTk: jax.Array, num_experts: int, token_mask_BT: jax.Array | None = None) -> jax.Array:
+  """Routed (token, slot) pairs per expert [E] float32, padding (token_mask 0) excluded: the counts
+  the aux-loss-free bias update balances."""
+  onehot = jax.nn.one_hot(ids_BTk, num_experts, dtype=jnp.float32)  # [B, T, k, E]
+  if token_mask_BT is not None:
+    onehot = onehot * (token_mask_BT > 0).astype(jnp.float32)[:, :, None, None]
+  return jnp.sum(onehot, axis=(0, 1, 2))  # integers, exact in float32 below 2^24 pairs
+
+
+def bias_update(bias_LE: jax.Array, load_LE: jax.Array, rate: float) -> jax.Array:
+  """The aux-loss-free balancing rule (DeepSeek-V3): bias += rate * sign(mean load - load), per layer
+  [L, E]; rate 0 returns the bias itself (bit-unchanged)."""
+  if rate == 0:
+    return bias_LE
+  load = load_LE.astype(jnp.float32)
+  step = jnp.float32(rate) * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+  return (bias_LE.astype(jnp.float32) + step).astype(bias_LE.dtype)
+
+
 def aux_stats(logits_BTE: jax.Array, probs_BTE: jax.Array, ids_BTk: jax.Array, num_experts: int,
               token_mask_BT: jax.Array | None = None) -> dict:
   """Per-layer router statistics and losses, float32.
@@ -116,8 +183,14 @@ def aux_stats(logits_BTE: jax.Array, probs_BTE: jax.Array, ids_BTk: jax.Array, n
   mask = jnp.ones(ids_BTk.shape[:2], jnp.float32) if token_mask_BT is None else token_mask_BT.astype(jnp.float32)
   rows = jnp.maximum(jnp.sum(mask), 1.0)
   onehot = jax.nn.one_hot(ids_BTk, E, dtype=jnp.float32)  # [B, T, k, E]
-  fraction = jnp.einsum("btke,bt->e", onehot, mask) / rows
-  prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask) / rows
+  if token_mask_BT is None:
+    fraction = jnp.einsum("btke,bt->e", onehot, mask) / rows
+    prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask) / rows
+  else:
+    # A mask sharded like the tokens: a product and a sum (an einsum contracting two batch-sharded
+    # operands has no unambiguous output sharding under explicit sharding).
+    fraction = jnp.sum(onehot * mask[:, :, None, None], axis=(0, 1, 2)) / rows
+    prob = jnp.sum(probs_BTE.astype(jnp.float32) * mask[:, :, None], axis=(0, 1)) / rows
   z = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
   return {
       "moe_load_balance_loss": E * jnp.sum(fraction * prob),
@@ -447,9 +520,17 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
             grouped_matmul: str = "auto", block_rows: int | None = None, fused_gate_up: bool = True,
             unsort_impl: str = "perm", token_mask_BT: jax.Array | None = None,
             forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact",
-            grad_barrier: bool = True, router_full: jax.Array | None = None):
+            grad_barrier: bool = True, router_full: jax.Array | None = None, scoring: str = "softmax",
+            router_bias: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
+            routed_scaling: float = 1.0, dropped_score: float = 0.0):
   """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
   "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces).
+
+  scoring "softmax" (route: softmax, top-k) or "sigmoid" (group_route, DeepSeek-V3: sigmoid scores,
+  group-limited selection of scores + router_bias [E] (zeros when None) with n_group / topk_group and
+  dropped groups scoring dropped_score, weights from the unbiased scores times routed_scaling); the
+  side then also holds "moe_expert_load" [E] (expert_load: routed pairs per expert, padding excluded),
+  and the aux statistics' "prob" is the mean sigmoid score.
 
   p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}; router_full: this
   layer's slice of the router stack gathered once before the layers (gather_router_once). ctx supplies the dense primitive (ctx.dense); without one the
@@ -468,13 +549,31 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
       rdt = jnp.dtype(router_dtype)
       router = p["router"] if router_full is None else gather_once.gathered(p["router"], router_full, ROUTER_AXES)
       logits = dense(x_BTD.astype(rdt), router.astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
-      if forced_ids_BTk is None:
-        probs, w, ids = route(logits, k, norm_topk)
-      else:
+      if forced_ids_BTk is not None:
         check_forced_ids(forced_ids_BTk, (*x_BTD.shape[:2], k), E)
-        probs, w, ids = replay_route(logits, forced_ids_BTk, k, norm_topk, token_mask_BT, rows=replay_rows,
-                                     impl=replay_impl)
+      if scoring == "softmax":
+        if forced_ids_BTk is None:
+          probs, w, ids = route(logits, k, norm_topk)
+        else:
+          probs, w, ids = replay_route(logits, forced_ids_BTk, k, norm_topk, token_mask_BT, rows=replay_rows,
+                                       impl=replay_impl)
+      elif scoring == "sigmoid":
+        bias = jnp.zeros((E,), jnp.float32) if router_bias is None else router_bias.astype(jnp.float32)
+        groups = dict(n_group=n_group, topk_group=topk_group)
+        if forced_ids_BTk is None:
+          probs, w, ids = group_route(logits, bias, k, norm_topk=norm_topk, scaling=routed_scaling,
+                                      dropped=dropped_score, **groups)
+        else:
+          select = functools.partial(group_limited_topk, dropped=dropped_score, **groups)
+          weigh = functools.partial(sigmoid_weights, norm_topk=norm_topk, scaling=routed_scaling)
+          probs, w, ids = replay_route(logits, forced_ids_BTk, k, norm_topk, token_mask_BT, rows=replay_rows,
+                                       impl=replay_impl, scoring="sigmoid", select=select, select_args=(bias,),
+                                       weigh=weigh)
+      else:
+        raise ValueError(f"router scoring={scoring!r}: expected one of {ROUTER_SCORINGS}")
     side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
+    if scoring == "sigmoid":
+      side["moe_expert_load"] = expert_load(ids, E, token_mask_BT)
     if impl == "reference":
       from meshlm.nn.moe_reference import experts_reference
       return experts_reference(x_BTD, ids, w, p["gate"], p["up"], p["down"], activation=activation), side

@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
@@ -43,6 +44,20 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
     return y.astype(x_BTNH.dtype)
 
 
+def apply_rope_interleave(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+  """RoPE on adjacent pairs (x0, x1), (x2, x3), ... (transformers' apply_rotary_pos_emb_interleave): pair i
+  turns by the angle of cos[..., i] (the first half of the rotate-half layout), and the output is laid out
+  de-interleaved, [x_even', x_odd']. Queries and keys are both laid out so, which leaves their dot products
+  those of the interleaved rotation."""
+  with jax.named_scope("rope"):
+    half = x_BTNH.shape[-1] // 2
+    cos, sin = cos_BTH[:, :, None, :half], sin_BTH[:, :, None, :half]
+    xf = x_BTNH.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return y.astype(x_BTNH.dtype)
+
+
 # --- YaRN (DeepSeek-V3, Qwen long-context): frequencies and angles straight from the positions. ---
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -50,21 +65,39 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def yarn_attention_factor(scaling: dict) -> float:
-  """The cos/sin magnitude YaRN applies: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
-  if "attention_factor" in scaling:
+  """The cos/sin magnitude YaRN applies (transformers' _compute_yarn_parameters): attention_factor when given,
+  else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (non-zero), else
+  mscale(factor)."""
+  if scaling.get("attention_factor") is not None:
     return float(scaling["attention_factor"])
   factor = float(scaling["factor"])
-  return _yarn_mscale(factor, float(scaling.get("mscale", 1.0))) / _yarn_mscale(factor, float(scaling.get("mscale_all_dim", 0.0)))
+  mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+  if mscale and mscale_all_dim:
+    return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+  return _yarn_mscale(factor)
+
+
+def softmax_mscale(scaling: dict | None) -> float:
+  """The factor on MLA's softmax scale (transformers' yarn_apply_mscale): mscale(factor, mscale_all_dim) ** 2
+  when the rope is scaled and mscale_all_dim is set (non-zero), else 1. A second YaRN correction, beside the
+  attention factor that cos and sin carry."""
+  if not scaling or not scaling.get("mscale_all_dim"):
+    return 1.0
+  return _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
 
 
 def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> jax.Array:
   """[head_dim // 2] YaRN inverse frequencies: interpolated (divided by factor) below the
   beta_slow rotation count over the original context, kept above beta_fast, ramped between."""
-  factor = float(scaling["factor"])
+  # float32 NumPy on constants, as transformers computes them: XLA would contract the blend below into fused
+  # multiply-adds, an ulp off in the ramp's frequencies, which at position 163,839 moves cos by 3e-5.
+  factor = np.float32(scaling["factor"])
   old_len = float(scaling["original_max_position"])
   beta_fast, beta_slow = float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0))
-  pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+  # theta ** (2i / head_dim) correctly rounded to float32 (torch's float32 pow is; NumPy's is not always).
+  exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+  pos_freqs = (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)
+  extrapolated, interpolated = np.float32(1.0) / pos_freqs, np.float32(1.0) / (factor * pos_freqs)
 
   def dim_of(rotations: float) -> float:  # the dimension index that turns `rotations` times over old_len
     return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -72,9 +105,9 @@ def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> jax.Arra
   low = max(math.floor(dim_of(beta_fast)), 0)
   high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
   high = high + 0.001 if low == high else high  # a zero-width ramp would divide by zero
-  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-  keep = 1.0 - ramp  # 1: extrapolate (high frequency), 0: interpolate (low frequency)
-  return interpolated * (1.0 - keep) + extrapolated * keep
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0.0, 1.0)
+  keep = np.float32(1.0) - ramp  # 1: extrapolate (high frequency), 0: interpolate (low frequency)
+  return jnp.asarray(interpolated * (np.float32(1.0) - keep) + extrapolated * keep, dtype=jnp.float32)
 
 
 def is_yarn(scaling: dict | None) -> bool:

@@ -57,28 +57,35 @@ def compact_fits(need_M: jax.Array, rows: int) -> jax.Array:
   return jnp.sum(need_M.astype(jnp.int32)) <= rows
 
 
-def compact_topk(probs_ME: jax.Array, need_M: jax.Array, k: int, rows: int) -> jax.Array:
+def plain_topk(scores_ME: jax.Array, k: int) -> jax.Array:
+  """The softmax router's selection: the top-k ids [M, k] int32 of each row."""
+  return jax.lax.top_k(scores_ME, k)[1].astype(jnp.int32)
+
+
+def compact_topk(probs_ME: jax.Array, need_M: jax.Array, k: int, rows: int, select=plain_topk) -> jax.Array:
   """Top-k ids [M, k] of the first `rows` rows that need it (gathered, top-k'd, scattered back);
-  every other row holds 0..k-1. Exact only when at most `rows` rows need it (see compact_fits)."""
+  every other row holds 0..k-1. Exact only when at most `rows` rows need it (see compact_fits).
+  select(scores [R, E], k) -> ids [R, k]: the router's selection rule (plain_topk, or group-limited)."""
   M = probs_ME.shape[0]
   (idx,) = jnp.nonzero(need_M, size=rows, fill_value=M)  # [R]; M (out of range) for unused slots
   sub = jnp.take(probs_ME, idx, axis=0, mode="fill", fill_value=0)  # [R, E]
-  _, sub_ids = jax.lax.top_k(sub, k)
-  return _fill(M, k).at[idx].set(sub_ids.astype(jnp.int32), mode="drop")
+  return _fill(M, k).at[idx].set(select(sub, k), mode="drop")
 
 
-def full_topk(probs_ME: jax.Array, need_M: jax.Array, k: int) -> jax.Array:
+def full_topk(probs_ME: jax.Array, need_M: jax.Array, k: int, select=plain_topk) -> jax.Array:
   """The plain path: top-k over every row, 0..k-1 kept for the rows that do not need it."""
-  _, ids = jax.lax.top_k(probs_ME, k)
-  return jnp.where(need_M[:, None], ids.astype(jnp.int32), _fill(probs_ME.shape[0], k))
+  return jnp.where(need_M[:, None], select(probs_ME, k), _fill(probs_ME.shape[0], k))
 
 
 def _fill(M: int, k: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (M, k))
 
 
-def _local_route(probs_BTE, forced_BTk, mask_BT, *, k: int, norm_topk: bool, rows: int, impl: str):
-  """(weights [B, T, k] float32, ids [B, T, k] int32) for the tokens at hand (one shard or all)."""
+def _local_route(probs_BTE, forced_BTk, mask_BT, *select_args, k: int, norm_topk: bool, rows: int, impl: str,
+                 select=None, weigh=None):
+  """(weights [B, T, k] float32, ids [B, T, k] int32) for the tokens at hand (one shard or all).
+  select(scores [R, E], *select_args, k=) -> ids [R, k] and weigh(w [M, k]) -> w: a router's own rule
+  (group-limited sigmoid routing); None: plain top-k and the renormalization by the sum."""
   B, T, E = probs_BTE.shape
   M = B * T
   probs = probs_BTE.reshape(M, E)
@@ -86,44 +93,61 @@ def _local_route(probs_BTE, forced_BTk, mask_BT, *, k: int, norm_topk: bool, row
   is_forced = forced[:, 0] >= 0
   need = ~is_forced & (mask_BT.reshape(M) > 0)
   sg = jax.lax.stop_gradient(probs)
+  pick = plain_topk if select is None else (lambda sc, kk: select(sc, *select_args, k=kk))
   if impl == "full" or rows >= M:
-    top = full_topk(sg, need, k)
+    top = full_topk(sg, need, k, pick)
   else:
-    top = jax.lax.cond(compact_fits(need, rows), lambda: compact_topk(sg, need, k, rows),
-                       lambda: full_topk(sg, need, k))
+    top = jax.lax.cond(compact_fits(need, rows), lambda: compact_topk(sg, need, k, rows, pick),
+                       lambda: full_topk(sg, need, k, pick))
   ids = jnp.where(is_forced[:, None], forced, top)  # [M, k]
   w = jnp.take_along_axis(probs, ids, axis=-1)  # the live probabilities at the ids: the router's gradient
-  if norm_topk:
+  if weigh is not None:
+    w = weigh(w)
+  elif norm_topk:
     w = w / jnp.sum(w, axis=-1, keepdims=True)
   return w.reshape(B, T, k), ids.reshape(B, T, k)
 
 
 def replay_route(logits_BTE: jax.Array, forced_ids_BTk: jax.Array, k: int, norm_topk: bool,
                  token_mask_BT: jax.Array | None = None, *, rows: int = REPLAY_ROWS,
-                 impl: str = "compact") -> tuple[jax.Array, jax.Array, jax.Array]:
+                 impl: str = "compact", scoring: str = "softmax", select=None, select_args: tuple = (),
+                 weigh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`moe.route` with forced ids: (probs [B, T, E] float32, weights [B, T, k] float32, ids [B, T, k] int32).
 
   impl "compact" (top-k over at most `rows` gathered rows, falling back to the full top-k) or "full".
+  scoring "softmax" or "sigmoid" (the scores the weights come from); select(scores [R, E], *select_args,
+  k=) -> ids [R, k] picks the unforced tokens' experts (default: plain top-k; group-limited sigmoid
+  routing passes its rule and the bias as select_args, replicated under a mesh), and weigh(w [M, k])
+  turns the scores at the ids into weights (default: renormalized by the sum when norm_topk). Forced
+  ids bypass select: their weights are weigh(the live scores at them).
   """
   if impl not in REPLAY_IMPLS:
     raise ValueError(f"router replay impl={impl!r}: expected one of {REPLAY_IMPLS}")
   B, T, E = logits_BTE.shape
   if tuple(forced_ids_BTk.shape) != (B, T, k):
     raise ValueError(f"forced_expert_ids: shape {tuple(forced_ids_BTk.shape)}, expected {(B, T, k)} ([B, T, k])")
-  probs = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+  if scoring == "softmax":
+    probs = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+  elif scoring == "sigmoid":
+    probs = jax.nn.sigmoid(logits_BTE.astype(jnp.float32))
+  else:
+    raise ValueError(f"router scoring={scoring!r}: expected softmax or sigmoid")
   mask = jnp.ones((B, T), jnp.int32) if token_mask_BT is None else (token_mask_BT > 0).astype(jnp.int32)
   forced = forced_ids_BTk.astype(jnp.int32)
 
-  def local(p, f, m):
-    return _local_route(p, f, m, k=k, norm_topk=norm_topk, rows=rows, impl=impl)
+  def local(p, f, m, *args):
+    return _local_route(p, f, m, *args, k=k, norm_topk=norm_topk, rows=rows, impl=impl, select=select,
+                        weigh=weigh)
 
   if current_mesh().empty:
-    w, ids = local(probs, forced, mask)
+    w, ids = local(probs, forced, mask, *select_args)
     return probs, w, ids
   # Per batch (and length) shard: nonzero, the compact gather and the scatter stay on the device.
   spec = logical_spec(TOKENS, probs.shape)
   probs_l, forced_l = constrain(probs, TOKENS), constrain(forced, TOKENS)
   mask_l = constrain(mask, TOKENS[:2])
-  w, ids = jax.shard_map(local, in_specs=(spec, spec, logical_spec(TOKENS[:2], mask.shape)),
-                         out_specs=(spec, spec))(probs_l, forced_l, mask_l)
+  args = tuple(constrain(a, (None,) * a.ndim) for a in select_args)
+  w, ids = jax.shard_map(local, in_specs=(spec, spec, logical_spec(TOKENS[:2], mask.shape))
+                         + (jax.sharding.PartitionSpec(),) * len(args),
+                         out_specs=(spec, spec))(probs_l, forced_l, mask_l, *args)
   return probs, w, ids

@@ -313,7 +313,11 @@ def restore_params(cfg: Config, step_dir: str, abstract_params, key: str) -> Any
 
 def load_params(cfg: Config, path: str, abstract_params, param_shardings, mesh) -> Any:
   """Parameters for a new run from `checkpoint.load_params_from`: a meshlm run_dir, checkpoints dir
-  or step dir (the newest complete step), or a Hugging Face model directory."""
+  or step dir (the newest complete step), or a Hugging Face model directory.
+
+  For a model with model state (decoder.model_state_specs: DeepSeek-V3's routing bias), pass the whole model
+  tree's abstract arrays and shardings (decoder.merge_state of the parameters' and the state's): the state is
+  read with the parameters, and decoder.split_state separates them."""
   path = os.path.abspath(os.path.expanduser(path))
   key = f"checkpoint.load_params_from={path}"
   if not os.path.isdir(path):

@@ -342,6 +342,7 @@ starts leaves no directory it created behind.
 
 def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
          on_step: Callable[[int], None] | None = None) -> TrainResult:
+  from meshlm.models.decoder import merge_state, split_state
   from meshlm.train.checkpoint import load_params
   from meshlm.train.data import ByteTokenizer
   from meshlm.train.run_dir import resume_mismatch
@@ -365,10 +366,12 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     start = 0
     state = step_fn.init_state(rng)
     if cfg.checkpoint.load_params_from:
-      abstract = step_fn.abstract_state()
-      params = load_params(cfg, cfg.checkpoint.load_params_from, abstract.params,
-                           step_fn.state_shardings().params, step_fn.mesh)
-      state = state._replace(params=params)
+      abstract, shardings = step_fn.abstract_state(), step_fn.state_shardings()
+      # The model state (a routing bias) comes with the parameters; the optimizer state starts fresh.
+      tree = load_params(cfg, cfg.checkpoint.load_params_from, merge_state(abstract.params, abstract.model_state),
+                         merge_state(shardings.params, shardings.model_state), step_fn.mesh)
+      params, model_state = split_state(cfg, tree)
+      state = state._replace(params=params, model_state=model_state)
       say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
   os.makedirs(cfg.run_dir, exist_ok=True)  # the run starts: a checkpoint.dir elsewhere did not make it
   if start < t.steps:  # "nothing to do" leaves the record as it is

@@ -102,7 +102,7 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
   when their coefficients are set (`router_losses`)."""
   m = cfg.model
   aux = m.num_experts > 0 and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0)
-  state_side = decoder.after_step_side_names(cfg)
+  state_side = decoder.after_step_side(cfg)
   forced = batch.get(FORCED_EXPERT_IDS)  # [B, T, L_moe, k] when the batch replays routing
   want_side = aux or bool(state_side)
   out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"],
@@ -117,7 +117,9 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
   share = mb_tokens / num_tokens
   extra, metrics = router_losses(cfg, side, share) if aux else (0.0, {})
   if state_side:
-    metrics[MODEL_SIDE] = {n: jax.lax.stop_gradient(side[n].astype(jnp.float32)) * share for n in state_side}
+    # "mean" side outputs add up to the batch's token mean, "sum" ones (counts) to the batch's total.
+    metrics[MODEL_SIDE] = {n: jax.lax.stop_gradient(side[n].astype(jnp.float32)) * (share if how == "mean" else 1.0)
+                           for n, how in state_side.items()}
   return loss + extra, metrics
 
 

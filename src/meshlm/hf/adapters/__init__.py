@@ -15,4 +15,5 @@ ADAPTERS = {
     "qwen3_next": "meshlm.hf.adapters.qwen3_next",
     "qwen3_5": "meshlm.hf.adapters.qwen3_5",
     "qwen3_5_moe": "meshlm.hf.adapters.qwen3_5_moe",
+    "deepseek_v3": "meshlm.hf.adapters.deepseek_v3",
 }

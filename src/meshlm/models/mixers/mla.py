@@ -1,0 +1,161 @@
+"""The `mla` mixer (deepseek_v3): multi-head latent attention, as transformers' DeepseekV3Attention.
+
+    q           = q_b(rms(q_a(x)))  with model.q_lora_rank, else q(x)       [B, T, N, Hn + Hr]: [nope, rope]
+    c | k_rope  = kv_a(x)                                                   [B, T, Rkv + Hr]
+    c           = rms(c)                                                    the compressed kv (the latent)
+    k_nope, v   = k_b(c), v_b(c)                                            [B, T, N, Hn], [B, T, N, Hv]
+    q_rope, k_rope = RoPE on the rope dims only; k_rope is one head, shared by every query head
+    y           = o(softmax(q . [k_nope, k_rope] * scale) v)
+
+RoPE rotates rotate-half pairs, or adjacent pairs with model.rope_interleave (nn/rope.apply_rope_interleave).
+The context gives cos/sin at width Hr from the positions (nn/rope.freqs_at), carrying YaRN's attention factor;
+the softmax scale carries YaRN's other correction: (Hn + Hr) ** -0.5 * mscale(factor, mscale_all_dim) ** 2
+(nn/rope.softmax_mscale, transformers' yarn_apply_mscale). The q_a and kv_a norms use eps 1e-6, as
+transformers' (DeepseekV3RMSNorm's default, not rms_norm_eps).
+
+Decode state: the latent, not per-head K/V: "kv" [B, C, Rkv] (c after its norm) and "k_rope" [B, C, Hr] (after
+RoPE), Rkv + Hr numbers per cached position. Training and prefill run the plain path (K/V expanded from the
+latent). Decode with model.mla_absorb (default) absorbs k_b into the query (q_nope k_b^T: a query in the latent
+space) and v_b into the output side, so the new position attends to the latent rows directly (DeepSeek's own
+inference, vLLM and SGLang do this); with mla_absorb=false it rebuilds K/V from the latent rows (the plain
+path, the reference the absorbed one is tested against).
+
+Parameters (part key "attn"; Hugging Face torch weights in brackets, each transposed): q_a [D, Rq]
+[q_a_proj], q_a_norm [Rq] [q_a_layernorm], q_b [Rq, N, Hn + Hr] [q_b_proj] (or q [D, N, Hn + Hr] [q_proj]),
+kv_a [D, Rkv + Hr] [kv_a_proj_with_mqa], kv_a_norm [Rkv] [kv_a_layernorm], k_b [Rkv, N, Hn] and v_b [Rkv, N,
+Hv] [kv_b_proj's per-head rows, k_nope then v], o [N, Hv, D] [o_proj]. Every projection goes through
+ctx.dense; the attention core and o run in one auto-axes region, as gqa's do.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import ModelConfig
+from meshlm import spec as S
+from meshlm.models.family import Part, StateLeaf
+from meshlm.nn import mla as mla_core
+from meshlm.nn.attention import gqa_attention
+from meshlm.nn.norm import rms_norm
+from meshlm.nn.rope import apply_rope, apply_rope_interleave, softmax_mscale
+from meshlm.parallel.sharding import auto_region
+
+LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their default eps)
+HEADS = ("batch", "length", "heads", "head_dim")
+LATENT = ("batch", "length", None)
+OUT = ("batch", "length", "act_embed")
+CACHE_AXES = ("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
+
+
+def spec(m: ModelConfig) -> dict:
+  D, N, R = m.embed_dim, m.num_heads, m.kv_lora_rank
+  Hn, Hr, Hv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+  out = {}
+  if m.q_lora_rank is not None:
+    out["q_a"] = S.kernel((D, m.q_lora_rank), ("embed", None))
+    out["q_a_norm"] = S.vector(m.q_lora_rank, "ones")
+    out["q_b"] = S.kernel((m.q_lora_rank, N, Hn + Hr), (None, "heads", "head_dim"))
+  else:
+    out["q"] = S.kernel((D, N, Hn + Hr), ("embed", "heads", "head_dim"))
+  out["kv_a"] = S.kernel((D, R + Hr), ("embed", None))
+  out["kv_a_norm"] = S.vector(R, "ones")
+  out["k_b"] = S.kernel((R, N, Hn), (None, "heads", "head_dim"))
+  out["v_b"] = S.kernel((R, N, Hv), (None, "heads", "head_dim"))
+  out["o"] = S.kernel((N, Hv, D), ("heads", "head_dim", "embed"), n_in=2)
+  return out
+
+
+def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
+  return {"kv": StateLeaf((batch, size, m.kv_lora_rank), CACHE_AXES),
+          "k_rope": StateLeaf((batch, size, m.qk_rope_head_dim), CACHE_AXES)}
+
+
+def softmax_scale(m: ModelConfig) -> float:
+  return (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * softmax_mscale(m.rope_scaling)
+
+
+def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
+  """q [B, T, N, Hn + Hr] through ctx.dense (q_a -> norm -> q_b, or q)."""
+  m, dt = ctx.model, x_BTD.dtype
+  if m.q_lora_rank is None:
+    with jax.named_scope("q"):
+      return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", HEADS)
+  with jax.named_scope("q_a"):
+    qa = ctx.dense(x_BTD, p["q_a"].astype(dt), "btd,dr->btr", LATENT)  # [B, T, Rq]
+  qa = rms_norm(p["q_a_norm"], qa, LATENT_NORM_EPS)
+  with jax.named_scope("q_b"):
+    return ctx.dense(qa, p["q_b"].astype(dt), "btr,rnh->btnh", HEADS)
+
+
+def project_latent(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
+  """(c [B, T, Rkv] after its norm, the rope key [B, T, Hr] before RoPE), through ctx.dense."""
+  R = ctx.model.kv_lora_rank
+  with jax.named_scope("kv_a"):
+    ckr = ctx.dense(x_BTD, p["kv_a"].astype(x_BTD.dtype), "btd,dr->btr", LATENT)  # [B, T, Rkv + Hr]
+  return rms_norm(p["kv_a_norm"], ckr[..., :R], LATENT_NORM_EPS), ckr[..., R:]
+
+
+def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
+  """(attention output [B, T, D], update, {}). update: the latent rows {"kv" [B, T, Rkv], "k_rope" [B, T, Hr]}
+  (T = 1 in decode), None when training. state (decode): the layer's latent cache, read only."""
+  m = ctx.model
+  dt = x_BTD.dtype
+  Hn = m.qk_nope_head_dim
+  q = project_q(p, x_BTD, ctx)
+  c, k_rope = project_latent(p, x_BTD, ctx)
+  cos, sin = ctx.here.rope[m.qk_rope_head_dim]
+  rope = apply_rope_interleave if m.rope_interleave else apply_rope
+  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin)
+  k_rope = rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head, shared by every query head
+  update = None if ctx.mode == "train" else {"kv": c, "k_rope": k_rope}
+  w = {name: p[name].astype(dt) for name in ("k_b", "v_b", "o")}
+  if ctx.mode == "decode":
+    return decode(q_nope, q_rope, c, k_rope, w, ctx, state), update, {}
+  with jax.named_scope("k_b"):
+    k_nope = ctx.dense(c, w["k_b"], "btr,rnh->btnh", HEADS)
+  with jax.named_scope("v_b"):
+    v = ctx.dense(c, w["v_b"], "btr,rnh->btnh", HEADS)
+  scale = softmax_scale(m)
+
+  # The attention core and the output projection in one auto-axes region (gqa.attend says why).
+  def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, mask, w_o):
+    qk = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + Hr]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
+    o = gqa_attention(qk, k, v, mask, scale=scale)  # [B, T, N, 1, Hv]
+    return project(o, w_o, ctx.dense)
+  region = auto_region(attend_and_project, OUT, q.shape[:2] + w["o"].shape[-1:])
+  return region(q_nope, q_rope, k_nope, k_rope, v, ctx.here.mask, w["o"]), update, {}
+
+
+def project(o_BTNGH: jax.Array, w_o: jax.Array, dense) -> jax.Array:
+  """The output projection of the core's grouped output [B, T, N, 1, Hv] (G = 1: every head its own key)."""
+  with jax.named_scope("o"):
+    return dense(o_BTNGH, jnp.reshape(w_o, o_BTNGH.shape[2:] + w_o.shape[-1:]), "btkgh,kghd->btd", OUT)
+
+
+def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
+  """One new position per row against the latent cache: y [B, 1, D], absorbed (model.mla_absorb) or plain."""
+  m, here, dense = ctx.model, ctx.here, ctx.dense
+  scale = softmax_scale(m)
+  # The slot being written holds a position the new one no longer sees, or none (gqa.attend).
+  mask = here.mask & ~here.cache.write[:, None, None, None, :]  # [B, 1, 1, 1, C]
+
+  def absorbed(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
+    with jax.named_scope("k_b"):
+      q_lat = dense(q_nope, k_b, "btnh,rnh->btnr", ("batch", "length", "heads", None))  # [B, 1, N, Rkv]
+    o_lat = mla_core.absorbed_decode(q_lat, q_rope, c, k_rope, kv, kr, mask, scale=scale)  # [B, 1, N, Rkv]
+    with jax.named_scope("v_b"):
+      o = dense(o_lat, v_b, "btnr,rnh->btnh", HEADS)  # [B, 1, N, Hv]
+    return project(o[:, :, :, None], w_o, dense)
+
+  def plain(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
+    o = mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
+    return project(o, w_o, dense)
+
+  region = auto_region(absorbed if m.mla_absorb else plain, OUT, q_nope.shape[:2] + w["o"].shape[-1:])
+  return region(q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"], w["o"])
+
+
+def mla() -> Part:
+  return Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
+              rotary_dims=lambda m: (m.qk_rope_head_dim,))
