@@ -384,12 +384,14 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     raise NonFiniteStop(nonfinite_msg)
   sample = None
   if stop_reason == "done" and t.sample_tokens and jax.process_count() == 1:
+    from meshlm.models.decoder import merge_state
     from meshlm.models.generate import generate
     tok = getattr(data, "tokenizer", None) or ByteTokenizer()
     text = "def " if cfg.data.source == "stdlib" else "The "
     prompt = [int(i) for i in tok.encode(text.encode())]
     room = cfg.model.max_position - len(prompt)
     if room > 0:
-      gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
+      # The whole model tree: the parameters with the model state (deepseek_v3's routing bias) beside them.
+      gen = generate(cfg, merge_state(state.params, state.model_state), [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)
