@@ -107,11 +107,6 @@ def split_state(cfg: Config, tree: dict) -> tuple[dict, dict]:
   return params, state
 
 
-def after_step_side_names(cfg: Config) -> tuple[str, ...]:
-  """The side outputs the parts' after_step rules read."""
-  return tuple(sorted(after_step_side(cfg)))
-
-
 def after_step_side(cfg: Config) -> dict[str, str]:
   """{side output: "mean" | "sum"} over the parts' after_step rules (Part.after_step_side): how the
   train step adds each over micro-batches."""
