@@ -173,3 +173,24 @@ def test_resume_from_the_checkpoint_is_exact(run):
   assert not np.array_equal(_bias(want), run["biases"][2])
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_replayed_ids_bypass_the_bias_in_the_model(run):
+  """forward with forced_expert_ids: ids recorded with the zero bias, replayed into the model with the
+  skewed bias, give the zero-bias logits bit for bit (the bias picks experts, never weighs them);
+  unforced, the skewed bias routes elsewhere and the logits differ (control)."""
+  cfg, batch = run["cfg"], run["batch"]
+  params = jax.tree.map(jnp.asarray, run["start"].params)  # unsharded: one device
+  tokens = jnp.asarray(np.asarray(batch["inputs"]))
+  skew = {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(jnp.asarray(SKEW), (2, 8))}}}}
+  zero = {"layers": {"moe": {"moe": {"router_bias": jnp.zeros((2, 8), jnp.float32)}}}}
+  fwd = jax.jit(lambda st, f: decoder.forward(cfg, decoder.merge_state(params, st), tokens, return_side=True,
+                                              forced_expert_ids=f))
+  none = jnp.full((2, *tokens.shape, 2), -1, jnp.int32)
+  want, side = fwd(zero, none)
+  got, got_side = fwd(skew, side["moe_expert_ids"])
+  np.testing.assert_array_equal(np.asarray(got_side["moe_expert_ids"]), np.asarray(side["moe_expert_ids"]))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  other, other_side = fwd(skew, none)
+  assert not np.array_equal(np.asarray(other_side["moe_expert_ids"]), np.asarray(side["moe_expert_ids"]))
+  assert float(jnp.max(jnp.abs(other - want))) > 1e-4
