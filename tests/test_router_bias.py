@@ -194,3 +194,19 @@ def test_replayed_ids_bypass_the_bias_in_the_model(run):
   other, other_side = fwd(skew, none)
   assert not np.array_equal(np.asarray(other_side["moe_expert_ids"]), np.asarray(side["moe_expert_ids"]))
   assert float(jnp.max(jnp.abs(other - want))) > 1e-4
+
+
+def test_generate_reads_the_bias(run):
+  """generate takes the whole model tree (the bias merged in), and the bias changes what it routes
+  (zero bias: other recorded expert ids). Cached against uncached decoding is the deepseek_v3
+  family's test. On one device: the cheapest compile."""
+  from meshlm.models.generate import generate
+  from meshlm.parallel.mesh import make_mesh
+  cfg, start = run["cfg"], run["start"]
+  tree = {b: decoder.merge_state(start.params, {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(
+      jnp.asarray(v, jnp.float32), (2, 8))}}}}) for b, v in (("skew", SKEW), ("zero", 0.0))}
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+  mesh = make_mesh(load_config("cpu_devices=1"))
+  out = {b: generate(cfg, t, prompts, max_new_tokens=4, stop_tokens=(), mesh=mesh) for b, t in tree.items()}
+  assert not np.array_equal(np.asarray(out["skew"].expert_ids), np.asarray(out["zero"].expert_ids))
+  assert np.all(np.asarray(out["skew"].expert_ids)[0, :5] >= 0)  # the fed prompt tokens are recorded
