@@ -210,3 +210,17 @@ def test_generate_reads_the_bias(run):
   out = {b: generate(cfg, t, prompts, max_new_tokens=4, stop_tokens=(), mesh=mesh) for b, t in tree.items()}
   assert not np.array_equal(np.asarray(out["skew"].expert_ids), np.asarray(out["zero"].expert_ids))
   assert np.all(np.asarray(out["skew"].expert_ids)[0, :5] >= 0)  # the fed prompt tokens are recorded
+
+
+def test_load_params_from_carries_the_bias(run):
+  """checkpoint.load_params_from (a new run from a run's parameters) restores the whole model tree:
+  the checkpoint's bias comes back with the parameters (the loop splits it into the model state)."""
+  from meshlm.train.checkpoint import load_params
+  cfg, step = run["cfg"], run["step"]
+  abstract, sh = step.abstract_state(), step.state_shardings()
+  tree = load_params(cfg, cfg.run_dir, decoder.merge_state(abstract.params, abstract.model_state),
+                     decoder.merge_state(sh.params, sh.model_state), step.mesh)
+  params, state = decoder.split_state(cfg, tree)
+  np.testing.assert_array_equal(np.asarray(state["layers"]["moe"]["moe"]["router_bias"]), run["biases"][2])
+  assert not np.array_equal(run["biases"][2], np.broadcast_to(SKEW, (2, 8)))
+  assert "router_bias" not in params["layers"]["moe"]["moe"]
