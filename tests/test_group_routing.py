@@ -242,6 +242,8 @@ def _model(**kw):
     (dict(num_experts_per_tok=5), "model.num_experts_per_tok=5 is larger than model.topk_group x experts per group"),
     (dict(router_scoring="softmax"), "model.router_scoring=softmax"),
     (dict(n_group=8, topk_group=4), "model.n_group=8: each group scores the sum of its top 2"),
+    (dict(router_aux_loss_coef=0.01), "model.router_aux_loss_coef=0.01: the Switch load-balancing loss"),
+    (dict(router_dtype="bfloat16"), "model.router_dtype=bfloat16: group-limited sigmoid routing"),
 ])
 def test_bad_group_routing_is_one_line_naming_the_key(kw, key):
   from meshlm.models.ffns.moe import validate_group_routing
@@ -260,3 +262,14 @@ def test_the_cli_exits_2_naming_the_key(tmp_path, capsys, monkeypatch):
   assert cli.main(args) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "model.n_group=3 does not divide" in err[0], err
+
+
+@pytest.mark.parametrize("preset,key", [("mixtral-tiny", "model.router_scoring=sigmoid"),
+                                        ("qwen3-moe-tiny", "model.router_bias_update_rate=0.1"),
+                                        ("qwen3-next-tiny", "model.n_group=2")])
+def test_softmax_families_refuse_the_group_routing_keys(preset, key):
+  from meshlm.models import registry
+  registry.family(load_config(f"model={preset}"))  # as it is: accepted
+  with pytest.raises(ConfigError) as e:
+    registry.family(load_config(f"model={preset}", key))
+  assert str(e.value).startswith(key) and "routes with softmax" in str(e.value)

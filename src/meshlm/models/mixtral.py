@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.models.family import Family, Kind, LayerPlan
-from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.ffns.moe import moe_ffn, validate_softmax_routing
 from meshlm.models.mixers.gqa import gqa
 
 
@@ -15,6 +15,7 @@ def validate(m) -> None:
                       "model.moe_mlp_dim)")
   if not m.norm_topk_prob:
     raise ConfigError("model: norm_topk_prob=false: mixtral always renormalizes its top-k routing weights")
+  validate_softmax_routing(m)
 
 
 def plan(m) -> LayerPlan:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from meshlm.config import ModelConfig
 from meshlm.models.family import Family, Kind, LayerPlan
 from meshlm.models.ffns.glu import glu
-from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.ffns.moe import moe_ffn, validate_softmax_routing
 from meshlm.models.mixers.gqa import gqa
 
 
@@ -40,4 +40,5 @@ def plan(m: ModelConfig) -> LayerPlan:
   return periodic_plan(layer_kinds(m), m.layer_contexts())
 
 
-FAMILY = Family("qwen3_moe", kinds={"dense": Kind(gqa(), glu()), "moe": Kind(gqa(), moe_ffn())}, plan=plan)
+FAMILY = Family("qwen3_moe", kinds={"dense": Kind(gqa(), glu()), "moe": Kind(gqa(), moe_ffn())}, plan=plan,
+                validate=validate_softmax_routing)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.family import Family, Kind, LayerPlan
-from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.ffns.moe import moe_ffn, validate_softmax_routing
 from meshlm.models.mixers.gated_gqa import gated_gqa
 from meshlm.models.mixers.gdn import gdn
 from meshlm.models.qwen3_moe import periodic_plan
@@ -47,6 +47,7 @@ def validate_hybrid(m: ModelConfig, *, moe: bool) -> None:
     if m.mlp_only_layers or m.decoder_sparse_step != 1:
       raise ConfigError(f"model.mlp_only_layers / model.decoder_sparse_step: model.family={fam} is built with "
                         "every layer MoE; leave them at [] and 1")
+    validate_softmax_routing(m)
   elif m.num_experts:
     raise ConfigError(f"model.num_experts={m.num_experts}: model.family={fam} is dense; use qwen3_5_moe for experts")
 

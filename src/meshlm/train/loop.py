@@ -31,6 +31,7 @@ from meshlm.config import Config, to_yaml
 from meshlm.errors import ConfigError
 from meshlm.console import make_console
 from meshlm.fsutil import write_text
+from meshlm.models.decoder import merge_state, split_state
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.step import TrainState, build_train_step, global_batch_size
@@ -365,10 +366,12 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     start = 0
     state = step_fn.init_state(rng)
     if cfg.checkpoint.load_params_from:
-      abstract = step_fn.abstract_state()
-      params = load_params(cfg, cfg.checkpoint.load_params_from, abstract.params,
-                           step_fn.state_shardings().params, step_fn.mesh)
-      state = state._replace(params=params)
+      # The whole model tree, its model-state leaves (e.g. a routing bias) included.
+      abstract, sh = step_fn.abstract_state(), step_fn.state_shardings()
+      tree = load_params(cfg, cfg.checkpoint.load_params_from, merge_state(abstract.params, abstract.model_state),
+                         merge_state(sh.params, sh.model_state), step_fn.mesh)
+      params, model_state = split_state(cfg, tree)
+      state = state._replace(params=params, model_state=model_state)
       say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
   os.makedirs(cfg.run_dir, exist_ok=True)  # the run starts: a checkpoint.dir elsewhere did not make it
   if start < t.steps:  # "nothing to do" leaves the record as it is
@@ -384,14 +387,13 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     raise NonFiniteStop(nonfinite_msg)
   sample = None
   if stop_reason == "done" and t.sample_tokens and jax.process_count() == 1:
-    from meshlm.models.decoder import merge_state
     from meshlm.models.generate import generate
     tok = getattr(data, "tokenizer", None) or ByteTokenizer()
     text = "def " if cfg.data.source == "stdlib" else "The "
     prompt = [int(i) for i in tok.encode(text.encode())]
     room = cfg.model.max_position - len(prompt)
     if room > 0:
-      # The whole model tree: the parameters with the model state (deepseek_v3's routing bias) beside them.
-      gen = generate(cfg, merge_state(state.params, state.model_state), [prompt], max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
+      gen = generate(cfg, merge_state(state.params, state.model_state), [prompt],
+                     max_new_tokens=min(t.sample_tokens, room), mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)
