@@ -6,7 +6,9 @@ projection counted, and bad input."""
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,8 @@ def reference(p: dict, x, positions, m, xp, *, mscale: bool = True, interleave: 
   ckr = x @ p["kv_a"]
   c, k_rope = rms(p["kv_a_norm"], ckr[..., :R]), ckr[..., R:]
   k_nope, v = xp.einsum("btr,rnh->btnh", c, p["k_b"]), xp.einsum("btr,rnh->btnh", c, p["v_b"])
-  inv = np.asarray(yarn_inv_frequencies(Hr, m.rope_theta, sc), np.float64)
+  with jax.ensure_compile_time_eval():  # constants, also when the reference is traced for its gradients
+    inv = np.asarray(yarn_inv_frequencies(Hr, m.rope_theta, sc), np.float64)
   ang = np.asarray(positions, np.float64)[..., None] * inv  # [B, T, Hr / 2]
   attn_factor = get(sc["factor"], sc["mscale"]) / get(sc["factor"], sc["mscale_all_dim"])
   cos, sin = np.cos(ang)[:, :, None] * attn_factor, np.sin(ang)[:, :, None] * attn_factor
@@ -107,10 +110,15 @@ def _mla_result(q_lora: bool, interleave: bool):
   x = rng.standard_normal((B, T, cfg.model.embed_dim)).astype(np.float32)
   positions = np.broadcast_to(POS0 + np.arange(T, dtype=np.int32), (B, T))
   r = rng.standard_normal((B, T, cfg.model.embed_dim)).astype(np.float32)
-  loss = lambda p, x: jnp.sum(mla_forward(cfg, p, x, positions) * r)
-  y = jax.jit(lambda p, x: mla_forward(cfg, p, x, positions))(p, x)
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
-  return cfg, p, x, positions, r, np.asarray(y), grads
+
+  @jax.jit
+  def run(p, x):  # one compile: the mixer's output and its gradients, and the jnp reference's gradients
+    y, vjp = jax.vjp(lambda p, x: mla_forward(cfg, p, x, positions), p, x)
+    ref = lambda mscale: jax.grad(lambda p, x: jnp.sum(reference(p, x, positions, cfg.model, jnp, mscale=mscale) * r),
+                                  argnums=(0, 1))(p, x)
+    return y, vjp(r), ref(True), ref(False)
+  y, grads, ref_grads, wrong_grads = run(p, x)
+  return cfg, p, x, positions, r, np.asarray(y), grads, ref_grads, wrong_grads
 
 
 def _max_rel(a, b) -> float:
@@ -119,7 +127,7 @@ def _max_rel(a, b) -> float:
 
 @pytest.mark.parametrize("q_lora, interleave", CASES)
 def test_mla_matches_the_float64_reference_forward_and_gradients(q_lora, interleave):
-  cfg, p, x, positions, r, y, (gp, gx) = _mla_result(q_lora, interleave)
+  cfg, p, x, positions, r, y, (gp, gx), (wp, wx), (bad_p, _) = _mla_result(q_lora, interleave)
   m = cfg.model
   p64 = {k: np.asarray(v, np.float64) for k, v in p.items()}
   want = reference(p64, x.astype(np.float64), positions, m, np)
@@ -128,20 +136,17 @@ def test_mla_matches_the_float64_reference_forward_and_gradients(q_lora, interle
   assert _max_rel(y, reference(p64, x.astype(np.float64), positions, m, np, mscale=False)) > 1e-3
   assert _max_rel(y, reference(p64, x.astype(np.float64), positions, m, np, interleave=not interleave)) > 1e-3
   # Gradients: the same formulas in jax.numpy (float32), differentiated.
-  ref_loss = lambda p, x: jnp.sum(reference(p, x, positions, m, jnp) * r)
-  wp, wx = jax.grad(ref_loss, argnums=(0, 1))(p, x)
   assert set(gp) == set(wp)
   for k in wp:
     assert _max_rel(gp[k], np.asarray(wp[k], np.float64)) < 1e-4, k
   assert _max_rel(gx, np.asarray(wx, np.float64)) < 1e-4
-  bad_p, _ = jax.grad(lambda p, x: jnp.sum(reference(p, x, positions, m, jnp, mscale=False) * r), argnums=(0, 1))(p, x)
   assert _max_rel(gp["k_b"], np.asarray(bad_p["k_b"], np.float64)) > 1e-3
 
 
 def test_softmax_mscale_is_only_seen_past_position_0():
   """At position 0 alone a token attends to itself only: softmax gives weight 1 whatever the scale, so the
   wrong-mscale reference passes there. At positions far past 0 (test above) it fails."""
-  cfg, p, x, _, _, _, _ = _mla_result(True, True)
+  cfg, p, x = _mla_result(True, True)[:3]
   x0, pos0 = x[:1, :1], np.zeros((1, 1), np.int32)
   y0 = np.asarray(jax.jit(lambda p, x: mla_forward(cfg, p, x, pos0))(p, x0))
   p64 = {k: np.asarray(v, np.float64) for k, v in p.items()}
@@ -212,7 +217,9 @@ def test_the_cache_holds_the_latent_per_token_per_layer():
 # --- explicit = auto, the census -------------------------------------------------------------------------------
 
 STEPS = 20
-SEQ = 32
+SEQ = 96
+# tests/test_parity.py's keys (its fsdp=4 step for every tiny preset): in a full run this module's fsdp=4 arms
+# are the same programs, so they come from the run's compilation cache instead of compiling twice.
 TRAIN = ("train.per_device_batch_size=1", f"train.seq_len={SEQ}", "train.compute_dtype=float32",
          "train.warmup_steps=0", "train.learning_rate=3e-3")
 MESHES = {"fsdp4": ("cpu_devices=4", "mesh.fsdp=4"), "expert2_fsdp2": ("cpu_devices=4", "mesh.fsdp=2", "mesh.expert=2")}
@@ -220,17 +227,20 @@ MESHES = {"fsdp4": ("cpu_devices=4", "mesh.fsdp=4"), "expert2_fsdp2": ("cpu_devi
 
 @functools.cache
 def _losses(mesh: str, mode: str) -> np.ndarray:
+  """STEPS float32 train steps (compiled once) on random tokens, two packed documents per row whose positions
+  restart (the second document's run past YaRN's original 64), a ragged loss mask."""
   cfg = load_config(f"model={PRESET}", *MESHES[mesh], *TRAIN, f"shard_mode={mode}")
   step = build_train_step(cfg)
   state = step.init_state(jax.random.key(0))
   rng = np.random.default_rng(0)
+  rows, col = step.global_batch, np.arange(SEQ)[None, :]
   out = []
   for _ in range(STEPS):
-    toks = rng.integers(0, cfg.model.vocab_size, (step.global_batch, SEQ + 1)).astype(np.int32)
-    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32) * 4, (step.global_batch, SEQ))  # positions to 124
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "positions": pos,
-             "segment_ids": np.ones((step.global_batch, SEQ), np.int32),
-             "loss_mask": np.ones((step.global_batch, SEQ), np.float32)}
+    toks = rng.integers(0, cfg.model.vocab_size, (rows, SEQ + 1)).astype(np.int32)
+    cut = rng.integers(SEQ // 8, SEQ // 4, rows)[:, None]
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.where(col < cut, 1, 2).astype(np.int32),
+             "positions": np.where(col < cut, col, col - cut).astype(np.int32),
+             "loss_mask": (rng.random((rows, SEQ)) < 0.9).astype(np.float32)}
     state, metrics = step(state, step.put_batch(batch))
     out.append(float(metrics["loss"]))
   return np.asarray(out)
@@ -243,28 +253,24 @@ def test_explicit_equals_auto_over_20_steps(mesh):
   assert np.max(np.abs(explicit - auto)) <= 1e-5
 
 
-@functools.cache
-def _census(*over: str) -> dict:
-  cfg = load_config(f"model={PRESET}", *golden.BASE, "shard_mode=explicit", *over)
-  return golden.stablehlo_census(cfg)["stablehlo"]
-
-
 MLA_PROJECTIONS = ("q_a", "q_b", "kv_a", "k_b", "v_b", "o")
 
 
 def test_census_counts_every_mla_projection_and_blocks_no_transpose_under_explicit():
-  on = _census()
+  on = golden.stablehlo_census(load_config(f"model={PRESET}", *golden.BASE, "shard_mode=explicit"))["stablehlo"]
   assert on["transpose_of_dot"]["blocked"] == 0
   for name in MLA_PROJECTIONS:
-    # Both layer kinds: the dense prefix layer (unrolled) and the scanned MoE layers.
-    assert {k for k in on["weight_grad_dots"] if k.endswith(f"attn/{name}")} == {
-        f"layer_0/attn/{name}", f"layers/attn/{name}"}, name
-  # Control: without the kernel-order flags the census sees blocked weight-gradient transposes at each MLA
-  # projection outside the attention core's auto-axes region (o runs inside it, where none are blocked).
-  off = _census("lm_head_weight_grad_in_kernel_order=false", "dense_weight_grad_in_kernel_order=false")
-  blocked = {p["scope"].split(" ")[0] for p in off["transpose_of_dot"]["pairs"] if p["kind"] == "blocked"}
-  for name in MLA_PROJECTIONS[:-1]:
-    assert {f"layer_0/attn/{name}", f"layers/attn/{name}"} <= blocked, name
+    # Both layer kinds: the dense prefix layer (unrolled) and the scanned MoE layers (the scan's trip count, 2).
+    assert {k: v for k, v in on["weight_grad_dots"].items() if k.endswith(f"attn/{name}")} == {
+        f"layer_0/attn/{name}": 1, f"layers/attn/{name}": 2}, name
+  # Control, from the golden census (tests/test_analysis.py holds the file to the lowering): without the
+  # kernel-order flags the step has 18 blocked weight-gradient transposes (per call site), 10 of them MLA's: q_a,
+  # q_b, kv_a, k_b and v_b in the dense layer and in the scanned MoE body (o runs in the attention core's
+  # auto-axes region); the GLU's 3, the shared experts' 3, the router's and the head's are the other 8.
+  with open(os.path.join(os.path.dirname(__file__), "golden", "census", f"{PRESET}.json")) as f:
+    counts = json.load(f)["counts"]
+  assert counts["explicit"]["stablehlo.weight_grad_dots"] == on["weight_grad_dots"]
+  assert counts["explicit-noflags"]["stablehlo.transpose_of_dot.weight_grad.blocked"] == 18
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

@@ -242,6 +242,8 @@ def _model(**kw):
     (dict(num_experts_per_tok=5), "model.num_experts_per_tok=5 is larger than model.topk_group x experts per group"),
     (dict(router_scoring="softmax"), "model.router_scoring=softmax"),
     (dict(n_group=8, topk_group=4), "model.n_group=8: each group scores the sum of its top 2"),
+    (dict(router_aux_loss_coef=0.01), "model.router_aux_loss_coef=0.01: the Switch load-balancing loss"),
+    (dict(router_dtype="bfloat16"), "model.router_dtype=bfloat16: group-limited sigmoid routing"),
 ])
 def test_bad_group_routing_is_one_line_naming_the_key(kw, key):
   from meshlm.models.ffns.moe import validate_group_routing

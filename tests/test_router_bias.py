@@ -25,6 +25,9 @@ BASE = ("model=llama2-tiny", "model.family=groupkind", "model.embed_dim=64", "mo
         "train.compute_dtype=float32", "train.seq_len=16", "train.warmup_steps=0", "train.sample_tokens=0",
         "train.learning_rate=1e-4", "data.source=synthetic")
 ONE = ("cpu_devices=1", "train.per_device_batch_size=8")
+# Only the final norm trains: the routing (and so the load) moves by the bias alone, and the step's
+# backward is small to compile. The optimizer still updates a parameter and keeps its moments.
+FROZEN = ("train.freeze=['layers\\..*', 'embed', 'lm_head']",)
 FOUR = ("cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=2", "train.micro_batches=2")
 
 
@@ -77,7 +80,7 @@ def run(tmp_path_factory):
   load (a forward's side output, no micro-batches) before each of the first 3 steps and after the
   50th, the bias after each of the first 3, the state after 6, and a checkpoint written after 3."""
   from meshlm.train.checkpoint import Checkpointer
-  mp, cfg, step, state, batch = _setup(*FOUR, f"model.router_bias_update_rate={RATE}",
+  mp, cfg, step, state, batch = _setup(*FOUR, f"model.router_bias_update_rate={RATE}", *FROZEN,
                                        f"run_dir={tmp_path_factory.mktemp('bias')}")
   try:
     fwd = jax.jit(lambda st, b: decoder.forward(cfg, decoder.merge_state(st.params, st.model_state), b["inputs"],
@@ -142,14 +145,15 @@ def test_the_load_balances_over_50_steps(run):
 
 
 def test_at_rate_zero_the_bias_never_moves():
-  """Control: from the same skewed start, three steps at rate 0 leave it bit-unchanged (the parameters move)."""
-  mp, _, step, state, batch = _setup(*ONE, "model.router_bias_update_rate=0")
+  """Control: from the same skewed start, three steps at rate 0 leave it bit-unchanged while the
+  trainable parameters move."""
+  mp, _, step, state, batch = _setup(*ONE, "model.router_bias_update_rate=0", *FROZEN)
   try:
-    q0 = np.asarray(state.params["layers"]["moe"]["moe"]["router"])
+    q0 = np.asarray(state.params["final_norm"])
     for _ in range(3):
       state, _ = step(state, batch)
     np.testing.assert_array_equal(_bias(state), np.broadcast_to(SKEW, (2, 8)))
-    assert not np.array_equal(np.asarray(state.params["layers"]["moe"]["moe"]["router"]), q0)
+    assert not np.array_equal(np.asarray(state.params["final_norm"]), q0)
   finally:
     mp.undo()
 
@@ -169,3 +173,54 @@ def test_resume_from_the_checkpoint_is_exact(run):
   assert not np.array_equal(_bias(want), run["biases"][2])
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_replayed_ids_bypass_the_bias_in_the_model(run):
+  """forward with forced_expert_ids: ids recorded with the zero bias, replayed into the model with the
+  skewed bias, give the zero-bias logits bit for bit (the bias picks experts, never weighs them);
+  unforced, the skewed bias routes elsewhere and the logits differ (control)."""
+  cfg, batch = run["cfg"], run["batch"]
+  params = jax.tree.map(jnp.asarray, run["start"].params)  # unsharded: one device
+  tokens = jnp.asarray(np.asarray(batch["inputs"]))
+  skew = {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(jnp.asarray(SKEW), (2, 8))}}}}
+  zero = {"layers": {"moe": {"moe": {"router_bias": jnp.zeros((2, 8), jnp.float32)}}}}
+  fwd = jax.jit(lambda st, f: decoder.forward(cfg, decoder.merge_state(params, st), tokens, return_side=True,
+                                              forced_expert_ids=f))
+  none = jnp.full((2, *tokens.shape, 2), -1, jnp.int32)
+  want, side = fwd(zero, none)
+  got, got_side = fwd(skew, side["moe_expert_ids"])
+  np.testing.assert_array_equal(np.asarray(got_side["moe_expert_ids"]), np.asarray(side["moe_expert_ids"]))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  other, other_side = fwd(skew, none)
+  assert not np.array_equal(np.asarray(other_side["moe_expert_ids"]), np.asarray(side["moe_expert_ids"]))
+  assert float(jnp.max(jnp.abs(other - want))) > 1e-4
+
+
+def test_generate_reads_the_bias(run):
+  """generate takes the whole model tree (the bias merged in), and the bias changes what it routes
+  (zero bias: other recorded expert ids). Cached against uncached decoding is the deepseek_v3
+  family's test. On one device: the cheapest compile."""
+  from meshlm.models.generate import generate
+  from meshlm.parallel.mesh import make_mesh
+  cfg, start = run["cfg"], run["start"]
+  tree = {b: decoder.merge_state(start.params, {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(
+      jnp.asarray(v, jnp.float32), (2, 8))}}}}) for b, v in (("skew", SKEW), ("zero", 0.0))}
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+  mesh = make_mesh(load_config("cpu_devices=1"))
+  out = {b: generate(cfg, t, prompts, max_new_tokens=4, stop_tokens=(), mesh=mesh) for b, t in tree.items()}
+  assert not np.array_equal(np.asarray(out["skew"].expert_ids), np.asarray(out["zero"].expert_ids))
+  assert np.all(np.asarray(out["skew"].expert_ids)[0, :5] >= 0)  # the fed prompt tokens are recorded
+
+
+def test_load_params_from_carries_the_bias(run):
+  """checkpoint.load_params_from (a new run from a run's parameters) restores the whole model tree:
+  the checkpoint's bias comes back with the parameters (the loop splits it into the model state)."""
+  from meshlm.train.checkpoint import load_params
+  cfg, step = run["cfg"], run["step"]
+  abstract, sh = step.abstract_state(), step.state_shardings()
+  tree = load_params(cfg, cfg.run_dir, decoder.merge_state(abstract.params, abstract.model_state),
+                     decoder.merge_state(sh.params, sh.model_state), step.mesh)
+  params, state = decoder.split_state(cfg, tree)
+  np.testing.assert_array_equal(np.asarray(state["layers"]["moe"]["moe"]["router_bias"]), run["biases"][2])
+  assert not np.array_equal(run["biases"][2], np.broadcast_to(SKEW, (2, 8)))
+  assert "router_bias" not in params["layers"]["moe"]["moe"]

@@ -50,7 +50,7 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
   """Reads a meshlm model directory (or a run's checkpoint step dir): each array restored straight
   onto its sharding; the whole model tree, the model state (a routing bias) with the parameters."""
   import jax
-  from meshlm.hf.io import model_shardings, model_specs
+  from meshlm.models.decoder import model_shardings, model_specs
   from meshlm import spec as S
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.checkpoint import restore_params, saved_model
@@ -71,6 +71,7 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
   if mesh is None:
     mesh = make_mesh(cfg)
   dtype = cfg.train.param_dtype
+  # The whole model tree: the model-state leaves (a routing bias) are in the checkpoint beside the parameters.
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
                           model_specs(cfg), model_shardings(cfg, mesh), is_leaf=S.is_spec)
   return cfg, restore_params(cfg, str(path), abstract, str(path / "params"))

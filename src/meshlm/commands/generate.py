@@ -72,11 +72,9 @@ def main(args: list[str]) -> int:
   ids = [int(t) for t in tok.encode(opts["prompt"])]
   stop = [int(s) for s in opts["stop"].split(",") if s.strip()]
   check_request(cfg, [ids], opts["max_new_tokens"], opts["temperature"], opts["top_k"], opts["top_p"])
-  # The whole model tree: the parameters and the model state (a routing bias) forward reads.
-  shardings = decoder.merge_state(decoder.param_shardings(cfg, mesh), decoder.model_state_shardings(cfg, mesh))
-  specs = decoder.merge_state(decoder.param_specs(cfg), decoder.model_state_specs(cfg))
+  shardings = decoder.model_shardings(cfg, mesh)  # the model-state leaves included
   abstract = jax.tree.map(lambda sh, s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shardings,
-                          specs, is_leaf=lambda x: hasattr(x, "axes"))
+                          decoder.model_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
   params = load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)
   new = _completion(cfg, params, ids, opts, stop or None, mesh)
   print(printable(opts["prompt"] + tok.decode(new)))

@@ -90,17 +90,6 @@ def _family_of_cfg(cfg: Config) -> maps.Adapter:
   return importlib.import_module(ADAPTERS[cfg.model.family]).ADAPTER
 
 
-def model_specs(cfg: Config) -> dict:
-  """The whole model tree's specs: the parameters with the model-state leaves beside them."""
-  from meshlm.models import decoder
-  return decoder.merge_state(decoder.param_specs(cfg), decoder.model_state_specs(cfg))
-
-
-def model_shardings(cfg: Config, mesh) -> dict:
-  from meshlm.models import decoder
-  return decoder.merge_state(decoder.param_shardings(cfg, mesh), decoder.model_state_shardings(cfg, mesh))
-
-
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One meshlm parameter leaf and where its values live in the HF checkpoint.
@@ -146,7 +135,7 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
   out = []
   lp = decoder.plan(cfg)
   rows = {k: [i for i, kind in enumerate(lp.kinds) if kind == k] for k in lp.kind_names()}
-  flat = jax.tree_util.tree_flatten_with_path(model_specs(cfg), is_leaf=S.is_spec)[0]
+  flat = jax.tree_util.tree_flatten_with_path(decoder.model_specs(cfg), is_leaf=S.is_spec)[0]
   for kpath, s in flat:
     path = tuple(k.key for k in kpath)
     ids: tuple[int, ...] = ()
@@ -423,6 +412,7 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   With no mesh, builds the config's mesh (meshlm.parallel.make_mesh).
   """
   import jax
+  from meshlm.models import decoder
   from meshlm.parallel.mesh import make_mesh
   path = Path(path)
   base = {"model_name": path.name, "model": model_fields(path)}
@@ -433,7 +423,7 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   fam, _, wrapped = resolve(hf, str(path / "config.json"))
   ents = entries(cfg, wrapped)
   files = _tensor_files(path)
-  shardings = model_shardings(cfg, mesh)
+  shardings = decoder.model_shardings(cfg, mesh)
   dtype = np.dtype(cfg.train.param_dtype)
   skip = fam.skipped + (wrapped.skipped if wrapped else ())
   if fam.mtp_layers:

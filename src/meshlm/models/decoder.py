@@ -77,6 +77,16 @@ def model_state_shardings(cfg: Config, mesh) -> dict:
   return _shardings(model_state_specs(cfg), mesh)
 
 
+def model_specs(cfg: Config) -> dict:
+  """The whole model tree's specs: the parameters' with the model-state leaves merged in (what
+  checkpoints, model directories and Hugging Face files hold, and what forward and generate take)."""
+  return merge_state(param_specs(cfg), model_state_specs(cfg))
+
+
+def model_shardings(cfg: Config, mesh) -> dict:
+  return _shardings(model_specs(cfg), mesh)
+
+
 def merge_state(params: dict, model_state: dict) -> dict:
   """The whole model tree: the parameters with the model-state leaves beside them (what forward,
   checkpoints and Hugging Face files hold)."""
@@ -105,11 +115,6 @@ def split_state(cfg: Config, tree: dict) -> tuple[dict, dict]:
       state["layers"][kind][key] = {name: sub.pop(name) for name in leaves}
       params["layers"][kind][key] = sub
   return params, state
-
-
-def after_step_side_names(cfg: Config) -> tuple[str, ...]:
-  """The side outputs the parts' after_step rules read."""
-  return tuple(sorted(after_step_side(cfg)))
 
 
 def after_step_side(cfg: Config) -> dict[str, str]:

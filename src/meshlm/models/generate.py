@@ -205,12 +205,6 @@ def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: fl
           jax.jit(decode_loop, donate_argnums=(5,)))
 
 
-def model_shardings(cfg: Config, mesh):
-  """The shardings of the whole model tree sampling reads: the parameters with the model-state leaves beside
-  them (decoder.merge_state; deepseek_v3's router_bias), as Hugging Face imports and checkpoints hold it."""
-  return decoder.merge_state(decoder.param_shardings(cfg, mesh), decoder.model_state_shardings(cfg, mesh))
-
-
 def stop_ids(cfg: Config, stop_tokens: Sequence[int] | None) -> list[int]:
   """The ids that end a row: stop_tokens when given (() for none), else the model's eos_token_id."""
   if stop_tokens is not None:
@@ -226,7 +220,8 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
 
   A row stops after it samples a stop token (kept as its last token): stop_tokens, or by default the
   model's eos_token_id (model.eos_token_id; pass () to never stop early). seed: an int (row b draws
-  with seed + b) or one seed per row. mesh: where params live (default: the config's mesh; params not
+  with seed + b) or one seed per row. params: the whole model tree, the model-state leaves merged in
+  (decoder.merge_state; what checkpoints hold). mesh: where params live (default: the config's mesh; params not
   yet on it are placed onto their shardings).
   """
   from meshlm.parallel.mesh import make_mesh
@@ -236,7 +231,7 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
   if seeds.shape != (B,):
     raise ConfigError(f"seed: {len(seeds)} seeds for {B} prompts; give one int or one seed per prompt")
   mesh = make_mesh(cfg) if mesh is None else mesh
-  params = jax.device_put(params, model_shardings(cfg, mesh))
+  params = jax.device_put(params, decoder.model_shardings(cfg, mesh))
   lengths = np.array([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()), cfg.model.max_position)
   N = bucket(max_new_tokens, cfg.model.max_position)
@@ -264,7 +259,7 @@ def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_
   from meshlm.parallel.mesh import make_mesh
   check_request(cfg, prompts, max_new_tokens, 0.0, None, 1.0)
   mesh = make_mesh(cfg) if mesh is None else mesh
-  params = jax.device_put(params, model_shardings(cfg, mesh))
+  params = jax.device_put(params, decoder.model_shardings(cfg, mesh))
   out = []
 
   @jax.jit

@@ -63,7 +63,7 @@ from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
-from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
+from meshlm.parallel.sharding import constrain, current_mesh, logical_spec, out_sharding
 
 ROUTER_LOGITS = ("batch", "length", None)
 ROUTER_AXES = ("embed", None)
@@ -183,14 +183,11 @@ def aux_stats(logits_BTE: jax.Array, probs_BTE: jax.Array, ids_BTk: jax.Array, n
   mask = jnp.ones(ids_BTk.shape[:2], jnp.float32) if token_mask_BT is None else token_mask_BT.astype(jnp.float32)
   rows = jnp.maximum(jnp.sum(mask), 1.0)
   onehot = jax.nn.one_hot(ids_BTk, E, dtype=jnp.float32)  # [B, T, k, E]
-  if token_mask_BT is None:
-    fraction = jnp.einsum("btke,bt->e", onehot, mask) / rows
-    prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask) / rows
-  else:
-    # A mask sharded like the tokens: a product and a sum (an einsum contracting two batch-sharded
-    # operands has no unambiguous output sharding under explicit sharding).
-    fraction = jnp.sum(onehot * mask[:, :, None, None], axis=(0, 1, 2)) / rows
-    prob = jnp.sum(probs_BTE.astype(jnp.float32) * mask[:, :, None], axis=(0, 1)) / rows
+  # A mask sharded like the tokens makes both einsum operands batch-sharded: under explicit sharding
+  # the output's sharding must then be named (replicated [E]).
+  out = {} if token_mask_BT is None else {"out_sharding": out_sharding((None,), (E,))}
+  fraction = jnp.einsum("btke,bt->e", onehot, mask, **out) / rows
+  prob = jnp.einsum("bte,bt->e", probs_BTE.astype(jnp.float32), mask, **out) / rows
   z = jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1)
   return {
       "moe_load_balance_loss": E * jnp.sum(fraction * prob),

@@ -93,12 +93,13 @@ def _local_route(probs_BTE, forced_BTk, mask_BT, *select_args, k: int, norm_topk
   is_forced = forced[:, 0] >= 0
   need = ~is_forced & (mask_BT.reshape(M) > 0)
   sg = jax.lax.stop_gradient(probs)
-  pick = plain_topk if select is None else (lambda sc, kk: select(sc, *select_args, k=kk))
+  # The router's own selection, passed only when it has one (the plain calls stay as they were).
+  pick = () if select is None else (lambda sc, kk: select(sc, *select_args, k=kk),)
   if impl == "full" or rows >= M:
-    top = full_topk(sg, need, k, pick)
+    top = full_topk(sg, need, k, *pick)
   else:
-    top = jax.lax.cond(compact_fits(need, rows), lambda: compact_topk(sg, need, k, rows, pick),
-                       lambda: full_topk(sg, need, k, pick))
+    top = jax.lax.cond(compact_fits(need, rows), lambda: compact_topk(sg, need, k, rows, *pick),
+                       lambda: full_topk(sg, need, k, *pick))
   ids = jnp.where(is_forced[:, None], forced, top)  # [M, k]
   w = jnp.take_along_axis(probs, ids, axis=-1)  # the live probabilities at the ids: the router's gradient
   if weigh is not None:

@@ -31,6 +31,7 @@ from meshlm.config import Config, to_yaml
 from meshlm.errors import ConfigError
 from meshlm.console import make_console
 from meshlm.fsutil import write_text
+from meshlm.models.decoder import merge_state, split_state
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.step import TrainState, build_train_step, global_batch_size
@@ -342,7 +343,6 @@ starts leaves no directory it created behind.
 
 def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
          on_step: Callable[[int], None] | None = None) -> TrainResult:
-  from meshlm.models.decoder import merge_state, split_state
   from meshlm.train.checkpoint import load_params
   from meshlm.train.data import ByteTokenizer
   from meshlm.train.run_dir import resume_mismatch
@@ -366,10 +366,10 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     start = 0
     state = step_fn.init_state(rng)
     if cfg.checkpoint.load_params_from:
-      abstract, shardings = step_fn.abstract_state(), step_fn.state_shardings()
-      # The model state (a routing bias) comes with the parameters; the optimizer state starts fresh.
+      # The whole model tree, its model-state leaves (e.g. a routing bias) included.
+      abstract, sh = step_fn.abstract_state(), step_fn.state_shardings()
       tree = load_params(cfg, cfg.checkpoint.load_params_from, merge_state(abstract.params, abstract.model_state),
-                         merge_state(shardings.params, shardings.model_state), step_fn.mesh)
+                         merge_state(sh.params, sh.model_state), step_fn.mesh)
       params, model_state = split_state(cfg, tree)
       state = state._replace(params=params, model_state=model_state)
       say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
@@ -393,7 +393,8 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     prompt = [int(i) for i in tok.encode(text.encode())]
     room = cfg.model.max_position - len(prompt)
     if room > 0:
-      gen = generate(cfg, state.params, [prompt], max_new_tokens=min(t.sample_tokens, room),
-                     temperature=t.sample_temperature, seed=t.seed, mesh=step_fn.mesh)
+      gen = generate(cfg, merge_state(state.params, state.model_state), [prompt],
+                     max_new_tokens=min(t.sample_tokens, room), temperature=t.sample_temperature, seed=t.seed,
+                     mesh=step_fn.mesh)
       sample = text + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)

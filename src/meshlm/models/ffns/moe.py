@@ -141,6 +141,13 @@ def validate_group_routing(m: ModelConfig, *, shared: bool = False) -> None:
   if k > m.topk_group * (E // G):
     raise ConfigError(f"model.num_experts_per_tok={k} is larger than model.topk_group x experts per group = "
                       f"{m.topk_group} x {E // G}: the kept groups hold too few experts; raise model.topk_group")
+  if m.router_dtype != "float32":
+    raise ConfigError(f"model.router_dtype={m.router_dtype}: group-limited sigmoid routing computes its router "
+                      "logits in float32; leave it at float32")
+  if m.router_aux_loss_coef > 0:
+    raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef}: the Switch load-balancing loss reads "
+                      "softmax probabilities; group-limited sigmoid routing balances through its routing bias "
+                      "(model.router_bias_update_rate); leave it at 0")
 
 
 def validate_softmax_routing(m: ModelConfig) -> None:
