@@ -273,3 +273,16 @@ def test_softmax_families_refuse_the_group_routing_keys(preset, key):
   with pytest.raises(ConfigError) as e:
     registry.family(load_config(f"model={preset}", key))
   assert str(e.value).startswith(key) and "routes with softmax" in str(e.value)
+
+
+def test_a_checkpoint_from_before_these_keys_still_matches():
+  """A checkpoint's model record without the routing keys (written before they existed) had their
+  defaults: it matches a softmax model, and not one that sets a key (control)."""
+  from meshlm.train.checkpoint import _model_mismatch
+  cfg = load_config("model=mixtral-tiny")
+  old = {k: v for k, v in cfg.model.model_dump(mode="json").items()
+         if k not in ("router_scoring", "n_group", "topk_group", "routed_scaling_factor", "router_bias_update_rate",
+                      "router_group_mask")}
+  assert _model_mismatch(old, cfg) is None
+  bad = _model_mismatch(old, load_config("model=mixtral-tiny", "model.n_group=2"))
+  assert bad.startswith("model.n_group is 2 here but 1 in the checkpoint")

@@ -134,6 +134,10 @@ def _data_state(data: dict, path: str) -> dict:
 
 def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   ours = cfg.model.model_dump(mode="json")
+  # A key the checkpoint predates had its default then (e.g. model.router_scoring: softmax).
+  fields = type(cfg.model).model_fields
+  saved = {**{k: fields[k].get_default(call_default_factory=True) for k in ours if k in fields and k not in saved},
+           **saved}
   for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS)):  # ids change no parameter
     if saved.get(k) != ours.get(k):
       return f"model.{k} is {ours.get(k)!r} here but {saved.get(k)!r} in the checkpoint"
