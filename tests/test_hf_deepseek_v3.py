@@ -343,14 +343,17 @@ def controls(cfg):
                                                         "mscale_all_dim": s["mscale"]}), None),
       "rope not interleaved": (with_model(cfg, rope_interleave=False), None),
       "router bias zero": (cfg, zero_router_bias),
+      "dropped groups at 0.0": (with_model(cfg, router_group_mask="zero"), None),
   }
 
 
-@pytest.mark.parametrize("control", ["mscales swapped", "rope not interleaved", "router bias zero"])
+@pytest.mark.parametrize("control", ["mscales swapped", "rope not interleaved", "router bias zero",
+                                     "dropped groups at 0.0"])
 def test_wrong_variants_fail_parity(loaded, control):
-  """Negative controls on deepseek-v3: each one thing wrong moves the outputs far past the tolerance (measured:
-  0.40, 0.74 and 0.82; the group limit lifted, 0.71, and transformers 5's -inf fill for the dropped groups, the
-  same 7e-7 as the default zero)."""
+  """Negative controls on deepseek-v3: each one thing wrong moves the outputs far past the tolerance. Measured: 0.40,
+  0.74, 0.82 (the group limit lifted: 0.71). The dropped groups' experts scored 0.0 (transformers 4, DeepSeek's
+  remote code, meshlm's default) instead of transformers 5's -inf, which the import sets: 17 of the fixture's 192
+  (token, layer) choices differ."""
   cfg, params = loaded["deepseek-v3"]
   wrong_cfg, change = controls(cfg)[control]
   err = max(parity_errors(wrong_cfg, change(params) if change else params, "deepseek-v3"))
@@ -364,8 +367,8 @@ def test_config_and_router_bias_are_read(loaded):
       ("deepseek_v3", 18, 14, 8, 8, 10)
   assert (m.num_experts, m.num_experts_per_tok, m.moe_mlp_dim, m.shared_expert_mlp_dim, m.first_k_dense_replace) == \
       (8, 3, 22, 44, 1)
-  assert (m.router_scoring, m.n_group, m.topk_group, m.routed_scaling_factor, m.norm_topk_prob, m.rope_interleave) == \
-      ("sigmoid", 4, 2, 2.5, True, True)
+  assert (m.router_scoring, m.n_group, m.topk_group, m.routed_scaling_factor, m.norm_topk_prob, m.rope_interleave,
+          m.router_group_mask) == ("sigmoid", 4, 2, 2.5, True, True, "-inf")
   assert m.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position": 64.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.2}
   assert loaded["deepseek-v3-noqlora"][0].model.q_lora_rank is None

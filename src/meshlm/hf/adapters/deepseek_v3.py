@@ -142,6 +142,9 @@ def from_hf_config(hf: dict) -> dict:
       "n_group": int(_get(hf, "n_group")),
       "topk_group": int(_get(hf, "topk_group")),
       "routed_scaling_factor": float(_get(hf, "routed_scaling_factor")),
+      # transformers 5's DeepseekV3TopkRouter scores the dropped groups' experts -inf (transformers 4 and DeepSeek's
+      # remote code: 0.0, meshlm's default); they pick different experts when kept experts' biased scores go negative
+      "router_group_mask": "-inf",
       # DeepseekV3ForCausalLM computes no auxiliary loss; a coefficient meshlm wrote comes back
       "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
   }
