@@ -21,7 +21,13 @@ def main(args: list[str], start: float) -> int:
   from meshlm.rl.step import check_rl
   from meshlm.rl.trainer import run
   from meshlm.train.loop import param_counts
-  check_rl(cfg)  # before the banner: a dense model with router replay is refused at once
+  from meshlm.rl.rewards import Rewards
+  from meshlm.rl.rollout import load_prompts
+  from meshlm.train.data.tokenizers import make_tokenizer
+  # Before the banner: the model, the rewards and the prompts are refused in one line each.
+  check_rl(cfg)
+  Rewards.from_config(cfg.rl)
+  load_prompts(cfg, make_tokenizer(cfg))
   trainable, frozen = param_counts(cfg)
   console = make_console()
   rl = cfg.rl

@@ -101,11 +101,20 @@ def row_len(cfg: Config, prompts: list[Prompt]) -> int:
   return -(-n // 8) * 8
 
 
+def sampler_config(cfg: Config) -> Config:
+  """cfg as the sampler sees it: the keys that change nothing it computes (rl.*, run_dir, checkpoint.*,
+  train.freeze/steps/stop_after) at their defaults, so RL runs that differ only there share generate's
+  compiled prefill and decode loop."""
+  train = cfg.train.model_copy(update={"freeze": [], "steps": 1, "stop_after": None})
+  return cfg.model_copy(update={"rl": type(cfg.rl)(), "run_dir": None, "checkpoint": type(cfg.checkpoint)(),
+                                "train": train})
+
+
 def sample(cfg: Config, params, prompt_ids: list[list[int]], seeds: list[int], mesh, stop_tokens) -> G.Generation:
   """G completions of each prompt (rows g*G + j), seeded per row."""
   rl = cfg.rl
   rows = [p for p in prompt_ids for _ in range(rl.num_generations)]
-  return G.generate(cfg, params, rows, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_k=rl.top_k,
+  return G.generate(sampler_config(cfg), params, rows, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_k=rl.top_k,
                     top_p=rl.top_p, stop_tokens=stop_tokens, seed=seeds, mesh=mesh)
 
 

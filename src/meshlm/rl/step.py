@@ -110,6 +110,7 @@ def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows
   mb_tokens = jnp.sum(mask)
   share = mb_tokens / num_tokens
   metrics = {"ratio_mean": sg(st["ratio_sum"]) / num_tokens, "ratio_max": sg(st["ratio_max"]),
+             "ratio_min": sg(st["ratio_min"]),
              "clip_frac": st["clipped_sum"] / num_tokens, "kl": sg(st["kl_sum"]) / num_tokens,
              "entropy": sg(jnp.sum(entropy * mask)) / num_tokens,
              "logp_gap_mean": jnp.sum(gap) / num_tokens, "logp_gap_max": jnp.max(gap)}

@@ -147,7 +147,7 @@ class Trainer:
     """The greedy mean reward over the first rl.eval_prompts prompts (the sampler's eval, no training)."""
     from meshlm.models.generate import generate
     ps = self.prompts[:self.cfg.rl.eval_prompts]
-    gen = generate(self.cfg, self.params_of(state), [p.ids for p in ps], max_new_tokens=self.cfg.rl.max_new_tokens,
+    gen = generate(R.sampler_config(self.cfg), self.params_of(state), [p.ids for p in ps], max_new_tokens=self.cfg.rl.max_new_tokens,
                    temperature=0.0, stop_tokens=self.stops, mesh=self.mesh)
     texts = [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
     rows = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(ps, gen.lengths)]
