@@ -13,6 +13,7 @@ so a resumed run draws what the straight run drew.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 import warnings
@@ -22,6 +23,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
+from meshlm.fsutil import write_text
 from meshlm.models import decoder
 from meshlm.parallel.mesh import make_mesh
 from meshlm.rl import loss as L
@@ -243,6 +245,12 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   evals = {r["step"]: r["eval_reward"] for r in records if "eval_reward" in r}
   if out.stop_reason == "done" and cfg.rl.eval_every and records:
     evals[cfg.train.steps] = tr.evaluate(out.state)
+    if jax.process_index() == 0:
+      # The greedy evaluations of the whole run (after the last step too), beside metrics.jsonl.
+      path = os.path.join(cfg.run_dir, "eval.json")
+      old = json.load(open(path)) if os.path.exists(path) else {}
+      old.update({str(k): v for k, v in evals.items()})
+      write_text(path, json.dumps(dict(sorted(old.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
   return RLResult([r["reward_mean"] for r in records], out.losses, evals, out.state, start, out.stop_reason, out.saved,
                   out.signal, cfg.run_dir, records)
 
