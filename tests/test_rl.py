@@ -8,11 +8,14 @@
   the unperturbed router reports none.
 - 20 RL steps leave the frozen router bit-unchanged; the census of the RL step has no router weight-
   gradient dot (and has them when nothing is frozen: control).
-- 10 + 10 steps (a resume from the checkpoint) equal 20 straight, in rewards and parameters.
+- SIGTERM after step 9 saves checkpoint 10; 10 + 10 steps (the resume) equal 20 straight, in rewards,
+  losses and parameters.
 - Explicit and auto sharding give the same RL losses within 1e-5 on fsdp=4.
 - Bad input: one line, exit 2.
 """
 import json
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +57,12 @@ def runs(prompts, tmp_path_factory):
   """20 RL steps straight, and 10 + 10 with a resume (router replay on, router frozen)."""
   root = tmp_path_factory.mktemp("runs")
   straight = TR.run(_cfg(prompts, *REPLAY, "train.steps=20", f"run_dir={root}/a"), show_progress=False)
-  TR.run(_cfg(prompts, *REPLAY, "train.steps=20", "train.stop_after=10", f"run_dir={root}/b"), show_progress=False)
+  # SIGTERM once step 9's metrics are read: the loop saves checkpoint 10 and stops, as on a preemption.
+  term = lambda i: os.kill(os.getpid(), signal.SIGTERM) if i == 9 else None  # noqa: E731
+  first = TR.run(_cfg(prompts, *REPLAY, "train.steps=20", f"run_dir={root}/b"), show_progress=False, on_step=term)
   resumed = TR.run(_cfg(prompts, *REPLAY, "train.steps=20", f"run_dir={root}/b"), show_progress=False)
   records = [json.loads(ln) for ln in open(f"{root}/b/metrics.jsonl")]
-  return straight, resumed, records
+  return straight, (first, resumed), records
 
 
 def test_first_iteration_ratio_is_one_under_top_p_at_every_step(runs):
@@ -82,8 +87,9 @@ def test_frozen_router_is_bit_unchanged_after_20_steps(runs, prompts):
   assert moved["layers.moe.moe.up"] and moved["layers.moe.attn.q"]  # control: the rest trained
 
 
-def test_ten_plus_ten_steps_equal_twenty(runs):
-  straight, resumed, records = runs
+def test_sigterm_saves_and_ten_plus_ten_steps_equal_twenty(runs):
+  straight, (first, resumed), records = runs
+  assert first.stop_reason == "preempted" and first.signal == signal.SIGTERM and first.checkpoint.endswith("/10")
   assert resumed.start_step == 10 and [r["step"] for r in records] == list(range(20))
   assert [r["reward_mean"] for r in records] == straight.rewards
   assert [r["loss"] for r in records] == [r["loss"] for r in straight.records]
@@ -157,6 +163,23 @@ def test_replay_off_reports_the_router_flips_of_a_perturbed_router(rollout):
   assert abs(float(m["ratio_mean"]) - 1) > 1e-3
   # Control: sampled by the trainer's own router, nothing flips and the ratio is 1.
   assert float(same["router_flips_any_layer"]) == 0.0 and abs(float(same["ratio_mean"]) - 1) <= 1e-5
+
+
+def test_sampler_is_and_the_kl_reference_score_the_rollout_with_the_trainer(prompts):
+  """rl.sampler_is=token and rl.beta > 0: the trainer scores the rollout (old policy, and the reference,
+  here the same parameters) with the sampler's truncation, so at the first update the IS weight and
+  the ratio are 1 and the KL is 0, up to the train/sample gap."""
+  tr = TR.Trainer(_cfg(prompts, *REPLAY, "rl.sampler_is=token", "rl.beta=0.1"))
+  state = tr.step.init_state(jax.random.key(0))
+  tr.ref = jax.tree.map(jnp.copy, tr.params_of(state))
+  batch = tr.rollout(state, 0)
+  mask = np.asarray(batch["loss_mask"]) > 0
+  old, samp = np.asarray(batch["old_logp"]), np.asarray(batch["sampler_logp"])
+  assert mask.sum() > 50 and np.max(np.abs(old - samp)[mask]) <= 1e-5 and np.any(old[mask] != samp[mask])
+  np.testing.assert_array_equal(np.asarray(batch["ref_logp"]), old)
+  _, m, _ = tr.updates(state, batch)
+  assert abs(float(m["sampler_is_mean"]) - 1) <= 1e-5 and abs(float(m["ratio_mean"]) - 1) <= 1e-5
+  assert abs(float(m["kl"])) <= 1e-6 and np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
 
 
 def test_census_of_the_rl_step_has_no_router_weight_gradient_dot(prompts):

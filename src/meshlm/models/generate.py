@@ -132,7 +132,8 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int 
   logp = jax.nn.log_softmax(logits, axis=-1)
   if temperature == 0:
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], jnp.zeros(tok.shape, jnp.float32)
+    lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    return tok, lp, jnp.zeros_like(lp)  # zeros with the rows' sharding (explicit refuses a replicated one)
   z = truncate(logits / temperature, top_k, top_p)
   if key.ndim:
     tok = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, z)
