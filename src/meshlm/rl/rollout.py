@@ -138,6 +138,8 @@ def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int
   batch = {"inputs": inputs, "targets": targets, "segment_ids": seg, "loss_mask": mask,
            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
            "sampler_logp": sampler, "old_logp": sampler.copy(), "advantages": np.zeros((B,), np.float32)}
+  if cfg.rl.beta > 0:
+    batch["ref_logp"] = sampler.copy()  # the trainer scores the reference into it (rl/trainer.py)
   if moe:
     ids = gen.expert_ids  # [B, T_gen, L, k]; position p: token p's routing, -1 where none was fed
     forced = np.full((B, T) + ids.shape[2:], -1, np.int32)
