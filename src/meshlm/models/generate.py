@@ -171,6 +171,8 @@ def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: fl
   records = recorded_inputs(cfg)
 
   def keys_at(seeds_B, t):
+    # Row keys sharded as the rows are: the draw vmaps over keys and batch-sharded logits together.
+    seeds_B = constrain(seeds_B, ("batch",))
     return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), t))(seeds_B)
 
   def prefill(params, tokens_BT, lengths_B, seeds_B, stops, cache_len, new_len, total_len):

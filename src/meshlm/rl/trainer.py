@@ -223,7 +223,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   train_time = {}
 
   def step_fn(state, batch):
-    i = int(state.step)
+    i = min(tr.host_metrics)  # the rollout this batch came from (state.step counts updates: num_iterations each)
     state, m, dt = tr.updates(state, batch)
     holder["state"] = state
     host = tr.host_metrics.pop(i)
