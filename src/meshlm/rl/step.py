@@ -135,6 +135,11 @@ def build_rl_step(cfg: Config, mesh=None) -> ST.TrainStep:
   """The train step with the GRPO loss and the RL batch fields; global batch rows = prompts x G."""
   check_rl(cfg)
   rows = cfg.rl.prompts_per_step * cfg.rl.num_generations
+  n = cfg.rl.num_iterations
+  if n > 1:
+    # The learning-rate schedule counts updates: rl.num_iterations per RL step (train.steps counts RL steps).
+    t = cfg.train
+    cfg = cfg.model_copy(update={"train": t.model_copy(update={"steps": t.steps * n, "warmup_steps": t.warmup_steps * n})})
   return ST.build_train_step(cfg, mesh, loss_fn=functools.partial(rl_loss, num_rows=rows), batch_spec=rl_fields(cfg))
 
 
