@@ -242,7 +242,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, prompts, case, msg):
   path.write_text("" if case == "empty" else '{"prompt": "rev ab="}\n' + json.dumps({"prompt": "x" * 70}) + "\n")
   args = [*SMALL, *RL, f"rl.prompts={path}", f"run_dir={tmp_path}/run", "cpu_devices=1"]
   args += {"groups": ["rl.num_generations=1"], "unknown": ["rl.reward=[exactly]"],
-           "import": ["rl.reward=[no_such_module_xyz:f]"], "empty": [], "long": [],
+           "import": ["rl.reward=no_such_module_xyz:f"], "empty": [], "long": [],  # import: one reward, no brackets
            "dense": ["model=llama2-tiny", "rl.router_replay=true"]}[case]
   if case in ("unknown", "import", "dense", "groups"):
     args[args.index(f"rl.prompts={path}")] = f"rl.prompts={prompts}"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -334,8 +334,8 @@ class RLConfig(_Strict):
   top_k: Optional[int] = Field(default=None, gt=0, description="sample from the k most likely tokens; null: all")
   top_p: float = Field(default=1.0, gt=0, le=1, description="sample from the smallest set of tokens whose mass reaches "
                        "top_p")
-  reward: list[str] = Field(default_factory=lambda: ["exact_match"], description="rewards: exact_match, numeric_match, "
-                            "regex, length_penalty, or module:function (prompt, completion, row) -> float")
+  reward: list[str] = Field(default_factory=lambda: ["exact_match"], description="reward, or a list of them: exact_match, "
+                            "numeric_match, regex, length_penalty, or module:function (prompt, completion, row) -> float")
   reward_weights: Optional[list[float]] = Field(default=None, description="one weight per rl.reward; null: all 1")
   reward_regex: Optional[str] = Field(default=None, description="the pattern the `regex` reward searches the completion "
                                       "for (1 if found, else 0)")
@@ -364,6 +364,11 @@ class RLConfig(_Strict):
   eval_every: int = Field(default=0, ge=0, description="every N steps, the greedy reward on rl.eval_prompts prompts "
                           "(0: never)")
   eval_prompts: int = Field(default=64, gt=0, description="prompts of the greedy evaluation (the first of the file)")
+
+  @field_validator("reward", mode="before")
+  @classmethod
+  def _one_reward(cls, v):
+    return [v] if isinstance(v, str) else v  # rl.reward=exact_match names one reward
 
   @model_validator(mode="after")
   def _groups(self):
