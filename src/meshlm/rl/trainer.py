@@ -196,6 +196,8 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   state, start, rng, counters, data_state = LP.restore_or_init(cfg, step, ckpt, say)
   if data_state is not None:
     tr.iterator.set_state(data_state["prompts"])
+    tr.rewards.errors.update(data_state.get("reward_errors", {}))
+    tr._errors_seen = sum(tr.rewards.errors.values())
   if cfg.rl.beta > 0:
     # The reference is the starting policy: the loaded (or initial) parameters, also on resume.
     ref_state = step.init_state(jax.random.key(cfg.train.seed)) if start else state
@@ -238,7 +240,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   loop = LP.Loop(cfg, step_fn, ckpt, console, say, Recorder(), step.global_batch * cfg.train.seq_len, show_progress,
                  t_start, on_step, queue_ahead=False, progress_extra=progress)
   out = loop.run(state, start, rng, counters, fetch=lambda i: tr.rollout(holder["state"], i),
-                 position=lambda: {"prompts": tr.iterator.get_state()})
+                 position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors)})
   if out.nonfinite_msg:
     ckpt.wait()
     raise LP.NonFiniteStop(out.nonfinite_msg)
