@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench bench-table clean
+.PHONY: setup train test bench bench-table rl-demo clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (set PYTHON=...)" >&2; exit 1; }
@@ -32,6 +32,27 @@ bench: $(STAMP)
 # The explicit-vs-auto table for every tiny preset into docs/performance.md (about an hour; a quiet machine).
 bench-table: $(STAMP)
 	$(BIN)/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/performance.md
+
+# The RL demo (docs/rl.md): the toy reversal task's data, a supervised warm-start with `meshlm train`, then
+# GRPO with `meshlm rl` on the same MoE model (qwen3-moe-tiny at small widths), router replay on and the
+# router frozen, and the reward curve into docs/rl-reward-curve.png. About 5 minutes on 2 CPU cores.
+RL_DEMO ?= runs/rl-demo
+RL_MODEL := model=qwen3-moe-tiny model.embed_dim=64 model.num_heads=4 model.num_kv_heads=2 model.head_dim=16 \
+  model.mlp_dim=128 model.moe_mlp_dim=64 model.vocab_size=257 model.max_position=64
+RL_COMMON := train.compute_dtype=float32 train.seq_len=64 cpu_devices=1
+RL_SFT_STEPS ?= 60
+RL_STEPS ?= 400
+rl-demo: $(STAMP)
+	rm -rf $(RL_DEMO)
+	$(BIN)/python -m meshlm.rl.toy $(RL_DEMO)/data --n 2000 --seed 0
+	$(BIN)/meshlm train $(RL_MODEL) $(RL_COMMON) data.path=$(RL_DEMO)/data/sft.jsonl train.per_device_batch_size=16 \
+	  train.steps=$(RL_SFT_STEPS) train.learning_rate=3e-3 train.warmup_steps=10 train.sample_tokens=0 run_dir=$(RL_DEMO)/sft
+	$(BIN)/meshlm rl model=$(RL_DEMO)/sft $(RL_COMMON) rl.prompts=$(RL_DEMO)/data/prompts.jsonl \
+	  "rl.reward=[meshlm.rl.toy:reverse_reward]" rl.router_replay=true "train.freeze=['.*\.router']" \
+	  rl.prompts_per_step=16 rl.num_generations=8 rl.max_new_tokens=8 train.steps=$(RL_STEPS) \
+	  train.learning_rate=4e-4 train.warmup_steps=10 train.weight_decay=0 rl.eval_every=25 rl.eval_prompts=128 \
+	  run_dir=$(RL_DEMO)/rl
+	$(BIN)/python benchmarks/rl_curve.py $(RL_DEMO)/rl --png docs/rl-reward-curve.png
 
 clean:
 	rm -rf $(VENV) runs

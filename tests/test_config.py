@@ -110,7 +110,8 @@ def test_suggestions_come_from_the_schema():
   assert len(names) == len(set(names)) and "train.steps" in names and "distributed.timeout_s" in names
   for name in names:  # every key is its own closest match, and a one-letter typo finds it
     assert suggest(name) == name
-    if len(name.rpartition(".")[2]) >= 4:  # train.b1 -> train.bx is as near to train.b2
+    twin = any(o != name and o[:-1] == name[:-1] for o in names)  # rl.top_k / rl.top_p: a typo there is ambiguous
+    if len(name.rpartition(".")[2]) >= 4 and not twin:  # train.b1 -> train.bx is as near to train.b2
       assert suggest(name[:-1] + ("x" if name[-1] != "x" else "y")) == name, name
 
 

@@ -112,10 +112,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
   logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
   seen = set()
   for s in range(200):
-    tok, lp = G.sample(logits, jax.random.key(s), 1.0, None, 0.75)
+    tok, lp, lq = G.sample(logits, jax.random.key(s), 1.0, None, 0.75)
     seen.add(int(tok[0]))
+    # The drawn-from distribution is {0: 0.5/0.8, 1: 0.3/0.8}; the model's is the untruncated one.
+    assert abs(float(lq[0]) - np.log([0.5 / 0.8, 0.3 / 0.8][int(tok[0])])) < 1e-6
+    assert abs(float(lp[0]) - np.log([0.5, 0.3][int(tok[0])])) < 1e-6
   assert seen == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
-  tok, lp = G.sample(logits, jax.random.key(0), 0.0, None, 1.0)
+  tok, lp, _ = G.sample(logits, jax.random.key(0), 0.0, None, 1.0)
   assert int(tok[0]) == 0 and abs(float(lp[0]) - np.log(0.5)) < 1e-6
 
 

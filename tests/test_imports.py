@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 RANKS = {
     "errors": 0, "spec": 0, "console": 0, "fsutil": 0,
     "config": 1, "parallel": 2, "nn": 3, "models": 4, "hf": 5, "train": 6,
-    "analysis": 7, "bench": 8, "commands": 9, "cli": 10, "meshlm": 10,
+    "rl": 7, "analysis": 7, "bench": 8, "commands": 9, "cli": 10, "meshlm": 10,
 }
 
 

@@ -96,13 +96,15 @@ def test_eos_stops_a_row_by_default():
 def test_a_batch_the_mesh_divides_samples_as_on_one_device(mode):
   """4 prompts on fsdp=2: the rows are sharded (3 prompts, as above, are not). Prefill's token and log-prob
   buffers and the routed-ids record are built with the rows' sharding; explicit sharding refused the
-  replicated buffers written with sharded rows. Tokens and expert ids equal one device's, log-probs to 1e-5."""
+  replicated buffers written with sharded rows, and the draw refused replicated row keys with sharded logits.
+  Tokens and expert ids equal one device's, log-probs to 1e-5."""
   prompts = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [8, 8]]
 
   def sample(*overrides, key=0):
     cfg = meshlm.load_config("model=qwen3-moe-tiny", "train.compute_dtype=float32", *overrides)
     params = meshlm.init_params(cfg, jax.random.key(key))
-    return G.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=())
+    # Sampled (temperature, top-p): the row keys are sharded as the rows, and each row draws as on one device.
+    return G.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=(), temperature=0.8, top_p=0.9)
 
   one = sample("cpu_devices=1")
   two = sample("cpu_devices=2", "mesh.fsdp=2", f"shard_mode={mode}")

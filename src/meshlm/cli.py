@@ -1,4 +1,4 @@
-"""meshlm <command> [key=value ...]: train | census | compare | bench | convert | generate."""
+"""meshlm <command> [key=value ...]: train | rl | census | compare | bench | convert | generate."""
 from __future__ import annotations
 
 import signal
@@ -12,6 +12,7 @@ USAGE = """usage: meshlm <command> [key=value ...]
 
 commands:
   train     train a model: meshlm train model=llama2-tiny train.steps=100
+  rl        GRPO with rewards: meshlm rl model=RUN_DIR rl.prompts=prompts.jsonl rl.reward=exact_match
   presets   list the model presets
   convert   Hugging Face <-> meshlm: meshlm convert hf-to-meshlm SRC DST | meshlm-to-hf SRC DST
   census    HLO census of the train step: meshlm census [key=value ...] [--json]
@@ -25,6 +26,7 @@ Keys are dotted paths into the config; model=NAME picks a preset.
 # One-line summaries for `meshlm <command> --help`; each command's usage line comes from its module.
 SUMMARIES = {
     "train": "Train a model; the same command with the same run_dir resumes from its latest checkpoint.",
+    "rl": "Reinforcement learning (GRPO) on prompts with rewards; the same command with the same run_dir resumes.",
     "census": "HLO census of the train step `meshlm train` would compile (nothing runs).",
     "compare": "A/B census: the same train step under two or more arms of overrides.",
     "bench": "Interleaved timing of the train step under one or more arms of overrides.",
@@ -42,6 +44,9 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
   """(usage line, the command's own options or None); each comes from the command's module."""
   if cmd == "train":
     return "meshlm train [key=value ...]", None
+  if cmd == "rl":
+    from meshlm.commands.rl import USAGE
+    return USAGE, None
   if cmd in ("census", "compare"):
     from meshlm.commands import census as c
     return (c.CENSUS_USAGE, c.CENSUS_OPTIONS) if cmd == "census" else (c.COMPARE_USAGE, c.COMPARE_OPTIONS)
@@ -141,6 +146,11 @@ def cmd_train(args: list[str], start: float) -> int:
   return 0
 
 
+def cmd_rl(args: list[str], start: float) -> int:
+  from meshlm.commands.rl import main as rl_main
+  return rl_main(args, start)
+
+
 def cmd_presets(args: list[str], start: float) -> int:
   """Each preset with its family and parameter count (from the spec tree; nothing is allocated)."""
   from meshlm.config import load_config, preset_names
@@ -177,7 +187,7 @@ def cmd_generate(args: list[str], start: float) -> int:
   return generate_main(args)
 
 
-COMMANDS = {"generate": cmd_generate, "train": cmd_train, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
+COMMANDS = {"generate": cmd_generate, "train": cmd_train, "rl": cmd_rl, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
             "compare": cmd_compare, "bench": cmd_bench}
 
 

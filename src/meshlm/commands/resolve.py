@@ -74,6 +74,9 @@ def refuse_shape_overrides(value: str, tree: dict[str, Any], pairs: list[tuple[s
   from meshlm.models import decoder  # lazy: jax, only once a directory is named
 
   def shapes(t: dict) -> dict:
+    # The model alone decides the shapes: a train.seq_len default beyond a small model.max_position must
+    # not fail here (the real config, overrides applied, is validated on its own).
+    t = dict(t, train={"seq_len": 1})
     flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(loader.validate(t)), is_leaf=S.is_spec)[0]
     return {".".join(str(k.key) for k in p): s.shape for p, s in flat}
 

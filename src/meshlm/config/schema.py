@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -360,6 +360,66 @@ class DistributedConfig(_Strict):
     return self.auto or self.coordinator is not None
 
 
+class RLConfig(_Strict):
+  """`meshlm rl`: GRPO on prompts with rewards (docs/rl.md describes every key)."""
+  prompts: Optional[str] = Field(default=None, description="JSONL file of prompts: a `prompt` field per line plus any "
+                                 "fields the rewards read (e.g. `answer`)")
+  prompts_per_step: int = Field(default=4, gt=0, description="prompts per RL step; the step trains on "
+                                "prompts_per_step x num_generations completions")
+  num_generations: int = Field(default=4, description="G: completions sampled per prompt (at least 2: the group "
+                               "normalizes the rewards)")
+  max_new_tokens: int = Field(default=32, gt=0, description="longest completion sampled")
+  temperature: float = Field(default=1.0, gt=0, description="sampling temperature (> 0)")
+  top_k: Optional[int] = Field(default=None, gt=0, description="sample from the k most likely tokens; null: all")
+  top_p: float = Field(default=1.0, gt=0, le=1, description="sample from the smallest set of tokens whose mass reaches "
+                       "top_p")
+  reward: list[str] = Field(default_factory=lambda: ["exact_match"], description="reward, or a list of them: exact_match, "
+                            "numeric_match, regex, length_penalty, or module:function (prompt, completion, row) -> float")
+  reward_weights: Optional[list[float]] = Field(default=None, description="one weight per rl.reward; null: all 1")
+  reward_regex: Optional[str] = Field(default=None, description="the pattern the `regex` reward searches the completion "
+                                      "for (1 if found, else 0)")
+  scale_rewards: Literal["group", "batch", "none"] = Field(
+      default="group", description="advantage = (reward - group mean) / std of the group | the batch | 1 (none: "
+      "Dr. GRPO)")
+  epsilon: float = Field(default=0.2, gt=0, description="clip the ratio below at 1 - epsilon")
+  epsilon_high: Optional[float] = Field(default=None, gt=0, description="clip the ratio above at 1 + epsilon_high "
+                                        "(DAPO clip-higher); null: epsilon")
+  ratio_level: Literal["token", "sequence"] = Field(
+      default="token", description="importance ratio per token, or per sequence (GSPO: exp of the mean log-ratio)")
+  loss_agg: Literal["token_mean", "sequence_mean", "constant"] = Field(
+      default="token_mean", description="token_mean over all completion tokens (DAPO), sequence_mean of per-sequence "
+      "means (GRPO), constant: the sum over B x max_new_tokens (Dr. GRPO)")
+  beta: float = Field(default=0.0, ge=0, description="KL coefficient to the frozen starting policy (k3 estimator); 0 "
+                      "keeps no reference")
+  num_iterations: int = Field(default=1, gt=0, description="policy updates per batch of samples")
+  score_truncated: bool = Field(default=True, description="the trainer scores completions under the sampler's "
+                                "temperature, top-k and top-p (false: temperature only, the biased comparison)")
+  sampler_is: Literal["none", "token", "sequence"] = Field(
+      default="none", description="truncated importance sampling of the train/sample mismatch: per token or per "
+      "sequence (the trainer scores the rollout once more)")
+  sampler_is_cap: float = Field(default=2.0, gt=0, description="cap of the sampler_is weight")
+  router_replay: bool = Field(default=False, description="the training forward routes every token with the "
+                              "sampler's expert ids (MoE models)")
+  eval_every: int = Field(default=0, ge=0, description="every N steps, the greedy reward on rl.eval_prompts prompts "
+                          "(0: never)")
+  eval_prompts: int = Field(default=64, gt=0, description="prompts of the greedy evaluation (the first of the file)")
+
+  @field_validator("reward", mode="before")
+  @classmethod
+  def _one_reward(cls, v):
+    return [v] if isinstance(v, str) else v  # rl.reward=exact_match names one reward
+
+  @model_validator(mode="after")
+  def _groups(self):
+    if self.num_generations < 2:
+      raise ValueError(f"rl.num_generations={self.num_generations}: GRPO normalizes each prompt's rewards over its "
+                       "group, so it needs at least 2 completions per prompt; set rl.num_generations=4")
+    if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+      raise ValueError(f"rl.reward_weights: {len(self.reward_weights)} weights for {len(self.reward)} rewards "
+                       f"({', '.join(self.reward)}); give one per reward")
+    return self
+
+
 class Config(_Strict):
   model_name: str = Field(default="llama2-tiny", description="the preset's name, recorded in config.yaml and checkpoints")
   model: ModelConfig
@@ -379,6 +439,7 @@ class Config(_Strict):
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   distributed: DistributedConfig = DistributedConfig()
+  rl: RLConfig = RLConfig()
   run_dir: Optional[str] = Field(default=None, description="where metrics.jsonl, config.yaml and checkpoints go; "
                                  "null: a fresh runs/<model_name>-<YYYYmmdd-HHMMSS>")
 

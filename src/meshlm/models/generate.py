@@ -11,9 +11,10 @@ stops when every row has sampled a stop token. Each decode step writes its K/V r
 cache in place. Shapes come in buckets (prompt block, new tokens and cache length rounded up to a power
 of two), so a call compiles the prefill once and the decode loop once per bucket, never once per token.
 
-`logprobs` are log softmax of the model's (soft-capped) logits at the sampled token: the policy's
-log-probabilities that RL needs, independent of temperature, top-k and top-p, which only shape the
-draw. `expert_ids` (models with a part that records what a per-layer input replays: MoE's routed ids)
+`logprobs` are log softmax of the model's (soft-capped) logits at the sampled token, independent of
+temperature, top-k and top-p, which only shape the draw. `sample_logprobs` are the log-probs of the
+distribution the token was really drawn from (after temperature, top-k and top-p, by `truncate`): what
+RL's importance ratio divides by. `expert_ids` (models with a part that records what a per-layer input replays: MoE's routed ids)
 are laid out as the train step's `forced_expert_ids` for the rows prompt + completion: position p of
 row b holds the routing of its token p, and -1 where no token was fed (padding, the last token).
 Sampling is seeded per row (`seed` an int or one per row): row b's draw depends only on its seed, its
@@ -54,6 +55,9 @@ class Generation:
   lengths: np.ndarray  # [B] int32
   recorded: dict[str, np.ndarray]  # per-layer input name -> [B, T, n, ...] what a replay of this sample forces
   compilations: dict[str, int]  # {"prefill": n, "decode": n} traced during this call
+  # [B, N] float32: log q(token | prefix), q the distribution drawn from (temperature, top-k, top-p
+  # applied; 0 when greedy): the RL sampler's old-policy log-probs. 0 after the row's length.
+  sample_logprobs: np.ndarray | None = None
 
   @property
   def expert_ids(self) -> np.ndarray | None:
@@ -100,33 +104,45 @@ def check_request(cfg: Config, prompts: Sequence[Sequence[int]], max_new_tokens:
     raise ConfigError(f"top_k={top_k}: must be at least 1 (or unset for no top-k)")
 
 
+def truncate(z: jax.Array, top_k: int | None, top_p: float) -> jax.Array:
+  """z [..., V] (logits over the temperature) with every token outside top-k and top-p at -inf: the
+  distribution sampling draws from is softmax of the result. The RL trainer scores completions with the
+  same function, so its log-probs are of the distribution the sampler really used."""
+  if top_k is not None and top_k < z.shape[-1]:
+    kth = jax.lax.top_k(z, top_k)[0][..., -1:]
+    z = jnp.where(z < kth, -jnp.inf, z)
+  if top_p < 1:
+    # Keep the smallest set of most likely tokens whose probability reaches top_p.
+    desc = jnp.sort(z, axis=-1)[..., ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
+    cut = jnp.sum(cum - jax.nn.softmax(desc, axis=-1) < top_p, axis=-1, keepdims=True)  # tokens kept, >= 1
+    z = jnp.where(z < jnp.take_along_axis(desc, cut - 1, axis=-1), -jnp.inf, z)
+  return z
+
+
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int | None,
-           top_p: float) -> tuple[jax.Array, jax.Array]:
-  """(token [B], log p(token) [B]). temperature 0 is greedy; top-k and top-p cut the tail first.
-  key: one key for the batch, or one per row ([B] keys: row b's draw depends on its key alone)."""
+           top_p: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(token [B], log p(token) [B], log q(token) [B]): p is the model's softmax, q the distribution drawn
+  from (after temperature, top-k and top-p; q = 1 when greedy). temperature 0 is greedy; top-k and top-p
+  cut the tail first. key: one key for the batch, or one per row ([B] keys: row b's draw depends on its
+  key alone)."""
   # The vocab whole on each device: top-k, sort and the draw are then local, and unambiguous under
   # explicit sharding. [B, V] is one row per sequence, small next to the step's weights.
   logits = constrain(logits_BV.astype(jnp.float32), ("batch", None))
   logp = jax.nn.log_softmax(logits, axis=-1)
   if temperature == 0:
-    tok = jnp.argmax(logits, axis=-1)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    return tok, lp, jnp.zeros_like(lp)  # zeros with the rows' sharding (explicit refuses a replicated one)
+  z = truncate(logits / temperature, top_k, top_p)
+  if key.ndim:
+    tok = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, z)
   else:
-    z = logits / temperature
-    if top_k is not None and top_k < z.shape[-1]:
-      kth = jax.lax.top_k(z, top_k)[0][:, -1:]
-      z = jnp.where(z < kth, -jnp.inf, z)
-    if top_p < 1:
-      # Keep the smallest set of most likely tokens whose probability reaches top_p.
-      desc = jnp.sort(z, axis=-1)[:, ::-1]
-      cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
-      cut = jnp.sum(cum - jax.nn.softmax(desc, axis=-1) < top_p, axis=-1, keepdims=True)  # tokens kept, >= 1
-      z = jnp.where(z < jnp.take_along_axis(desc, cut - 1, axis=-1), -jnp.inf, z)
-    if key.ndim:
-      tok = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, z)
-    else:
-      tok = jax.random.categorical(key, z, axis=-1)
+    tok = jax.random.categorical(key, z, axis=-1)
   tok = tok.astype(jnp.int32)
-  return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+  logq = jax.nn.log_softmax(z, axis=-1)
+  pick = lambda a: jnp.take_along_axis(a, tok[:, None], axis=-1)[:, 0]  # noqa: E731
+  return tok, pick(logp), pick(logq)
 
 
 def recorded_inputs(cfg: Config) -> dict[str, str]:
@@ -155,13 +171,15 @@ def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: fl
   records = recorded_inputs(cfg)
 
   def keys_at(seeds_B, t):
+    # Row keys sharded as the rows are: the draw vmaps over keys and batch-sharded logits together.
+    seeds_B = constrain(seeds_B, ("batch",))
     return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), t))(seeds_B)
 
   def prefill(params, tokens_BT, lengths_B, seeds_B, stops, cache_len, new_len, total_len):
     TRACES["prefill"] += 1
     B, T = tokens_BT.shape
     logits, cache, side = decoder.prefill(cfg, params, tokens_BT, lengths_B, cache_len)
-    tok, lp = sample(logits, keys_at(seeds_B, 0), temperature, top_k, top_p)
+    tok, lp, lq = sample(logits, keys_at(seeds_B, 0), temperature, top_k, top_p)
     bufs = {}
     for name, field in records.items():
       vals = side[name]  # [n, B, T, ...]
@@ -174,8 +192,9 @@ def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: fl
     first = jnp.arange(new_len)[None, :] == 0
     toks = jnp.where(first, tok[:, None], 0).astype(jnp.int32)
     lps = jnp.where(first, lp[:, None], 0.0).astype(jnp.float32)
+    lqs = jnp.where(first, lq[:, None], 0.0).astype(jnp.float32)
     done = jnp.isin(tok, stops)
-    return toks, lps, jnp.ones_like(tok, jnp.int32), done, cache, bufs
+    return toks, (lps, lqs), jnp.ones_like(tok, jnp.int32), done, cache, bufs
 
   def decode_loop(params, toks, lps, lengths, done, cache, bufs, prompt_B, seeds_B, stops, max_new):
     TRACES["decode"] += 1
@@ -190,10 +209,10 @@ def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: fl
       logits, cache, side = decoder.decode(cfg, params, fed, prompt_B + t - 1, cache)
       real = (t - 1) < lengths  # the fed token is one of the row's own
       bufs = {field: _record(bufs[field], side[name], prompt_B + t - 1, real) for name, field in records.items()}
-      tok, lp = sample(logits, keys_at(seeds_B, t), temperature, top_k, top_p)
+      tok, lp, lq = sample(logits, keys_at(seeds_B, t), temperature, top_k, top_p)
       live = ~done
       toks = toks.at[:, t].set(jnp.where(live, tok, 0))
-      lps = lps.at[:, t].set(jnp.where(live, lp, 0.0))
+      lps = (lps[0].at[:, t].set(jnp.where(live, lp, 0.0)), lps[1].at[:, t].set(jnp.where(live, lq, 0.0)))
       lengths = lengths + live.astype(jnp.int32)
       done = done | (live & jnp.isin(tok, stops))
       return t + 1, toks, lps, lengths, done, cache, bufs
@@ -249,8 +268,9 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
                                                   np.int32(max_new_tokens))
   used = {k: TRACES[k] - before.get(k, 0) for k in ("prefill", "decode")}
   total = int(lengths.max()) + max_new_tokens
-  return Generation(np.asarray(toks)[:, :max_new_tokens], np.asarray(lps)[:, :max_new_tokens], np.asarray(n),
-                    {k: np.asarray(v)[:, :total] for k, v in bufs.items()}, used)
+  return Generation(np.asarray(toks)[:, :max_new_tokens], np.asarray(lps[0])[:, :max_new_tokens], np.asarray(n),
+                    {k: np.asarray(v)[:, :total] for k, v in bufs.items()}, used,
+                    np.asarray(lps[1])[:, :max_new_tokens])
 
 
 def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -206,6 +206,7 @@ class Loop:
   t_start: float = 0.0
   on_step: Callable[[int], None] | None = None
   queue_ahead: bool = True
+  progress_extra: Callable[[dict], str] | None = None  # more of a step's metrics on the progress bar (RL: reward)
 
   def run(self, state, start: int, rng, counters: dict, *, fetch: Callable[[int], dict],
           position: Callable[[], dict]) -> LoopOutcome:
@@ -217,7 +218,8 @@ class Loop:
     first_step_s = float("nan")
     stop_reason, saved, nonfinite_msg = "done", None, None
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"),
+                        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"
+                                   "{task.fields[extra]}"),
                         TimeRemainingColumn(), console=self.console,
                         disable=not self.show_progress or jax.process_index() != 0, transient=False)
     inflight: collections.deque[_InFlight] = collections.deque()
@@ -234,7 +236,7 @@ class Loop:
 
     try:
       with progress:
-        task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0)
+        task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0, extra="")
         i, batch = start, (fetch(start) if start < t.steps else None)
         last_done = time.perf_counter()
         while True:
@@ -269,7 +271,8 @@ class Loop:
           if nonfinite:
             say(f"[yellow]warning:[/] step {p.step}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
                 f"({counters['nonfinite_in_a_row']} in a row)")
-          progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt)
+          extra_text = "  " + self.progress_extra(m) if self.progress_extra is not None else ""
+          progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt, extra=extra_text)
           if on_step is not None:
             on_step(p.step)
 
@@ -341,10 +344,11 @@ starts leaves no directory it created behind.
       ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
 
 
-def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
-         on_step: Callable[[int], None] | None = None) -> TrainResult:
+def restore_or_init(cfg: Config, step_fn, ckpt, say) -> tuple[TrainState, int, jax.Array, dict, dict | None]:
+  """(state, start step, rng, counters, data_state or None) of a run: its latest checkpoint (after
+  refusing a resume with other settings), else a fresh state, with checkpoint.load_params_from's
+  parameters when it is set. Every trainer (train, rl) starts through here."""
   from meshlm.train.checkpoint import load_params
-  from meshlm.train.data import ByteTokenizer
   from meshlm.train.run_dir import resume_mismatch
   t = cfg.train
   rng = jax.random.key(t.seed)
@@ -358,21 +362,28 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     start = restored["step"]
     state = TrainState(_scalar_on(step_fn.state_shardings().step, start), restored["params"], restored["opt_state"],
                        restored["model_state"])
-    data.set_state(restored["data_state"])
-    rng = restored["rng"]
     counters = {k: int(restored["meta"].get(k, 0)) for k in counters}
     say(f"resuming from checkpoint {ckpt.dir}/{start} (step {start} of {t.steps})")
-  else:
-    start = 0
-    state = step_fn.init_state(rng)
-    if cfg.checkpoint.load_params_from:
-      # The whole model tree, its model-state leaves (e.g. a routing bias) included.
-      abstract, sh = step_fn.abstract_state(), step_fn.state_shardings()
-      tree = load_params(cfg, cfg.checkpoint.load_params_from, merge_state(abstract.params, abstract.model_state),
-                         merge_state(sh.params, sh.model_state), step_fn.mesh)
-      params, model_state = split_state(cfg, tree)
-      state = state._replace(params=params, model_state=model_state)
-      say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
+    return state, start, restored["rng"], counters, restored["data_state"]
+  state = step_fn.init_state(rng)
+  if cfg.checkpoint.load_params_from:
+    # The whole model tree, its model-state leaves (e.g. a routing bias) included.
+    abstract, sh = step_fn.abstract_state(), step_fn.state_shardings()
+    tree = load_params(cfg, cfg.checkpoint.load_params_from, merge_state(abstract.params, abstract.model_state),
+                       merge_state(sh.params, sh.model_state), step_fn.mesh)
+    params, model_state = split_state(cfg, tree)
+    state = state._replace(params=params, model_state=model_state)
+    say(f"parameters from {cfg.checkpoint.load_params_from}; optimizer state and data start fresh")
+  return state, 0, rng, counters, None
+
+
+def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
+         on_step: Callable[[int], None] | None = None) -> TrainResult:
+  from meshlm.train.data import ByteTokenizer
+  t = cfg.train
+  state, start, rng, counters, data_state = restore_or_init(cfg, step_fn, ckpt, say)
+  if data_state is not None:
+    data.set_state(data_state)
   os.makedirs(cfg.run_dir, exist_ok=True)  # the run starts: a checkpoint.dir elsewhere did not make it
   if start < t.steps:  # "nothing to do" leaves the record as it is
     write_config(cfg)

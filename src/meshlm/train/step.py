@@ -219,9 +219,11 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: Trai
                                              state.model_state)
   params, opt_state, metrics = guarded_update(optimizer, state.params, state.opt_state, loss, grads, trainable)
   model_state = state.model_state
-  if model_state:
-    # Each part's rule, from this step's side outputs; a skipped (non-finite) step changes nothing.
-    new = decoder.after_step(cfg, model_state, loss_metrics.pop(MODEL_SIDE))
+  side = loss_metrics.pop(MODEL_SIDE, None)
+  if model_state and side is not None:
+    # Each part's rule, from this step's side outputs; a skipped (non-finite) step changes nothing. A loss
+    # that returns no side outputs (RL's) leaves the model state frozen.
+    new = decoder.after_step(cfg, model_state, side)
     model_state = jax.tree.map(lambda a, b: jnp.where(metrics["nonfinite"], a, b), model_state, new)
   return TrainState(state.step + 1, params, opt_state, model_state), {**loss_metrics, **metrics}
 

@@ -1,0 +1,150 @@
+"""Rollouts: prompts from JSONL, G completions per prompt from `generate`, and the RL step's batch.
+
+    prompts = load_prompts(cfg, tokenizer)         # every line checked before anything compiles
+    it = PromptIterator(len(prompts), per_step, seed)
+    idx = it.next()                                # prompt indices of one step (an epoch is a shuffle)
+    gen = sample(cfg, params, [prompts[i].ids for i in idx], seeds, mesh)   # rows g*G + j
+    batch = to_batch(cfg, prompt_ids, gen, T)      # the RL step's host batch (rewards/advantages apart)
+
+The training row of completion b is its prompt then its completion, left-aligned as the sampler fed them:
+position p of inputs is token p, so the sampler's recorded expert ids (position p: the routing of token p)
+are the forced ids as they are. Targets are inputs shifted by one; the loss mask covers the completion's
+tokens (from the prompt's last position on), and the log-probs sit at the target positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from meshlm.config import Config
+from meshlm.errors import ConfigError
+from meshlm.models import generate as G
+
+
+@dataclasses.dataclass
+class Prompt:
+  text: str
+  ids: list[int]
+  row: dict  # the JSONL object: the fields the rewards read
+
+
+def load_prompts(cfg: Config, tokenizer) -> list[Prompt]:
+  """rl.prompts' lines as Prompts; an empty file, a line without a string `prompt`, or a prompt that leaves
+  no room for rl.max_new_tokens within model.max_position is refused in one line."""
+  path = cfg.rl.prompts
+  if path is None:
+    raise ConfigError("rl.prompts: not set; give a JSONL file with a `prompt` field per line")
+  if not os.path.isfile(path):
+    raise ConfigError(f"rl.prompts={path}: no such file")
+  room = cfg.model.max_position - cfg.rl.max_new_tokens
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"rl.prompts={path}: line {n} is not JSON ({e.msg})") from None
+      if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+        raise ConfigError(f"rl.prompts={path}: line {n} has no non-empty string field `prompt`")
+      ids = [int(i) for i in tokenizer.encode(row["prompt"])]
+      if len(ids) > room:
+        raise ConfigError(f"rl.prompts={path}: line {n}'s prompt is {len(ids)} tokens, longer than model.max_position"
+                          f" - rl.max_new_tokens = {cfg.model.max_position} - {cfg.rl.max_new_tokens} = {room}")
+      bad = [i for i in ids if not 0 <= i < cfg.model.vocab_size]
+      if bad:
+        raise ConfigError(f"rl.prompts={path}: line {n}: token id {bad[0]} is outside the model's vocabulary "
+                          f"[0, {cfg.model.vocab_size})")
+      out.append(Prompt(row["prompt"], ids, row))
+  if not out:
+    raise ConfigError(f"rl.prompts={path}: empty; give at least one line with a `prompt` field")
+  return out
+
+
+class PromptIterator:
+  """Prompt indices, per_step at a time, epoch after epoch, each epoch a permutation seeded by (seed, epoch).
+  Its state is (epoch, cursor): checkpointed, it resumes exactly."""
+
+  def __init__(self, n: int, per_step: int, seed: int):
+    self.n, self.per_step, self.seed = n, per_step, seed
+    self.epoch, self.cursor = 0, 0
+
+  def _order(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+  def next(self) -> list[int]:
+    out = []
+    while len(out) < self.per_step:
+      order = self._order(self.epoch)
+      take = min(self.per_step - len(out), self.n - self.cursor)
+      out += [int(i) for i in order[self.cursor:self.cursor + take]]
+      self.cursor += take
+      if self.cursor == self.n:
+        self.epoch, self.cursor = self.epoch + 1, 0
+    return out
+
+  def get_state(self) -> dict:
+    return {"epoch": self.epoch, "cursor": self.cursor}
+
+  def set_state(self, state: dict) -> None:
+    self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def row_len(cfg: Config, prompts: list[Prompt]) -> int:
+  """T, the training row length: the longest prompt plus rl.max_new_tokens, less the last token (never an
+  input), rounded up to a multiple of 8; fixed for the run, so the step compiles once."""
+  n = max(len(p.ids) for p in prompts) + cfg.rl.max_new_tokens - 1
+  return -(-n // 8) * 8
+
+
+def sampler_config(cfg: Config) -> Config:
+  """cfg as the sampler sees it: the keys that change nothing it computes (rl.*, run_dir, checkpoint.*,
+  train.freeze/steps/stop_after) at their defaults, so RL runs that differ only there share generate's
+  compiled prefill and decode loop."""
+  train = cfg.train.model_copy(update={"freeze": [], "steps": 1, "stop_after": None})
+  return cfg.model_copy(update={"rl": type(cfg.rl)(), "run_dir": None, "checkpoint": type(cfg.checkpoint)(),
+                                "train": train})
+
+
+def sample(cfg: Config, params, prompt_ids: list[list[int]], seeds: list[int], mesh, stop_tokens) -> G.Generation:
+  """G completions of each prompt (rows g*G + j), seeded per row."""
+  rl = cfg.rl
+  rows = [p for p in prompt_ids for _ in range(rl.num_generations)]
+  return G.generate(sampler_config(cfg), params, rows, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_k=rl.top_k,
+                    top_p=rl.top_p, stop_tokens=stop_tokens, seed=seeds, mesh=mesh)
+
+
+def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int, moe: bool) -> dict[str, np.ndarray]:
+  """The RL step's host batch from a rollout, without advantages (set from the rewards)."""
+  rows = [p for p in prompt_ids for _ in range(cfg.rl.num_generations)]
+  B = len(rows)
+  inputs = np.zeros((B, T), np.int32)
+  targets = np.zeros((B, T), np.int32)
+  seg = np.zeros((B, T), np.int32)
+  mask = np.zeros((B, T), np.float32)
+  sampler = np.zeros((B, T), np.float32)
+  for b, p in enumerate(rows):
+    n, c = len(p), int(gen.lengths[b])
+    seq = np.asarray(p + [int(t) for t in gen.tokens[b, :c]], np.int32)
+    inputs[b, :len(seq) - 1] = seq[:-1]
+    targets[b, :len(seq) - 1] = seq[1:]
+    seg[b, :len(seq) - 1] = 1
+    mask[b, n - 1:n - 1 + c] = 1.0
+    sampler[b, n - 1:n - 1 + c] = gen.sample_logprobs[b, :c]
+  batch = {"inputs": inputs, "targets": targets, "segment_ids": seg, "loss_mask": mask,
+           "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+           "sampler_logp": sampler, "old_logp": sampler.copy(), "advantages": np.zeros((B,), np.float32)}
+  if cfg.rl.beta > 0:
+    batch["ref_logp"] = sampler.copy()  # the trainer scores the reference into it (rl/trainer.py)
+  if moe:
+    ids = gen.expert_ids  # [B, T_gen, L, k]; position p: token p's routing, -1 where none was fed
+    forced = np.full((B, T) + ids.shape[2:], -1, np.int32)
+    n = min(T, ids.shape[1])
+    forced[:, :n] = ids[:, :n]
+    forced[seg == 0] = -1  # padding: not forced
+    batch["forced_expert_ids"] = forced
+  return batch

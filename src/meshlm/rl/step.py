@@ -1,0 +1,155 @@
+"""The RL train step: the GRPO loss as the train step's pluggable loss, over rollout batch fields.
+
+    step = build_rl_step(cfg, mesh)       # train.step.TrainStep with rl_loss and RL_FIELDS
+    state, metrics = step(state, step.put_batch(batch))
+
+Batch fields (besides the train step's inputs/targets/positions/segment_ids/loss_mask, where loss_mask
+is 1 on completion tokens only):
+  old_logp [B, T]      log-probs the ratio divides by: the sampler's (or, with rl.sampler_is, the
+                       trainer's scoring of the rollout before any update)
+  sampler_logp [B, T]  the sampler's log-probs of the distribution it drew from
+  advantages [B]       group-normalized (rl/loss.py: advantages)
+  ref_logp [B, T]      the reference policy's log-probs (only with rl.beta > 0)
+  forced_expert_ids [B, T, L_moe, k]  the sampler's routing (MoE models): forced in the forward with
+                       rl.router_replay, else compared with the trainer's own routing (router flips)
+
+The trainer scores a completion under the sampler's truncation (`score`), so at the first iteration the
+ratio is 1 up to the train/sample numerical gap, which the step reports (logp_gap_mean/max).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.config import Config
+from meshlm.errors import ConfigError
+from meshlm.models import decoder
+from meshlm.models.family import FORCED_EXPERT_IDS
+from meshlm.models.generate import truncate
+from meshlm.parallel.sharding import constrain
+from meshlm.rl import loss as L
+from meshlm.train import step as ST
+
+TOKENS_V = ("batch", "length", None)  # [B, T, V] with the vocab whole: sort, top-k and the draw are local
+
+
+def rl_fields(cfg: Config) -> dict[str, ST.BatchField]:
+  """The RL step's batch spec for cfg."""
+  f32 = functools.partial(ST.BatchField, "float32")
+  spec = dict(ST.BATCH_SPEC, old_logp=f32(), sampler_logp=f32(), advantages=f32(per_token=False))
+  if cfg.rl.beta > 0:
+    spec["ref_logp"] = f32()
+  if is_moe(cfg):
+    spec = ST.replay_batch_spec(cfg, spec)
+  return spec
+
+
+def is_moe(cfg: Config) -> bool:
+  return bool(decoder.input_readers(cfg, FORCED_EXPERT_IDS))
+
+
+def score(cfg: Config, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(log q(target) [B, T], entropy of q [B, T]), q the distribution the sampler draws from: softmax of
+  the logits over rl.temperature, truncated by rl.top_k and rl.top_p (the kept set from the logits
+  without gradient, plus the target itself, so a boundary token the sampler kept is never -inf). With
+  rl.score_truncated=false, q is the temperature's softmax only (the comparison that shows the bias)."""
+  rl = cfg.rl
+  z = constrain(logits_BTV.astype(jnp.float32), TOKENS_V) / rl.temperature
+  onehot = constrain(jax.nn.one_hot(targets_BT, z.shape[-1], dtype=jnp.bool_), TOKENS_V)
+  keep = jnp.ones(z.shape, jnp.bool_)
+  if rl.score_truncated and (rl.top_k is not None or rl.top_p < 1):
+    keep = jnp.isfinite(truncate(jax.lax.stop_gradient(z), rl.top_k, rl.top_p)) | onehot
+    z = jnp.where(keep, z, -jnp.inf)
+  logq = jax.nn.log_softmax(z, axis=-1)
+  logp = jnp.sum(jnp.where(onehot, logq, 0.0), axis=-1)
+  entropy = -jnp.sum(jnp.where(keep, jnp.exp(logq) * logq, 0.0), axis=-1)
+  return logp, entropy
+
+
+def _forward(cfg: Config, params, batch: dict, replay: bool):
+  """(logits, the trainer's routed ids [L_moe, B, T, k] or None)."""
+  moe = is_moe(cfg)
+  forced = jnp.moveaxis(batch[FORCED_EXPERT_IDS], 2, 0) if moe and replay else None
+  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=moe,
+                        forced_expert_ids=forced)
+  return (out[0], out[1]["moe_expert_ids"]) if moe else (out, None)
+
+
+def router_flips(live_LBTk: jax.Array, recorded_BTLk: jax.Array, real_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(per MoE layer, the fraction of (token, slot) choices of the sampler the trainer did not make [L];
+  the fraction of tokens with such a flip in at least one layer), over the tokens the sampler routed."""
+  rec = jnp.moveaxis(recorded_BTLk, 2, 0)  # [L, B, T, k]
+  valid = (rec[..., 0] >= 0) & (real_BT[None] > 0)  # [L, B, T]
+  missing = ~jnp.any(rec[..., :, None] == live_LBTk[..., None, :], axis=-1)  # [L, B, T, k]: slot not in live set
+  missing = missing & valid[..., None]
+  k = rec.shape[-1]
+  per_layer = jnp.sum(missing, axis=(1, 2, 3)) / jnp.maximum(jnp.sum(valid, axis=(1, 2)) * k, 1)
+  tok_valid = valid[0]
+  any_flip = jnp.any(missing, axis=(0, 3)) & tok_valid  # [B, T]
+  return per_layer.astype(jnp.float32), (jnp.sum(any_flip) / jnp.maximum(jnp.sum(tok_valid), 1)).astype(jnp.float32)
+
+
+def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows: int) -> tuple[jax.Array, dict]:
+  """The train step's loss_fn: GRPO over one (micro-)batch. Metrics are sums that add up over
+  micro-batches to the batch's means (the max of the log-prob gap is exact with one micro-batch)."""
+  rl = cfg.rl
+  logits, live_ids = _forward(cfg, params, batch, rl.router_replay)
+  logp, entropy = score(cfg, logits, batch["targets"])
+  mask = batch["loss_mask"]
+  w = L.token_weights(mask, rl.loss_agg, num_tokens, num_rows, rl.max_new_tokens)
+  isw = None
+  if rl.sampler_is != "none":
+    isw = L.sampler_is_weight(batch["old_logp"], batch["sampler_logp"], mask, rl.sampler_is, rl.sampler_is_cap)
+  loss, st = L.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, w, epsilon=rl.epsilon,
+                           epsilon_high=rl.epsilon_high, ratio_level=rl.ratio_level, beta=rl.beta,
+                           is_weight_BT=isw, ref_BT=batch.get("ref_logp"))
+  sg = jax.lax.stop_gradient
+  gap = jnp.abs(sg(logp) - batch["sampler_logp"]) * mask
+  mb_tokens = jnp.sum(mask)
+  share = mb_tokens / num_tokens
+  metrics = {"ratio_mean": sg(st["ratio_sum"]) / num_tokens, "ratio_max": sg(st["ratio_max"]),
+             "ratio_min": sg(st["ratio_min"]),
+             "clip_frac": st["clipped_sum"] / num_tokens, "kl": sg(st["kl_sum"]) / num_tokens,
+             "entropy": sg(jnp.sum(entropy * mask)) / num_tokens,
+             "logp_gap_mean": jnp.sum(gap) / num_tokens, "logp_gap_max": jnp.max(gap)}
+  if isw is not None:
+    metrics["sampler_is_mean"] = jnp.sum(isw * mask) / num_tokens
+  if live_ids is not None:
+    per_layer, any_layer = router_flips(live_ids, batch[FORCED_EXPERT_IDS], batch["segment_ids"])
+    for i in range(per_layer.shape[0]):
+      metrics[f"router_flips_layer{i}"] = share * per_layer[i]
+    metrics["router_flips_any_layer"] = share * any_layer
+  return loss, metrics
+
+
+def check_rl(cfg: Config) -> None:
+  """The RL keys that depend on the model: refused in one line, before anything compiles."""
+  if cfg.rl.router_replay and not is_moe(cfg):
+    raise ConfigError(f"rl.router_replay=true: {cfg.model_name} is dense (model family {cfg.model.family!r} here "
+                      "has no MoE layers), so there is no routing to replay; drop rl.router_replay")
+
+
+def build_rl_step(cfg: Config, mesh=None) -> ST.TrainStep:
+  """The train step with the GRPO loss and the RL batch fields; global batch rows = prompts x G."""
+  check_rl(cfg)
+  rows = cfg.rl.prompts_per_step * cfg.rl.num_generations
+  n = cfg.rl.num_iterations
+  if n > 1:
+    # The learning-rate schedule counts updates: rl.num_iterations per RL step (train.steps counts RL steps).
+    t = cfg.train
+    cfg = cfg.model_copy(update={"train": t.model_copy(update={"steps": t.steps * n, "warmup_steps": t.warmup_steps * n})})
+  return ST.build_train_step(cfg, mesh, loss_fn=functools.partial(rl_loss, num_rows=rows), batch_spec=rl_fields(cfg))
+
+
+def scorer(cfg: Config, step: ST.TrainStep):
+  """jit (params, batch) -> log q [B, T] of the batch's targets, with no gradient: the trainer's scoring of a
+  rollout before any update (rl.sampler_is) and the reference policy's (rl.beta)."""
+  batch_sh = {k: step.batch_sharding(k) for k in step.batch_spec}
+  param_sh = decoder.param_shardings(cfg, step.mesh)
+
+  def f(params, batch):
+    logits, _ = _forward(cfg, params, batch, cfg.rl.router_replay)
+    return score(cfg, logits, batch["targets"])[0]
+  return jax.jit(f, in_shardings=(param_sh, batch_sh))

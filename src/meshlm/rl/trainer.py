@@ -1,0 +1,258 @@
+"""`meshlm rl`: rollouts -> rewards -> GRPO updates, through the training loop's core (train/loop.py).
+
+Each RL step samples rl.prompts_per_step x rl.num_generations completions with the current parameters
+(the sampler and the trainer share them: one process, one mesh, no copy), scores them, and makes
+rl.num_iterations updates on that batch. The loop core brings checkpoints, exact resume, SIGTERM saves,
+metrics.jsonl/TensorBoard and the progress bar; the RL trainer brings `fetch` (a rollout from the latest
+state) and `position` (the prompt iterator's state). Batches depend on the latest parameters, so the
+loop runs without queueing a step ahead.
+
+Sampling randomness is a function of (train.seed, step, row), and the prompt order of (data.seed, epoch),
+so a resumed run draws what the straight run drew.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from meshlm.config import Config
+from meshlm.errors import ConfigError
+from meshlm.fsutil import write_text
+from meshlm.models import decoder
+from meshlm.parallel.mesh import make_mesh
+from meshlm.rl import loss as L
+from meshlm.rl import rollout as R
+from meshlm.rl.rewards import Rewards
+from meshlm.rl.step import build_rl_step, check_rl, is_moe, scorer
+from meshlm.train import loop as LP
+from meshlm.train.metrics import MetricsWriter
+
+
+class RewardWarning(UserWarning):
+  """A reward raised; the completion scored 0."""
+
+
+RewardWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
+
+
+@dataclasses.dataclass
+class RLResult:
+  rewards: list[float]  # mean reward of each step's rollouts, this invocation
+  losses: list[float]
+  evals: dict[int, float]  # step -> greedy mean reward (rl.eval_every)
+  state: object
+  start_step: int
+  stop_reason: str
+  checkpoint: str | None
+  signal: int | None
+  run_dir: str
+  records: list[dict]  # every step's metrics
+
+
+def rl_config(cfg: Config, prompts: list[R.Prompt], devices: int) -> Config:
+  """cfg with the train step's shapes set from the RL keys: train.seq_len (row_len) and the per-device
+  batch (prompts x G rows over the devices)."""
+  rl = cfg.rl
+  rows = rl.prompts_per_step * rl.num_generations
+  if rows % devices:
+    raise ConfigError(f"rl.prompts_per_step={rl.prompts_per_step} x rl.num_generations={rl.num_generations} = {rows} "
+                      f"rows do not split over {devices} devices; make the product a multiple of {devices}")
+  T = min(R.row_len(cfg, prompts), cfg.model.max_position)
+  train = cfg.train.model_copy(update={"seq_len": T, "per_device_batch_size": rows // devices, "sample_tokens": 0})
+  return cfg.model_copy(update={"train": train})
+
+
+def stop_tokens(cfg: Config, tokenizer) -> list[int]:
+  from meshlm.models.generate import stop_ids
+  ids = stop_ids(cfg, None)
+  return ids or [int(tokenizer.eos_id)]
+
+
+def step_seeds(seed: int, step: int, rows: int) -> list[int]:
+  return [int(s) for s in np.random.default_rng([seed, 0x5EED, step]).integers(0, 2**31 - 1, rows)]
+
+
+class Trainer:
+  """One RL run's pieces: the step, the rollouts, the rewards and the prompt order."""
+
+  def __init__(self, cfg: Config, mesh=None):
+    from meshlm.train.data.tokenizers import make_tokenizer
+    check_rl(cfg)
+    self.tokenizer = make_tokenizer(cfg)
+    self.rewards = Rewards.from_config(cfg.rl)  # an unknown or unimportable reward fails before loading prompts
+    self.prompts = R.load_prompts(cfg, self.tokenizer)
+    self.mesh = make_mesh(cfg) if mesh is None else mesh
+    self.cfg = cfg = rl_config(cfg, self.prompts, self.mesh.size)
+    self.step = build_rl_step(cfg, self.mesh)
+    self.moe = is_moe(cfg)
+    self.stops = stop_tokens(cfg, self.tokenizer)
+    self.iterator = R.PromptIterator(len(self.prompts), cfg.rl.prompts_per_step, cfg.data.seed)
+    self.score = scorer(cfg, self.step) if cfg.rl.sampler_is != "none" or cfg.rl.beta > 0 else None
+    self.ref = None
+    self.host_metrics: dict[int, dict] = {}
+    self._errors_seen = 0
+
+  def params_of(self, state):
+    return decoder.merge_state(state.params, state.model_state)
+
+  def rollout(self, state, i: int) -> dict:
+    """The device batch of step i, from the current parameters; its host metrics into host_metrics[i]."""
+    cfg, rl = self.cfg, self.cfg.rl
+    idx = self.iterator.next()
+    prompts = [self.prompts[j] for j in idx]
+    rows = len(idx) * rl.num_generations
+    params = self.params_of(state)
+    t0 = time.perf_counter()
+    gen = R.sample(cfg, params, [p.ids for p in prompts], step_seeds(cfg.train.seed, i, rows), self.mesh, self.stops)
+    t_sample = time.perf_counter() - t0
+    texts = [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
+    group = [p for p in prompts for _ in range(rl.num_generations)]
+    rows_in = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(group, gen.lengths)]
+    total, each = self.rewards([p.text for p in group], texts, rows_in)
+    batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.moe)
+    batch["advantages"] = np.asarray(L.advantages(np.asarray(total, np.float32), rl.num_generations,
+                                                  rl.scale_rewards), np.float32)
+    dev = self.step.put_batch(batch)
+    if self.score is not None:
+      with jax.set_mesh(self.mesh):
+        if rl.sampler_is != "none":
+          dev["old_logp"] = self.score(params, dev)
+        if rl.beta > 0:
+          dev["ref_logp"] = self.score(self.ref, dev)
+    n_new = int(np.sum(gen.lengths))
+    m = {"reward_mean": float(np.mean(total)), "reward_std": float(np.std(total)),
+         "completion_len": float(np.mean(gen.lengths)), "sample_time_s": t_sample,
+         "sample_tokens_per_s": n_new / t_sample,
+         "groups_degenerate": float(np.mean(np.ptp(np.reshape(total, (-1, rl.num_generations)), axis=1) == 0))}
+    if len(self.rewards.names) > 1:
+      for n, v in each.items():
+        m[f"reward/{n}_mean"] = float(np.mean(v))
+        m[f"reward/{n}_std"] = float(np.std(v))
+    errors = sum(self.rewards.errors.values())
+    m["reward_errors"] = float(errors)
+    if errors > self._errors_seen:
+      warnings.warn(f"step {i}: {errors - self._errors_seen} reward call(s) raised and scored 0 "
+                    f"({', '.join(f'{k}: {v}' for k, v in self.rewards.errors.items() if v)} so far)", RewardWarning)
+      self._errors_seen = errors
+    if rl.eval_every and i % rl.eval_every == 0:
+      m["eval_reward"] = self.evaluate(state)
+    self.host_metrics[i] = m
+    return dev
+
+  def evaluate(self, state) -> float:
+    """The greedy mean reward over the first rl.eval_prompts prompts (the sampler's eval, no training)."""
+    from meshlm.models.generate import generate
+    ps = self.prompts[:self.cfg.rl.eval_prompts]
+    gen = generate(R.sampler_config(self.cfg), self.params_of(state), [p.ids for p in ps], max_new_tokens=self.cfg.rl.max_new_tokens,
+                   temperature=0.0, stop_tokens=self.stops, mesh=self.mesh)
+    texts = [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
+    rows = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(ps, gen.lengths)]
+    total, _ = self.rewards([p.text for p in ps], texts, rows)
+    return float(np.mean(total))
+
+  def updates(self, state, batch):
+    """rl.num_iterations updates on one batch: the ratio and gap statistics of the first (before any
+    update of this batch), the loss of the last."""
+    t0 = time.perf_counter()
+    first = None
+    for _ in range(self.cfg.rl.num_iterations):
+      state, m = self.step(state, batch)
+      first = m if first is None else first
+    m = dict(m)  # the last iteration's loss and grad norm; the first's view of the rollout
+    m.update({k: v for k, v in first.items() if k.startswith(("ratio", "logp_gap", "router_flips", "sampler_is"))})
+    jax.block_until_ready(m)
+    return state, m, time.perf_counter() - t0
+
+
+def run(cfg: Config, *, console=None, show_progress: bool = True, start_time: float | None = None,
+        on_step=None) -> RLResult:
+  """Runs cfg's RL to train.steps (resuming from run_dir's latest checkpoint); see the module docstring."""
+  from meshlm.console import make_console
+  from meshlm.train.checkpoint import Checkpointer
+  from meshlm.train.run_dir import leave_as_found
+  t_start = time.perf_counter() if start_time is None else start_time
+  console = console or make_console()
+  say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
+  with leave_as_found(cfg) as cfg:
+    LP.prepare_run_dir(cfg)
+    tr = Trainer(cfg)
+    cfg = tr.cfg
+    ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
+    try:
+      return _run(tr, ckpt, console, say, show_progress, t_start, on_step)
+    finally:
+      ckpt.close()
+
+
+def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RLResult:
+  cfg = tr.cfg
+  step = tr.step
+  state, start, rng, counters, data_state = LP.restore_or_init(cfg, step, ckpt, say)
+  if data_state is not None:
+    tr.iterator.set_state(data_state["prompts"])
+    tr.rewards.errors.update(data_state.get("reward_errors", {}))
+    tr._errors_seen = sum(tr.rewards.errors.values())
+  if cfg.rl.beta > 0:
+    # The reference is the starting policy: the loaded (or initial) parameters, also on resume.
+    ref_state = step.init_state(jax.random.key(cfg.train.seed)) if start else state
+    if start and cfg.checkpoint.load_params_from:
+      from meshlm.train.checkpoint import load_params
+      ref_state = ref_state._replace(params=load_params(cfg, cfg.checkpoint.load_params_from, step.abstract_state().params,
+                                                        step.state_shardings().params, step.mesh))
+    tr.ref = jax.tree.map(lambda a: a.copy(), tr.params_of(ref_state))
+  os.makedirs(cfg.run_dir, exist_ok=True)
+  if start < cfg.train.steps:
+    LP.write_config(cfg)
+  LP._trim_metrics(cfg.run_dir, start)
+  records: list[dict] = []
+  writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else LP._NullWriter()
+
+  class Recorder:
+    def write(self, record):
+      records.append(record)
+      writer.write(record)
+
+    def close(self):
+      writer.close()
+
+  holder = {"state": state}
+  train_time = {}
+
+  def step_fn(state, batch):
+    i = min(tr.host_metrics)  # the rollout this batch came from (state.step counts updates: num_iterations each)
+    state, m, dt = tr.updates(state, batch)
+    holder["state"] = state
+    host = tr.host_metrics.pop(i)
+    total = host["sample_time_s"] + dt
+    extra = {**host, "train_time_s": dt, "sample_share": host["sample_time_s"] / total}
+    train_time[i] = dt
+    return state, {**m, **extra}
+
+  def progress(m):
+    return f"reward {m['reward_mean']:.3f}" + (f"  eval {m['eval_reward']:.3f}" if "eval_reward" in m else "")
+
+  loop = LP.Loop(cfg, step_fn, ckpt, console, say, Recorder(), step.global_batch * cfg.train.seq_len, show_progress,
+                 t_start, on_step, queue_ahead=False, progress_extra=progress)
+  out = loop.run(state, start, rng, counters, fetch=lambda i: tr.rollout(holder["state"], i),
+                 position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors)})
+  if out.nonfinite_msg:
+    ckpt.wait()
+    raise LP.NonFiniteStop(out.nonfinite_msg)
+  evals = {r["step"]: r["eval_reward"] for r in records if "eval_reward" in r}
+  if out.stop_reason == "done" and cfg.rl.eval_every and records:
+    evals[cfg.train.steps] = tr.evaluate(out.state)
+    if jax.process_index() == 0:
+      # The greedy evaluations of the whole run (after the last step too), beside metrics.jsonl.
+      path = os.path.join(cfg.run_dir, "eval.json")
+      old = json.load(open(path)) if os.path.exists(path) else {}
+      old.update({str(k): v for k, v in evals.items()})
+      write_text(path, json.dumps(dict(sorted(old.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
+  return RLResult([r["reward_mean"] for r in records], out.losses, evals, out.state, start, out.stop_reason, out.saved,
+                  out.signal, cfg.run_dir, records)
+
