@@ -415,3 +415,37 @@ def test_sharded_equals_unsharded(uneven, unsharded_4_rows, mode):
       assert "fsdp" in str(jax.typeof(got[0][1]))  # the output stays batch-sharded
   diffs = _max_rel_diffs(got, unsharded_4_rows)
   assert max(diffs.values()) <= TOL, diffs
+
+
+# --- the reference path on a mesh ----------------------------------------------------------------------------
+
+def _reference_on_fsdp4(impl: str, mode: str):
+  """(loss, grads as numpy) of one batch through mixtral-tiny (shrunk) on fsdp=4 with model.moe_impl=impl."""
+  from meshlm.models import decoder
+  from meshlm.train.step import BATCH_SPEC, grads_and_loss
+  cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", f"shard_mode={mode}", f"model.moe_impl={impl}",
+                    "model.embed_dim=64", "model.moe_mlp_dim=64", "model.head_dim=16", "model.num_layers=1",
+                    "model.vocab_size=128", "train.seq_len=16", "train.per_device_batch_size=1",
+                    "train.compute_dtype=float32")
+  mesh = make_mesh(cfg)
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, cfg.model.vocab_size, (4, 17)).astype(np.int32)
+  batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.ones((4, 16), np.int32),
+           "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (4, 16)).copy(),
+           "loss_mask": np.ones((4, 16), np.float32)}
+  with jax.set_mesh(mesh):
+    params = decoder.init_params(cfg, jax.random.key(0), mesh)
+    put = {k: jax.device_put(v, NamedSharding(mesh, logical_spec(BATCH_SPEC[k].axes(), v.shape, mesh)))
+           for k, v in batch.items()}
+    loss, grads = jax.jit(lambda p, b: grads_and_loss(cfg, p, b)[:2])(params, put)
+  return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_reference_impl_runs_on_fsdp4_and_equals_dropless(mode):
+  """model.moe_impl=reference on fsdp=4 (it raised under explicit: its einsums had no one output sharding) gives
+  the dropless path's loss and gradients."""
+  (l_ref, g_ref), (l_drop, g_drop) = _reference_on_fsdp4("reference", mode), _reference_on_fsdp4("dropless", mode)
+  assert abs(l_ref - l_drop) <= 1e-5 * abs(l_drop)
+  for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_drop)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, float(np.max(np.abs(b)))))

@@ -32,9 +32,14 @@ ATOL = 1e-5
 LEAK = 1e-3  # what a dropped reset must move the second document's logits by, at least
 
 
+# The presets' 3 linear + 1 full layers shrunk to one period of 1 + 1 for the whole-model tests: the same kinds and
+# code, half the scan body to compile (the suite's budget).
+SHRINK = ("model.num_layers=2", "model.full_attention_interval=2")
+
+
 @functools.cache
 def setup(preset: str):
-  cfg = load_config(f"model={preset}", "train.compute_dtype=float32", "cpu_devices=1")
+  cfg = load_config(f"model={preset}", *SHRINK, "train.compute_dtype=float32", "cpu_devices=1")
   return cfg, meshlm.init_params(cfg, jax.random.key(0))
 
 
@@ -331,7 +336,7 @@ def test_a_log_and_dt_bias_are_kept_out_of_weight_decay():
 # (Explicit equals auto for the three hybrids is tests/test_parity.py's, on fsdp=4.)
 
 STEPS = 4
-TRAIN = ("model=qwen3.5-moe-tiny", "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32", "train.seq_len=64",
+TRAIN = ("model=qwen3.5-moe-tiny", *SHRINK, "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32", "train.seq_len=64",
          "train.per_device_batch_size=2", f"train.steps={STEPS}", "train.warmup_steps=0", "train.sample_tokens=0",
          "data.source=stdlib", "shard_mode=explicit")
 

@@ -63,7 +63,7 @@ from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
-from meshlm.parallel.sharding import constrain, current_mesh, logical_spec, out_sharding
+from meshlm.parallel.sharding import auto_region, constrain, current_mesh, logical_spec, out_sharding
 
 ROUTER_LOGITS = ("batch", "length", None)
 ROUTER_AXES = ("embed", None)
@@ -572,8 +572,13 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     if scoring == "sigmoid":
       side["moe_expert_load"] = expert_load(ids, E, token_mask_BT)
     if impl == "reference":
+      # Every expert on every token, in an auto-axes region: under explicit sharding its einsums' operands
+      # (batch on fsdp, the kernels' embed on fsdp) have no one output sharding, and the reference must run
+      # on every mesh in both modes.
       from meshlm.nn.moe_reference import experts_reference
-      return experts_reference(x_BTD, ids, w, p["gate"], p["up"], p["down"], activation=activation), side
+      ref = auto_region(functools.partial(experts_reference, activation=activation), ("batch", "length", "act_embed"),
+                        x_BTD.shape)
+      return ref(x_BTD, ids, w, p["gate"], p["up"], p["down"]), side
     if impl != "dropless":
       raise ValueError(f"moe_impl={impl!r}: expected dropless or reference")
     fn = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
