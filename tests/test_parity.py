@@ -45,9 +45,13 @@ def _batches(vocab: int, rows: int):
 
 def shrink(preset: str) -> tuple[str, ...]:
   """The Gated DeltaNet hybrids train one period of two layers here (a linear-attention layer, then a full one)
-  instead of their 3 + 1: the same two kinds and the same code, half the scan body to compile."""
-  if load_config(f"model={preset}").model.full_attention_interval:
+  instead of their 3 + 1, and gemma3 one local and one global layer instead of its 8 in a period of 6: the same
+  kinds and the same code, a fraction of the layer bodies to compile."""
+  m = load_config(f"model={preset}").model
+  if m.full_attention_interval:
     return ("model.num_layers=2", "model.full_attention_interval=2")
+  if m.layer_pattern and len(m.layer_pattern) > 2:
+    return ("model.num_layers=2", "model.layer_pattern=[local,global]")
   return ()
 
 
