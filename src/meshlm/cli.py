@@ -102,7 +102,7 @@ def cmd_train(args: list[str], start: float) -> int:
   init_distributed(cfg)  # joins the other processes before anything touches devices
   from meshlm.parallel.mesh import make_mesh
   make_mesh(cfg)  # validates the mesh against the devices before anything compiles
-  from meshlm.console import make_console, printable
+  from meshlm.console import make_console, printable, report_stop
   from meshlm.train.loop import param_counts, prepare_run_dir, train
   from meshlm.train.run_dir import leave_as_found
   trainable, frozen = param_counts(cfg)  # train.freeze that leaves nothing to train fails here
@@ -120,17 +120,8 @@ def cmd_train(args: list[str], start: float) -> int:
   except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal: nothing to save yet
     print("\nmeshlm: SIGINT before the first step; nothing was saved", file=sys.stderr)
     return 128 + signal.SIGINT
-  if result.stop_reason != "done":
-    # A preempted run exits 128 + the signal, as the shell reports a killed command, so that
-    # `meshlm train ... && meshlm convert ...` does not go on with a partly trained run.
-    code, why = 0, ""
-    if result.stop_reason == "preempted":
-      sig = result.signal or signal.SIGTERM  # only another process was signalled: stopped as if by SIGTERM
-      code, why = 128 + sig, f"exit code {128 + sig} ({signal.Signals(sig).name}); "
-    # run_dir named: with the default (null) the same command alone would start a fresh run.
-    console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
-                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; {why}to continue, run the same command "
-                  f"with run_dir={cfg.run_dir}")
+  code = report_stop(console, result, cfg.train.steps, cfg.run_dir)
+  if code is not None:
     return code
   if not result.losses:
     console.print(f"nothing to do: {cfg.run_dir} is already at step {result.start_step} of {cfg.train.steps}")

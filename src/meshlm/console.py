@@ -31,3 +31,22 @@ def printable(text: str) -> str:
   """
   return "".join(ch if ch in "\n\t" or ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
                  for ch in text)
+
+
+def report_stop(console: Console, result, steps: int, run_dir) -> int | None:
+  """For a trainer's result (train's or rl's) that stopped before its last step: says where it stopped and how
+  to continue, and returns the exit code; None when it ran to the end. A preempted run exits 128 + the signal,
+  as the shell reports a killed command, so that `meshlm train ... && meshlm convert ...` does not go on with a
+  partly trained run."""
+  import signal
+  if result.stop_reason == "done":
+    return None
+  code, why = 0, ""
+  if result.stop_reason == "preempted":
+    sig = result.signal or signal.SIGTERM  # only another process was signalled: stopped as if by SIGTERM
+    code, why = 128 + sig, f"exit code {128 + sig} ({signal.Signals(sig).name}); "
+  # run_dir named: with the default (null) the same command alone would start a fresh run.
+  console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
+                f"{steps}; checkpoint {result.checkpoint}; {why}to continue, run the same command "
+                f"with run_dir={run_dir}")
+  return code

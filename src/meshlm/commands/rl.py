@@ -17,7 +17,7 @@ def main(args: list[str], start: float) -> int:
   init_distributed(cfg)
   from meshlm.parallel.mesh import make_mesh
   make_mesh(cfg)
-  from meshlm.console import make_console
+  from meshlm.console import make_console, report_stop
   from meshlm.rl.step import check_rl
   from meshlm.rl.trainer import run
   from meshlm.train.loop import param_counts
@@ -39,14 +39,8 @@ def main(args: list[str], start: float) -> int:
   except KeyboardInterrupt:
     print("\nmeshlm: SIGINT before the first step; nothing was saved", file=sys.stderr)
     return 128 + signal.SIGINT
-  if result.stop_reason != "done":
-    code, why = 0, ""
-    if result.stop_reason == "preempted":
-      sig = result.signal or signal.SIGTERM
-      code, why = 128 + sig, f"exit code {128 + sig} ({signal.Signals(sig).name}); "
-    console.print(f"stopped ({result.stop_reason}) after step {result.start_step + len(result.losses)} of "
-                  f"{cfg.train.steps}; checkpoint {result.checkpoint}; {why}to continue, run the same command "
-                  f"with run_dir={result.run_dir}")
+  code = report_stop(console, result, cfg.train.steps, result.run_dir)
+  if code is not None:
     return code
   if not result.rewards:
     console.print(f"nothing to do: {result.run_dir} is already at step {result.start_step} of {cfg.train.steps}")
