@@ -504,6 +504,7 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
     if local is not None:
       # The rows past the local groups are not computed (zeros, or a clamped gather in "blocks").
       y_flat = jnp.where(local[:, None], y_flat, jnp.zeros_like(y_flat))
+  with jax.named_scope("combine"):
     y = jnp.einsum("nkd,nk->nd", y_flat.reshape(M, k, D).astype(jnp.float32), w_Mk.astype(jnp.float32))
   return y.astype(dt)
 
