@@ -93,6 +93,8 @@ def test_routing_is_as_uneven_as_constructed(uneven):
 
 
 DROPLESS_ARMS = {
+    "loop": dict(grouped_matmul="loop"),
+    "loop-b8-split-argsort": dict(grouped_matmul="loop", block_rows=8, fused_gate_up=False, unsort_impl="argsort"),
     "blocks": dict(grouped_matmul="blocks"),
     "blocks-b4-split-argsort": dict(grouped_matmul="blocks", block_rows=4, fused_gate_up=False, unsort_impl="argsort"),
     "ragged": dict(grouped_matmul="ragged"),
@@ -131,7 +133,9 @@ def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
   assert diffs["y"] > 1e-2
 
 
-@pytest.mark.parametrize("impl,block_rows", [("blocks", 4), ("blocks", 16), ("ragged", None)])
+# loop with block_rows=b: blocks of b rows, then of b // 4 (the last may run past its group's end).
+@pytest.mark.parametrize("impl,block_rows", [("loop", None), ("loop", 4), ("loop", 8), ("blocks", 4), ("blocks", 16),
+                                             ("ragged", None)])
 def test_grouped_matmul_matches_numpy(impl, block_rows):
   rng = np.random.default_rng(1)
   sizes = np.array([0, 11, 0, 1, 5, 0], np.int32)  # empty groups first, in between and last
@@ -159,6 +163,19 @@ def test_grouped_matmul_matches_numpy(impl, block_rows):
   np.testing.assert_allclose(y2, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dx2, want_dx, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.concatenate([dw1, dw2], -1), want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_loop_with_shifted_group_starts_fails_the_numpy_check(monkeypatch):
+  # Negative control for the expert loop: each expert reading its rows one row late must not pass.
+  rng = np.random.default_rng(1)
+  sizes = np.array([0, 11, 0, 1, 5, 0], np.int32)
+  x = rng.standard_normal((17, 7)).astype(np.float32)
+  w = rng.standard_normal((6, 7, 9)).astype(np.float32)
+  want = np.einsum("rd,rdf->rf", x, w[np.repeat(np.arange(6), sizes)])
+  real = moe._expert_rows
+  monkeypatch.setattr(moe, "_expert_rows", lambda s: (real(s)[0] + 1, real(s)[1]))
+  y = moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), impl="loop", block_rows=4)
+  assert np.max(np.abs(np.asarray(y) - want)) > 1e-1
 
 
 def test_block_layout_covers_each_row_once():

@@ -80,6 +80,10 @@ class ModelConfig(_Strict):
   moe_impl: Literal["dropless", "reference"] = Field(
       default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls) or reference (every expert "
       "on every token, masked)")
+  moe_grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
+      default="auto", description="the experts' grouped matmul (nn/moe.py): loop (a scan over the experts, rows "
+      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
+      "loop on CPU, ragged elsewhere")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(
