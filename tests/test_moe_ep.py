@@ -47,7 +47,7 @@ def _inputs(seed: int = 0):
   return jnp.asarray(x), jax.tree.map(jnp.asarray, p)
 
 
-SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F))())
+SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
 CTX = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
 
@@ -148,7 +148,7 @@ def test_a_wrong_local_expert_offset_fails(unsharded, monkeypatch):
   """Negative control: each shard computing its neighbour's expert ids with its own kernels."""
   real = moe.local_expert_offset
   monkeypatch.setattr(moe, "local_expert_offset",
-                      lambda n: (real(n) + n) % E)  # shard i takes the ids of shard i + 1
+                      lambda n, axes: (real(n, axes) + n) % E)  # shard i takes the ids of shard i + 1
   try:
     out, _, _, _ = run_sharded(EP_MESHES["expert2"], "explicit")
   finally:
