@@ -38,7 +38,7 @@ Which mesh axes shard the kernels' experts dim is sharding data (model.moe_kerne
 logical axis names in moe_spec; parallel/sharding.py's RULES map them):
 - no mesh axis shards the experts (mesh.expert = 1 with moe_kernel_fsdp embed or mlp): per batch (and
   length) shard; tokens stay on their device, the expert kernels are gathered whole.
-- the experts dim is sharded over ep devices, on mesh.expert, mesh.fsdp or both (`EP_AXES`, expert
+- the experts dim is sharded over ep devices, on mesh.expert, mesh.fsdp or both (`ep_mesh_axes`, expert
   parallelism, `_dispatch_ep`): the kernels stay sharded on their experts dim, each device holding E / ep
   experts (with moe_kernel_fsdp embed or mlp FSDP still gathers their other dim). The tokens of the ep
   devices of an expert group are all-gathered over those axes; each device sorts the group's (token,
