@@ -404,7 +404,7 @@ def test_fused_glu_saves_the_same_named_residuals():
 
 # --- sharding -----------------------------------------------------------------------------------------
 
-SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F))())
+SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,11 @@
 - The compiled step never moves a whole expert kernel: no collective of the full [E, D, F] shape
   (the fsdp=4 layer without EP has them: control), and each shard_map sees E / ep experts.
 - The whole model (mixtral-tiny), STEPS train steps in float32 with both router losses
-  on: explicit equals auto on expert=2 x fsdp=2 and data=2 x expert=2, and EP (expert=2 x fsdp=2)
-  equals no EP (fsdp=4), max |loss diff| <= 1e-5, the aux losses compared too.
+  on: explicit equals auto on expert=2 x fsdp=2 (the experts on both axes, model.moe_kernel_fsdp's
+  default) and data=2 x expert=2, and EP (expert=2 x fsdp=2) equals no EP (fsdp=4 with
+  model.moe_kernel_fsdp=embed), max |loss diff| <= 1e-5, the aux losses compared too.
+The layer-level tests lay the kernels out as model.moe_kernel_fsdp=embed does (EP over mesh.expert
+only, FSDP on embed); tests/test_moe_kernel_fsdp.py covers the experts dim over fsdp.
 """
 import functools
 import re
@@ -47,7 +50,7 @@ def _inputs(seed: int = 0):
   return jnp.asarray(x), jax.tree.map(jnp.asarray, p)
 
 
-SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F))())
+SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
 CTX = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
 
@@ -148,7 +151,7 @@ def test_a_wrong_local_expert_offset_fails(unsharded, monkeypatch):
   """Negative control: each shard computing its neighbour's expert ids with its own kernels."""
   real = moe.local_expert_offset
   monkeypatch.setattr(moe, "local_expert_offset",
-                      lambda n: (real(n) + n) % E)  # shard i takes the ids of shard i + 1
+                      lambda n, axes: (real(n, axes) + n) % E)  # shard i takes the ids of shard i + 1
   try:
     out, _, _, _ = run_sharded(EP_MESHES["expert2"], "explicit")
   finally:
@@ -215,7 +218,7 @@ MODEL_BASE = ("cpu_devices=4", "train.per_device_batch_size=1", f"train.seq_len=
               "model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01")
 MODEL_MESHES = {"expert2-fsdp2": ("mesh.fsdp=2", "mesh.expert=2"), "data2-expert2": ("mesh.fsdp=1", "mesh.data=2",
                                                                                      "mesh.expert=2"),
-                "fsdp4": ("mesh.fsdp=4",)}
+                "fsdp4": ("mesh.fsdp=4", "model.moe_kernel_fsdp=embed")}  # no EP: the kernels gathered
 PARITY_ATOL = 1e-5
 METRICS = ("loss", "moe_aux_loss", "moe_z_loss")
 

@@ -304,15 +304,17 @@ def reads(monkeypatch, *overrides: str) -> tuple[dict, dict]:
 
 
 def test_each_device_reads_only_its_experts(monkeypatch):
-  """mesh.expert=5: each device holds one expert of each kernel and reads only that expert's tensors
-  (once each over the whole load); with the experts whole on every device (fsdp=5 shards embed
-  instead), every device reads every expert's tensor."""
-  params, counts = reads(monkeypatch, "cpu_devices=5", "mesh.fsdp=1", "mesh.expert=5")
-  gate = params["layers"]["moe"]["moe"]["gate"]
-  assert gate.shape == (2, 5, 45, 22) and gate.sharding.spec[1] == "expert"
-  experts = {n: c for n, c in counts.items() if ".experts." in n}
-  assert len(experts) == 2 * 5 * 3 and set(experts.values()) == {1}
-  _, counts = reads(monkeypatch, "cpu_devices=5", "mesh.fsdp=5")
+  """mesh.expert=5, and fsdp=5 with the experts on fsdp (model.moe_kernel_fsdp's default): each device
+  holds one expert of each kernel and reads only that expert's tensors (once each over the whole load);
+  with the experts whole on every device (fsdp=5 shards embed: moe_kernel_fsdp=embed), every device
+  reads every expert's tensor."""
+  for mesh, axis in ((("mesh.fsdp=1", "mesh.expert=5"), "expert"), (("mesh.fsdp=5",), "fsdp")):
+    params, counts = reads(monkeypatch, "cpu_devices=5", *mesh)
+    gate = params["layers"]["moe"]["moe"]["gate"]
+    assert gate.shape == (2, 5, 45, 22) and gate.sharding.spec[1] == axis
+    experts = {n: c for n, c in counts.items() if ".experts." in n}
+    assert len(experts) == 2 * 5 * 3 and set(experts.values()) == {1}
+  _, counts = reads(monkeypatch, "cpu_devices=5", "mesh.fsdp=5", "model.moe_kernel_fsdp=embed")
   assert {c for n, c in counts.items() if ".experts." in n} == {5}
 
 

@@ -159,7 +159,7 @@ def test_sharded_replay_gives_the_unsharded_ids(layer, mode):
     y, side = moe.moe_mlp(p, x, ctx, num_experts=E, k=K, norm_topk=True, forced_ids_BTk=forced, replay_rows=rows)
     c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
     return jnp.sum(c * y) + side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"], (y, side["moe_expert_ids"])
-  spec = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F))())
+  spec = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
   with jax.set_mesh(mesh):
     put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
     ps = {k: put(v, spec[k].axes) for k, v in p.items()}

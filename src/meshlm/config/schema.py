@@ -84,6 +84,15 @@ class ModelConfig(_Strict):
       default="auto", description="the experts' grouped matmul (nn/moe.py): loop (a scan over the experts, rows "
       "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
       "loop on CPU, ragged elsewhere")
+  # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe.py moe_spec):
+  # "experts" moves tokens to the experts (expert-parallel dispatch over fsdp and expert; no kernel gathered),
+  # "embed" and "mlp" gather the kernels whole in each layer. null: experts where mesh.expert x mesh.fsdp divides
+  # num_experts, else embed (parallel/sharding.py's divisibility rule decides, when the mesh is known).
+  moe_kernel_fsdp: Optional[Literal["experts", "embed", "mlp"]] = Field(
+      default=None, description="what mesh.fsdp shards in the expert kernels: experts (each device holds E / "
+      "(expert x fsdp) whole experts and the tokens travel to them), embed (the embed dim; kernels gathered per "
+      "layer) or mlp (as embed, but down on its mlp dim); null: experts when mesh.expert x mesh.fsdp divides "
+      "num_experts, else embed")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(

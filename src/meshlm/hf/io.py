@@ -128,6 +128,7 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
   import jax
   from meshlm import spec as S
   from meshlm.models import decoder
+  from meshlm.nn import moe
   fam = _family_of_cfg(cfg)
   m = cfg.model
   top = fam.top_map(m)
@@ -151,10 +152,11 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
     axis = s.axes.index("layers") if "layers" in s.axes else None
     experts = None
     if "{e}" in table[key].name:
-      if "experts" not in s.axes:
+      named = [a for a in s.axes if a in moe.EXPERTS_AXES]
+      if not named:
         raise ValueError(f"family {m.family!r}: {table[key].name} has {{e}} but parameter {'.'.join(path)} has no "
                          "experts axis")
-      experts = s.axes.index("experts")
+      experts = s.axes.index(named[0])
     tensor = table[key]
     if wrapped is not None:
       fused = tensor.fused and dataclasses.replace(tensor.fused, name=wrapped.rename(tensor.fused.name))

@@ -33,19 +33,22 @@ benchmarks/moe_grouped_matmul.py:
 - "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel).
 "auto" picks "blocks" on CPU and "ragged" elsewhere.
 
-Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding:
-- mesh.expert = 1: per batch (and length) shard; tokens stay on their device, the expert kernels
-  are gathered whole.
-- mesh.expert = ep > 1 (expert parallelism, `_dispatch_ep`): the kernels stay sharded on their
-  experts axis, each device holding E / ep experts (FSDP still gathers their embed dim). The tokens of
-  the ep devices of an expert group are all-gathered over the expert axis; each device sorts the
-  group's (token, slot) pairs with its local experts first (ids outside its range sort last and get
-  no grouped-matmul rows: `dispatch(expert_offset=)`), computes its experts' part of every token's
-  weighted sum, and a reduce-scatter over the expert axis returns each device its own tokens' sums.
-  The kernels' gradients stay local to their experts. (A batch that does not split over the expert
-  axis is already shared by the group: no gather, and a psum adds the parts.) All-gather in and
-  reduce-scatter out was chosen over all-to-all: dropless routing has no static per-peer row count,
-  so an all-to-all would need worst-case buffers of the same size, plus a second sort.
+Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding.
+Which mesh axes shard the kernels' experts dim is sharding data (model.moe_kernel_fsdp picks the
+logical axis names in moe_spec; parallel/sharding.py's RULES map them):
+- no mesh axis shards the experts (mesh.expert = 1 with moe_kernel_fsdp embed or mlp): per batch (and
+  length) shard; tokens stay on their device, the expert kernels are gathered whole.
+- the experts dim is sharded over ep devices, on mesh.expert, mesh.fsdp or both (`ep_mesh_axes`, expert
+  parallelism, `_dispatch_ep`): the kernels stay sharded on their experts dim, each device holding E / ep
+  experts (with moe_kernel_fsdp embed or mlp FSDP still gathers their other dim). The tokens of the ep
+  devices of an expert group are all-gathered over those axes; each device sorts the group's (token,
+  slot) pairs with its local experts first (ids outside its range sort last and get no grouped-matmul
+  rows: `dispatch(expert_offset=)`), computes its experts' part of every token's weighted sum, and a
+  reduce-scatter over the same axes returns each device its own tokens' sums. The kernels' gradients
+  stay local to their experts. (Over an axis the batch does not split on, the tokens are already shared
+  by the group: no gather, and a psum adds the parts.) All-gather in and reduce-scatter out was chosen
+  over all-to-all: dropless routing has no static per-peer row count, so an all-to-all would need
+  worst-case buffers of the same size, plus a second sort.
 """
 from __future__ import annotations
 
@@ -73,19 +76,36 @@ ROUTER_AXES = ("embed", None)
 REMAT_SAVE_NAMES = ("moe_perm",)
 TOKENS = ("batch", "length", None)
 EXPERT_AXIS = "expert"  # the mesh axis that shards the "experts" logical axis (parallel/sharding.RULES)
-EXPERT_KERNEL = ("experts",)  # the experts dim of a kernel under expert parallelism; the rest gathered
+# The logical names of a kernel's experts dim: "experts" (over mesh.expert) or, with model.moe_kernel_fsdp
+# experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). hf/io.py finds the experts dim by these.
+EXPERTS_AXES = ("experts", "experts_fsdp")
+KERNEL_FSDP = ("experts", "embed", "mlp")  # model.moe_kernel_fsdp's values (null: "experts", falling back to embed)
 GROUPED_MATMULS = ("auto", "blocks", "loop", "ragged")
 UNSORTS = ("perm", "argsort")
 
 
+def experts_axis(m) -> str:
+  """The logical name of the expert kernels' experts dim for model.moe_kernel_fsdp (m: the model config)."""
+  layout = m.moe_kernel_fsdp
+  if layout is not None and layout not in KERNEL_FSDP:
+    raise ValueError(f"moe_kernel_fsdp={layout!r}: expected one of {KERNEL_FSDP} or None")
+  return "experts_fsdp" if layout in (None, "experts") else "experts"
+
+
 def moe_spec(m) -> dict:
-  """Parameters of one MoE layer: router [D, E], gate/up [E, D, F], down [E, F, D]."""
+  """Parameters of one MoE layer: router [D, E], gate/up [E, D, F], down [E, F, D].
+
+  model.moe_kernel_fsdp picks what mesh.fsdp shards in the kernels, as logical axis names: "experts" (or
+  null) the experts dim ("experts_fsdp"; where mesh.expert x mesh.fsdp does not divide E, fsdp drops off it
+  and shards the embed dim, as "embed"), "embed" the embed dim, "mlp" gate/up's embed and down's mlp dim.
+  """
   D, E, F = m.embed_dim, m.num_experts, m.moe_mlp_dim
+  e = experts_axis(m)
   return {
       "router": S.kernel((D, E), ROUTER_AXES),
-      "gate": S.kernel((E, D, F), ("experts", "embed", "mlp"), n_in=2),
-      "up": S.kernel((E, D, F), ("experts", "embed", "mlp"), n_in=2),
-      "down": S.kernel((E, F, D), ("experts", "mlp", "embed"), n_in=2),
+      "gate": S.kernel((E, D, F), (e, "embed", "mlp"), n_in=2),
+      "up": S.kernel((E, D, F), (e, "embed", "mlp"), n_in=2),
+      "down": S.kernel((E, F, D), (e, "mlp_fsdp" if m.moe_kernel_fsdp == "mlp" else "mlp", "embed"), n_in=2),
   }
 
 
@@ -633,7 +653,7 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
             forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact",
             grad_barrier: bool = True, router_full: jax.Array | None = None, scoring: str = "softmax",
             router_bias: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
-            routed_scaling: float = 1.0, dropped_score: float = 0.0):
+            routed_scaling: float = 1.0, dropped_score: float = 0.0, experts_axis: str = "experts"):
   """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
   "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces).
 
@@ -642,6 +662,8 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
   dropped groups scoring dropped_score, weights from the unbiased scores times routed_scaling); the
   side then also holds "moe_expert_load" [E] (expert_load: routed pairs per expert, padding excluded),
   and the aux statistics' "prob" is the mean sigmoid score.
+  experts_axis: the logical name of the kernels' experts dim (one of EXPERTS_AXES, as moe_spec named it):
+  the mesh axes it maps to are the ones the dispatch runs expert-parallel over.
 
   p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}; router_full: this
   layer's slice of the router stack gathered once before the layers (gather_router_once). ctx supplies the dense primitive (ctx.dense); without one the
@@ -703,19 +725,22 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     if mesh.empty:
       return fn(x_BTD, ids, w, *kernels), side
     spec = _batch_spec(x_BTD.shape)
-    kspec = logical_spec(EXPERT_KERNEL, kernels[-1].shape[:1])
-    if EXPERT_AXIS not in _axes_of(kspec):
+    kspec = logical_spec((experts_axis,), kernels[-1].shape[:1])
+    ep_axes = ep_mesh_axes(kspec)
+    if not ep_axes:
       # One dispatch per batch (and length) shard: tokens stay on their device; kernels are gathered.
       kernels = tuple(constrain(a, (None,) * a.ndim) for a in kernels)
       x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
       y = jax.shard_map(fn, in_specs=(spec, spec, spec) + (jax.sharding.PartitionSpec(),) * len(kernels),
                         out_specs=spec)(x_BTD, ids, w, *kernels)
       return y, side
-    # Expert parallelism: each device keeps its E / ep experts (gathered over fsdp only) and computes
-    # them for every token of its expert group (see _dispatch_ep).
-    kernels = tuple(constrain(a, EXPERT_KERNEL + (None,) * (a.ndim - 1)) for a in kernels)
+    # Expert parallelism: each device keeps its E / ep experts (their other dims gathered, if sharded) and
+    # computes them for every token of its expert group (see _dispatch_ep).
+    kernels = tuple(constrain(a, (experts_axis,) + (None,) * (a.ndim - 1)) for a in kernels)
     x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
-    ep_fn = functools.partial(_dispatch_ep, fn, gathered=EXPERT_AXIS in _axes_of(spec[:1]),
+    batch_axes = _axes_of(spec[:1])
+    ep_fn = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes,
+                              gathered=tuple(a for a in ep_axes if a in batch_axes),
                               block_rows=block_rows, num_experts=E)
     y = jax.shard_map(ep_fn, in_specs=(spec, spec, spec) + (kspec,) * len(kernels),
                       out_specs=spec)(x_BTD, ids, w, *kernels)
@@ -730,34 +755,47 @@ def _axes_of(spec) -> set[str]:
   return out
 
 
-def local_expert_offset(num_local: int) -> jax.Array:
-  """The first expert this shard holds: experts are split over the mesh's expert axis in order."""
-  return jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32) * num_local
+def ep_mesh_axes(kspec) -> tuple[str, ...]:
+  """The mesh axes that shard a kernel's experts dim, in the PartitionSpec's order (major first): kspec
+  is the experts dim's one-entry PartitionSpec. () when the experts dim is whole."""
+  part = kspec[0] if len(kspec) else None
+  return (part,) if isinstance(part, str) else tuple(part or ())
 
 
-def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, gathered: bool, block_rows, num_experts: int):
+def local_expert_offset(num_local: int, axes: tuple[str, ...] = (EXPERT_AXIS,)) -> jax.Array:
+  """The first expert this shard holds: experts are split over the mesh axes `axes` in order, the first
+  axis major (axis_index of a tuple is that linear index, the same order as PartitionSpec((axes)))."""
+  return jax.lax.axis_index(axes).astype(jnp.int32) * num_local
+
+
+def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...],
+                 gathered: tuple[str, ...], block_rows, num_experts: int):
   """Inside shard_map: this device's E_l = E / ep experts on all tokens of its expert group.
 
-  gathered (the batch is sharded over the expert axis): all-gather the group's tokens in [ep * B, T, D],
-  compute the local experts' part of every token's sum over k, reduce-scatter the parts back, so each
-  device gets its own tokens' full sums. Otherwise the tokens are already the group's, and a psum adds
-  the parts. The kernels are never gathered over the expert axis; their gradient stays local.
+  ep_axes: the mesh axes that shard the experts dim (expert, fsdp or both, major first). gathered: those of
+  them that also shard the batch: all-gather the group's tokens over them in [|gathered| * B, T, D],
+  compute the local experts' part of every token's sum over k, reduce-scatter the parts back over them, so
+  each device gets its own tokens' full sums. Over the other ep axes the tokens are already the group's,
+  and a psum adds the parts. The kernels are never gathered over ep_axes; their gradient stays local.
   """
   E_l = down.shape[0]
   ep = num_experts // E_l
+  shared = tuple(a for a in ep_axes if a not in gathered)
   if gathered:
-    x_BTD, ids_BTk, w_BTk = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x_BTD, ids_BTk, w_BTk))
-  else:
-    # Mark the shared tokens as varying over the expert axis, so their cotangent is summed over it
+    x_BTD, ids_BTk, w_BTk = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x_BTD, ids_BTk, w_BTk))
+  if shared:
+    # Mark the shared tokens as varying over those axes, so their cotangent is summed over them
     # (left invariant, x's gradient through the gather by the varying perm misses the other shards').
-    x_BTD, w_BTk = (jax.lax.pcast(a, (EXPERT_AXIS,), to="varying") for a in (x_BTD, w_BTk))
+    x_BTD, w_BTk = (jax.lax.pcast(a, shared, to="varying") for a in (x_BTD, w_BTk))
   B, T, k = ids_BTk.shape
   # About 1 / ep of the group's slots are local: size the blocks from that, not from all slots.
   b = block_rows or default_block_rows(B * T * k // ep, E_l)
-  y = fn(x_BTD, ids_BTk, w_BTk, gate, up, down, block_rows=b, expert_offset=local_expert_offset(E_l))
+  y = fn(x_BTD, ids_BTk, w_BTk, gate, up, down, block_rows=b, expert_offset=local_expert_offset(E_l, ep_axes))
+  if shared:
+    y = jax.lax.psum(y, shared)
   if gathered:
-    return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-  return jax.lax.psum(y, EXPERT_AXIS)
+    y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
+  return y
 
 
 def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate, up, down, **kw):

@@ -35,12 +35,20 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "layers": (),
     "experts": ("expert",),
+    # The MoE kernels' layouts under FSDP (model.moe_kernel_fsdp, nn/moe.py moe_spec). "experts_fsdp": the experts
+    # dim over mesh.expert and mesh.fsdp (expert-major), so a kernel's embed dim, which comes after it, finds fsdp
+    # used and stays whole. "mlp_fsdp": down's mlp dim over fsdp (and tensor), its embed dim then whole.
+    "experts_fsdp": ("expert", "fsdp"),
+    "mlp_fsdp": ("tensor", "fsdp"),
 }
 
 
 # Per-call activation sizes: a batch of 1 (the end-of-run sample) or a short prompt staying whole is
 # expected, and the data pipeline sizes training batches to divide. Everything else is a model shape.
 UNWARNED = frozenset({"batch", "length"})
+# (logical axis, mesh axis) drops that are a designed fallback, not a loss: when fsdp does not divide
+# (mesh.expert x mesh.fsdp does not divide the experts), fsdp is left free and the kernel's embed dim takes it.
+FALLBACKS = frozenset({("experts_fsdp", "fsdp")})
 
 
 class ShardingWarning(UserWarning):
@@ -52,7 +60,7 @@ _warned: set[tuple[str, int, str, int]] = set()  # (mesh axis, its size, logical
 
 def _warn_whole(mesh_axis: str, axis_size: int, name: str, size: int) -> None:
   key = (mesh_axis, axis_size, name, size)
-  if name in UNWARNED or key in _warned:
+  if name in UNWARNED or (name, mesh_axis) in FALLBACKS or key in _warned:
     return
   _warned.add(key)
   warnings.warn(f"mesh.{mesh_axis}={axis_size} does not divide the {name} dimension (size {size}): it stays whole, "

@@ -341,7 +341,7 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
   """The step for cfg on mesh. loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics); batch_spec
   declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
-  check_expert_axis(cfg, dict(mesh.shape).get("expert", 1))
+  check_expert_axis(cfg, dict(mesh.shape).get("expert", 1), dict(mesh.shape).get("fsdp", 1))
   batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
   if "loss_mask" not in batch_spec:
     raise ConfigError("batch_spec: needs a loss_mask field (the token count that normalizes the loss)")

@@ -69,8 +69,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None 
   y, side = moe.moe_mlp(p, x_BTD, ctx, num_experts=m.num_experts, k=m.num_experts_per_tok,
                         norm_topk=m.norm_topk_prob if norm_topk is None else norm_topk,
                         activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(m.router_dtype),
-                        impl=m.moe_impl, grouped_matmul=m.moe_grouped_matmul, forced_ids_BTk=ctx.layer.get(FORCED_IDS), router_full=p["router_full"],
-                        **kw)
+                        impl=m.moe_impl, grouped_matmul=m.moe_grouped_matmul, forced_ids_BTk=ctx.layer.get(FORCED_IDS),
+                        router_full=p["router_full"], experts_axis=moe.experts_axis(m), **kw)
   if shared:
     y = y + shared_expert(p, x_BTD, ctx, gated=shared_gate)
   return y, None, side
