@@ -449,45 +449,73 @@ def _expert_rows(sizes_E):
   return jnp.cumsum(sizes) - sizes, sizes  # first sorted row of each expert, its rows
 
 
-def _loop_over_blocks(n_big, n_small, start, big, small, body, carry):
-  """carry = body(carry, row0, b, n_valid) for the big blocks [start + i * big, + big) then the small
-  ones after them, n_valid the rows of the block that belong to this expert (the last small block may
-  run past the expert's end)."""
-  def step(b, first, count, limit):
-    def go(i, c):
-      r0 = first + i * b
-      return body(c, r0, b, jnp.minimum(b, limit - r0))
-    return lambda c: jax.lax.fori_loop(0, count, go, c)
-  end = start + n_big * big + n_small  # n_small: the remainder's rows
-  carry = step(big, start, n_big, end)(carry)
-  return step(small, start + n_big * big, (n_small + small - 1) // small, end)(carry)
+def _loop_over_blocks(n_big, n_rest, start, big, small, body, carry):
+  """carry = body(carry, row0, b, end) over one expert's rows [start, end): blocks of `big` rows, each
+  wholly the expert's, then blocks of `small` rows for the n_rest left over, the last of which may run
+  past `end`."""
+  end = start + n_big * big + n_rest
+
+  def blocks(b, first, count):
+    return lambda c: jax.lax.fori_loop(0, count, lambda i, c: body(c, first + i * b, b, end), c)
+
+  carry = blocks(big, start, n_big)(carry)
+  return blocks(small, start + n_big * big, (n_rest + small - 1) // small)(carry)
+
+
+def _block_at(r0, b, end, rows: int):
+  """The b-row block meant to start at r0, moved back to fit in `rows` rows: (its first row, own [b, 1], the
+  rows of it in [r0, end): the block's own; the others belong to the experts before or after)."""
+  first = jnp.minimum(r0, rows - b)
+  at = first + jnp.arange(b)
+  return first, ((at >= r0) & (at < end))[:, None]
+
+
+def _write(buf, block, r0, b, end, whole: bool):
+  """buf with rows [r0, r0 + b) set to `block`, only the rows in [r0, end) unless the block is the expert's
+  whole (a big block)."""
+  if whole:
+    return jax.lax.dynamic_update_slice_in_dim(buf, block, r0, 0)
+  first, own = _block_at(r0, b, end, buf.shape[0])
+  old = jax.lax.dynamic_slice_in_dim(buf, first, b, 0)
+  return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(own, block, old), first, 0)
+
+
+def _read(buf, r0, b, end, whole: bool):
+  if whole:
+    return jax.lax.dynamic_slice_in_dim(buf, r0, b, 0)
+  return jax.lax.dynamic_slice_in_dim(buf, _block_at(r0, b, end, buf.shape[0])[0], b, 0)
+
+
+def _fit(a, rows: int):
+  """a with zero rows appended up to `rows` (tiny calls, e.g. a decode step, with fewer rows than a block)."""
+  return a if a.shape[0] >= rows else jnp.concatenate([a, _zeros((rows - a.shape[0], a.shape[1]), a)], axis=0)
 
 
 def _gmm_loop(xs_AD, ws, sizes_E, big, small):
   """ys[j] = xs[j] @ [w_0 | w_1 ...][e_j]: a scan over the experts, each slicing its kernels once and running
-  its rows straight from the sorted buffer in blocks of `big` rows, then of `small` rows for the rest. A
-  small block that runs past its expert's end writes rows of the next experts, which they overwrite when
-  their turn comes (experts run in order); rows past the last expert are left as zeros... or as the last
-  block wrote them: callers mask rows no expert owns (expert parallelism)."""
+  its rows straight from the sorted buffer, in blocks of `big` rows, then of `small` rows for the rest. A
+  small block near the buffer's end is moved back to fit, and a small block writes only its expert's rows,
+  so every row is written by its own expert alone; rows no expert owns (past sum(sizes): expert
+  parallelism's non-local slots) stay zero."""
   A, D = xs_AD.shape
   F = sum(w.shape[-1] for w in ws)
   starts, sizes = _expert_rows(sizes_E)
-  pad = small + max(0, big - A)  # the last small block reads past A; a big block must fit even when none runs
-  xp = jnp.concatenate([xs_AD, _zeros((pad, D), xs_AD)], axis=0)
+  x = _fit(xs_AD, big)
+  R = x.shape[0]
 
   def expert(y, e_ws):
     e, *w_e = e_ws
     n = sizes[e]
 
-    def body(y, r0, b, _):
-      xb = jax.lax.dynamic_slice_in_dim(xp, r0, b, 0)
-      return jax.lax.dynamic_update_slice_in_dim(y, _cat([xb @ w for w in w_e]), r0, 0)
+    def body(y, r0, b, end):
+      whole = b == big
+      yb = _cat([_read(x, r0, b, end, whole) @ w for w in w_e])
+      return _write(y, yb, r0, b, end, whole)
 
     return _loop_over_blocks(n // big, n % big, starts[e], big, small, body, y), None
 
-  y0 = _zeros((A + pad, F), xs_AD)
-  y, _ = jax.lax.scan(expert, y0, (jnp.arange(ws[0].shape[0], dtype=jnp.int32), *ws))
-  return y[:A]
+  y, _ = jax.lax.scan(expert, _zeros((R, F), xs_AD), (jnp.arange(ws[0].shape[0], dtype=jnp.int32), *ws))
+  return y if R == A else y[:A]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -501,14 +529,15 @@ def _loop_matmul_fwd(xs_AD, ws, sizes_E, big, small):
 
 def _loop_matmul_bwd(big, small, res, dy_AF):
   """One scan over the experts. dx of each block (dy @ w_e^T) is written as the forward writes y (big blocks,
-  then small). dW_e sums x^T @ dy over blocks of `big` rows only, the rows past the expert's end zeroed in
-  dy: a small block's dW would be a rank-`small` update of the whole [D, F] kernel, as costly as a big one."""
+  then small). dW_e sums x^T @ dy over blocks of `big` rows only, each block's rows outside the expert
+  zeroed in dy: a small block's dW would be a rank-`small` update of the whole [D, F] kernel, as costly as
+  a big one."""
   xs_AD, ws, sizes_E = res
   A, D = xs_AD.shape
   cuts = list(itertools.accumulate(w.shape[-1] for w in ws))[:-1]
   starts, sizes = _expert_rows(sizes_E)
-  pad = lambda a: jnp.concatenate([a, _zeros((big, a.shape[1]), a)], axis=0)  # noqa: E731
-  xp, dyp = pad(xs_AD), pad(dy_AF)
+  x, dy = _fit(xs_AD, big), _fit(dy_AF, big)
+  R = x.shape[0]
 
   def expert(dx, e_ws):
     e, *w_e = e_ws
@@ -518,24 +547,24 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
     # every block's few rows (3x slower at 512 experts, 80 rows each).
     w_t = tuple(w.T for w in w_e)
 
-    def dx_block(dx, r0, b, _):
-      dys = jnp.split(jax.lax.dynamic_slice_in_dim(dyp, r0, b, 0), cuts, axis=-1)
-      return jax.lax.dynamic_update_slice_in_dim(dx, sum(d @ w for d, w in zip(dys, w_t)), r0, 0)
+    def dx_block(dx, r0, b, end):
+      whole = b == big
+      dys = jnp.split(_read(dy, r0, b, end, whole), cuts, axis=-1)
+      return _write(dx, sum(d @ w for d, w in zip(dys, w_t)), r0, b, end, whole)
 
     def dw_block(i, dws):
-      r0 = s0 + i * big
-      xb = jax.lax.dynamic_slice_in_dim(xp, r0, big, 0)
-      own = (jnp.arange(big) < n - i * big)[:, None]
-      dyb = jax.lax.dynamic_slice_in_dim(dyp, r0, big, 0)
+      first, own = _block_at(s0 + i * big, big, s0 + n, R)
+      xb = jax.lax.dynamic_slice_in_dim(x, first, big, 0)
+      dyb = jax.lax.dynamic_slice_in_dim(dy, first, big, 0)
       dys = jnp.split(jnp.where(own, dyb, jnp.zeros_like(dyb)), cuts, axis=-1)
       return tuple(dw + xb.T @ d for dw, d in zip(dws, dys))
 
     dx = _loop_over_blocks(n // big, n % big, s0, big, small, dx_block, dx)
-    dws = jax.lax.fori_loop(0, (n + big - 1) // big, dw_block, tuple(_zeros(w.shape, xp, w.dtype) for w in w_e))
+    dws = jax.lax.fori_loop(0, (n + big - 1) // big, dw_block, tuple(_zeros(w.shape, x, w.dtype) for w in w_e))
     return dx, dws
 
-  dx, dws = jax.lax.scan(expert, _zeros((A + big, D), xs_AD), (jnp.arange(ws[0].shape[0], dtype=jnp.int32), *ws))
-  return dx[:A], tuple(dws), None
+  dx, dws = jax.lax.scan(expert, _zeros((R, D), xs_AD), (jnp.arange(ws[0].shape[0], dtype=jnp.int32), *ws))
+  return (dx if R == A else dx[:A]), tuple(dws), None
 
 
 _loop_matmul.defvjp(_loop_matmul_fwd, _loop_matmul_bwd)
