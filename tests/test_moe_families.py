@@ -304,11 +304,12 @@ def reads(monkeypatch, *overrides: str) -> tuple[dict, dict]:
 
 
 def test_each_device_reads_only_its_experts(monkeypatch):
-  """mesh.expert=5, and fsdp=5 with the experts on fsdp (model.moe_kernel_fsdp's default): each device
+  """mesh.expert=5, and fsdp=5 with the experts on fsdp (model.moe_kernel_fsdp=experts): each device
   holds one expert of each kernel and reads only that expert's tensors (once each over the whole load);
   with the experts whole on every device (fsdp=5 shards embed: moe_kernel_fsdp=embed), every device
   reads every expert's tensor."""
-  for mesh, axis in ((("mesh.fsdp=1", "mesh.expert=5"), "expert"), (("mesh.fsdp=5",), "fsdp")):
+  for mesh, axis in ((("mesh.fsdp=1", "mesh.expert=5"), "expert"),
+                     (("mesh.fsdp=5", "model.moe_kernel_fsdp=experts"), "fsdp")):
     params, counts = reads(monkeypatch, "cpu_devices=5", *mesh)
     gate = params["layers"]["moe"]["moe"]["gate"]
     assert gate.shape == (2, 5, 45, 22) and gate.sharding.spec[1] == axis

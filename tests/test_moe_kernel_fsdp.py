@@ -186,16 +186,34 @@ def test_null_falls_back_to_embed_quietly():
 
 
 def test_the_model_stores_each_layout():
-  """The whole model (mixtral-tiny, stacked layers) through decoder.param_shardings on fsdp=4."""
-  def down(layout):
-    cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", "model.num_experts=8",
+  """The whole model (mixtral-tiny, stacked layers) through decoder.param_shardings on fsdp=4; null resolves
+  by moe_layout_for: experts at issue 19's geometry (1 row of 128 tokens per device, experts of width 512),
+  embed for the preset's 8 rows per device."""
+  def down(layout, *extra):
+    cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", "model.num_experts=8", *extra,
                       *([] if layout is None else [f"model.moe_kernel_fsdp={layout}"]))
     sh = decoder.param_shardings(cfg, make_mesh(cfg))
     [moe_p] = [v for v in sh["layers"].values() if "moe" in v]
     return tuple(moe_p["moe"]["down"].spec), tuple(moe_p["moe"]["gate"].spec)
-  assert down(None) == down("experts") == ((None, "fsdp", None, None), (None, "fsdp", None, None))
-  assert down("embed") == ((None, None, None, "fsdp"), (None, None, "fsdp", None))
+  few = ("train.per_device_batch_size=1", "model.moe_mlp_dim=512")
+  assert down(None, *few) == down("experts") == ((None, "fsdp", None, None), (None, "fsdp", None, None))
+  assert down(None) == down("embed") == ((None, None, None, "fsdp"), (None, None, "fsdp", None))
   assert down("mlp") == ((None, None, "fsdp", None), (None, None, "fsdp", None))
+
+
+def test_null_layout_compares_the_dispatch_rows_with_the_kernels():
+  """moe_layout_for: experts while ep x rows x k x (D + 2F) <= 3 E D F, embed past it; embed where the fsdp
+  size is not known from the config."""
+  base = ("model=mixtral-tiny", "model.num_experts=8", "model.embed_dim=64", "model.moe_mlp_dim=64",
+          "model.num_heads=2", "model.num_kv_heads=2", "train.seq_len=16", "cpu_devices=4", "mesh.fsdp=4")
+  kernels = 3 * 8 * 64 * 64  # 98,304; one row of 16 tokens x k=2 x (64 + 128) x ep=4 = 24,576 per sequence
+  assert 4 * 4 * 16 * 2 * (64 + 2 * 64) == kernels
+  assert load_config(*base, "train.per_device_batch_size=4").model.moe_kernel_fsdp == "experts"  # equal: experts
+  assert load_config(*base, "train.per_device_batch_size=5").model.moe_kernel_fsdp == "embed"
+  assert load_config(*base, "train.per_device_batch_size=8", "train.micro_batches=2").model.moe_kernel_fsdp == "experts"
+  assert load_config("model=mixtral-tiny").model.moe_kernel_fsdp == "embed"  # mesh.fsdp=-1, no cpu_devices
+  assert load_config(*base, "train.per_device_batch_size=5", "model.moe_kernel_fsdp=experts").model.moe_kernel_fsdp \
+      == "experts"  # set, not resolved
 
 
 def test_experts_refused_where_it_cannot_shard():

@@ -480,14 +480,18 @@ class Config(_Strict):
     return self
 
   def resolved(self) -> "Config":
-    """Resolves the tri-state flags: null means on under explicit (untied head for the LM head flag)."""
+    """Resolves the tri-state flags: null means on under explicit (untied head for the LM head flag);
+    model.moe_kernel_fsdp null by moe_layout_for."""
     explicit = self.shard_mode == "explicit"
     lm = self.lm_head_weight_grad_in_kernel_order
     dense = self.dense_weight_grad_in_kernel_order
-    return self.model_copy(update={
+    update = {
         "lm_head_weight_grad_in_kernel_order": (explicit and not self.model.tie_embeddings) if lm is None else lm,
         "dense_weight_grad_in_kernel_order": explicit if dense is None else dense,
-    })
+    }
+    if self.model.num_experts and self.model.moe_kernel_fsdp is None:
+      update["model"] = self.model.model_copy(update={"moe_kernel_fsdp": moe_layout_for(self)})
+    return self.model_copy(update=update)
 
   @property
   def lm_head_kernel_order(self) -> bool:
@@ -497,3 +501,25 @@ class Config(_Strict):
   @property
   def dense_kernel_order(self) -> bool:
     return bool(self.dense_weight_grad_in_kernel_order) and self.shard_mode == "explicit"
+
+
+def moe_layout_for(cfg: Config) -> str:
+  """model.moe_kernel_fsdp's null: "experts" where moving the tokens to the experts costs less than moving the
+  experts to the tokens, else "embed" (docs/performance.md, "MoE at the speed of its FLOPs").
+
+  Per layer and device, "embed" gathers the three kernels whole, 3 E D F elements (and reduce-scatters as many
+  gradient elements); "experts" runs the dispatch (the row gather, the GLU, the unsort) over the routed rows of
+  the whole expert group, ep x tokens x k x (D + 2F) elements, ep = mesh.expert x the fsdp size. Where the fsdp
+  size is not known from the config (mesh.fsdp=-1 without cpu_devices: the real devices decide), "embed".
+  Where mesh.expert x fsdp does not divide E, "experts" falls back to embed in parallel/sharding.py anyway."""
+  m, t, mesh = cfg.model, cfg.train, cfg.mesh
+  fsdp = mesh.fsdp
+  if fsdp == -1:
+    others = mesh.data * mesh.tensor * mesh.expert * mesh.context
+    fsdp = cfg.cpu_devices // others if cfg.cpu_devices and cfg.cpu_devices % others == 0 else None
+  if fsdp is None:
+    return "embed"
+  ep = mesh.expert * fsdp
+  rows = t.per_device_batch_size * t.seq_len // t.micro_batches * m.num_experts_per_tok
+  dispatch = ep * rows * (m.embed_dim + 2 * m.moe_mlp_dim)
+  return "experts" if dispatch <= 3 * m.num_experts * m.embed_dim * m.moe_mlp_dim else "embed"
