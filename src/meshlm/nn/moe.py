@@ -25,13 +25,18 @@ gradient); top-k runs over at most `replay_rows` gathered tokens that are neithe
 with a lax.cond fallback to the full top-k, bit-identical to `replay_impl="full"`. The side outputs
 always carry the routed ids ("moe_expert_ids"), which is what a rollout records for replay.
 
-The grouped matmul has two implementations (`grouped_matmul=`), measured in
-benchmarks/moe_grouped_matmul.py:
+The grouped matmul has three implementations (`grouped_matmul=`, model.moe_grouped_matmul), measured in
+benchmarks/moe_vs_dense.py and benchmarks/moe_grouped_matmul.py (docs/performance.md, issue 19):
+- "loop" (`_gmm_loop`): a scan over the experts; each slices its kernels once and runs its rows straight
+  from the sorted buffer in blocks of `big` rows, then `small` ones for the remainder (loop_block_rows),
+  a small block writing only its expert's rows. The backward transposes each expert's kernels once outside
+  its block loop (XLA:CPU repacks a transposed kernel per dot otherwise) and builds dW_e from masked big
+  blocks (a small block's dW is a rank-`small` update of the whole kernel).
 - "blocks": the sorted rows are laid out per expert in row blocks of `block_rows` (each block holds
   one expert's rows, padded with zeros), and a scan runs one [b, D] x [D, F] matmul per used block.
-  Fast on XLA:CPU, where ragged_dot lowers to a dense masked matmul per group.
-- "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel).
-"auto" picks "blocks" on CPU and "ragged" elsewhere.
+- "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel; on XLA:CPU a
+  dense masked matmul per group).
+"auto" picks "loop" on CPU and "ragged" elsewhere.
 
 Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding.
 Which mesh axes shard the kernels' experts dim is sharding data (model.moe_kernel_fsdp picks the
