@@ -510,15 +510,15 @@ def moe_layout_for(cfg: Config) -> str:
   Per layer and device, "embed" gathers the three kernels whole, 3 E D F elements (and reduce-scatters as many
   gradient elements); "experts" runs the dispatch (the row gather, the GLU, the unsort) over the routed rows of
   the whole expert group, ep x tokens x k x (D + 2F) elements, ep = mesh.expert x the fsdp size. Where the fsdp
-  size is not known from the config (mesh.fsdp=-1 without cpu_devices: the real devices decide), "embed".
+  size is not known from the config (mesh.fsdp=-1 without cpu_devices: the real devices decide) or is 1, "embed".
   Where mesh.expert x fsdp does not divide E, "experts" falls back to embed in parallel/sharding.py anyway."""
   m, t, mesh = cfg.model, cfg.train, cfg.mesh
   fsdp = mesh.fsdp
   if fsdp == -1:
     others = mesh.data * mesh.tensor * mesh.expert * mesh.context
     fsdp = cfg.cpu_devices // others if cfg.cpu_devices and cfg.cpu_devices % others == 0 else None
-  if fsdp is None:
-    return "embed"
+  if fsdp is None or fsdp == 1:
+    return "embed"  # unknown, or no FSDP: nothing to choose (the experts dim then shards over mesh.expert alone)
   ep = mesh.expert * fsdp
   rows = t.per_device_batch_size * t.seq_len // t.micro_batches * m.num_experts_per_tok
   dispatch = ep * rows * (m.embed_dim + 2 * m.moe_mlp_dim)
