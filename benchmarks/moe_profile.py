@@ -92,7 +92,7 @@ def stage_of(opcode: str, op_name: str, inner: str = "") -> str:
     if scope in op_name:
       return stage
   if "moe/experts" in op_name:
-    dotlike = opcode in ("dot", "convolution", "custom-call") or "dot" in inner or opcode == "fusion" and "ynn" in inner
+    dotlike = opcode in ("dot", "convolution", "custom-call") or "dot" in inner
     layout = opcode in ("gather", "scatter", "dynamic-slice", "dynamic-update-slice") or (
         opcode == "fusion" and ("gather" in inner or "scatter" in inner) and "dot" not in inner)
     for scope in ("gate_up", "down"):
