@@ -233,16 +233,22 @@ def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, l
   """(params, opt_state, metrics) after one optimizer update, or the inputs unchanged when the loss or
   the global gradient norm is NaN/Inf. One NaN or Inf anywhere in the gradients makes the norm
   non-finite, so a finite loss with a bad gradient is caught too. Frozen leaves (trainable False)
-  come back as they went in."""
+  come back as they went in.
+
+  The skip is a lax.cond, not a select per leaf: a select reads each old leaf beside the new one, and
+  with the state donated XLA:CPU then copies every optimizer-state leaf it updates in place (the update
+  was 3x the plain update's time at 6M parameters; benchmarks/guarded_update.py)."""
   grad_norm = optax.tree.norm(grads)
-  updates, new_opt_state = optimizer.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  if trainable is not None:
-    new_params = jax.tree.map(lambda new, old, t: new if t else old, new_params, params, trainable)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep_new = lambda new, old: jnp.where(finite, new, old)
-  new_params = jax.tree.map(keep_new, new_params, params)
-  new_opt_state = jax.tree.map(keep_new, new_opt_state, opt_state)
+
+  def update(params, opt_state):
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if trainable is not None:
+      new_params = jax.tree.map(lambda new, old, t: new if t else old, new_params, params, trainable)
+    return new_params, new_opt_state
+
+  new_params, new_opt_state = jax.lax.cond(finite, update, lambda p, s: (p, s), params, opt_state)
   return new_params, new_opt_state, {"loss": loss, "grad_norm": grad_norm, "nonfinite": ~finite}
 
 
