@@ -28,6 +28,7 @@ from meshlm.nn import kv_cache
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
+from meshlm.nn.stack_row import StackRow
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum, logical_spec
 
 __all__ = ["ACT", "LOGITS", "decode", "forward", "init_params", "param_shardings", "param_specs", "prefill"]
@@ -207,6 +208,17 @@ def _layer(stack: Any, i: int, axis: int) -> Any:
   return jax.tree.map(lambda a: jax.lax.index_in_dim(a, i, axis=min(axis, a.ndim - 1), keepdims=False), stack)
 
 
+def _unrolled_params(cfg: Config, kind, stack: dict, i: int) -> dict:
+  """Row i of an unrolled layer's stacks (layer axis leading): with cfg.stack_rows its parts' `stack_rows`
+  left in their stacks as StackRow (nn/stack_row.py), every other leaf sliced."""
+  parts = [p for p in kind.parts if p.stack_rows and cfg.stack_rows]
+  out = _layer({k: v for k, v in stack.items() if k not in {p.key for p in parts}}, i, 0)
+  for part in parts:
+    out[part.key] = {n: StackRow(a, i) if n in part.stack_rows else _layer(a, i, 0)
+                     for n, a in stack[part.key].items()}
+  return out
+
+
 def _parts(cfg: Config):
   """Every (kind name, Part) of the plan's kinds."""
   fam = family(cfg)
@@ -370,7 +382,7 @@ def run_layers(cfg: Config, layers: dict, x_BTD: jax.Array, ctx: Context, cache:
     kind, row = slots[i]
     u = ids.index(i)
     with jax.named_scope(f"layer_{i}"):
-      x_BTD, update, side = run.layer_fn(i)(_layer(layers[kind], row, 0), x_BTD,
+      x_BTD, update, side = run.layer_fn(i)(_unrolled_params(cfg, family(cfg).kinds[kind], layers[kind], row), x_BTD,
                                             states[u] if ctx.mode == "decode" else None,
                                             _layer(layer_inputs.get(kind, {}), row, 0))
     if decode:

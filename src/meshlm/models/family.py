@@ -19,6 +19,9 @@ models/registry.py):
 - prepare(stack, specs) -> stack: runs once before the layer scan on the part's stacked parameters
   (a "layers" axis leading or at param_scan_axis): gather-once transforms live here.
 - remat_save_names: names (jax.ad_checkpoint.checkpoint_name) a remat policy must save.
+- stack_rows: names of parameters the part reads by row from their stacks itself: in an unrolled layer
+  it gets them as `nn.stack_row.StackRow(stack, layer row)` instead of the sliced row (a copy on XLA:CPU),
+  so a part whose parameters are large reads only what it uses (MoE: one expert's kernel at a time).
 - layer_inputs: {name: check(m, array, n_layers, shape_BT)}: per-layer inputs the part reads from
   `ctx.layer[name]`, given to the decoder stacked over the model layers that read them.
 - model_state(m) -> ParamSpec tree of non-trainable leaves (merged into p, never seen by the
@@ -83,6 +86,7 @@ class Part:
   state_spec: Callable[[ModelConfig, int, int], dict[str, StateLeaf]] | None = None
   prepare: Callable[[dict, dict], dict] | None = None
   remat_save_names: tuple[str, ...] = ()
+  stack_rows: tuple[str, ...] = ()
   layer_inputs: Mapping[str, Callable[..., None]] = dataclasses.field(default_factory=dict)
   model_state: Callable[[ModelConfig], dict] | None = None
   after_step: Callable[[dict, dict, ModelConfig], dict] | None = None

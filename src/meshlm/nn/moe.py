@@ -27,11 +27,12 @@ always carry the routed ids ("moe_expert_ids"), which is what a rollout records 
 
 The grouped matmul has three implementations (`grouped_matmul=`, model.moe_grouped_matmul), measured in
 benchmarks/moe_vs_dense.py and benchmarks/moe_grouped_matmul.py (docs/performance.md, issue 19):
-- "loop" (`_gmm_loop`): a scan over the experts; each slices its kernels once and runs its rows straight
-  from the sorted buffer in blocks of `big` rows, then `small` ones for the remainder (loop_block_rows),
-  a small block writing only its expert's rows. The backward transposes each expert's kernels once outside
-  its block loop (XLA:CPU repacks a transposed kernel per dot otherwise) and builds dW_e from masked big
-  blocks (a small block's dW is a rank-`small` update of the whole kernel).
+- "loop" (`_gmm_loop`): a scan over the experts; each reads its kernels once and runs its rows straight
+  from the sorted buffer in blocks of `big` rows, then one block for the remainder, the smallest power-of-two
+  multiple of `small` that holds it (loop_block_rows, a lax.switch), which writes only its expert's rows. The
+  backward (dx and dW in two independent scans) transposes each expert's kernels once outside its block
+  loop (XLA:CPU repacks a transposed kernel per dot otherwise). In unrolled layers the kernels come as
+  StackRow (nn/stack_row.py) and each expert's is read straight from the layer stack.
 - "blocks": the sorted rows are laid out per expert in row blocks of `block_rows` (each block holds
   one expert's rows, padded with zeros), and a scan runs one [b, D] x [D, F] matmul per used block.
 - "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel; on XLA:CPU a
@@ -71,6 +72,7 @@ from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
+from meshlm.nn.stack_row import StackRow, is_row, materialize
 from meshlm.parallel.sharding import auto_region, constrain, current_mesh, logical_spec, out_sharding
 
 ROUTER_LOGITS = ("batch", "length", None)
@@ -319,6 +321,8 @@ def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "
   """
   ws = tuple(w_EDF) if isinstance(w_EDF, (tuple, list)) else (w_EDF,)
   impl = default_grouped_matmul() if impl == "auto" else impl
+  if impl != "loop":
+    ws = tuple(materialize(w) for w in ws)
   if impl == "ragged":
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
     return jax.lax.ragged_dot(xs_AD, w, sizes_E.astype(jnp.int32))
@@ -329,8 +333,8 @@ def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "
     big, small = loop_block_rows(xs_AD.shape[0], ws[0].shape[0])
     if block_rows:
       big, small = block_rows, max(1, block_rows // 4)
-    x = _vary_like(xs_AD, ws[0])
-    return _loop_matmul(x, tuple(_vary_like(w, x) for w in ws), sizes_E, big, small)
+    x = _vary_like(xs_AD, _leaf(ws[0]))
+    return _loop_matmul(x, tuple(_vary_row(w, x) for w in ws), sizes_E, big, small)
   raise ValueError(f"grouped_matmul={impl!r}: expected one of {GROUPED_MATMULS}")
 
 
@@ -381,6 +385,21 @@ def _vary_like(a, like):
   """a, marked as varying over the shard_map axes `like` varies over (a no-op outside shard_map)."""
   axes = tuple(sorted(_varying(like) - _varying(a)))
   return jax.lax.pcast(a, axes, to="varying") if axes else a
+
+
+def _leaf(w):
+  """A kernel's array: a StackRow's stack."""
+  return w.stack if is_row(w) else w
+
+
+def _vary_row(w, like):
+  """_vary_like for a kernel or a StackRow (its stack marked)."""
+  return StackRow(_vary_like(w.stack, like), w.index) if is_row(w) else _vary_like(w, like)
+
+
+def _expert_kernel(w, e):
+  """Expert e's kernel of w [E, ...]: read from the stack for a StackRow (no copy of the layer's row)."""
+  return w.at(e) if is_row(w) else jax.lax.dynamic_index_in_dim(w, e, axis=0, keepdims=False)
 
 
 def _zeros(shape, like, dtype=None):
@@ -443,8 +462,8 @@ _blocks_matmul.defvjp(_blocks_matmul_fwd, _blocks_matmul_bwd)
 
 def loop_block_rows(rows: int, num_experts: int) -> tuple[int, int]:
   """(big, small) row blocks of the expert loop: big is the power of two at or below the mean group
-  rows / E in [16, 256]; small = max(8, big / 8) covers each group's remainder, so at most small - 1
-  rows per expert are computed for nothing."""
+  rows / E in [16, 256]; small = max(8, big / 8) is the least remainder block (rest_block_sizes: small,
+  2 small, ... big), so a group's remainder r is one block of at most max(small, 2 r - 1) rows."""
   big = default_block_rows(rows, num_experts)
   return big, max(8, big // 8)
 
@@ -454,17 +473,26 @@ def _expert_rows(sizes_E):
   return jnp.cumsum(sizes) - sizes, sizes  # first sorted row of each expert, its rows
 
 
+def rest_block_sizes(big: int, small: int) -> tuple[int, ...]:
+  """The sizes a group's remainder block may take: small, 2 small, ... up to big."""
+  sizes = [small]
+  while sizes[-1] < big:
+    sizes.append(min(2 * sizes[-1], big))
+  return tuple(sizes)
+
+
 def _loop_over_blocks(n_big, n_rest, start, big, small, body, carry):
-  """carry = body(carry, row0, b, end) over one expert's rows [start, end): blocks of `big` rows, each
-  wholly the expert's, then blocks of `small` rows for the n_rest left over, the last of which may run
-  past `end`."""
+  """carry = body(carry, row0, b, end, whole) over one expert's rows [start, end): blocks of `big` rows,
+  each wholly the expert's (whole=True), then one block for the n_rest < big left over, the smallest of
+  rest_block_sizes(big, small) that holds them (a lax.switch: one dot of at most 2 n_rest rows rather
+  than n_rest / small dots of `small` rows; measured in docs/performance.md), which may run past `end`."""
   end = start + n_big * big + n_rest
-
-  def blocks(b, first, count):
-    return lambda c: jax.lax.fori_loop(0, count, lambda i, c: body(c, first + i * b, b, end), c)
-
-  carry = blocks(big, start, n_big)(carry)
-  return blocks(small, start + n_big * big, (n_rest + small - 1) // small)(carry)
+  carry = jax.lax.fori_loop(0, n_big, lambda i, c: body(c, start + i * big, big, end, True), carry)
+  r0 = start + n_big * big
+  sizes = rest_block_sizes(big, small)
+  branches = [lambda c: c] + [functools.partial(lambda c, b: body(c, r0, b, end, False), b=b) for b in sizes]
+  pick = (n_rest > 0).astype(jnp.int32) + sum((n_rest > b).astype(jnp.int32) for b in sizes[:-1])
+  return jax.lax.switch(pick, branches, carry)
 
 
 def _block_at(r0, b, end, rows: int):
@@ -497,29 +525,28 @@ def _fit(a, rows: int):
 
 
 def _gmm_loop(xs_AD, ws, sizes_E, big, small):
-  """ys[j] = xs[j] @ [w_0 | w_1 ...][e_j]: a scan over the experts, each slicing its kernels once and running
-  its rows straight from the sorted buffer, in blocks of `big` rows, then of `small` rows for the rest. A
-  small block near the buffer's end is moved back to fit, and a small block writes only its expert's rows,
-  so every row is written by its own expert alone; rows no expert owns (past sum(sizes): expert
-  parallelism's non-local slots) stay zero."""
+  """ys[j] = xs[j] @ [w_0 | w_1 ...][e_j]: a scan over the experts, each reading its kernels once (from the
+  layer stack for a StackRow) and running its rows straight from the sorted buffer, in blocks of `big` rows,
+  then one remainder block (_loop_over_blocks). A remainder block near the buffer's end is moved back to
+  fit, and it writes only its expert's rows, so every row is written by its own expert alone; rows no
+  expert owns (past sum(sizes): expert parallelism's non-local slots) stay zero."""
   A, D = xs_AD.shape
   F = sum(w.shape[-1] for w in ws)
   starts, sizes = _expert_rows(sizes_E)
   x = _fit(xs_AD, big)
   R = x.shape[0]
 
-  def expert(y, e_ws):
-    e, *w_e = e_ws
+  def expert(y, e):
     n = sizes[e]
+    w_e = [_expert_kernel(w, e) for w in ws]
 
-    def body(y, r0, b, end):
-      whole = b == big
+    def body(y, r0, b, end, whole):
       yb = _cat([_read(x, r0, b, end, whole) @ w for w in w_e])
       return _write(y, yb, r0, b, end, whole)
 
     return _loop_over_blocks(n // big, n % big, starts[e], big, small, body, y), None
 
-  y, _ = jax.lax.scan(expert, _zeros((R, F), xs_AD), (jnp.arange(ws[0].shape[0], dtype=jnp.int32), *ws))
+  y, _ = jax.lax.scan(expert, _zeros((R, F), xs_AD), jnp.arange(ws[0].shape[0], dtype=jnp.int32))
   return y if R == A else y[:A]
 
 
@@ -533,10 +560,11 @@ def _loop_matmul_fwd(xs_AD, ws, sizes_E, big, small):
 
 
 def _loop_matmul_bwd(big, small, res, dy_AF):
-  """One scan over the experts. dx of each block (dy @ w_e^T) is written as the forward writes y (big blocks,
-  then small). dW_e sums x^T @ dy over blocks of `big` rows only, each block's rows outside the expert
-  zeroed in dy: a small block's dW would be a rank-`small` update of the whole [D, F] kernel, as costly as
-  a big one."""
+  """Two scans over the experts, independent of each other (XLA:CPU can run them side by side; 4-6% faster
+  than one scan doing both, docs/performance.md). dx of each block (dy @ w_e^T) is written as the forward
+  writes y; dW_e sums x^T @ dy over the same blocks (the remainder block's rows outside the expert zeroed
+  in dy). A StackRow kernel's cotangent is its stack's, zero outside the row (XLA: a pad, fused with the
+  other layers' pads into one pass)."""
   xs_AD, ws, sizes_E = res
   A, D = xs_AD.shape
   cuts = list(itertools.accumulate(w.shape[-1] for w in ws))[:-1]
@@ -544,32 +572,37 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
   x, dy = _fit(xs_AD, big), _fit(dy_AF, big)
   R = x.shape[0]
 
-  def expert(dx, e_ws):
-    e, *w_e = e_ws
+  experts = jnp.arange(ws[0].shape[0], dtype=jnp.int32)
+
+  def expert_dx(dx, e):
     n, s0 = sizes[e], starts[e]
     # The expert's kernels transposed here, outside the block loop, which then holds them as materialized
     # operands: folded into each block's dot instead, XLA:CPU would repack the whole transposed kernel for
     # every block's few rows (3x slower at 512 experts, 80 rows each).
-    w_t = tuple(w.T for w in w_e)
+    w_t = tuple(_expert_kernel(w, e).T for w in ws)
 
-    def dx_block(dx, r0, b, end):
-      whole = b == big
+    def dx_block(dx, r0, b, end, whole):
       dys = jnp.split(_read(dy, r0, b, end, whole), cuts, axis=-1)
       return _write(dx, sum(d @ w for d, w in zip(dys, w_t)), r0, b, end, whole)
 
-    def dw_block(i, dws):
-      first, own = _block_at(s0 + i * big, big, s0 + n, R)
-      xb = jax.lax.dynamic_slice_in_dim(x, first, big, 0)
-      dyb = jax.lax.dynamic_slice_in_dim(dy, first, big, 0)
-      dys = jnp.split(jnp.where(own, dyb, jnp.zeros_like(dyb)), cuts, axis=-1)
+    return _loop_over_blocks(n // big, n % big, s0, big, small, dx_block, dx), None
+
+  def expert_dw(_, e):
+    def dw_block(dws, r0, b, end, whole):
+      first, own = _block_at(r0, b, end, R)
+      xb = jax.lax.dynamic_slice_in_dim(x, first, b, 0)
+      dyb = jax.lax.dynamic_slice_in_dim(dy, first, b, 0)
+      dys = jnp.split(dyb if whole else jnp.where(own, dyb, jnp.zeros_like(dyb)), cuts, axis=-1)
       return tuple(dw + xb.T @ d for dw, d in zip(dws, dys))
 
-    dx = _loop_over_blocks(n // big, n % big, s0, big, small, dx_block, dx)
-    dws = jax.lax.fori_loop(0, (n + big - 1) // big, dw_block, tuple(_zeros(w.shape, x, w.dtype) for w in w_e))
-    return dx, dws
+    zeros = tuple(_zeros(w.shape[1:], x, w.dtype) for w in ws)
+    return None, _loop_over_blocks(sizes[e] // big, sizes[e] % big, starts[e], big, small, dw_block, zeros)
 
-  dx, dws = jax.lax.scan(expert, _zeros((R, D), xs_AD), (jnp.arange(ws[0].shape[0], dtype=jnp.int32), *ws))
-  return (dx if R == A else dx[:A]), tuple(dws), None
+  dx, _ = jax.lax.scan(expert_dx, _zeros((R, D), xs_AD), experts)
+  _, dws = jax.lax.scan(expert_dw, None, experts)
+  cts = tuple(StackRow(jax.lax.dynamic_update_slice_in_dim(_zeros(w.stack.shape, w.stack), dw[None], w.index, 0),
+                       w.index) if is_row(w) else dw for w, dw in zip(ws, dws))
+  return (dx if R == A else dx[:A]), cts, None
 
 
 _loop_matmul.defvjp(_loop_matmul_fwd, _loop_matmul_bwd)
@@ -641,7 +674,12 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
   with jax.named_scope("gather"):
     xs = x_MD[perm // k]  # [A, D]
-  if grad_barrier:
+  if any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)) and not (
+      grouped_matmul_impl == "loop" or (grouped_matmul_impl == "auto" and default_grouped_matmul() == "loop")):
+    gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))
+  # Kernels left in their stacks (StackRow, read by the expert loop) skip the barrier: their cotangents are
+  # stack-shaped pads that XLA fuses across layers into one pass, which a barrier on each would block.
+  if grad_barrier and not any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)):
     # On the grouped matmuls' input rows and kernels: the rows' cotangent enters the barrier before
     # the gather's scatter-add, so XLA may still fold other gradients of x into that scatter (as
     # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
@@ -653,16 +691,16 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
   with jax.named_scope("experts"):
     if fused_gate_up:
       with jax.named_scope("gate_up"):
-        h = gmm(xs, (gate_EDF.astype(dt), up_EDF.astype(dt)), sizes)  # [A, 2F]
+        h = gmm(xs, (_as(gate_EDF, dt), _as(up_EDF, dt)), sizes)  # [A, 2F]
       a = fused_glu(activation, h)
     else:
       with jax.named_scope("gate"):
-        g = checkpoint_name(gmm(xs, gate_EDF.astype(dt), sizes), "moe_gate")
+        g = checkpoint_name(gmm(xs, _as(gate_EDF, dt), sizes), "moe_gate")
       with jax.named_scope("up"):
-        u = checkpoint_name(gmm(xs, up_EDF.astype(dt), sizes), "moe_up")
+        u = checkpoint_name(gmm(xs, _as(up_EDF, dt), sizes), "moe_up")
       a = activation(g) * u
     with jax.named_scope("down"):
-      ys = gmm(a, down_EFD.astype(dt), sizes)  # [A, D]
+      ys = gmm(a, _as(down_EFD, dt), sizes)  # [A, D]
   with jax.named_scope("unsort"):
     if unsort_impl == "perm":
       y_flat = unsort(ys, perm, inverse_permutation(perm))
@@ -676,6 +714,11 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
   return y.astype(dt)
 
 
+def _as(w, dt):
+  """w.astype(dt); a StackRow of that dtype stays in its stack (a cast would copy its row anyway)."""
+  return w if is_row(w) and w.dtype == dt else materialize(w).astype(dt)
+
+
 def _batch_spec(shape) -> jax.sharding.PartitionSpec:
   return logical_spec(TOKENS, shape)
 
@@ -687,7 +730,8 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
             forced_ids_BTk: jax.Array | None = None, replay_rows: int = REPLAY_ROWS, replay_impl: str = "compact",
             grad_barrier: bool = True, router_full: jax.Array | None = None, scoring: str = "softmax",
             router_bias: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
-            routed_scaling: float = 1.0, dropped_score: float = 0.0, experts_axis: str = "experts"):
+            routed_scaling: float = 1.0, dropped_score: float = 0.0, experts_axis: str = "experts",
+            kernel_axes: tuple | None = None):
   """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
   "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces).
 
@@ -698,6 +742,11 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
   and the aux statistics' "prob" is the mean sigmoid score.
   experts_axis: the logical name of the kernels' experts dim (one of EXPERTS_AXES, as moe_spec named it):
   the mesh axes it maps to are the ones the dispatch runs expert-parallel over.
+
+  kernel_axes: the logical axes of gate, up and down (moe_spec's), for kernels given as StackRow (an
+  unrolled layer's row left in its stack, nn/stack_row.py): under a mesh a StackRow is read in place only
+  where its stack is stored as the dispatch needs it (whole, or sharded on the experts dim alone under
+  expert parallelism); elsewhere, or without kernel_axes, its row is sliced out first.
 
   p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}; router_full: this
   layer's slice of the router stack gathered once before the layers (gather_router_once). ctx supplies the dense primitive (ctx.dense); without one the
@@ -748,7 +797,7 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
       from meshlm.nn.moe_reference import experts_reference
       ref = auto_region(functools.partial(experts_reference, activation=activation), ("batch", "length", "act_embed"),
                         x_BTD.shape)
-      return ref(x_BTD, ids, w, p["gate"], p["up"], p["down"]), side
+      return ref(x_BTD, ids, w, *(materialize(p[n]) for n in ("gate", "up", "down"))), side
     if impl != "dropless":
       raise ValueError(f"moe_impl={impl!r}: expected dropless or reference")
     fn = functools.partial(_dispatch_BT, activation=activation, grouped_matmul_impl=grouped_matmul,
@@ -761,24 +810,44 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx=None, *, num_experts: int, k: int, no
     spec = _batch_spec(x_BTD.shape)
     kspec = logical_spec((experts_axis,), kernels[-1].shape[:1])
     ep_axes = ep_mesh_axes(kspec)
-    if not ep_axes:
-      # One dispatch per batch (and length) shard: tokens stay on their device; kernels are gathered.
-      kernels = tuple(constrain(a, (None,) * a.ndim) for a in kernels)
-      x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
-      y = jax.shard_map(fn, in_specs=(spec, spec, spec) + (jax.sharding.PartitionSpec(),) * len(kernels),
-                        out_specs=spec)(x_BTD, ids, w, *kernels)
-      return y, side
-    # Expert parallelism: each device keeps its E / ep experts (their other dims gathered, if sharded) and
-    # computes them for every token of its expert group (see _dispatch_ep).
-    kernels = tuple(constrain(a, (experts_axis,) + (None,) * (a.ndim - 1)) for a in kernels)
+    # The kernels as the dispatch needs them: whole (gathered), or under expert parallelism sharded on the
+    # experts dim alone (each device keeps its E / ep experts; their other dims gathered, if sharded).
+    want = [(experts_axis if ep_axes else None,) + (None,) * (a.ndim - 1) for a in kernels]
+    kernels = tuple(_in_place(a, wa, None if kernel_axes is None else ax)
+                    for a, wa, ax in zip(kernels, want, kernel_axes or (None,) * 3))
+    kernels = tuple(a if is_row(a) else constrain(a, wa) for a, wa in zip(kernels, want))
+    kspecs = tuple(jax.sharding.PartitionSpec(None, *kspec) if is_row(a) else kspec if ep_axes else
+                   jax.sharding.PartitionSpec() for a in kernels)
     x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
-    batch_axes = _axes_of(spec[:1])
-    ep_fn = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes,
-                              gathered=tuple(a for a in ep_axes if a in batch_axes),
-                              block_rows=block_rows, num_experts=E)
-    y = jax.shard_map(ep_fn, in_specs=(spec, spec, spec) + (kspec,) * len(kernels),
-                      out_specs=spec)(x_BTD, ids, w, *kernels)
+    if not ep_axes:
+      # One dispatch per batch (and length) shard: tokens stay on their device.
+      body = fn
+    else:
+      # Expert parallelism: each device computes its experts for every token of its expert group (_dispatch_ep).
+      batch_axes = _axes_of(spec[:1])
+      body = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes, gathered=tuple(a for a in ep_axes if a in batch_axes),
+                               block_rows=block_rows, num_experts=E)
+    rows = tuple(a.index if is_row(a) else None for a in kernels)
+    y = jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
+                      out_specs=spec)(x_BTD, ids, w, *(_leaf(a) for a in kernels))
     return y, side
+
+
+def _in_place(w, want: tuple, axes: tuple | None):
+  """w, or a StackRow's row sliced out unless its stack is stored (logical axes ("layers",) + axes) as the
+  dispatch wants the row (`want`), so reading it in place moves no data."""
+  if not is_row(w):
+    return w
+  if axes is not None and logical_spec(("layers",) + tuple(axes), w.stack.shape) == logical_spec(
+      (None,) + want, w.stack.shape):
+    return w
+  return w.get()
+
+
+def _with_rows(fn, rows: tuple, x_BTD, ids_BTk, w_BTk, *kernels, **kw):
+  """fn on the kernels, those with a row index given back as StackRow (shard_map passes their stacks)."""
+  kernels = tuple(a if r is None else StackRow(a, r) for a, r in zip(kernels, rows))
+  return fn(x_BTD, ids_BTk, w_BTk, *kernels, **kw)
 
 
 def _axes_of(spec) -> set[str]:

@@ -44,6 +44,7 @@ ROUTED_IDS = "moe_expert_ids"  # the side output holding the routed ids [B, T, k
 SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", ROUTED_IDS)
 LOAD = "moe_expert_load"  # group_sigmoid's side output: routed pairs per expert [E], what after_step balances
 ROUTER_BIAS = "router_bias"  # group_sigmoid's model-state leaf [E] float32
+KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in unrolled layers (Part.stack_rows)
 
 
 def prepare(p: dict, specs: dict) -> dict:
@@ -70,7 +71,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None 
                         norm_topk=m.norm_topk_prob if norm_topk is None else norm_topk,
                         activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(m.router_dtype),
                         impl=m.moe_impl, grouped_matmul=m.moe_grouped_matmul, forced_ids_BTk=ctx.layer.get(FORCED_IDS),
-                        router_full=p["router_full"], experts_axis=moe.experts_axis(m), **kw)
+                        router_full=p["router_full"], experts_axis=moe.experts_axis(m),
+                        kernel_axes=tuple(moe.moe_spec(m)[n].axes for n in KERNELS), **kw)
   if shared:
     y = y + shared_expert(p, x_BTD, ctx, gated=shared_gate)
   return y, None, side
@@ -178,6 +180,7 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
               apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
                                       routing=routing),
               prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES, layer_inputs={FORCED_IDS: check_forced},
+              stack_rows=KERNELS,
               side_names=SIDE_NAMES + ((LOAD,) if group else ()), replays={ROUTED_IDS: FORCED_IDS},
               model_state=router_bias_state if group else None, after_step=update_router_bias if group else None,
               after_step_side={LOAD: "sum"} if group else {})
