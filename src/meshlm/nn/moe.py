@@ -588,15 +588,23 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
     return _loop_over_blocks(n // big, n % big, s0, big, small, dx_block, dx), None
 
   def expert_dw(_, e):
+    n, s0 = sizes[e], starts[e]
+    n_big = n // big
+
     def dw_block(dws, r0, b, end, whole):
       first, own = _block_at(r0, b, end, R)
       xb = jax.lax.dynamic_slice_in_dim(x, first, b, 0)
       dyb = jax.lax.dynamic_slice_in_dim(dy, first, b, 0)
       dys = jnp.split(dyb if whole else jnp.where(own, dyb, jnp.zeros_like(dyb)), cuts, axis=-1)
-      return tuple(dw + xb.T @ d for dw, d in zip(dws, dys))
+      blk = tuple(xb.T @ d for d in dys)
+      return blk if dws is None else tuple(dw + g for dw, g in zip(dws, blk))
 
-    zeros = tuple(_zeros(w.shape[1:], x, w.dtype) for w in ws)
-    return None, _loop_over_blocks(sizes[e] // big, sizes[e] % big, starts[e], big, small, dw_block, zeros)
+    # The first big block starts the sums (no zero fill and add: 8% of the 512-expert layer); an expert with
+    # no big block starts from zeros.
+    zeros = lambda: tuple(_zeros(w.shape[1:], x, w.dtype) for w in ws)  # noqa: E731
+    dws = jax.lax.cond(n_big > 0, lambda: dw_block(None, s0, big, s0 + n, True), zeros)
+    skip = (n_big > 0).astype(jnp.int32)
+    return None, _loop_over_blocks(n_big - skip, n % big, s0 + skip * big, big, small, dw_block, dws)
 
   dx, _ = jax.lax.scan(expert_dx, _zeros((R, D), xs_AD), experts)
   _, dws = jax.lax.scan(expert_dw, None, experts)
