@@ -503,20 +503,22 @@ def _block_at(r0, b, end, rows: int):
   return first, ((at >= r0) & (at < end))[:, None]
 
 
-def _write(buf, block, r0, b, end, whole: bool):
-  """buf with rows [r0, r0 + b) set to `block`, only the rows in [r0, end) unless the block is the expert's
-  whole (a big block)."""
+def _write(buf, block, r0, b, end, whole: bool, col: int = 0):
+  """buf with rows [r0, r0 + b) of columns [col, col + width) set to `block` [b, width], only the rows in
+  [r0, end) unless the block is the expert's whole (a big block)."""
+  zero = jnp.zeros((), jnp.int32)
   if whole:
-    return jax.lax.dynamic_update_slice_in_dim(buf, block, r0, 0)
+    return jax.lax.dynamic_update_slice(buf, block, (r0, zero + col))
   first, own = _block_at(r0, b, end, buf.shape[0])
-  old = jax.lax.dynamic_slice_in_dim(buf, first, b, 0)
-  return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(own, block, old), first, 0)
+  old = jax.lax.dynamic_slice(buf, (first, zero + col), block.shape)
+  return jax.lax.dynamic_update_slice(buf, jnp.where(own, block, old), (first, zero + col))
 
 
-def _read(buf, r0, b, end, whole: bool):
-  if whole:
-    return jax.lax.dynamic_slice_in_dim(buf, r0, b, 0)
-  return jax.lax.dynamic_slice_in_dim(buf, _block_at(r0, b, end, buf.shape[0])[0], b, 0)
+def _read(buf, r0, b, end, whole: bool, cols: tuple[int, int] | None = None):
+  """Rows [r0, r0 + b) of buf (moved back to fit unless whole), columns [cols[0], cols[1]) or all."""
+  c0, c1 = cols or (0, buf.shape[1])
+  first = r0 if whole else _block_at(r0, b, end, buf.shape[0])[0]
+  return jax.lax.dynamic_slice(buf, (first, jnp.zeros((), jnp.int32) + c0), (b, c1 - c0))
 
 
 def _fit(a, rows: int):
@@ -532,6 +534,7 @@ def _gmm_loop(xs_AD, ws, sizes_E, big, small):
   expert owns (past sum(sizes): expert parallelism's non-local slots) stay zero."""
   A, D = xs_AD.shape
   F = sum(w.shape[-1] for w in ws)
+  cols = [0, *itertools.accumulate(w.shape[-1] for w in ws)][:-1]
   starts, sizes = _expert_rows(sizes_E)
   x = _fit(xs_AD, big)
   R = x.shape[0]
@@ -541,8 +544,10 @@ def _gmm_loop(xs_AD, ws, sizes_E, big, small):
     w_e = [_expert_kernel(w, e) for w in ws]
 
     def body(y, r0, b, end, whole):
-      yb = _cat([_read(x, r0, b, end, whole) @ w for w in w_e])
-      return _write(y, yb, r0, b, end, whole)
+      xb = _read(x, r0, b, end, whole)
+      for w, c in zip(w_e, cols):  # each kernel's output straight into its columns (no concatenate)
+        y = _write(y, xb @ w, r0, b, end, whole, c)
+      return y
 
     return _loop_over_blocks(n // big, n % big, starts[e], big, small, body, y), None
 
@@ -567,7 +572,8 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
   other layers' pads into one pass)."""
   xs_AD, ws, sizes_E = res
   A, D = xs_AD.shape
-  cuts = list(itertools.accumulate(w.shape[-1] for w in ws))[:-1]
+  edges = [0, *itertools.accumulate(w.shape[-1] for w in ws)]
+  spans = list(zip(edges[:-1], edges[1:]))  # each kernel's columns of dy
   starts, sizes = _expert_rows(sizes_E)
   x, dy = _fit(xs_AD, big), _fit(dy_AF, big)
   R = x.shape[0]
@@ -582,7 +588,7 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
     w_t = tuple(_expert_kernel(w, e).T for w in ws)
 
     def dx_block(dx, r0, b, end, whole):
-      dys = jnp.split(_read(dy, r0, b, end, whole), cuts, axis=-1)
+      dys = [_read(dy, r0, b, end, whole, span) for span in spans]
       return _write(dx, sum(d @ w for d, w in zip(dys, w_t)), r0, b, end, whole)
 
     return _loop_over_blocks(n // big, n % big, s0, big, small, dx_block, dx), None
@@ -594,9 +600,8 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
     def dw_block(dws, r0, b, end, whole):
       first, own = _block_at(r0, b, end, R)
       xb = jax.lax.dynamic_slice_in_dim(x, first, b, 0)
-      dyb = jax.lax.dynamic_slice_in_dim(dy, first, b, 0)
-      dys = jnp.split(dyb if whole else jnp.where(own, dyb, jnp.zeros_like(dyb)), cuts, axis=-1)
-      blk = tuple(xb.T @ d for d in dys)
+      dys = [_read(dy, first, b, end, True, span) for span in spans]
+      blk = tuple(xb.T @ (d if whole else jnp.where(own, d, jnp.zeros_like(d))) for d in dys)
       return blk if dws is None else tuple(dw + g for dw, g in zip(dws, blk))
 
     # The first big block starts the sums (no zero fill and add: 8% of the 512-expert layer); an expert with
