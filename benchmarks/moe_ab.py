@@ -65,6 +65,7 @@ def main() -> int:
     out[name] = (jax.jit(jax.grad(f, argnums=(0, 1))), (p, x))
   grads = [jax.block_until_ready(fn(*args)) for name, (fn, args) in out.items() if name != "dense"]
   diff = max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])))
+  scale = max(float(jnp.max(jnp.abs(u))) for u in jax.tree.leaves(grads[1]))
   times = time_interleaved(out, a.reps, a.timer)
   print(f"Command: `python benchmarks/moe_ab.py {' '.join(sys.argv[1:])}`; {a.tokens} tokens, D={a.dim}, expert width "
         f"{a.width}, {E} experts top-{k}, float32; {a.reps} rounds, {a.timer} time.\n")
@@ -76,7 +77,7 @@ def main() -> int:
     med = statistics.median(ts)
     print(f"| {name} | {med * 1e3:.2f} | {(max(ts) - min(ts)) / med:.0%} | {r['ratio']:.3f} | "
           f"{'' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} |")
-  print(f"\nlargest gradient difference between the two MoE arms: {diff:.3g}")
+  print(f"\nlargest gradient difference between the two MoE arms: {diff:.3g} (largest |gradient|: {scale:.3g})")
   return 0
 
 
