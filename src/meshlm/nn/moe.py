@@ -30,9 +30,8 @@ benchmarks/moe_vs_dense.py and benchmarks/moe_grouped_matmul.py (docs/performanc
 - "loop" (`_gmm_loop`): a scan over the experts; each reads its kernels once and runs its rows straight
   from the sorted buffer in blocks of `big` rows, then one block for the remainder, the smallest power-of-two
   multiple of `small` that holds it (loop_block_rows, a lax.switch), which writes only its expert's rows. The
-  backward (dx and dW in two independent scans) transposes each expert's kernels once outside its block
-  loop (XLA:CPU repacks a transposed kernel per dot otherwise). In unrolled layers the kernels come as
-  StackRow (nn/stack_row.py) and each expert's is read straight from the layer stack.
+  backward runs dx and dW in two independent scans over the same blocks. In unrolled layers the kernels come
+  as StackRow (nn/stack_row.py) and each expert's is read straight from the layer stack.
 - "blocks": the sorted rows are laid out per expert in row blocks of `block_rows` (each block holds
   one expert's rows, padded with zeros), and a scan runs one [b, D] x [D, F] matmul per used block.
 - "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel; on XLA:CPU a
@@ -582,14 +581,15 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
 
   def expert_dx(dx, e):
     n, s0 = sizes[e], starts[e]
-    # The expert's kernels transposed here, outside the block loop, which then holds them as materialized
-    # operands: folded into each block's dot instead, XLA:CPU would repack the whole transposed kernel for
-    # every block's few rows (3x slower at 512 experts, 80 rows each).
-    w_t = tuple(_expert_kernel(w, e).T for w in ws)
+    # dy @ w^T as one dot contracting w's last dim: with an expert's rows in one or two blocks, XLA:CPU's
+    # repacking of the kernel per dot costs less than a transposed copy of it per expert (which it made
+    # with the kernel's own layout anyway): 5% of the layer (docs/performance.md).
+    w_e = tuple(_expert_kernel(w, e) for w in ws)
 
     def dx_block(dx, r0, b, end, whole):
       dys = [_read(dy, r0, b, end, whole, span) for span in spans]
-      return _write(dx, sum(d @ w for d, w in zip(dys, w_t)), r0, b, end, whole)
+      dxb = sum(jax.lax.dot_general(d, w, (((1,), (1,)), ((), ()))) for d, w in zip(dys, w_e))
+      return _write(dx, dxb, r0, b, end, whole)
 
     return _loop_over_blocks(n // big, n % big, s0, big, small, dx_block, dx), None
 
