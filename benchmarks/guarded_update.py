@@ -10,7 +10,6 @@ and how many copies of a [8, 256, 512] leaf the compiled update holds.
 """
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from meshlm.bench.stats import paired  # noqa: E402
+from meshlm.bench.stats import table_cells  # noqa: E402
 from meshlm.train.step import guarded_update  # noqa: E402
 
 SHAPE = (8, 256, 512)
@@ -65,11 +64,7 @@ def main() -> int:
   print("| arm | median (ms) | spread | vs plain | 95% interval | leaf copies |")
   print("| --- | --- | --- | --- | --- | --- |")
   for n, ts in times.items():
-    r = paired(times["plain"], ts)
-    ci = r["ratio_ci"]
-    med = statistics.median(ts)
-    print(f"| {n} | {med * 1e3:.2f} | {(max(ts) - min(ts)) / med:.0%} | {r['ratio']:.2f} | "
-          f"{'' if ci is None else f'[{ci[0]:.2f}, {ci[1]:.2f}]'} | {copies[n]} |")
+    print("| " + " | ".join([n, *table_cells(times["plain"], ts, 1e3, ".2f", digits=2), str(copies[n])]) + " |")
   return 0
 
 

@@ -14,7 +14,6 @@ issue 19's second pass.
 import argparse
 import importlib.util
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import moe_vs_dense  # noqa: E402
 from meshlm.bench.harness import TIMERS, time_interleaved  # noqa: E402
-from meshlm.bench.stats import paired  # noqa: E402
+from meshlm.bench.stats import table_cells  # noqa: E402
 from meshlm.nn import moe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,11 +71,7 @@ def main() -> int:
   print("| arm | median (ms) | spread | vs dense | 95% interval |")
   print("| --- | --- | --- | --- | --- |")
   for name, ts in times.items():
-    r = paired(times["dense"], ts)
-    ci = r["ratio_ci"]
-    med = statistics.median(ts)
-    print(f"| {name} | {med * 1e3:.2f} | {(max(ts) - min(ts)) / med:.0%} | {r['ratio']:.3f} | "
-          f"{'' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} |")
+    print("| " + " | ".join([name, *table_cells(times["dense"], ts, 1e3, ".2f")]) + " |")
   print(f"\nlargest gradient difference between the two MoE arms: {diff:.3g} (largest |gradient|: {scale:.3g})")
   return 0
 

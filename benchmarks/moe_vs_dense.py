@@ -16,7 +16,6 @@ to the dense arm: the median of the per-round ratios with its 95% interval (mesh
 import argparse
 import os
 import platform
-import statistics
 import sys
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshlm.bench.harness import TIMERS, time_interleaved
-from meshlm.bench.stats import paired
+from meshlm.bench.stats import table_cells
 from meshlm.nn import moe
 from meshlm.nn.mlp import glu_mlp
 
@@ -84,12 +83,8 @@ def main() -> int:
     e, k = map(int, ek.split(":"))
     times = time_interleaved(layer_arms(a.tokens, a.dim, a.width, e, k, extra), a.reps, a.timer)
     for name, ts in times.items():
-      med = statistics.median(ts)
-      r = paired(times["dense"], ts)
-      ci = r["ratio_ci"]
       label = f"dense GLU, width {k * a.width}" if name == "dense" else name
-      print(f"| {e}, {k} | {label} | {med:.4f} | {(max(ts) - min(ts)) / med:.0%} | {r['ratio']:.3f} | "
-            f"{'' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} |", flush=True)
+      print("| " + " | ".join([f"{e}, {k}", label, *table_cells(times["dense"], ts)]) + " |", flush=True)
   return 0
 
 

@@ -83,6 +83,22 @@ def random_batch(step):
                          "segment_ids": np.ones((B, T), np.int32)})
 
 
+def compiled_grads(cfg):
+  """(loss, grads, the compiled program) of the train step's loss and gradients for cfg, on random_batch,
+  from a fresh init (seed 0), compiled once."""
+  import jax
+  from meshlm.train import step as ST
+  jax.clear_caches()
+  step = ST.build_train_step(cfg)
+  state = step.init_state(jax.random.key(0))
+  batch = random_batch(step)
+  with jax.set_mesh(step.mesh):
+    fn = jax.jit(lambda p, b: ST.grads_and_loss(step.cfg, p, b, step.loss_fn, step.batch_spec, step.trainable)[:2])
+    compiled = fn.lower(state.params, batch).compile()
+    loss, grads = compiled(state.params, batch)
+  return loss, grads, compiled
+
+
 def main(argv: list[str]) -> int:
   seams = dict(a[2:].split("=", 1) for a in argv if a.startswith("--"))
   args = [a for a in argv if not a.startswith("--")]

@@ -280,3 +280,17 @@ def test_attention_share():
   # TINY: weights 960, attention 144 full or 72 causal.
   assert mt.attention_share(TINY) == pytest.approx(100 * 72 / 1032)
   assert mt.attention_share(TINY, causal=False) == pytest.approx(100 * 144 / 1104)
+
+
+def test_table_cells_are_the_median_spread_and_paired_ratio():
+  """benchmarks/moe_vs_dense.py, moe_ab.py and guarded_update.py print these cells per arm."""
+  from meshlm.bench.stats import table_cells
+  base = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+  arm = [2.0, 2.2, 1.8, 2.0, 2.0, 2.1, 1.9]
+  med, spread, ratio, ci = table_cells(base, arm, 1e3, ".2f")
+  assert (med, spread, ratio) == ("2000.00", "20%", "2.000")
+  lo, hi = (float(v) for v in ci.strip("[]").split(", "))
+  assert lo <= 2.0 <= hi and lo >= 1.8 and hi <= 2.2
+  # Too few rounds for an interval: an empty cell. A different base moves the ratio (control).
+  assert table_cells([1.0], [2.0])[3] == ""
+  assert table_cells([2.0] * 7, arm)[2] == "1.000"

@@ -10,10 +10,9 @@ import pytest
 from meshlm.analysis import census as C
 from meshlm.config import load_config
 from meshlm.nn import gather_once as GO
-from meshlm.train import step as ST
 
 # qwen3-moe-tiny: a dense layer, then 3 MoE layers in a scan; router [3, 256, 8] sharded on fsdp.
-from seams import random_batch
+from seams import compiled_grads
 
 BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
         "train.per_device_batch_size=1")
@@ -30,14 +29,7 @@ def _run(mode: str, gather_once: bool):
     mp.setattr(GO, "gather_stack", lambda stack, axes, scope: None)
     mp.setattr(GO, "gathered", lambda kernel, full, axes: kernel)
   try:
-    jax.clear_caches()
-    step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}"))
-    state = step.init_state(jax.random.key(0))
-    batch = random_batch(step)
-    with jax.set_mesh(step.mesh):
-      fn = jax.jit(lambda p, b: ST.grads_and_loss(step.cfg, p, b, step.loss_fn, step.batch_spec, step.trainable)[:2])
-      compiled = fn.lower(state.params, batch).compile()
-      loss, grads = compiled(state.params, batch)
+    loss, grads, compiled = compiled_grads(load_config(*BASE, f"shard_mode={mode}"))
   finally:
     mp.undo()
     jax.clear_caches()

@@ -17,9 +17,8 @@ import pytest
 
 from meshlm.config import load_config
 from meshlm.nn.stack_row import StackRow, materialize
-from meshlm.train import step as ST
 
-from seams import random_batch
+from seams import compiled_grads
 
 BASE = ("model=mixtral-tiny", "train.compute_dtype=float32", "train.seq_len=32")
 MESHES = {
@@ -32,14 +31,7 @@ MESHES = {
 
 def _run(mesh: tuple, rows: bool):
   """(loss, grads as numpy, the compiled HLO) of the step's loss and gradients."""
-  jax.clear_caches()
-  step = ST.build_train_step(load_config(*BASE, *mesh, f"stack_rows={str(rows).lower()}"))
-  state = step.init_state(jax.random.key(0))
-  batch = random_batch(step)
-  with jax.set_mesh(step.mesh):
-    fn = jax.jit(lambda p, b: ST.grads_and_loss(step.cfg, p, b, step.loss_fn, step.batch_spec, step.trainable)[:2])
-    compiled = fn.lower(state.params, batch).compile()
-    loss, grads = compiled(state.params, batch)
+  loss, grads, compiled = compiled_grads(load_config(*BASE, *mesh, f"stack_rows={str(rows).lower()}"))
   return np.asarray(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
 
 

@@ -72,6 +72,18 @@ def paired(base_s: list[float], arm_s: list[float], level: float = LEVEL) -> dic
           "half_width": (ci[1] - ci[0]) / 2 if ci else None, "rounds": len(r), "round_ratios": r}
 
 
+def table_cells(base_s: list[float], arm_s: list[float], scale: float = 1.0, median_fmt: str = ".4f",
+                digits: int = 3) -> list[str]:
+  """A benchmark table row's cells for one arm against the base arm (per-round times in s): its median
+  (times `scale`, e.g. 1e3 for ms), spread ((max - min) / median), ratio (the median of the per-round
+  ratios, `paired`) and that ratio's 95% interval ("" with too few rounds)."""
+  med = statistics.median(arm_s)
+  r = paired(base_s, arm_s)
+  ci = r["ratio_ci"]
+  return [format(med * scale, median_fmt), f"{(max(arm_s) - min(arm_s)) / med:.0%}", f"{r['ratio']:.{digits}f}",
+          "" if ci is None else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"]
+
+
 def verdict_word(ratio_ci: list[float] | None, half_width: float | None, level: float = LEVEL) -> str:
   """"slower" / "faster" only when the interval excludes 1 (a closed interval: an end at exactly 1
   includes it); otherwise "no difference detected at +-X%", X the half-width."""
