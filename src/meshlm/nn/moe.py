@@ -505,19 +505,25 @@ def _block_at(r0, b, end, rows: int):
 def _write(buf, block, r0, b, end, whole: bool, col: int = 0):
   """buf with rows [r0, r0 + b) of columns [col, col + width) set to `block` [b, width], only the rows in
   [r0, end) unless the block is the expert's whole (a big block)."""
-  zero = jnp.zeros((), jnp.int32)
+  col = jnp.int32(col)
   if whole:
-    return jax.lax.dynamic_update_slice(buf, block, (r0, zero + col))
+    return jax.lax.dynamic_update_slice(buf, block, (r0, col))
   first, own = _block_at(r0, b, end, buf.shape[0])
-  old = jax.lax.dynamic_slice(buf, (first, zero + col), block.shape)
-  return jax.lax.dynamic_update_slice(buf, jnp.where(own, block, old), (first, zero + col))
+  old = jax.lax.dynamic_slice(buf, (first, col), block.shape)
+  return jax.lax.dynamic_update_slice(buf, jnp.where(own, block, old), (first, col))
 
 
 def _read(buf, r0, b, end, whole: bool, cols: tuple[int, int] | None = None):
   """Rows [r0, r0 + b) of buf (moved back to fit unless whole), columns [cols[0], cols[1]) or all."""
   c0, c1 = cols or (0, buf.shape[1])
   first = r0 if whole else _block_at(r0, b, end, buf.shape[0])[0]
-  return jax.lax.dynamic_slice(buf, (first, jnp.zeros((), jnp.int32) + c0), (b, c1 - c0))
+  return jax.lax.dynamic_slice(buf, (first, jnp.int32(c0)), (b, c1 - c0))
+
+
+def _column_spans(ws) -> list[tuple[int, int]]:
+  """Each kernel's columns [start, end) of the grouped matmul's output (the kernels side by side along F)."""
+  edges = [0, *itertools.accumulate(w.shape[-1] for w in ws)]
+  return list(zip(edges[:-1], edges[1:]))
 
 
 def _fit(a, rows: int):
@@ -533,7 +539,7 @@ def _gmm_loop(xs_AD, ws, sizes_E, big, small):
   expert owns (past sum(sizes): expert parallelism's non-local slots) stay zero."""
   A, D = xs_AD.shape
   F = sum(w.shape[-1] for w in ws)
-  cols = [0, *itertools.accumulate(w.shape[-1] for w in ws)][:-1]
+  cols = [c0 for c0, _ in _column_spans(ws)]
   starts, sizes = _expert_rows(sizes_E)
   x = _fit(xs_AD, big)
   R = x.shape[0]
@@ -564,15 +570,14 @@ def _loop_matmul_fwd(xs_AD, ws, sizes_E, big, small):
 
 
 def _loop_matmul_bwd(big, small, res, dy_AF):
-  """Two scans over the experts, independent of each other (XLA:CPU can run them side by side; 4-6% faster
-  than one scan doing both, docs/performance.md). dx of each block (dy @ w_e^T) is written as the forward
+  """Two scans over the experts, independent of each other (XLA:CPU can run them side by side; measured with
+  the remainder blocks, docs/performance.md "Second pass"). dx of each block (dy @ w_e^T) is written as the forward
   writes y; dW_e sums x^T @ dy over the same blocks (the remainder block's rows outside the expert zeroed
   in dy). A StackRow kernel's cotangent is its stack's, zero outside the row (XLA: a pad, fused with the
   other layers' pads into one pass)."""
   xs_AD, ws, sizes_E = res
   A, D = xs_AD.shape
-  edges = [0, *itertools.accumulate(w.shape[-1] for w in ws)]
-  spans = list(zip(edges[:-1], edges[1:]))  # each kernel's columns of dy
+  spans = _column_spans(ws)  # each kernel's columns of dy
   starts, sizes = _expert_rows(sizes_E)
   x, dy = _fit(xs_AD, big), _fit(dy_AF, big)
   R = x.shape[0]
@@ -687,8 +692,8 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
   with jax.named_scope("gather"):
     xs = x_MD[perm // k]  # [A, D]
-  if any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)) and not (
-      grouped_matmul_impl == "loop" or (grouped_matmul_impl == "auto" and default_grouped_matmul() == "loop")):
+  if (default_grouped_matmul() if grouped_matmul_impl == "auto" else grouped_matmul_impl) != "loop":
+    # Only the expert loop reads a StackRow in place; the others take the row sliced out.
     gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))
   # Kernels left in their stacks (StackRow, read by the expert loop) skip the barrier: their cotangents are
   # stack-shaped pads that XLA fuses across layers into one pass, which a barrier on each would block.
