@@ -8,7 +8,7 @@ Run it deliberately, after a change that is meant to move the counts, and review
 With no argument it writes every file. It refuses to run on a JAX other than the one
 requirements.lock pins, because the counts are that version's. The tests only read these files.
 
-The long presets are counted shrunk (shrink(), recorded as the file's "shrink" and applied by the test as
+The long presets are counted shrunk (golden.shrink(), recorded as the file's "shrink" and applied by the test as
 it reads them): the Gated DeltaNet hybrids one period of two layers (linear + full) instead of 3 + 1, gemma3
 one local and one global layer instead of its 8 (a scanned period of 6, then 2). Every layer kind's code is
 counted; the lowering (tracing) of the layer bodies that repeat it is what the test saves.
@@ -27,28 +27,6 @@ from meshlm.analysis import golden  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OUT = os.path.join(ROOT, "tests", "golden")
 LOCK = os.path.join(ROOT, "requirements.lock")
-
-
-def shrink(preset: str) -> list[str]:
-  """The overrides a preset's golden counts are taken with (as tests/test_parity.py trains them)."""
-  from meshlm.config import load_config
-  m = load_config(f"model={preset}").model
-  if m.full_attention_interval:
-    return ["model.num_layers=2", "model.full_attention_interval=2"]
-  if m.layer_pattern and len(m.layer_pattern) > 2:
-    return ["model.num_layers=2", "model.layer_pattern=[local,global]"]
-  return []
-
-
-def golden_counts(preset: str, over: list[str]) -> dict:
-  """golden.golden_counts with the preset's overrides: {arm: {key: count}} for every arm."""
-  from meshlm.analysis.census import field
-  from meshlm.config import load_config
-  out = {}
-  for arm, o in golden.ARMS.items():
-    result = golden.stablehlo_census(load_config(f"model={preset}", *golden.BASE, *over, *o))
-    out[arm] = {k: field(result, k) for k in golden.KEYS}
-  return out
 
 
 def _write(path: str, doc: dict) -> None:
@@ -79,9 +57,9 @@ def main(argv: list[str]) -> int:
              {"jax": jax.__version__, "config": list(golden.COMPILED_CONFIG), "counts": counts})
       print("compiled: " + "  ".join(f"{k.split('.')[2]}={v}" for k, v in counts.items()))
       continue
-    over = shrink(t)
-    counts = golden_counts(t, over)
-    doc = {"preset": t, "jax": jax.__version__, "base": list(golden.BASE), "shrink": over,
+    over = golden.shrink(t)
+    counts = golden.golden_counts(t, over=over)
+    doc = {"preset": t, "jax": jax.__version__, "base": list(golden.BASE), "shrink": list(over),
            "arms": {k: list(v) for k, v in golden.ARMS.items()}, "counts": counts}
     _write(os.path.join(OUT, "census", f"{t}.json"), doc)
     print(f"{t}: " + "  ".join(f"{arm} blocked={c['stablehlo.transpose_of_dot.blocked']}" for arm, c in counts.items()))

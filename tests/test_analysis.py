@@ -261,23 +261,12 @@ def _preset_file(preset: str) -> dict:
   return golden_file(os.path.join(GOLDEN_DIR, f"{preset}.json"), preset)
 
 
-def _shrunk_counts(preset: str, over: list[str]) -> dict:
-  """golden.golden_counts with the file's "shrink" overrides (scripts/regen_golden_census.py: the GDN hybrids
-  and gemma3 are counted on one period of two layers, every layer kind of the preset, as test_parity trains
-  them), every arm."""
-  out = {}
-  for arm, o in golden.ARMS.items():
-    result = golden.stablehlo_census(load_config(f"model={preset}", *golden.BASE, *over, *o))
-    out[arm] = {k: C.field(result, k) for k in golden.KEYS}
-  return out
-
-
 @pytest.mark.parametrize("preset", _golden_presets())
 def test_golden_census_counts(preset):
   require_pinned_jax()
   doc = _preset_file(preset)
   want = doc["counts"]
-  report = golden.mismatch_report(f"{preset} golden census", want, _shrunk_counts(preset, doc.get("shrink", [])), preset)
+  report = golden.mismatch_report(f"{preset} golden census", want, golden.golden_counts(preset, over=tuple(doc.get("shrink", []))), preset)
   if report:
     pytest.fail(report, pytrace=False)
   for arm in want.values():

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshlm.analysis.golden import tiny_presets
+from meshlm.analysis.golden import shrink, tiny_presets
 from meshlm.config import load_config
 from meshlm.train.step import BATCH_KEYS, build_train_step
 
@@ -52,18 +52,6 @@ def _batches(vocab: int, rows: int):
 # qwen3.5-moe-tiny still trains end to end (explicit, fsdp=2) in tests/test_qwen3_next.py.
 COVERED_BY_PARTS = {"qwen3.5-moe-tiny": ("qwen3.5-tiny", "qwen3-next-tiny")}
 TRAINED = [p for p in tiny_presets() if p not in COVERED_BY_PARTS]
-
-
-def shrink(preset: str) -> tuple[str, ...]:
-  """The Gated DeltaNet hybrids train one period of two layers here (a linear-attention layer, then a full one)
-  instead of their 3 + 1, and gemma3 one local and one global layer instead of its 8 in a period of 6: the same
-  kinds and the same code, a fraction of the layer bodies to compile."""
-  m = load_config(f"model={preset}").model
-  if m.full_attention_interval:
-    return ("model.num_layers=2", "model.full_attention_interval=2")
-  if m.layer_pattern and len(m.layer_pattern) > 2:
-    return ("model.num_layers=2", "model.layer_pattern=[local,global]")
-  return ()
 
 
 def train_losses(preset: str, mode: str) -> np.ndarray:

@@ -58,13 +58,29 @@ def stablehlo_census(cfg) -> dict[str, Any]:
   return {"stablehlo": counts, "blowups": blowups(mod)}
 
 
-def golden_counts(preset: str, arms: list[str] | None = None) -> dict[str, dict[str, Any]]:
-  """{arm: {key: count}} for the named arms (all of ARMS by default)."""
+def shrink(preset: str) -> tuple[str, ...]:
+  """Overrides that keep a long preset's every layer kind and attention context with fewer layer bodies to
+  lower and compile: the Gated DeltaNet hybrids one period of two layers (linear + full) instead of 3 + 1,
+  gemma3 one local and one global layer instead of its 8 (a scanned period of 6, then 2); () for the rest.
+  The golden census counts the shrunk presets (each file records its "shrink"), as tests/test_parity.py
+  trains them."""
+  from meshlm.config import load_config
+  m = load_config(f"model={preset}").model
+  if m.full_attention_interval:
+    return ("model.num_layers=2", "model.full_attention_interval=2")
+  if m.layer_pattern and len(m.layer_pattern) > 2:
+    return ("model.num_layers=2", "model.layer_pattern=[local,global]")
+  return ()
+
+
+def golden_counts(preset: str, arms: list[str] | None = None, over: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+  """{arm: {key: count}} for the named arms (all of ARMS by default), with the config overrides `over`
+  (a golden file's "shrink")."""
   from meshlm.analysis.census import field
   from meshlm.config import load_config
   out = {}
   for arm in ARMS if arms is None else arms:
-    result = stablehlo_census(load_config(f"model={preset}", *BASE, *ARMS[arm]))
+    result = stablehlo_census(load_config(f"model={preset}", *BASE, *over, *ARMS[arm]))
     out[arm] = {k: field(result, k) for k in KEYS}
   return out
 
