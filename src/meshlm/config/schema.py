@@ -162,6 +162,10 @@ class ModelConfig(_Strict):
                                      "of mlp_dim), the rest MoE (moe_mlp_dim)")
   HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
+  # How the layers compute or lay out the same parameters, not what they compute (the same function up to float
+  # reassociation): a checkpoint of the model with other values restores, resumes and loads (train/checkpoint.py).
+  COMPUTE_FIELDS: ClassVar[tuple[str, ...]] = ("moe_impl", "moe_grouped_matmul", "moe_kernel_fsdp", "gdn_impl",
+                                               "gdn_chunk_size", "mla_absorb")
 
   @model_validator(mode="after")
   def _heads_group(self):

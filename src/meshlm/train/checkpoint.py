@@ -138,7 +138,8 @@ def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   fields = type(cfg.model).model_fields
   saved = {**{k: fields[k].get_default(call_default_factory=True) for k in ours if k in fields and k not in saved},
            **saved}
-  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS)):  # ids change no parameter
+  # Token ids change no parameter; the compute fields change how the same parameters are used.
+  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS) - set(cfg.model.COMPUTE_FIELDS)):
     if saved.get(k) != ours.get(k):
       return f"model.{k} is {ours.get(k)!r} here but {saved.get(k)!r} in the checkpoint"
   return None

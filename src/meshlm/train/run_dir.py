@@ -38,7 +38,7 @@ RESUMABLE = (
     "cpu_devices", "mesh.*", "distributed.*",
     # How the step is compiled, not what it computes; the stored parameters are the same.
     "shard_mode", "remat", "lm_head_weight_grad_in_kernel_order", "dense_weight_grad_in_kernel_order",
-    "weight_grad_impl",
+    "weight_grad_impl", "scan_layers", "stack_rows",
 )
 # Checked against the checkpoint's own record (train/checkpoint.py), or the run's own address.
 _CHECKED_ELSEWHERE = ("model.*", "model_name", "data.source", "data.path", "run_dir")
