@@ -52,8 +52,8 @@ def _held_port():
     s.close()
 
 
-def _two_processes(run_dir, tmp_path, *extra: str) -> None:
-  """`meshlm train` as process 0 and 1 of 2, each with 2 CPU devices; asserts both exit 0."""
+def _two_processes(run_dir, tmp_path, *extra: str, command: str = "train", base: tuple = tuple(BASE)) -> None:
+  """`meshlm COMMAND` (train or rl) as process 0 and 1 of 2, each with 2 CPU devices; asserts both exit 0."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   name = os.path.basename(run_dir)
   with _held_port() as port:
@@ -61,7 +61,7 @@ def _two_processes(run_dir, tmp_path, *extra: str) -> None:
     for i in range(2):
       log = open(tmp_path / f"{name}-process{i}.log", "w+")
       procs.append(subprocess.Popen(
-          [MESHLM, "train", *BASE, *extra, "cpu_devices=2", f"run_dir={run_dir}",
+          [MESHLM, command, *base, *extra, "cpu_devices=2", f"run_dir={run_dir}",
            f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
            f"distributed.process_id={i}", "distributed.timeout_s=120"], env=env, stdout=log, stderr=subprocess.STDOUT))
       logs.append(log)
@@ -172,3 +172,49 @@ class _OneBatchLate:
   def set_state(self, state):
     self.it.set_state(state)
     next(self.it)
+
+
+# --- RL: `meshlm rl` as two processes samples, rewards and trains like one process -------------------------
+
+# test_rl.py's small qwen3-moe with two layers (one dense, one MoE); a reward that the untrained model's random
+# completions sometimes earn (the toy task's reward is 0 for all of them), so the advantages are not all zero.
+RL_BASE = ("model=qwen3-moe-tiny", "model.num_layers=2", "train.compute_dtype=float32", "model.embed_dim=64",
+           "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "model.moe_mlp_dim=32",
+           "model.vocab_size=257", "model.max_position=64", "train.seq_len=32", "mesh.fsdp=4", "train.steps=3",
+           "rl.prompts_per_step=2", "rl.num_generations=4", "rl.max_new_tokens=6", "rl.temperature=0.7",
+           "rl.reward=[regex]", "rl.reward_regex=a|e|i|o|u|x", "train.learning_rate=1e-2", "train.warmup_steps=0")
+
+
+def _rl_records(run_dir) -> list[dict]:
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def test_rl_two_processes_match_one_process(tmp_path):
+  """Rollouts are sampled on the global mesh and fetched whole on every process (generate gathers its outputs
+  across processes); each process then builds the same batch. 2 x 2 and 1 x 4 draw the same completions (the
+  same rewards) and take the same steps (gradient norms within float32 reassociation). Control: another seed
+  on one process draws other completions."""
+  from rich.console import Console
+  from meshlm.commands.resolve import load_config
+  from meshlm.rl import toy
+  from meshlm.rl import trainer as TR
+  prompts, _ = toy.write(str(tmp_path / "toy"), 16, 0, 3, 6)
+  base = (*RL_BASE, f"rl.prompts={prompts}")
+  _two_processes(tmp_path / "two", tmp_path, command="rl", base=base)
+  two = _rl_records(tmp_path / "two")
+  quiet = Console(file=open(os.devnull, "w"))
+  one = TR.run(load_config(*base, "cpu_devices=4", f"run_dir={tmp_path / 'one'}"), console=quiet,
+               show_progress=False).records
+  other = TR.run(load_config(*base, "cpu_devices=4", "train.seed=1", f"run_dir={tmp_path / 'seed1'}"),
+                 console=quiet, show_progress=False).records
+  assert len(two) == len(one) == 3
+  rewards = lambda rs: [r["reward_mean"] for r in rs]  # noqa: E731
+  norms = lambda rs: np.array([r["grad_norm"] for r in rs])  # noqa: E731
+  print(f"rl 1x4 vs 2x2: rewards {rewards(one)} / {rewards(two)}; max |grad norm difference| "
+        f"{np.max(np.abs(norms(one) - norms(two))):.3g} of {norms(one).tolist()}")
+  assert rewards(two) == rewards(one)
+  assert [r["reward_std"] for r in two] == [r["reward_std"] for r in one]
+  assert min(r["groups_degenerate"] for r in one) < 2  # some group's rewards differ: its advantages are not 0
+  np.testing.assert_allclose(norms(two), norms(one), rtol=1e-5)
+  assert rewards(other) != rewards(one) or np.max(np.abs(norms(other) - norms(one))) > 1e-3

@@ -268,9 +268,16 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
                                                   np.int32(max_new_tokens))
   used = {k: TRACES[k] - before.get(k, 0) for k in ("prefill", "decode")}
   total = int(lengths.max()) + max_new_tokens
-  return Generation(np.asarray(toks)[:, :max_new_tokens], np.asarray(lps[0])[:, :max_new_tokens], np.asarray(n),
-                    {k: np.asarray(v)[:, :total] for k, v in bufs.items()}, used,
-                    np.asarray(lps[1])[:, :max_new_tokens])
+  return Generation(_host(toks)[:, :max_new_tokens], _host(lps[0])[:, :max_new_tokens], _host(n),
+                    {k: _host(v)[:, :total] for k, v in bufs.items()}, used, _host(lps[1])[:, :max_new_tokens])
+
+
+def _host(a: jax.Array) -> np.ndarray:
+  """The whole of a (global) array as numpy on this process: across processes, gathered from every one."""
+  if a.is_fully_addressable:
+    return np.asarray(a)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
