@@ -74,8 +74,8 @@ GDN_FIXTURES = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")
 def test_hf_parity_runs_the_chunked_rule_in_chunks_of_64():
   """tests/test_hf.py's test_logits_and_hidden_match_transformers loads each GDN fixture as it comes (fsdp=3), so
   it checks the chunked rule in chunks of 64 on all four against transformers (T = 150 is two whole chunks and a
-  partial one; measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5). This file ran the same four programs
-  again under gdn_impl=chunked; it keeps the other chunk size and the other rule."""
+  partial one; measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5), so this file does not run those
+  programs again; it checks the other chunk size and the other rule."""
   for name in GDN_FIXTURES:
     m = hf.load(FIXTURES / name, "cpu_devices=1")[0].model
     assert (m.gdn_impl, m.gdn_chunk_size) == ("chunked", 64), name
@@ -219,8 +219,6 @@ def swapped_q_gate(cfg, params):
 CONTROLS = {"shifted_layers": shifted_layers, "swapped_b_a": swapped_b_a, "swapped_q_gate": swapped_q_gate}
 
 
-# The fused layout (qwen3-next) and the separate one (qwen3.5); qwen3.5-moe's adapter reads its GDN and attention
-# layers through the same hybrid_layer_map and separate projections as qwen3.5 (its parity test above still runs).
 @functools.cache
 def loaded(name: str):
   """(cfg, params, parity error) of a fixture on one device, once per module: the three controls share it, and the
@@ -229,6 +227,8 @@ def loaded(name: str):
   return cfg, params, parity_error(cfg, params, name, reuse=True)
 
 
+# The fused layout (qwen3-next) and the separate one (qwen3.5); qwen3.5-moe's adapter reads its GDN and attention
+# layers through the same hybrid_layer_map and separate projections as qwen3.5 (its parity test above still runs).
 @pytest.mark.parametrize("control", list(CONTROLS))
 @pytest.mark.parametrize("name", ["qwen3-next", "qwen3.5"])
 def test_layout_mistakes_fail_parity(name, control):
