@@ -117,8 +117,11 @@ def test_logits_and_hidden_match_transformers(name):
 
 # Fixtures whose layers are another fixture's (the same adapter code and config keys): the config controls run on
 # that one. qwen3.5-moe is qwen3.5's layers with qwen3-next's MoE; qwen3.5-moe-vl is qwen3.5-moe in the
-# multimodal checkpoint layout.
-SAME_LAYERS_AS = {"qwen3.5-moe": "qwen3.5", "qwen3.5-moe-vl": "qwen3.5-moe"}
+# multimodal checkpoint layout; qwen3-tied is qwen3 with the head tied to the embedding; qwen3-moe-nonorm and
+# qwen3-moe-sparse2 are qwen3-moe's adapter with other routing settings and layer plans (their routing controls are
+# tests/test_moe_families.py's test_wrong_routing_fails_parity). Each still has its parity test above.
+SAME_LAYERS_AS = {"qwen3.5-moe": "qwen3.5", "qwen3.5-moe-vl": "qwen3.5-moe", "qwen3-tied": "qwen3",
+                  "qwen3-moe-nonorm": "qwen3-moe", "qwen3-moe-sparse2": "qwen3-moe"}
 
 
 def _controls() -> list[tuple[str, str]]:
