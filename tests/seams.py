@@ -83,6 +83,38 @@ def random_batch(step):
                          "segment_ids": np.ones((B, T), np.int32)})
 
 
+def packed_batch(vocab: int, T: int, rows: tuple[tuple[int, ...], ...]) -> dict:
+  """A next-token batch of random tokens (seed 0) that packs documents: row i holds [c0, c1) | [c1, c2) | ... for
+  its cuts rows[i] (segment ids 1, 2, ...; positions from 0 in each), padding (segment 0, no loss) past the last."""
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, vocab, (len(rows), T + 1)).astype(np.int32)
+  seg = np.zeros((len(rows), T), np.int32)
+  pos = np.zeros((len(rows), T), np.int32)
+  for row, cuts in enumerate(rows):
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+      seg[row, a:b], pos[row, a:b] = i + 1, np.arange(b - a)
+  return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
+          "loss_mask": (seg > 0).astype(np.float32)}
+
+
+def placed_batch(mesh, batch: dict) -> dict:
+  """A numpy batch on `mesh`, each field sharded as the train step's BATCH_SPEC lays it out."""
+  import jax
+  from jax.sharding import NamedSharding
+  from meshlm.parallel.sharding import logical_spec
+  from meshlm.train.step import BATCH_SPEC
+  return {k: jax.device_put(v, NamedSharding(mesh, logical_spec(BATCH_SPEC[k].axes(), v.shape, mesh)))
+          for k, v in batch.items()}
+
+
+def max_diffs(got: tuple, want: tuple) -> dict[str, float]:
+  """Max |diff| of the loss and of each gradient leaf (by its path) between two (loss, grads) pairs."""
+  import jax
+  (lg, gg), (lw, gw) = got, want
+  flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), gg, gw))[0]
+  return {"loss": abs(lg - lw), **{jax.tree_util.keystr(k): v for k, v in flat}}
+
+
 def compiled_grads(cfg):
   """(loss, grads, the compiled program) of the train step's loss and gradients for cfg, on random_batch,
   from a fresh init (seed 0), compiled once."""

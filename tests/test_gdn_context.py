@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from meshlm.analysis.census import hlo_counts
 from meshlm.config import load_config
@@ -22,8 +21,8 @@ from meshlm.models import decoder
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.nn import short_conv
 from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.sharding import logical_spec
-from meshlm.train.step import BATCH_SPEC, grads_and_loss
+from meshlm.train.step import grads_and_loss
+from seams import max_diffs, packed_batch, placed_batch
 
 T = 128
 CHUNK = 16
@@ -44,15 +43,7 @@ def batch(vocab: int) -> dict:
   """Two rows. Row 0: documents [0, 50) | [50, 64) | [64, 128): the first spans the edge at 32 (context=4), the
   third starts exactly on the edge at 64. Row 1: [0, 67) | [67, 120) | padding [120, 128): the first spans
   32 and 64, the second spans 96; padding has segment id 0 and no loss."""
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, vocab, (2, T + 1)).astype(np.int32)
-  seg = np.zeros((2, T), np.int32)
-  pos = np.zeros((2, T), np.int32)
-  for row, cuts in ((0, (0, 50, 64, 128)), (1, (0, 67, 120))):
-    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
-      seg[row, a:b], pos[row, a:b] = i + 1, np.arange(b - a)
-  return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
-          "loss_mask": (seg > 0).astype(np.float32)}
+  return packed_batch(vocab, T, ((0, 50, 64, 128), (0, 67, 120)))
 
 
 @functools.cache
@@ -69,8 +60,7 @@ def run(preset: str, *over: str, halo: bool = True):
   p = jax.device_put(params(preset), decoder.param_shardings(cfg, mesh))
   b = batch(cfg.model.vocab_size)
   with jax.set_mesh(mesh):
-    put = {k: jax.device_put(v, NamedSharding(mesh, logical_spec(BATCH_SPEC[k].axes(), v.shape, mesh)))
-           for k, v in b.items()}
+    put = placed_batch(mesh, b)
     conv = short_conv.causal_conv_context_parallel
     try:
       if not halo:  # the negative control: each shard's conv starts from zeros, as if it began a row
@@ -83,10 +73,8 @@ def run(preset: str, *over: str, halo: bool = True):
 
 
 def errors(got, want) -> dict[str, float]:
-  """Max |diff| of the loss and of each gradient leaf, by its path."""
-  (lg, gg, _), (lw, gw, _) = got, want
-  flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), gg, gw))[0]
-  return {"loss": abs(lg - lw), **{jax.tree_util.keystr(k): v for k, v in flat}}
+  """Max |diff| of the loss and of each gradient leaf, by its path (of two runs' (loss, grads, hlo))."""
+  return max_diffs(got[:2], want[:2])
 
 
 UNSHARDED = ("cpu_devices=1",)

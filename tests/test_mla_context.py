@@ -16,14 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from meshlm.config import load_config
 from meshlm.models import decoder
 from meshlm.models.mixers import mla as mla_mixer
 from meshlm.parallel.mesh import make_mesh
-from meshlm.parallel.sharding import logical_spec
-from meshlm.train.step import BATCH_SPEC, grads_and_loss
+from meshlm.train.step import grads_and_loss
+from seams import max_diffs, packed_batch, placed_batch
 
 T = 64
 # deepseek-v3-tiny with one dense and one MoE layer (the preset has one dense and two MoE layers of the same
@@ -39,15 +38,7 @@ LEAK = 1e-3  # what the negative control must move some value by, at least
 def batch(vocab: int) -> dict:
   """Two rows. Row 0: documents [0, 20) | [20, 50) | [50, 64), the second spans the shard edge at 32 (context=2).
   Row 1: [0, 40) | [40, 58) | padding [58, 64): the first spans the edge; padding has segment id 0 and no loss."""
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, vocab, (2, T + 1)).astype(np.int32)
-  seg = np.zeros((2, T), np.int32)
-  pos = np.zeros((2, T), np.int32)
-  for row, cuts in ((0, (0, 20, 50, 64)), (1, (0, 40, 58))):
-    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
-      seg[row, a:b], pos[row, a:b] = i + 1, np.arange(b - a)
-  return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
-          "loss_mask": (seg > 0).astype(np.float32)}
+  return packed_batch(vocab, T, ((0, 20, 50, 64), (0, 40, 58)))
 
 
 @functools.cache
@@ -79,8 +70,7 @@ def run(*over: str, own_shard_only: bool = False):
   state = jax.device_put(state, decoder.model_state_shardings(cfg, mesh))
   b = batch(cfg.model.vocab_size)
   with jax.set_mesh(mesh):
-    put = {k: jax.device_put(v, NamedSharding(mesh, logical_spec(BATCH_SPEC[k].axes(), v.shape, mesh)))
-           for k, v in b.items()}
+    put = placed_batch(mesh, b)
     attention = mla_mixer.gqa_attention
     try:
       if own_shard_only:
@@ -93,11 +83,7 @@ def run(*over: str, own_shard_only: bool = False):
   return float(loss), jax.tree.map(np.asarray, grads)
 
 
-def errors(got, want) -> dict[str, float]:
-  """Max |diff| of the loss and of each gradient leaf, by its path."""
-  (lg, gg), (lw, gw) = got, want
-  flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), gg, gw))[0]
-  return {"loss": abs(lg - lw), **{jax.tree_util.keystr(k): v for k, v in flat}}
+errors = max_diffs
 
 
 UNSHARDED = ("cpu_devices=1",)
