@@ -96,17 +96,23 @@ def _data_state(run_dir, step: int) -> dict:
     return json.load(f)["state"]
 
 
+SAMPLE = "train.sample_tokens=8"  # the end-of-run sample (temperature 0.7, seeded by train.seed)
+
+
 @pytest.fixture(scope="module")
 def explicit_reference(tmp_path_factory):
+  """(run_dir, losses, end-of-run sample) of the 1 x 4 explicit run."""
   run_dir = tmp_path_factory.mktemp("ref") / "one"
-  return run_dir, _one_process(run_dir, "shard_mode=explicit").losses
+  result = _one_process(run_dir, "shard_mode=explicit", SAMPLE)
+  return run_dir, result.losses, result.sample
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 def test_two_processes_match_one_process(mode, explicit_reference, tmp_path):
   run_dir = tmp_path / "two"
-  _two_processes(run_dir, tmp_path, f"shard_mode={mode}")
-  ref_dir, ref = explicit_reference if mode == "explicit" else (tmp_path / "one", None)
+  # explicit: with the end-of-run sample, which every process draws (generate gathers its tokens onto each).
+  _two_processes(run_dir, tmp_path, f"shard_mode={mode}", *((SAMPLE,) if mode == "explicit" else ()))
+  ref_dir, ref, sample = explicit_reference if mode == "explicit" else (tmp_path / "one", None, None)
   if ref is None:
     ref = _one_process(ref_dir, f"shard_mode={mode}").losses
   two = _metrics(run_dir)
@@ -118,12 +124,17 @@ def test_two_processes_match_one_process(mode, explicit_reference, tmp_path):
   # Both processes joined one checkpoint of the 4-device state, at the data position of 1 x 4.
   assert sorted(os.listdir(run_dir / "checkpoints")) == [str(STEPS)]
   assert _data_state(run_dir, STEPS) == _data_state(ref_dir, STEPS)
+  if sample is not None:
+    from meshlm.console import printable
+    for i in range(2):
+      log = (tmp_path / f"two-process{i}.log").read_text()
+      assert "sample (" in log and printable(sample) in log, log[-2000:]
 
 
 def test_resume_across_process_counts(explicit_reference, tmp_path):
   """1 -> 2 processes and 2 -> 1, each stopped after K steps: the losses of the uninterrupted 1 x 4
   run at every step, and its data position at the end."""
-  ref_dir, ref = explicit_reference
+  ref_dir, ref, _ = explicit_reference
   k = 4
   # 2 processes stop after k steps; 1 process continues.
   two_one = tmp_path / "two-then-one"

@@ -397,7 +397,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     ckpt.wait()
     raise NonFiniteStop(nonfinite_msg)
   sample = None
-  if stop_reason == "done" and t.sample_tokens and jax.process_count() == 1:
+  if stop_reason == "done" and t.sample_tokens:  # every process samples (generate gathers the tokens onto each)
     from meshlm.models.generate import generate
     tok = getattr(data, "tokenizer", None) or ByteTokenizer()
     text = "def " if cfg.data.source == "stdlib" else "The "
