@@ -1,4 +1,5 @@
-"""Seams the tests own, for the training loop: nothing here is read by the production code.
+"""Seams the tests own, for the training loop, and helpers several test files share (random_batch, packed_batch,
+placed_batch, max_diffs, compiled_grads): nothing here is read by the production code.
 
 In-process tests use `Poisoned` (pass it as `train(..., data=...)`) and `train(..., on_step=...)`.
 Subprocess tests run this file, the real `meshlm train` with these seams added:

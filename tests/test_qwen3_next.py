@@ -22,14 +22,16 @@ from meshlm.models.mixers.gated_gqa import partial_rope
 from meshlm.nn.rope import apply_rope, rope_angles, inv_frequencies
 from meshlm.nn.short_conv import causal_conv, causal_conv_reference, window_at
 
+from test_parity import COVERED_BY_PARTS
+
 PRESETS = {"qwen3-next-tiny": "qwen3_next", "qwen3.5-tiny": "qwen3_5", "qwen3.5-moe-tiny": "qwen3_5_moe"}
 # The forward-and-gradient, packed-document and cached-sampling tests run on the two presets whose parts make up
 # the third: qwen3.5-moe-tiny is qwen3.5-tiny's mixers (gdn with separate projections, gated_gqa) with
 # qwen3-next-tiny's feed-forward (the MoE with a gated shared expert), the same Part objects and config keys
 # (tests/test_parity.py's test_a_preset_covered_by_its_parts_has_exactly_those_parts holds that to the family
 # definitions). qwen3.5-moe-tiny itself still trains end to end below (test_training_qwen3_5_moe_tiny_lowers_the_loss)
-# and loads from its HF fixture (tests/test_hf.py, tests/test_hf_qwen3_next.py).
-COVERED_BY_PARTS = ("qwen3.5-moe-tiny",)
+# and loads from its HF fixture (tests/test_hf.py, tests/test_hf_qwen3_next.py). test_parity's COVERED_BY_PARTS is
+# the one list of such presets.
 WHOLE_MODEL = [p for p in PRESETS if p not in COVERED_BY_PARTS]
 T = 48
 LEN1, LEN2 = 21, 19  # two documents packed into one row of T, then 8 padding positions
