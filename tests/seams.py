@@ -1,5 +1,5 @@
 """Seams the tests own, for the training loop, and helpers several test files share (random_batch, packed_batch,
-placed_batch, max_diffs, compiled_grads): nothing here is read by the production code.
+placed_batch, max_diffs, compiled_grads, own_shard_only): nothing here is read by the production code.
 
 In-process tests use `Poisoned` (pass it as `train(..., data=...)`) and `train(..., on_step=...)`.
 Subprocess tests run this file, the real `meshlm train` with these seams added:
@@ -114,6 +114,17 @@ def max_diffs(got: tuple, want: tuple) -> dict[str, float]:
   (lg, gg), (lw, gw) = got, want
   flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), gg, gw))[0]
   return {"loss": abs(lg - lw), **{jax.tree_util.keystr(k): v for k, v in flat}}
+
+
+def own_shard_only(attention, shards: int):
+  """An attention core (nn/attention.gqa_attention's signature) whose queries see only the keys of their own
+  sequence shard: what a context-parallel attention that never gathers K/V computes (a negative control)."""
+  import jax.numpy as jnp
+
+  def attend(q, k, v, mask, **kw):
+    t = jnp.arange(q.shape[1]) // (q.shape[1] // shards)
+    return attention(q, k, v, mask & (t[:, None] == t[None, :]), **kw)
+  return attend
 
 
 def compiled_grads(cfg):

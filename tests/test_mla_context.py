@@ -22,7 +22,7 @@ from meshlm.models import decoder
 from meshlm.models.mixers import mla as mla_mixer
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.step import grads_and_loss
-from seams import max_diffs, packed_batch, placed_batch
+from seams import max_diffs, own_shard_only, packed_batch, placed_batch
 
 T = 64
 # deepseek-v3-tiny with one dense and one MoE layer (the preset has one dense and two MoE layers of the same
@@ -52,16 +52,8 @@ def params():
   return jax.tree.map(np.asarray, decoder.init_params(cfg, jax.random.key(0), mesh)), state
 
 
-def _own_shard_only(attention, shards: int):
-  """gqa_attention whose queries see only the keys of their own sequence shard (no K/V from other shards)."""
-  def attend(q, k, v, mask, **kw):
-    t = jnp.arange(q.shape[1]) // (q.shape[1] // shards)
-    return attention(q, k, v, mask & (t[:, None] == t[None, :]), **kw)
-  return attend
-
-
 @functools.cache
-def run(*over: str, own_shard_only: bool = False):
+def run(*over: str, local_only: bool = False):
   """(loss, grads as numpy) of grads_and_loss on the mesh `over` names."""
   cfg = load_config("model=deepseek-v3-tiny", *SHRINK, *over)
   mesh = make_mesh(cfg)
@@ -73,8 +65,8 @@ def run(*over: str, own_shard_only: bool = False):
     put = placed_batch(mesh, b)
     attention = mla_mixer.gqa_attention
     try:
-      if own_shard_only:
-        mla_mixer.gqa_attention = _own_shard_only(attention, cfg.mesh.context)
+      if local_only:
+        mla_mixer.gqa_attention = own_shard_only(attention, cfg.mesh.context)
       step = jax.jit(lambda p, s, b: grads_and_loss(cfg, p, b, model_state=s)[:2])
       compiled = step.lower(p, state, put).compile()
     finally:
@@ -104,7 +96,7 @@ def test_sharded_sequence_equals_unsharded(mesh):
 
 
 def test_attention_within_each_shard_only_fails_the_check():
-  errs = errors(run(*MESHES["context2"], own_shard_only=True), run(*UNSHARDED))
+  errs = errors(run(*MESHES["context2"], local_only=True), run(*UNSHARDED))
   print(f"own shard only: max |diff| {max(errs.values()):.3g}")
   assert max(errs.values()) > LEAK, errs
   # The wrapper alone, at one shard, is plain attention: the control fails by what the shards miss, not by the wrapper.
@@ -112,5 +104,5 @@ def test_attention_within_each_shard_only_fails_the_check():
   q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 4)), jnp.float32) for _ in range(3))
   mask = jnp.tril(jnp.ones((8, 8), bool))[None, None, None]
   plain = mla_mixer.gqa_attention(q, k, v, mask, scale=0.5)
-  np.testing.assert_array_equal(_own_shard_only(mla_mixer.gqa_attention, 1)(q, k, v, mask, scale=0.5), plain)
-  assert np.max(np.abs(_own_shard_only(mla_mixer.gqa_attention, 2)(q, k, v, mask, scale=0.5) - plain)) > LEAK
+  np.testing.assert_array_equal(own_shard_only(mla_mixer.gqa_attention, 1)(q, k, v, mask, scale=0.5), plain)
+  assert np.max(np.abs(own_shard_only(mla_mixer.gqa_attention, 2)(q, k, v, mask, scale=0.5) - plain)) > LEAK

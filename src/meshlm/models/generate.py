@@ -154,7 +154,10 @@ def recorded_inputs(cfg: Config) -> dict[str, str]:
 
 def _record(buf_BTn, side_nBt, start_B, real_B):
   """Writes side [n, B, t, ...] into buf [B, T, n, ...] at positions start_B[b] + [0, t), where real."""
-  vals = jnp.moveaxis(side_nBt, 0, 2)  # [B, t, n, ...]
+  # [B, t, n, ...], whole along t: under mesh.context the prefill's side outputs are sharded on the sequence,
+  # and the buffer is not (the decode steps write one position at a time). Routed ids are small.
+  vals = jnp.moveaxis(side_nBt, 0, 2)
+  vals = constrain(vals, ("batch",) + (None,) * (vals.ndim - 1))
   t = vals.shape[1]
   pos = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, t]
   real = real_B if real_B.ndim == 2 else jnp.broadcast_to(real_B[:, None], pos.shape)
