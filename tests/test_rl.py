@@ -250,3 +250,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, prompts, case, msg):
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and re.search(msg, err[0]), err
   assert not (tmp_path / "run").exists()
+
+
+def test_rows_of_a_gdn_hybrid_on_context_shards_are_whole_chunks(prompts):
+  """The RL step's row length T (the longest prompt + rl.max_new_tokens, rounded up) is one the train step takes:
+  on mesh.context, a Gated DeltaNet hybrid runs whole chunks per shard, so T is a multiple of context x
+  model.gdn_chunk_size. Before, T was only a multiple of 8, and `meshlm rl` stopped at its first rollout with a
+  pydantic traceback (the sampler re-validates its config). Control: the rounding is only where a step needs it."""
+  from meshlm.config import Config
+  lengths = {}
+  for model, ctx in (("qwen3-next-tiny", 2), ("qwen3-next-tiny", 1), ("qwen3-moe-tiny", 2)):
+    cfg = load_config(f"model={model}", "train.compute_dtype=float32", "train.seq_len=128", *RL,
+                      f"rl.prompts={prompts}", f"cpu_devices={ctx}", f"mesh.context={ctx}")
+    rl_cfg = TR.rl_config(cfg, R.load_prompts(cfg, _byte()), ctx)
+    Config.model_validate_json(rl_cfg.model_dump_json())  # what generate's sampler does: no error
+    lengths[model, ctx] = rl_cfg.train.seq_len
+  assert lengths["qwen3-next-tiny", 2] % (2 * 64) == 0 and lengths["qwen3-next-tiny", 2] <= 128
+  assert lengths["qwen3-next-tiny", 1] == lengths["qwen3-moe-tiny", 2] < 128
+  assert lengths["qwen3-next-tiny", 1] % 8 == 0

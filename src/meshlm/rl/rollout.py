@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -94,11 +95,21 @@ class PromptIterator:
     self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
+def row_multiple(cfg: Config) -> int:
+  """What T is a multiple of: 8, and the mesh.context shards' count; for a Gated DeltaNet hybrid on
+  mesh.context, whole chunks per shard (context x model.gdn_chunk_size), as the train step demands."""
+  m = math.lcm(8, cfg.mesh.context)
+  if cfg.mesh.context > 1 and cfg.model.hybrid_types() is not None:
+    m = math.lcm(m, cfg.mesh.context * cfg.model.gdn_chunk_size)
+  return m
+
+
 def row_len(cfg: Config, prompts: list[Prompt]) -> int:
   """T, the training row length: the longest prompt plus rl.max_new_tokens, less the last token (never an
-  input), rounded up to a multiple of 8; fixed for the run, so the step compiles once."""
+  input), rounded up to a multiple of row_multiple(cfg); fixed for the run, so the step compiles once."""
   n = max(len(p.ids) for p in prompts) + cfg.rl.max_new_tokens - 1
-  return -(-n // 8) * 8
+  m = row_multiple(cfg)
+  return -(-n // m) * m
 
 
 def sampler_config(cfg: Config) -> Config:
