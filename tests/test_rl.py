@@ -268,3 +268,33 @@ def test_rows_of_a_gdn_hybrid_on_context_shards_are_whole_chunks(prompts):
   assert lengths["qwen3-next-tiny", 2] % (2 * 64) == 0 and lengths["qwen3-next-tiny", 2] <= 128
   assert lengths["qwen3-next-tiny", 1] == lengths["qwen3-moe-tiny", 2] < 128
   assert lengths["qwen3-next-tiny", 1] % 8 == 0
+
+
+def test_scoring_takes_the_model_state_deepseek_v3s_routing_bias(prompts):
+  """rl.sampler_is and rl.beta score a rollout before any update (rl/step.scorer) with the whole model tree, the
+  model-state leaves merged in, as the sampler takes it. Before, the scorer's shardings had the parameters only,
+  and `meshlm rl` on DeepSeek-V3 with either key died at its first rollout. With a routing bias that moves the
+  routing (drawn at random), the scored old log-probs are the sampler's own (the same params, the same truncated
+  distribution), and the reference policy's equal them at step 0. Control: scored without the bias, they move."""
+  cfg = load_config("model=deepseek-v3-tiny", "model.num_layers=2", "model.embed_dim=64", "model.vocab_size=257",
+                    "model.max_position=64", "train.seq_len=32", "train.compute_dtype=float32", *RL,
+                    f"rl.prompts={prompts}", "cpu_devices=1", "rl.sampler_is=token", "rl.beta=0.1")
+  tr = TR.Trainer(cfg)
+  state = tr.step.init_state(jax.random.key(0))
+  bias = state.model_state["layers"]["moe"]["moe"]["router_bias"]
+  skew = jax.random.normal(jax.random.key(3), bias.shape, bias.dtype)
+  state = state._replace(model_state={"layers": {"moe": {"moe": {"router_bias": skew}}}})
+  tr.ref = tr.params_of(state)  # the run's reference is its starting policy (trainer._run sets it)
+  batch = tr.rollout(state, 0)
+  mask = np.asarray(batch["loss_mask"]) > 0
+  old, ref, samp = (np.asarray(batch[k])[mask] for k in ("old_logp", "ref_logp", "sampler_logp"))
+  assert mask.sum() > 20
+  np.testing.assert_allclose(old, samp, rtol=0, atol=1e-5)
+  np.testing.assert_array_equal(ref, old)
+  unbiased = jax.tree.map(lambda a: a, tr.params_of(state))
+  unbiased["layers"]["moe"]["moe"]["router_bias"] = jnp.zeros_like(skew)
+  with jax.set_mesh(tr.mesh):
+    direct = np.asarray(tr.score(tr.params_of(state), batch))[mask]
+    moved = np.asarray(tr.score(unbiased, batch))[mask]
+  np.testing.assert_array_equal(old, direct)  # the batch holds the scorer's values, not the sampler's copy
+  assert np.max(np.abs(moved - samp)) > 1e-3

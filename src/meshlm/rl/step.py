@@ -145,9 +145,10 @@ def build_rl_step(cfg: Config, mesh=None) -> ST.TrainStep:
 
 def scorer(cfg: Config, step: ST.TrainStep):
   """jit (params, batch) -> log q [B, T] of the batch's targets, with no gradient: the trainer's scoring of a
-  rollout before any update (rl.sampler_is) and the reference policy's (rl.beta)."""
+  rollout before any update (rl.sampler_is) and the reference policy's (rl.beta). params: the whole model tree,
+  the model-state leaves merged in (decoder.merge_state: DeepSeek-V3's routing bias), as the sampler takes it."""
   batch_sh = {k: step.batch_sharding(k) for k in step.batch_spec}
-  param_sh = decoder.param_shardings(cfg, step.mesh)
+  param_sh = decoder.model_shardings(cfg, step.mesh)
 
   def f(params, batch):
     logits, _ = _forward(cfg, params, batch, cfg.rl.router_replay)
