@@ -282,6 +282,19 @@ def test_train_saves_the_resolved_config(tiny_run):
   assert saved["data"]["source"] == "stdlib"
 
 
+def test_convert_takes_a_run_trained_on_fake_devices_as_it_is(tiny_run, tmp_path):
+  """`meshlm convert meshlm-to-hf RUN DST` in a fresh process, with no key=value: the run's recorded cpu_devices=4
+  and fsdp=4 are its own (a new process has one CPU device until it asks for more; the command failed here
+  with "cpu_devices=4: only 1 devices exist")."""
+  _, run_dir = tiny_run
+  dst = tmp_path / "hf"
+  proc = subprocess.run([MESHLM, "convert", "meshlm-to-hf", str(run_dir), str(dst)], env=_env(), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"-> {dst} (llama," in proc.stdout
+  assert (dst / "model.safetensors").is_file() and (dst / "config.json").is_file()
+
+
 def test_train_prints_progress_and_a_sample(tiny_run):
   proc, _ = tiny_run
   _, run_dir = tiny_run

@@ -69,6 +69,8 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
     base = yaml.safe_load(record.read_text()) or base  # the whole record, not only the model
   cfg = load_config(*overrides, base=base)
   if mesh is None:
+    from meshlm.parallel import set_cpu_devices
+    set_cpu_devices(cfg.cpu_devices)  # the run's own fake devices (cpu_devices=4 on a CPU), unless overridden
     mesh = make_mesh(cfg)
   dtype = cfg.train.param_dtype
   # The whole model tree: the model-state leaves (a routing bias) are in the checkpoint beside the parameters.
