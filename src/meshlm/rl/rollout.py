@@ -96,19 +96,18 @@ class PromptIterator:
 
 
 def row_multiple(cfg: Config) -> int:
-  """What T is a multiple of: 8, and the mesh.context shards' count; for a Gated DeltaNet hybrid on
-  mesh.context, whole chunks per shard (context x model.gdn_chunk_size), as the train step demands."""
-  m = math.lcm(8, cfg.mesh.context)
+  """What the train step needs T to be a multiple of: the mesh.context shards' count, and for a Gated DeltaNet
+  hybrid on mesh.context whole chunks per shard (context x model.gdn_chunk_size)."""
   if cfg.mesh.context > 1 and cfg.model.hybrid_types() is not None:
-    m = math.lcm(m, cfg.mesh.context * cfg.model.gdn_chunk_size)
-  return m
+    return cfg.mesh.context * cfg.model.gdn_chunk_size
+  return cfg.mesh.context
 
 
 def row_len(cfg: Config, prompts: list[Prompt]) -> int:
   """T, the training row length: the longest prompt plus rl.max_new_tokens, less the last token (never an
-  input), rounded up to a multiple of row_multiple(cfg); fixed for the run, so the step compiles once."""
+  input), rounded up to a multiple of 8 and of row_multiple(cfg); fixed for the run, so the step compiles once."""
   n = max(len(p.ids) for p in prompts) + cfg.rl.max_new_tokens - 1
-  m = row_multiple(cfg)
+  m = math.lcm(8, row_multiple(cfg))
   return -(-n // m) * m
 
 

@@ -63,10 +63,10 @@ def rl_config(cfg: Config, prompts: list[R.Prompt], devices: int) -> Config:
   if rows % devices:
     raise ConfigError(f"rl.prompts_per_step={rl.prompts_per_step} x rl.num_generations={rl.num_generations} = {rows} "
                       f"rows do not split over {devices} devices; make the product a multiple of {devices}")
-  # Rows past model.max_position are cut there, at a length the step takes (the schema has already refused a
-  # max_position below one multiple: train.seq_len could not be valid).
-  m = R.row_multiple(cfg)
-  T = min(R.row_len(cfg, prompts), cfg.model.max_position // m * m)
+  # Rows past model.max_position are cut there, down to a length the step takes (the schema has already refused a
+  # max_position below one such length: no train.seq_len could be valid).
+  T = min(R.row_len(cfg, prompts), cfg.model.max_position)
+  T -= T % R.row_multiple(cfg)
   train = cfg.train.model_copy(update={"seq_len": T, "per_device_batch_size": rows // devices, "sample_tokens": 0})
   return cfg.model_copy(update={"train": train})
 
