@@ -4,7 +4,7 @@ import importlib
 from meshlm.commands.resolve import load_config  # presets, overrides and model=PATH
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import forward, init_params
+from meshlm.models.api import forward, init_params
 from meshlm.models.generate import generate
 
 __all__ = ["Config", "ConfigError", "forward", "generate", "hf", "init_params", "load_config"]

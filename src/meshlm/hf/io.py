@@ -411,16 +411,15 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   """Reads an HF model directory into (cfg, params), params placed on `mesh`'s shardings.
 
   overrides are key=value config settings (e.g. "train.compute_dtype=float32", "mesh.fsdp=4").
-  With no mesh, builds the config's mesh (meshlm.parallel.make_mesh).
+  With no mesh, the enclosing jax.set_mesh's, else the config's (meshlm.parallel.resolve_mesh).
   """
   import jax
   from meshlm.models import decoder
-  from meshlm.parallel.mesh import make_mesh
+  from meshlm.parallel.mesh import resolve_mesh
   path = Path(path)
   base = {"model_name": path.name, "model": model_fields(path)}
   cfg = load_config(*overrides, base=base)
-  if mesh is None:
-    mesh = make_mesh(cfg)
+  mesh = resolve_mesh(cfg, None, mesh)
   hf = read_hf_config(path)
   fam, _, wrapped = resolve(hf, str(path / "config.json"))
   ents = entries(cfg, wrapped)

@@ -24,7 +24,6 @@ for every token.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import math
@@ -37,8 +36,10 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.api import place
 from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm.models.registry import family
+from meshlm.parallel.mesh import resolve_mesh
 from meshlm.parallel.sharding import constrain
 
 MIN_BUCKET = 16
@@ -243,17 +244,17 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
   A row stops after it samples a stop token (kept as its last token): stop_tokens, or by default the
   model's eos_token_id (model.eos_token_id; pass () to never stop early). seed: an int (row b draws
   with seed + b) or one seed per row. params: the whole model tree, the model-state leaves merged in
-  (decoder.merge_state; what checkpoints hold). mesh: where params live (default: the config's mesh; params not
-  yet on it are placed onto their shardings).
+  (decoder.merge_state; what checkpoints, meshlm.init_params and hf.load give). mesh: where to sample (default:
+  parallel.resolve_mesh: the enclosing jax.set_mesh's, else the one params live on, else the config's); params not
+  yet on it are placed onto their shardings.
   """
-  from meshlm.parallel.mesh import make_mesh
   check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
   B = len(prompts)
   seeds = np.asarray([seed + b for b in range(B)] if isinstance(seed, int) else list(seed), np.int32)
   if seeds.shape != (B,):
     raise ConfigError(f"seed: {len(seeds)} seeds for {B} prompts; give one int or one seed per prompt")
-  mesh = make_mesh(cfg) if mesh is None else mesh
-  params = jax.device_put(params, decoder.model_shardings(cfg, mesh))
+  mesh = resolve_mesh(cfg, params, mesh)
+  params = place(cfg, params, mesh)
   lengths = np.array([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()), cfg.model.max_position)
   N = bucket(max_new_tokens, cfg.model.max_position)
@@ -286,10 +287,9 @@ def _host(a: jax.Array) -> np.ndarray:
 def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                      mesh=None) -> list[list[int]]:
   """The reference: greedy tokens with no cache, the whole prefix through `forward` for each token."""
-  from meshlm.parallel.mesh import make_mesh
   check_request(cfg, prompts, max_new_tokens, 0.0, None, 1.0)
-  mesh = make_mesh(cfg) if mesh is None else mesh
-  params = jax.device_put(params, decoder.model_shardings(cfg, mesh))
+  mesh = resolve_mesh(cfg, params, mesh)
+  params = place(cfg, params, mesh)
   out = []
 
   @jax.jit
@@ -297,7 +297,7 @@ def recompute_greedy(cfg: Config, params, prompts: Sequence[Sequence[int]], max_
     logits = decoder.forward(cfg, params, tokens)
     return jnp.argmax(logits[0, i - 1].astype(jnp.float32))
 
-  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+  with jax.set_mesh(mesh):
     for p in prompts:
       buf = np.zeros((1, bucket(len(p) + max_new_tokens, cfg.model.max_position)), np.int32)
       buf[0, :len(p)] = p

@@ -78,3 +78,31 @@ def make_mesh(cfg: Config):
   kind = AxisType.Explicit if cfg.shard_mode == "explicit" else AxisType.Auto
   return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(kind,) * len(AXES),
                        devices=jax.devices()[:n])
+
+
+def mesh_of(tree) -> "jax.sharding.Mesh | None":
+  """The mesh the first array of `tree` with a NamedSharding on a meshlm mesh lives on, else None (arrays
+  on one device, numpy, or a mesh without meshlm's axes)."""
+  import jax
+  from jax.sharding import NamedSharding
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and set(AXES) <= set(sharding.mesh.axis_names):
+      return sharding.mesh
+  return None
+
+
+def resolve_mesh(cfg: Config, tree=None, mesh=None):
+  """Where a Python API call (forward, generate, hf.load) runs: `mesh` when given, else the mesh of an
+  enclosing `jax.set_mesh`, else the mesh `tree`'s arrays live on, else the config's (make_mesh)."""
+  import jax
+  if mesh is None:
+    current = jax.sharding.get_mesh()
+    mesh = None if current.empty else current
+  if mesh is None:
+    return mesh_of(tree) or make_mesh(cfg)
+  missing = [a for a in AXES if a not in mesh.axis_names]
+  if missing:
+    raise ConfigError(f"mesh: axes {tuple(mesh.axis_names)} lack meshlm's {', '.join(missing)}; meshlm runs on a mesh "
+                      f"with axes {', '.join(AXES)} (meshlm.parallel.make_mesh(cfg), or jax.make_mesh with those names)")
+  return mesh
