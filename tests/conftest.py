@@ -1,4 +1,4 @@
-"""Every test process sees 8 fake CPU devices; meshes use the first N they need. Hypothesis runs
+"""Every test process sees 8 fake CPU devices (MESHLM_TEST_DEVICES=N: N); meshes use the first N they need. Hypothesis runs
 derandomized (profile "ci") unless HYPOTHESIS_PROFILE names another, e.g. "explore". Every process of
 one run shares one compilation cache that starts empty."""
 import atexit
@@ -38,10 +38,13 @@ import jax  # noqa: E402
 
 for _key, _value in COMPILE_CACHE.items():  # also when jax was imported before this file
   jax.config.update(_key, _value)
-jax.config.update("jax_num_cpu_devices", 8)
+# MESHLM_TEST_DEVICES=N: a process with N devices instead (tests/test_conformance_devices.py runs the public-API
+# conformance on 1 and 2, a user's default).
+DEVICES = int(os.environ.get("MESHLM_TEST_DEVICES", "8"))
+jax.config.update("jax_num_cpu_devices", DEVICES)
 # Start the backend now: a later cpu_devices=N in some test's config must find it running (and then
 # only checks the count) rather than set the device count for every test after it.
-assert len(jax.devices()) == 8
+assert len(jax.devices()) == DEVICES
 
 from hypothesis import settings  # noqa: E402
 
@@ -60,7 +63,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # any test marked @pytest.mark.ci_must_run. Outside CI they skip as before.
 import pytest  # noqa: E402
 
-CI_MUST_RUN_FILES = ("test_analysis.py", "test_parity.py", "test_hf.py", "test_hf_qwen3_next.py")
+CI_MUST_RUN_FILES = ("test_analysis.py", "test_conformance.py", "test_conformance_devices.py", "test_hf.py",
+                     "test_hf_qwen3_next.py")
 
 
 def _under_ci() -> bool:

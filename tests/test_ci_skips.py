@@ -30,7 +30,7 @@ def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
   # A fresh rootdir (no ini, so no xdist addopts) whose conftest is this suite's.
   (tmp_path / "conftest.py").write_text(f"exec(compile(open({os.path.join(HERE, 'conftest.py')!r}).read(), "
                                         f"'conftest.py', 'exec'))\n")
-  (tmp_path / "test_parity.py").write_text(SKIPS)  # a file counted by name
+  (tmp_path / "test_conformance.py").write_text(SKIPS)  # a file counted by name
   (tmp_path / "test_other.py").write_text(MARKED)
   env = {k: v for k, v in os.environ.items() if k != "CI"}
   if ci is not None:
@@ -43,7 +43,7 @@ def test_under_ci_a_skip_of_a_must_run_test_fails(tmp_path):
   r = _run(tmp_path, "true")
   assert r.returncode == 1, r.stdout + r.stderr
   assert "2 failed, 1 skipped, 1 error" in r.stdout, r.stdout  # skipif skips in setup: an error
-  assert "test_parity.py::test_skips is a golden/parity/HF test (ci_must_run) and must not skip" in r.stdout
+  assert "test_conformance.py::test_skips is a golden/parity/HF test (ci_must_run) and must not skip" in r.stdout
   assert "it skipped: fixture missing" in r.stdout
 
 

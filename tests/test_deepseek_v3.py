@@ -1,7 +1,7 @@
 """deepseek_v3: the mla mixer against a float64 reference of transformers' formulas (q_lora set and unset,
 rope_interleave on and off, forward and gradients, YaRN's softmax mscale seen only past position 0), the latent
 cache and absorbed decode (cached greedy = uncached, absorbed = plain, the cache's size from the state spec and
-the compiled memory), explicit = auto over 20 steps on expert=2 x fsdp=2 (on fsdp=4 it is tests/test_parity.py's),
+the compiled memory), explicit = auto over 20 steps on expert=2 x fsdp=2 (on fsdp=4 it is tests/test_conformance.py's),
 the census with every MLA projection counted, and bad input."""
 from __future__ import annotations
 
@@ -220,8 +220,8 @@ STEPS = 20
 SEQ = 96
 TRAIN = ("train.per_device_batch_size=1", f"train.seq_len={SEQ}", "train.compute_dtype=float32",
          "train.warmup_steps=0", "train.learning_rate=3e-3")
-# Expert parallelism only: explicit = auto on fsdp=4 is tests/test_parity.py's (test_explicit_equals_auto
-# [deepseek-v3-tiny], the same step on the same keys, two packed documents per row whose positions run past YaRN's
+# Expert parallelism only: explicit = auto on fsdp=4 is tests/test_conformance.py's
+# (test_explicit_equals_auto_and_nothing_is_blocked[deepseek-v3-tiny], the same step on the same keys, two packed documents per row whose positions run past YaRN's
 # original 64, 3 steps); this arm keeps the 20 steps and the loss falling.
 MESHES = {"expert2_fsdp2": ("cpu_devices=4", "mesh.fsdp=2", "mesh.expert=2")}
 

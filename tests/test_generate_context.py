@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm.models import generate as G
+from meshlm.models import api, generate as G
 from meshlm.models.mixers import gqa as gqa_mixer
 from seams import own_shard_only
 
@@ -71,13 +71,13 @@ def test_sampling_on_context_shards_equals_one_device(mesh):
 def test_a_prefill_that_attends_within_its_shard_only_fails_the_check():
   real = gqa_mixer.gqa_attention
   gqa_mixer.gqa_attention = own_shard_only(real, 2)
-  G._steps.cache_clear()  # the jitted prefill of this config and mesh is traced anew with the broken attention
+  api.clear_programs()  # the jitted prefill of this config is traced anew with the broken attention
   try:
     broken = G.generate(meshlm.load_config(*SHRINK, *MESHES["context2_explicit"]), *params_and_prompts(),
                         max_new_tokens=NEW, stop_tokens=())
   finally:
     gqa_mixer.gqa_attention = real
-    G._steps.cache_clear()
+    api.clear_programs()
   want = sample("cpu_devices=1")
   print(f"own shard only: max |log-prob diff| {_diff(broken, want):.3g}")
   assert not np.array_equal(broken.tokens, want.tokens) or _diff(broken, want) > LEAK

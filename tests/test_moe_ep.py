@@ -273,7 +273,7 @@ MODEL_PRESETS = ["mixtral-tiny"]
 @pytest.mark.slow  # 2 compiles of a whole train step and STEPS steps each
 # mixtral-tiny on expert=2 x fsdp=2 (whose explicit run test_model_ep_equals_no_ep reuses). The EP dispatch is the
 # moe part's, the same for every MoE family; qwen3-moe-tiny's mixed dense and MoE layers train under both modes in
-# test_parity (the suite's budget). data=2 x expert=2: by its parts (the module docstring; two compiles fewer).
+# test_conformance (the suite's budget). data=2 x expert=2: by its parts (the module docstring; two compiles fewer).
 @pytest.mark.parametrize("preset, mesh", [("mixtral-tiny", "expert2-fsdp2")])
 def test_model_explicit_equals_auto_under_ep(preset, mesh):
   explicit, auto = trained(preset, mesh, "explicit"), trained(preset, mesh, "auto")

@@ -175,24 +175,13 @@ def teacher_forced_logprobs(cfg, params, news) -> list[np.ndarray]:
           for i, (p, n) in enumerate(zip(PROMPTS, news))]
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen3-moe-tiny"])
-def test_sampling_with_the_cache_equals_recomputing(preset):
-  """Through MoE layers, cached decoding picks the tokens that recomputing the whole prefix picks, and
-  its log-probs are a teacher-forced forward's to 1e-5 (test_generate.py's tolerance for dense models)."""
-  from meshlm.models.generate import recompute_greedy
-  cfg, params, tokens, logprobs = cached_generation(preset)
-  assert tokens == recompute_greedy(cfg, params, list(PROMPTS), NEW_TOKENS)
-  assert [len(t) for t in tokens] == [NEW_TOKENS] * len(PROMPTS)
-  for lp, want in zip(logprobs, teacher_forced_logprobs(cfg, params, tokens)):
-    np.testing.assert_allclose(lp, want, atol=1e-5, rtol=0)
-
-
+# Cached sampling against recomputing, for every MoE family: tests/test_conformance.py. Its negative control here:
 def test_a_decode_routing_bug_is_caught(monkeypatch):
   """Negative control: the decode step's MoE layers weigh their experts wrongly (norm_topk flipped for
   one-token inputs; prefill is untouched). The greedy tokens stay the same here, so a tokens-only
   check passes; the log-probs after the first token no longer match the teacher-forced forward."""
   import meshlm
-  from meshlm.models import generate as G
+  from meshlm.models import api
   from meshlm.nn import moe
   cfg, params, tokens, _ = cached_generation("qwen3-moe-tiny")
   real = moe.moe_mlp
@@ -202,12 +191,12 @@ def test_a_decode_routing_bug_is_caught(monkeypatch):
       kw["norm_topk"] = not kw["norm_topk"]
     return real(p, x_BTD, ctx, **kw)
   monkeypatch.setattr(moe, "moe_mlp", decode_routes_wrongly)
-  G._steps.cache_clear()
+  api.clear_programs()
   try:
     bad_tokens, bad = generation_rows(meshlm.generate(cfg, params, list(PROMPTS), max_new_tokens=NEW_TOKENS,
                                                       temperature=0))
   finally:
-    G._steps.cache_clear()
+    api.clear_programs()
   monkeypatch.undo()
   assert bad_tokens == tokens
   want = teacher_forced_logprobs(cfg, params, bad_tokens)
@@ -394,7 +383,7 @@ def test_micro_batches_weigh_router_losses_by_their_tokens():
 
 # --- training ---------------------------------------------------------------------------------------
 
-# One MoE preset through the CLI (mixtral on an expert-parallel mesh); qwen3-moe-tiny trains in test_parity (fsdp=4)
+# One MoE preset through the CLI (mixtral on an expert-parallel mesh); qwen3-moe-tiny trains in test_conformance (fsdp=4)
 # and test_rl (the GRPO demo's model), the hybrids' MoE in test_qwen3_next through the CLI.
 @pytest.mark.parametrize("preset, mesh", [("mixtral-tiny", ("cpu_devices=2", "mesh.fsdp=1", "mesh.expert=2"))])
 def test_tiny_moe_presets_train(preset, mesh, tmp_path):

@@ -1,7 +1,7 @@
 """The Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): the short conv against its definition, the
-two projection layouts against each other, forward and gradients, packed documents equal to each document
-alone (with negative controls that drop the GDN's resets), cached sampling equal to uncached, AdamW's decay
-mask, a short training run whose loss falls with explicit == auto, and the config errors.
+two projection layouts against each other, forward and gradients, the negative control of the packed-document
+check (a dropped GDN reset; the check itself, and cached sampling, are tests/test_conformance.py's), AdamW's
+decay mask, a short training run whose loss falls, and the config errors.
 
 Every program compiles once per module (functools.cache); float32 throughout.
 """
@@ -16,23 +16,17 @@ import pytest
 import meshlm
 from meshlm import spec as S
 from meshlm.config import load_config
-from meshlm.models import decoder, generate as G, registry
+from meshlm.models import decoder, registry
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.models.mixers.gated_gqa import partial_rope
 from meshlm.nn.rope import apply_rope, rope_angles, inv_frequencies
 from meshlm.nn.short_conv import causal_conv, causal_conv_reference, window_at
 
-from test_parity import COVERED_BY_PARTS
-
 PRESETS = {"qwen3-next-tiny": "qwen3_next", "qwen3.5-tiny": "qwen3_5", "qwen3.5-moe-tiny": "qwen3_5_moe"}
-# The forward-and-gradient, packed-document and cached-sampling tests run on the two presets whose parts make up
-# the third: qwen3.5-moe-tiny is qwen3.5-tiny's mixers (gdn with separate projections, gated_gqa) with
-# qwen3-next-tiny's feed-forward (the MoE with a gated shared expert), the same Part objects and config keys
-# (tests/test_parity.py's test_a_preset_covered_by_its_parts_has_exactly_those_parts holds that to the family
-# definitions). qwen3.5-moe-tiny itself still trains end to end below (test_training_qwen3_5_moe_tiny_lowers_the_loss)
-# and loads from its HF fixture (tests/test_hf.py, tests/test_hf_qwen3_next.py). test_parity's COVERED_BY_PARTS is
-# the one list of such presets.
-WHOLE_MODEL = [p for p in PRESETS if p not in COVERED_BY_PARTS]
+# The forward-and-gradient test runs on the two presets whose parts make up the third (qwen3.5-moe-tiny is
+# qwen3.5-tiny's mixers with qwen3-next-tiny's feed-forward); qwen3.5-moe-tiny trains end to end below. Packed
+# documents and cached sampling of all three: tests/test_conformance.py.
+WHOLE_MODEL = ["qwen3-next-tiny", "qwen3.5-tiny"]
 T = 48
 LEN1, LEN2 = 21, 19  # two documents packed into one row of T, then 8 padding positions
 # Float32 reassociation; a document reading another moves logits by 1e-2 or more. Packed against alone measures
@@ -260,17 +254,10 @@ def test_forward_and_gradients_are_finite_and_shaped(preset):
   assert registry.family(cfg).name == PRESETS[preset]
 
 
-@pytest.mark.parametrize("preset", WHOLE_MODEL)
-def test_packed_documents_equal_each_document_alone(preset):
-  logits, _, _ = forward_and_grads(preset)
-  p1, p2, a1, a2 = split_docs(logits)
-  np.testing.assert_allclose(p1, a1, atol=ATOL, rtol=0)
-  np.testing.assert_allclose(p2, a2, atol=ATOL, rtol=0)
-
-
 def test_without_the_rule_reset_the_second_document_reads_the_first(monkeypatch):
-  """Control: the same forward with the delta rule's segment reset switched off (the conv keeps its own; the
-  conv's reset has its control in the short-conv test, and the mixer test drops both)."""
+  """Control of tests/test_conformance.py's packed-document check: the same forward with the delta rule's segment
+  reset switched off (the conv keeps its own; the conv's reset has its control in the short-conv test, and the
+  mixer test drops both)."""
   cfg, params = setup("qwen3.5-tiny")
   real = gdn_mixer.delta_rule
   monkeypatch.setattr(gdn_mixer, "delta_rule",
@@ -280,37 +267,6 @@ def test_without_the_rule_reset_the_second_document_reads_the_first(monkeypatch)
   p1, p2, a1, a2 = split_docs(logits)
   np.testing.assert_allclose(p1, a1, atol=ATOL, rtol=0)  # the first document has nothing before it
   assert np.abs(p2 - a2).max() > LEAK
-
-
-# --- sampling: cached equals uncached ----------------------------------------------------------------
-
-NEW = 12
-LENGTHS = (5, 17, 30)  # prompt + NEW fits the [3, T] block the shared compile takes
-
-
-@pytest.mark.parametrize("preset", WHOLE_MODEL)
-def test_cached_greedy_equals_uncached(preset):
-  """generate (a right-padded prefill returning each row's states, then one-token decode steps carrying the conv
-  window and the recurrent state) against one forward over prompt + completion, which is uncached greedy
-  decoding at every step at once (the model is causal)."""
-  cfg, params = setup(preset)
-  rng = np.random.default_rng(1)
-  prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]
-  out = G.generate(cfg, params, prompts, max_new_tokens=NEW)
-  assert out.compilations == {"prefill": 1, "decode": 1}
-  news = out.token_lists()
-  assert [len(n) for n in news] == [NEW] * len(prompts)
-  block = np.zeros((len(prompts), T), np.int32)
-  for i, (p, n) in enumerate(zip(prompts, news)):
-    block[i, :len(p) + NEW] = p + n
-  pos = np.broadcast_to(np.arange(T, dtype=np.int32), block.shape)
-  (_, logits), _ = compiled(preset)(params, block, pos, np.ones(block.shape, np.int32))
-  logits = np.asarray(logits)
-  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-  for i, (prompt, new) in enumerate(zip(prompts, news)):
-    rows = [len(prompt) - 1 + j for j in range(NEW)]
-    assert new == [int(np.argmax(logits[i, r])) for r in rows], i
-    np.testing.assert_allclose(out.logprob_lists()[i], [logp[i, r, t] for r, t in zip(rows, new)], atol=1e-4)
 
 
 # --- AdamW: A_log and dt_bias are not decayed ----------------------------------------------------------
@@ -343,7 +299,7 @@ def test_a_log_and_dt_bias_are_kept_out_of_weight_decay():
 
 
 # --- training through `meshlm train`: the loss falls ----------------------------------------------------
-# (Explicit equals auto for the three hybrids is tests/test_parity.py's, on fsdp=4.)
+# (Explicit equals auto for the three hybrids is tests/test_conformance.py's, on fsdp=4.)
 
 STEPS = 4
 TRAIN = ("model=qwen3.5-moe-tiny", *SHRINK, "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32", "train.seq_len=64",

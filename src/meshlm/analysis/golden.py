@@ -62,7 +62,7 @@ def shrink(preset: str) -> tuple[str, ...]:
   """Overrides that keep a long preset's every layer kind and attention context with fewer layer bodies to
   lower and compile: the Gated DeltaNet hybrids one period of two layers (linear + full) instead of 3 + 1,
   gemma3 one local and one global layer instead of its 8 (a scanned period of 6, then 2); () for the rest.
-  The golden census counts the shrunk presets (each file records its "shrink"), as tests/test_parity.py
+  The golden census counts the shrunk presets (each file records its "shrink"), as tests/test_conformance.py
   trains them."""
   from meshlm.config import load_config
   m = load_config(f"model={preset}").model

@@ -9,8 +9,8 @@ with the parameters placed onto their shardings there. Called while tracing (ins
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +68,41 @@ def _abstract_mesh_of(tree):
   return contextlib.nullcontext()
 
 
-@functools.lru_cache(maxsize=32)
-def _jitted(cfg_json: str, return_hidden: bool, return_side: bool):
-  cfg = Config.model_validate_json(cfg_json)
+# The config sections no model program reads: a program is cached by the rest, so a model loaded twice (its
+# HF export read back, a run and its checkpoint) under other names or training settings compiles once.
+_NOT_READ = {"model_name", "run_dir", "cpu_devices", "mesh", "data", "checkpoint", "distributed", "rl"}
+_TRAIN_READ = {"compute_dtype", "param_dtype"}
 
+
+def program_key(cfg: Config) -> str:
+  """What a model program (forward, prefill, decode) depends on in cfg, as JSON: every field but _NOT_READ and
+  the train fields other than the dtypes. (The mesh is not in it: jit keys its executables on the mesh.)"""
+  exclude = {name: True for name in _NOT_READ}
+  exclude["train"] = set(type(cfg.train).model_fields) - _TRAIN_READ
+  return cfg.model_dump_json(exclude=exclude)
+
+
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+
+
+def cached(name: str, cfg: Config, build, *static):
+  """build(cfg, *static), once per (name, program_key(cfg), static): the last 32 are kept."""
+  key = (name, program_key(cfg), static)
+  if key in _PROGRAMS:
+    _PROGRAMS.move_to_end(key)
+  else:
+    _PROGRAMS[key] = build(cfg, *static)
+    while len(_PROGRAMS) > 32:
+      _PROGRAMS.popitem(last=False)
+  return _PROGRAMS[key]
+
+
+def clear_programs() -> None:
+  """Forget every cached program (a test that patches a layer traces anew)."""
+  _PROGRAMS.clear()
+
+
+def _build_forward(cfg: Config, return_hidden: bool, return_side: bool):
   def run(params, tokens_BT, positions_BT, segment_ids_BT, forced_LBTk):
     return decoder.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, return_hidden=return_hidden,
                            return_side=return_side, forced_expert_ids=forced_LBTk)
@@ -100,5 +131,5 @@ def forward(cfg: Config, params: dict, tokens_BT, positions_BT=None, segment_ids
   params = place(cfg, params, mesh)
   host = lambda a: None if a is None else np.asarray(a)  # noqa: E731  (committed to no device: the jit places it)
   with jax.set_mesh(mesh):
-    return _jitted(cfg.model_dump_json(), return_hidden, return_side)(
+    return cached("forward", cfg, _build_forward, return_hidden, return_side)(
         params, host(tokens_BT), host(positions_BT), host(segment_ids_BT), host(forced))

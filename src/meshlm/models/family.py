@@ -16,6 +16,10 @@ models/registry.py):
   side: per-layer side outputs ({name: array}), {} when there are none.
 - state_spec(m, batch, size) -> {leaf: StateLeaf}: the decode state of one layer whose context holds
   `size` cache slots, and how its update is committed ("rows" or "replace").
+- position_wise: True for a part whose output at a position reads that position's input alone (a
+  feed-forward), so it keeps no decode state. Every part declares one or the other: a state_spec, or
+  position_wise (tests/test_conformance.py refuses a part with neither, and samples from every family
+  against recomputing, which catches a wrong one).
 - prepare(stack, specs) -> stack: runs once before the layer scan on the part's stacked parameters
   (a "layers" axis leading or at param_scan_axis): gather-once transforms live here.
 - remat_save_names: names (jax.ad_checkpoint.checkpoint_name) a remat policy must save.
@@ -84,6 +88,7 @@ class Part:
   spec: Callable[[ModelConfig], dict]
   apply: Callable[..., tuple[jax.Array, Any, dict]]
   state_spec: Callable[[ModelConfig, int, int], dict[str, StateLeaf]] | None = None
+  position_wise: bool = False  # reads each position alone, so no decode state (say so, or declare state_spec)
   prepare: Callable[[dict, dict], dict] | None = None
   remat_save_names: tuple[str, ...] = ()
   stack_rows: tuple[str, ...] = ()
@@ -96,6 +101,7 @@ class Part:
   replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
 
   def __post_init__(self):
+    assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
     assert set(self.after_step_side) <= set(self.side_names), (self.after_step_side, self.side_names)
     assert set(self.after_step_side.values()) <= set(SIDE_SUMS), self.after_step_side
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 from typing import Sequence
 
@@ -36,7 +35,7 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
-from meshlm.models.api import place
+from meshlm.models.api import cached, place
 from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm.models.registry import family
 from meshlm.parallel.mesh import resolve_mesh
@@ -168,10 +167,8 @@ def _record(buf_BTn, side_nBt, start_B, real_B):
   return jax.vmap(write)(buf_BTn, pos, vals.astype(buf_BTn.dtype))
 
 
-@functools.lru_cache(maxsize=32)
-def _steps(cfg_json: str, mesh, temperature: float, top_k: int | None, top_p: float):
-  """The jitted prefill and decode loop for one config and sampling setting (cached across calls)."""
-  cfg = Config.model_validate_json(cfg_json)
+def _steps(cfg: Config, temperature: float, top_k: int | None, top_p: float):
+  """The jitted prefill and decode loop for one config and sampling setting (api.cached keeps them across calls)."""
   records = recorded_inputs(cfg)
 
   def keys_at(seeds_B, t):
@@ -263,7 +260,7 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
   for i, p in enumerate(prompts):
     block[i, :len(p)] = p
   stops = np.asarray(stop_ids(cfg, stop_tokens) or [-1], np.int32)  # -1 is never sampled
-  prefill, decode_loop = _steps(cfg.model_dump_json(), mesh, float(temperature), top_k, float(top_p))
+  prefill, decode_loop = cached("sample", cfg, _steps, float(temperature), top_k, float(top_p))
   before = dict(TRACES)
   with jax.set_mesh(mesh):
     toks, lps, n, done, cache, bufs = prefill(params, block, lengths, seeds, stops, cache_len=cache_len, new_len=N,

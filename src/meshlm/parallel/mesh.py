@@ -80,7 +80,7 @@ def make_mesh(cfg: Config):
                        devices=jax.devices()[:n])
 
 
-def mesh_of(tree) -> "jax.sharding.Mesh | None":
+def mesh_of(tree):
   """The mesh the first array of `tree` with a NamedSharding on a meshlm mesh lives on, else None (arrays
   on one device, numpy, or a mesh without meshlm's axes)."""
   import jax

@@ -24,4 +24,4 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state=None):
 
 
 def glu() -> Part:
-  return Part(name="glu", key="mlp", spec=spec, apply=apply)
+  return Part(name="glu", key="mlp", spec=spec, apply=apply, position_wise=True)

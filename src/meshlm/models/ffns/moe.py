@@ -176,7 +176,7 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
     raise ValueError(f"moe_ffn(routing={routing!r}): expected one of {ROUTINGS}")
   spec = functools.partial(spec_with_shared, gated=shared_gate) if shared else moe.moe_spec
   group = routing == "group_sigmoid"
-  return Part(name="moe", key="moe", spec=spec,
+  return Part(name="moe", key="moe", spec=spec, position_wise=True,
               apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
                                       routing=routing),
               prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES, layer_inputs={FORCED_IDS: check_forced},

@@ -1,0 +1,222 @@
+"""The checks every registered family passes, through the public API exactly as the README calls it
+(meshlm.init_params, forward, generate, hf.save, hf.load; no mesh argument, no jit of our own), as functions of
+a config. tests/test_conformance.py runs them over the registry (every family, every tiny preset, one HF fixture
+per family) in this process and in processes with 1 and 2 devices; tests/test_architecture_example.py runs them on
+docs/architecture.md's worked example. A check raises AssertionError naming what differs.
+
+One forward program serves the generate, packed-document and round-trip checks: every forward here is a [3, T]
+block with explicit positions and segment ids (right-padded rows are segment 1, then padding 0).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import meshlm
+from meshlm.analysis.census import field, stablehlo_counts
+from meshlm.train.step import build_train_step
+
+# Three prompts of different lengths, right-padded into one prefill block; the longest spans a GDN chunk (64)
+# and every sliding window of the tiny presets (at most 64); with NEW tokens every row decodes past its window.
+LENGTHS = (5, 17, 66)
+NEW = 60
+T = max(LENGTHS) + NEW  # the forward block: the longest prompt and its completion
+# Two packed documents: the second crosses the GDN chunk boundary at 64 and is longer than any window.
+DOCS = (45, 81)
+LOGPROB_ATOL = 1e-5  # float32 reassociation between the cached decode and one forward (measured: see the test file)
+# A greedy token may differ from the forward's argmax only where the forward's top two are this close (a float32
+# tie, which the cached and the uncached paths may break differently); every other token must be the argmax.
+TIE = 1e-5
+# Relative to the largest |logit| of the documents alone: float32 reassociation (the attention sums over another
+# set of masked keys, GDN chunks split elsewhere). Measured at most 3.9e-6 (the qwen3.5-moe fixture; the tiny
+# presets 0 to 3e-7); a document that reads another moves logits by 1e-2 or more.
+PACKED_RTOL = 1e-5
+
+# explicit == auto: a few float32 train steps on fsdp=4, from the same parameters and batches.
+PARITY_STEPS = 3
+PARITY_SEQ = 96  # longer than every tiny preset's sliding window
+PARITY_BASE = ("cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1", f"train.seq_len={PARITY_SEQ}",
+               "train.compute_dtype=float32", "train.warmup_steps=0", "train.learning_rate=3e-3")
+PARITY_ATOL = 1e-5  # float32 reassociation; the injected sharding bug of test_conformance moves the loss by 0.1
+
+
+def prompts(cfg) -> list[list[int]]:
+  rng = np.random.default_rng(1)
+  return [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]
+
+
+def right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """[3, T] tokens, positions and segment ids (1 on each row's tokens, 0 after) of right-padded rows."""
+  toks, pos, seg = (np.zeros((len(rows), T), np.int32) for _ in range(3))
+  for i, r in enumerate(rows):
+    toks[i, :len(r)], pos[i, :len(r)], seg[i, :len(r)] = r, np.arange(len(r)), 1
+  return toks, pos, seg
+
+
+def logits_of(cfg, params, block, **kw) -> tuple[np.ndarray, dict]:
+  """meshlm.forward on a [3, T] block: (float32 logits, side outputs as numpy)."""
+  logits, side = meshlm.forward(cfg, params, *block, return_side=True, **kw)
+  return np.asarray(logits, np.float32), {k: np.asarray(v) for k, v in side.items()}
+
+
+def greedy(cfg, params) -> meshlm.models.generate.Generation:
+  return meshlm.generate(cfg, params, prompts(cfg), max_new_tokens=NEW, stop_tokens=())
+
+
+def check_generate_equals_recompute(cfg, params, out=None) -> dict:
+  """Greedy generate (stop_tokens=()) against one forward over prompt + completion, which is uncached greedy
+  decoding at every step at once (the model is causal): each token is the forward's argmax (but for a float32
+  tie, counted), log-probs within LOGPROB_ATOL. Returns {"ties", "max_logprob_diff"}."""
+  out = greedy(cfg, params) if out is None else out
+  ps, news = prompts(cfg), out.token_lists()
+  assert [len(n) for n in news] == [NEW] * len(ps), f"lengths {[len(n) for n in news]}, want {NEW} each"
+  logits, _ = logits_of(cfg, params, right_padded([p + n for p, n in zip(ps, news)]))
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  ties, worst = 0, 0.0
+  for b, (p, new) in enumerate(zip(ps, news)):
+    for j, tok in enumerate(new):
+      r = len(p) - 1 + j  # the position whose logits chose new[j]
+      best = int(np.argmax(logits[b, r]))
+      if tok != best:
+        gap = float(logits[b, r, best] - logits[b, r, tok])
+        assert gap <= TIE, (f"row {b} (prompt of {len(p)}), new token {j}: generate drew {tok}, recomputing gives "
+                            f"{best} (logit gap {gap:.3g} > {TIE})")
+        ties += 1
+    diff = np.abs(np.asarray(out.logprob_lists()[b]) - [logp[b, len(p) - 1 + j, t] for j, t in enumerate(new)])
+    worst = max(worst, float(diff.max()))
+    assert worst <= LOGPROB_ATOL, f"row {b}: log-probs differ from the forward's by {diff.max():.3g} > {LOGPROB_ATOL}"
+  return {"ties": ties, "max_logprob_diff": worst}
+
+
+def packed_block(cfg) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Rows: [doc 1 | doc 2 | padding] with segment ids 1, 2, 0 and each document's positions from 0; doc 1
+  alone; doc 2 alone (padded after it, which a causal model never reads)."""
+  rng = np.random.default_rng(2)
+  d1, d2 = (rng.integers(0, cfg.model.vocab_size, n) for n in DOCS)
+  toks, pos, seg = right_padded([list(d1) + list(d2), list(d1), list(d2)])
+  a = DOCS[0]
+  seg[0, a:a + DOCS[1]] = 2
+  pos[0, a:a + DOCS[1]] = np.arange(DOCS[1])
+  return toks, pos, seg
+
+
+def check_packed_documents(cfg, params) -> float:
+  """Each packed document gets the logits it has alone: the max |diff| relative to the largest |logit| alone
+  (at most PACKED_RTOL)."""
+  logits, _ = logits_of(cfg, params, packed_block(cfg))
+  a, b = DOCS
+  alone = (logits[1, :a], logits[2, :b])
+  diff = max(float(np.abs(logits[0, :a] - alone[0]).max()), float(np.abs(logits[0, a:a + b] - alone[1]).max()))
+  rel = diff / max(float(np.abs(alone[0]).max()), float(np.abs(alone[1]).max()))
+  assert rel <= PACKED_RTOL, (f"a packed document's logits differ from its logits alone by {diff:.3g} "
+                              f"({rel:.3g} of the largest, > {PACKED_RTOL})")
+  return rel
+
+
+def check_hf_round_trip(cfg, params, path, tokens=None, over: tuple[str, ...] = ()) -> None:
+  """hf.save, then hf.load with the same execution settings: every leaf, and the logits, bit-identical (of
+  packed_block, or of `tokens` [B, T] called as the README calls forward)."""
+  meshlm.hf.save(cfg, params, path)
+  cfg2, params2 = meshlm.hf.load(path, f"train.compute_dtype={cfg.train.compute_dtype}",
+                                 f"scan_layers={str(cfg.scan_layers).lower()}", *over)
+  flat, flat2 = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (params, params2))
+  assert [p for p, _ in flat] == [p for p, _ in flat2], "the loaded tree's leaves are not the saved tree's"
+  for (p, a), (_, b) in zip(flat, flat2):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+  if tokens is None:
+    want, got = (logits_of(c, p, packed_block(cfg))[0] for c, p in ((cfg, params), (cfg2, params2)))
+  else:
+    want, got = (np.asarray(meshlm.forward(c, p, tokens)) for c, p in ((cfg, params), (cfg2, params2)))
+  np.testing.assert_array_equal(got, want, err_msg="logits after hf.save -> hf.load")
+
+
+def check_replay(cfg, params, out) -> float:
+  """generate's recorded expert ids (out.expert_ids, the replay layout) fed back as forced_expert_ids give the
+  logits of the forward that routes by itself, bit for bit. Returns the fraction of fed (token, layer) routings
+  on which the sampler and the forward agree (at least 0.99: only float32 ties of the router may differ)."""
+  ps, news = prompts(cfg), out.token_lists()
+  block = right_padded([p + n for p, n in zip(ps, news)])
+  free, side = logits_of(cfg, params, block)
+  free_ids = np.moveaxis(side["moe_expert_ids"], 0, 2)  # [B, T, L_moe, k]
+  rec = out.expert_ids[:, :T]
+  fed = rec[..., 0, 0] >= 0  # [B, T]
+  assert fed.sum() == sum(len(p) + NEW - 1 for p in ps), "the recorded ids do not cover every fed token"
+  same = np.all(rec == free_ids, axis=-1)[fed]  # [fed tokens, L_moe]
+  agree = float(same.mean())
+  assert agree >= 0.99, f"the sampler routed {1 - agree:.1%} of the fed tokens' layers unlike the forward"
+  # Every token forced: the recorded ids where fed, the forward's own elsewhere (padding, the last token), so the
+  # expert groups hold the same rows in both forwards (a padding row routed elsewhere moves the grouped matmul's
+  # blocks, and with them float32 sums, by an ulp).
+  forced, side2 = logits_of(cfg, params, block, forced_expert_ids=np.where(fed[:, :, None, None], rec, free_ids))
+  rows = [b for b in range(len(ps)) if np.all(np.all(rec[b] == free_ids[b], axis=-1)[fed[b]])]
+  assert rows, "no row was routed alike by the sampler and the forward"
+  np.testing.assert_array_equal(forced[rows], free[rows], err_msg="logits with the recorded ids forced")
+  np.testing.assert_array_equal(np.moveaxis(side2["moe_expert_ids"], 0, 2)[rows][fed[rows]], rec[rows][fed[rows]])
+  return agree
+
+
+# --- explicit == auto on fsdp=4 ---------------------------------------------------------------------
+
+def parity_batches(vocab: int, rows: int):
+  """PARITY_STEPS batches of random tokens, two packed documents per row, a ragged loss mask."""
+  rng = np.random.default_rng(0)
+  for _ in range(PARITY_STEPS):
+    toks = rng.integers(0, vocab, (rows, PARITY_SEQ + 1)).astype(np.int32)
+    cut = rng.integers(PARITY_SEQ // 4, 3 * PARITY_SEQ // 4, rows)[:, None]
+    col = np.arange(PARITY_SEQ)[None, :]
+    yield {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.where(col < cut, 1, 2).astype(np.int32),
+           "positions": np.where(col < cut, col, col - cut).astype(np.int32),
+           "loss_mask": (rng.random((rows, PARITY_SEQ)) < 0.9).astype(np.float32)}
+
+
+def train_losses(overrides: tuple[str, ...], mode: str, base: dict | None = None) -> tuple[np.ndarray, dict]:
+  """(losses of PARITY_STEPS train steps, the step's StableHLO census counts) for one shard mode: the step is
+  lowered once, counted, compiled from that lowering and run. base: a config tree instead of a preset."""
+  cfg = meshlm.load_config(*overrides, *PARITY_BASE, f"shard_mode={mode}", base=base)
+  window = cfg.model.sliding_window
+  assert window is None or window < PARITY_SEQ, f"sliding window {window} >= the parity sequence {PARITY_SEQ}"
+  step = build_train_step(cfg)
+  lowered = step.lower()
+  counts, pairs, _ = stablehlo_counts(lowered.as_text(debug_info=True))
+  counts["transpose_of_dot"]["pairs"] = [{k: p[k] for k in ("kind", "between", "scope", "shape")} for p in pairs
+                                         if p["kind"] == "blocked"]
+  run = lowered.compile()
+  state = step.init_state(jax.random.key(0))
+  losses = []
+  with jax.set_mesh(step.mesh):
+    for batch in parity_batches(cfg.model.vocab_size, step.global_batch):
+      state, metrics = run(state, step.put_batch(batch))
+      losses.append(float(metrics["loss"]))
+  return np.asarray(losses), {"stablehlo": counts}
+
+
+def assert_parity(explicit: np.ndarray, auto: np.ndarray) -> None:
+  assert explicit.shape == auto.shape == (PARITY_STEPS,)
+  assert np.all(np.isfinite(explicit)) and np.all(np.isfinite(auto))
+  np.testing.assert_allclose(explicit, auto, rtol=0, atol=PARITY_ATOL)
+
+
+def check_explicit_equals_auto(overrides: tuple[str, ...], losses=None) -> dict:
+  """Losses within PARITY_ATOL over PARITY_STEPS steps on fsdp=4, the steps really training, and no blocked
+  transpose-of-dot pair under explicit. losses(mode) -> (losses, census) may be a cache."""
+  losses = losses or (lambda mode: train_losses(overrides, mode))
+  (explicit, census), (auto, _) = losses("explicit"), losses("auto")
+  assert_parity(explicit, auto)
+  assert len(set(explicit.tolist())) == PARITY_STEPS, f"the losses do not move: {explicit.tolist()}"
+  blocked = field(census, "stablehlo.transpose_of_dot.blocked")
+  assert blocked == 0, (f"explicit: {blocked} blocked transpose-of-dot pairs (want 0): "
+                       f"{census['stablehlo']['transpose_of_dot']['pairs']}")
+  return {"max_loss_diff": float(np.max(np.abs(explicit - auto))), "losses": explicit.tolist()}
+
+
+@functools.cache
+def family_of_fixture(path: str) -> str:
+  """The meshlm family an HF fixture directory loads as."""
+  from meshlm.hf import io
+  from meshlm.hf.adapters import ADAPTERS
+  import importlib
+  adapter = io.family_for(io.read_hf_config(Path(path)), path)
+  return next(name for name, module in ADAPTERS.items() if importlib.import_module(module).ADAPTER is adapter)

@@ -1,0 +1,28 @@
+"""The public-API conformance (tests/test_conformance.py) in processes with 1 and 2 devices: a user's default is one
+device and no cpu_devices, while every other test process has 8 (tests/conftest.py, MESHLM_TEST_DEVICES). Each
+process runs that module whole; which rows it holds follows from its device count, and a
+skip there fails here as a failure would."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.ci_must_run
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_public_api_conformance_in_a_process_with(devices):
+  env = dict(os.environ, MESHLM_TEST_DEVICES=str(devices))
+  r = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", "-rfEs",
+                      "--durations=5", str(HERE / "test_conformance.py")],
+                     env=env, cwd=HERE.parent, capture_output=True, text=True)
+  print(r.stdout[-4000:])
+  assert r.returncode == 0, f"{devices}-device conformance failed:\n{r.stdout[-8000:]}\n{r.stderr[-3000:]}"
+  summary = r.stdout.strip().splitlines()[-1]
+  passed = re.search(r"(\d+) passed", summary)
+  assert passed and int(passed.group(1)) > 20, summary
+  assert not re.search(r"skipped|failed|error|deselected", summary), summary
