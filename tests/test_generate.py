@@ -203,3 +203,55 @@ def test_generate_command_refuses_a_path_without_a_model(tmp_path, capsys):
   assert main(["generate", str(tmp_path), "prompt=x"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "not a Hugging Face model directory" in err[0], err
+
+
+def test_generate_command_on_a_tokenizer_less_hf_dir_says_what_to_pass(tmp_path, capsys):
+  """The llama fixture (vocab 151) has no tokenizer.json: the refusal names data.tokenizer and prompt_ids, not
+  training's synthetic data; with prompt_ids it samples and prints the new ids, those generate() draws."""
+  import shutil
+  from meshlm.cli import main
+  from test_hf import FIXTURES
+  src = tmp_path / "llama-hf"
+  shutil.copytree(FIXTURES / "llama", src)
+  assert main(["generate", str(src), "prompt=hello", "cpu_devices=1"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["meshlm: error: model.vocab_size=151 is too small for the byte tokenizer, which has 257 ids (256 "
+                 "bytes + EOS); give data.tokenizer=PATH (the model's tokenizer.json), or give the prompt as token "
+                 "ids (prompt_ids=ID,ID)"], err
+  assert main(["generate", str(src), "prompt_ids=1,2,3", "max_new_tokens=5", "stop=", "cpu_devices=1"]) == 0
+  cfg, params = meshlm.load(src, "cpu_devices=1")
+  want = meshlm.generate(cfg, params, [[1, 2, 3]], max_new_tokens=5, stop_tokens=()).token_lists()[0]
+  assert capsys.readouterr().out == " ".join(map(str, want)) + "\n"
+  for args, msg in ((["prompt=x", "prompt_ids=1"], "give prompt=TEXT or prompt_ids=ID,ID (one of them)"),
+                    ([], "give prompt=TEXT or prompt_ids=ID,ID (one of them)"),
+                    (["prompt_ids=1,x"], "prompt_ids='1,x': expected token ids separated by commas")):
+    assert main(["generate", str(src), *args, "cpu_devices=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err
+
+
+def _metaspace_tokenizer(path, vocab_size: int):
+  """A SentencePiece-style tokenizer.json (word starts marked "▁", one id per word): ids 0..vocab_size - 1 are
+  "▁w<i>", with "▁the", "▁quick" and "</s>" among them."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  words = ["</s>", "▁the", "▁quick"] + [f"▁w{i}" for i in range(3, vocab_size)]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="</s>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Metaspace()
+  tok.save(str(path))
+
+
+def test_generate_command_keeps_the_completions_leading_space(model_dir, tmp_path, capsys):
+  from meshlm.cli import main
+  from meshlm.train.data.tokenizers import HFTokenizer
+  path = tmp_path / "tokenizer.json"
+  _metaspace_tokenizer(path, 512)
+  tok = HFTokenizer(str(path))
+  assert list(tok.encode("the quick")) == [1, 2] and tok.decode([1, 2, 7]) == "the quick w7"
+  assert tok.decode([7]) == "w7"  # decoded alone, the completion loses its leading space
+  assert main(["generate", str(model_dir), "prompt=the quick", "max_new_tokens=4", f"data.tokenizer={path}",
+               "cpu_devices=1"]) == 0
+  out = capsys.readouterr().out
+  cfg, params = meshlm.load(model_dir, "cpu_devices=1")
+  new = meshlm.generate(cfg, params, [[1, 2]], max_new_tokens=4).token_lists()[0]
+  assert out == "the quick " + tok.decode(new) + "\n"

@@ -1,13 +1,13 @@
 """meshlm: a compact, fast JAX trainer for decoder LLMs where explicit sharding costs nothing."""
 import importlib
 
-from meshlm.commands.resolve import load_config  # presets, overrides and model=PATH
+from meshlm.commands.resolve import load, load_config  # presets, overrides and model=PATH
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models.api import forward, init_params
 from meshlm.models.generate import generate
 
-__all__ = ["Config", "ConfigError", "forward", "generate", "hf", "init_params", "load_config"]
+__all__ = ["Config", "ConfigError", "forward", "generate", "hf", "init_params", "load", "load_config"]
 __version__ = "0.1.0"
 
 # Subpackages that `meshlm.NAME` reaches without an import of their own, loaded on first use so

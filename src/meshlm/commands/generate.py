@@ -6,10 +6,11 @@ import sys
 from meshlm.commands.resolve import load_config
 from meshlm.errors import ConfigError
 
-USAGE = ("meshlm generate PATH prompt=TEXT [max_new_tokens=64] [temperature=0] [top_k=N] [top_p=1] [seed=0] "
-         "[stop=ID,ID] [key=value ...]")
+USAGE = ("meshlm generate PATH prompt=TEXT|prompt_ids=ID,ID [max_new_tokens=64] [temperature=0] [top_k=N] [top_p=1] "
+         "[seed=0] [stop=ID,ID] [key=value ...]")
 OPTIONS = """  PATH              a run directory, a meshlm model directory or a Hugging Face model directory
-  prompt=TEXT       the text to continue (required)
+  prompt=TEXT       the text to continue, tokenized with PATH's tokenizer.json (else data.tokenizer)
+  prompt_ids=ID,ID  or the prompt as token ids: no tokenizer is needed, and the new token ids are printed
   max_new_tokens=N  tokens to sample after the prompt (default 64)
   temperature=T     0 is greedy (default 0)
   top_k=N, top_p=P  restrict the draw to the N likeliest tokens / the smallest set holding mass P
@@ -17,7 +18,7 @@ OPTIONS = """  PATH              a run directory, a meshlm model directory or a 
   stop=ID,ID        token ids that end the completion (kept as its last token); default: the model's
                     eos_token_id
   other key=value pairs are config overrides: cpu_devices, mesh.*, shard_mode, data.tokenizer"""
-SAMPLING_KEYS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float,
+SAMPLING_KEYS = {"prompt": str, "prompt_ids": str, "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float,
                  "seed": int, "stop": str}
 
 
@@ -27,6 +28,13 @@ def _completion(cfg, params, ids: list[int], opts: dict, stop: list[int] | None,
   out = generate(cfg, params, [ids], max_new_tokens=opts["max_new_tokens"], temperature=opts["temperature"],
                  top_k=opts["top_k"], top_p=opts["top_p"], stop_tokens=stop, seed=opts["seed"], mesh=mesh)
   return out.token_lists()[0]
+
+
+def _ids(key: str, text: str) -> list[int]:
+  try:
+    return [int(t) for t in text.split(",") if t.strip()]
+  except ValueError:
+    raise ConfigError(f"{key}={text!r}: expected token ids separated by commas (e.g. {key}=1,2,3)") from None
 
 
 def main(args: list[str]) -> int:
@@ -46,8 +54,8 @@ def main(args: list[str]) -> int:
         raise ConfigError(f"{key}={value!r}: expected {SAMPLING_KEYS[key].__name__}") from None
     else:
       overrides.append(item)
-  if "prompt" not in opts:
-    raise ConfigError(f"generate: prompt=TEXT is required; usage: {USAGE}")
+  if ("prompt" in opts) == ("prompt_ids" in opts):
+    raise ConfigError(f"generate: give prompt=TEXT or prompt_ids=ID,ID (one of them); usage: {USAGE}")
   if not path.startswith(("/", ".")) and "/" not in path:
     from meshlm.config import preset_names
     import os
@@ -56,27 +64,28 @@ def main(args: list[str]) -> int:
                         f"model or Hugging Face directory (train one: meshlm train model={path} run_dir=runs/{path}, "
                         f"then meshlm generate runs/{path} prompt=...)")
     path = "./" + path  # a directory, never a preset name
-  cfg = load_config(f"model={path}", "train.compute_dtype=float32", *overrides)
-  from meshlm.parallel import set_cpu_devices
-  set_cpu_devices(cfg.cpu_devices)
-  import jax
-  import jax.numpy as jnp
+  from meshlm.commands.resolve import load_tree
   from meshlm.console import printable
-  from meshlm.models import decoder
   from meshlm.models.generate import check_request
-  from meshlm.parallel.mesh import make_mesh
-  from meshlm.train.checkpoint import load_params
+  from meshlm.parallel.mesh import resolve_mesh
   from meshlm.train.data.tokenizers import make_tokenizer
-  mesh = make_mesh(cfg)
-  tok = make_tokenizer(cfg)
-  ids = [int(t) for t in tok.encode(opts["prompt"])]
-  stop = [int(s) for s in opts["stop"].split(",") if s.strip()]
+  cfg = load_config(f"model={path}", "train.compute_dtype=float32", *overrides)
+  if "prompt_ids" in opts:
+    tok, ids = None, _ids("prompt_ids", opts["prompt_ids"])
+  else:
+    tok = make_tokenizer(cfg, otherwise="or give the prompt as token ids (prompt_ids=ID,ID)")
+    ids = [int(t) for t in tok.encode(opts["prompt"])]
+  stop = _ids("stop", opts["stop"])
   check_request(cfg, [ids], opts["max_new_tokens"], opts["temperature"], opts["top_k"], opts["top_p"])
-  shardings = decoder.model_shardings(cfg, mesh)  # the model-state leaves included
-  abstract = jax.tree.map(lambda sh, s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shardings,
-                          decoder.model_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
-  params = load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)
-  new = _completion(cfg, params, ids, opts, stop or None, mesh)
-  print(printable(opts["prompt"] + tok.decode(new)))
+  params = load_tree(cfg)
+  new = _completion(cfg, params, ids, opts, stop or None, resolve_mesh(cfg, params))
+  if tok is None:
+    print(" ".join(str(t) for t in new))
+  else:
+    # The prompt and the completion decoded together: a tokenizer that marks word starts (SentencePiece's "▁")
+    # drops the completion's leading space when it is decoded alone.
+    whole, prompt = tok.decode(ids + new), tok.decode(ids)
+    rest = whole[len(prompt):] if whole.startswith(prompt) else tok.decode(new)
+    print(printable(opts["prompt"] + rest))
   sys.stdout.flush()
   return 0

@@ -92,3 +92,31 @@ def refuse_shape_overrides(value: str, tree: dict[str, Any], pairs: list[tuple[s
                   f"parameters {sorted(set(before) ^ set(after))[:3]} appear or go")
       raise ConfigError(f"{key}={v}: would change the shape of parameters loaded from model={value} ({what}); "
                         "only settings that keep every shape can be changed")
+
+
+def load(path: str, *overrides: str, mesh=None) -> tuple[Config, dict]:
+  """meshlm.load: (cfg, the whole model tree) of a run directory (its latest checkpoint), a step directory, a
+  meshlm model directory or a Hugging Face model directory, resolved as `meshlm generate PATH` resolves it, in
+  float32 compute unless overrides say otherwise. The tree is placed on `mesh` (default:
+  parallel.resolve_mesh: the enclosing jax.set_mesh's, else the config's), ready for forward and generate."""
+  path = os.fspath(path)
+  if not path.startswith(("/", ".", "~")) and "/" not in path:
+    path = "./" + path  # a directory, never a preset name
+  cfg = load_config(f"model={path}", "train.compute_dtype=float32", *overrides)
+  return cfg, load_tree(cfg, mesh)
+
+
+def load_tree(cfg: Config, mesh=None) -> dict:
+  """The whole model tree that cfg's checkpoint.load_params_from holds (a model=PATH config), on `mesh`."""
+  import jax
+  import jax.numpy as jnp
+  from meshlm import spec as S
+  from meshlm.models import decoder
+  from meshlm.parallel.mesh import resolve_mesh, set_cpu_devices
+  from meshlm.train.checkpoint import load_params
+  set_cpu_devices(cfg.cpu_devices)
+  mesh = resolve_mesh(cfg, None, mesh)
+  shardings = decoder.model_shardings(cfg, mesh)  # the model-state leaves included
+  abstract = jax.tree.map(lambda sh, s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shardings,
+                          decoder.model_specs(cfg), is_leaf=S.is_spec)
+  return load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)

@@ -129,9 +129,10 @@ def _hf_eos_id(path: str, vocab: dict[str, int]) -> int:
                     f"or an eos_token to a tokenizer_config.json beside it")
 
 
-def make_tokenizer(cfg: Config) -> ByteTokenizer | HFTokenizer:
+def make_tokenizer(cfg: Config, otherwise: str = "or use data.source=synthetic") -> ByteTokenizer | HFTokenizer:
   """data.tokenizer: 'byte', a tokenizer.json or a directory holding one, checked against
-  model.vocab_size: an id past the embedding table would give NaN logits, not an error."""
+  model.vocab_size: an id past the embedding table would give NaN logits, not an error. otherwise: the
+  refusal's last way out (training: synthetic data; meshlm generate: a prompt of token ids)."""
   name = cfg.data.tokenizer
   tok = ByteTokenizer() if name == "byte" else HFTokenizer(tokenizer_path(name))
   if cfg.model.vocab_size < tok.vocab_size:
@@ -139,7 +140,7 @@ def make_tokenizer(cfg: Config) -> ByteTokenizer | HFTokenizer:
             else f"data.tokenizer={name}, which has {tok.vocab_size} ids (0..{tok.vocab_size - 1})")
     # With loaded parameters (model=PATH) the vocabulary is fixed: the fix is a tokenizer that fits it.
     fixes = ["give data.tokenizer=PATH (the model's tokenizer.json)" if name == "byte" else
-             "give a data.tokenizer that fits", "or use data.source=synthetic"]
+             "give a data.tokenizer that fits", otherwise]
     if cfg.checkpoint.load_params_from is None:
       fixes.insert(1, f"set model.vocab_size>={tok.vocab_size}")
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for {what}; {', '.join(fixes[:-1])}, "
