@@ -62,18 +62,40 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
   return f"meshlm {cmd}", None
 
 
+# The config keys each command's --help lists: (only these, or None for all; not these). A key or a section ending
+# in '.'. generate and convert read a model directory's own config and take only where and how to run it.
+HELP_KEYS = {
+    "train": (None, ("rl.",)),
+    "rl": (None, ()),
+    "census": (None, ("rl.", "checkpoint.")),
+    "compare": (None, ("rl.", "checkpoint.")),
+    "bench": (None, ("rl.", "checkpoint.")),
+    "generate": (("cpu_devices", "mesh.", "shard_mode", "data.tokenizer", "distributed."), ()),
+    "convert": (("cpu_devices", "mesh.", "distributed."), ()),
+}
+PRESETS_HELP = """usage: meshlm presets
+
+Lists every model preset (src/meshlm/config/presets/), one line each: its name (what model=NAME takes), its
+model family and its parameter count, counted from the parameter specs (nothing is allocated). Takes no keys."""
+
+
 def command_help(cmd: str) -> str:
-  """`meshlm <cmd> --help`: usage, the command's own options, then every config key from the schema."""
+  """`meshlm <cmd> --help`: usage, the command's own options, then the config keys it takes, from the schema."""
   from meshlm.config.keys import render_keys
+  if cmd == "presets":
+    return PRESETS_HELP
   usage, options = _usage_of(cmd)
-  if cmd not in SUMMARIES:  # presets: takes no keys
-    return f"usage: {usage}"
   own = f"options:\n{options}\n\n" if options else ""
-  return (f"usage: {usage}\n\n{SUMMARIES.get(cmd, '')}\n\n{own}"
+  only, skip = HELP_KEYS[cmd]
+  if only is not None:
+    return (f"usage: {usage}\n\n{SUMMARIES[cmd]}\n\n{own}The model and its settings come from PATH; these keys "
+            f"set where and how it runs\n(a model.* key that keeps every parameter's shape may be given too).\n\n"
+            f"config keys:\n{render_keys(only)}")
+  return (f"usage: {usage}\n\n{SUMMARIES[cmd]}\n\n{own}"
           "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
           "and the default column shows the schema's default where the preset says nothing.\n"
           "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"
-          f"config keys:\n{render_keys()}")
+          f"config keys:\n{render_keys(skip=skip)}")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -113,7 +135,8 @@ def cmd_train(args: list[str], start: float) -> int:
       console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                     f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                     f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  "
-                    f"trainable={trainable:,}  frozen={frozen:,}  data={_data_label(cfg)}  run_dir={cfg.run_dir}")
+                    f"trainable={trainable:,}  frozen={frozen:,}  data={_data_label(cfg)}  "
+                    f"tokenizer={cfg.data.tokenizer}  run_dir={cfg.run_dir}")
       result = train(cfg, console=console, start_time=start)
       from meshlm.commands.train import carry_tokenizer
       carry_tokenizer(cfg)  # after the run, so a config the loop refuses leaves no file behind

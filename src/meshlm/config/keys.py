@@ -107,9 +107,15 @@ def suggest(key: str) -> str | None:
   return near[0] if near else None
 
 
-def render_keys() -> str:
-  """The table `meshlm <command> --help` prints: key, type, default, meaning."""
-  keys = leaf_keys()
+def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
+  """name is one of prefixes, or under one that ends in '.' (mesh. covers mesh.fsdp)."""
+  return any(name == p or (p.endswith(".") and name.startswith(p)) for p in prefixes)
+
+
+def render_keys(only: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()) -> str:
+  """The table `meshlm <command> --help` prints: key, type, default, meaning; only the keys `only` names (keys or
+  sections ending in '.'), without those `skip` names."""
+  keys = [k for k in leaf_keys() if (only is None or _matches(k.name, only)) and not _matches(k.name, skip)]
   rows = [("key", "type", "default", "meaning")] + [(k.name, k.type, k.default, k.meaning) for k in keys]
   widths = [max(len(r[i]) for r in rows) for i in range(3)]
   return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows)

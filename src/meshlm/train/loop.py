@@ -221,7 +221,11 @@ class Loop:
                         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"
                                    "{task.fields[extra]}"),
                         TimeRemainingColumn(), console=self.console,
-                        disable=not self.show_progress or jax.process_index() != 0, transient=False)
+                        disable=not self.show_progress or jax.process_index() != 0 or not self.console.is_terminal,
+                        transient=False)
+    # Not a terminal (a log file, a pipe): a plain line per logged step instead of the bar, which rich would only
+    # draw once, at the end.
+    plain = self.show_progress and jax.process_index() == 0 and not self.console.is_terminal
     inflight: collections.deque[_InFlight] = collections.deque()
     preempt = False
 
@@ -273,6 +277,9 @@ class Loop:
                 f"({counters['nonfinite_in_a_row']} in a row)")
           extra_text = "  " + self.progress_extra(m) if self.progress_extra is not None else ""
           progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt, extra=extra_text)
+          if plain and (p.step % t.log_every == 0 or p.step == t.steps - 1):
+            self.console.print(f"step {p.step + 1}/{t.steps}  loss {loss:.4f}  {tokens_per_step / dt:,.0f} tok/s  "
+                               f"{dt:.3f} s/step{extra_text}", markup=False, highlight=False)
           if on_step is not None:
             on_step(p.step)
 
