@@ -135,11 +135,12 @@ def test_mla_matches_the_float64_reference_forward_and_gradients(q_lora, interle
   # Negative controls, at the same far positions: no softmax mscale; the other pair layout for RoPE.
   assert _max_rel(y, reference(p64, x.astype(np.float64), positions, m, np, mscale=False)) > 1e-3
   assert _max_rel(y, reference(p64, x.astype(np.float64), positions, m, np, interleave=not interleave)) > 1e-3
-  # Gradients: the same formulas in jax.numpy (float32), differentiated.
+  # Gradients: the same formulas in jax.numpy (float32), differentiated. Measured at most 4.3e-7 relative (the
+  # parameters) and 2.4e-7 (x); the control (no mscale) moves k_b's gradient by more than 1e-3.
   assert set(gp) == set(wp)
   for k in wp:
-    assert _max_rel(gp[k], np.asarray(wp[k], np.float64)) < 1e-4, k
-  assert _max_rel(gx, np.asarray(wx, np.float64)) < 1e-4
+    assert _max_rel(gp[k], np.asarray(wp[k], np.float64)) < 5e-6, k
+  assert _max_rel(gx, np.asarray(wx, np.float64)) < 5e-6
   assert _max_rel(gp["k_b"], np.asarray(bad_p["k_b"], np.float64)) > 1e-3
 
 

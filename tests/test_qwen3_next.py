@@ -189,9 +189,11 @@ def mixer_grads(impl: str):
 def test_gdn_mixer_chunked_equals_reference_outputs_and_gradients():
   y_c, g_c = mixer_grads("chunked")
   y_r, g_r = mixer_grads("reference")
+  # Measured (JAX 0.12.0.1, XLA:CPU): outputs 7.4e-6 apart, gradients 6.7e-6 of max(1, |grad|); the dropped
+  # segment reset below moves the outputs by more than LEAK.
   np.testing.assert_allclose(y_c, y_r, atol=1e-5, rtol=0)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_c), jax.tree.leaves(g_r)):
-    np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()), rtol=0, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(a, b, atol=3e-5 * max(1.0, np.abs(b).max()), rtol=0, err_msg=jax.tree_util.keystr(path))
   # Control: the chunked mixer without the segment ids (the documents then read each other) differs.
   cfg, params, x, pos, _ = mixer_setup("chunked")
   ctx = decoder.context(cfg, pos)

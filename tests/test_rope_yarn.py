@@ -1,5 +1,7 @@
-"""YaRN rotary angles computed from positions: bit-identical to indexing the full table, and
-matching an independent float64 reference of the YaRN formulas."""
+"""YaRN rotary angles computed from positions: bit-identical to indexing the full table a table-based
+implementation builds (here, as transformers does: an outer product of all positions with the frequencies,
+duplicated, cos and sin times the attention factor), and matching an independent float64 reference of the YaRN
+formulas."""
 import math
 
 import jax
@@ -7,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.nn.rope import freqs_at, rope_table, yarn_attention_factor, yarn_inv_frequencies
+from meshlm.nn.rope import freqs_at, yarn_attention_factor, yarn_inv_frequencies
 
 # DeepSeek-V3's rope: 163,840 = 40 x 4,096 positions, qk_rope_head_dim 64.
 TABLE_ROWS = 163_840
@@ -29,6 +31,15 @@ def _numpy_yarn_inv_freq(dim: int, base: float, s: dict) -> np.ndarray:
   return (1 / (s["factor"] * pos)) * (1 - extra) + (1 / pos) * extra
 
 
+def rope_table(rows: int, dim: int, theta: float, scaling: dict) -> tuple[jax.Array, jax.Array]:
+  """The whole [rows, dim] cos/sin table, built as a table-based implementation builds it (not through freqs_at)."""
+  inv = yarn_inv_frequencies(dim, theta, scaling)  # [dim / 2], checked against the formula below
+  freqs = jnp.outer(jnp.arange(rows, dtype=jnp.float32), inv)  # [rows, dim / 2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  a = yarn_attention_factor(scaling)
+  return jnp.cos(emb) * a, jnp.sin(emb) * a
+
+
 @pytest.fixture(scope="module")
 def table():
   cos, sin = jax.jit(lambda: rope_table(TABLE_ROWS, HEAD_DIM, THETA, YARN))()
@@ -44,6 +55,8 @@ def test_freqs_at_equals_table_rows_bit_for_bit(table, where):
   t_cos, t_sin = table
   np.testing.assert_array_equal(np.asarray(cos), t_cos[positions])
   np.testing.assert_array_equal(np.asarray(sin), t_sin[positions])
+  # Control: the rows next to them differ (the equality reads the right rows, and the angles move).
+  assert not np.array_equal(np.asarray(cos), t_cos[np.minimum(positions + 1, TABLE_ROWS - 1)])
 
 
 def test_yarn_frequencies_match_the_formula():

@@ -127,12 +127,3 @@ def freqs_at(positions_BT: jax.Array, head_dim: int, theta: float, scaling: dict
   cos, sin = rope_angles(positions_BT, yarn_inv_frequencies(head_dim, theta, scaling))
   a = yarn_attention_factor(scaling)
   return cos * a, sin * a
-
-
-def rope_table(max_position: int, head_dim: int, theta: float, scaling: dict | None = None
-               ) -> tuple[jax.Array, jax.Array]:
-  """Reference only: the whole [max_position, head_dim] cos/sin table. Index it with positions to
-  get what `freqs_at` computes directly; never call this in a model."""
-  positions = jnp.arange(max_position, dtype=jnp.int32)[None, :]  # [1, P]
-  cos, sin = freqs_at(positions, head_dim, theta, scaling)
-  return cos[0], sin[0]
