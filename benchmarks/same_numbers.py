@@ -18,8 +18,13 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ["llama2-tiny", "llama3-tiny", "mistral-tiny", "qwen3-tiny", "gemma-tiny", "gemma2-tiny", "gemma3-tiny",
-           "mixtral-tiny", "qwen3-moe-tiny"]
+def tiny_presets() -> list[str]:
+  """Every tiny preset of this tree (the dense, MoE, GDN and MLA ones), from its presets folder."""
+  folder = os.path.join(ROOT, "src", "meshlm", "config", "presets")
+  return sorted(n[:-5] for n in os.listdir(folder) if n.endswith("-tiny.yaml"))
+
+
+PRESETS = tiny_presets()
 
 
 def run(src: str, preset: str, steps: int) -> list[str]:
