@@ -25,8 +25,8 @@ gradient); top-k runs over at most `replay_rows` gathered tokens that are neithe
 with a lax.cond fallback to the full top-k, bit-identical to `replay_impl="full"`. The side outputs
 always carry the routed ids ("moe_expert_ids"), which is what a rollout records for replay.
 
-The grouped matmul has three implementations (`grouped_matmul=`, model.moe_grouped_matmul), measured in
-benchmarks/moe_vs_dense.py and benchmarks/moe_grouped_matmul.py (docs/performance.md, issue 19):
+The grouped matmul has three implementations (`grouped_matmul=`, model.moe_grouped_matmul), measured with
+benchmarks/moe_vs_dense.py (docs/performance.md and docs/performance-log.md, issues 11 and 19):
 - "loop" (`_gmm_loop`): a scan over the experts; each reads its kernels once and runs its rows straight
   from the sorted buffer in blocks of `big` rows, then one block for the remainder, the smallest power-of-two
   multiple of `small` that holds it (loop_block_rows, a lax.switch), which writes only its expert's rows. The
@@ -305,7 +305,7 @@ def default_grouped_matmul() -> str:
 def default_block_rows(rows: int, num_experts: int) -> int:
   """Rows per block: the power of two at or below rows / E (the mean group), in [16, 256]. Padding
   is at most E * (b - 1) rows, about rows / 2 on average; measured best of 32..256 at 4096 rows with
-  8 and 64 groups (benchmarks/moe_grouped_matmul.py)."""
+  8 and 64 groups (docs/performance-log.md, 2026-11-30)."""
   target = max(rows // num_experts, 1)
   return int(min(256, max(16, 2 ** int(math.floor(math.log2(target))))))
 
