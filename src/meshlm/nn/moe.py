@@ -484,7 +484,7 @@ def _loop_over_blocks(n_big, n_rest, start, big, small, body, carry):
   """carry = body(carry, row0, b, end, whole) over one expert's rows [start, end): blocks of `big` rows,
   each wholly the expert's (whole=True), then one block for the n_rest < big left over, the smallest of
   rest_block_sizes(big, small) that holds them (a lax.switch: one dot of at most 2 n_rest rows rather
-  than n_rest / small dots of `small` rows; measured in docs/performance.md), which may run past `end`."""
+  than n_rest / small dots of `small` rows; measured in docs/performance-log.md), which may run past `end`."""
   end = start + n_big * big + n_rest
   carry = jax.lax.fori_loop(0, n_big, lambda i, c: body(c, start + i * big, big, end, True), carry)
   r0 = start + n_big * big
@@ -571,7 +571,7 @@ def _loop_matmul_fwd(xs_AD, ws, sizes_E, big, small):
 
 def _loop_matmul_bwd(big, small, res, dy_AF):
   """Two scans over the experts, independent of each other (XLA:CPU can run them side by side; measured with
-  the remainder blocks, docs/performance.md "Second pass"). dx of each block (dy @ w_e^T) is written as the forward
+  the remainder blocks, docs/performance-log.md "Second pass"). dx of each block (dy @ w_e^T) is written as the forward
   writes y; dW_e sums x^T @ dy over the same blocks (the remainder block's rows outside the expert zeroed
   in dy). A StackRow kernel's cotangent is its stack's, zero outside the row (XLA: a pad, fused with the
   other layers' pads into one pass)."""
@@ -588,7 +588,7 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
     n, s0 = sizes[e], starts[e]
     # dy @ w^T as one dot contracting w's last dim: with an expert's rows in one or two blocks, XLA:CPU's
     # repacking of the kernel per dot costs less than a transposed copy of it per expert (which it made
-    # with the kernel's own layout anyway): 5% of the issue's layer (docs/performance.md).
+    # with the kernel's own layout anyway): 5% of the issue's layer (docs/performance-log.md).
     w_e = tuple(_expert_kernel(w, e) for w in ws)
 
     def dx_block(dx, r0, b, end, whole):
