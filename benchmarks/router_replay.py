@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshlm.bench.harness import TIMERS, time_interleaved
 from meshlm.nn import moe
 from meshlm.nn import router_replay as rr
-
-from moe_grouped_matmul import TIMERS, measure  # noqa: E402  (this folder; same timing loop)
 
 
 def arms(tokens: int, experts: int, k: int, free: int, rows: int):
@@ -65,7 +64,7 @@ def main() -> int:
   for ek in a.experts:
     e, k = (int(v) for v in ek.split(":"))
     for free in a.free:
-      times = measure(arms(a.tokens, e, k, free, a.rows), a.reps, a.timer)
+      times = time_interleaved(arms(a.tokens, e, k, free, a.rows), a.reps, a.timer)
       base = statistics.median(times["full"])
       for name, ts in times.items():
         med = statistics.median(ts)

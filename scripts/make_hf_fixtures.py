@@ -79,7 +79,7 @@ initialized by meshlm and never a Hugging Face model, is exported with `hf.save`
 and float64, and meshlm's float32 logits (T = 150) must be within 3x transformers' own float32 error of the
 float64 logits (with meshlm's init, these models' float32 noise is up to ~1.5e-5, above the fixtures' 1e-5).
 
-The fine-tune check (the README's "Fine-tuning a Hugging Face model in one command"): the llama fixture
+The fine-tune check (docs/hf.md, "Fine-tuning a Hugging Face model in one command"): the llama fixture
 plus a small word-level tokenizer.json is fine-tuned for 5 steps by `meshlm train model=DIR`, the last
 checkpoint is exported with `meshlm convert meshlm-to-hf`, and transformers loads the export: its
 logits must equal meshlm's forward of the same export (max |a - b| / max |b| <= 1e-5), its weights

@@ -283,7 +283,7 @@ def test_attention_share():
 
 
 def test_table_cells_are_the_median_spread_and_paired_ratio():
-  """benchmarks/moe_vs_dense.py, moe_ab.py and guarded_update.py print these cells per arm."""
+  """benchmarks/moe_vs_dense.py and guarded_update.py print these cells per arm."""
   from meshlm.bench.stats import table_cells
   base = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
   arm = [2.0, 2.2, 1.8, 2.0, 2.0, 2.1, 1.9]
@@ -294,3 +294,15 @@ def test_table_cells_are_the_median_spread_and_paired_ratio():
   # Too few rounds for an interval: an empty cell. A different base moves the ratio (control).
   assert table_cells([1.0], [2.0])[3] == ""
   assert table_cells([2.0] * 7, arm)[2] == "1.000"
+
+
+def test_moe_layer_arm_specs():
+  """benchmarks/moe_vs_dense.py --arm NAME=key:value,...: the keywords reach moe_mlp typed (the variants the
+  merged moe_grouped_matmul.py --layer ran: the reference, split gate/up, argsort unsort, block rows)."""
+  import moe_vs_dense
+  assert moe_vs_dense.parse_arm("reference=impl:reference") == ("reference", {"impl": "reference"})
+  assert moe_vs_dense.parse_arm("v=fused_gate_up:false,block_rows:32,router_dtype:bfloat16") == (
+      "v", {"fused_gate_up": False, "block_rows": 32, "router_dtype": "bfloat16"})
+  assert moe_vs_dense.parse_arm("plain=") == ("plain", {})
+  # Control: a value that is not a bool, int or float stays a string ("False" is not "false").
+  assert moe_vs_dense.parse_arm("x=grad_barrier:False") == ("x", {"grad_barrier": "False"})

@@ -269,7 +269,7 @@ def test_adversarial_inverse_stays_finite_and_close():
   norm, errs = adversarial_errors()
   assert 30 < norm < 50, norm  # |A|_inf around 40, as reported on trained qwen layers
   assert np.isfinite(errs[gdn.DEFAULT_INVERSE]) and errs[gdn.DEFAULT_INVERSE] < ADVERSARIAL_RTOL, errs
-  # The record (docs/performance.md): right_looking, solve_triangular and blocked pass (measured 3e-8,
+  # The record (docs/performance-log.md): right_looking, solve_triangular and blocked pass (measured 3e-8,
   # 3e-8, 1.2e-7); doubling, through powers of A, is off by about 1e5 of max |X|.
   assert {v for v, e in errs.items() if not e < ADVERSARIAL_RTOL} == {"doubling"}, errs
 

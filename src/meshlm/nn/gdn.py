@@ -24,7 +24,7 @@ The rule, three ways, one contract (o [B, T, N, J] in v's dtype, final state [B,
 - `gated_delta_rule_reference`: the recurrence, one position at a time (the reference);
 - `gated_delta_rule_chunked`: chunks of W positions in the WY form, a scan over chunks (the fast path);
 - `gated_delta_rule_context_parallel`: the chunked rule with T sharded over mesh.context.
-`gated_delta_rule(..., impl=)` picks the first two. docs/performance.md ("Gated DeltaNet") measures them.
+`gated_delta_rule(..., impl=)` picks the first two. docs/performance.md ("Gated DeltaNet hybrids") measures them.
 """
 from __future__ import annotations
 

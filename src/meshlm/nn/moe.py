@@ -25,8 +25,8 @@ gradient); top-k runs over at most `replay_rows` gathered tokens that are neithe
 with a lax.cond fallback to the full top-k, bit-identical to `replay_impl="full"`. The side outputs
 always carry the routed ids ("moe_expert_ids"), which is what a rollout records for replay.
 
-The grouped matmul has three implementations (`grouped_matmul=`, model.moe_grouped_matmul), measured in
-benchmarks/moe_vs_dense.py and benchmarks/moe_grouped_matmul.py (docs/performance.md, issue 19):
+The grouped matmul has three implementations (`grouped_matmul=`, model.moe_grouped_matmul), measured with
+benchmarks/moe_vs_dense.py (docs/performance.md and docs/performance-log.md, issues 11 and 19):
 - "loop" (`_gmm_loop`): a scan over the experts; each reads its kernels once and runs its rows straight
   from the sorted buffer in blocks of `big` rows, then one block for the remainder, the smallest power-of-two
   multiple of `small` that holds it (loop_block_rows, a lax.switch), which writes only its expert's rows. The
@@ -305,7 +305,7 @@ def default_grouped_matmul() -> str:
 def default_block_rows(rows: int, num_experts: int) -> int:
   """Rows per block: the power of two at or below rows / E (the mean group), in [16, 256]. Padding
   is at most E * (b - 1) rows, about rows / 2 on average; measured best of 32..256 at 4096 rows with
-  8 and 64 groups (benchmarks/moe_grouped_matmul.py)."""
+  8 and 64 groups (docs/performance-log.md, 2026-11-30)."""
   target = max(rows // num_experts, 1)
   return int(min(256, max(16, 2 ** int(math.floor(math.log2(target))))))
 
@@ -484,7 +484,7 @@ def _loop_over_blocks(n_big, n_rest, start, big, small, body, carry):
   """carry = body(carry, row0, b, end, whole) over one expert's rows [start, end): blocks of `big` rows,
   each wholly the expert's (whole=True), then one block for the n_rest < big left over, the smallest of
   rest_block_sizes(big, small) that holds them (a lax.switch: one dot of at most 2 n_rest rows rather
-  than n_rest / small dots of `small` rows; measured in docs/performance.md), which may run past `end`."""
+  than n_rest / small dots of `small` rows; measured in docs/performance-log.md), which may run past `end`."""
   end = start + n_big * big + n_rest
   carry = jax.lax.fori_loop(0, n_big, lambda i, c: body(c, start + i * big, big, end, True), carry)
   r0 = start + n_big * big
@@ -571,7 +571,7 @@ def _loop_matmul_fwd(xs_AD, ws, sizes_E, big, small):
 
 def _loop_matmul_bwd(big, small, res, dy_AF):
   """Two scans over the experts, independent of each other (XLA:CPU can run them side by side; measured with
-  the remainder blocks, docs/performance.md "Second pass"). dx of each block (dy @ w_e^T) is written as the forward
+  the remainder blocks, docs/performance-log.md "Second pass"). dx of each block (dy @ w_e^T) is written as the forward
   writes y; dW_e sums x^T @ dy over the same blocks (the remainder block's rows outside the expert zeroed
   in dy). A StackRow kernel's cotangent is its stack's, zero outside the row (XLA: a pad, fused with the
   other layers' pads into one pass)."""
@@ -588,7 +588,7 @@ def _loop_matmul_bwd(big, small, res, dy_AF):
     n, s0 = sizes[e], starts[e]
     # dy @ w^T as one dot contracting w's last dim: with an expert's rows in one or two blocks, XLA:CPU's
     # repacking of the kernel per dot costs less than a transposed copy of it per expert (which it made
-    # with the kernel's own layout anyway): 5% of the issue's layer (docs/performance.md).
+    # with the kernel's own layout anyway): 5% of the issue's layer (docs/performance-log.md).
     w_e = tuple(_expert_kernel(w, e) for w in ws)
 
     def dx_block(dx, r0, b, end, whole):
