@@ -154,9 +154,11 @@ def test_a_resume_may_change_the_evaluation_and_names_a_changed_rl_key(runs, pro
   from meshlm.errors import ConfigError
   straight, (_, resumed), _ = runs
   b = resumed.run_dir
+  before = open(os.path.join(b, "completions.jsonl")).read()
   again = TR.run(_cfg(prompts, *straight.keys, "rl.eval_every=5", "rl.eval_prompts=4", f"run_dir={b}"),
                  show_progress=False)
   assert again.start_step == 20 and again.records == []
+  assert open(os.path.join(b, "completions.jsonl")).read() == before  # nothing run again: the last eval kept
   with pytest.raises(ConfigError, match=r"\(rl.num_generations is 2 here but 4 there\); put it back") as e:
     TR.run(_cfg(prompts, *straight.keys, "rl.num_generations=2", f"run_dir={b}"), show_progress=False)
   assert "per_device_batch_size" not in str(e.value)

@@ -154,12 +154,12 @@ class Trainer:
     texts = self._texts(gen)
     group = [p for p in prompts for _ in range(rl.num_generations)]
     scored = self._score(group, gen, texts)  # a reward failing on every completion stops the run here
-    total = np.asarray(scored.total, np.float32)
+    total = np.asarray(scored.total, np.float64)  # the metrics' (NaN: excluded); the advantages take float32
     cut = R.truncated(gen, self.stops)
     self.last = {"prompts": group, "texts": texts, "scored": scored, "truncated": cut}
     batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.moe, self.stops)
     adv = L.advantages if np.all(np.isfinite(total)) else L.advantages_excluding_nan  # NaN: rl.failed_reward=exclude
-    batch["advantages"] = np.asarray(adv(total, rl.num_generations, rl.scale_rewards), np.float32)
+    batch["advantages"] = np.asarray(adv(total.astype(np.float32), rl.num_generations, rl.scale_rewards), np.float32)
     dev = self.step.put_batch(batch)
     if self.score is not None:
       with jax.set_mesh(self.mesh):
@@ -303,7 +303,8 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   if start < cfg.train.steps:
     LP.write_config(cfg)
   LP._trim_metrics(cfg.run_dir, start)
-  LP._trim_metrics(cfg.run_dir, start, COMPLETIONS)  # the evaluations of steps run again are written again
+  if start < cfg.train.steps:  # the evaluations of steps run again are written again (a run at its end keeps its last)
+    LP._trim_metrics(cfg.run_dir, start, COMPLETIONS)
   records: list[dict] = []
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else LP._NullWriter()
 
