@@ -35,7 +35,8 @@ bench-table: $(STAMP)
 
 # The RL demo (docs/rl.md): the toy reversal task's data, a supervised warm-start with `meshlm train`, then
 # GRPO with `meshlm rl` on the same MoE model (qwen3-moe-tiny at small widths), router replay on and the
-# router frozen, and the reward curve into docs/rl-reward-curve.png. About 5 minutes on 2 CPU cores.
+# router frozen, and the reward curve into $(RL_DEMO)/rl/reward-curve.png (docs/rl-reward-curve.png is the
+# tracked picture, written by hand from a run: docs/rl.md). About 5 minutes on 2 CPU cores.
 RL_DEMO ?= runs/rl-demo
 RL_MODEL := model=qwen3-moe-tiny model.embed_dim=64 model.num_heads=4 model.num_kv_heads=2 model.head_dim=16 \
   model.mlp_dim=128 model.moe_mlp_dim=64 model.vocab_size=257 model.max_position=64
@@ -52,7 +53,7 @@ rl-demo: $(STAMP)
 	  rl.prompts_per_step=16 rl.num_generations=8 rl.max_new_tokens=8 train.steps=$(RL_STEPS) \
 	  train.learning_rate=4e-4 train.warmup_steps=10 train.weight_decay=0 rl.eval_every=25 rl.eval_prompts=128 \
 	  run_dir=$(RL_DEMO)/rl
-	$(BIN)/python benchmarks/rl_curve.py $(RL_DEMO)/rl --png docs/rl-reward-curve.png
+	$(BIN)/python benchmarks/rl_curve.py $(RL_DEMO)/rl --png $(RL_DEMO)/rl/reward-curve.png
 
 clean:
 	rm -rf $(VENV) runs

@@ -15,6 +15,7 @@
 """
 import json
 import os
+import re
 import signal
 
 import jax
@@ -48,20 +49,66 @@ def prompts(tmp_path_factory):
   return path
 
 
+REWARDS = """
+def spread(prompts, completions, **columns):
+    # TRL's batched form: distinct values in every group of 4 consecutive rows (3 is invertible mod 5), so no
+    # group is degenerate whatever the sampler drew
+    return [(3 * i) % 5 / 4 for i in range(len(completions))]
+
+def chars(prompt, completion, row):
+    # of the completion's characters: step means vary as the samples do
+    return sum(map(ord, completion)) % 97 / 97
+
+def raises(prompt, completion, row):
+    return row["no_such_field"]
+
+def half_nan(prompts, completions, **columns):
+    return [float("nan") if i % 2 else 1.0 + i for i in range(len(completions))]
+"""
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+  """A user's reward file (rl.reward=PATH.py:fn). spread + chars: the totals of a group's 4 rows are distinct by
+  construction (two of them equal would need chars to differ by a multiple of 97/4 within [0, 96/97]), so every
+  step has non-zero advantages, whichever tokens an ulp-level difference makes the sampler draw."""
+  path = tmp_path_factory.mktemp("rewards") / "user_rewards.py"
+  path.write_text(REWARDS)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory):
+  """An eval set of its own (rl.eval_prompts=PATH): 8 prompts, as many rows as a rollout (the sampled eval then
+  reuses the rollouts' compiled sampler)."""
+  d = tmp_path_factory.mktemp("eval")
+  path, _ = toy.write(str(d), 8, 5, 3, 6)
+  return path
+
+
 def _cfg(prompts, *extra, devices=1):
   return load_config(*SMALL, *RL, f"rl.prompts={prompts}", f"cpu_devices={devices}", *extra)
 
 
 @pytest.fixture(scope="module")
-def runs(prompts, tmp_path_factory):
-  """20 RL steps straight, and 10 + 10 with a resume (router replay on, router frozen)."""
+def runs(prompts, reward_file, eval_file, tmp_path_factory):
+  """20 RL steps straight, and 10 + 10 with a resume (router replay on, router frozen), evaluating every 10 steps
+  on an eval set of its own; the rewards are non-degenerate by construction (reward_file)."""
+  import io
+  from meshlm.console import make_console
   root = tmp_path_factory.mktemp("runs")
-  straight = TR.run(_cfg(prompts, *REPLAY, "train.steps=20", f"run_dir={root}/a"), show_progress=False)
+  # At RL's 1e-2 these rewards' signal collapses the policy within 9 steps: past top_p on one token, the kept set
+  # is that token alone, q = 1 there and no position has a gradient left (grad_norm 0.0 from step 9 on).
+  keys = (*REPLAY, "train.steps=20", "train.learning_rate=1e-3", f"rl.reward=[{reward_file}:spread,{reward_file}:chars]",
+          "rl.eval_every=10", f"rl.eval_prompts={eval_file}")
+  out = io.StringIO()
+  straight = TR.run(_cfg(prompts, *keys, f"run_dir={root}/a"), show_progress=False, console=make_console(file=out))
   # SIGTERM once step 9's metrics are read: the loop saves checkpoint 10 and stops, as on a preemption.
   term = lambda i: os.kill(os.getpid(), signal.SIGTERM) if i == 9 else None  # noqa: E731
-  first = TR.run(_cfg(prompts, *REPLAY, "train.steps=20", f"run_dir={root}/b"), show_progress=False, on_step=term)
-  resumed = TR.run(_cfg(prompts, *REPLAY, "train.steps=20", f"run_dir={root}/b"), show_progress=False)
+  first = TR.run(_cfg(prompts, *keys, f"run_dir={root}/b"), show_progress=False, on_step=term)
+  resumed = TR.run(_cfg(prompts, *keys, f"run_dir={root}/b"), show_progress=False)
   records = [json.loads(ln) for ln in open(f"{root}/b/metrics.jsonl")]
+  straight.console_text, straight.keys = out.getvalue(), keys
   return straight, (first, resumed), records
 
 
@@ -72,8 +119,8 @@ def test_first_iteration_ratio_is_one_under_top_p_at_every_step(runs):
     assert abs(r["ratio_mean"] - 1) <= 1e-5 and abs(r["ratio_max"] - 1) <= 1e-5 and abs(r["ratio_min"] - 1) <= 1e-5
     assert r["logp_gap_max"] <= 1e-5
     assert r["router_flips_any_layer"] == 0.0  # replayed
-  # the run learned something (the parameters moved and the loss is not zero)
-  assert any(abs(x) > 0 for x in straight.losses)
+  # every step had a gradient (its rewards are non-degenerate by construction)
+  assert all(r["grad_norm"] > 0 and r["groups_degenerate"] == 0 for r in straight.records)
 
 
 def test_frozen_router_is_bit_unchanged_after_20_steps(runs, prompts):
@@ -93,10 +140,55 @@ def test_sigterm_saves_and_ten_plus_ten_steps_equal_twenty(runs):
   assert resumed.start_step == 10 and [r["step"] for r in records] == list(range(20))
   assert [r["reward_mean"] for r in records] == straight.rewards
   assert [r["loss"] for r in records] == [r["loss"] for r in straight.records]
+  assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in straight.records]
   for a, b in zip(jax.tree.leaves(straight.state.params), jax.tree.leaves(resumed.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # Control: the rewards are not constant, so equal lists say something.
-  assert len(set(straight.rewards)) > 1
+  # Control: the rewards and gradient norms are not constant, so equal lists say something.
+  assert len(set(straight.rewards)) > 1 and len({r["grad_norm"] for r in straight.records}) > 1
+
+
+def test_a_resume_may_change_the_evaluation_and_names_a_changed_rl_key(runs, prompts):
+  """rl.eval_every and rl.eval_prompts may change on resume (as train.log_every): run b, done at step 20, has
+  nothing to do. A changed rl.num_generations is refused naming that key, not the train.per_device_batch_size the
+  trainer derives from it (RL's train.seq_len and per-device batch follow the rl.* keys, which are compared)."""
+  from meshlm.errors import ConfigError
+  straight, (_, resumed), _ = runs
+  b = resumed.run_dir
+  before = open(os.path.join(b, "completions.jsonl")).read()
+  again = TR.run(_cfg(prompts, *straight.keys, "rl.eval_every=5", "rl.eval_prompts=4", f"run_dir={b}"),
+                 show_progress=False)
+  assert again.start_step == 20 and again.records == []
+  assert open(os.path.join(b, "completions.jsonl")).read() == before  # nothing run again: the last eval kept
+  with pytest.raises(ConfigError, match=r"\(rl.num_generations is 2 here but 4 there\); put it back") as e:
+    TR.run(_cfg(prompts, *straight.keys, "rl.num_generations=2", f"run_dir={b}"), show_progress=False)
+  assert "per_device_batch_size" not in str(e.value)
+
+
+def test_evaluations_write_their_completions_and_resume_exactly(runs, eval_file):
+  """rl.eval_every=10 with rl.eval_prompts=PATH: at steps 0, 10 and after the last, the eval set's greedy and
+  sampled completions with their rewards go to run_dir/completions.jsonl, and the first few to the console. The
+  resumed run (its second half re-evaluates step 10, the stopped first half never reached it) writes what the
+  straight run wrote, line for line: the sampled eval draws from a stream of its own."""
+  straight, (first, resumed), records = runs
+  lines = [json.loads(ln) for ln in open(os.path.join(straight.run_dir, "completions.jsonl"))]
+  evals = [json.loads(ln)["prompt"] for ln in open(eval_file)]
+  assert [(r["step"], r["mode"]) for r in lines] == [(s, m) for s in (0, 10, 20) for m in ("greedy", "sampled")
+                                                     for _ in evals]
+  assert [r["prompt"] for r in lines[:8]] == evals and set(lines[0]) >= {"completion", "reward", "rewards"}
+  assert set(lines[0]["rewards"]) == {"spread", "chars"}
+  at = {(r["step"], r["mode"]): [] for r in lines}
+  for r in lines:
+    at[r["step"], r["mode"]].append(r["reward"])
+  rec = {r["step"]: r for r in straight.records}
+  for s in (0, 10):
+    assert rec[s]["eval_reward"] == pytest.approx(np.mean(at[s, "greedy"]), abs=1e-12)
+    assert rec[s]["eval_reward_sampled"] == pytest.approx(np.mean(at[s, "sampled"]), abs=1e-12)
+  assert straight.evals[20] == pytest.approx(np.mean(at[20, "greedy"]), abs=1e-12)
+  # Sampled is not greedy (control: the two modes are two evaluations).
+  assert [r["completion"] for r in lines[:8]] != [r["completion"] for r in lines[8:16]]
+  assert "eval step 0 (greedy): 'rev " in straight.console_text
+  again = [json.loads(ln) for ln in open(os.path.join(resumed.run_dir, "completions.jsonl"))]
+  assert again == lines
 
 
 def _byte():
@@ -161,15 +253,30 @@ def test_replay_off_reports_the_router_flips_of_a_perturbed_router(rollout):
   flips = [float(m[f"router_flips_layer{i}"]) for i in range(3)]
   assert min(flips) > 0.01 and float(m["router_flips_any_layer"]) > max(flips)
   assert abs(float(m["ratio_mean"]) - 1) > 1e-3
+  # The rates, counted here from the trainer's own routing: per layer the sampler's (token, slot) choices the
+  # trainer did not make over tokens x k; any layer, the tokens with such a flip over the tokens.
+  with jax.set_mesh(tr.mesh):
+    live = np.asarray(jax.jit(lambda p, b: RS._forward(off, p, b, False)[1])(params, perturbed))  # [L, B, T, k]
+  rec = np.moveaxis(np.asarray(perturbed["forced_expert_ids"]), 2, 0)  # [L, B, T, k]
+  valid = (rec[..., 0] >= 0) & (np.asarray(perturbed["segment_ids"])[None] > 0)  # [L, B, T]
+  missing = (rec[..., :, None] != live[..., None, :]).all(-1) & valid[..., None]  # [L, B, T, k]
+  k = rec.shape[-1]
+  np.testing.assert_allclose(flips, missing.sum((1, 2, 3)) / (valid.sum((1, 2)) * k), rtol=1e-6)
+  assert float(m["router_flips_any_layer"]) == pytest.approx(
+      (missing.any((0, 3)) & valid[0]).sum() / valid[0].sum(), rel=1e-6)
+  # Control: over tokens, not tokens x k, the rates are k times these, so the check above can fail.
+  assert not np.allclose(flips, missing.sum((1, 2, 3)) / valid.sum((1, 2)), rtol=0.1)
   # Control: sampled by the trainer's own router, nothing flips and the ratio is 1.
   assert float(same["router_flips_any_layer"]) == 0.0 and abs(float(same["ratio_mean"]) - 1) <= 1e-5
 
 
-def test_sampler_is_and_the_kl_reference_score_the_rollout_with_the_trainer(prompts):
+def test_sampler_is_and_the_kl_reference_score_the_rollout_with_the_trainer(prompts, reward_file):
   """rl.sampler_is=token and rl.beta > 0: the trainer scores the rollout (old policy, and the reference,
   here the same parameters) with the sampler's truncation, so at the first update the IS weight and
-  the ratio are 1 and the KL is 0, up to the train/sample gap."""
-  tr = TR.Trainer(_cfg(prompts, *REPLAY, "rl.sampler_is=token", "rl.beta=0.1"))
+  the ratio are 1 and the KL is 0, up to the train/sample gap. The rewards are non-degenerate by construction
+  (reward_file's spread), so the gradient is not 0 whichever tokens were drawn (with the toy reward, an
+  untrained model's rewards were all 0 on some CPUs: loss 0, grad_norm 0)."""
+  tr = TR.Trainer(_cfg(prompts, *REPLAY, "rl.sampler_is=token", "rl.beta=0.1", f"rl.reward={reward_file}:spread"))
   state = tr.step.init_state(jax.random.key(0))
   tr.ref = jax.tree.map(jnp.copy, tr.params_of(state))
   batch = tr.rollout(state, 0)
@@ -177,8 +284,10 @@ def test_sampler_is_and_the_kl_reference_score_the_rollout_with_the_trainer(prom
   old, samp = np.asarray(batch["old_logp"]), np.asarray(batch["sampler_logp"])
   assert mask.sum() > 50 and np.max(np.abs(old - samp)[mask]) <= 1e-5 and np.any(old[mask] != samp[mask])
   np.testing.assert_array_equal(np.asarray(batch["ref_logp"]), old)
+  assert tr.host_metrics[0]["groups_degenerate"] == 0
   _, m, _ = tr.updates(state, batch)
   assert abs(float(m["sampler_is_mean"]) - 1) <= 1e-5 and abs(float(m["ratio_mean"]) - 1) <= 1e-5
+  assert float(m["sampler_is_clipped_frac"]) == 0  # the weights are 1: nothing past the cap
   assert abs(float(m["kl"])) <= 1e-6 and np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
 
 
@@ -222,10 +331,11 @@ def test_explicit_and_auto_losses_agree_on_fsdp4(prompts, rollout):
 def test_a_raising_reward_scores_zero_and_is_counted():
   rl = load_config("rl.reward=[exact_match,numeric_match]", "rl.reward_weights=[1.0,0.5]").rl
   rw = Rewards.from_config(rl)
-  total, each = rw(["p", "p", "p"], ["12", "x", "12"], [{"answer": "12"}, {"answer": "12"}, {}])
+  sc = rw(["p", "p", "p"], ["12", "x", "12"], [{"answer": "12"}, {"answer": "12"}, {}])
   # the third row has no answer: both rewards raise there, score 0 and are counted
-  assert total == [1.5, 0.0, 0.0] and each["numeric_match"] == [1.0, 0.0, 0.0]
-  assert rw.errors == {"exact_match": 1, "numeric_match": 1}
+  assert sc.total == [1.5, 0.0, 0.0] and sc.each["numeric_match"] == [1.0, 0.0, 0.0]
+  assert rw.errors == {"exact_match": 1, "numeric_match": 1} and rw.nans == {"exact_match": 0, "numeric_match": 0}
+  assert sc.failures["exact_match"].first == "raised KeyError: 'answer'"
 
 
 @pytest.mark.parametrize("case, msg", [
@@ -298,3 +408,405 @@ def test_scoring_takes_the_model_state_deepseek_v3s_routing_bias(prompts):
     moved = np.asarray(tr.score(unbiased, batch))[mask]
   np.testing.assert_array_equal(old, direct)  # the batch holds the scorer's values, not the sampler's copy
   assert np.max(np.abs(moved - samp)) > 1e-3
+  # Replay through the RL loss (rl/step.rl_loss): the rollout was sampled with the skewed bias, the trainer's bias
+  # is 0. Forced (rl.router_replay=true), the trainer takes the sampler's experts, and a bias only picks experts,
+  # never weighs them: no flips, and the ratio is 1 up to the train/sample gap. Control: replay off, it routes by
+  # its own zero bias: flips, and the ratio moves.
+  rows = tr.cfg.rl.prompts_per_step * tr.cfg.rl.num_generations
+
+  def rl_metrics(replay):
+    c = tr.cfg.model_copy(update={"rl": tr.cfg.rl.model_copy(update={"router_replay": replay})})
+    return jax.jit(lambda p, b: RS.rl_loss(c, p, b, jnp.sum(b["loss_mask"]), num_rows=rows)[1])
+  with jax.set_mesh(tr.mesh):
+    on, off = rl_metrics(True)(unbiased, batch), rl_metrics(False)(unbiased, batch)
+  assert float(on["router_flips_any_layer"]) == 0.0
+  assert max(abs(float(on[k]) - 1) for k in ("ratio_mean", "ratio_min", "ratio_max")) <= 1e-5
+  assert float(off["router_flips_any_layer"]) > 0.05 and abs(float(off["ratio_mean"]) - 1) > 1e-3
+
+
+# --- the modes of issue 33 through the trainer and the RL step, on rollouts made by hand -----------------------
+
+DENSE = ("model=llama2-tiny", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+         "model.mlp_dim=64", "model.num_layers=1", "model.vocab_size=257", "model.max_position=64", "train.seq_len=32",
+         "train.compute_dtype=float32", "rl.prompts_per_step=2", "rl.num_generations=4", "rl.max_new_tokens=8",
+         "train.learning_rate=1e-2", "train.warmup_steps=0")
+EOS = 256  # the byte tokenizer's: the trainer's stop token
+# Row b's completion length, and whether it ends with EOS: rows 0, 4 and 6 are cut by rl.max_new_tokens (truncated);
+# row 2 fills rl.max_new_tokens and ends with EOS (not truncated).
+LENGTHS, ENDS = [8, 3, 8, 5, 8, 2, 8, 6], [False, True, True, True, False, True, False, True]
+TRUNCATED = [0, 4, 6]
+
+
+def made_sampler(seed=0):
+  """A stand-in for rl/rollout.sample: completions of LENGTHS letters a-h (EOS last where ENDS), and sampler
+  log-probs drawn in [-6, -5] (the untrained model's are near log(1/257) = -5.55): the rollouts are fixed by
+  construction, not by which tokens an ulp-level difference makes the sampler draw."""
+  def sample(cfg, params, prompt_ids, seeds, mesh, stops):
+    B, N = len(prompt_ids) * cfg.rl.num_generations, cfg.rl.max_new_tokens
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(97, 105, (B, N)).astype(np.int32)
+    live = np.arange(N)[None] < np.asarray(LENGTHS)[:, None]
+    for b, (n, end) in enumerate(zip(LENGTHS, ENDS)):
+      tokens[b, n - 1] = EOS if end else tokens[b, n - 1]
+    tokens[~live] = 0
+    slp = (rng.uniform(-6.0, -5.0, (B, N)) * live).astype(np.float32)
+    return R.G.Generation(tokens, slp, np.asarray(LENGTHS, np.int32), {}, {}, slp)
+  return sample
+
+
+def _spread(n):
+  return np.array([(3 * i) % 5 / 4 for i in range(n)])
+
+
+def ref_group_advantages(r, G):
+  g = np.asarray(r, np.float64).reshape(-1, G)
+  return ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
+
+
+def trl_loss(logp, ent, b, rl, micro):
+  """One update's loss by TRL's rule (trl/trainer/grpo_trainer.py at f2cd577: _compute_loss, and the vLLM IS
+  weights of _generate_and_score_completions), in float64, over micro-batches of rows m, micro + m, ... (the train
+  step's split): the ratio over old_logp; cispo or the clip with delta; times the entropy mask (the micro-batch's
+  quantile), times the IS weight; plus beta * k3 (times the ratio for k3_ratio); bnpo / token_mean."""
+  f = lambda k: np.asarray(b[k], np.float64)  # noqa: E731
+  mask, old, samp, adv = f("loss_mask"), f("old_logp"), f("sampler_logp"), f("advantages")[:, None]
+  logp, ent = np.asarray(logp, np.float64), np.asarray(ent, np.float64)
+  lr = (logp - old) * mask
+  if rl.ratio_level == "sequence":
+    lr = np.broadcast_to(lr.sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1), lr.shape)
+  c1 = np.exp(lr)
+  hi = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
+  if rl.policy_loss == "cispo":
+    per = -np.minimum(c1, rl.cispo_cap) * adv * logp
+  else:
+    c1d = c1 if rl.delta is None else np.minimum(c1, rl.delta)
+    per = -np.minimum(c1d * adv, np.clip(c1, 1 - rl.epsilon, 1 + hi) * adv)
+  w = np.ones_like(per)
+  if rl.sampler_is != "none":
+    d = (old - samp) * mask
+    w = np.exp(d if rl.sampler_is.startswith("token") else np.broadcast_to(d.sum(1, keepdims=True), d.shape))
+    lo = -np.inf if rl.sampler_is_min is None else rl.sampler_is_min
+    w = np.where((w >= lo) & (w <= rl.sampler_is_cap), w, 0.0) if rl.sampler_is.endswith("mask") else \
+        np.clip(w, lo, rl.sampler_is_cap)
+  x = f("ref_logp") - logp if rl.beta > 0 else 0.0
+  kl = (np.exp(x) - x - 1) * (c1 if rl.kl_estimator == "k3_ratio" else 1.0)
+  total = 0.0
+  for m in range(micro):
+    rows = slice(m, None, micro)
+    pm, mm = per[rows], mask[rows]
+    if rl.top_entropy_quantile < 1:
+      vals = ent[rows][mm > 0]
+      pm = pm * ((ent[rows] * mm >= np.quantile(vals, 1 - rl.top_entropy_quantile)) & (mm > 0))
+    pm = pm * w[rows] + rl.beta * (kl[rows] if rl.beta > 0 else 0.0)
+    total += np.sum(pm * mm) / (max(mm.sum(), 1) * micro if rl.loss_agg == "bnpo" else max(mask.sum(), 1))
+  return total
+
+
+def _scored(tr, params, batch):
+  """(logp, entropy) of the batch's targets under params: the trainer's scoring, as the RL loss scores."""
+  with jax.set_mesh(tr.mesh):
+    lp, ent = jax.jit(lambda p, b: RS.score(tr.cfg, RS._forward(tr.cfg, p, b, False)[0], b["targets"]))(params, batch)
+  return np.asarray(lp), np.asarray(ent)
+
+
+def _rl(tr, **update):
+  return tr.cfg.rl.model_copy(update=update)
+
+
+LOSS_TOL = 1e-5  # the step's float32 loss against the float64 rule: measured up to 4e-7 here (values ~0.1-1)
+
+
+@pytest.fixture(scope="module")
+def made_clip(prompts, reward_file):
+  """Config A, on 2 devices (fsdp): the clip objective with delta, k3_ratio KL to another policy, the top half by
+  entropy, truncated completions masked, bnpo over 2 micro-batches; rl.sampler_is off, so the ratio divides by the
+  sampler's log-probs, which the stand-in draws apart from the trainer's (ratios from 0.4 to 2.7)."""
+  mp = pytest.MonkeyPatch()
+  mp.setattr(R, "sample", made_sampler())
+  try:
+    cfg = load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=2", "mesh.fsdp=2", f"rl.reward={reward_file}:spread",
+                      "rl.delta=1.5", "rl.beta=0.1", "rl.kl_estimator=k3_ratio", "rl.top_entropy_quantile=0.5",
+                      "rl.mask_truncated_completions=true", "rl.loss_agg=bnpo", "train.micro_batches=2")
+    tr = TR.Trainer(cfg)
+    state = tr.step.init_state(jax.random.key(0))
+    tr.ref = tr.params_of(tr.step.init_state(jax.random.key(1)))  # another policy: the KL is not 0
+    batch = tr.rollout(state, 0)
+  finally:
+    mp.undo()
+  return tr, state, batch
+
+
+def test_made_rollout_masks_truncated_rows_and_groups_its_advantages(made_clip):
+  """rl.mask_truncated_completions: the completions cut by rl.max_new_tokens without EOS have an all-0 loss mask,
+  the rest (row 2 fills rl.max_new_tokens but ends with EOS) their length; truncated_frac counts them. The
+  advantages are each prompt's group's (rows g*G + j), from the per-step reward's values. Controls: the whole batch
+  as one group, and the batch built without the flag, differ."""
+  tr, state, batch = made_clip
+  mask = np.asarray(batch["loss_mask"])
+  assert [int(x) for x in mask.sum(1)] == [0 if b in TRUNCATED else n for b, n in enumerate(LENGTHS)]
+  assert tr.host_metrics[0]["truncated_frac"] == len(TRUNCATED) / len(LENGTHS)
+  adv = np.asarray(batch["advantages"])
+  np.testing.assert_allclose(adv, ref_group_advantages(_spread(8), 4), rtol=0, atol=1e-6)
+  assert not np.allclose(adv, ref_group_advantages(_spread(8), 8), atol=1e-3)
+  plain = R.to_batch(tr.cfg.model_copy(update={"rl": _rl(tr, mask_truncated_completions=False)}),
+                     [p.ids for p in tr.last["prompts"][::4]], made_sampler()(tr.cfg, None, [[0]] * 2, None, None, None),
+                     tr.cfg.train.seq_len, False, tr.stops)
+  assert [int(x) for x in plain["loss_mask"].sum(1)] == LENGTHS
+
+
+def test_made_rollout_clip_delta_k3_ratio_entropy_bnpo_equal_trls_rule(made_clip):
+  """The step's loss (two micro-batches, two devices) equals TRL's rule in float64 on the step's own log-probs and
+  entropies. Negative controls, each a break of one mode, fail the same check: the whole batch's token mean for
+  bnpo, no entropy mask, no delta, plain k3, the truncated rows kept, and the ratio taken over the trainer's own
+  scoring of the rollout."""
+  tr, state, batch = made_clip
+  rl = tr.cfg.rl
+  logp, ent = _scored(tr, tr.params_of(state), batch)
+  host = {k: np.asarray(v) for k, v in batch.items()}
+  ratio = np.exp(logp - host["old_logp"])[host["loss_mask"] > 0]
+  assert ratio.min() < 0.8 and ratio.max() > 1.5  # the clip and delta both bind
+  with pytest.warns(TR.ClipWindowWarning, match="outside the clip window"):
+    _, m, _ = tr.updates(state, batch, 0)  # most ratios start outside [0.8, 1.2]: the warning speaks
+  got = float(m["loss"])
+  want = trl_loss(logp, ent, host, rl, 2)
+  assert abs(got - want) <= LOSS_TOL * max(1, abs(want)), (got, want)
+  assert float(m["entropy_kept_frac"]) == pytest.approx(0.5, abs=0.1)
+  wrong = {"bnpo as token_mean": (dict(loss_agg="token_mean"), host), "no entropy mask":
+           (dict(top_entropy_quantile=1.0), host), "no delta": (dict(delta=None), host),
+           "plain k3": (dict(kl_estimator="k3"), host),
+           "truncated kept": ({}, dict(host, loss_mask=host["loss_mask"] + _truncated_mask(host))),
+           "ratio over the trainer's scoring": ({}, dict(host, old_logp=logp))}
+  for name, (upd, h) in wrong.items():
+    w = trl_loss(logp, ent, h, rl.model_copy(update=upd), 1 if upd.get("loss_agg") == "token_mean" else 2)
+    assert abs(got - w) > 10 * LOSS_TOL * max(1, abs(w)), name
+
+
+def _truncated_mask(host):
+  """The loss mask the truncated rows would have without rl.mask_truncated_completions (their completion tokens)."""
+  out = np.zeros_like(host["loss_mask"])
+  for b in TRUNCATED:
+    seg = np.asarray(host["segment_ids"])[b]
+    n = int(seg.sum())  # prompt + completion - 1 positions; the completion's 8 are the last
+    out[b, n - LENGTHS[b]:n] = 1.0
+  return out
+
+
+@pytest.fixture(scope="module")
+def made_cispo(prompts, reward_file):
+  """Config B, one device: CISPO with a cap that binds once the policy moves, and token_mask importance sampling
+  with a lower bound (rl.sampler_is scores the rollout before the update: its ratio starts at 1, and the
+  stand-in's sampler log-probs, drawn apart from the trainer's, put IS ratios on both sides of the bounds)."""
+  mp = pytest.MonkeyPatch()
+  mp.setattr(R, "sample", made_sampler(1))
+  try:
+    cfg = load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=1", f"rl.reward={reward_file}:spread",
+                      "rl.policy_loss=cispo", "rl.cispo_cap=1.002", "rl.sampler_is=token_mask",
+                      "rl.sampler_is_min=0.8", "rl.sampler_is_cap=1.25")
+    tr = TR.Trainer(cfg)
+    state = tr.step.init_state(jax.random.key(0))
+    batch = tr.rollout(state, 0)
+  finally:
+    mp.undo()
+  return tr, state, batch
+
+
+def test_made_rollout_cispo_and_masked_sampler_is_equal_trls_rule(made_cispo):
+  """Two updates on one rollout: each step's loss equals TRL's rule on the step's own log-probs (at the first the
+  ratio is 1; at the second the policy has moved and the cispo cap binds), and sampler_is_masked_frac is the share
+  of tokens whose IS ratio is outside [0.8, 1.25]. Negative controls: the ratio over the sampler's log-probs
+  instead of the trainer's scoring (old), IS with no bounds, IS truncated where mask is asked for, and the clip
+  objective instead of cispo, each fail the same check; no ClipWindowWarning (the ratio starts at 1)."""
+  import warnings as W
+  tr, state, batch = made_cispo
+  rl = tr.cfg.rl
+  host = {k: np.asarray(v) for k, v in batch.items()}
+  mask = host["loss_mask"] > 0
+  logp0, ent0 = _scored(tr, tr.params_of(state), batch)
+  np.testing.assert_allclose(host["old_logp"][mask], logp0[mask], rtol=0, atol=1e-6)  # old: the trainer's scoring
+  is_ratio = np.exp(host["old_logp"] - host["sampler_logp"])[mask]
+  assert (is_ratio < 0.8).any() and (is_ratio > 1.25).any() and ((is_ratio >= 0.8) & (is_ratio <= 1.25)).any()
+  with W.catch_warnings():
+    W.simplefilter("error", TR.ClipWindowWarning)
+    state1, m1, _ = tr.updates(state, batch, 0)
+  logp1, ent1 = _scored(tr, tr.params_of(state1), batch)
+  _, m2 = tr.step(state1, batch)
+  assert np.exp(logp1 - host["old_logp"])[mask].max() > rl.cispo_cap  # the cap binds at the second update
+  assert float(m1["sampler_is_masked_frac"]) == pytest.approx(np.mean((is_ratio < 0.8) | (is_ratio > 1.25)), abs=1e-6)
+  for got, lp, ent in ((float(m1["loss"]), logp0, ent0), (float(m2["loss"]), logp1, ent1)):
+    want = trl_loss(lp, ent, host, rl, 1)
+    assert abs(got - want) <= LOSS_TOL * max(1, abs(want)), (got, want)
+    wrong = {"ratio over the sampler": (rl, dict(host, old_logp=host["sampler_logp"])),
+             "IS without bounds": (rl.model_copy(update={"sampler_is_cap": 1e9, "sampler_is_min": None}), host),
+             "IS truncated": (rl.model_copy(update={"sampler_is": "token_truncate"}), host),
+             "clip objective": (rl.model_copy(update={"policy_loss": "clip"}), host)}
+    for name, (r, h) in wrong.items():
+      w = trl_loss(lp, ent, h, r, 1)
+      assert abs(got - w) > 10 * LOSS_TOL * max(1, abs(w)), name
+
+
+def test_rewards_that_fail_through_the_trainer(made_cispo, reward_file):
+  """A reward that raises on every completion stops the rollout with its first exception (RewardFailed, exit 2 on
+  the CLI); under rl.failed_reward=exclude a reward that returns NaN on some rows leaves them out of their groups
+  (advantage 0, rewards_excluded), the rest normalized over what remains."""
+  from meshlm.rl.rewards import RewardFailed
+  tr, _, _ = made_cispo
+  state = tr.step.init_state(jax.random.key(0))  # the fixture's was donated to its updates
+  mp = pytest.MonkeyPatch()
+  mp.setattr(R, "sample", made_sampler(1))
+  saved = tr.rewards
+  try:
+    tr.rewards = Rewards.from_config(_rl(tr, reward=[f"{reward_file}:raises"]))
+    with pytest.raises(RewardFailed, match=r"user_rewards.py:raises failed on every one of the step's 8 completions; "
+                                           r"the first raised KeyError: 'no_such_field'$"):
+      tr.rollout(state, 1)
+    tr.rewards = Rewards.from_config(_rl(tr, reward=[f"{reward_file}:half_nan"], failed_reward="exclude"))
+    with pytest.warns(TR.RewardWarning, match="half_nan: 4 of 8 returned nan; left out"):
+      batch = tr.rollout(state, 2)
+  finally:
+    tr.rewards = saved
+    mp.undo()
+  adv = np.asarray(batch["advantages"])
+  r = np.array([np.nan if i % 2 else 1.0 + i for i in range(8)])
+  want = np.zeros(8)
+  for g in range(2):  # each group's two scorable rows, normalized by their own mean and std
+    v = r[4 * g:4 * g + 4:2]
+    want[4 * g:4 * g + 4:2] = (v - v.mean()) / (v.std(ddof=1) + 1e-4)
+  np.testing.assert_allclose(adv, want, atol=1e-6)
+  assert tr.host_metrics[2]["rewards_excluded"] == 4 and tr.host_metrics[2]["reward_mean"] == pytest.approx(4.0)
+
+
+# --- rewards: from the user's files, TRL's batched form, failures ------------------------------------------------
+
+def test_a_reward_imports_from_the_working_directory_or_a_file_path(tmp_path, monkeypatch):
+  """rl.reward=module:fn finds a module in the working directory (the console script's sys.path does not hold it:
+  issue 31's ModuleNotFoundError), and rl.reward=path/to/file.py:fn loads that file. Control: from another
+  directory the module is not found, in one line that says where it looked."""
+  import sys
+  from meshlm.errors import ConfigError
+  monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+  monkeypatch.delitem(sys.modules, "myreward", raising=False)
+  (tmp_path / "myreward.py").write_text("def frac_a(prompt, completion, row):\n  return completion.count('a') / 4\n")
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  with pytest.raises(ConfigError, match=r"^rl.reward=myreward:frac_a: cannot import it \(ModuleNotFoundError: .*"
+                                        r"working directory"):
+    Rewards.from_config(load_config("rl.reward=myreward:frac_a").rl)
+  monkeypatch.chdir(tmp_path)
+  for spec in ("myreward:frac_a", "./myreward.py:frac_a", f"{tmp_path}/myreward.py:frac_a"):
+    rw = Rewards.from_config(load_config(f"rl.reward={spec}").rl)
+    assert rw(["p"], ["aab"], [{}]).total == [0.5] and rw.names == ["frac_a"]
+  for spec, msg in (("nofile.py:f", "nofile.py: no such file"), ("./myreward.py:nope", "has no nope"),
+                    ("myreward:nope", "has no nope")):
+    with pytest.raises(ConfigError, match=f"^rl.reward={spec}: .*{msg}"):
+      Rewards.from_config(load_config(f"rl.reward={spec}").rl)
+
+
+def test_trls_batched_signature_is_called_once_with_the_columns(reward_file):
+  """A function with a `completions` parameter is called once per step with lists (TRL's reward_func(prompts=,
+  completions=, completion_ids=, **columns)); without **kwargs it gets the names it asks for. None is TRL's "no
+  reward": NaN, never a failure. Wrong lengths and non-lists stop the run with what was returned."""
+  from meshlm.rl import rewards as RW
+  calls = []
+
+  def per_step(completions, answer):
+    calls.append((list(completions), list(answer)))
+    return [float(c == a) if a != "skip" else None for c, a in zip(completions, answer)]
+  rw = RW.Rewards(["per_step"], [per_step], [1.0], failed="exclude")
+  sc = rw(["p1", "p2", "p3"], ["x", "y", "z"], [{"answer": "x"}, {"answer": "n"}, {"answer": "skip", "other": 1}],
+          [[1], [2], [3]])
+  assert calls == [(["x", "y", "z"], ["x", "n", "skip"])]
+  assert sc.total[:2] == [1.0, 0.0] and np.isnan(sc.total[2]) and sc.failures["per_step"].total == 0
+  assert RW.is_batched(per_step) and not RW.is_batched(RW.exact_match)
+  seen = {}
+  rw = RW.Rewards(["kw"], [lambda prompts, completions, **kw: seen.update(kw) or [1.0] * len(completions)], [1.0])
+  rw(["p"], ["c"], [{"answer": "a", "prompt": "p", "_completion_tokens": 3}], [[7, 8]])
+  assert seen == {"completion_ids": [[7, 8]], "answer": ["a"]}  # the JSONL columns but `prompt`, and the ids
+  for out, msg in (([1.0], "returned 1 values for 2 completions"), (3.0, "returned float, not a list of 2")):
+    rw = RW.Rewards(["bad"], [lambda completions, out=out: out], [1.0])
+    with pytest.raises(RW.RewardFailed, match=f"rl.reward=bad: .*{msg}"):
+      rw(["p", "q"], ["c", "d"], [{}, {}])
+
+
+def test_nan_is_reported_as_nan_and_exclude_sums_what_scored():
+  """A reward returning NaN on every completion stops the run saying it returned nan (not "raised"); a reward
+  failing on some scores 0 (zero) or is left out of the weighted sum (exclude, TRL's nansum), and a completion that
+  no reward scored is NaN, for its group to leave out. Counters: raised (errors) apart from NaN (nans)."""
+  from meshlm.rl import rewards as RW
+  nan = lambda p, c, row: float("nan")  # noqa: E731
+  with pytest.raises(RW.RewardFailed, match=r"rl.reward=nan failed on every one of the step's 2 completions; the "
+                                            r"first returned nan$"):
+    RW.Rewards(["nan"], [nan], [1.0])(["p", "q"], ["c", "d"], [{}, {}])
+  flaky = lambda p, c, row: {"a": 1.0, "b": float("inf")}.get(c) if c != "r" else row["x"]  # noqa: E731
+  for failed, want in (("zero", [3.0, 2.0, 2.0, 2.0]), ("exclude", [3.0, 2.0, 2.0, 2.0])):
+    rw = RW.Rewards(["flaky", "two"], [flaky, lambda p, c, row: 1.0], [1.0, 2.0], failed=failed)
+    sc = rw(["p"] * 4, ["a", "b", "r", "zzz"], [{}] * 4)
+    assert sc.total == want  # zero: the failures score 0; exclude: left out of the sum (the same totals here)
+    assert rw.errors == {"flaky": 1, "two": 0} and rw.nans == {"flaky": 1, "two": 0}
+    assert sc.failures["flaky"].first == "returned inf"
+  rw = RW.Rewards(["flaky"], [flaky], [1.0], failed="exclude")
+  sc = rw(["p"] * 3, ["a", "b", "zzz"], [{}] * 3)  # b: inf (failure); zzz: None (no reward)
+  assert sc.total[0] == 1.0 and np.isnan(sc.total[1]) and np.isnan(sc.total[2])
+  # Control: zero scores both 0
+  assert RW.Rewards(["flaky"], [flaky], [1.0], failed="zero")(["p"] * 3, ["a", "b", "zzz"], [{}] * 3).total == \
+      [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("arg, msg", [
+    ("rl.failed_reward=drop", r"rl.failed_reward: Input should be 'zero' or 'exclude' \(got 'drop'\)"),
+    ("rl.policy_loss=ppo", r"rl.policy_loss: Input should be 'clip' or 'cispo'"),
+    ("rl.delta=0.5", r"rl.delta: Input should be greater than 1"),
+    ("rl.delta=1.1", r"rl.delta=1.1 must be above 1 \+ rl.epsilon_high = 1.2"),
+    ("rl.policy_loss=cispo rl.delta=2", r"rl.delta=2.0: caps the clipped objective's ratio"),
+    ("rl.cispo_cap=0", r"rl.cispo_cap: Input should be greater than 0"),
+    ("rl.loss_agg=bnp", r"rl.loss_agg: Input should be .*'bnpo'"),
+    ("rl.mask_truncated_completions=maybe", r"rl.mask_truncated_completions: Input should be a valid boolean"),
+    ("rl.top_entropy_quantile=1.5", r"rl.top_entropy_quantile: Input should be less than or equal to 1"),
+    ("rl.kl_estimator=k2", r"rl.kl_estimator: Input should be 'k3' or 'k3_ratio'"),
+    ("rl.sampler_is=token_clip", r"rl.sampler_is: Input should be .*'sequence_mask'"),
+    ("rl.sampler_is=token_mask rl.sampler_is_min=3", r"rl.sampler_is_min=3.0 must be below rl.sampler_is_cap=2.0"),
+    ("rl.sampler_is_min=0.5", r"rl.sampler_is_min=0.5 bounds the sampler_is weight, and rl.sampler_is is none"),
+    ("rl.eval_prompts=0", r"rl.eval_prompts: give a count above 0"),
+    ("rl.eval_every=5 rl.eval_prompts=no_such.jsonl", r"rl.eval_prompts=no_such.jsonl: no such file"),
+    ("rl.max_new_tokens=100", r"rl.max_new_tokens=100 leaves no room for a prompt within model.max_position=64"),
+    ("rl.reward=[exact_match,exact_match]", r"rl.reward lists exact_match twice"),
+])
+def test_each_new_key_refuses_bad_values_in_one_line(tmp_path, capsys, prompts, arg, msg):
+  import re
+  code = cli.main(["rl", *SMALL, *RL, f"rl.prompts={prompts}", f"run_dir={tmp_path}/run", "cpu_devices=1",
+                   *arg.split()])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and re.search(msg, err[0]), err
+  assert not (tmp_path / "run").exists()
+
+
+def test_rl_help_lists_every_new_key(capsys):
+  assert cli.main(["rl", "--help"]) == 0
+  out = capsys.readouterr().out
+  for key in ("failed_reward", "policy_loss", "delta", "cispo_cap", "mask_truncated_completions",
+              "top_entropy_quantile", "kl_estimator", "sampler_is_min", "eval_prompts"):
+    assert re.search(rf"^\s*rl\.{key}\b", out, re.M), key
+  assert "bnpo" in out and "token_mask" in out and "path/to/file.py" in out
+
+
+def test_the_clip_window_warning_speaks_once_past_half_and_not_below(prompts):
+  """ClipWindowWarning (rl/trainer.check_window) reads the first iteration's ratio_outside_window: above half of
+  the tokens it warns, once per run; at 0.4 it does not, nor with rl.sampler_is on (the ratio then starts at 1) or
+  under cispo (no window)."""
+  import types
+  import warnings as W
+  cfg = _cfg(prompts, "rl.ratio_level=sequence", "rl.epsilon=3e-4", "rl.epsilon_high=4e-4")
+  m = lambda out: {"ratio_outside_window": out, "logp_gap_mean": 1.5e-3, "ratio_min": 0.998, "ratio_max": 1.002}  # noqa
+  for c, out, warns in ((cfg, 0.4, False), (cfg, 0.9, True),
+                        (cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"sampler_is": "sequence"})}), 0.9, False),
+                        (cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"policy_loss": "cispo"})}), 0.9, False)):
+    tr = types.SimpleNamespace(cfg=c, window_warned=False)
+    with W.catch_warnings(record=True) as got:
+      W.simplefilter("always")
+      TR.Trainer.check_window(tr, m(out), 0)
+      TR.Trainer.check_window(tr, m(out), 1)
+    hits = [g for g in got if issubclass(g.category, TR.ClipWindowWarning)]
+    assert len(hits) == int(warns), (out, c.rl.sampler_is, c.rl.policy_loss)
+    if warns:
+      assert "step 0: before any update, 90% of the completion tokens' ratios" in str(hits[0].message)
+      assert "[1 - 0.0003, 1 + 0.0004]" in str(hits[0].message)

@@ -22,12 +22,15 @@ def main(args: list[str], start: float) -> int:
   from meshlm.rl.trainer import run
   from meshlm.train.loop import param_counts
   from meshlm.rl.rewards import Rewards
-  from meshlm.rl.rollout import load_prompts
+  from meshlm.rl.rollout import eval_prompts, load_prompts
   from meshlm.train.data.tokenizers import make_tokenizer
   # Before the banner: the model, the rewards and the prompts are refused in one line each.
   check_rl(cfg)
   Rewards.from_config(cfg.rl)
-  load_prompts(cfg, make_tokenizer(cfg))
+  tokenizer = make_tokenizer(cfg)
+  prompts = load_prompts(cfg, tokenizer)
+  if cfg.rl.eval_every:
+    eval_prompts(cfg, tokenizer, prompts)
   trainable, frozen = param_counts(cfg)
   console = make_console()
   rl = cfg.rl

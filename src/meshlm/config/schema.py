@@ -391,40 +391,75 @@ class RLConfig(_Strict):
   top_p: float = Field(default=1.0, gt=0, le=1, description="sample from the smallest set of tokens whose mass reaches "
                        "top_p")
   reward: list[str] = Field(default_factory=lambda: ["exact_match"], description="reward, or a list of them: exact_match, "
-                            "numeric_match, regex, length_penalty, or module:function (prompt, completion, row) -> float")
+                            "numeric_match, regex, length_penalty, module:function or path/to/file.py:function, called "
+                            "(prompt, completion, row) -> float, or once per step TRL's way (prompts, completions, "
+                            "**columns) -> list when it has a `completions` parameter")
   reward_weights: Optional[list[float]] = Field(default=None, description="one weight per rl.reward; null: all 1")
   reward_regex: Optional[str] = Field(default=None, description="the pattern the `regex` reward searches the completion "
                                       "for (1 if found, else 0)")
+  failed_reward: Literal["zero", "exclude"] = Field(
+      default="zero", description="a reward call that raises or returns NaN: zero scores it 0; exclude leaves it out "
+      "of the weighted sum, and a completion whose every reward failed out of its group's mean and std (advantage 0; "
+      "TRL's rule for None). A reward that fails on every call of a step stops the run either way")
   scale_rewards: Literal["group", "batch", "none"] = Field(
       default="group", description="advantage = (reward - group mean) / std of the group | the batch | 1 (none: "
       "Dr. GRPO)")
+  policy_loss: Literal["clip", "cispo"] = Field(
+      default="clip", description="clip: PPO's clipped surrogate (GRPO); cispo: the capped ratio, gradient stopped, "
+      "times A times logp on every token (MiniMax-M1; TRL loss_type=cispo)")
   epsilon: float = Field(default=0.2, gt=0, description="clip the ratio below at 1 - epsilon")
   epsilon_high: Optional[float] = Field(default=None, gt=0, description="clip the ratio above at 1 + epsilon_high "
                                         "(DAPO clip-higher); null: epsilon")
+  delta: Optional[float] = Field(default=None, gt=1, description="two-sided clip (INTELLECT-2, TRL's delta): the "
+                                 "unclipped ratio is capped at delta, above 1 + epsilon_high; null: off")
+  cispo_cap: float = Field(default=5.0, gt=0, description="rl.policy_loss=cispo: the cap of the importance weight "
+                           "(TRL's epsilon_high under loss_type=cispo; ScaleRL's 5.0)")
   ratio_level: Literal["token", "sequence"] = Field(
       default="token", description="importance ratio per token, or per sequence (GSPO: exp of the mean log-ratio)")
-  loss_agg: Literal["token_mean", "sequence_mean", "constant"] = Field(
+  loss_agg: Literal["token_mean", "sequence_mean", "constant", "bnpo"] = Field(
       default="token_mean", description="token_mean over all completion tokens (DAPO), sequence_mean of per-sequence "
-      "means (GRPO), constant: the sum over B x max_new_tokens (Dr. GRPO)")
+      "means (GRPO), constant: the sum over B x max_new_tokens (Dr. GRPO), bnpo: each micro-batch's token mean, "
+      "averaged over train.micro_batches (TRL's bnpo)")
+  mask_truncated_completions: bool = Field(
+      default=False, description="completions cut by rl.max_new_tokens (no stop token at the end) add no loss "
+      "(DAPO's overlong filtering; TRL's flag); false: they train like the rest")
+  top_entropy_quantile: float = Field(
+      default=1.0, ge=0, le=1, description="the policy term trains only on this top fraction of each micro-batch's "
+      "completion tokens by entropy (the 80/20 rule's 0.2; TRL's flag); 1: all tokens")
   beta: float = Field(default=0.0, ge=0, description="KL coefficient to the frozen starting policy (k3 estimator); 0 "
                       "keeps no reference")
+  kl_estimator: Literal["k3", "k3_ratio"] = Field(
+      default="k3", description="k3: exp(ref - logp) - (ref - logp) - 1; k3_ratio: k3 times the ratio to the old "
+      "policy (TRL's use_bias_correction_kl=true, DeepSeek-V3.2)")
   num_iterations: int = Field(default=1, gt=0, description="policy updates per batch of samples")
   score_truncated: bool = Field(default=True, description="the trainer scores completions under the sampler's "
                                 "temperature, top-k and top-p (false: temperature only, the biased comparison)")
-  sampler_is: Literal["none", "token", "sequence"] = Field(
-      default="none", description="truncated importance sampling of the train/sample mismatch: per token or per "
-      "sequence (the trainer scores the rollout once more)")
-  sampler_is_cap: float = Field(default=2.0, gt=0, description="cap of the sampler_is weight")
+  sampler_is: Literal["none", "token", "sequence", "token_truncate", "token_mask", "sequence_truncate",
+                      "sequence_mask"] = Field(
+      default="none", description="importance sampling of the train/sample mismatch (the trainer scores the rollout "
+      "once more), per token or per sequence, TRL's modes: *_truncate clips the weight to [sampler_is_min, "
+      "sampler_is_cap], *_mask zeroes it outside; token = token_truncate, sequence = sequence_truncate")
+  sampler_is_cap: float = Field(default=2.0, gt=0, description="upper bound of the sampler_is weight")
+  sampler_is_min: Optional[float] = Field(default=None, gt=0, description="lower bound of the sampler_is weight; "
+                                          "null: none")
   router_replay: bool = Field(default=False, description="the training forward routes every token with the "
                               "sampler's expert ids (MoE models)")
-  eval_every: int = Field(default=0, ge=0, description="every N steps, the greedy reward on rl.eval_prompts prompts "
-                          "(0: never)")
-  eval_prompts: int = Field(default=64, gt=0, description="prompts of the greedy evaluation (the first of the file)")
+  eval_every: int = Field(default=0, ge=0, description="every N steps (and after the last), the greedy and a sampled "
+                          "reward on the eval prompts, and their completions in run_dir/completions.jsonl (0: never)")
+  eval_prompts: int | str = Field(default=64, description="the eval prompts: N, the first N of rl.prompts, or PATH, "
+                                  "a JSONL file of its own")
 
   @field_validator("reward", mode="before")
   @classmethod
   def _one_reward(cls, v):
     return [v] if isinstance(v, str) else v  # rl.reward=exact_match names one reward
+
+  @field_validator("eval_prompts")
+  @classmethod
+  def _eval_prompts(cls, v):
+    if (isinstance(v, int) and v <= 0) or (isinstance(v, str) and not v):
+      raise ValueError("give a count above 0 (the first prompts of rl.prompts) or a JSONL path")
+    return v
 
   @model_validator(mode="after")
   def _groups(self):
@@ -434,6 +469,19 @@ class RLConfig(_Strict):
     if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
       raise ValueError(f"rl.reward_weights: {len(self.reward_weights)} weights for {len(self.reward)} rewards "
                        f"({', '.join(self.reward)}); give one per reward")
+    hi = self.epsilon if self.epsilon_high is None else self.epsilon_high
+    if self.delta is not None and self.policy_loss == "cispo":
+      raise ValueError(f"rl.delta={self.delta}: caps the clipped objective's ratio, and rl.policy_loss=cispo has no "
+                       "clip; drop rl.delta or use rl.policy_loss=clip")
+    if self.delta is not None and self.delta <= 1 + hi:
+      raise ValueError(f"rl.delta={self.delta} must be above 1 + rl.epsilon_high = {1 + hi:g} (below it, it clips "
+                       "positive advantages tighter than the clip does); raise it, or drop it")
+    if self.sampler_is_min is not None and self.sampler_is_min >= self.sampler_is_cap:
+      raise ValueError(f"rl.sampler_is_min={self.sampler_is_min} must be below rl.sampler_is_cap="
+                       f"{self.sampler_is_cap}")
+    if self.sampler_is_min is not None and self.sampler_is == "none":
+      raise ValueError(f"rl.sampler_is_min={self.sampler_is_min} bounds the sampler_is weight, and rl.sampler_is "
+                       "is none; set rl.sampler_is (token_truncate, token_mask, sequence_truncate, sequence_mask)")
     return self
 
 

@@ -1,4 +1,4 @@
-"""Rewards: (prompt, completion, row) -> float, built in or `module:function`, several with weights.
+"""Rewards: built in, `module:function` or `path/to/file.py:function`, several with weights.
 
 Built in (row is the prompt's JSONL object):
   exact_match     1 if the completion, stripped of surrounding whitespace, equals row["answer"], else 0
@@ -6,15 +6,32 @@ Built in (row is the prompt's JSONL object):
   regex           1 if rl.reward_regex is found in the completion, else 0
   length_penalty  -len(completion tokens) / rl.max_new_tokens (weights scale it)
 
-A reward that raises scores 0 for that completion; Rewards.errors counts them per reward, and the
-trainer warns with the count.
+A user's function is called one of two ways, read from its signature:
+  per completion  f(prompt, completion, row) -> float          (row: the JSONL object)
+  per step (TRL)  f(prompts, completions, completion_ids, **columns) -> list of float | None, one per completion,
+                  when it has a parameter named `completions`; columns are the JSONL fields but `prompt`, each a
+                  list over the completions (a function without **kwargs gets only the ones it names).
+`module:function` imports from the installed packages or, after them, the working directory;
+`path/to/file.py:function` loads that file.
+
+Each call's value is a number, None (TRL's "no reward here": NaN, never a failure), or a failure: it raised, or it
+returned NaN/inf or something that is not a number. rl.failed_reward decides what a failure scores: 0 (zero), or
+NaN (exclude: left out of the weighted sum, and the completion out of its group's statistics when every reward
+failed or gave None there, as TRL's rule for None). A reward that fails on every call of one step stops the run
+(RewardFailed, a ConfigError: exit 2) with its first exception's type and message, or with what it returned.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import math
+import numbers
+import os
 import re
+import sys
 from typing import Callable, Sequence
 
 from meshlm.errors import ConfigError
@@ -35,6 +52,45 @@ BUILT_IN: dict[str, Callable] = {"exact_match": exact_match, "numeric_match": nu
 NAMES = ("exact_match", "numeric_match", "regex", "length_penalty")
 
 
+class RewardFailed(ConfigError):
+  """A reward failed on every call of a step: the run stops (exit 2)."""
+
+
+def _load_file(spec: str, path: str):
+  """The module of a reward file, loaded once per path (a name of its own, so two `reward.py` files never clash)."""
+  full = os.path.abspath(path)
+  if not os.path.isfile(full):
+    raise ConfigError(f"rl.reward={spec}: {path}: no such file")
+  name = f"meshlm_reward_{re.sub(r'[^0-9A-Za-z_]', '_', os.path.splitext(os.path.basename(full))[0])}_" \
+         f"{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+  if name in sys.modules:
+    return sys.modules[name]
+  mspec = importlib.util.spec_from_file_location(name, full)
+  mod = importlib.util.module_from_spec(mspec)
+  sys.modules[name] = mod  # before running it, as import does (dataclasses and pickling look it up)
+  try:
+    mspec.loader.exec_module(mod)
+  except Exception as e:  # noqa: BLE001 -- the user's file: any error is theirs to see, in one line
+    del sys.modules[name]
+    raise ConfigError(f"rl.reward={spec}: loading {path} raised {type(e).__name__}: {e}") from None
+  return mod
+
+
+def _import(spec: str, mod: str):
+  """module `mod`, from the installed packages or, after them, the working directory (the console script's
+  sys.path holds its own bin directory, not the directory the user runs it from)."""
+  cwd = os.getcwd()
+  if cwd not in sys.path and "" not in sys.path:
+    sys.path.append(cwd)
+  try:
+    return importlib.import_module(mod)
+  except (ImportError, ValueError) as e:
+    raise ConfigError(f"rl.reward={spec}: cannot import it ({type(e).__name__}: {e}; a module in the working "
+                      f"directory {cwd} or on the Python path, or give a file: path/to/file.py:function)") from None
+  except Exception as e:  # noqa: BLE001 -- the module's own code raised while importing
+    raise ConfigError(f"rl.reward={spec}: importing {mod} raised {type(e).__name__}: {e}") from None
+
+
 def resolve(name: str, *, regex: str | None, max_new_tokens: int) -> Callable:
   """The callable a rl.reward entry names, or ConfigError in one line."""
   if name in BUILT_IN:
@@ -51,15 +107,79 @@ def resolve(name: str, *, regex: str | None, max_new_tokens: int) -> Callable:
     # The completion's token count rides in the row the trainer passes (row["_completion_tokens"]).
     return lambda prompt, completion, row: -float(row["_completion_tokens"]) / max_new_tokens
   if ":" in name:
-    mod, _, fn = name.partition(":")
-    try:
-      f = getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError, ValueError) as e:
-      raise ConfigError(f"rl.reward={name}: cannot import it ({type(e).__name__}: {e})") from None
+    where, _, fn = name.rpartition(":")  # the last colon: a path may hold one (C:\...)
+    if not where or not fn:
+      raise ConfigError(f"rl.reward={name}: expected module:function or path/to/file.py:function")
+    is_file = where.endswith(".py") or "/" in where or os.sep in where
+    mod = _load_file(name, where) if is_file else _import(name, where)
+    f = getattr(mod, fn, None)
+    if f is None:
+      raise ConfigError(f"rl.reward={name}: {where} has no {fn}")
     if not callable(f):
       raise ConfigError(f"rl.reward={name}: {fn} is not callable")
     return f
-  raise ConfigError(f"rl.reward={name}: unknown reward; expected one of {', '.join(NAMES)} or module:function")
+  raise ConfigError(f"rl.reward={name}: unknown reward; expected one of {', '.join(NAMES)}, module:function or "
+                    "path/to/file.py:function")
+
+
+def is_batched(fn: Callable) -> bool:
+  """TRL's signature: a parameter named `completions` (the function takes the whole step at once)."""
+  try:
+    return "completions" in inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # a builtin without a signature: per completion
+    return False
+
+
+def short_names(specs: Sequence[str]) -> list[str]:
+  """Each reward's metric name: a built-in's own, else the function's name; the whole entry where two collide."""
+  short = [s.rpartition(":")[2] if ":" in s else s for s in specs]
+  names = [sh if short.count(sh) == 1 else s for sh, s in zip(short, specs)]
+  dup = next((n for n in names if names.count(n) > 1), None)
+  if dup is not None:
+    raise ConfigError(f"rl.reward lists {dup} twice; give each reward once (rl.reward_weights weighs them)")
+  return names
+
+
+@dataclasses.dataclass
+class Failures:
+  """One reward's failures in one step."""
+  raised: int = 0
+  nan: int = 0
+  other: int = 0  # returned something that is not a number
+  first: str | None = None  # the first failure, in words: "raised KeyError: 'answer'", "returned nan"
+
+  def add(self, kind: str, what: str) -> None:
+    setattr(self, kind, getattr(self, kind) + 1)
+    self.first = self.first or what
+
+  @property
+  def total(self) -> int:
+    return self.raised + self.nan + self.other
+
+
+@dataclasses.dataclass
+class Scored:
+  """A step's rewards: the weighted total per completion (NaN: unscorable, rl.failed_reward=exclude), each
+  reward's values (NaN where it failed or gave None) and its failures."""
+  total: list[float]
+  each: dict[str, list[float]]
+  failures: dict[str, Failures]
+
+
+def _value(v) -> tuple[float, str | None, str | None]:
+  """(the float, the failure kind or None, the failure in words) of one returned value; None is NaN, no failure."""
+  if v is None:
+    return math.nan, None, None
+  if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    try:  # numpy scalars and 0-d arrays are Real-like without the ABC
+      x = float(v)
+    except (TypeError, ValueError):
+      return math.nan, "other", f"returned {type(v).__name__} {v!r:.60}, not a number"
+  else:
+    x = float(v)
+  if not math.isfinite(x):
+    return math.nan, "nan", f"returned {x}"
+  return x, None, None
 
 
 @dataclasses.dataclass
@@ -68,27 +188,83 @@ class Rewards:
   names: list[str]
   fns: list[Callable]
   weights: list[float]
-  errors: dict[str, int] = dataclasses.field(default_factory=dict)
+  specs: list[str] = dataclasses.field(default_factory=list)
+  failed: str = "zero"
+  errors: dict[str, int] = dataclasses.field(default_factory=dict)  # raised, so far (checkpointed)
+  nans: dict[str, int] = dataclasses.field(default_factory=dict)  # returned NaN/inf or a non-number, so far
 
   @classmethod
   def from_config(cls, rl) -> "Rewards":
     fns = [resolve(n, regex=rl.reward_regex, max_new_tokens=rl.max_new_tokens) for n in rl.reward]
+    names = short_names(rl.reward)
     weights = list(rl.reward_weights) if rl.reward_weights is not None else [1.0] * len(fns)
-    return cls(list(rl.reward), fns, weights, {n: 0 for n in rl.reward})
+    return cls(names, fns, weights, list(rl.reward), rl.failed_reward, {n: 0 for n in names}, {n: 0 for n in names})
 
-  def __call__(self, prompts: Sequence[str], completions: Sequence[str], rows: Sequence[dict]
-               ) -> tuple[list[float], dict[str, list[float]]]:
-    """(total reward per completion, {name: its values}); a raising reward gives 0 and is counted."""
-    each: dict[str, list[float]] = {n: [] for n in self.names}
-    for p, c, row in zip(prompts, completions, rows):
-      for n, f in zip(self.names, self.fns):
+  def _call_batched(self, i: int, prompts, completions, rows, completion_ids) -> list:
+    f, spec, n = self.fns[i], self.specs[i] if self.specs else self.names[i], len(completions)
+    cols = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)
+            if k != "prompt" and not k.startswith("_")}
+    kw = {"prompts": list(prompts), "completions": list(completions),
+          "completion_ids": [list(c) for c in completion_ids] if completion_ids is not None else None, **cols}
+    params = inspect.signature(f).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+      kw = {k: v for k, v in kw.items() if k in params}
+    out = f(**kw)
+    try:
+      out = list(out)
+    except TypeError:
+      raise RewardFailed(f"rl.reward={spec}: a per-step reward (it takes `completions`) returned "
+                         f"{type(out).__name__}, not a list of {n} values") from None
+    if len(out) != n:
+      raise RewardFailed(f"rl.reward={spec}: returned {len(out)} values for {n} completions; return one per "
+                         "completion (None where it has none)")
+    return out
+
+  def __call__(self, prompts: Sequence[str], completions: Sequence[str], rows: Sequence[dict],
+               completion_ids: Sequence[Sequence[int]] | None = None) -> Scored:
+    n = len(completions)
+    each: dict[str, list[float]] = {}
+    fails: dict[str, Failures] = {}
+    for i, (name, f) in enumerate(zip(self.names, self.fns)):
+      fl = fails[name] = Failures()
+      vals = []
+      if is_batched(f):
         try:
-          v = float(f(p, c, row))
-          if not math.isfinite(v):
-            raise ValueError(f"non-finite reward {v}")
-        except Exception:  # noqa: BLE001 -- a user's reward must not kill the run
-          self.errors[n] += 1
-          v = 0.0
-        each[n].append(v)
-    total = [sum(w * each[n][i] for n, w in zip(self.names, self.weights)) for i in range(len(completions))]
-    return total, each
+          raw = self._call_batched(i, prompts, completions, rows, completion_ids)
+        except RewardFailed:
+          raise
+        except Exception as e:  # noqa: BLE001 -- a user's reward must not kill the run unless it always fails
+          raw, err = None, f"raised {type(e).__name__}: {e}"
+          for _ in range(n):
+            fl.add("raised", err)
+          vals = [math.nan] * n
+        if raw is not None:
+          for v in raw:
+            x, kind, what = _value(v)
+            if kind:
+              fl.add(kind, what)
+            vals.append(x)
+      else:
+        for p, c, row in zip(prompts, completions, rows):
+          try:
+            x, kind, what = _value(f(p, c, row))
+          except Exception as e:  # noqa: BLE001
+            x, kind, what = math.nan, "raised", f"raised {type(e).__name__}: {e}"
+          if kind:
+            fl.add(kind, what)
+          vals.append(x)
+      if n and fl.total == n:
+        spec = self.specs[i] if self.specs else name
+        mixed = n not in (fl.raised, fl.nan, fl.other)
+        raise RewardFailed(f"rl.reward={spec} failed on every one of the step's {n} completions; the first "
+                           f"{fl.first}" + (f" ({fl.raised} raised, {fl.nan} returned nan or inf, {fl.other} no number)"
+                                            if mixed else ""))
+      self.errors[name] = self.errors.get(name, 0) + fl.raised
+      self.nans[name] = self.nans.get(name, 0) + fl.nan + fl.other
+      # What enters the sum: zero scores a failure (and None) 0; exclude keeps NaN, left out below.
+      each[name] = vals if self.failed == "exclude" else [0.0 if math.isnan(v) else v for v in vals]
+    total = []
+    for j in range(n):
+      vs = [(w, each[nm][j]) for nm, w in zip(self.names, self.weights) if not math.isnan(each[nm][j])]
+      total.append(sum(w * v for w, v in vs) if vs else math.nan)  # NaN only under exclude: nothing scored it
+    return Scored(total, each, fails)

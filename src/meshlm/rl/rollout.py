@@ -32,15 +32,20 @@ class Prompt:
   row: dict  # the JSONL object: the fields the rewards read
 
 
-def load_prompts(cfg: Config, tokenizer) -> list[Prompt]:
-  """rl.prompts' lines as Prompts; an empty file, a line without a string `prompt`, or a prompt that leaves
-  no room for rl.max_new_tokens within model.max_position is refused in one line."""
-  path = cfg.rl.prompts
+def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl.prompts") -> list[Prompt]:
+  """The lines of rl.prompts (or of path, named `key` in errors: rl.eval_prompts) as Prompts; an empty file, a line
+  without a string `prompt`, or a prompt that leaves no room for rl.max_new_tokens within model.max_position is
+  refused in one line, as is an rl.max_new_tokens that leaves no room for any prompt."""
+  path = cfg.rl.prompts if path is None else path
   if path is None:
-    raise ConfigError("rl.prompts: not set; give a JSONL file with a `prompt` field per line")
+    raise ConfigError(f"{key}: not set; give a JSONL file with a `prompt` field per line")
   if not os.path.isfile(path):
-    raise ConfigError(f"rl.prompts={path}: no such file")
+    raise ConfigError(f"{key}={path}: no such file")
   room = cfg.model.max_position - cfg.rl.max_new_tokens
+  if room < 1:
+    raise ConfigError(f"rl.max_new_tokens={cfg.rl.max_new_tokens} leaves no room for a prompt within "
+                      f"model.max_position={cfg.model.max_position}; lower rl.max_new_tokens below "
+                      f"{cfg.model.max_position}")
   out = []
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
@@ -49,21 +54,29 @@ def load_prompts(cfg: Config, tokenizer) -> list[Prompt]:
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ConfigError(f"rl.prompts={path}: line {n} is not JSON ({e.msg})") from None
+        raise ConfigError(f"{key}={path}: line {n} is not JSON ({e.msg})") from None
       if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-        raise ConfigError(f"rl.prompts={path}: line {n} has no non-empty string field `prompt`")
+        raise ConfigError(f"{key}={path}: line {n} has no non-empty string field `prompt`")
       ids = [int(i) for i in tokenizer.encode(row["prompt"])]
       if len(ids) > room:
-        raise ConfigError(f"rl.prompts={path}: line {n}'s prompt is {len(ids)} tokens, longer than model.max_position"
+        raise ConfigError(f"{key}={path}: line {n}'s prompt is {len(ids)} tokens, longer than model.max_position"
                           f" - rl.max_new_tokens = {cfg.model.max_position} - {cfg.rl.max_new_tokens} = {room}")
       bad = [i for i in ids if not 0 <= i < cfg.model.vocab_size]
       if bad:
-        raise ConfigError(f"rl.prompts={path}: line {n}: token id {bad[0]} is outside the model's vocabulary "
+        raise ConfigError(f"{key}={path}: line {n}: token id {bad[0]} is outside the model's vocabulary "
                           f"[0, {cfg.model.vocab_size})")
       out.append(Prompt(row["prompt"], ids, row))
   if not out:
-    raise ConfigError(f"rl.prompts={path}: empty; give at least one line with a `prompt` field")
+    raise ConfigError(f"{key}={path}: empty; give at least one line with a `prompt` field")
   return out
+
+
+def eval_prompts(cfg: Config, tokenizer, prompts: list[Prompt]) -> list[Prompt]:
+  """The eval set: the first rl.eval_prompts of the training prompts, or the file rl.eval_prompts names."""
+  ev = cfg.rl.eval_prompts
+  if isinstance(ev, int):
+    return prompts[:ev]
+  return load_prompts(cfg, tokenizer, ev, "rl.eval_prompts")
 
 
 class PromptIterator:
@@ -128,8 +141,16 @@ def sample(cfg: Config, params, prompt_ids: list[list[int]], seeds: list[int], m
                     top_p=rl.top_p, stop_tokens=stop_tokens, seed=seeds, mesh=mesh)
 
 
-def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int, moe: bool) -> dict[str, np.ndarray]:
-  """The RL step's host batch from a rollout, without advantages (set from the rewards)."""
+def truncated(gen: G.Generation, stop_tokens) -> np.ndarray:
+  """[B] bool: the completions that rl.max_new_tokens cut, their last token no stop token (TRL's is_truncated)."""
+  stops = set(int(t) for t in stop_tokens)
+  return np.array([n == 0 or int(gen.tokens[b, n - 1]) not in stops for b, n in enumerate(gen.lengths)], bool)
+
+
+def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int, moe: bool,
+             stop_tokens=()) -> dict[str, np.ndarray]:
+  """The RL step's host batch from a rollout, without advantages (set from the rewards). With
+  rl.mask_truncated_completions the truncated completions' loss mask is 0 (they still count as rows)."""
   rows = [p for p in prompt_ids for _ in range(cfg.rl.num_generations)]
   B = len(rows)
   inputs = np.zeros((B, T), np.int32)
@@ -145,6 +166,8 @@ def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int
     seg[b, :len(seq) - 1] = 1
     mask[b, n - 1:n - 1 + c] = 1.0
     sampler[b, n - 1:n - 1 + c] = gen.sample_logprobs[b, :c]
+  if cfg.rl.mask_truncated_completions:
+    mask[truncated(gen, stop_tokens)] = 0.0
   batch = {"inputs": inputs, "targets": targets, "segment_ids": seg, "loss_mask": mask,
            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
            "sampler_logp": sampler, "old_logp": sampler.copy(), "advantages": np.zeros((B,), np.float32)}

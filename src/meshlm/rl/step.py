@@ -7,6 +7,7 @@ Batch fields (besides the train step's inputs/targets/positions/segment_ids/loss
 is 1 on completion tokens only):
   old_logp [B, T]      log-probs the ratio divides by: the sampler's (or, with rl.sampler_is, the
                        trainer's scoring of the rollout before any update)
+  loss_mask [B, T]     0 on a truncated completion's tokens too, with rl.mask_truncated_completions
   sampler_logp [B, T]  the sampler's log-probs of the distribution it drew from
   advantages [B]       group-normalized (rl/loss.py: advantages)
   ref_logp [B, T]      the reference policy's log-probs (only with rl.beta > 0)
@@ -98,24 +99,37 @@ def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows
   logits, live_ids = _forward(cfg, params, batch, rl.router_replay)
   logp, entropy = score(cfg, logits, batch["targets"])
   mask = batch["loss_mask"]
-  w = L.token_weights(mask, rl.loss_agg, num_tokens, num_rows, rl.max_new_tokens)
+  w = L.token_weights(mask, rl.loss_agg, num_tokens, num_rows, rl.max_new_tokens, cfg.train.micro_batches)
+  level, mode = L.SAMPLER_IS[rl.sampler_is]
   isw = None
-  if rl.sampler_is != "none":
-    isw = L.sampler_is_weight(batch["old_logp"], batch["sampler_logp"], mask, rl.sampler_is, rl.sampler_is_cap)
+  if level != "none":
+    is_ratio = L.sampler_is_ratio(batch["old_logp"], batch["sampler_logp"], mask, level)
+    isw = L.bound_is(is_ratio, mode, rl.sampler_is_cap, rl.sampler_is_min)
+  keep = None
+  if rl.top_entropy_quantile < 1:
+    # The quantile is over this micro-batch's completion tokens on every device: gathered whole ([B, T] floats).
+    keep = L.entropy_mask(constrain(entropy, (None, None)), constrain(mask, (None, None)), rl.top_entropy_quantile)
+    keep = constrain(keep, ("batch", "length"))
   loss, st = L.policy_loss(logp, batch["old_logp"], batch["advantages"], mask, w, epsilon=rl.epsilon,
                            epsilon_high=rl.epsilon_high, ratio_level=rl.ratio_level, beta=rl.beta,
-                           is_weight_BT=isw, ref_BT=batch.get("ref_logp"))
+                           is_weight_BT=isw, ref_BT=batch.get("ref_logp"), objective=rl.policy_loss, delta=rl.delta,
+                           cispo_cap=rl.cispo_cap, kl_estimator=rl.kl_estimator, keep_BT=keep)
   sg = jax.lax.stop_gradient
   gap = jnp.abs(sg(logp) - batch["sampler_logp"]) * mask
   mb_tokens = jnp.sum(mask)
   share = mb_tokens / num_tokens
   metrics = {"ratio_mean": sg(st["ratio_sum"]) / num_tokens, "ratio_max": sg(st["ratio_max"]),
-             "ratio_min": sg(st["ratio_min"]),
+             "ratio_min": sg(st["ratio_min"]), "ratio_outside_window": sg(st["outside_sum"]) / num_tokens,
              "clip_frac": st["clipped_sum"] / num_tokens, "kl": sg(st["kl_sum"]) / num_tokens,
              "entropy": sg(jnp.sum(entropy * mask)) / num_tokens,
+             "entropy_sampled": -sg(jnp.sum(logp * mask)) / num_tokens,
              "logp_gap_mean": jnp.sum(gap) / num_tokens, "logp_gap_max": jnp.max(gap)}
+  if keep is not None:
+    metrics["entropy_kept_frac"] = jnp.sum(keep * mask) / num_tokens
   if isw is not None:
     metrics["sampler_is_mean"] = jnp.sum(isw * mask) / num_tokens
+    cut = (isw != is_ratio).astype(jnp.float32)  # truncated to a bound, or masked to 0
+    metrics[f"sampler_is_{'masked' if mode == 'mask' else 'clipped'}_frac"] = jnp.sum(cut * mask) / num_tokens
   if live_ids is not None:
     per_layer, any_layer = router_flips(live_ids, batch[FORCED_EXPERT_IDS], batch["segment_ids"])
     for i in range(per_layer.shape[0]):

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from meshlm.config import Config
+from meshlm.console import printable
 from meshlm.errors import ConfigError
 from meshlm.fsutil import write_text
 from meshlm.models import decoder
@@ -35,10 +36,19 @@ from meshlm.train.metrics import MetricsWriter
 
 
 class RewardWarning(UserWarning):
-  """A reward raised; the completion scored 0."""
+  """A reward raised or returned NaN on some of a step's completions."""
 
 
-RewardWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
+class ClipWindowWarning(UserWarning):
+  """The first iteration's ratio is outside the clip window before any update (the train/sample gap)."""
+
+
+RewardWarning.__module__ = ClipWindowWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
+
+# The train step's shapes that rl_config derives from the RL keys: a resume compares those keys, not these.
+DERIVED = ("train.seq_len", "train.per_device_batch_size", "train.sample_tokens")
+COMPLETIONS = "completions.jsonl"  # run_dir's record of the evaluations' prompts, completions and rewards
+SHOW = 2  # evaluation completions printed to the console, each eval
 
 
 @dataclasses.dataclass
@@ -77,8 +87,25 @@ def stop_tokens(cfg: Config, tokenizer) -> list[int]:
   return ids or [int(tokenizer.eos_id)]
 
 
-def step_seeds(seed: int, step: int, rows: int) -> list[int]:
-  return [int(s) for s in np.random.default_rng([seed, 0x5EED, step]).integers(0, 2**31 - 1, rows)]
+def step_seeds(seed: int, step: int, rows: int, stream: int = 0x5EED) -> list[int]:
+  return [int(s) for s in np.random.default_rng([seed, stream, step]).integers(0, 2**31 - 1, rows)]
+
+
+EVAL_STREAM = 0xE7A1  # the sampled evaluation's seeds: their own stream, so the rollouts draw as without it
+
+
+def _nanmean(x) -> float:
+  x = np.asarray(x, np.float64)
+  return float(np.mean(x[~np.isnan(x)])) if np.any(~np.isnan(x)) else float("nan")
+
+
+def _nanstd(x) -> float:
+  x = np.asarray(x, np.float64)
+  return float(np.std(x[~np.isnan(x)])) if np.any(~np.isnan(x)) else float("nan")
+
+
+def _json_value(v: float):
+  return None if isinstance(v, float) and not np.isfinite(v) else v
 
 
 class Trainer:
@@ -90,6 +117,7 @@ class Trainer:
     self.tokenizer = make_tokenizer(cfg)
     self.rewards = Rewards.from_config(cfg.rl)  # an unknown or unimportable reward fails before loading prompts
     self.prompts = R.load_prompts(cfg, self.tokenizer)
+    self.eval_set = R.eval_prompts(cfg, self.tokenizer, self.prompts) if cfg.rl.eval_every else []
     self.mesh = make_mesh(cfg) if mesh is None else mesh
     self.cfg = cfg = rl_config(cfg, self.prompts, self.mesh.size)
     self.step = build_rl_step(cfg, self.mesh)
@@ -99,10 +127,19 @@ class Trainer:
     self.score = scorer(cfg, self.step) if cfg.rl.sampler_is != "none" or cfg.rl.beta > 0 else None
     self.ref = None
     self.host_metrics: dict[int, dict] = {}
-    self._errors_seen = 0
+    self.say = lambda *a, **k: None  # the console (process 0), set by run()
+    self.window_warned = False
+    self.last = None  # the last rollout's host side: prompts, texts, rewards (Scored), truncated [B]
 
   def params_of(self, state):
     return decoder.merge_state(state.params, state.model_state)
+
+  def _texts(self, gen) -> list[str]:
+    return [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
+
+  def _score(self, prompts: list[R.Prompt], gen, texts: list[str]):
+    rows_in = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(prompts, gen.lengths)]
+    return self.rewards([p.text for p in prompts], texts, rows_in, gen.token_lists())
 
   def rollout(self, state, i: int) -> dict:
     """The device batch of step i, from the current parameters; its host metrics into host_metrics[i]."""
@@ -114,13 +151,15 @@ class Trainer:
     t0 = time.perf_counter()
     gen = R.sample(cfg, params, [p.ids for p in prompts], step_seeds(cfg.train.seed, i, rows), self.mesh, self.stops)
     t_sample = time.perf_counter() - t0
-    texts = [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
+    texts = self._texts(gen)
     group = [p for p in prompts for _ in range(rl.num_generations)]
-    rows_in = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(group, gen.lengths)]
-    total, each = self.rewards([p.text for p in group], texts, rows_in)
-    batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.moe)
-    batch["advantages"] = np.asarray(L.advantages(np.asarray(total, np.float32), rl.num_generations,
-                                                  rl.scale_rewards), np.float32)
+    scored = self._score(group, gen, texts)  # a reward failing on every completion stops the run here
+    total = np.asarray(scored.total, np.float64)  # the metrics' (NaN: excluded); the advantages take float32
+    cut = R.truncated(gen, self.stops)
+    self.last = {"prompts": group, "texts": texts, "scored": scored, "truncated": cut}
+    batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.moe, self.stops)
+    adv = L.advantages if np.all(np.isfinite(total)) else L.advantages_excluding_nan  # NaN: rl.failed_reward=exclude
+    batch["advantages"] = np.asarray(adv(total.astype(np.float32), rl.num_generations, rl.scale_rewards), np.float32)
     dev = self.step.put_batch(batch)
     if self.score is not None:
       with jax.set_mesh(self.mesh):
@@ -129,37 +168,64 @@ class Trainer:
         if rl.beta > 0:
           dev["ref_logp"] = self.score(self.ref, dev)
     n_new = int(np.sum(gen.lengths))
-    m = {"reward_mean": float(np.mean(total)), "reward_std": float(np.std(total)),
-         "completion_len": float(np.mean(gen.lengths)), "sample_time_s": t_sample,
-         "sample_tokens_per_s": n_new / t_sample,
-         "groups_degenerate": float(np.mean(np.ptp(np.reshape(total, (-1, rl.num_generations)), axis=1) == 0))}
+    grouped = np.reshape(total, (-1, rl.num_generations))
+    m = {"reward_mean": _nanmean(total), "reward_std": _nanstd(total),
+         "completion_len": float(np.mean(gen.lengths)), "truncated_frac": float(np.mean(cut)),
+         "sample_time_s": t_sample, "sample_tokens_per_s": n_new / t_sample,
+         "groups_degenerate": float(np.mean([np.ptp(g[~np.isnan(g)]) == 0 if np.any(~np.isnan(g)) else True
+                                             for g in grouped]))}
+    if self.rewards.failed == "exclude":
+      m["rewards_excluded"] = float(np.sum(np.isnan(total)))
     if len(self.rewards.names) > 1:
-      for n, v in each.items():
-        m[f"reward/{n}_mean"] = float(np.mean(v))
-        m[f"reward/{n}_std"] = float(np.std(v))
-    errors = sum(self.rewards.errors.values())
-    m["reward_errors"] = float(errors)
-    if errors > self._errors_seen:
-      warnings.warn(f"step {i}: {errors - self._errors_seen} reward call(s) raised and scored 0 "
-                    f"({', '.join(f'{k}: {v}' for k, v in self.rewards.errors.items() if v)} so far)", RewardWarning)
-      self._errors_seen = errors
+      for n, v in scored.each.items():
+        m[f"reward/{n}_mean"] = _nanmean(v)
+        m[f"reward/{n}_std"] = _nanstd(v)
+    m["reward_errors"] = float(sum(self.rewards.errors.values()))
+    m["reward_nan"] = float(sum(self.rewards.nans.values()))
+    bad = {n: f for n, f in scored.failures.items() if f.total}
+    if bad:
+      scored_as = "scored 0" if self.rewards.failed == "zero" else "left out (rl.failed_reward=exclude)"
+      parts = [f"{n}: {f.raised} raised, {f.nan + f.other} returned nan or no number of {rows}, first {f.first}"
+               if f.raised and f.nan + f.other else
+               f"{n}: {f.raised} of {rows} raised, first {f.first}" if f.raised else
+               f"{n}: {f.nan + f.other} of {rows} {f.first}" for n, f in bad.items()]
+      warnings.warn(f"step {i}: {'; '.join(parts)}; {scored_as}", RewardWarning)
     if rl.eval_every and i % rl.eval_every == 0:
-      m["eval_reward"] = self.evaluate(state)
+      m.update(self.evaluate(state, i))
     self.host_metrics[i] = m
     return dev
 
-  def evaluate(self, state) -> float:
-    """The greedy mean reward over the first rl.eval_prompts prompts (the sampler's eval, no training)."""
+  def evaluate(self, state, step: int) -> dict[str, float]:
+    """The eval set's mean reward greedy (eval_reward) and sampled once per prompt with the rollouts' temperature,
+    top-k and top-p (eval_reward_sampled); every completion into run_dir/completions.jsonl, the first SHOW to the
+    console. No training, and its seeds are a stream of their own."""
     from meshlm.models.generate import generate
-    ps = self.prompts[:self.cfg.rl.eval_prompts]
-    gen = generate(R.sampler_config(self.cfg), self.params_of(state), [p.ids for p in ps], max_new_tokens=self.cfg.rl.max_new_tokens,
-                   temperature=0.0, stop_tokens=self.stops, mesh=self.mesh)
-    texts = [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
-    rows = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(ps, gen.lengths)]
-    total, _ = self.rewards([p.text for p in ps], texts, rows)
-    return float(np.mean(total))
+    cfg, rl = self.cfg, self.cfg.rl
+    ps, params = self.eval_set, self.params_of(state)
+    out, lines = {}, []
+    for mode, kw in (("greedy", dict(temperature=0.0)),
+                     ("sampled", dict(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
+                                      seed=step_seeds(cfg.train.seed, step, len(ps), EVAL_STREAM)))):
+      gen = generate(R.sampler_config(cfg), params, [p.ids for p in ps], max_new_tokens=rl.max_new_tokens,
+                     stop_tokens=self.stops, mesh=self.mesh, **kw)
+      texts = self._texts(gen)
+      sc = self._score(ps, gen, texts)
+      out["eval_reward" if mode == "greedy" else "eval_reward_sampled"] = _nanmean(sc.total)
+      for j, (p, t) in enumerate(zip(ps, texts)):
+        lines.append({"step": step, "mode": mode, "prompt": p.text, "completion": t,
+                      "reward": _json_value(float(sc.total[j])),
+                      "rewards": {n: _json_value(float(v[j])) for n, v in sc.each.items()},
+                      "truncated": bool(R.truncated(gen, self.stops)[j])})
+    if jax.process_index() == 0 and cfg.run_dir:
+      with open(os.path.join(cfg.run_dir, COMPLETIONS), "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+    for r in lines[:SHOW]:
+      reward = "nan" if r["reward"] is None else f"{r['reward']:.3f}"
+      self.say(f"eval step {step} ({r['mode']}): {printable(r['prompt'])!r} -> {printable(r['completion'])!r}  "
+               f"reward {reward}", markup=False, highlight=False)
+    return out
 
-  def updates(self, state, batch):
+  def updates(self, state, batch, step: int | None = None):
     """rl.num_iterations updates on one batch: the ratio and gap statistics of the first (before any
     update of this batch), the loss of the last."""
     t0 = time.perf_counter()
@@ -170,7 +236,30 @@ class Trainer:
     m = dict(m)  # the last iteration's loss and grad norm; the first's view of the rollout
     m.update({k: v for k, v in first.items() if k.startswith(("ratio", "logp_gap", "router_flips", "sampler_is"))})
     jax.block_until_ready(m)
+    self.check_window(m, step)
     return state, m, time.perf_counter() - t0
+
+  def check_window(self, m: dict, step: int | None) -> None:
+    """Warns once per run when most of the first iteration's ratios are already outside the clip window: before
+    any update the ratio is the train/sample gap alone (old = the sampler's log-probs), and a window narrower than
+    that gap (GSPO's 3e-4 / 4e-4 under bfloat16) clips nearly every token from the first step on."""
+    rl = self.cfg.rl
+    if self.window_warned or rl.policy_loss != "clip" or rl.sampler_is != "none":
+      return
+    out = float(m["ratio_outside_window"])
+    if out > WINDOW_WARN:
+      hi = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
+      self.window_warned = True
+      warnings.warn(
+          f"step {step}: before any update, {out:.0%} of the completion tokens' ratios (the train/sample gap: "
+          f"logp_gap_mean {float(m['logp_gap_mean']):.2g}, ratio in [{float(m['ratio_min']):.6g}, "
+          f"{float(m['ratio_max']):.6g}]) are outside the clip window [1 - {rl.epsilon:g}, 1 + {hi:g}], so the "
+          "clipped tokens get no gradient (clip_frac near 1, grad_norm near 0); widen rl.epsilon/rl.epsilon_high, "
+          "compute in float32 (train.compute_dtype=float32), or set rl.sampler_is (the ratio then starts at 1 and "
+          "the gap goes into the importance weight)", ClipWindowWarning)
+
+
+WINDOW_WARN = 0.5  # the share of first-iteration ratios outside the window that ClipWindowWarning speaks up at
 
 
 def run(cfg: Config, *, console=None, show_progress: bool = True, start_time: float | None = None,
@@ -185,6 +274,7 @@ def run(cfg: Config, *, console=None, show_progress: bool = True, start_time: fl
   with leave_as_found(cfg) as cfg:
     LP.prepare_run_dir(cfg)
     tr = Trainer(cfg)
+    tr.say = say
     cfg = tr.cfg
     ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
     try:
@@ -196,11 +286,11 @@ def run(cfg: Config, *, console=None, show_progress: bool = True, start_time: fl
 def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RLResult:
   cfg = tr.cfg
   step = tr.step
-  state, start, rng, counters, data_state = LP.restore_or_init(cfg, step, ckpt, say)
+  state, start, rng, counters, data_state = LP.restore_or_init(cfg, step, ckpt, say, ignore=DERIVED)
   if data_state is not None:
     tr.iterator.set_state(data_state["prompts"])
     tr.rewards.errors.update(data_state.get("reward_errors", {}))
-    tr._errors_seen = sum(tr.rewards.errors.values())
+    tr.rewards.nans.update(data_state.get("reward_nan", {}))
   if cfg.rl.beta > 0:
     # The reference is the starting policy: the loaded (or initial) parameters, also on resume.
     ref_state = step.init_state(jax.random.key(cfg.train.seed)) if start else state
@@ -213,6 +303,8 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   if start < cfg.train.steps:
     LP.write_config(cfg)
   LP._trim_metrics(cfg.run_dir, start)
+  if start < cfg.train.steps:  # the evaluations of steps run again are written again (a run at its end keeps its last)
+    LP._trim_metrics(cfg.run_dir, start, COMPLETIONS)
   records: list[dict] = []
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else LP._NullWriter()
 
@@ -229,7 +321,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
 
   def step_fn(state, batch):
     i = min(tr.host_metrics)  # the rollout this batch came from (state.step counts updates: num_iterations each)
-    state, m, dt = tr.updates(state, batch)
+    state, m, dt = tr.updates(state, batch, i)
     holder["state"] = state
     host = tr.host_metrics.pop(i)
     total = host["sample_time_s"] + dt
@@ -243,13 +335,14 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   loop = LP.Loop(cfg, step_fn, ckpt, console, say, Recorder(), step.global_batch * cfg.train.seq_len, show_progress,
                  t_start, on_step, queue_ahead=False, progress_extra=progress)
   out = loop.run(state, start, rng, counters, fetch=lambda i: tr.rollout(holder["state"], i),
-                 position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors)})
+                 position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors),
+                                   "reward_nan": dict(tr.rewards.nans)})
   if out.nonfinite_msg:
     ckpt.wait()
     raise LP.NonFiniteStop(out.nonfinite_msg)
   evals = {r["step"]: r["eval_reward"] for r in records if "eval_reward" in r}
   if out.stop_reason == "done" and cfg.rl.eval_every and records:
-    evals[cfg.train.steps] = tr.evaluate(out.state)
+    evals[cfg.train.steps] = tr.evaluate(out.state, cfg.train.steps)["eval_reward"]
     if jax.process_index() == 0:
       # The greedy evaluations of the whole run (after the last step too), beside metrics.jsonl.
       path = os.path.join(cfg.run_dir, "eval.json")

@@ -105,10 +105,10 @@ def write_config(cfg: Config) -> None:
     write_text(os.path.join(cfg.run_dir, "config.yaml"), to_yaml(cfg))
 
 
-def _trim_metrics(run_dir: str, start_step: int) -> None:
-  """Drops metrics.jsonl records of steps >= start_step: steps run after the checkpoint we resume
-  from are run again, and each step should appear once."""
-  path = os.path.join(run_dir, "metrics.jsonl")
+def _trim_metrics(run_dir: str, start_step: int, name: str = "metrics.jsonl") -> None:
+  """Drops metrics.jsonl records (or another JSONL file's, each with a `step`) of steps >= start_step: steps run
+  after the checkpoint we resume from are run again, and each step should appear once."""
+  path = os.path.join(run_dir, name)
   if jax.process_index() != 0 or not os.path.exists(path):
     return
   with open(path) as f:
@@ -351,17 +351,19 @@ starts leaves no directory it created behind.
       ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
 
 
-def restore_or_init(cfg: Config, step_fn, ckpt, say) -> tuple[TrainState, int, jax.Array, dict, dict | None]:
+def restore_or_init(cfg: Config, step_fn, ckpt, say, ignore: tuple[str, ...] = ()
+                    ) -> tuple[TrainState, int, jax.Array, dict, dict | None]:
   """(state, start step, rng, counters, data_state or None) of a run: its latest checkpoint (after
-  refusing a resume with other settings), else a fresh state, with checkpoint.load_params_from's
-  parameters when it is set. Every trainer (train, rl) starts through here."""
+  refusing a resume with other settings; `ignore`: keys the trainer derives from others, which are compared),
+  else a fresh state, with checkpoint.load_params_from's parameters when it is set. Every trainer (train, rl)
+  starts through here."""
   from meshlm.train.checkpoint import load_params
   from meshlm.train.run_dir import resume_mismatch
   t = cfg.train
   rng = jax.random.key(t.seed)
   counters = {"nonfinite_in_a_row": 0, "nonfinite_total": 0}
   steps = ckpt.manager.all_steps()
-  bad = steps and resume_mismatch(cfg, max(steps))  # before restoring: refusing costs no array read
+  bad = steps and resume_mismatch(cfg, max(steps), ignore)  # before restoring: refusing costs no array read
   if bad:
     raise ConfigError(bad)
   restored = ckpt.restore_latest(step_fn.abstract_state())

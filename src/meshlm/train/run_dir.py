@@ -39,6 +39,8 @@ RESUMABLE = (
     # How the step is compiled, not what it computes; the stored parameters are the same.
     "shard_mode", "remat", "lm_head_weight_grad_in_kernel_order", "dense_weight_grad_in_kernel_order",
     "weight_grad_impl", "scan_layers", "stack_rows",
+    # RL's evaluation: what it measures and how often, not what the run trains.
+    "rl.eval_every", "rl.eval_prompts",
 )
 # Checked against the checkpoint's own record (train/checkpoint.py), or the run's own address.
 _CHECKED_ELSEWHERE = ("model.*", "model_name", "data.source", "data.path", "run_dir")
@@ -109,9 +111,10 @@ def _flat(tree: dict, prefix: str = "") -> dict:
   return out
 
 
-def resume_mismatch(cfg: Config, step: int) -> str | None:
+def resume_mismatch(cfg: Config, step: int, ignore: tuple[str, ...] = ()) -> str | None:
   """The one-line refusal of resuming `step` with settings other than the run's config.yaml, or None.
-  Keys in only one of the two (a meshlm that added or dropped a key since) are not compared."""
+  Keys in only one of the two (a meshlm that added or dropped a key since) are not compared, nor `ignore`'s
+  (a trainer's keys derived from others: RL's train.per_device_batch_size follows rl.num_generations)."""
   path = os.path.join(cfg.run_dir, "config.yaml")
   if not os.path.isfile(path):
     return None
@@ -119,7 +122,7 @@ def resume_mismatch(cfg: Config, step: int) -> str | None:
     saved = _flat(yaml.safe_load(f) or {})
   ours = _flat(yaml.safe_load(to_yaml(cfg)))  # through YAML too, so 1e-3 compares as the file wrote it
   diff = [k for k in ours if k in saved and ours[k] != saved[k]
-          and not _matches(k, RESUMABLE) and not _matches(k, _CHECKED_ELSEWHERE)]
+          and not _matches(k, RESUMABLE) and not _matches(k, _CHECKED_ELSEWHERE) and k not in ignore]
   if not diff:
     return None
   what = "; ".join(f"{k} is {ours[k]!r} here but {saved[k]!r} there" for k in diff)
