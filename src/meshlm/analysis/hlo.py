@@ -2,7 +2,8 @@
 
 Each instruction keeps its opcode, result shape and layout, operands, the computations it calls
 and its metadata op_name (the named-scope path that survives compilation). `multipliers` says how
-many times each computation runs per step: a `while` body counts its known trip count.
+many times each computation runs per step: a `while` body counts its trip count (the backend config's
+known_trip_count, or on XLA:TPU, which prints none, the count its condition and start value give).
 """
 from __future__ import annotations
 
@@ -137,7 +138,39 @@ def parse(text: str) -> HloModule:
                 int(trip.group(1)) if trip else None, line.strip())
     comps[comp].append(ins)
     by_name[name] = ins
+  for ins in by_name.values():
+    if ins.opcode == "while" and ins.trip_count is None:
+      ins.trip_count = _counted_trips(comps, ins)
   return HloModule(comps, entry, by_name, _multipliers(comps, entry))
+
+
+_CONSTANT = re.compile(r"\bconstant\((-?\d+)\)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _counted_trips(comps: dict[str, list[Instr]], loop: Instr) -> int | None:
+  """A while's trip count when its backend config does not say it (XLA:TPU prints none): the condition is
+  `counter < N` for a constant N, the counter is element k of the loop's tuple, and the loop starts it at a
+  constant C (through copies), so it runs N - C times, as a scan's counter steps by one. None otherwise (a
+  bound read from the state: a while_loop's)."""
+  cond = comps.get((loop.called.get("condition") or [""])[0]) or []
+  local = {i.name: i for i in cond}
+  root = next((i for i in cond if i.text.startswith("ROOT ")), None)
+  if root is None or root.opcode != "compare" or "direction=LT" not in root.text or len(root.operands) != 2:
+    return None
+  counter, bound = (local.get(o) for o in root.operands)
+  if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+    return None
+  k, n = _INDEX.search(counter.text), _CONSTANT.search(bound.text)
+  outer = {i.name: i for i in comps.get(loop.comp, [])}
+  init = outer.get(loop.operands[0]) if loop.operands else None
+  if k is None or n is None or init is None or init.opcode != "tuple" or int(k.group(1)) >= len(init.operands):
+    return None
+  start = outer.get(init.operands[int(k.group(1))])
+  while start is not None and start.opcode == "copy" and start.operands:
+    start = outer.get(start.operands[0])
+  c = _CONSTANT.search(start.text) if start is not None and start.opcode == "constant" else None
+  return int(n.group(1)) - int(c.group(1)) if c else None
 
 
 def _multipliers(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
