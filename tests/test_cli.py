@@ -110,7 +110,7 @@ def schema_leaves(model: type[BaseModel] = Config, prefix: str = "") -> dict[str
   return out
 
 
-@pytest.mark.parametrize("command", ["train", "census", "compare", "bench", "convert"])
+@pytest.mark.parametrize("command", ["train", "census", "compare", "compile", "bench", "convert"])
 def test_help_exits_0_with_usage_and_every_key(capsys, command):
   assert main([command, "--help"]) == 0
   out, err = capsys.readouterr()
@@ -130,6 +130,7 @@ def test_help_exits_0_with_usage_and_every_key(capsys, command):
     ("generate", ["prompt=TEXT", "max_new_tokens=N", "temperature=T", "stop=ID,ID"]),
     ("bench", ["--timer wall|cpu", "--reps N", "--warmup N", "--arm NAME"]),
     ("census", ["--json"]), ("compare", ["--arm NAME", "--json"]), ("convert", ["hf-to-meshlm SRC DST"]),
+    ("compile", ["topology=NAME", "hbm_gib=X", "--program P[,P]", "--fit[=batch]", "--fit=remat", "--json"]),
 ])
 def test_each_command_help_leads_with_its_own_options(command, own):
   """Rough edge 10: every command's --help printed the training key table first; train has no options block."""
