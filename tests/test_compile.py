@@ -175,7 +175,7 @@ TPU_LIKE_LOOP = """HloModule m
 %body (q: (s32[], f32[8])) -> (s32[], f32[8]) {
   %q = (s32[], f32[8]) parameter(0)
   %j = s32[] get-tuple-element(%q), index=0
-  %one = s32[] constant(1)
+  %one = s32[] constant(STEP)
   %k = s32[] add(%j, %one)
   %x = f32[8] get-tuple-element(%q), index=1
   %y = f32[8] multiply(%x, %x)
@@ -193,20 +193,23 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 def test_trip_count_from_the_condition_where_the_backend_prints_none():
-  """XLA:TPU prints no known_trip_count; the count comes from `i < N` and the start value (through a copy)."""
+  """XLA:TPU prints no known_trip_count; the count comes from `i < N`, the start value (through a copy) and the
+  body's constant step."""
   from meshlm.analysis import hlo as H
   def trips(text):
     mod = H.parse(text)
     return mod.by_name["w"].trip_count, mod.multipliers.get("body")
-  assert trips(TPU_LIKE_LOOP.replace("BOUND", "32").replace("START", "0")) == (32, 32)
-  assert trips(TPU_LIKE_LOOP.replace("BOUND", "32").replace("START", "2")) == (30, 30)
-  # Negative controls: a bound read from the state, or a start that is not a constant, has no count.
-  dynamic = TPU_LIKE_LOOP.replace("BOUND", "0").replace("START", "0").replace(
-      "%n = s32[]{:T(128)} constant(0)", "%n = s32[] get-tuple-element(%p), index=0")
+  loop = lambda bound, start, step: TPU_LIKE_LOOP.replace("BOUND", str(bound)).replace(  # noqa: E731
+      "START", str(start)).replace("STEP", str(step))
+  assert trips(loop(32, 0, 1)) == (32, 32)
+  assert trips(loop(32, 2, 1)) == (30, 30)
+  assert trips(loop(4, 0, 2)) == (2, 2) and trips(loop(5, 0, 2)) == (3, 3)  # XLA:TPU's windowed einsums step by 2
+  # Negative controls: a bound read from the state, a start that is not a constant, or an update that is not a
+  # constant step, has no count.
+  dynamic = loop(0, 0, 1).replace("%n = s32[]{:T(128)} constant(0)", "%n = s32[] get-tuple-element(%p), index=0")
   assert trips(dynamic) == (None, 1)
-  unknown_start = TPU_LIKE_LOOP.replace("BOUND", "32").replace(
-      "%zero = s32[]{:T(128)} constant(START)", "%zero = s32[] convert(%a)")
-  assert trips(unknown_start) == (None, 1)
+  assert trips(loop(32, 0, 1).replace("%zero = s32[]{:T(128)} constant(0)", "%zero = s32[] convert(%a)")) == (None, 1)
+  assert trips(loop(32, 0, 1).replace("%k = s32[] add(%j, %one)", "%k = s32[] multiply(%j, %one)")) == (None, 1)
 
 
 def _scanned_matmuls(layers: int):
