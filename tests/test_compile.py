@@ -299,6 +299,9 @@ def test_tpu_census_and_roofline(tpu_report):
   census = p["census"]
   assert census["hlo"]["collectives"]["all-gather"]["count"] > 0
   assert census["stablehlo"]["transpose_of_dot"]["blocked"] == 0  # explicit with the kernel-order flags
+  # Per step, the scanned layers' collectives count twice; in the text, once.
+  per_step = sum(v["count"] for v in census["hlo"]["collectives"].values())
+  assert 0 < sum(p["collective_instructions"].values()) < per_step
   r = p["roofline"]
   # The layers are scanned: XLA counts the body once, the HLO count twice (2 layers).
   assert r["flops"] > 1.3 * r["xla_cost_analysis"]["flops"]

@@ -185,7 +185,12 @@ def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | Non
   """Step-time lower bound max(FLOPs / peak, bytes / bandwidth) per device, and the MFU it implies."""
   mod = H.parse(hlo_text)
   flops, traffic = C.flops(mod), C.traffic_bytes(mod)
-  out = {"flops": flops, "bytes": traffic, "xla_cost_analysis": xla_cost, "model_flops": model_flops,
+  # Collective instructions as the program text holds them, each once (a loop body's once, however many trips):
+  # how the seed counts its 397B program's collectives; the census counts them per step.
+  kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+  instructions = {k: sum(i.opcode in (k, f"{k}-start") for i in mod.instrs()) for k in kinds}
+  out = {"flops": flops, "bytes": traffic, "collective_instructions": instructions,
+         "xla_cost_analysis": xla_cost, "model_flops": model_flops,
          "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth}
   if chip.peak_flops and chip.hbm_bandwidth:
     compute_s, memory_s = flops / chip.peak_flops, traffic / chip.hbm_bandwidth
@@ -222,6 +227,7 @@ def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: flo
   out = {"compile_s": seconds, "memory": _memory(compiled, inputs, chip.hbm_bytes, chip.platform)
          | {"largest_buffers": biggest},
          "roofline": roofline(low.hlo, low.cost, chip, model_flops)}
+  out["collective_instructions"] = out["roofline"].pop("collective_instructions")
   if census:
     out["census"] = census_of(low)
   if keep:
