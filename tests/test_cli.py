@@ -121,6 +121,7 @@ HELP_SCOPE = {
     "census": lambda k: not k.startswith(("rl.", "checkpoint.")),
     "compare": lambda k: not k.startswith(("rl.", "checkpoint.")),
     "bench": lambda k: not k.startswith(("rl.", "checkpoint.")),
+    "compile": lambda k: not k.startswith("checkpoint."),
     "generate": _under("cpu_devices", "mesh.", "shard_mode", "data.tokenizer", "distributed."),
     "convert": _under("cpu_devices", "mesh.", "distributed."),
 }
@@ -156,6 +157,7 @@ def test_every_key_has_a_help_line_somewhere():
     ("generate", ["prompt=TEXT", "max_new_tokens=N", "temperature=T", "stop=ID,ID"]),
     ("bench", ["--timer wall|cpu", "--reps N", "--warmup N", "--arm NAME"]),
     ("census", ["--json"]), ("compare", ["--arm NAME", "--json"]), ("convert", ["hf-to-meshlm SRC DST"]),
+    ("compile", ["topology=NAME", "hbm_gib=X", "--program P[,P]", "--fit[=batch]", "--fit=remat", "--json"]),
 ])
 def test_each_command_help_leads_with_its_own_options(command, own):
   """Rough edge 10: every command's --help printed the training key table first; train has no options block."""

@@ -1,4 +1,4 @@
-"""meshlm <command> [key=value ...]: train | rl | census | compare | bench | convert | generate."""
+"""meshlm <command> [key=value ...]: train | rl | census | compare | compile | bench | convert | generate."""
 from __future__ import annotations
 
 import signal
@@ -16,6 +16,8 @@ commands:
   presets   list the model presets
   convert   Hugging Face <-> meshlm: meshlm convert hf-to-meshlm SRC DST | meshlm-to-hf SRC DST
   census    HLO census of the train step: meshlm census [key=value ...] [--json]
+  compile   the step compiled for a topology (TPU via libtpu, or cpu:N): memory, census, roofline:
+            meshlm compile model=llama3-8b topology=v5p:2x2x1 mesh.fsdp=4 [--program rl|prefill|decode] [--fit]
   compare   A/B census: meshlm compare [key=value ...] --arm NAME:k=v[,k=v] --arm ... [--json]
   bench     interleaved timing: meshlm bench [key=value ...] --arm ... --reps N [--json] [--plot PATH]
   generate  sample with a KV cache: meshlm generate PATH prompt="def f(" max_new_tokens=64
@@ -28,6 +30,9 @@ SUMMARIES = {
     "train": "Train a model; the same command with the same run_dir resumes from its latest checkpoint.",
     "rl": "Reinforcement learning (GRPO) on prompts with rewards; the same command with the same run_dir resumes.",
     "census": "HLO census of the train step `meshlm train` would compile (nothing runs).",
+    "compile": ("The train step (or the RL step, the sampler's prefill and decode) compiled for a topology's devices "
+                "(a TPU slice through libtpu, or fake CPU devices) from abstract inputs: memory per device against the "
+                "HBM (fits or not), the census, a roofline and the compile time. Nothing is allocated or run."),
     "compare": "A/B census: the same train step under two or more arms of overrides.",
     "bench": "Interleaved timing of the train step under one or more arms of overrides.",
     "convert": "Convert between Hugging Face and meshlm model directories.",
@@ -50,6 +55,9 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
   if cmd in ("census", "compare"):
     from meshlm.commands import census as c
     return (c.CENSUS_USAGE, c.CENSUS_OPTIONS) if cmd == "census" else (c.COMPARE_USAGE, c.COMPARE_OPTIONS)
+  if cmd == "compile":
+    from meshlm.commands.compile import OPTIONS, USAGE
+    return USAGE, OPTIONS
   if cmd == "bench":
     from meshlm.commands.bench import BENCH_OPTIONS, BENCH_USAGE
     return BENCH_USAGE, BENCH_OPTIONS
@@ -70,6 +78,7 @@ HELP_KEYS = {
     "census": (None, ("rl.", "checkpoint.")),
     "compare": (None, ("rl.", "checkpoint.")),
     "bench": (None, ("rl.", "checkpoint.")),
+    "compile": (None, ("checkpoint.",)),  # --program rl reads the rl.* keys
     "generate": (("cpu_devices", "mesh.", "shard_mode", "data.tokenizer", "distributed."), ()),
     "convert": (("cpu_devices", "mesh.", "distributed."), ()),
 }
@@ -191,6 +200,11 @@ def cmd_compare(args: list[str], start: float) -> int:
   return run(args, start)
 
 
+def cmd_compile(args: list[str], start: float) -> int:
+  from meshlm.commands.compile import main as compile_main
+  return compile_main(args)
+
+
 def cmd_bench(args: list[str], start: float) -> int:
   from meshlm.commands.bench import cmd_bench as run
   return run(args, start)
@@ -202,7 +216,7 @@ def cmd_generate(args: list[str], start: float) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "train": cmd_train, "rl": cmd_rl, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
-            "compare": cmd_compare, "bench": cmd_bench}
+            "compare": cmd_compare, "compile": cmd_compile, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,15 +69,17 @@ def num_devices_for(cfg: Config) -> int:
   return n
 
 
-def make_mesh(cfg: Config):
-  """The jax Mesh for cfg: axis types Explicit or Auto, on the first N devices."""
+def make_mesh(cfg: Config, devices=None):
+  """The jax Mesh for cfg: axis types Explicit or Auto, on the first N devices, or on all of `devices` (a
+  topology's, which may be compile-only: meshlm compile)."""
   import jax
   from jax.sharding import AxisType
-  n = num_devices_for(cfg)
-  sizes = resolve_mesh_shape(cfg, n)
+  if devices is None:
+    n = num_devices_for(cfg)
+    devices = jax.devices()[:n]
+  sizes = resolve_mesh_shape(cfg, len(devices))
   kind = AxisType.Explicit if cfg.shard_mode == "explicit" else AxisType.Auto
-  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(kind,) * len(AXES),
-                       devices=jax.devices()[:n])
+  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(kind,) * len(AXES), devices=list(devices))
 
 
 def mesh_of(tree):

@@ -303,8 +303,10 @@ class TrainStep:
                       decoder.init_model_state(self.cfg, key, self.mesh))
 
   def abstract_state(self) -> TrainState:
+    # The key is made inside the trace: a concrete one would be placed on the mesh's devices, which a
+    # compile-only topology (meshlm compile topology=...) cannot hold.
     with jax.set_mesh(self.mesh):
-      shapes = jax.eval_shape(self._init, jax.random.key(0))
+      shapes = jax.eval_shape(lambda: self._init(jax.random.key(0)))
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
                         self.state_shardings())
 
@@ -330,8 +332,11 @@ class TrainStep:
 
   def lower(self):
     """jax Lowered of the real step, from abstract inputs: nothing is allocated or run."""
+    # The abstract inputs are made outside the mesh: optax builds its state's structure from concrete zeros,
+    # which a compile-only topology's devices (meshlm compile topology=...) cannot hold.
+    state, batch = self.abstract_state(), self.abstract_batch()
     with jax.set_mesh(self.mesh):
-      return self.fn.lower(self.abstract_state(), self.abstract_batch())
+      return self.fn.lower(state, batch)
 
   def __call__(self, state: TrainState, batch: dict):
     with jax.set_mesh(self.mesh):

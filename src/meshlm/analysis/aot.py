@@ -1,0 +1,282 @@
+"""Ahead-of-time compiles for a topology (`meshlm compile`): memory against the chip, census, roofline.
+
+`compile_report(lowered, inputs, chip, cfg)` compiles a lowered program for its mesh's devices (a TPU slice
+from libtpu, or fake CPU devices), runs nothing, and reports
+- memory per device: the executable's own `memory_analysis()` (arguments, outputs, aliased, temporaries,
+  peak), the arguments split by what they hold (parameters, optimizer state, batch) from the inputs' shard
+  shapes, against the device's HBM: fits or does not fit. XLA:TPU refuses to compile a program that does
+  not fit; the report then carries the compiler's own figures from its error (required, available);
+- the census of the compiled program (analysis/census.py), on the texts of this very executable;
+- a roofline: matmul FLOPs and estimated HBM bytes of the step (analysis/cost.py, every loop counted its
+  trip count; XLA's cost_analysis, which counts a loop body once, beside them) over the chip's published
+  peak and bandwidth: a lower bound on the step time, and the MFU that bound implies for the model FLOPs;
+- the compile time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tempfile
+import time
+from typing import Any
+
+from meshlm.analysis import cost as C
+from meshlm.analysis import hlo as H
+from meshlm.analysis.census import census_of, lowered_of
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipFigures:
+  """Published per-chip figures (Google Cloud TPU documentation; TPU7x from Google's Ironwood announcement):
+  bf16 peak FLOP/s, HBM bandwidth in bytes/s, HBM capacity in bytes."""
+  name: str
+  peak_flops: float
+  hbm_bandwidth: float
+  hbm_bytes: float
+
+
+# Keyed by the device_kind libtpu reports. TPU7x: 4,614 TFLOP/s is its published FP8 peak; bf16 is half that,
+# as on every TPU MXU.
+PUBLISHED = {
+    "TPU v4": ChipFigures("v4", 275e12, 1200e9, 32 * GiB),
+    "TPU v5 lite": ChipFigures("v5e", 197e12, 819e9, 16e9),
+    "TPU v5": ChipFigures("v5p", 459e12, 2765e9, 95e9),
+    "TPU v6 lite": ChipFigures("v6e", 918e12, 1640e9, 32e9),
+    "TPU7x": ChipFigures("tpu7x", 4614e12 / 2, 7370e9, 192e9),
+}
+
+
+@dataclasses.dataclass
+class Chip:
+  """One device of the topology: its kind, how many share a chip, its HBM and where that figure came from
+  ("compiler": libtpu's own limit; "published": the chip's figure over its devices; "hbm_gib": given), and
+  the published peak and bandwidth per device (None where unknown: fake CPU devices)."""
+  kind: str
+  platform: str
+  devices: int
+  devices_per_chip: int
+  hbm_bytes: int | None
+  hbm_source: str | None
+  peak_flops: float | None
+  hbm_bandwidth: float | None
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+_SIZE = r"([\d.]+)\s*([KMGTP]?)i?B?"
+_OOM = re.compile(r"total memory required for HLO temporaries \(" + _SIZE + r"\) exceeds available HBM \(" + _SIZE
+                  + r"\)")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def _bytes(value: str, unit: str) -> int:
+  return int(round(float(value) * _UNITS[unit]))
+
+
+def oom_figures(message: str) -> dict | None:
+  """XLA:TPU's CompileTimeHbmOom error -> {"required_bytes", "available_bytes"} (its 1024-based figures to
+  two decimals: arguments and temporaries together, and the device's usable HBM), or None for another error."""
+  m = _OOM.search(message)
+  if m is None:
+    return None
+  return {"required_bytes": _bytes(m.group(1), m.group(2)), "available_bytes": _bytes(m.group(3), m.group(4))}
+
+
+def hbm_limit(device) -> int | None:
+  """The HBM XLA:TPU lets one program of this device use, read from the compiler's refusal of a program that
+  needs 1 TiB (it compiles nothing else; about a second). None off TPU, or if the compiler says otherwise."""
+  import jax
+  import jax.numpy as jnp
+  if device.platform != "tpu":
+    return None
+  big = jax.ShapeDtypeStruct((1 << 30, 1024), jnp.int8, sharding=jax.sharding.SingleDeviceSharding(device))
+  try:
+    jax.jit(lambda a: a + 1).lower(big).compile()
+  except Exception as e:  # the refusal is the answer
+    found = oom_figures(str(e))
+    return found["available_bytes"] if found else None
+  return None
+
+
+def chip_for(devices: list, chips: int, hbm_gib: float | None = None) -> Chip:
+  """The device description: kind, per-chip count, HBM (hbm_gib given, else the compiler's limit, else the
+  published figure) and the published peak and bandwidth per device."""
+  d = devices[0]
+  per_chip = max(1, len(devices) // max(chips, 1))
+  pub = PUBLISHED.get(d.device_kind)
+  hbm, source = None, None
+  if hbm_gib is not None:
+    hbm, source = int(hbm_gib * GiB), "hbm_gib"
+  elif d.platform == "tpu":
+    hbm = hbm_limit(d)
+    source = "compiler" if hbm else None
+    if hbm is None and pub is not None:
+      hbm, source = int(pub.hbm_bytes / per_chip), "published"
+  return Chip(d.device_kind, d.platform, len(devices), per_chip, hbm, source,
+              pub.peak_flops / per_chip if pub else None, pub.hbm_bandwidth / per_chip if pub else None)
+
+
+_REPORT_ROW = re.compile(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*\d+;\s*(\d+);\s*(.*)$")
+_REPORT_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def largest_buffers(dump_dir: str, top: int = 8) -> list[dict]:
+  """The largest allocations of the program's device memory, from the memory-usage report XLA writes into its
+  dump (`*memory-usage-report.txt`, also when the program does not fit): [{"bytes", "values", "shapes"}], each
+  one buffer of the assignment and the values that share it ("5×f32[32,1,8,4,8192,8192]": five values of that
+  shape). The program's module is the dump's largest report; [] when XLA wrote none."""
+  import glob
+  import os
+  best, rows = -1, []
+  for path in glob.glob(os.path.join(dump_dir, "*memory-usage-report.txt")):
+    lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+    total = next((int(ln.split()[2]) for ln in lines if ln.startswith("Total bytes:")), 0)
+    if total <= best:
+      continue
+    best, rows = total, []
+    for ln in lines[lines.index(next(x for x in lines if x.startswith("Total bytes:"))) + 1:] if total else []:
+      if ln.startswith("Memory Space:") or ln.strip().startswith("The rest"):
+        break
+      m = _REPORT_ROW.match(ln)
+      if m:
+        rows.append({"bytes": int(float(m.group(1)) * _REPORT_UNITS.get(m.group(2), 1)), "values": int(m.group(3)),
+                     "shapes": m.group(4).strip()})
+  return rows[:top]
+
+
+def shard_bytes(tree) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings: each leaf's shard shape."""
+  import jax
+  import numpy as np
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _memory(compiled, inputs: dict[str, Any], hbm: int | None, platform: str) -> dict:
+  stats = compiled.memory_analysis()
+  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+          "generated_code_size_in_bytes", "peak_memory_in_bytes")
+  out = {k.removesuffix("_size_in_bytes").removesuffix("_in_bytes") + "_bytes": int(getattr(stats, k))
+         for k in keys if stats is not None and hasattr(stats, k)}
+  # XLA:TPU's peak is its buffer assignment's, live ranges considered. XLA:CPU's leaves the temporaries out
+  # (it is arguments + unaliased outputs there), so off TPU the peak is what the program holds at once at most:
+  # arguments, outputs that do not reuse an argument's buffer, temporaries.
+  held = (out.get("argument_bytes", 0) + out.get("output_bytes", 0) - out.get("alias_bytes", 0)
+          + out.get("temp_bytes", 0))
+  peak = out.pop("peak_memory_bytes", 0)
+  if platform == "tpu" and peak:
+    out["peak_bytes"], out["peak_source"] = peak, "memory_analysis.peak_memory_in_bytes"
+  else:
+    out["peak_bytes"], out["peak_source"] = held, "arguments + outputs - aliased + temporaries"
+  out["arguments_by_input"] = {k: shard_bytes(v) for k, v in inputs.items()}
+  out["hbm_bytes"] = hbm
+  out["fits"] = None if hbm is None else out["peak_bytes"] <= hbm
+  return out
+
+
+def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | None) -> dict:
+  """Step-time lower bound max(FLOPs / peak, bytes / bandwidth) per device, and the MFU it implies."""
+  mod = H.parse(hlo_text)
+  flops, traffic = C.flops(mod), C.traffic_bytes(mod)
+  # Collective instructions as the program text holds them, each once (a loop body's once, however many trips):
+  # how the seed counts its 397B program's collectives; the census counts them per step.
+  kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+  instructions = {k: sum(i.opcode in (k, f"{k}-start") for i in mod.instrs()) for k in kinds}
+  out = {"flops": flops, "bytes": traffic, "collective_instructions": instructions,
+         "xla_cost_analysis": xla_cost, "model_flops": model_flops,
+         "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth}
+  if chip.peak_flops and chip.hbm_bandwidth:
+    compute_s, memory_s = flops / chip.peak_flops, traffic / chip.hbm_bandwidth
+    bound = max(compute_s, memory_s)
+    out |= {"compute_s": compute_s, "memory_s": memory_s, "bound_s": bound,
+            "bound_by": "compute" if compute_s >= memory_s else "memory",
+            "mfu_at_bound": (model_flops / (bound * chip.peak_flops)) if model_flops and bound else None}
+  return out
+
+
+def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: float | None = None,
+                   census: bool = True, keep: bool = False) -> dict:
+  """Compiles one lowered program and reports on it (module docstring). A program XLA:TPU refuses for
+  memory gives {"fits": False, "oom": the compiler's figures} and no census; other errors propagate.
+  keep: the report also holds the executable under "_compiled" (None when refused), for a caller that needs
+  its output shardings."""
+  with tempfile.TemporaryDirectory(prefix="meshlm-compile-") as dump:
+    start = time.perf_counter()
+    try:
+      # The dump holds XLA's memory-usage report: the buffers that make up the peak, even when it does not fit.
+      compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+    except Exception as e:
+      found = oom_figures(str(e))
+      if found is None:
+        raise
+      seconds = time.perf_counter() - start
+      return {"compile_s": seconds, "memory": {
+          "fits": False, "hbm_bytes": chip.hbm_bytes or found["available_bytes"], "peak_bytes": found["required_bytes"],
+          "peak_source": "compiler error", "arguments_by_input": {k: shard_bytes(v) for k, v in inputs.items()},
+          "oom": found, "largest_buffers": largest_buffers(dump)}} | ({"_compiled": None} if keep else {})
+    seconds = time.perf_counter() - start
+    biggest = largest_buffers(dump)
+  low = lowered_of(lowered, compiled)
+  out = {"compile_s": seconds, "memory": _memory(compiled, inputs, chip.hbm_bytes, chip.platform)
+         | {"largest_buffers": biggest},
+         "roofline": roofline(low.hlo, low.cost, chip, model_flops)}
+  out["collective_instructions"] = out["roofline"].pop("collective_instructions")
+  if census:
+    out["census"] = census_of(low)
+  if keep:
+    out["_compiled"] = compiled
+  return out
+
+
+# ------------------------------------------------------------------------------------------- model FLOPs
+
+def model_flops_per_token(cfg) -> float:
+  """Training FLOPs of one token (forward + backward): 6 x the matmul parameters it meets, plus causal
+  attention as Megatron and MaxText count it: 6 x heads x (qk + v head dims) x the keys a query sees on
+  average (seq / 2 under the causal mask, PaLM's 12 x heads x head_dim x seq halved; a sliding-window layer's
+  queries see at most the window).
+
+  The matmul parameters are the kernels of the parameter tree (every leaf with two or more dims besides the
+  layer axis; the embedding table only when it is the tied head), the experts' kernels times k / E. Gated
+  DeltaNet's recurrence and the elementwise work are not counted."""
+  import jax
+  from meshlm import spec as S
+  from meshlm.models import decoder
+  from meshlm.models.registry import family
+  m = cfg.model
+  specs = decoder.param_specs(cfg)
+  flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=S.is_spec)[0]
+  matmul = 0.0
+  for path, s in flat:
+    top = str(getattr(path[0], "key", path[0]))
+    if top == "embed" and not m.tie_embeddings:
+      continue
+    if len([a for a in s.axes if a != "layers"]) < 2:
+      continue
+    n = float(math.prod(s.shape))
+    if any(a and str(a).startswith("experts") for a in s.axes) and m.num_experts:
+      n *= m.num_experts_per_tok / m.num_experts
+    matmul += n
+  T = cfg.train.seq_len
+  fam, lp = family(cfg), decoder.plan(cfg)
+  attention = 0.0
+  for kind, context in zip(lp.kinds, lp.contexts):
+    mixer = fam.kinds[kind].mixer.name
+    if mixer in ("gqa", "gated_gqa"):
+      width = 2 * m.num_heads * m.head_dim
+    elif mixer == "mla":
+      width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    else:
+      continue
+    w = m.sliding_window if context == "local" and m.sliding_window else T
+    # The keys a query sees, averaged over the row: min(i, w) for query i (T / 2 for causal attention).
+    keys = T / 2 if w >= T else (w * (w + 1) / 2 + (T - w) * w) / T
+    attention += 6.0 * width * keys
+  return 6.0 * matmul + attention

@@ -1,0 +1,333 @@
+"""`meshlm compile key=value ... topology=NAME`: the programs meshlm would run, compiled for a topology.
+
+The train step (`--program train`, through train/step.py's build_train_step, as `meshlm train` builds it), the
+RL step (`rl`: rl/step.py's build_rl_step, as `meshlm rl`) and the sampler's prefill and decode loop (`prefill`,
+`decode`: models/generate.py's, as `meshlm generate` and the RL rollouts) are lowered from abstract inputs on the
+topology's devices with the config's mesh and compiled for that chip; nothing is allocated or run.
+analysis/aot.py reports on each. docs/compile.md has the fields and the measured rows.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+from meshlm.commands.resolve import load_config
+from meshlm.errors import ConfigError
+
+USAGE = ("meshlm compile [key=value ...] topology=NAME [hbm_gib=X] [--program train|rl|prefill|decode[,...]] "
+         "[--fit[=batch|remat]] [--no-census] [--json]")
+OPTIONS = """  topology=NAME     what to compile for (required): cpu:N (N fake host devices; no extra package), a TPU
+                    chip grid as libtpu names it (v5p:2x2x1, v6e:2x4, tpu7x:4x4x8) or an accelerator type
+                    (v5p-8, v6e-8, tpu7x-256); TPU needs libtpu: pip install 'meshlm[tpu]'
+  hbm_gib=X         the device memory to fit into, in GiB (default: the TPU compiler's own limit; none on CPU)
+  --program P[,P]   train (default), rl (the GRPO step: rl.prompts_per_step x rl.num_generations rows over the
+                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, prompts
+                    of train.seq_len tokens, rl.max_new_tokens new ones; decode compiles the prefill first,
+                    whose outputs it takes)
+  --fit[=batch]     search the largest train.per_device_batch_size whose train step fits (one compile per try)
+  --fit=remat       the least recompute (remat none, dots, full) whose train step fits at the given batch
+  --no-census       skip the census (the memory and roofline still come from the compiled program)
+  --json            the report as JSON
+  Exit status: 0 when every program fits (or no memory is known), 1 when one does not, 2 for a usage error."""
+OWN_KEYS = {"topology": str, "hbm_gib": float}
+PROGRAMS = ("train", "rl", "prefill", "decode")
+REMATS = ("none", "dots", "full")
+MAX_FIT_BATCH = 1 << 16
+
+
+def _split_own(args: list[str]) -> tuple[dict, list[str], str | None]:
+  """(own keys, the rest, --fit's search or None)."""
+  own, rest, fit = {}, [], None
+  for a in args:
+    key, eq, value = a.partition("=")
+    if key in OWN_KEYS and eq:
+      try:
+        own[key] = OWN_KEYS[key](value)
+      except ValueError:
+        raise ConfigError(f"{key}={value!r}: expected a {OWN_KEYS[key].__name__}") from None
+    elif key == "--fit":
+      fit = value if eq else "batch"
+      if fit not in ("batch", "remat"):
+        raise ConfigError(f"--fit={value}: expected --fit (the batch), --fit=batch or --fit=remat")
+    else:
+      rest.append(a)
+  if "topology" not in own:
+    raise ConfigError(f"compile: topology=NAME is required (cpu:N, v5p:2x2x1, tpu7x-256, ...); usage: {USAGE}")
+  if own.get("hbm_gib") is not None and own["hbm_gib"] <= 0:
+    raise ConfigError(f"hbm_gib={own['hbm_gib']}: must be positive")
+  return own, rest, fit
+
+
+def _programs(opts: dict) -> list[str]:
+  names = [p.strip() for v in opts.get("--program", ["train"]) for p in v.split(",") if p.strip()]
+  for p in names:
+    if p not in PROGRAMS:
+      raise ConfigError(f"--program {p}: expected one of {', '.join(PROGRAMS)}")
+  return list(dict.fromkeys(names)) or ["train"]
+
+
+def _with_mesh_sizes(overrides: list[str], n: int) -> list[str]:
+  """The overrides with every mesh axis fixed for n devices, so what resolves from the mesh size (the MoE
+  kernel layout) sees the topology's devices rather than cpu_devices."""
+  from meshlm.parallel.mesh import resolve_mesh_shape
+  cfg = load_config(*overrides)
+  return overrides + [f"mesh.{k}={v}" for k, v in resolve_mesh_shape(cfg, n).items()]
+
+
+# --------------------------------------------------------------------------------------------- programs
+
+def _train(cfg, mesh, rl: bool = False):
+  """(lowered, {input group: abstract tree}, tokens per device) of the train or RL step."""
+  if rl:
+    from meshlm.rl.step import build_rl_step
+    step = build_rl_step(cfg, mesh)
+  else:
+    from meshlm.train.step import build_train_step
+    step = build_train_step(cfg, mesh)
+  state, batch = step.abstract_state(), step.abstract_batch()
+  inputs = {"params": state.params, "opt_state": state.opt_state, "model_state": state.model_state,
+            "step": state.step, "batch": batch}
+  tokens = step.global_batch * cfg.train.seq_len / mesh.size
+  return step.lower(), inputs, tokens
+
+
+def _rl_config(cfg, devices: int):
+  """meshlm rl's shapes: rl.prompts_per_step x rl.num_generations rows over the devices (rl/trainer.rl_config; the
+  row length is train.seq_len here, where meshlm rl reads it from its prompts)."""
+  rl = cfg.rl
+  rows = rl.prompts_per_step * rl.num_generations
+  if rows % devices:
+    raise ConfigError(f"--program rl: rl.prompts_per_step={rl.prompts_per_step} x rl.num_generations="
+                      f"{rl.num_generations} = {rows} rows do not split over {devices} devices; make the product a "
+                      f"multiple of {devices}")
+  return cfg.model_copy(update={"train": cfg.train.model_copy(update={"per_device_batch_size": rows // devices})})
+
+
+def _sampler_inputs(cfg, mesh):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+  from meshlm.models import decoder
+  from meshlm.models.generate import bucket
+  m, t = cfg.model, cfg.train
+  shardings = decoder.model_shardings(cfg, mesh)
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(t.param_dtype), sharding=sh),
+                        decoder.model_specs(cfg), shardings, is_leaf=lambda x: hasattr(x, "axes"))
+  rows = t.per_device_batch_size * mesh.size
+  rep = NamedSharding(mesh, PartitionSpec())
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731 (host arrays: replicated)
+  T, N = bucket(t.seq_len, m.max_position), bucket(cfg.rl.max_new_tokens, m.max_position)
+  static = {"cache_len": bucket(t.seq_len + cfg.rl.max_new_tokens, m.max_position), "new_len": N, "total_len": T + N}
+  return params, (i32(rows, T), i32(rows), i32(rows), i32(1)), static, rows
+
+
+def _sampler(cfg, mesh, want_decode: bool, report_of):
+  """{"prefill": report, "decode": report}: the prefill lowered from abstract inputs; the decode loop from the
+  compiled prefill's outputs (their shapes and shardings), so the prefill is compiled first."""
+  import jax
+  from meshlm.models.generate import sampler_programs
+  rl = cfg.rl
+  prefill, decode_loop = sampler_programs(cfg, mesh, rl.temperature, rl.top_k, rl.top_p)
+  params, (tokens, lengths, seeds, stops), static, rows = _sampler_inputs(cfg, mesh)
+  with jax.set_mesh(mesh):
+    low = prefill.lower(params, tokens, lengths, seeds, stops, **static)
+  out = {"prefill": report_of(low, {"params": params, "prompts": (tokens, lengths, seeds, stops)},
+                              cfg.train.per_device_batch_size * cfg.train.seq_len, keep=want_decode, forward=True)}
+  if want_decode:
+    compiled = out["prefill"].pop("_compiled")
+    if compiled is None:
+      raise ConfigError("--program decode: the prefill, whose outputs the decode loop takes, does not fit; "
+                        "lower train.per_device_batch_size or train.seq_len")
+    state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), low.out_info,
+                         compiled.output_shardings)
+    toks, lps, n, done, cache, bufs = state
+    max_new = jax.ShapeDtypeStruct((), "int32", sharding=stops.sharding)
+    with jax.set_mesh(mesh):
+      dlow = decode_loop.lower(params, toks, lps, n, done, cache, bufs, lengths, seeds, stops, max_new)
+    # The loop's trip count is a runtime value (max_new, and every row done), so its body counts once: the
+    # FLOPs, bytes and roofline are one decode step's, one new token per row.
+    out["decode"] = report_of(dlow, {"params": params, "cache": cache, "tokens": (toks, lps, n, done, bufs)},
+                              cfg.train.per_device_batch_size, forward=True)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+def main(args: list[str]) -> int:
+  from meshlm.analysis.arms import split_args
+  from meshlm.commands.census import dumps
+  own, rest, fit = _split_own(args)
+  overrides, opts = split_args(rest, {"--json": False, "--program": True, "--no-census": False})
+  programs = _programs(opts)
+  from meshlm.parallel import topology as TP
+  topo = TP.parse(own["topology"])
+  cfg = load_config(*overrides)  # every key checked before any device or compile
+  if cfg.cpu_devices is not None:
+    raise ConfigError(f"cpu_devices={cfg.cpu_devices}: topology= sets the devices meshlm compile uses; drop "
+                      "cpu_devices (topology=cpu:N gives N fake host devices)")
+  if fit and programs != ["train"]:
+    raise ConfigError(f"--fit searches the train step's batch or remat; it runs with --program train only (got "
+                      f"--program {','.join(programs)})")
+  devices = TP.devices(topo)
+  overrides = _with_mesh_sizes(overrides, len(devices))
+  cfg = load_config(*overrides)
+  from meshlm.analysis import aot
+  chip = aot.chip_for(devices, topo.chips, own.get("hbm_gib"))
+  if fit and chip.hbm_bytes is None:
+    raise ConfigError(f"--fit: topology={topo.name} has no device memory to fit into; give hbm_gib=X")
+  from meshlm.parallel.mesh import make_mesh
+  census = "--no-census" not in opts
+  report = {"topology": {"name": topo.name, "grid": topo.grid, "chips": topo.chips, "platform": topo.platform},
+            "chip": chip.as_dict(), "programs": {}}
+
+  def report_of(lowered, inputs, tokens_per_device, keep=False, with_census=census, cfg_=None, forward=False):
+    # The model FLOPs the program does per device: the training count, or its forward third for the sampler.
+    flops = aot.model_flops_per_token(cfg_ or cfg) * tokens_per_device / (3 if forward else 1)
+    return aot.compile_report(lowered, inputs, chip, flops, census=with_census, keep=keep)
+
+  def train_report(c, with_census=census):
+    mesh = make_mesh(c, devices)
+    lowered, inputs, tokens = _train(c, mesh)
+    return report_of(lowered, inputs, tokens, with_census=with_census, cfg_=c)
+
+  if fit:
+    report["fit"], cfg, best = _fit(cfg, overrides, fit, len(devices), train_report)
+    if best is not None and not census:
+      report["programs"]["train"] = best  # the search compiled it already, and there is no census to add
+  mesh = make_mesh(cfg, devices)
+  for name in programs:
+    if name in report["programs"]:
+      continue
+    if name in ("train", "rl"):
+      c = _rl_config(cfg, mesh.size) if name == "rl" else cfg
+      lowered, inputs, tokens = _train(c, mesh, rl=name == "rl")
+      report["programs"][name] = report_of(lowered, inputs, tokens, cfg_=c)
+    elif name == "prefill" and "decode" in programs:
+      continue  # compiled with the decode loop below
+    else:
+      report["programs"] |= _sampler(cfg, mesh, name == "decode", report_of)
+  from meshlm.analysis.census import config_summary
+  report["config"] = config_summary(cfg) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
+  print(dumps(report) if "--json" in opts else render(report))
+  sys.stdout.flush()
+  return 1 if any(p["memory"]["fits"] is False for p in report["programs"].values()) else 0
+
+
+def _fit(cfg, overrides: list[str], how: str, devices: int, train_report) -> tuple[dict, object, dict | None]:
+  """(the search's record, the config it settles on, that config's report without census or None). batch:
+  doubling from train.per_device_batch_size while it fits (halving while it does not), then bisection between
+  the largest fit and the smallest misfit; only batches whose global batch train.micro_batches divides. remat:
+  none, dots, full at the given batch."""
+  tried, reports = [], {}
+
+  def attempt(extra: list[str]) -> bool:
+    c = load_config(*overrides, *extra)
+    r = reports[extra[0]] = train_report(c, with_census=False)
+    mem = r["memory"]
+    tried.append({"overrides": extra, "fits": mem["fits"], "peak_bytes": mem["peak_bytes"],
+                  "compile_s": r["compile_s"]})
+    return bool(mem["fits"])
+
+  if how == "remat":
+    for policy in REMATS:
+      if attempt([f"remat={policy}"]):
+        return ({"search": "remat", "tried": tried, "best": policy}, load_config(*overrides, f"remat={policy}"),
+                reports[f"remat={policy}"])
+    return {"search": "remat", "tried": tried, "best": None}, cfg, None
+  unit = cfg.train.micro_batches // math.gcd(cfg.train.micro_batches, devices)  # per-device batches step by this
+  fits = lambda k: attempt([f"train.per_device_batch_size={k * unit}"])  # noqa: E731
+  k = max(1, cfg.train.per_device_batch_size // unit)
+  lo, hi = 0, None  # the largest k known to fit, the smallest known not to
+  if fits(k):
+    lo = k
+    while k * 2 * unit <= MAX_FIT_BATCH and fits(k * 2):
+      k *= 2
+      lo = k
+    hi = k * 2 if k * 2 * unit <= MAX_FIT_BATCH else None
+  else:
+    hi = k
+    while k > 1:
+      k //= 2
+      if fits(k):
+        lo = k
+        break
+      hi = k
+  while hi is not None and hi - lo > 1:
+    mid = (lo + hi) // 2
+    if fits(mid):
+      lo = mid
+    else:
+      hi = mid
+  best = lo * unit or None
+  record = {"search": "batch", "tried": tried, "best": best}
+  if best is None:
+    return record, cfg, None
+  key = f"train.per_device_batch_size={best}"
+  return record, load_config(*overrides, key), reports[key]
+
+
+# ------------------------------------------------------------------------------------------------ render
+
+def _gib(b) -> str:
+  if b is None:
+    return "-"
+  return f"{b / (1 << 30):,.2f} GiB" if b >= 1 << 30 else f"{b / (1 << 20):,.2f} MiB"
+
+
+def _si(x, unit: str) -> str:
+  if x is None:
+    return "-"
+  for scale, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.3g} {p}{unit}"
+  return f"{x:.3g} {unit}"
+
+
+def render(report: dict) -> str:
+  c, chip, topo = report["config"], report["chip"], report["topology"]
+  mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
+  lines = [f"compile {c['model']}  topology={topo['name']} ({chip['devices']} x {chip['kind']}, "
+           f"{chip['devices_per_chip']} per chip)  mesh {mesh}  shard_mode={c['shard_mode']}  remat={c['remat']}  "
+           f"per_device_batch_size={c['per_device_batch_size']}  seq_len={c['seq_len']}"]
+  fit = report.get("fit")
+  if fit:
+    for t in fit["tried"]:
+      lines.append(f"  fit {' '.join(t['overrides'])}: {'fits' if t['fits'] else 'does not fit'} "
+                   f"(peak {_gib(t['peak_bytes'])}, compile {t['compile_s']:.1f} s)")
+    lines.append(f"  fit: {fit['search']} = {fit['best'] if fit['best'] is not None else 'none fits'}")
+  for name, p in report["programs"].items():
+    mem = p["memory"]
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "no device memory known"}[mem["fits"]]
+    hbm = f" of {_gib(mem['hbm_bytes'])} ({chip['hbm_source']})" if mem.get("hbm_bytes") else ""
+    lines.append(f"[{name}] compiled in {p['compile_s']:.1f} s; peak {_gib(mem['peak_bytes'])} per device{hbm}: "
+                 f"{verdict}")
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in mem["arguments_by_input"].items() if v)
+    if mem.get("largest_buffers"):
+      lines.append("  largest buffers: " + "; ".join(f"{_gib(b['bytes'])} {b['shapes']}" for b in mem["largest_buffers"][:3]))
+    if "oom" in mem:
+      lines.append(f"  the compiler refused it: {_gib(mem['oom']['required_bytes'])} of arguments and temporaries "
+                   f"needed, {_gib(mem['oom']['available_bytes'])} available; inputs per device: {parts}")
+      continue
+    lines.append(f"  arguments {_gib(mem.get('argument_bytes'))} ({parts}); outputs {_gib(mem.get('output_bytes'))}, "
+                 f"aliased {_gib(mem.get('alias_bytes'))}; temporaries {_gib(mem.get('temp_bytes'))}")
+    r = p["roofline"]
+    xla = r["xla_cost_analysis"]
+    lines.append(f"  FLOPs {_si(r['flops'], 'FLOP')} (model {_si(r['model_flops'], 'FLOP')}; XLA cost_analysis, each "
+                 f"loop once: {_si(xla.get('flops'), 'FLOP')}), HBM traffic ~{_si(r['bytes'], 'B')} "
+                 f"(XLA: {_si(xla.get('bytes_accessed'), 'B')})")
+    if "bound_s" in r:
+      mfu = f", MFU at that bound {100 * r['mfu_at_bound']:.1f}%" if r.get("mfu_at_bound") else ""
+      lines.append(f"  roofline: compute {r['compute_s'] * 1e3:,.1f} ms at {_si(r['peak_flops'], 'FLOP/s')}, memory "
+                   f"{r['memory_s'] * 1e3:,.1f} ms at {_si(r['hbm_bandwidth'], 'B/s')}: step >= "
+                   f"{r['bound_s'] * 1e3:,.1f} ms ({r['bound_by']}-bound){mfu}")
+    cen = p.get("census")
+    if cen:
+      cols = cen["hlo"]["collectives"]
+      total = sum(v["count"] for v in cols.values())
+      per = ", ".join(f"{k} {v['count']} ({_si(v['bytes'], 'B')})" for k, v in cols.items() if v["count"])
+      tod = cen["stablehlo"]["transpose_of_dot"]
+      lines.append(f"  collectives {total}: {per or 'none'}")
+      lines.append(f"  transpose-of-dot blocked {tod['blocked']} (adjacent {tod['adjacent']}); copies "
+                   f"{cen['hlo']['copies']}; blow-ups {len(cen['blowups'])}; scanned stacks not layer-major "
+                   f"{len(cen['scan_layout'])}")
+  return "\n".join(lines)
