@@ -28,8 +28,9 @@ $(TPU_STAMP): $(STAMP) requirements-tpu.lock
 
 setup: $(STAMP)
 
+# The CPU demo: JAX_PLATFORMS=cpu unless set, so a .venv that `make test` gave libtpu does not probe for a TPU.
 train: $(STAMP)
-	$(BIN)/meshlm train model=llama2-tiny train.steps=600
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/meshlm train model=llama2-tiny train.steps=600
 
 test: $(STAMP) $(TPU_STAMP)
 	$(BIN)/python -m pytest

@@ -127,7 +127,7 @@ def _sampler(cfg, mesh, want_decode: bool, report_of):
   import jax
   from meshlm.models.generate import sampler_programs
   rl = cfg.rl
-  prefill, decode_loop = sampler_programs(cfg, mesh, rl.temperature, rl.top_k, rl.top_p)
+  prefill, decode_loop = sampler_programs(cfg, rl.temperature, rl.top_k, rl.top_p)
   params, (tokens, lengths, seeds, stops), static, rows = _sampler_inputs(cfg, mesh)
   with jax.set_mesh(mesh):
     low = prefill.lower(params, tokens, lengths, seeds, stops, **static)

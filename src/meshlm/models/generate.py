@@ -225,12 +225,13 @@ def _steps(cfg: Config, temperature: float, top_k: int | None, top_p: float):
           jax.jit(decode_loop, donate_argnums=(5,)))
 
 
-def sampler_programs(cfg: Config, mesh, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0):
-  """The jitted (prefill, decode loop) that `generate` runs for cfg on mesh with this sampling setting (meshlm
+def sampler_programs(cfg: Config, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0):
+  """The jitted (prefill, decode loop) that `generate` runs for cfg with this sampling setting (meshlm
   compile lowers them from abstract inputs). prefill(params, tokens [B, T], lengths [B], seeds [B], stops [S],
   cache_len=, new_len=, total_len=) -> (toks, (lps, lqs), n, done, cache, bufs); decode_loop(params, toks, lps, n,
-  done, cache, bufs, prompt lengths [B], seeds [B], stops [S], max_new) -> the same six."""
-  return _steps(cfg.model_dump_json(), mesh, float(temperature), top_k, float(top_p))
+  done, cache, bufs, prompt lengths [B], seeds [B], stops [S], max_new) -> the same six. jit keys its
+  executables on the mesh the caller enters (jax.set_mesh(mesh)), so the pair serves every mesh."""
+  return cached("sample", cfg, _steps, float(temperature), top_k, float(top_p))
 
 
 def stop_ids(cfg: Config, stop_tokens: Sequence[int] | None) -> list[int]:
