@@ -39,7 +39,7 @@ import jax  # noqa: E402
 for _key, _value in COMPILE_CACHE.items():  # also when jax was imported before this file
   jax.config.update(_key, _value)
 # MESHLM_TEST_DEVICES=N: a process with N devices instead (tests/test_conformance_devices.py runs the public-API
-# conformance on 1 and 2, a user's default).
+# conformance on 1, a user's default).
 DEVICES = int(os.environ.get("MESHLM_TEST_DEVICES", "8"))
 jax.config.update("jax_num_cpu_devices", DEVICES)
 # Start the backend now: a later cpu_devices=N in some test's config must find it running (and then
