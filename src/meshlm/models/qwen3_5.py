@@ -7,7 +7,7 @@ from meshlm.models.family import Family, Kind
 from meshlm.models.ffns.glu import glu
 from meshlm.models.mixers.gated_gqa import gated_gqa
 from meshlm.models.mixers.gdn import gdn
-from meshlm.models.qwen3_next import hybrid_plan, validate_hybrid
+from meshlm.models.plans import hybrid_plan, validate_hybrid
 
 FAMILY = Family(
     "qwen3_5",
