@@ -8,5 +8,5 @@ from meshlm.models.ffns.glu import glu
 from meshlm.models.mixers.gqa import gqa
 
 # gemma2's layers (one kind, run with two contexts); the q/k norms are on when model.qk_norm is.
-FAMILY = Family("gemma3", kinds={"dense": Kind(gqa(plus_one=True), glu(), plus_one=True, sandwich=True)},
+FAMILY = Family("gemma3", kinds={"dense": Kind(gqa(), glu(), sandwich=True)},
                 norm_plus_one=True, embed_scale=True)

@@ -11,6 +11,6 @@ from meshlm.models.plans import hybrid_plan, validate_hybrid
 
 FAMILY = Family(
     "qwen3_5",
-    kinds={"linear_attn": Kind(gdn(fused=False), glu(), plus_one=True),
-           "full_attn": Kind(gated_gqa(), glu(), plus_one=True)},
+    kinds={"linear_attn": Kind(gdn(fused=False), glu()),
+           "full_attn": Kind(gated_gqa(), glu())},
     plan=hybrid_plan, norm_plus_one=True, validate=lambda m: validate_hybrid(m, moe=False))

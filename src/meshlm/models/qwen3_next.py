@@ -23,6 +23,6 @@ def validate(m: ModelConfig) -> None:
 
 FAMILY = Family(
     "qwen3_next",
-    kinds={"linear_attn": Kind(gdn(fused=True), moe_ffn(shared=True), plus_one=True),
-           "full_attn": Kind(gated_gqa(), moe_ffn(shared=True), plus_one=True)},
+    kinds={"linear_attn": Kind(gdn(fused=True), moe_ffn(shared=True)),
+           "full_attn": Kind(gated_gqa(), moe_ffn(shared=True))},
     plan=hybrid_plan, norm_plus_one=True, validate=validate)
