@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.models.registry import FAMILIES
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Each top-level unit of meshlm and its rank: a module may import its own unit, or a unit ranked lower.
@@ -149,3 +151,30 @@ def test_the_checker_sees_upward_and_lazy_imports(edges):
   looped = {k: set(v) for k, v in edges.items()}
   looped["meshlm.errors"] = looped["meshlm.errors"] | {"meshlm.fsutil"}  # fsutil imports errors
   assert cycles(looped) == [["meshlm.errors", "meshlm.fsutil"]]
+
+
+def family_imports(edges: dict[str, set[str]], families: set[str]) -> list[str]:
+  """Each import of one family module by another, as 'importer -> imported'."""
+  return [f"{a} -> {b}" for a, targets in sorted(edges.items()) if a in families
+          for b in sorted(targets) if b in families]
+
+
+def test_no_family_imports_another(edges):
+  """Families share code through parts, models/plans.py and models/family.py, never through each other: a
+  family built from another's module changes when that one does."""
+  assert family_imports(edges, set(FAMILIES.values())) == []
+
+
+def test_the_checker_sees_a_family_importing_a_family(edges):
+  """Negative controls: a fake family importing another by name, by module, relatively and lazily is each
+  reported once; importing plans, parts and family.py is not."""
+  modules = module_names()
+  families = set(FAMILIES.values()) | {"meshlm.models.fake"}
+  for source in ("from meshlm.models.qwen3_next import hybrid_plan\n", "from meshlm.models import gemma2\n",
+                 "from . import qwen3_moe\n", "def f():\n  import meshlm.models.llama\n"):
+    found = imports_of(source, "meshlm.models.fake", modules)
+    bad = family_imports(edges | {"meshlm.models.fake": found}, families)
+    assert len(bad) == 1 and bad[0].startswith("meshlm.models.fake -> "), (source, bad)
+  ok = ("from meshlm.models.plans import hybrid_plan\nfrom meshlm.models.mixers.gqa import gqa\n"
+        "from meshlm.models.family import Family, Kind\n")
+  assert family_imports(edges | {"meshlm.models.fake": imports_of(ok, "meshlm.models.fake", modules)}, families) == []

@@ -24,7 +24,8 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.hf import io as hf_io
 from meshlm.models import decoder
-from meshlm.models.qwen3_moe import layer_kinds, periodic_plan
+from meshlm.models.plans import periodic_plan
+from meshlm.models.qwen3_moe import layer_kinds
 from meshlm.nn.moe import load_balancing_loss
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -37,6 +37,10 @@ models/registry.py):
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
+- with_plus_one(on) -> Part: the same part with its own RMSNorms (gqa's q/k norms) scaling by (1 + w)
+  (on) or plainly. The Family calls it with its `norm_plus_one`, the one switch for every RMSNorm of the
+  model; None for a part whose norms do not follow it (gdn's gated norm and mla's norms are plain,
+  gated_gqa's q/k norms are always (1 + w), as in Hugging Face).
 
 The generic decoder (models/decoder.py) reads only these fields: it knows no part by name.
 """
@@ -99,6 +103,7 @@ class Part:
   rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
   side_names: tuple[str, ...] = ()  # the side outputs apply returns (every one, every call)
   replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
+  with_plus_one: Callable[[bool], "Part"] | None = None  # this part with (1 + w) own norms or plain ones
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
@@ -115,17 +120,25 @@ class Part:
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """A kind of layer: a mixer and a feed-forward, each pre-normed, post-normed when `sandwich`
-  (gemma2/3), with (1 + w) norms when `plus_one` (gemma). Its parameters are one stack,
-  `params["layers"][kind]`: {"attn_norm", mixer.key, "mlp_norm", ffn.key[, "attn_post_norm",
-  "mlp_post_norm"]} (the norm names are the checkpoints' and Hugging Face maps')."""
+  (gemma2/3). Its parameters are one stack, `params["layers"][kind]`: {"attn_norm", mixer.key,
+  "mlp_norm", ffn.key[, "attn_post_norm", "mlp_post_norm"]} (the norm names are the checkpoints' and
+  Hugging Face maps'). Its norms scale by (1 + w) when `plus_one`, which only its Family sets (from
+  `Family.norm_plus_one`, with the parts' own norms), so no kind can disagree with its model."""
   mixer: Part
   ffn: Part
-  plus_one: bool = False
   sandwich: bool = False
+  plus_one: bool = dataclasses.field(default=False, init=False)
 
   @property
   def parts(self) -> tuple[Part, Part]:
     return (self.mixer, self.ffn)
+
+  def with_plus_one(self, on: bool) -> "Kind":
+    """This kind with (1 + w) norms (on) or plain ones: its own and its parts' (Part.with_plus_one)."""
+    mixer, ffn = (p if p.with_plus_one is None else p.with_plus_one(on) for p in self.parts)
+    kind = dataclasses.replace(self, mixer=mixer, ffn=ffn)
+    object.__setattr__(kind, "plus_one", on)  # init=False: a family file cannot set it by hand
+    return kind
 
   def spec(self, m: ModelConfig) -> dict:
     norm = S.zeros if self.plus_one else S.ones
@@ -213,7 +226,10 @@ class LayerPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A model family: its layer kinds, its plan, the two decoder-level switches and its own checks."""
+  """A model family: its layer kinds, its plan, the two decoder-level switches and its own checks.
+
+  norm_plus_one is the one switch for (1 + w) RMSNorms: the kinds' layer norms, their parts' own norms
+  (Part.with_plus_one: gqa's q/k norms) and the final norm all follow it."""
   name: str
   kinds: Mapping[str, Kind]
   # The layer plan for a config; default: every layer of the first kind, contexts repeating
@@ -223,6 +239,10 @@ class Family:
   embed_scale: bool = False  # embeddings are multiplied by sqrt(D) in the compute dtype
   # Refuses config fields this family cannot run (raise meshlm's ConfigError, one line naming the key).
   validate: Callable[[ModelConfig], None] = lambda m: None
+
+  def __post_init__(self):
+    # Forgetting the flag on one kind or one part would run with wrong numbers: they all take this one.
+    object.__setattr__(self, "kinds", {n: k.with_plus_one(self.norm_plus_one) for n, k in self.kinds.items()})
 
   def layer_plan(self, m: ModelConfig) -> LayerPlan:
     if self.plan is not None:

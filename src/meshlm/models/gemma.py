@@ -6,6 +6,5 @@ from meshlm.models.family import Family, Kind
 from meshlm.models.ffns.glu import glu
 from meshlm.models.mixers.gqa import gqa
 
-# (1 + w) norms everywhere, the final norm included; embeddings are multiplied by sqrt(D).
-FAMILY = Family("gemma", kinds={"dense": Kind(gqa(plus_one=True), glu(), plus_one=True)}, norm_plus_one=True,
-                embed_scale=True)
+# (1 + w) norms everywhere (layers, q/k, final: norm_plus_one); embeddings are multiplied by sqrt(D).
+FAMILY = Family("gemma", kinds={"dense": Kind(gqa(), glu())}, norm_plus_one=True, embed_scale=True)

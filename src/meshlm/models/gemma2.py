@@ -8,5 +8,5 @@ from meshlm.models.ffns.glu import glu
 from meshlm.models.mixers.gqa import gqa
 
 # Local and global layers share their parameters' shapes: one kind, run with two contexts.
-FAMILY = Family("gemma2", kinds={"dense": Kind(gqa(plus_one=True), glu(), plus_one=True, sandwich=True)},
+FAMILY = Family("gemma2", kinds={"dense": Kind(gqa(), glu(), sandwich=True)},
                 norm_plus_one=True, embed_scale=True)

@@ -3,8 +3,10 @@
 with linear rope_scaling). The pattern, the ropes and the grouped scan are the decoder's."""
 from __future__ import annotations
 
-import dataclasses
+from meshlm.models.family import Family, Kind
+from meshlm.models.ffns.glu import glu
+from meshlm.models.mixers.gqa import gqa
 
-from meshlm.models import gemma2
-
-FAMILY = dataclasses.replace(gemma2.FAMILY, name="gemma3")
+# gemma2's layers (one kind, run with two contexts); the q/k norms are on when model.qk_norm is.
+FAMILY = Family("gemma3", kinds={"dense": Kind(gqa(), glu(), sandwich=True)},
+                norm_plus_one=True, embed_scale=True)

@@ -7,10 +7,10 @@ from meshlm.models.family import Family, Kind
 from meshlm.models.ffns.glu import glu
 from meshlm.models.mixers.gated_gqa import gated_gqa
 from meshlm.models.mixers.gdn import gdn
-from meshlm.models.qwen3_next import hybrid_plan, validate_hybrid
+from meshlm.models.plans import hybrid_plan, validate_hybrid
 
 FAMILY = Family(
     "qwen3_5",
-    kinds={"linear_attn": Kind(gdn(fused=False), glu(), plus_one=True),
-           "full_attn": Kind(gated_gqa(), glu(), plus_one=True)},
+    kinds={"linear_attn": Kind(gdn(fused=False), glu()),
+           "full_attn": Kind(gated_gqa(), glu())},
     plan=hybrid_plan, norm_plus_one=True, validate=lambda m: validate_hybrid(m, moe=False))

@@ -7,7 +7,7 @@ from meshlm.models.family import Family, Kind
 from meshlm.models.ffns.moe import moe_ffn
 from meshlm.models.mixers.gated_gqa import gated_gqa
 from meshlm.models.mixers.gdn import gdn
-from meshlm.models.qwen3_next import hybrid_plan, validate_hybrid
+from meshlm.models.plans import hybrid_plan, validate_hybrid
 
 
 def validate(m) -> None:
@@ -18,6 +18,6 @@ def validate(m) -> None:
 
 FAMILY = Family(
     "qwen3_5_moe",
-    kinds={"linear_attn": Kind(gdn(fused=False), moe_ffn(norm_topk=True, shared=True), plus_one=True),
-           "full_attn": Kind(gated_gqa(), moe_ffn(norm_topk=True, shared=True), plus_one=True)},
+    kinds={"linear_attn": Kind(gdn(fused=False), moe_ffn(norm_topk=True, shared=True)),
+           "full_attn": Kind(gated_gqa(), moe_ffn(norm_topk=True, shared=True))},
     plan=hybrid_plan, norm_plus_one=True, validate=validate)

@@ -12,28 +12,13 @@ from meshlm.models.family import Family, Kind, LayerPlan
 from meshlm.models.ffns.glu import glu
 from meshlm.models.ffns.moe import moe_ffn, validate_softmax_routing
 from meshlm.models.mixers.gqa import gqa
+from meshlm.models.plans import periodic_plan
 
 
 def layer_kinds(m: ModelConfig) -> tuple[str, ...]:
   only = set(m.mlp_only_layers)
   return tuple("moe" if m.num_experts and (i + 1) % m.decoder_sparse_step == 0 and i not in only else "dense"
                for i in range(m.num_layers))
-
-
-def periodic_plan(kinds: tuple[str, ...], contexts: tuple[str, ...]) -> LayerPlan:
-  """The (prefix, period) that unrolls the fewest layers: cost = prefix + remainder + period (the scan body
-  is one period, unrolled), ties to the shorter prefix. Scanned layers must repeat (kind, context)."""
-  L = len(kinds)
-  layers = list(zip(kinds, contexts))
-  best = (L + 1, 0, L)
-  for pre in range(L):
-    for period in range(1, L - pre + 1):
-      n = (L - pre) // period * period
-      if all(layers[pre + j] == layers[pre + j % period] for j in range(n)):
-        cost = pre + (L - pre - n) + period
-        best = min(best, (cost, pre, period))
-  _, pre, period = best
-  return LayerPlan(kinds=kinds, contexts=contexts, period=period, prefix=pre)
 
 
 def plan(m: ModelConfig) -> LayerPlan:

@@ -2,7 +2,7 @@
 q/k norms and partial rotary.
 
     q | gate = q_proj(x)                  [B, T, N, 2H], split per head: q the first H dims, gate the last H
-    q, k = (1 + w) RMSNorm over H         always on (these families have no switch)
+    q, k = (1 + w) RMSNorm over H         always, whatever Family.norm_plus_one (Hugging Face's own)
     q, k = RoPE on the first rot dims     rot = int(head_dim * partial_rotary_factor), half-split pairs within
                                           those rot dims (transformers' apply_rotary_pos_emb); the rest pass
     y = o_proj(attention(q, k, v) * sigmoid(gate))

@@ -133,8 +133,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
     return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o, *gate)  # [B, T, Kv, G, H]
   region = auto_region(attend_and_project, OUT, q.shape[:2] + w_o.shape[-1:])
   return region(q, k, v, here.mask, w_o, *gates), update
-def gqa(*, plus_one: bool = False) -> Part:
-  """plus_one: the q/k norms scale by (1 + w) (gemma3)."""
+
+
+def gqa() -> Part:
+  """The part with plain q/k norms; a Family with norm_plus_one (gemma3) takes its (1 + w) twin."""
+  return _gqa(False)
+
+
+def _gqa(plus_one: bool) -> Part:
+  """plus_one: the q/k norms scale by (1 + w)."""
   return Part(name="gqa", key="attn", spec=functools.partial(spec, plus_one=plus_one),
               apply=functools.partial(apply, plus_one=plus_one), state_spec=state_spec, prepare=prepare,
-              rotary_dims=lambda m: (m.head_dim,))
+              rotary_dims=lambda m: (m.head_dim,), with_plus_one=_gqa)
