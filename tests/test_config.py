@@ -32,6 +32,22 @@ def test_presets_exist_and_load():
   assert load_config().model_name == "llama2-tiny"  # the default preset
 
 
+def named_families(description: str) -> set[str]:
+  """The family names a `model family: a, b, ...` description lists."""
+  return {name.strip() for name in description.split(":", 1)[1].split(",")}
+
+
+def test_the_family_key_lists_the_registered_families():
+  """models/registry.FAMILIES is the one family list; the schema (config/ sits below models/ and cannot import
+  it) repeats it for `meshlm train --help`, and this holds the two equal. Control: one family more or less in
+  either is a difference."""
+  from meshlm.config.schema import ModelConfig
+  from meshlm.models.registry import FAMILIES
+  named = named_families(ModelConfig.model_fields["family"].description)
+  assert named == set(FAMILIES)
+  assert named_families(ModelConfig.model_fields["family"].description + ", mamba") != set(FAMILIES)
+
+
 def test_preset_shapes():
   m = load_config("model=llama3-8b").model
   assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim) == (

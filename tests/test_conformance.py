@@ -117,7 +117,7 @@ def missing_for(fam: str) -> list[str]:
   if not presets_of(fam):
     out.append(f"a tiny preset (src/meshlm/config/presets/<name>-tiny.yaml with model.family: {fam})")
   if fam not in ADAPTERS:
-    out.append("a Hugging Face adapter (hf/adapters/<family>.py and its line in hf/adapters/__init__.py)")
+    out.append("a Hugging Face adapter (hf/adapters/<family>.py, found by its name)")
   elif not fixtures_of(fam):
     out.append("an HF fixture (scripts/make_hf_fixtures.py writes tests/fixtures/hf/<name>/)")
   for kind_name, kind in registry.get(fam).kinds.items():

@@ -105,3 +105,18 @@ def test_a_kind_or_a_part_cannot_be_told_otherwise():
     gqa(plus_one=True)
   fam = Family("t", kinds={"dense": Kind(gqa(), glu())}, norm_plus_one=True)
   assert fam.kinds["dense"].plus_one and dataclasses.replace(fam, norm_plus_one=False).kinds["dense"].plus_one is False
+
+
+def test_the_switch_keeps_every_other_field_of_a_replaced_part():
+  """A copy of gqa with another name and no state (tests/test_conformance.py's throwaway family) keeps them under
+  the switch, on or off; a copy whose apply is no longer gqa's is kept as it is without the switch and refused
+  with it (the switch cannot reach into another apply)."""
+  renamed = dataclasses.replace(gqa(), name="stateless", state_spec=None)
+  for on in (True, False):
+    mixer = Family("t", kinds={"dense": Kind(renamed, glu())}, norm_plus_one=on).kinds["dense"].mixer
+    assert (mixer.name, mixer.state_spec) == ("stateless", None)
+    assert mixer.spec.keywords == {"plus_one": on}
+  broken = dataclasses.replace(gqa(), apply=lambda p, x, ctx, state=None: (x, None, {}))
+  assert Family("t", kinds={"dense": Kind(broken, glu())}).kinds["dense"].mixer.apply is broken.apply
+  with pytest.raises(ValueError, match="not gqa's"):
+    Family("t", kinds={"dense": Kind(broken, glu())}, norm_plus_one=True)

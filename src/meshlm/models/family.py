@@ -37,8 +37,8 @@ models/registry.py):
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
-- with_plus_one(on) -> Part: the same part with its own RMSNorms (gqa's q/k norms) scaling by (1 + w)
-  (on) or plainly. The Family calls it with its `norm_plus_one`, the one switch for every RMSNorm of the
+- with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
+  RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls it with its `norm_plus_one`, the one switch for every RMSNorm of the
   model; None for a part whose norms do not follow it (gdn's gated norm and mla's norms are plain,
   gated_gqa's q/k norms are always (1 + w), as in Hugging Face).
 
@@ -103,7 +103,7 @@ class Part:
   rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
   side_names: tuple[str, ...] = ()  # the side outputs apply returns (every one, every call)
   replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
-  with_plus_one: Callable[[bool], "Part"] | None = None  # this part with (1 + w) own norms or plain ones
+  with_plus_one: Callable[["Part", bool], "Part"] | None = None  # the part with (1 + w) own norms, or plain
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
@@ -135,7 +135,7 @@ class Kind:
 
   def with_plus_one(self, on: bool) -> "Kind":
     """This kind with (1 + w) norms (on) or plain ones: its own and its parts' (Part.with_plus_one)."""
-    mixer, ffn = (p if p.with_plus_one is None else p.with_plus_one(on) for p in self.parts)
+    mixer, ffn = (p if p.with_plus_one is None else p.with_plus_one(p, on) for p in self.parts)
     kind = dataclasses.replace(self, mixer=mixer, ffn=ffn)
     object.__setattr__(kind, "plus_one", on)  # init=False: a family file cannot set it by hand
     return kind

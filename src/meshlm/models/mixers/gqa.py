@@ -9,6 +9,7 @@ sharding per layer (nn/gather_once.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -136,12 +137,21 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
 
 
 def gqa() -> Part:
-  """The part with plain q/k norms; a Family with norm_plus_one (gemma3) takes its (1 + w) twin."""
-  return _gqa(False)
+  """The part with plain q/k norms; a Family with norm_plus_one (gemma3) makes them (1 + w) (with_plus_one)."""
+  return Part(name="gqa", key="attn", spec=spec, apply=apply, state_spec=state_spec, prepare=prepare,
+              rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one)
 
 
-def _gqa(plus_one: bool) -> Part:
-  """plus_one: the q/k norms scale by (1 + w)."""
-  return Part(name="gqa", key="attn", spec=functools.partial(spec, plus_one=plus_one),
-              apply=functools.partial(apply, plus_one=plus_one), state_spec=state_spec, prepare=prepare,
-              rotary_dims=lambda m: (m.head_dim,), with_plus_one=_gqa)
+def with_plus_one(part: Part, on: bool) -> Part:
+  """`part` (gqa's, or a copy with other fields replaced: name, state_spec, ...) with its q/k norms scaling by
+  (1 + w) when on, plainly otherwise; a family built again from another's kinds switches them back. A part whose
+  spec or apply is no longer gqa's (a test's broken twin) is kept as it is when off, and refused when on: the
+  switch cannot reach into someone else's apply."""
+  own = lambda fn, base: fn is base or (isinstance(fn, functools.partial) and fn.func is base)  # noqa: E731
+  if not (own(part.spec, spec) and own(part.apply, apply)):
+    if not on:
+      return part
+    raise ValueError(f"part {part.name!r}: its spec or apply is not gqa's, so norm_plus_one cannot make its q/k "
+                     "norms (1 + w); give the part that does")
+  return dataclasses.replace(part, spec=functools.partial(spec, plus_one=on),
+                             apply=functools.partial(apply, plus_one=on))
