@@ -235,8 +235,9 @@ def test_the_readme_calls_inside_a_mesh_context_equal_outside(name):
   inside a jax.set_mesh of the mesh the calls otherwise make, or outside the one they otherwise run in): the same
   logits bit for bit, and those of transformers. Generate: with 1 device in both contexts, the same tokens,
   log-probs and expert ids bit for bit; with more, once, in elsewhere() (in the 8-device process a 4-device
-  user's call outside any mesh context, as the README makes it), against recomputing with forward there (a second sampler compile per context cost more
-  than the suite's budget allows for what the 1-device rows already hold)."""
+  user's call outside any mesh context, as the README makes it), against recomputing with forward there (a
+  second sampler compile per context cost more than the suite's budget allows for what the 1-device rows
+  already hold)."""
   ids = reference(name)["input_ids"]
   with elsewhere():
     cfg, params = meshlm.hf.load(FIXTURES / name, "train.compute_dtype=float32", *USER)

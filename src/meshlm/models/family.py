@@ -38,9 +38,10 @@ models/registry.py):
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
 - with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
-  RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls it with its `norm_plus_one`, the one switch for every RMSNorm of the
-  model; None for a part whose norms do not follow it (gdn's gated norm and mla's norms are plain,
-  gated_gqa's q/k norms are always (1 + w), as in Hugging Face).
+  RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls
+  it with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms
+  do not follow it (gdn's gated norm and mla's norms are plain, gated_gqa's q/k norms are always (1 + w), as
+  in Hugging Face).
 
 The generic decoder (models/decoder.py) reads only these fields: it knows no part by name.
 """

@@ -142,13 +142,17 @@ def gqa() -> Part:
               rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one)
 
 
+def _is_own(fn, base) -> bool:
+  """fn is `base` or a functools.partial of it (gqa's spec/apply, plain or with plus_one bound)."""
+  return fn is base or (isinstance(fn, functools.partial) and fn.func is base)
+
+
 def with_plus_one(part: Part, on: bool) -> Part:
   """`part` (gqa's, or a copy with other fields replaced: name, state_spec, ...) with its q/k norms scaling by
   (1 + w) when on, plainly otherwise; a family built again from another's kinds switches them back. A part whose
   spec or apply is no longer gqa's (a test's broken twin) is kept as it is when off, and refused when on: the
   switch cannot reach into someone else's apply."""
-  own = lambda fn, base: fn is base or (isinstance(fn, functools.partial) and fn.func is base)  # noqa: E731
-  if not (own(part.spec, spec) and own(part.apply, apply)):
+  if not (_is_own(part.spec, spec) and _is_own(part.apply, apply)):
     if not on:
       return part
     raise ValueError(f"part {part.name!r}: its spec or apply is not gqa's, so norm_plus_one cannot make its q/k "
