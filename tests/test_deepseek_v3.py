@@ -199,7 +199,7 @@ def test_the_cache_holds_the_latent_per_token_per_layer():
   per_token = m.kv_lora_rank + m.qk_rope_head_dim
   B, C = 2, 64
   for i in range(m.num_layers):
-    spec = decoder._state_spec(cfg, i, B, C)
+    spec = decoder.resolve(cfg).state_spec(i, B, C)
     assert set(spec) == {"attn"}  # the MoE and GLU halves keep none
     assert sum(math.prod(leaf.shape) for leaf in spec["attn"].values()) == B * C * per_token
   # The compiled prefill's output: the whole cache, and nothing per head.

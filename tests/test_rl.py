@@ -207,10 +207,10 @@ def rollout(prompts):
 
 def test_trainer_expert_ids_equal_the_samplers_bit_for_bit(rollout):
   tr, state, batch = rollout
-  fwd = jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, True)[1])
+  ids = lambda replay: jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, replay)[1]["forced_expert_ids"])  # noqa: E731
   with jax.set_mesh(tr.mesh):
-    live = np.asarray(fwd(tr.params_of(state), batch))  # [L, B, T, k]
-    free = np.asarray(jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, False)[1])(tr.params_of(state), batch))
+    live = np.asarray(ids(True)(tr.params_of(state), batch))  # [L, B, T, k]
+    free = np.asarray(ids(False)(tr.params_of(state), batch))
   rec = np.moveaxis(np.asarray(batch["forced_expert_ids"]), 2, 0)
   fed = rec[..., 0] >= 0
   assert fed.sum() > 100 and fed[..., 0].all()
@@ -256,7 +256,7 @@ def test_replay_off_reports_the_router_flips_of_a_perturbed_router(rollout):
   # The rates, counted here from the trainer's own routing: per layer the sampler's (token, slot) choices the
   # trainer did not make over tokens x k; any layer, the tokens with such a flip over the tokens.
   with jax.set_mesh(tr.mesh):
-    live = np.asarray(jax.jit(lambda p, b: RS._forward(off, p, b, False)[1])(params, perturbed))  # [L, B, T, k]
+    live = np.asarray(jax.jit(lambda p, b: RS._forward(off, p, b, False)[1]["forced_expert_ids"])(params, perturbed))  # [L, B, T, k]
   rec = np.moveaxis(np.asarray(perturbed["forced_expert_ids"]), 2, 0)  # [L, B, T, k]
   valid = (rec[..., 0] >= 0) & (np.asarray(perturbed["segment_ids"])[None] > 0)  # [L, B, T]
   missing = (rec[..., :, None] != live[..., None, :]).all(-1) & valid[..., None]  # [L, B, T, k]
@@ -344,7 +344,7 @@ def test_a_raising_reward_scores_zero_and_is_counted():
     ("groups", "rl.num_generations=1: GRPO normalizes"),
     ("unknown", "rl.reward=exactly: unknown reward"),
     ("import", "rl.reward=no_such_module_xyz:f: cannot import it"),
-    ("dense", "rl.router_replay=true: llama2-tiny is dense"),
+    ("dense", "rl.router_replay=true: llama2-tiny (model family .llama. here) has no layer whose choices a replay"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, prompts, case, msg):
   import re

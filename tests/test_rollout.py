@@ -29,7 +29,7 @@ def rollout():
 
 
 def _forward(cfg, params, block, forced=None):
-  fwd = jax.jit(lambda p, t, f: decoder.forward(cfg, p, t, return_side=True, forced_expert_ids=f))
+  fwd = jax.jit(lambda p, t, f: decoder.forward(cfg, p, t, return_side=True, layer_inputs={"forced_expert_ids": f}))
   logits, side = fwd(params, block, forced)
   return np.asarray(logits), np.asarray(side["moe_expert_ids"])
 

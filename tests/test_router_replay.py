@@ -202,7 +202,7 @@ def model(request):
   c = jnp.cos(jnp.arange(MB * MT * cfg.model.vocab_size, dtype=jnp.float32)).reshape(MB, MT, -1)
 
   def f(p, forced):
-    logits, side = decoder.forward(cfg, p, tokens, return_side=True, forced_expert_ids=forced)
+    logits, side = decoder.forward(cfg, p, tokens, return_side=True, layer_inputs={"forced_expert_ids": forced})
     return jnp.sum(logits * c), (logits, side["moe_expert_ids"])
   plain = jax.jit(jax.value_and_grad(lambda p: f(p, None), has_aux=True))(params)
   replay = jax.jit(jax.value_and_grad(f, has_aux=True))
@@ -229,13 +229,13 @@ def test_bad_forced_ids_are_refused_by_forward(model):
   cfg, params, tokens, plain, _ = model
   ids = np.asarray(plain[0][1][1])
   with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(.*\), expected \(.*\)"):
-    decoder.forward(cfg, params, tokens, forced_expert_ids=ids[:-1])
+    decoder.forward(cfg, params, tokens, layer_inputs={"forced_expert_ids": ids[:-1]})
   with pytest.raises(ValueError, match=r"forced_expert_ids: ids range over \[\d+, \d+\], expected -1"):
-    decoder.forward(cfg, params, tokens, forced_expert_ids=ids + cfg.model.num_experts)
+    decoder.forward(cfg, params, tokens, layer_inputs={"forced_expert_ids": ids + cfg.model.num_experts})
   dense_cfg = load_config("model=llama2-tiny", "cpu_devices=1")
   with pytest.raises(ValueError, match="no layer of model family 'llama' here reads 'forced_expert_ids'"):
-    decoder.forward(dense_cfg, {}, tokens, forced_expert_ids=ids)
-  with pytest.raises(ConfigError, match="no MoE layers to replay"):
+    decoder.forward(dense_cfg, {}, tokens, layer_inputs={"forced_expert_ids": ids})
+  with pytest.raises(ConfigError, match="no layer whose choices a replay forces"):
     train_step.replay_batch_spec(dense_cfg)
   with pytest.raises(ValueError, match=r"layer_inputs: no layer of model family '.*' here reads 'x' \(inputs its layers read: forced_expert_ids\)"):
     decoder.forward(cfg, params, tokens, layer_inputs={"x": ids})
@@ -285,7 +285,7 @@ def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
   assert (lp.kinds, lp.period, lp.groups, lp.rest) == (("moe", "moe", "dense") * 2 + ("moe",), 3, 2, 1)
   params = decoder.init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 8)), jnp.int32)
-  fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, forced_expert_ids=f))
+  fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, layer_inputs={"forced_expert_ids": f}))
   logits, side = jax.jit(lambda p: decoder.forward(cfg, p, tokens, return_side=True))(params)
   ids = np.asarray(side["moe_expert_ids"])  # [5, 2, 8, 2]
   assert ids.shape == (5, 2, 8, 2)
@@ -349,7 +349,7 @@ def _routing_conds(jaxpr) -> list:
 def test_the_replay_program_of_a_model_holds_the_cond_and_an_R_row_top_k(long_model):
   cfg, params, tokens, _, ids = long_model
   R, N, E = rr.REPLAY_ROWS, LB * LT, cfg.model.num_experts
-  replay = jax.make_jaxpr(lambda p, f: decoder.forward(cfg, p, tokens, forced_expert_ids=f))(params, ids)
+  replay = jax.make_jaxpr(lambda p, f: decoder.forward(cfg, p, tokens, layer_inputs={"forced_expert_ids": f}))(params, ids)
   conds = _routing_conds(replay)
   # One cond in the scanned MoE layers' body; its branches: the full top-k over [N, E], the compact
   # one over [R, E] (lax.cond's order: the false branch first), and no other top-k in the program.
@@ -370,7 +370,7 @@ def test_a_model_uses_the_compact_branch_when_the_free_rows_fit(long_model, monk
   E = cfg.model.num_experts
   full_topk = rr.full_topk
   monkeypatch.setattr(rr, "full_topk", lambda probs, need, k: (full_topk(probs, need, k) + 1) % E)
-  fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, forced_expert_ids=f))
+  fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, layer_inputs={"forced_expert_ids": f}))
   fits = _unforce(ids, FITS)
   got_logits, side = fwd(params, fits)
   np.testing.assert_array_equal(side["moe_expert_ids"], ids)

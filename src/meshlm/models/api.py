@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,35 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
-from meshlm.models.family import FORCED_EXPERT_IDS
+from meshlm.models.ffns.moe import FORCED_IDS
 from meshlm.parallel.mesh import resolve_mesh
 
-__all__ = ["forward", "init_params", "place"]
+__all__ = ["Generation", "forward", "init_params", "place"]
+
+
+@dataclasses.dataclass
+class Generation:
+  """What `generate` returns (models/generate.py): the new tokens, their log-probs and the record a
+  replay forces."""
+  tokens: np.ndarray  # [B, N] int32: row b's new tokens in [:lengths[b]] (up to and including a stop token), 0 after
+  logprobs: np.ndarray  # [B, N] float32: log p(token | prefix) under the model, 0 after the row's length
+  lengths: np.ndarray  # [B] int32
+  recorded: dict[str, np.ndarray]  # per-layer input name -> [B, T, n, ...] what a replay of this sample forces
+  compilations: dict[str, int]  # {"prefill": n, "decode": n} traced during this call
+  # [B, N] float32: log q(token | prefix), q the distribution drawn from (temperature, top-k, top-p
+  # applied; 0 when greedy): the RL sampler's old-policy log-probs. 0 after the row's length.
+  sample_logprobs: np.ndarray | None = None
+
+  @property
+  def expert_ids(self) -> np.ndarray | None:
+    """[B, T, L_moe, k] int32 routed ids (the train step's forced_expert_ids), None without MoE layers."""
+    return self.recorded.get(FORCED_IDS)
+
+  def token_lists(self) -> list[list[int]]:
+    return [[int(t) for t in row[:n]] for row, n in zip(self.tokens, self.lengths)]
+
+  def logprob_lists(self) -> list[list[float]]:
+    return [[float(x) for x in row[:n]] for row, n in zip(self.logprobs, self.lengths)]
 
 
 def init_params(cfg: Config, key: jax.Array, mesh=None) -> dict:
@@ -102,10 +128,15 @@ def clear_programs() -> None:
   _PROGRAMS.clear()
 
 
+def _inputs(forced_LBTk) -> dict | None:
+  """The decoder's layer_inputs for a router replay (None without one)."""
+  return None if forced_LBTk is None else {FORCED_IDS: forced_LBTk}
+
+
 def _build_forward(cfg: Config, return_hidden: bool, return_side: bool):
   def run(params, tokens_BT, positions_BT, segment_ids_BT, forced_LBTk):
     return decoder.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, return_hidden=return_hidden,
-                           return_side=return_side, forced_expert_ids=forced_LBTk)
+                           return_side=return_side, layer_inputs=_inputs(forced_LBTk))
   return jax.jit(run)
 
 
@@ -124,9 +155,10 @@ def forward(cfg: Config, params: dict, tokens_BT, positions_BT=None, segment_ids
   kw = dict(return_hidden=return_hidden, return_side=return_side)
   if _tracing(params, tokens_BT, positions_BT, segment_ids_BT, forced_expert_ids):
     with _abstract_mesh_of(params):
-      return decoder.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, forced_expert_ids=forced, **kw)
+      return decoder.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, layer_inputs=_inputs(forced),
+                             **kw)
   if forced is not None:
-    decoder.split_layer_inputs(cfg, {FORCED_EXPERT_IDS: forced}, np.shape(tokens_BT))  # one line, before compiling
+    decoder.split_layer_inputs(cfg, _inputs(forced), np.shape(tokens_BT))  # one line, before compiling
   mesh = resolve_mesh(cfg, params, mesh)
   params = place(cfg, params, mesh)
   host = lambda a: None if a is None else np.asarray(a)  # noqa: E731  (committed to no device: the jit places it)

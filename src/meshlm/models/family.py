@@ -26,8 +26,9 @@ models/registry.py):
 - stack_rows: names of parameters the part reads by row from their stacks itself: in an unrolled layer
   it gets them as `nn.stack_row.StackRow(stack, layer row)` instead of the sliced row (a copy on XLA:CPU),
   so a part whose parameters are large reads only what it uses (MoE: one expert's kernel at a time).
-- layer_inputs: {name: check(m, array, n_layers, shape_BT)}: per-layer inputs the part reads from
-  `ctx.layer[name]`, given to the decoder stacked over the model layers that read them.
+- layer_inputs: {name: LayerInput}: per-layer inputs the part reads from `ctx.layer[name]`, given to the
+  decoder stacked over the model layers that read them ([n, B, T, *trailing]); the train step takes each
+  as a batch field [B, T, n, *trailing] of that name, and LayerInput.check refuses a bad one either way.
 - model_state(m) -> ParamSpec tree of non-trainable leaves (merged into p, never seen by the
   optimizer), and after_step(leaves, side, m) -> leaves, the rule that updates them after each step
   from the part's side outputs (stacked over the kind's layers). after_step_side: {side output: "mean"
@@ -37,6 +38,11 @@ models/registry.py):
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
+- shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
+  multiple of it (gdn: whole chunks, model.gdn_chunk_size); 1 for a part with no such need.
+- losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
+  load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
+  value to the loss and logs the weighted value under the metric's name.
 - with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
   RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls
   it with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms
@@ -58,9 +64,21 @@ from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, constrain
 
 COMMITS = ("rows", "replace")
-# The per-layer input that router replay forces (MoE parts read it; forward, the train step's batch
-# field and generate's record name it).
-FORCED_EXPERT_IDS = "forced_expert_ids"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInput:
+  """A per-layer input a part reads (`ctx.layer[name]`): [n, B, T, *trailing(m)] of `dtype` when given to
+  the decoder (n: the layers that read it, model order), [B, T, n, *trailing] as a batch field.
+
+  check(m, array, shape, name) refuses a wrong shape, and bad values when the array is concrete
+  (ValueError, one line). A replayed input (Part.replays) may name `flips`, the metric prefix under which
+  RL reports the fraction of the sampler's recorded choices (the last axis holds a token's choices, -1 =
+  none) that the trainer's own forward did not make."""
+  trailing: Callable[[ModelConfig], tuple[int, ...]]
+  check: Callable[..., None]
+  dtype: str = "int32"
+  flips: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +115,7 @@ class Part:
   prepare: Callable[[dict, dict], dict] | None = None
   remat_save_names: tuple[str, ...] = ()
   stack_rows: tuple[str, ...] = ()
-  layer_inputs: Mapping[str, Callable[..., None]] = dataclasses.field(default_factory=dict)
+  layer_inputs: Mapping[str, LayerInput] = dataclasses.field(default_factory=dict)
   model_state: Callable[[ModelConfig], dict] | None = None
   after_step: Callable[[dict, dict, ModelConfig], dict] | None = None
   after_step_side: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> "mean" | "sum"
@@ -105,11 +123,14 @@ class Part:
   side_names: tuple[str, ...] = ()  # the side outputs apply returns (every one, every call)
   replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
   with_plus_one: Callable[["Part", bool], "Part"] | None = None  # the part with (1 + w) own norms, or plain
+  losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
+  shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
     assert set(self.after_step_side) <= set(self.side_names), (self.after_step_side, self.side_names)
     assert set(self.after_step_side.values()) <= set(SIDE_SUMS), self.after_step_side
+    assert set(self.replays.values()) <= set(self.layer_inputs), (self.replays, tuple(self.layer_inputs))
 
   def state_side(self) -> dict[str, str]:
     """{side output: "mean" | "sum"} that after_step reads (none without an after_step rule)."""

@@ -3,7 +3,7 @@
     out = meshlm.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=64, temperature=0.8, top_p=0.95)
     out.tokens [B, N], out.logprobs [B, N], out.lengths [B]   # row b's new tokens are tokens[b, :lengths[b]]
     out.token_lists(), out.logprob_lists()                    # the same as Python lists
-    out.expert_ids [B, T, L_moe, k]                           # MoE: the routing of every token fed
+    out.recorded {input: [B, T, n, ...]}                      # what a replay of this sample forces
 
 Prompts of different lengths are right-padded into one block; each row then advances from its own
 length. The decode loop is a `lax.while_loop` with a done mask: no host round-trip per token, and it
@@ -14,9 +14,10 @@ of two), so a call compiles the prefill once and the decode loop once per bucket
 `logprobs` are log softmax of the model's (soft-capped) logits at the sampled token, independent of
 temperature, top-k and top-p, which only shape the draw. `sample_logprobs` are the log-probs of the
 distribution the token was really drawn from (after temperature, top-k and top-p, by `truncate`): what
-RL's importance ratio divides by. `expert_ids` (models with a part that records what a per-layer input replays: MoE's routed ids)
-are laid out as the train step's `forced_expert_ids` for the rows prompt + completion: position p of
-row b holds the routing of its token p, and -1 where no token was fed (padding, the last token).
+RL's importance ratio divides by. `recorded` holds, for each per-layer input that a part's side output
+replays (Part.replays), that side output over the rows prompt + completion, laid out as the train step's
+batch field of that name: position p of row b holds what token p chose, and -1 where no token was fed
+(padding, the last token). (`Generation` is models/api.py's, with its named views of the record.)
 Sampling is seeded per row (`seed` an int or one per row): row b's draw depends only on its seed, its
 logits and the step. `recompute_greedy` is the plain reference: the whole prefix through `forward`
 for every token.
@@ -24,7 +25,6 @@ for every token.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 from typing import Sequence
 
@@ -35,9 +35,7 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
-from meshlm.models.api import cached, place
-from meshlm.models.family import FORCED_EXPERT_IDS
-from meshlm.models.registry import family
+from meshlm.models.api import Generation, cached, place
 from meshlm.parallel.mesh import resolve_mesh
 from meshlm.parallel.sharding import constrain
 
@@ -46,29 +44,6 @@ MIN_BUCKET = 16
 # Traces of the jitted prefill / decode loop, counted where they happen (at trace time), so a call can
 # report how many compilations it caused.
 TRACES: collections.Counter = collections.Counter()
-
-
-@dataclasses.dataclass
-class Generation:
-  tokens: np.ndarray  # [B, N] int32: row b's new tokens in [:lengths[b]] (up to and including a stop token), 0 after
-  logprobs: np.ndarray  # [B, N] float32: log p(token | prefix) under the model, 0 after the row's length
-  lengths: np.ndarray  # [B] int32
-  recorded: dict[str, np.ndarray]  # per-layer input name -> [B, T, n, ...] what a replay of this sample forces
-  compilations: dict[str, int]  # {"prefill": n, "decode": n} traced during this call
-  # [B, N] float32: log q(token | prefix), q the distribution drawn from (temperature, top-k, top-p
-  # applied; 0 when greedy): the RL sampler's old-policy log-probs. 0 after the row's length.
-  sample_logprobs: np.ndarray | None = None
-
-  @property
-  def expert_ids(self) -> np.ndarray | None:
-    """[B, T, L_moe, k] int32 routed ids (the train step's forced_expert_ids), None without MoE layers."""
-    return self.recorded.get(FORCED_EXPERT_IDS)
-
-  def token_lists(self) -> list[list[int]]:
-    return [[int(t) for t in row[:n]] for row, n in zip(self.tokens, self.lengths)]
-
-  def logprob_lists(self) -> list[list[float]]:
-    return [[float(x) for x in row[:n]] for row, n in zip(self.logprobs, self.lengths)]
 
 
 def bucket(n: int, cap: int) -> int:
@@ -146,10 +121,8 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int 
 
 
 def recorded_inputs(cfg: Config) -> dict[str, str]:
-  """{side output name: the per-layer input it replays} over the plan's parts (MoE: routed ids)."""
-  fam = family(cfg)
-  return {side: name for k in decoder.plan(cfg).kind_names() for p in fam.kinds[k].parts
-          for side, name in p.replays.items()}
+  """{side output name: the per-layer input it replays} over the plan's parts (Part.replays)."""
+  return decoder.resolve(cfg).replays
 
 
 def _record(buf_BTn, side_nBt, start_B, real_B):

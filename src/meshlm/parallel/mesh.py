@@ -42,6 +42,12 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
   return sizes
 
 
+def check_mesh(cfg: Config, mesh) -> None:
+  """The checks a given mesh must pass for cfg's model (as resolve_mesh_shape runs them on a config's own)."""
+  sizes = dict(mesh.shape)
+  check_expert_axis(cfg, sizes.get("expert", 1), sizes.get("fsdp", 1))
+
+
 def check_expert_axis(cfg: Config, expert: int, fsdp: int = 1) -> None:
   """Expert weights shard whole experts over mesh.expert, so it must divide model.num_experts; with
   model.moe_kernel_fsdp=experts over mesh.expert x mesh.fsdp (null falls back to embed instead)."""

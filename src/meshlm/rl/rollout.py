@@ -7,8 +7,8 @@
     batch = to_batch(cfg, prompt_ids, gen, T)      # the RL step's host batch (rewards/advantages apart)
 
 The training row of completion b is its prompt then its completion, left-aligned as the sampler fed them:
-position p of inputs is token p, so the sampler's recorded expert ids (position p: the routing of token p)
-are the forced ids as they are. Targets are inputs shifted by one; the loss mask covers the completion's
+position p of inputs is token p, so what the sampler recorded of its layers' choices (position p: token p's,
+Generation.recorded) is the replay's batch field as it is. Targets are inputs shifted by one; the loss mask covers the completion's
 tokens (from the prompt's last position on), and the log-probs sit at the target positions.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
+from meshlm.models import decoder
 from meshlm.models import generate as G
 
 
@@ -109,10 +110,10 @@ class PromptIterator:
 
 
 def row_multiple(cfg: Config) -> int:
-  """What the train step needs T to be a multiple of: the mesh.context shards' count, and for a Gated DeltaNet
-  hybrid on mesh.context whole chunks per shard (context x model.gdn_chunk_size)."""
-  if cfg.mesh.context > 1 and cfg.model.hybrid_types() is not None:
-    return cfg.mesh.context * cfg.model.gdn_chunk_size
+  """What the train step needs T to be a multiple of: the mesh.context shards' count, times what each shard's
+  length must be a multiple of for the model's parts (Part.shard_multiple: whole chunks of a chunked recurrence)."""
+  if cfg.mesh.context > 1:
+    return cfg.mesh.context * decoder.resolve(cfg).shard_multiple
   return cfg.mesh.context
 
 
@@ -147,7 +148,7 @@ def truncated(gen: G.Generation, stop_tokens) -> np.ndarray:
   return np.array([n == 0 or int(gen.tokens[b, n - 1]) not in stops for b, n in enumerate(gen.lengths)], bool)
 
 
-def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int, moe: bool,
+def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int, replays: bool,
              stop_tokens=()) -> dict[str, np.ndarray]:
   """The RL step's host batch from a rollout, without advantages (set from the rewards). With
   rl.mask_truncated_completions the truncated completions' loss mask is 0 (they still count as rows)."""
@@ -173,11 +174,11 @@ def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int
            "sampler_logp": sampler, "old_logp": sampler.copy(), "advantages": np.zeros((B,), np.float32)}
   if cfg.rl.beta > 0:
     batch["ref_logp"] = sampler.copy()  # the trainer scores the reference into it (rl/trainer.py)
-  if moe:
-    ids = gen.expert_ids  # [B, T_gen, L, k]; position p: token p's routing, -1 where none was fed
-    forced = np.full((B, T) + ids.shape[2:], -1, np.int32)
-    n = min(T, ids.shape[1])
-    forced[:, :n] = ids[:, :n]
+  for name, rec in (gen.recorded.items() if replays else ()):
+    # rec [B, T_gen, n, ...]; position p: what token p chose, -1 where no token was fed.
+    forced = np.full((B, T) + rec.shape[2:], -1, rec.dtype)
+    n = min(T, rec.shape[1])
+    forced[:, :n] = rec[:, :n]
     forced[seg == 0] = -1  # padding: not forced
-    batch["forced_expert_ids"] = forced
+    batch[name] = forced
   return batch

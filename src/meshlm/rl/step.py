@@ -11,8 +11,9 @@ is 1 on completion tokens only):
   sampler_logp [B, T]  the sampler's log-probs of the distribution it drew from
   advantages [B]       group-normalized (rl/loss.py: advantages)
   ref_logp [B, T]      the reference policy's log-probs (only with rl.beta > 0)
-  forced_expert_ids [B, T, L_moe, k]  the sampler's routing (MoE models): forced in the forward with
-                       rl.router_replay, else compared with the trainer's own routing (router flips)
+  a replay's fields    what the sampler recorded of its layers' choices (Part.replays; each
+                       [B, T, n, k], -1 = none): forced in the forward with rl.router_replay,
+                       else compared with the trainer's own choices (the input's `flips` metrics)
 
 The trainer scores a completion under the sampler's truncation (`score`), so at the first iteration the
 ratio is 1 up to the train/sample numerical gap, which the step reports (logp_gap_mean/max).
@@ -27,7 +28,6 @@ import jax.numpy as jnp
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
-from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm.models.generate import truncate
 from meshlm.parallel.sharding import constrain
 from meshlm.rl import loss as L
@@ -42,13 +42,20 @@ def rl_fields(cfg: Config) -> dict[str, ST.BatchField]:
   spec = dict(ST.BATCH_SPEC, old_logp=f32(), sampler_logp=f32(), advantages=f32(per_token=False))
   if cfg.rl.beta > 0:
     spec["ref_logp"] = f32()
-  if is_moe(cfg):
+  if replays(cfg):
     spec = ST.replay_batch_spec(cfg, spec)
   return spec
 
 
-def is_moe(cfg: Config) -> bool:
-  return bool(decoder.input_readers(cfg, FORCED_EXPERT_IDS))
+def replays(cfg: Config) -> bool:
+  """Whether some layer records choices that a replay can force (Part.replays)."""
+  return bool(decoder.resolve(cfg).replays)
+
+
+def flip_metrics(cfg: Config) -> tuple[str, ...]:
+  """The metric prefixes of the replayed inputs' flips (LayerInput.flips)."""
+  M = decoder.resolve(cfg)
+  return tuple(f for f in (M.layer_input(n).flips for n in dict.fromkeys(M.replays.values())) if f)
 
 
 def score(cfg: Config, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -70,17 +77,21 @@ def score(cfg: Config, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[ja
 
 
 def _forward(cfg: Config, params, batch: dict, replay: bool):
-  """(logits, the trainer's routed ids [L_moe, B, T, k] or None)."""
-  moe = is_moe(cfg)
-  forced = jnp.moveaxis(batch[FORCED_EXPERT_IDS], 2, 0) if moe and replay else None
-  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=moe,
-                        forced_expert_ids=forced)
-  return (out[0], out[1]["moe_expert_ids"]) if moe else (out, None)
+  """(logits, {replayed input: the trainer's own choices [n, B, T, k]}, {} without replays); with replay the
+  batch's recorded choices are forced."""
+  M = decoder.resolve(cfg)
+  side = bool(M.replays)
+  out = decoder.forward(M, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=side,
+                        layer_inputs=ST.layer_inputs_of(M, batch) if replay else None)
+  if not side:
+    return out, {}
+  return out[0], {name: out[1][s] for s, name in M.replays.items()}
 
 
-def router_flips(live_LBTk: jax.Array, recorded_BTLk: jax.Array, real_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(per MoE layer, the fraction of (token, slot) choices of the sampler the trainer did not make [L];
-  the fraction of tokens with such a flip in at least one layer), over the tokens the sampler routed."""
+def choice_flips(live_LBTk: jax.Array, recorded_BTLk: jax.Array, real_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(per layer, the fraction of the sampler's recorded (token, slot) choices the trainer did not make [L];
+  the fraction of tokens with such a flip in at least one layer), over the tokens the sampler recorded (a
+  row of -1 is none: padding, the last token)."""
   rec = jnp.moveaxis(recorded_BTLk, 2, 0)  # [L, B, T, k]
   valid = (rec[..., 0] >= 0) & (real_BT[None] > 0)  # [L, B, T]
   missing = ~jnp.any(rec[..., :, None] == live_LBTk[..., None, :], axis=-1)  # [L, B, T, k]: slot not in live set
@@ -96,7 +107,7 @@ def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows
   """The train step's loss_fn: GRPO over one (micro-)batch. Metrics are sums that add up over
   micro-batches to the batch's means (the max of the log-prob gap is exact with one micro-batch)."""
   rl = cfg.rl
-  logits, live_ids = _forward(cfg, params, batch, rl.router_replay)
+  logits, live = _forward(cfg, params, batch, rl.router_replay)
   logp, entropy = score(cfg, logits, batch["targets"])
   mask = batch["loss_mask"]
   w = L.token_weights(mask, rl.loss_agg, num_tokens, num_rows, rl.max_new_tokens, cfg.train.micro_batches)
@@ -130,19 +141,22 @@ def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows
     metrics["sampler_is_mean"] = jnp.sum(isw * mask) / num_tokens
     cut = (isw != is_ratio).astype(jnp.float32)  # truncated to a bound, or masked to 0
     metrics[f"sampler_is_{'masked' if mode == 'mask' else 'clipped'}_frac"] = jnp.sum(cut * mask) / num_tokens
-  if live_ids is not None:
-    per_layer, any_layer = router_flips(live_ids, batch[FORCED_EXPERT_IDS], batch["segment_ids"])
+  for name, choices in live.items():
+    flips = decoder.resolve(cfg).layer_input(name).flips
+    if flips is None:
+      continue
+    per_layer, any_layer = choice_flips(choices, batch[name], batch["segment_ids"])
     for i in range(per_layer.shape[0]):
-      metrics[f"router_flips_layer{i}"] = share * per_layer[i]
-    metrics["router_flips_any_layer"] = share * any_layer
+      metrics[f"{flips}_layer{i}"] = share * per_layer[i]
+    metrics[f"{flips}_any_layer"] = share * any_layer
   return loss, metrics
 
 
 def check_rl(cfg: Config) -> None:
   """The RL keys that depend on the model: refused in one line, before anything compiles."""
-  if cfg.rl.router_replay and not is_moe(cfg):
-    raise ConfigError(f"rl.router_replay=true: {cfg.model_name} is dense (model family {cfg.model.family!r} here "
-                      "has no MoE layers), so there is no routing to replay; drop rl.router_replay")
+  if cfg.rl.router_replay and not replays(cfg):
+    raise ConfigError(f"rl.router_replay=true: {cfg.model_name} (model family {cfg.model.family!r} here) has no layer "
+                      "whose choices a replay forces, so there is nothing to replay; drop rl.router_replay")
 
 
 def build_rl_step(cfg: Config, mesh=None) -> ST.TrainStep:

@@ -134,7 +134,7 @@ def _data_state(data: dict, path: str) -> dict:
 
 def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   ours = cfg.model.model_dump(mode="json")
-  # A key the checkpoint predates had its default then (e.g. model.router_scoring: softmax).
+  # A key the checkpoint predates had its default then (e.g. model.hidden_activation: silu).
   fields = type(cfg.model).model_fields
   saved = {**{k: fields[k].get_default(call_default_factory=True) for k in ours if k in fields and k not in saved},
            **saved}

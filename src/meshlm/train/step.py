@@ -2,7 +2,7 @@
 
 `build_train_step(cfg, mesh, loss_fn=..., batch_spec=...)` is what `meshlm train`, `census`, `compare`
 and `bench` all compile. The loss is pluggable: next-token cross-entropy by default; an RL loss
-takes extra batch fields (advantages, old log-probs, forced expert ids) declared in batch_spec.
+takes extra batch fields (advantages, old log-probs, a replay's per-layer inputs) declared in batch_spec.
 
     loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics)
 
@@ -22,9 +22,8 @@ import optax
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
-from meshlm.models.family import FORCED_EXPERT_IDS
 from meshlm import spec as S
-from meshlm.parallel.mesh import check_expert_axis, make_mesh
+from meshlm.parallel.mesh import check_mesh, make_mesh
 from meshlm.parallel.sharding import constrain, logical_spec
 from meshlm.train.optimizer import make_optimizer
 
@@ -51,24 +50,35 @@ class BatchField:
 BATCH_SPEC: dict[str, BatchField] = {"inputs": BatchField(), "targets": BatchField(), "segment_ids": BatchField(),
                                      "positions": BatchField(), "loss_mask": BatchField("float32")}
 BATCH_KEYS = tuple(BATCH_SPEC)
-# Router replay's batch field, FORCED_EXPERT_IDS: [B, T, L_moe, k] int32, -1 = not forced (replay_batch_spec).
+
+
+def layer_input_field(cfg: Config, name: str) -> BatchField:
+  """The batch field of the per-layer input `name` (models/family.LayerInput): [B, T, n, *trailing] (n: the
+  layers that read it, in model order), sharded like the tokens on batch and length (the trailing axes stay
+  whole, so micro-batches split it as they split the tokens). The default loss passes it to
+  decoder.forward as [n, B, T, *trailing]; put_batch refuses what the part's check refuses."""
+  M = decoder.resolve(cfg)
+  n, li = len(M.input_readers(name)), M.layer_input(name)
+  trailing = (n, *li.trailing(M.m))
+
+  def check(field, a):
+    li.check(M.m, a, (a.shape[0] if a.ndim else 0, M.cfg.train.seq_len, *trailing), field)
+  return BatchField(li.dtype, True, trailing, check=check)
 
 
 def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> dict[str, BatchField]:
-  """base plus "forced_expert_ids" [B, T, L_moe, k] (int32, -1 = not forced; L_moe: the MoE layers in
-  model order, k = num_experts_per_tok), sharded like the tokens on batch and length (the trailing
-  axes stay whole, so micro-batches split it as they split the tokens). The default loss passes it to
-  decoder.forward as [L_moe, B, T, k]; put_batch refuses a wrong shape or ids outside [-1, E)."""
-  from meshlm.nn.router_replay import check_forced_ids
-  m = cfg.model
-  n = len(decoder.input_readers(cfg, FORCED_EXPERT_IDS))
-  if not n:
-    raise ConfigError(f"{FORCED_EXPERT_IDS}: model family {m.family!r} here has no MoE layers to replay")
+  """base plus a field for each per-layer input that replays a part's recorded choices (Part.replays),
+  laid out as layer_input_field says; ConfigError when no layer replays."""
+  M = decoder.resolve(cfg)
+  if not M.replays:
+    raise ConfigError(f"replay: model family {M.m.family!r} here has no layer whose choices a replay forces")
+  return dict(base, **{name: layer_input_field(M, name) for name in dict.fromkeys(M.replays.values())})
 
-  def check(name, a):
-    check_forced_ids(a, (a.shape[0] if a.ndim else 0, cfg.train.seq_len, n, m.num_experts_per_tok),
-                     m.num_experts, name)
-  return dict(base, **{FORCED_EXPERT_IDS: BatchField("int32", True, (n, m.num_experts_per_tok), check=check)})
+
+def layer_inputs_of(cfg: Config, batch: dict) -> dict | None:
+  """The batch's per-layer input fields as decoder.forward takes them ([n, B, T, ...]); None when none."""
+  got = {n: jnp.moveaxis(batch[n], 2, 0) for n in decoder.resolve(cfg).layer_input_names if n in batch}
+  return got or None
 
 
 class TrainState(NamedTuple):
@@ -98,24 +108,23 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
 
 
 def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> tuple[jax.Array, dict]:
-  """The default loss: mean next-token cross-entropy over the loss mask, plus the MoE router losses
-  when their coefficients are set (`router_losses`)."""
-  m = cfg.model
-  aux = m.num_experts > 0 and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0)
-  state_side = decoder.after_step_side(cfg)
-  forced = batch.get(FORCED_EXPERT_IDS)  # [B, T, L_moe, k] when the batch replays routing
+  """The default loss: mean next-token cross-entropy over the loss mask, plus the parts' own loss terms
+  that are on (Part.losses, each on when its coefficient is set; `part_losses`)."""
+  M = decoder.resolve(cfg)
+  aux = bool(M.losses)
+  state_side = decoder.after_step_side(M)
   want_side = aux or bool(state_side)
-  out = decoder.forward(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                        return_side=want_side, forced_expert_ids=None if forced is None else jnp.moveaxis(forced, 2, 0))
+  out = decoder.forward(M, params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                        return_side=want_side, layer_inputs=layer_inputs_of(M, batch))
   logits, side = out if want_side else (out, {})
   loss_sum, mb_tokens = cross_entropy(logits, batch["targets"], batch["loss_mask"])
   loss = loss_sum / num_tokens
   if not want_side:
     return loss, {}
   # This micro-batch's share of the batch's tokens (exactly 1 without micro-batches): the per-micro-batch
-  # router losses then sum to their token-weighted mean, as the cross-entropy sums to the batch's.
+  # part losses then sum to their token-weighted mean, as the cross-entropy sums to the batch's.
   share = mb_tokens / num_tokens
-  extra, metrics = router_losses(cfg, side, share) if aux else (0.0, {})
+  extra, metrics = part_losses(M, side, share) if aux else (0.0, {})
   if state_side:
     # "mean" side outputs add up to the batch's token mean, "sum" ones (counts) to the batch's total.
     metrics[MODEL_SIDE] = {n: jax.lax.stop_gradient(side[n].astype(jnp.float32)) * (share if how == "mean" else 1.0)
@@ -123,23 +132,14 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
   return loss + extra, metrics
 
 
-def router_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array, dict]:
-  """(router_aux_loss_coef * load-balancing loss + router_z_loss_coef * z-loss, their metrics), each times
-  weight, from the MoE layers' stacked side outputs.
-
-  The load-balancing loss is transformers' load_balancing_loss_func over all MoE layers (nn/moe.py:
-  load_balancing_loss); the z-loss is the mean over the layers of each layer's mean squared logsumexp.
-  Only the losses whose coefficient is set are computed and logged (moe_aux_loss, moe_z_loss).
-  """
-  from meshlm.nn.moe import load_balancing_loss
-  m = cfg.model
+def part_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array, dict]:
+  """(sum of coef * weight * term over the parts' loss terms that are on, {metric: weight * term}), from the
+  side outputs stacked over the layers (Part.losses: each part computes its terms; only those on are
+  computed and logged)."""
   total, metrics = jnp.zeros((), jnp.float32), {}
-  if m.router_aux_loss_coef > 0:
-    metrics["moe_aux_loss"] = weight * load_balancing_loss(side)
-    total = total + m.router_aux_loss_coef * metrics["moe_aux_loss"]
-  if m.router_z_loss_coef > 0:
-    metrics["moe_z_loss"] = weight * jnp.mean(side["moe_z_loss"])
-    total = total + m.router_z_loss_coef * metrics["moe_z_loss"]
+  for name, (coef, term) in decoder.resolve(cfg).losses.items():
+    metrics[name] = weight * term(side)
+    total = total + coef * metrics[name]
   return total, metrics
 
 
@@ -352,7 +352,7 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
   """The step for cfg on mesh. loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics); batch_spec
   declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
-  check_expert_axis(cfg, dict(mesh.shape).get("expert", 1), dict(mesh.shape).get("fsdp", 1))
+  check_mesh(cfg, mesh)
   batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
   if "loss_mask" not in batch_spec:
     raise ConfigError("batch_spec: needs a loss_mask field (the token count that normalizes the loss)")

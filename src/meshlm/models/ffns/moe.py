@@ -2,7 +2,8 @@
 
 Side outputs: the router statistics (`moe_load_balance_loss`, `moe_z_loss`, the per-expert fractions
 and probabilities) and the routed expert ids (`moe_expert_ids` [B, T, k]); the decoder stacks them over
-the MoE layers and the loss (train/step.py) adds the aux losses when their coefficients are set.
+the MoE layers, and the train step adds the part's router losses (`router_losses`, Part.losses) when their
+coefficients are set.
 Router replay: the per-layer input `forced_expert_ids` [B, T, k] (-1 = not forced) forces the routing
 (nn/router_replay.py). The router kernel is gathered once before the layer scan (`prepare`), and the
 sort permutation is saved under remat (`remat_save_names`), so the backward does not sort again.
@@ -34,12 +35,12 @@ import jax.numpy as jnp
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
-from meshlm.models.family import FORCED_EXPERT_IDS, Part
+from meshlm.models.family import LayerInput, Part
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.nn.router_replay import check_forced_ids
 
-FORCED_IDS = FORCED_EXPERT_IDS  # the per-layer input (ctx.layer) holding [B, T, k] forced ids
+FORCED_IDS = "forced_expert_ids"  # the per-layer input (ctx.layer) and batch field holding [B, T, k] forced ids
 ROUTED_IDS = "moe_expert_ids"  # the side output holding the routed ids [B, T, k]
 SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", ROUTED_IDS)
 LOAD = "moe_expert_load"  # group_sigmoid's side output: routed pairs per expert [E], what after_step balances
@@ -51,9 +52,26 @@ def prepare(p: dict, specs: dict) -> dict:
   return dict(p, router_full=moe.gather_router_once(p["router"], specs["router"].axes))
 
 
-def check_forced(m: ModelConfig, forced, n_layers: int, shape_BT: tuple[int, int]) -> None:
-  """forced_expert_ids [L_moe, B, T, k]: its shape, and its range when concrete."""
-  check_forced_ids(forced, (n_layers, *shape_BT, m.num_experts_per_tok), m.num_experts)
+def check_forced(m: ModelConfig, forced, shape: tuple[int, ...], name: str = FORCED_IDS) -> None:
+  """forced_expert_ids ([L_moe, B, T, k] to the decoder, [B, T, L_moe, k] in a batch): its shape, and its
+  range when concrete."""
+  check_forced_ids(forced, shape, m.num_experts, name)
+
+
+# Router replay's per-layer input; RL reports how often the trainer's routing leaves the sampler's (router flips).
+FORCED = LayerInput(trailing=lambda m: (m.num_experts_per_tok,), check=check_forced, flips="router_flips")
+
+
+def router_losses(m: ModelConfig) -> dict:
+  """The router's loss terms whose coefficient is set: the load-balancing loss (transformers'
+  load_balancing_loss_func over all MoE layers, nn/moe.py) and the z-loss (the mean over the layers of
+  each layer's mean squared logsumexp), as {metric: (coef, fn(side))} (Part.losses)."""
+  out = {}
+  if m.num_experts and m.router_aux_loss_coef > 0:
+    out["moe_aux_loss"] = (m.router_aux_loss_coef, moe.load_balancing_loss)
+  if m.num_experts and m.router_z_loss_coef > 0:
+    out["moe_z_loss"] = (m.router_z_loss_coef, lambda side: jnp.mean(side["moe_z_loss"]))
+  return out
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None = None, shared: bool = False,
@@ -179,8 +197,8 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
   return Part(name="moe", key="moe", spec=spec, position_wise=True,
               apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
                                       routing=routing),
-              prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES, layer_inputs={FORCED_IDS: check_forced},
+              prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES, layer_inputs={FORCED_IDS: FORCED},
               stack_rows=KERNELS,
               side_names=SIDE_NAMES + ((LOAD,) if group else ()), replays={ROUTED_IDS: FORCED_IDS},
               model_state=router_bias_state if group else None, after_step=update_router_bias if group else None,
-              after_step_side={LOAD: "sum"} if group else {})
+              after_step_side={LOAD: "sum"} if group else {}, losses=router_losses)

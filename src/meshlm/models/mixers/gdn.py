@@ -236,4 +236,5 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
 def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
-              apply=functools.partial(apply, fused=fused), state_spec=state_spec)
+              apply=functools.partial(apply, fused=fused), state_spec=state_spec,
+              shard_multiple=lambda m: m.gdn_chunk_size)
