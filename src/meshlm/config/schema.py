@@ -57,6 +57,11 @@ class ModelConfig(_Strict):
   pad_token_id: Optional[int] = Field(default=None, description="Hugging Face pad_token_id, carried to the export")
   generation_config: Optional[dict[str, Any]] = Field(
       default=None, description="the imported generation_config.json, written again by the export")
+  # The knobs of layer parts that declare their own config section (models/family.Part.config), validated by
+  # the part's section when the model resolves: a new part's knobs need no field here.
+  parts: dict[str, dict[str, Any]] = Field(
+      default_factory=dict, description="knobs of the layer parts that declare their own section: "
+      "model.parts.PART.KNOB=value (each part's docs list its knobs)")
   # Mixture of experts (mixtral, qwen3_moe): the MoE layers' feed-forward is num_experts GLU experts of
   # width moe_mlp_dim, each token routed to num_experts_per_tok of them (nn/moe.py).
   num_experts: int = Field(default=0, ge=0, description="experts per MoE layer (0: no MoE layers)")

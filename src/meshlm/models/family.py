@@ -38,6 +38,10 @@ models/registry.py):
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
+- config: the part's own config section, a pydantic model whose fields (with defaults) are the part's
+  knobs, set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`) and read in the
+  part with `section(m, part)`. The family refuses a section that none of its parts declares, and the
+  section refuses an unknown knob or a bad value, each naming the key, when the model resolves.
 - shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
   multiple of it (gdn: whole chunks, model.gdn_chunk_size); 1 for a part with no such need.
 - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
@@ -54,11 +58,15 @@ The generic decoder (models/decoder.py) reads only these fields: it knows no par
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import Any, Callable, Mapping
 
 import jax
+import pydantic
 
 from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
 from meshlm import spec as S
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, constrain
@@ -125,6 +133,7 @@ class Part:
   with_plus_one: Callable[["Part", bool], "Part"] | None = None  # the part with (1 + w) own norms, or plain
   losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
   shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
+  config: type[pydantic.BaseModel] | None = None  # the part's own knobs: model.parts.<name>.<knob>
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
@@ -137,6 +146,33 @@ class Part:
     if self.after_step is None:
       return {}
     return dict(self.after_step_side) or {n: "mean" for n in self.side_names}
+
+
+def section(m: ModelConfig, part: Part) -> pydantic.BaseModel:
+  """part's config section (Part.config) from model.parts[part.name], its defaults filled in."""
+  return _section(part.config, json.dumps(m.parts.get(part.name, {}), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _section(cls: type[pydantic.BaseModel], text: str) -> pydantic.BaseModel:
+  return cls.model_validate(json.loads(text))
+
+
+def check_sections(m: ModelConfig, parts: list[Part]) -> None:
+  """model.parts against the sections the given parts declare: one ConfigError line naming the key."""
+  own = {p.name: p for p in parts if p.config is not None}
+  for name, knobs in m.parts.items():
+    if name not in own:
+      raise ConfigError(f"model.parts.{name}: model family {m.family!r} has no part {name!r} with knobs of its own "
+                        f"(parts with knobs: {', '.join(sorted(own)) or 'none'})")
+    try:
+      own[name].config.model_validate(knobs)
+    except pydantic.ValidationError as err:
+      first = err.errors()[0]
+      key = ".".join(["model.parts", name, *(str(x) for x in first["loc"])])
+      known = ", ".join(own[name].config.model_fields)
+      msg = "unknown knob" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+      raise ConfigError(f"{key}: {msg} (the {name} part's knobs: {known})") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,3 +170,8 @@ def resolve(cfg: Config | Model) -> Model:
   if len(_CACHE) > _CACHE_SIZE:
     _CACHE.popitem(last=False)
   return out
+
+
+def clear_cache() -> None:
+  """Forget every resolved Model (a test that swaps a registry entry resolves anew)."""
+  _CACHE.clear()

@@ -8,6 +8,7 @@ import importlib
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
+from meshlm.models.family import check_sections
 
 FAMILIES = {
     "llama": "meshlm.models.llama",
@@ -45,9 +46,11 @@ def get(name: str):
 
 
 def family(cfg: Config):
-  """cfg's Family, after its own checks of the model config (Family.validate)."""
+  """cfg's Family, after its own checks of the model config (Family.validate) and its parts' of their
+  config sections (model.parts)."""
   fam = get(cfg.model.family)
   fam.validate(cfg.model)
+  check_sections(cfg.model, [p for kind in fam.kinds.values() for p in kind.parts])
   return fam
 
 

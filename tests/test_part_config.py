@@ -1,0 +1,105 @@
+"""A new mixer with its own knob and decode state is one part file (with its config section), one registry
+line and one preset, and no edit of config/schema.py (tests/newpart/): the part's section carries its knob,
+the family refuses a section it has no part for, the section refuses a bad knob (each naming the key), and
+sampling from the decode state equals recomputing."""
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+import conformance as C
+import meshlm
+from meshlm.config import ModelConfig, load_config
+from meshlm.errors import ConfigError
+from meshlm.models import registry
+from meshlm.models.family import section
+
+HERE = Path(__file__).parent / "newpart"
+PRESET = yaml.safe_load((HERE / "meanfam-tiny.yaml").read_text())
+
+
+@pytest.fixture(autouse=True)
+def registered(monkeypatch):
+  # The registry lines the new part and its family would add to models/registry.py.
+  monkeypatch.setitem(registry.PARTS, "causal_mean", "newpart.mean_mixer:causal_mean")
+  monkeypatch.setitem(registry.FAMILIES, "meanfam", "newpart.meanfam")
+
+
+def cfg_of(*overrides):
+  return load_config("cpu_devices=1", *overrides, base=PRESET)
+
+
+def test_the_knob_is_the_parts_own_not_a_schema_field():
+  from newpart.mean_mixer import PART
+  assert "scale" not in ModelConfig.model_fields and "causal_mean" not in Path(
+      meshlm.config.schema.__file__).read_text()
+  cfg = registry.validate(cfg_of())
+  assert section(cfg.model, PART).scale == 0.5  # the preset's
+  assert section(cfg_of("model.parts.causal_mean.scale=2").model, PART).scale == 2.0  # a dotted key
+  assert section(cfg_of("model.parts={}").model, PART).scale == 1.0  # the section's default
+
+
+def test_the_knob_changes_the_numbers():
+  """The part reads its knob (a section read nowhere would leave the logits alone)."""
+  cfg, other = cfg_of(), cfg_of("model.parts.causal_mean.scale=2")
+  params = meshlm.init_params(cfg, jax.random.key(0))
+  tokens = np.arange(16, dtype=np.int32)[None] % cfg.model.vocab_size
+  a, b = (np.asarray(meshlm.forward(c, params, tokens)) for c in (cfg, other))
+  assert np.abs(a - b).max() > 1e-3
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("model.parts.causal_mean.scale=-1", r"model.parts.causal_mean.scale: Input should be greater than 0 \(the "
+     r"causal_mean part's knobs: scale\)"),
+    ("model.parts.causal_mean.scael=2", r"model.parts.causal_mean.scael: unknown knob \(the causal_mean part's knobs: "
+     r"scale\)"),
+    ("model.parts.glu.scale=2", r"model.parts.glu: model family 'meanfam' has no part 'glu' with knobs of its own "
+     r"\(parts with knobs: causal_mean\)"),
+])
+def test_a_bad_section_is_refused_naming_the_key(override, msg):
+  with pytest.raises(ConfigError, match=msg):
+    registry.validate(cfg_of(override))
+
+
+def test_another_family_refuses_the_section():
+  with pytest.raises(ConfigError, match="model.parts.causal_mean: model family 'llama' has no part 'causal_mean'"):
+    registry.validate(load_config("model=llama2-tiny", "model.parts.causal_mean.scale=2"))
+
+
+def test_sampling_from_its_decode_state_equals_recomputing():
+  cfg = cfg_of()
+  params = meshlm.init_params(cfg, jax.random.key(1))
+  got = C.check_generate_equals_recompute(cfg, params)
+  assert got["max_logprob_diff"] <= C.LOGPROB_ATOL
+
+
+def test_a_wrong_decode_state_fails_the_recompute_check(monkeypatch):
+  """The negative control: a decode step that drops its running sum samples other tokens or log-probs."""
+  from newpart import mean_mixer
+  cfg = cfg_of()
+  params = meshlm.init_params(cfg, jax.random.key(1))
+  real = mean_mixer.apply
+
+  def forgetful(p, x, ctx, state=None):
+    return real(p, x, ctx, None if state is None else {"sum": 0 * state["sum"]})
+  import dataclasses
+  monkeypatch.setattr(mean_mixer, "PART", dataclasses.replace(mean_mixer.PART, apply=forgetful))
+  monkeypatch.setitem(registry.FAMILIES, "meanfam", "newpart.meanfam_forgetful")
+  import sys
+  import types
+  from meshlm.models.family import Family, Kind
+  from meshlm.models.ffns.glu import glu
+  mod = types.ModuleType("newpart.meanfam_forgetful")
+  mod.FAMILY = Family("meanfam", kinds={"dense": Kind(mean_mixer.PART, glu())})
+  monkeypatch.setitem(sys.modules, "newpart.meanfam_forgetful", mod)
+  from meshlm.models import api, model
+  model.clear_cache()
+  api.clear_programs()
+  try:
+    with pytest.raises(AssertionError):
+      C.check_generate_equals_recompute(cfg, params)
+  finally:
+    model.clear_cache()
+    api.clear_programs()
