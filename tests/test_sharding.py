@@ -1,4 +1,6 @@
 """Logical axes -> mesh axes, constrain() under both modes, where parameters land, odd shapes."""
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from meshlm.config import load_config
 from meshlm.models import forward, init_params, param_specs
 from meshlm import spec as S
-from meshlm.parallel import constrain, is_explicit, logical_spec, make_mesh, out_sharding
+from meshlm.parallel import RULES, constrain, is_explicit, logical_spec, make_mesh, out_sharding
+from meshlm.parallel.sharding import axes
+
+PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "src/meshlm/config/presets").glob("*.yaml"))
 
 
 def mesh_of(*overrides: str, devices: int = 4):
@@ -66,6 +71,32 @@ def test_logical_spec_without_a_mesh_and_unknown_axes():
   mesh = mesh_of("mesh.fsdp=4")
   with pytest.raises(KeyError, match="'hidden' has no rule"):
     logical_spec(("hidden",), (8,), mesh)
+
+
+def test_a_misspelt_axis_fails_where_it_is_declared():
+  """Negative controls: a ParamSpec (directly or through a builder) and an activation axes tuple with a name the
+  rules lack each raise at construction, with no mesh, naming the axis and the known names."""
+  with pytest.raises(ValueError, match=r"unknown logical axis 'kv_head'; known: .*kv_heads"):
+    S.ParamSpec((4, 2), ("embed", "kv_head"))
+  with pytest.raises(ValueError, match=r"unknown logical axis 'mpl'"):
+    S.kernel((4, 8), ("embed", "mpl"))
+  with pytest.raises(ValueError, match=r"unknown logical axis 'lenght'; known: .*length"):
+    axes("batch", "lenght", None)
+  assert axes("batch", "length", None) == ("batch", "length", None)
+  assert S.ParamSpec((4, 2), ("embed", None)).axes == ("embed", None)
+
+
+def test_the_rules_name_the_known_axes():
+  """spec.LOGICAL_AXES (what a ParamSpec checks, below parallel/) is the rule table's set of names."""
+  assert set(RULES) == S.LOGICAL_AXES
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_declares_known_axes(preset):
+  """Every preset's parameter specs build (each ParamSpec checks its axes), real sizes included: no arrays."""
+  specs = param_specs(load_config(f"model={preset}"))
+  names = {a for s in jax.tree.leaves(specs, is_leaf=S.is_spec) for a in s.axes}
+  assert names - {None} <= S.LOGICAL_AXES and "embed" in names
 
 
 def test_mode_switches():

@@ -10,6 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Every logical axis a parameter or an activation may name. parallel/sharding.RULES maps each to mesh axes and
+# is held equal to this set at import; the set lives here, below parallel/, so that a ParamSpec can check its
+# axes when it is built: a misspelt name would otherwise fail only once a mesh exists.
+LOGICAL_AXES = frozenset({"batch", "length", "act_embed", "embed", "vocab", "mlp", "heads", "kv_heads",
+                          "head_dim", "layers", "experts", "experts_fsdp", "mlp_fsdp"})
+
+
+def check_axes(names: tuple[str | None, ...], what: str) -> None:
+  """Raises ValueError naming the first of `names` that is neither None nor a known logical axis."""
+  for name in names:
+    if name is not None and name not in LOGICAL_AXES:
+      raise ValueError(f"{what}: unknown logical axis {name!r}; known: {', '.join(sorted(LOGICAL_AXES))} "
+                       "(a new one needs a rule in parallel/sharding.RULES and a name in spec.LOGICAL_AXES)")
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
@@ -22,6 +36,7 @@ class ParamSpec:
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+    check_axes(self.axes, f"ParamSpec{self.shape} with axes {self.axes}")
 
 
 def kernel(shape: tuple[int, ...], axes: tuple[str | None, ...], n_in: int = 1) -> ParamSpec:

@@ -1,10 +1,51 @@
 """Causal grouped-query attention with segment masking (packed documents never see each other), and its
-one-position decode form against a KV cache. Plain math with no sharding annotations of its own."""
+one-position decode form against a KV cache. Plain math with no sharding annotations of its own.
+
+Also the attention mixers' shared vocabulary (models/mixers/gqa.py, gated_gqa.py, mla.py): the logical axes
+of their kernels and activations, the q/K/V/o parameter specs, and the decode masks, declared once here.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from meshlm import spec as S
+from meshlm.parallel.sharding import ACT, axes
+
+# Parameter axes: the query kernel [D, N, H] (gather_once reads them), K/V [D, Kv, H], o [N, H, D].
+Q_AXES = axes("embed", "heads", "head_dim")
+KV_AXES = axes("embed", "kv_heads", "head_dim")
+O_AXES = axes("heads", "head_dim", "embed")
+# Activation axes: per-head rows [B, T, N, H], GQA's K/V rows [B, T, Kv, H], the output [B, T, D].
+HEADS = axes("batch", "length", "heads", "head_dim")
+KV = axes("batch", "length", "kv_heads", "head_dim")
+OUT = ACT
+
+
+def q_spec(D: int, N: int, H: int) -> S.ParamSpec:
+  return S.kernel((D, N, H), Q_AXES)
+
+
+def kv_specs(D: int, Kv: int, H: int) -> dict[str, S.ParamSpec]:
+  """{"k", "v"} [D, Kv, H]."""
+  return {"k": S.kernel((D, Kv, H), KV_AXES), "v": S.kernel((D, Kv, H), KV_AXES)}
+
+
+def o_spec(N: int, H: int, D: int) -> S.ParamSpec:
+  """The output projection [N, H, D]: both head dims are contracted."""
+  return S.kernel((N, H, D), O_AXES, n_in=2)
+
+
+def decode_mask(mask_B111C: jax.Array, write_BC: jax.Array) -> jax.Array:
+  """The cache slots a new position reads, [B, 1, 1, 1, C]: the slot being written holds a position the new
+  one no longer sees (out of the window) or none, so it is masked out (the new K/V come in separately)."""
+  return mask_B111C & ~write_BC[:, None, None, None, :]
+
+
+def with_new_slot(mask_B111C: jax.Array) -> jax.Array:
+  """[B, 1, C + 1]: the cache's read mask, and the new position (always seen) after it."""
+  m = mask_B111C[:, 0, 0]  # [B, 1, C]
+  return jnp.concatenate([m, jnp.ones(m.shape[:-1] + (1,), bool)], axis=-1)
 
 
 def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int | None = None) -> jax.Array:
@@ -60,9 +101,7 @@ def gqa_attention_decode(q_B1NH: jax.Array, k_BK1H: jax.Array, v_BK1H: jax.Array
     s = jnp.concatenate([s_cache, s_new], axis=-1)
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
-    m = mask[:, 0, 0]  # [B, 1, C]
-    m = jnp.concatenate([m, jnp.ones(m.shape[:-1] + (1,), bool)], axis=-1)[:, :, None]  # [B, 1, 1, C + 1]
-    s = jnp.where(m, s, jnp.finfo(f32).min)
+    s = jnp.where(with_new_slot(mask)[:, :, None], s, jnp.finfo(f32).min)  # mask [B, 1, 1, C + 1]
     p = jax.nn.softmax(s, axis=-1).astype(v_BKCH.dtype)
     C = k_BKCH.shape[2]
     o = jnp.einsum("bkgc,bkch->bkgh", p[..., :C], v_BKCH) + p[..., C:] * v_BK1H[:, :, 0, None, :]

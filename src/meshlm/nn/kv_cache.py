@@ -14,9 +14,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from meshlm.parallel.sharding import constrain, current_mesh, logical_spec
+from meshlm.parallel.sharding import axes, constrain, current_mesh, logical_spec
 
-CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # GQA's K and V: [B, K, C, H]
+CACHE_AXES = axes("batch", "kv_heads", None, "head_dim")  # GQA's K and V: [B, K, C, H]
 
 
 def cache_size(length: int, window: int | None) -> int:

@@ -16,13 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshlm.nn.attention import gqa_attention_decode
+from meshlm.nn.attention import gqa_attention_decode, with_new_slot
+from meshlm.parallel.sharding import axes
 
-
-def _with_new(mask_B1111C: jax.Array) -> jax.Array:
-  """[B, 1, C + 1]: the cache's read mask, and the new position (always seen)."""
-  m = mask_B1111C[:, 0, 0]  # [B, 1, C]
-  return jnp.concatenate([m, jnp.ones(m.shape[:-1] + (1,), bool)], axis=-1)
+EXPANDED = axes("batch", "heads", None, "head_dim")  # K/V rebuilt from the latent rows: [B, N, C, H]
 
 
 def absorbed_decode(q_lat_B1NR: jax.Array, q_rope_B1NH: jax.Array, c_B1R: jax.Array, k_rope_B1H: jax.Array,
@@ -35,7 +32,7 @@ def absorbed_decode(q_lat_B1NR: jax.Array, q_rope_B1NH: jax.Array, c_B1R: jax.Ar
     s_cache = jnp.einsum("bnr,bcr->bnc", q_lat, c_BCR) + jnp.einsum("bnh,bch->bnc", q_rope, k_rope_BCH)
     s_new = jnp.einsum("bnr,br->bn", q_lat, c_B1R[:, 0]) + jnp.einsum("bnh,bh->bn", q_rope, k_rope_B1H[:, 0])
     s = jnp.concatenate([s_cache, s_new[..., None]], axis=-1).astype(f32) * scale  # [B, N, C + 1]
-    s = jnp.where(_with_new(mask), s, jnp.finfo(f32).min)
+    s = jnp.where(with_new_slot(mask), s, jnp.finfo(f32).min)
     p = jax.nn.softmax(s, axis=-1).astype(c_BCR.dtype)
     C = c_BCR.shape[1]
     o = jnp.einsum("bnc,bcr->bnr", p[..., :C], c_BCR) + p[..., C:] * c_B1R  # [B, N, Rkv]
@@ -45,13 +42,12 @@ def absorbed_decode(q_lat_B1NR: jax.Array, q_rope_B1NH: jax.Array, c_B1R: jax.Ar
 def expanded_decode(q_nope_B1NH, q_rope_B1NH, c_B1R, k_rope_B1H, c_BCR, k_rope_BCH, mask, k_b_RNH, v_b_RNH, *,
                     scale: float, dense) -> jax.Array:
   """The same step with K/V rebuilt from the latent rows (k_b, v_b through `dense`): [B, 1, N, 1, Hv]."""
-  heads = ("batch", "heads", None, "head_dim")
   with jax.named_scope("k_b"):
-    k_nope = dense(c_BCR, k_b_RNH, "bcr,rnh->bnch", heads)  # [B, N, C, Hn]
-    k_nope_new = dense(c_B1R, k_b_RNH, "btr,rnh->bnth", heads)  # [B, N, 1, Hn]
+    k_nope = dense(c_BCR, k_b_RNH, "bcr,rnh->bnch", EXPANDED)  # [B, N, C, Hn]
+    k_nope_new = dense(c_B1R, k_b_RNH, "btr,rnh->bnth", EXPANDED)  # [B, N, 1, Hn]
   with jax.named_scope("v_b"):
-    v = dense(c_BCR, v_b_RNH, "bcr,rnh->bnch", heads)  # [B, N, C, Hv]
-    v_new = dense(c_B1R, v_b_RNH, "btr,rnh->bnth", heads)
+    v = dense(c_BCR, v_b_RNH, "bcr,rnh->bnch", EXPANDED)  # [B, N, C, Hv]
+    v_new = dense(c_B1R, v_b_RNH, "btr,rnh->bnth", EXPANDED)
 
   def key(k_nope_BNCH, k_rope_BCH):
     rope = jnp.broadcast_to(k_rope_BCH[:, None], k_nope_BNCH.shape[:3] + k_rope_BCH.shape[-1:])

@@ -15,11 +15,9 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType, PartitionSpec as P
 
-Axes = Sequence[str | None]
+from meshlm import spec as S
 
-# The logical axes of the activations every layer passes on, and of the logits.
-ACT = ("batch", "length", "act_embed")
-LOGITS = ("batch", "length", "vocab")
+Axes = Sequence[str | None]
 
 # logical axis -> mesh axes. "embed" is the parameter embed dim (FSDP shards weights along it);
 # activations carry "act_embed", which stays whole, as in levanter's parameter/compute split.
@@ -41,6 +39,22 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts_fsdp": ("expert", "fsdp"),
     "mlp_fsdp": ("tensor", "fsdp"),
 }
+# ParamSpec checks its axes against spec.LOGICAL_AXES (spec.py sits below parallel/): the two name one set.
+if set(RULES) != S.LOGICAL_AXES:
+  raise RuntimeError(f"sharding.RULES and spec.LOGICAL_AXES disagree: only in RULES {sorted(set(RULES) - S.LOGICAL_AXES)}, "
+                     f"only in LOGICAL_AXES {sorted(S.LOGICAL_AXES - set(RULES))}")
+
+
+def axes(*names: str | None) -> tuple[str | None, ...]:
+  """The tuple of logical axis names, checked against RULES now: a module-level activation axes constant with a
+  misspelt name fails at import, not only when a mesh exists (logical_spec)."""
+  S.check_axes(names, f"activation axes {names}")
+  return names
+
+
+# The logical axes of the activations every layer passes on, and of the logits.
+ACT = axes("batch", "length", "act_embed")
+LOGITS = axes("batch", "length", "vocab")
 
 
 # Per-call activation sizes: a batch of 1 (the end-of-run sample) or a short prompt staying whole is

@@ -25,7 +25,7 @@ from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Part
 from meshlm.models.mixers import gqa
-from meshlm.nn import gather_once
+from meshlm.nn import attention as A, gather_once
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope
 
@@ -33,10 +33,9 @@ from meshlm.nn.rope import apply_rope
 def spec(m: ModelConfig) -> dict:
   D, N, Kv, H = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
   return {
-      "q": S.kernel((D, N, 2 * H), gqa.Q_AXES),
-      "k": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
-      "v": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
-      "o": S.kernel((N, H, D), ("heads", "head_dim", "embed"), n_in=2),
+      "q": A.q_spec(D, N, 2 * H),  # head n: q(H) | gate(H)
+      **A.kv_specs(D, Kv, H),
+      "o": A.o_spec(N, H, D),
       "q_norm": S.zeros(H, "head_dim"),
       "k_norm": S.zeros(H, "head_dim"),
   }
@@ -56,8 +55,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   dt = x_BTD.dtype
   H = m.head_dim
   with jax.named_scope("q"):
-    q_kernel = gather_once.gathered(p["q"], p["q_full"], gqa.Q_AXES)
-    qg = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", gqa.HEADS)  # [B, T, N, 2H]
+    q_kernel = gather_once.gathered(p["q"], p["q_full"], A.Q_AXES)
+    qg = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", A.HEADS)  # [B, T, N, 2H]
   q, gate = qg[..., :H], qg[..., H:]
   k, v = gqa.project_kv(p, x_BTD, ctx)
   q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=True)

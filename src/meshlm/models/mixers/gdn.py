@@ -56,11 +56,11 @@ from meshlm.models.family import Part, StateLeaf
 from meshlm.nn import gdn as rule
 from meshlm.nn import short_conv
 from meshlm.nn.short_conv import causal_conv, window_at
-from meshlm.parallel.sharding import auto_region_many, context_size
+from meshlm.parallel.sharding import ACT, auto_region_many, axes, context_size
 
 KEY = "linear_attn"
-OUT = ("batch", "length", "act_embed")
-ROWS = ("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
+OUT = ACT
+ROWS = axes("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
 
 
 def dims(m: ModelConfig) -> tuple[int, int, int, int, int, int]:

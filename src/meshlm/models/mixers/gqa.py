@@ -18,25 +18,17 @@ import jax.numpy as jnp
 from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Part, StateLeaf
-from meshlm.nn import gather_once
+from meshlm.nn import attention as A, gather_once
 from meshlm.nn.attention import gqa_attention, gqa_attention_decode
 from meshlm.nn.kv_cache import CACHE_AXES
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope
 from meshlm.parallel.sharding import auto_region
 
-Q_AXES = ("embed", "heads", "head_dim")
-OUT = ("batch", "length", "act_embed")
-
 
 def spec(m: ModelConfig, *, plus_one: bool = False) -> dict:
   D, N, Kv, H = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
-  out = {
-      "q": S.kernel((D, N, H), Q_AXES),
-      "k": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
-      "v": S.kernel((D, Kv, H), ("embed", "kv_heads", "head_dim")),
-      "o": S.kernel((N, H, D), ("heads", "head_dim", "embed"), n_in=2),
-  }
+  out = {"q": A.q_spec(D, N, H), **A.kv_specs(D, Kv, H), "o": A.o_spec(N, H, D)}
   if m.qk_norm:
     # (1 + w) norms start at w = 0, i.e. unit scale.
     norm = S.zeros if plus_one else S.ones
@@ -67,8 +59,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
   m = ctx.model
   dt = x_BTD.dtype
   with jax.named_scope("q"):
-    q_kernel = gather_once.gathered(p["q"], p["q_full"], Q_AXES)
-    q = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", HEADS)
+    q_kernel = gather_once.gathered(p["q"], p["q_full"], A.Q_AXES)
+    q = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->btnh", A.HEADS)
   k, v = project_kv(p, x_BTD, ctx)
   if m.qk_norm:
     # Per-head RMSNorm over head_dim, before RoPE.
@@ -80,17 +72,13 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
   return y, update, {}
 
 
-HEADS = ("batch", "length", "heads", "head_dim")
-KV = ("batch", "length", "kv_heads", "head_dim")
-
-
 def project_kv(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
   """k, v [B, T, Kv, H] through ctx.dense."""
   dt = x_BTD.dtype
   with jax.named_scope("k"):
-    k = ctx.dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", KV)
+    k = ctx.dense(x_BTD, p["k"].astype(dt), "btd,dkh->btkh", A.KV)
   with jax.named_scope("v"):
-    v = ctx.dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", KV)
+    v = ctx.dense(x_BTD, p["v"].astype(dt), "btd,dkh->btkh", A.KV)
   return k, v
 
 
@@ -118,21 +106,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
       o = o * jax.nn.sigmoid(jnp.reshape(gate[0], o.shape))  # [B, T, Kv, G, H]
     w_o = jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:])  # [N, H, D] -> [Kv, G, H, D]
     with jax.named_scope("o"):
-      return dense(o, w_o, "btkgh,kghd->btd", OUT)
+      return dense(o, w_o, "btkgh,kghd->btd", A.OUT)
 
   gates = () if gate is None else (gate,)
   if ctx.mode == "decode":
     def attend_and_project(q, k, v, k_cache, v_cache, mask, w_o, *gate):
       o = gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
       return project(o, w_o, *gate)
-    region = auto_region(attend_and_project, OUT, q.shape[:2] + w_o.shape[-1:])
-    # The slot being written holds a position the new one no longer sees (out of the window) or none.
-    mask = here.mask & ~here.cache.write[:, None, None, None, :]
+    region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w_o.shape[-1:])
+    mask = A.decode_mask(here.mask, here.cache.write)
     return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
   def attend_and_project(q, k, v, mask, w_o, *gate):
     return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o, *gate)  # [B, T, Kv, G, H]
-  region = auto_region(attend_and_project, OUT, q.shape[:2] + w_o.shape[-1:])
+  region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w_o.shape[-1:])
   return region(q, k, v, here.mask, w_o, *gates), update
 
 

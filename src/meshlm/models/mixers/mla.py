@@ -34,17 +34,16 @@ import jax.numpy as jnp
 from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Part, StateLeaf
-from meshlm.nn import mla as mla_core
+from meshlm.nn import attention as A, mla as mla_core
 from meshlm.nn.attention import gqa_attention
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope, apply_rope_interleave, softmax_mscale
-from meshlm.parallel.sharding import auto_region
+from meshlm.parallel.sharding import auto_region, axes
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their default eps)
-HEADS = ("batch", "length", "heads", "head_dim")
-LATENT = ("batch", "length", None)
-OUT = ("batch", "length", "act_embed")
-CACHE_AXES = ("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
+LATENT = axes("batch", "length", None)  # a latent row [B, T, Rq] or [B, T, Rkv + Hr]
+HEADS_LATENT = axes("batch", "length", "heads", None)  # the absorbed query [B, 1, N, Rkv]
+CACHE_AXES = axes("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
 
 
 def spec(m: ModelConfig) -> dict:
@@ -56,12 +55,12 @@ def spec(m: ModelConfig) -> dict:
     out["q_a_norm"] = S.vector(m.q_lora_rank, "ones")
     out["q_b"] = S.kernel((m.q_lora_rank, N, Hn + Hr), (None, "heads", "head_dim"))
   else:
-    out["q"] = S.kernel((D, N, Hn + Hr), ("embed", "heads", "head_dim"))
+    out["q"] = A.q_spec(D, N, Hn + Hr)
   out["kv_a"] = S.kernel((D, R + Hr), ("embed", None))
   out["kv_a_norm"] = S.vector(R, "ones")
   out["k_b"] = S.kernel((R, N, Hn), (None, "heads", "head_dim"))
   out["v_b"] = S.kernel((R, N, Hv), (None, "heads", "head_dim"))
-  out["o"] = S.kernel((N, Hv, D), ("heads", "head_dim", "embed"), n_in=2)
+  out["o"] = A.o_spec(N, Hv, D)
   return out
 
 
@@ -79,12 +78,12 @@ def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
   m, dt = ctx.model, x_BTD.dtype
   if m.q_lora_rank is None:
     with jax.named_scope("q"):
-      return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", HEADS)
+      return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", A.HEADS)
   with jax.named_scope("q_a"):
     qa = ctx.dense(x_BTD, p["q_a"].astype(dt), "btd,dr->btr", LATENT)  # [B, T, Rq]
   qa = rms_norm(p["q_a_norm"], qa, LATENT_NORM_EPS)
   with jax.named_scope("q_b"):
-    return ctx.dense(qa, p["q_b"].astype(dt), "btr,rnh->btnh", HEADS)
+    return ctx.dense(qa, p["q_b"].astype(dt), "btr,rnh->btnh", A.HEADS)
 
 
 def project_latent(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
@@ -112,9 +111,9 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   if ctx.mode == "decode":
     return decode(q_nope, q_rope, c, k_rope, w, ctx, state), update, {}
   with jax.named_scope("k_b"):
-    k_nope = ctx.dense(c, w["k_b"], "btr,rnh->btnh", HEADS)
+    k_nope = ctx.dense(c, w["k_b"], "btr,rnh->btnh", A.HEADS)
   with jax.named_scope("v_b"):
-    v = ctx.dense(c, w["v_b"], "btr,rnh->btnh", HEADS)
+    v = ctx.dense(c, w["v_b"], "btr,rnh->btnh", A.HEADS)
   scale = softmax_scale(m)
 
   # The attention core and the output projection in one auto-axes region (gqa.attend says why).
@@ -123,36 +122,35 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
     o = gqa_attention(qk, k, v, mask, scale=scale)  # [B, T, N, 1, Hv]
     return project(o, w_o, ctx.dense)
-  region = auto_region(attend_and_project, OUT, q.shape[:2] + w["o"].shape[-1:])
+  region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w["o"].shape[-1:])
   return region(q_nope, q_rope, k_nope, k_rope, v, ctx.here.mask, w["o"]), update, {}
 
 
 def project(o_BTNGH: jax.Array, w_o: jax.Array, dense) -> jax.Array:
   """The output projection of the core's grouped output [B, T, N, 1, Hv] (G = 1: every head its own key)."""
   with jax.named_scope("o"):
-    return dense(o_BTNGH, jnp.reshape(w_o, o_BTNGH.shape[2:] + w_o.shape[-1:]), "btkgh,kghd->btd", OUT)
+    return dense(o_BTNGH, jnp.reshape(w_o, o_BTNGH.shape[2:] + w_o.shape[-1:]), "btkgh,kghd->btd", A.OUT)
 
 
 def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
   """One new position per row against the latent cache: y [B, 1, D], absorbed (model.mla_absorb) or plain."""
   m, here, dense = ctx.model, ctx.here, ctx.dense
   scale = softmax_scale(m)
-  # The slot being written holds a position the new one no longer sees, or none (gqa.attend).
-  mask = here.mask & ~here.cache.write[:, None, None, None, :]  # [B, 1, 1, 1, C]
+  mask = A.decode_mask(here.mask, here.cache.write)  # [B, 1, 1, 1, C]
 
   def absorbed(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
     with jax.named_scope("k_b"):
-      q_lat = dense(q_nope, k_b, "btnh,rnh->btnr", ("batch", "length", "heads", None))  # [B, 1, N, Rkv]
+      q_lat = dense(q_nope, k_b, "btnh,rnh->btnr", HEADS_LATENT)  # [B, 1, N, Rkv]
     o_lat = mla_core.absorbed_decode(q_lat, q_rope, c, k_rope, kv, kr, mask, scale=scale)  # [B, 1, N, Rkv]
     with jax.named_scope("v_b"):
-      o = dense(o_lat, v_b, "btnr,rnh->btnh", HEADS)  # [B, 1, N, Hv]
+      o = dense(o_lat, v_b, "btnr,rnh->btnh", A.HEADS)  # [B, 1, N, Hv]
     return project(o[:, :, :, None], w_o, dense)
 
   def plain(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
     o = mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
     return project(o, w_o, dense)
 
-  region = auto_region(absorbed if m.mla_absorb else plain, OUT, q_nope.shape[:2] + w["o"].shape[-1:])
+  region = auto_region(absorbed if m.mla_absorb else plain, A.OUT, q_nope.shape[:2] + w["o"].shape[-1:])
   return region(q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"], w["o"])
 
 
