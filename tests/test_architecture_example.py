@@ -26,8 +26,9 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 def blocks() -> dict[str, str]:
   """The worked example's fenced blocks, by the path in their first line (`# models/mixers/mean.py`)."""
   text = DOC.read_text()
-  start = text.index("**A worked example: a new mixer")
-  section = text[start:text.index("**Adding a mixer, a family or a preset", start)]
+  start = text.index("## Worked example: a new mixer")
+  end = text.find("\n## ", start)  # the next section, else the end of the page
+  section = text[start:end if end != -1 else len(text)]
   out = {}
   for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, re.S):
     first = body.splitlines()[0]

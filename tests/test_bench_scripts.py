@@ -283,7 +283,7 @@ def test_attention_share():
 
 
 def test_table_cells_are_the_median_spread_and_paired_ratio():
-  """benchmarks/moe_vs_dense.py and guarded_update.py print these cells per arm."""
+  """benchmarks/moe_vs_dense.py prints these cells per arm."""
   from meshlm.bench.stats import table_cells
   base = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
   arm = [2.0, 2.2, 1.8, 2.0, 2.0, 2.1, 1.9]

@@ -237,7 +237,7 @@ def guarded_update(optimizer: optax.GradientTransformation, params, opt_state, l
 
   The skip is a lax.cond, not a select per leaf: a select reads each old leaf beside the new one, and
   with the state donated XLA:CPU then copies every optimizer-state leaf it updates in place (the update
-  was 3x the plain update's time at 6M parameters; benchmarks/guarded_update.py)."""
+  was 3x the plain update's time at 6M parameters; docs/performance-log.md, 2026-12-01)."""
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
