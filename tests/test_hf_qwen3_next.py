@@ -289,7 +289,7 @@ def test_bad_fused_and_missing_experts_name_the_tensor(tmp_path):
   tensors[name] = tensors[name][:, 1:]  # [5, 43, 45]
   write_tensors(src, tensors)
   with pytest.raises(ConfigError, match=re.escape(f"tensor {name}: shape [5, 43, 45], but config.json implies "
-                                                  "[5, 44, 45] (5 experts, fused)")):
+                                                  "[5, 44, 45] (5 on the {e} axis, fused)")):
     hf.load(src, "cpu_devices=1")
   del tensors[name]
   write_tensors(src, tensors)

@@ -4,10 +4,13 @@ commands → cli, with errors.py, spec.py, console.py and fsutil.py at the botto
 Every import is read with `ast`, at module level and inside functions alike (a lazy import is still an
 edge: it only moves the cycle from import time to call time). Dynamic imports (importlib.import_module
 of a computed name) are invisible here; meshlm uses them only for hf/adapters/* and meshlm.hf.
+
+The generic files (GENERIC_FILES) are also held to naming no specific part (MoE, GDN, MLA), in words as in imports.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -178,3 +181,27 @@ def test_the_checker_sees_a_family_importing_a_family(edges):
   ok = ("from meshlm.models.plans import hybrid_plan\nfrom meshlm.models.mixers.gqa import gqa\n"
         "from meshlm.models.family import Family, Kind\n")
   assert family_imports(edges | {"meshlm.models.fake": imports_of(ok, "meshlm.models.fake", modules)}, families) == []
+
+
+# Files of the generic layers, which know no specific part by name (STYLE.md): each is read whole, comments and
+# docstrings included, since a part named in prose is the first step to one named in code. Relative to src/meshlm.
+GENERIC_FILES = ("hf/io.py",)
+PART_WORDS = re.compile(r"moe|expert|router|gdn|mla", re.IGNORECASE)
+
+
+def part_names(text: str, where: str) -> list[str]:
+  """Each line of `text` naming a specific part, as 'where:line: text'."""
+  return [f"{where}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if PART_WORDS.search(line)]
+
+
+def test_generic_files_name_no_specific_part():
+  found = [hit for f in GENERIC_FILES for hit in part_names((SRC / "meshlm" / f).read_text(), f)]
+  assert found == [], "\n".join(found)
+
+
+def test_the_checker_sees_a_part_named():
+  """Negative control: a word in code, in a comment and in a docstring is each reported with its line."""
+  text = 'def f():\n  """Sums."""\n  return 1\n# per-Expert rows\nx = p["router"]\n"""GDN state"""\n'
+  assert part_names(text, "fake.py") == ["fake.py:4: # per-Expert rows", 'fake.py:5: x = p["router"]',
+                                         'fake.py:6: """GDN state"""']
+  assert all((SRC / "meshlm" / f).is_file() for f in GENERIC_FILES), GENERIC_FILES

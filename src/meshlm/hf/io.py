@@ -7,8 +7,8 @@ parameter at a time and flushes a safetensors shard whenever it reaches `max_sha
 temporary directory that is renamed into place only when complete.
 
 load() also reads the text model of a multimodal checkpoint its family declares (`maps.Wrapped`: the
-text config nested under `text_config`, tensors under `model.language_model.`), and MoE experts stored
-either one tensor per expert or fused (`maps.Fused`). Tensors under a family's skipped prefixes (the
+text config nested under `text_config`, tensors under `model.language_model.`), and an inner stack's tensors
+stored either one per row or fused (`maps.Fused`). Tensors under a family's skipped prefixes (the
 vision tower, multi-token prediction) are not read, and one line on stderr says how many were skipped; so
 are a family's layers past num_hidden_layers where it declares them multi-token prediction (DeepSeek-V3's).
 
@@ -94,32 +94,33 @@ def _family_of_cfg(cfg: Config) -> maps.Adapter:
 class Entry:
   """One meshlm parameter leaf and where its values live in the HF checkpoint.
 
-  A stacked leaf holds one HF tensor per model layer (`{i}` in the name) and, for a MoE's expert
-  kernels, one per expert too (`{e}`): the leaf [layers, experts, ...] is the HF tensors stacked on
-  those two axes, and each HF tensor converts like an unstacked one (`tensor_shape()`).
+  A stacked leaf holds one HF tensor per model layer (`{i}` in the name) and, where the name has `{e}`,
+  one per row of a second stacked axis too (the inner stack, `maps.Tensor.inner_axes`): the leaf
+  [layers, inner, ...] is the HF tensors stacked on those two axes, and each HF tensor converts like an
+  unstacked one (`tensor_shape()`).
   """
   path: tuple[str, ...]
   tensor: maps.Tensor
   shape: tuple[int, ...]  # the meshlm leaf's shape (stacked for layer params)
   layer_axis: int | None  # position of the "layers" axis, None for non-layer leaves
   layer_ids: tuple[int, ...] = ()  # the model layer index of each row of the stack
-  expert_axis: int | None = None  # position of the "experts" axis when the name has {e}, else None
+  inner_axis: int | None = None  # position of the inner stack's axis when the name has {e}, else None
 
   def tensor_shape(self) -> tuple[int, ...]:
-    """The shape of the meshlm slice one HF tensor holds: the leaf without its layer and expert axes."""
-    return tuple(n for ax, n in enumerate(self.shape) if ax not in (self.layer_axis, self.expert_axis))
+    """The shape of the meshlm slice one HF tensor holds: the leaf without its layer and inner axes."""
+    return tuple(n for ax, n in enumerate(self.shape) if ax not in (self.layer_axis, self.inner_axis))
 
   def layers(self) -> list[int | None]:
     return [None] if self.layer_axis is None else list(self.layer_ids)
 
-  def experts(self) -> list[int | None]:
-    return [None] if self.expert_axis is None else list(range(self.shape[self.expert_axis]))
+  def inner(self) -> list[int | None]:
+    return [None] if self.inner_axis is None else list(range(self.shape[self.inner_axis]))
 
-  def name(self, layer: int | None, expert: int | None) -> str:
-    return self.tensor.name.format(i=layer, e=expert)
+  def name(self, layer: int | None, row: int | None) -> str:
+    return self.tensor.name.format(i=layer, e=row)
 
   def hf_names(self) -> list[str]:
-    return [self.name(i, e) for i in self.layers() for e in self.experts()]
+    return [self.name(i, e) for i in self.layers() for e in self.inner()]
 
 
 def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
@@ -128,7 +129,6 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
   import jax
   from meshlm import spec as S
   from meshlm.models import decoder
-  from meshlm.nn import moe
   fam = _family_of_cfg(cfg)
   m = cfg.model
   top = fam.top_map(m)
@@ -150,18 +150,19 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
     if key not in table:
       raise ValueError(f"family {m.family!r}: its HF name map has no entry for parameter {'.'.join(path)}")
     axis = s.axes.index("layers") if "layers" in s.axes else None
-    experts = None
-    if "{e}" in table[key].name:
-      named = [a for a in s.axes if a in moe.EXPERTS_AXES]
-      if not named:
-        raise ValueError(f"family {m.family!r}: {table[key].name} has {{e}} but parameter {'.'.join(path)} has no "
-                         "experts axis")
-      experts = s.axes.index(named[0])
     tensor = table[key]
+    inner = None
+    if "{e}" in tensor.name:
+      named = [a for a in s.axes if a in tensor.inner_axes]
+      if not named:
+        raise ValueError(f"family {m.family!r}: {tensor.name} has {{e}} but parameter {'.'.join(path)} (axes "
+                         f"{s.axes}) has none of its inner_axes={tensor.inner_axes}; the adapter's Tensor declares "
+                         "which axis {e} indexes")
+      inner = s.axes.index(named[0])
     if wrapped is not None:
       fused = tensor.fused and dataclasses.replace(tensor.fused, name=wrapped.rename(tensor.fused.name))
       tensor = dataclasses.replace(tensor, name=wrapped.rename(tensor.name), fused=fused)
-    out.append(Entry(path, tensor, tuple(s.shape), axis, ids, experts))
+    out.append(Entry(path, tensor, tuple(s.shape), axis, ids, inner))
   return out
 
 
@@ -249,8 +250,8 @@ def _open(f: Path):
 class _Reader:
   """Open safetensors files by path, and slices of tensors as float32 numpy arrays.
 
-  `fused` maps a per-expert tensor name to where a fused tensor holds it (fused name, expert, rows): such a
-  name reads as the per-expert tensor would.
+  `fused` maps the name of an inner stack's tensor to where a fused tensor holds it (fused name, index on its
+  first axis, rows): such a name reads as the unfused tensor would.
   """
 
   def __init__(self, stack: contextlib.ExitStack, files: dict[str, Path], quant: fp8.Scheme | None = None):
@@ -278,7 +279,7 @@ class _Reader:
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
     if name in self.fused:
       src, e, rows = self.fused[name]
-      x = np.asarray(self._handle(src).get_slice(src)[e:e + 1, rows][0], dtype=np.float32)  # one expert [out, in]
+      x = np.asarray(self._handle(src).get_slice(src)[e:e + 1, rows][0], dtype=np.float32)  # one row's [out, in]
       return x if index is None else x[index]
     sl = self._handle(name).get_slice(name)
     if sl.get_dtype() == fp8.WEIGHT:
@@ -296,24 +297,24 @@ class _Reader:
 
 
 def _find_fused(ents: list[Entry], reader: _Reader) -> None:
-  """Where a layer's per-expert tensors are absent but its fused tensor is present, reads them from it
-  (reader.fused), after checking the fused tensor's shape [E, parts * out, in]."""
+  """Where a layer's inner-stack tensors are absent but its fused tensor is present, reads them from it
+  (reader.fused), after checking the fused tensor's shape [rows, parts * out, in]."""
   for e in ents:
     fused = e.tensor.fused
-    if fused is None or e.expert_axis is None:
+    if fused is None or e.inner_axis is None:
       continue
-    out, *inner = e.tensor.hf_shape(e.tensor_shape())
-    n = e.shape[e.expert_axis]
+    out, *ins = e.tensor.hf_shape(e.tensor_shape())
+    n = e.shape[e.inner_axis]
     for i in e.layers():
-      names = [e.name(i, x) for x in e.experts()]
+      names = [e.name(i, x) for x in e.inner()]
       src = fused.name.format(i=i)
       if any(reader.has(name) for name in names) or not reader.has(src):
-        continue  # per-expert (a missing one is reported by _check_tensors), or neither
-      want = (n, fused.parts * out, *inner)
+        continue  # one per row (a missing one is reported by _check_tensors), or neither
+      want = (n, fused.parts * out, *ins)
       got, _ = reader.info(src)
       if got != want:
         raise ConfigError(f"tensor {src}: shape {list(got)}, but config.json implies {list(want)} "
-                          f"({n} experts, fused)")
+                          f"({n} on the {{e}} axis, fused)")
       for x, name in enumerate(names):
         reader.fused[name] = (src, x, fused.rows(out))
 
@@ -356,11 +357,11 @@ def _check_tensors(ents: list[Entry], reader: _Reader, files: dict[str, Path], t
 
 
 def _leaf(e: Entry, reader: _Reader, sharding, dtype) -> Any:
-  """The leaf as a sharded array: each device's callback reads only the HF tensors (layers, experts) of
+  """The leaf as a sharded array: each device's callback reads only the HF tensors (layers, inner rows) of
   its shard, and of each, only its rows and columns where the layout allows (Tensor.hf_index)."""
   import jax
   tensor_shape = e.tensor_shape()
-  stacked = [ax for ax in (e.layer_axis, e.expert_axis) if ax is not None]
+  stacked = [ax for ax in (e.layer_axis, e.inner_axis) if ax is not None]
 
   def one_tensor(name: str, index: tuple[slice, ...]) -> np.ndarray:
     direct = e.tensor.hf_index(index, tensor_shape)
@@ -372,38 +373,38 @@ def _leaf(e: Entry, reader: _Reader, sharding, dtype) -> Any:
 
   def callback(index: tuple[slice, ...]) -> np.ndarray:
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, e.shape))
-    inner = tuple(s for ax, s in enumerate(index) if ax not in stacked)
+    dims = tuple(s for ax, s in enumerate(index) if ax not in stacked)  # within one HF tensor
     layers = e.layers() if e.layer_axis is None else [e.layer_ids[r] for r in range(*index[e.layer_axis].indices(
         e.shape[e.layer_axis]))]
-    experts = e.experts() if e.expert_axis is None else list(range(*index[e.expert_axis].indices(
-        e.shape[e.expert_axis])))
-    grid = np.stack([np.stack([one_tensor(e.name(i, x), inner) for x in experts]) for i in layers])
+    rows = e.inner() if e.inner_axis is None else list(range(*index[e.inner_axis].indices(
+        e.shape[e.inner_axis])))
+    grid = np.stack([np.stack([one_tensor(e.name(i, x), dims) for x in rows]) for i in layers])
     return _from_grid(grid, e).astype(dtype)
 
   return jax.make_array_from_callback(e.shape, sharding, callback)
 
 
 def _to_grid(leaf: np.ndarray, e: Entry) -> np.ndarray:
-  """A leaf (or a shard of it) as [layers, experts, *tensor dims], with 1 for an axis it does not stack."""
-  la, xa = e.layer_axis, e.expert_axis
-  if la is not None and xa is not None:
-    return np.moveaxis(leaf, (la, xa), (0, 1))
+  """A leaf (or a shard of it) as [layers, inner, *tensor dims], with 1 for an axis it does not stack."""
+  la, ia = e.layer_axis, e.inner_axis
+  if la is not None and ia is not None:
+    return np.moveaxis(leaf, (la, ia), (0, 1))
   if la is not None:
     return np.moveaxis(leaf, la, 0)[:, None]
-  if xa is not None:
-    return np.moveaxis(leaf, xa, 0)[None]
+  if ia is not None:
+    return np.moveaxis(leaf, ia, 0)[None]
   return leaf[None, None]
 
 
 def _from_grid(grid: np.ndarray, e: Entry) -> np.ndarray:
   """The inverse of _to_grid."""
-  la, xa = e.layer_axis, e.expert_axis
-  if la is not None and xa is not None:
-    return np.moveaxis(grid, (0, 1), (la, xa))
+  la, ia = e.layer_axis, e.inner_axis
+  if la is not None and ia is not None:
+    return np.moveaxis(grid, (0, 1), (la, ia))
   if la is not None:
     return np.moveaxis(grid[:, 0], 0, la)
-  if xa is not None:
-    return np.moveaxis(grid[0], 0, xa)
+  if ia is not None:
+    return np.moveaxis(grid[0], 0, ia)
   return grid[0, 0]
 
 
@@ -488,9 +489,9 @@ def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
       raise ConfigError(f"parameter {'.'.join(e.path)}: shape {list(leaf.shape)}, but the config implies "
                         f"{list(e.shape)}")
     host = np.asarray(leaf, dtype=np.float32)
-    grid = _to_grid(host, e)  # one HF tensor per (layer, expert)
+    grid = _to_grid(host, e)  # one HF tensor per (layer, inner row)
     for r, i in enumerate(e.layers()):
-      for c, x in enumerate(e.experts()):
+      for c, x in enumerate(e.inner()):
         name, arr = e.name(i, x), np.ascontiguousarray(e.tensor.to_hf(grid[r, c]))
         if isinstance(e.tensor, maps.HeadSplit):
           # One part of an HF tensor that holds several leaves (kv_b_proj: k_b and v_b): written once all are here.

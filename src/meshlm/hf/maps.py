@@ -10,8 +10,8 @@ A family's adapter (hf/adapters/<family>.py, apart from its block in models/) is
 - `layer_map(m: ModelConfig) -> dict[str, Tensor]`: one entry per leaf of a layer kind's spec, keyed
   by its dotted path without the kind ("attn.q"), naming the HF tensor. The name is a template:
   `{i}` is the model layer index (never a position in a kind's stack, so the grouping of layers
-  into kinds and scanned periods never reaches a checkpoint); stacked axes beyond the layers (a
-  MoE's `experts`, `{e}`) are formatted the same way.
+  into kinds and scanned periods never reaches a checkpoint). `{e}` indexes a second stacked axis
+  (the inner stack, `Tensor.inner_axes`): one HF tensor per row of it, formatted the same way.
 - `top_map(m: ModelConfig) -> dict[str, Tensor]` for the non-layer leaves; `default_top_map` is
   llama's (`model.embed_tokens`, `model.norm`, `lm_head`).
 
@@ -27,8 +27,8 @@ A family's adapter (hf/adapters/<family>.py, apart from its block in models/) is
 Layouts. An HF `nn.Linear` weight is [out, in]. meshlm kernels put the input dims first:
 q [D, N, H], k/v [D, K, H], o [N, H, D], gate/up [D, F], down [F, D], lm_head [D, V]. `Linear(name,
 n_in)` says the first n_in meshlm dims are inputs; converting is a reshape plus a transpose. RoPE
-needs no q/k row permutation: HF checkpoints and meshlm both rotate halves (`rotate_half`). A per-expert
-tensor may also be found in transformers' fused layout (`Fused`), which import reads and export never
+needs no q/k row permutation: HF checkpoints and meshlm both rotate halves (`rotate_half`). An inner stack's
+tensors may also be found in transformers' fused layout (`Fused`), which import reads and export never
 writes.
 """
 from __future__ import annotations
@@ -45,10 +45,10 @@ from meshlm.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Fused:
-  """Where transformers' fused expert tensor holds a per-expert weight: expert e's [out, in] weight is rows
-  [part * out, (part + 1) * out) of fused[e]. `mlp.experts.gate_up_proj` [E, 2F, D] holds gate_proj
-  (part 0 of 2) and up_proj (part 1); `mlp.experts.down_proj` [E, D, F] holds down_proj (part 0 of 1).
-  The name is a template in `{i}` only."""
+  """Where transformers' fused tensor holds an inner stack's tensors: the [out, in] tensor of row e is rows
+  [part * out, (part + 1) * out) of fused[e], the fused tensor being [rows, parts * out, in]. Two tensors
+  fused side by side are parts 0 and 1 of 2 (hf/adapters/qwen3_next.py's `gate_up_proj`); one alone is
+  part 0 of 1. The name is a template in `{i}` only."""
   name: str
   part: int = 0
   parts: int = 1
@@ -61,7 +61,10 @@ class Fused:
 class Tensor:
   """An HF tensor stored exactly in meshlm's layout (embeddings, norm scales)."""
   name: str
-  # A per-expert tensor ({e} in the name) that checkpoints may also hold fused; None: never fused.
+  # With {e} in the name: the logical axis names {e} may index, the leaf's first axis so named being the inner
+  # stack (declared by the adapter, which knows the part whose spec names it).
+  inner_axes: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
+  # An inner stack's tensor that checkpoints may also hold fused; None: never fused.
   fused: Fused | None = dataclasses.field(default=None, kw_only=True)
 
   def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -83,7 +83,8 @@ REMAT_SAVE_NAMES = ("moe_perm",)
 TOKENS = ("batch", "length", None)
 EXPERT_AXIS = "expert"  # the mesh axis that shards the "experts" logical axis (parallel/sharding.RULES)
 # The logical names of a kernel's experts dim: "experts" (over mesh.expert) or, with model.moe_kernel_fsdp
-# experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). hf/io.py finds the experts dim by these.
+# experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). The HF adapters' per-expert tensors declare
+# these as the axes their {e} indexes (hf/maps.Tensor.inner_axes).
 EXPERTS_AXES = ("experts", "experts_fsdp")
 KERNEL_FSDP = ("experts", "embed", "mlp")  # model.moe_kernel_fsdp's values (null: "experts", falling back to embed)
 GROUPED_MATMULS = ("auto", "blocks", "loop", "ragged")

@@ -56,13 +56,14 @@ def to_hf_config(m: ModelConfig) -> dict:
 
 
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
+  from meshlm.nn.moe import EXPERTS_AXES  # here, not at the top: reading config.json needs no jax
   out = {k: v for k, v in maps.llama_like_layer_map(m).items() if not k.startswith("mlp.")}
   p = "model.layers.{i}.block_sparse_moe."
   return {**out,
           "moe.router": maps.Linear(p + "gate.weight"),
-          "moe.gate": maps.Linear(p + "experts.{e}.w1.weight"),
-          "moe.up": maps.Linear(p + "experts.{e}.w3.weight"),
-          "moe.down": maps.Linear(p + "experts.{e}.w2.weight")}
+          "moe.gate": maps.Linear(p + "experts.{e}.w1.weight", inner_axes=EXPERTS_AXES),
+          "moe.up": maps.Linear(p + "experts.{e}.w3.weight", inner_axes=EXPERTS_AXES),
+          "moe.down": maps.Linear(p + "experts.{e}.w2.weight", inner_axes=EXPERTS_AXES)}
 
 
 ADAPTER = maps.Adapter(HF_MODEL_TYPE, HF_ARCHITECTURES, from_hf_config, to_hf_config, hf_layer_map)

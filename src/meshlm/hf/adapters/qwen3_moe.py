@@ -44,12 +44,13 @@ def to_hf_config(m: ModelConfig) -> dict:
 
 
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
+  from meshlm.nn.moe import EXPERTS_AXES  # here, not at the top: reading config.json needs no jax
   p = "model.layers.{i}.mlp."
   return {**maps.llama_like_layer_map(m),
           "moe.router": maps.Linear(p + "gate.weight"),
-          "moe.gate": maps.Linear(p + "experts.{e}.gate_proj.weight"),
-          "moe.up": maps.Linear(p + "experts.{e}.up_proj.weight"),
-          "moe.down": maps.Linear(p + "experts.{e}.down_proj.weight")}
+          "moe.gate": maps.Linear(p + "experts.{e}.gate_proj.weight", inner_axes=EXPERTS_AXES),
+          "moe.up": maps.Linear(p + "experts.{e}.up_proj.weight", inner_axes=EXPERTS_AXES),
+          "moe.down": maps.Linear(p + "experts.{e}.down_proj.weight", inner_axes=EXPERTS_AXES)}
 
 
 ADAPTER = maps.Adapter(HF_MODEL_TYPE, HF_ARCHITECTURES, from_hf_config, to_hf_config, hf_layer_map)
