@@ -12,7 +12,7 @@ import pytest
 from meshlm import spec as S
 from meshlm.config import load_config, preset_names
 from meshlm.models import decoder, registry
-from meshlm.models.family import COMMITS, Kind, Part, StateLeaf
+from meshlm.models.family import COMMITS, Kind, LayerInput, Part, StateLeaf
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshlm"
 B, T, C = 2, 8, 16
@@ -84,7 +84,8 @@ def test_part_honours_its_declaration(fam_name, kind_name, part_name):
   assert part.name in registry.PARTS, f"part {part.name!r} is not in models/registry.PARTS"
   assert kind.mixer.key != kind.ffn.key and part.key not in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")
   assert all(S.is_spec(s) for s in jax.tree.leaves(part.spec(m), is_leaf=S.is_spec))
-  assert all(callable(check) for check in part.layer_inputs.values())
+  for li in part.layer_inputs.values():  # the trailing shape a batch field and the decoder's input take
+    assert isinstance(li, LayerInput) and callable(li.check) and all(isinstance(n, int) for n in li.trailing(m))
   assert set(part.replays) <= set(part.side_names) and set(part.replays.values()) <= set(part.layer_inputs)
   if part.after_step is not None:
     assert part.model_state is not None and part.side_names
@@ -131,7 +132,7 @@ def _part_imports(path: pathlib.Path) -> list[str]:
 
 
 def test_the_generic_decoder_imports_no_part(tmp_path):
-  for name in ("decoder.py", "context.py", "family.py", "generate.py"):
+  for name in ("decoder.py", "model.py", "params.py", "layers.py", "context.py", "family.py", "generate.py"):
     assert _part_imports(SRC / "models" / name) == [], name
   # Control: the check sees such an import, at module level or in a function.
   bad = tmp_path / "bad.py"

@@ -5,7 +5,7 @@ dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, 
 The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
 positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
 A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
-this one layer (decoder.run_layers' layer_inputs, e.g. a MoE layer's forced expert ids).
+this one layer (decoder.run_layers' layer_inputs: what its parts declare as Part.layer_inputs).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   layer_type: str = "global"
-  # This layer's own inputs, {name: array} (the decoder's per-layer channel: a MoE layer's forced
-  # expert ids); empty when none are given.
+  # This layer's own inputs, {name: array} (the decoder's per-layer channel, Part.layer_inputs); empty
+  # when none are given.
   layer: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 
   @property
