@@ -1,4 +1,4 @@
-"""Group-limited sigmoid routing (DeepSeek-V3, nn/moe.py group_route) against the softmax top-k route, on the
+"""Group-limited sigmoid routing (DeepSeek-V3, nn/moe/routing.py group_route) against the softmax top-k route, on the
 backend at hand, forward + backward.
 
   .venv/bin/python benchmarks/group_routing.py [--tokens 4096] [--dim 256] [--out 128] [--experts 64:8:4:6 256:8:4:8]
@@ -47,9 +47,10 @@ def arms(tokens, dim, out, E, G, KG, k):
   cy = jnp.asarray(rng.normal(0, 1, (1, tokens, dim)), jnp.float32)
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
-  def layer(**kw):
-    return jax.jit(jax.grad(lambda p, x: jnp.sum(cy * moe.moe_mlp(p, x, ctx, num_experts=E, k=k, norm_topk=True,
-                                                                  **kw)[0]), argnums=(0, 1)))
+  def layer(router_bias=None, **kw):
+    s = moe.MoESettings(num_experts=E, k=k, norm_topk=True, **kw)
+    return jax.jit(jax.grad(lambda p, x: jnp.sum(cy * moe.moe_mlp(p, x, ctx, s, router_bias=router_bias)[0]),
+                            argnums=(0, 1)))
   sig = dict(scoring="sigmoid", router_bias=bias, n_group=G, topk_group=KG, routed_scaling=2.5)
   return ({"route softmax": (route, (logits,)), "route group_sigmoid": (group, (logits,))},
           {"layer softmax": (layer(), (p, x)), "layer group_sigmoid": (layer(**sig), (p, x))})
