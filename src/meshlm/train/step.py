@@ -127,7 +127,7 @@ def router_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array
   """(router_aux_loss_coef * load-balancing loss + router_z_loss_coef * z-loss, their metrics), each times
   weight, from the MoE layers' stacked side outputs.
 
-  The load-balancing loss is transformers' load_balancing_loss_func over all MoE layers (nn/moe.py:
+  The load-balancing loss is transformers' load_balancing_loss_func over all MoE layers (nn/moe/routing.py:
   load_balancing_loss); the z-loss is the mean over the layers of each layer's mean squared logsumexp.
   Only the losses whose coefficient is set are computed and logged (moe_aux_loss, moe_z_loss).
   """
