@@ -8,7 +8,7 @@ benchmark (variants of the layer, another commit's layer, where its time goes).
 
 Per (experts E, top-k), every arm computes grad(sum(c * layer(x))) w.r.t. x and every kernel, x [1, tokens, dim]:
 - dense: nn/mlp.glu_mlp of width k * width (the FLOPs of the k experts each token visits);
-- moe: nn/moe.moe_mlp, dropless, as configured by default (a random router: about tokens * k / E rows per
+- moe: nn/moe/layer.py moe_mlp, dropless, as configured by default (a random router: about tokens * k / E rows per
   expert, Poisson-spread);
 - --arm NAME=kw:value,...: moe_mlp with keyword overrides, e.g. `reference=impl:reference` (the every-expert
   reference), `blocks=grouped_matmul:blocks`, `ragged=grouped_matmul:ragged`, `split=fused_gate_up:false`,
@@ -16,8 +16,8 @@ Per (experts E, top-k), every arm computes grad(sum(c * layer(x))) w.r.t. x and 
 - --floor adds "dense + kernel pass": the dense arm, then one pass that reads every expert kernel and writes a
   fresh array of its size (jnp.multiply by a scalar), the weight-gradient bytes any MoE backward must write. Its
   ratio to dense is the floor this machine's memory puts under MoE / dense, before any expert matmul is slower;
-- --ref REV adds "moe @ REV": the same layer from another commit's nn/moe.py (`git show REV:src/meshlm/nn/moe.py`,
-  loaded as its own module; it imports the rest of meshlm from this tree, so REV must share those interfaces),
+- --ref REV adds "moe @ REV": the same layer from another commit's nn/moe (`git show REV:src/meshlm/nn/moe.py`, or
+  the package nn/moe/, loaded as its own module; it imports the rest of meshlm from this tree, so REV must share those interfaces),
   and prints the largest difference of any gradient between it and "moe" (0.0: bit-identical). Issue 19's layer:
   `--tokens 512 --dim 256 --width 512 --experts 8:2 --reps 21 --timer wall`.
 Arms run interleaved in rounds after one compile and warm-up call each (meshlm.bench.harness.time_interleaved);
@@ -26,7 +26,7 @@ to the --base arm (default dense): the median of the per-round ratios with its 9
 (meshlm.bench.stats.paired, as `meshlm bench` reports it). Prints a markdown table.
 
 --parts: where the layer's time goes beyond the dense layer's, CPU time (user + system), two tables:
-1. The grouped matmul alone (nn/moe.grouped_matmul) on A = tokens x k rows sorted by expert (a uniform random
+1. The grouped matmul alone (nn/moe/gmm.py grouped_matmul) on A = tokens x k rows sorted by expert (a uniform random
    assignment), against one dense matmul [A, D] x [D, F'] of the same FLOPs: gate|up (two kernels, F' = 2 F) and
    down (F' = D), each as the forward, the gradient w.r.t. the rows only (dx) and w.r.t. the kernels only (dW).
    The dense dW writes one [D, F'] kernel; the loop's writes E of them.
@@ -73,16 +73,32 @@ def parse_arm(spec: str) -> tuple[str, dict]:
 
 
 def load_ref(rev: str):
-  """nn/moe.py as of commit rev, as its own module."""
-  src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:src/meshlm/nn/moe.py"], check=True, capture_output=True,
-                       text=True).stdout
-  path = os.path.join(tempfile.mkdtemp(prefix="moe_ref_"), "moe_ref.py")
-  with open(path, "w") as f:
-    f.write(src)
-  spec = importlib.util.spec_from_file_location("moe_ref", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  """nn/moe as of commit rev, as its own module: the file nn/moe.py, or the package nn/moe/ (its files' imports
+  of each other pointed at the copy)."""
+  git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True, text=True).stdout  # noqa: E731
+  name = "moe_ref_" + "".join(c if c.isalnum() else "_" for c in rev)
+  root = tempfile.mkdtemp(prefix="moe_ref_")
+  if git("ls-tree", rev, "src/meshlm/nn/moe").split()[1:2] != ["tree"]:
+    path = os.path.join(root, f"{name}.py")
+    with open(path, "w") as f:
+      f.write(git("show", f"{rev}:src/meshlm/nn/moe.py"))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+  os.makedirs(os.path.join(root, name))
+  for fn in git("ls-tree", "--name-only", f"{rev}:src/meshlm/nn/moe/").split():
+    with open(os.path.join(root, name, fn), "w") as f:
+      f.write(git("show", f"{rev}:src/meshlm/nn/moe/{fn}").replace("meshlm.nn.moe.", f"{name}."))
+  sys.path.insert(0, root)
+  return importlib.import_module(name)
+
+
+def moe_layer(mod, p, x, **kw):
+  """mod's moe_mlp (nn/moe as of some commit): with MoESettings where it has them, else keywords."""
+  if hasattr(mod, "MoESettings"):
+    return mod.moe_mlp(p, x, None, mod.MoESettings(**kw))
+  return mod.moe_mlp(p, x, **kw)
 
 
 def layer_arms(tokens: int, dim: int, width: int, experts: int, k: int, extra: dict[str, dict], floor: bool = False,
@@ -109,8 +125,8 @@ def layer_arms(tokens: int, dim: int, width: int, experts: int, k: int, extra: d
   layers = {"moe": (moe, {}), **{name: (moe, kw) for name, kw in extra.items()},
             **{name: (mod, {}) for name, mod in (modules or {}).items()}}
   for name, (mod, kw) in layers.items():
-    f = lambda p, x, mod=mod, kw=kw: jnp.sum(c * mod.moe_mlp(p, x, num_experts=experts, k=k, norm_topk=True,  # noqa: E731
-                                                             **kw)[0])
+    f = lambda p, x, mod=mod, kw=kw: jnp.sum(c * moe_layer(mod, p, x, num_experts=experts, k=k, norm_topk=True,  # noqa: E731
+                                                           **kw)[0])
     out[name] = (jax.jit(jax.grad(f, argnums=(0, 1))), (p, x))
   return out
 
@@ -186,7 +202,7 @@ def main() -> int:
   ap.add_argument("--arm", action="append", default=[], help="NAME=kw:value,...: moe_mlp with these keywords")
   ap.add_argument("--base", default="dense", help="the arm every ratio is against")
   ap.add_argument("--floor", action="store_true", help="add the dense arm plus one pass over the expert kernels")
-  ap.add_argument("--ref", help="add the layer of this commit's nn/moe.py")
+  ap.add_argument("--ref", help="add the layer of this commit's nn/moe")
   ap.add_argument("--parts", action="store_true", help="the expert loop's passes against dense matmuls, page faults")
   a = ap.parse_args()
   extra = dict(parse_arm(s) for s in a.arm)

@@ -1,8 +1,6 @@
 """The census's MoE fields: sorts forward/backward, gathers and scatters in MoE layers, weight-gradient
 dots by parameter, optimization barriers (the expert-weight-gradient barrier), counted per step (call
 sites expanded, scan bodies times their trip count)."""
-import functools
-
 import jax
 import pytest
 
@@ -10,6 +8,8 @@ from meshlm.analysis import census as C
 from meshlm.analysis import golden
 from meshlm.analysis import stablehlo as SH
 from meshlm.config import load_config
+
+from moe_helpers import with_settings
 
 # A hand-written module: @body runs in a 3-trip while; @shared is called from main and from @body,
 # once under a transpose(...) path; a shard_map region names its ops' scopes.
@@ -112,7 +112,7 @@ def test_expert_grad_barrier_is_in_the_step_once_per_moe_layer(qwen, monkeypatch
   assert qwen["optimization_barriers"] == {"forward": 0, "backward": 3}
   # Control: the same step with the barrier off has none.
   from meshlm.nn import moe
-  monkeypatch.setattr(moe, "moe_mlp", functools.partial(moe.moe_mlp, grad_barrier=False))
+  monkeypatch.setattr(moe, "moe_mlp", with_settings(moe.moe_mlp, grad_barrier=False))
   assert _census("qwen3-moe-tiny")["optimization_barriers"] == {"forward": 0, "backward": 0}
 
 
@@ -143,7 +143,7 @@ def test_remat_without_the_save_names_sorts_again_in_the_backward(monkeypatch):
 def test_argsort_unsort_adds_a_sort_per_layer(monkeypatch):
   """The plain unsort (argsort of perm) is a second sort per MoE layer."""
   from meshlm.nn import moe
-  monkeypatch.setattr(moe, "moe_mlp", functools.partial(moe.moe_mlp, unsort_impl="argsort"))
+  monkeypatch.setattr(moe, "moe_mlp", with_settings(moe.moe_mlp, unsort_impl="argsort"))
   assert _census("qwen3-moe-tiny")["sorts"] == {"forward": 6, "backward": 0}
 
 

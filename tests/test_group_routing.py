@@ -1,4 +1,4 @@
-"""DeepSeek-V3's group-limited sigmoid routing (nn/moe.py group_route) against a float64 NumPy reference,
+"""DeepSeek-V3's group-limited sigmoid routing (nn/moe/routing.py group_route) against a float64 NumPy reference,
 router replay through it, the MoE layer and its load counts, and the config checks.
 
 The reference: s = sigmoid(logits); biased = s + bias; each of n_group groups scores the sum of its top 2
@@ -8,6 +8,7 @@ norm_topk, times routed_scaling_factor. The inputs hold exact ties (a group copi
 expert copied onto its neighbour) and biases that push kept experts' scores below 0, where a fill of
 0.0 and of -inf pick different experts.
 """
+import dataclasses
 import functools
 
 import jax
@@ -212,10 +213,11 @@ def test_the_moe_layer_routes_by_groups_and_counts_real_tokens(inputs):
   mask = np.ones((B, T), bool)
   mask[1, 7:] = False  # a padded tail
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
-  kw = dict(num_experts=E, k=K, norm_topk=True, scoring="sigmoid", router_bias=jnp.asarray(bias), n_group=G,
-            topk_group=KG, routed_scaling=SCALE, token_mask_BT=jnp.asarray(mask))
-  y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, **kw))(p, x)
-  y_ref, _ = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, impl="reference", **kw))(p, x)
+  s = moe.MoESettings(num_experts=E, k=K, norm_topk=True, scoring="sigmoid", n_group=G, topk_group=KG,
+                      routed_scaling=SCALE)
+  kw = dict(router_bias=jnp.asarray(bias), token_mask_BT=jnp.asarray(mask))
+  y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, s, **kw))(p, x)
+  y_ref, _ = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, dataclasses.replace(s, impl="reference"), **kw))(p, x)
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
   logits = np.asarray(x).reshape(-1, D) @ np.asarray(p["router"])
   ids = np.asarray(side["moe_expert_ids"]).reshape(-1, K)

@@ -1,4 +1,4 @@
-"""The MoE layer (nn/moe.py) against its reference (nn/moe_reference.py), numpy and its plain variants.
+"""The MoE layer (nn/moe/) against its reference (nn/moe_reference.py), numpy and its plain variants.
 
 - Dropless equals every-expert-on-every-token: forward and every gradient, float32, with routing
   forced uneven (expert 0 gets every token, two experts get none) at odd sizes, norm_topk on and off,
@@ -22,10 +22,13 @@ from jax.sharding import NamedSharding
 
 from meshlm.config import load_config
 from meshlm.nn import moe
+from meshlm.nn.moe import dropless, gmm
 from meshlm.nn.dense import dense
 from meshlm.nn.moe_reference import moe_mlp_reference
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import logical_spec
+
+from moe_helpers import count_primitives, count_sorts
 
 B, T, D, F, E, K = 3, 13, 24, 20, 8, 2  # odd sizes: 39 tokens, 78 (token, slot) pairs
 TOL = 1e-6  # float32 reassociation: max |diff| <= TOL * max(1, max |reference|), per leaf
@@ -56,7 +59,7 @@ def _loss(y, side):
 
 def _dropless(norm_topk, **kw):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=norm_topk, **kw)
+    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=norm_topk, **kw))
     return _loss(y, side), y
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
@@ -118,17 +121,17 @@ def test_norm_topk_changes_the_output(uneven):
 
 def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
   x, p, refs = uneven
-  y, side = moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, impl="reference")
+  y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, impl="reference"))
   np.testing.assert_allclose(y, refs[True][0][1], rtol=1e-6, atol=1e-6)
   assert set(side) == {"moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", "moe_expert_ids"}
   with pytest.raises(ValueError, match="moe_impl='capacity'"):
-    moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, impl="capacity")
+    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, impl="capacity"))
 
 
 def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
   # Negative control: unsorting by perm itself instead of its inverse must not pass.
   x, p, refs = uneven
-  monkeypatch.setattr(moe, "inverse_permutation", lambda perm: perm)
+  monkeypatch.setattr(dropless, "inverse_permutation", lambda perm: perm)
   diffs = _max_rel_diffs(_dropless(True)(p, x), refs[True])
   assert diffs["y"] > 1e-2
 
@@ -172,8 +175,8 @@ def test_loop_with_shifted_group_starts_fails_the_numpy_check(monkeypatch):
   x = rng.standard_normal((17, 7)).astype(np.float32)
   w = rng.standard_normal((6, 7, 9)).astype(np.float32)
   want = np.einsum("rd,rdf->rf", x, w[np.repeat(np.arange(6), sizes)])
-  real = moe._expert_rows
-  monkeypatch.setattr(moe, "_expert_rows", lambda s: (real(s)[0] + 1, real(s)[1]))
+  real = gmm._expert_rows
+  monkeypatch.setattr(gmm, "_expert_rows", lambda s: (real(s)[0] + 1, real(s)[1]))
   y = moe.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), impl="loop", block_rows=4)
   assert np.max(np.abs(np.asarray(y) - want)) > 1e-1
 
@@ -195,13 +198,13 @@ def test_unknown_grouped_matmul_is_refused():
 def test_unknown_unsort_is_refused():
   x, p = _uneven_inputs()
   with pytest.raises(ValueError, match="unsort_impl='nope'"):
-    moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, unsort_impl="nope")
+    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, unsort_impl="nope"))
 
 
 def test_top_k_above_num_experts_is_refused():
   x, p = _uneven_inputs()
   with pytest.raises(ValueError, match="num_experts_per_tok=9"):
-    moe.moe_mlp(p, x, num_experts=E, k=9, norm_topk=True)
+    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=9, norm_topk=True))
 
 
 # --- aux losses against transformers' formula --------------------------------------------------------
@@ -258,27 +261,28 @@ def _layer_grad(unsort_impl):
   x, p = _uneven_inputs()
 
   def f(p, x):
-    return _loss(*moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, unsort_impl=unsort_impl))
+    return _loss(*moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, unsort_impl=unsort_impl)))
   return jax.grad(f, argnums=(0, 1)), (p, x)
 
 
 def test_one_sort_in_forward_and_backward():
   for impl, want in (("perm", 1), ("argsort", 2)):
     g, args = _layer_grad(impl)
-    fwd = lambda p, x: moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, unsort_impl=impl)  # noqa: E731
-    assert moe.count_sorts(fwd, *args) == want
-    assert moe.count_sorts(g, *args) == want  # forward + backward: the backward adds none
+    s = moe.MoESettings(num_experts=E, k=K, norm_topk=True, unsort_impl=impl)
+    fwd = lambda p, x: moe.moe_mlp(p, x, None, s)  # noqa: E731
+    assert count_sorts(fwd, *args) == want
+    assert count_sorts(g, *args) == want  # forward + backward: the backward adds none
 
 
 def test_remat_saving_the_permutation_keeps_the_backward_sort_free():
   g, (p, x) = _layer_grad("perm")
-  f = lambda p, x: jnp.sum(moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True)[0])  # noqa: E731
+  f = lambda p, x: jnp.sum(moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True))[0])  # noqa: E731
   cp = jax.checkpoint_policies
   dots = jax.checkpoint(f, policy=cp.checkpoint_dots)
   dots_perm = jax.checkpoint(f, policy=cp.save_from_both_policies(
       cp.checkpoint_dots, cp.save_only_these_names(*moe.REMAT_SAVE_NAMES)))
-  assert moe.count_sorts(jax.grad(dots), p, x) == 2  # the argsort is replayed in the backward
-  assert moe.count_sorts(jax.grad(dots_perm), p, x) == 1
+  assert count_sorts(jax.grad(dots), p, x) == 2  # the argsort is replayed in the backward
+  assert count_sorts(jax.grad(dots_perm), p, x) == 1
 
 
 def _int_gathers(jaxpr) -> int:
@@ -289,7 +293,8 @@ def _int_gathers(jaxpr) -> int:
 
 def test_token_of_each_slot_is_perm_floordiv_k_not_an_index_gather():
   x, p = _uneven_inputs()
-  fwd = lambda p, x: moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, grouped_matmul="ragged")[0]  # noqa: E731
+  s = moe.MoESettings(num_experts=E, k=K, norm_topk=True, grouped_matmul="ragged")
+  fwd = lambda p, x: moe.moe_mlp(p, x, None, s)[0]  # noqa: E731
   assert _int_gathers(jax.make_jaxpr(fwd)(p, x)) == 0
   # Negative control: the repeated-token-id formulation is an int32 gather.
   perm = jnp.arange(6, dtype=jnp.int32)
@@ -328,7 +333,7 @@ def test_unsort_backward_is_bit_identical_to_a_plain_gather():
   assert np.array_equal(_bits(fast), _bits(plain))
   # Negative control: the raw gather keeps -0 where autodiff's scatter-add gives +0.
   assert not np.array_equal(_bits(dy[perm]), _bits(plain))
-  assert moe.count_sorts(jax.grad(lambda y: jnp.sum(moe.unsort(y, perm, inv) * dy)), ys) == 0
+  assert count_sorts(jax.grad(lambda y: jnp.sum(moe.unsort(y, perm, inv) * dy)), ys) == 0
 
 
 # --- speedup 2: fused gate|up with the fused GLU VJP -------------------------------------------------
@@ -373,10 +378,10 @@ def test_fused_glu_is_bit_identical_to_the_split(act, remat):
 
 def _jaxpr_counts(fused):
   x, p = _uneven_inputs()
-  kw = dict(num_experts=E, k=K, norm_topk=True, fused_gate_up=fused, grouped_matmul="ragged")
-  fwd = jax.make_jaxpr(lambda p, x: moe.moe_mlp(p, x, **kw)[0])(p, x)
-  grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(moe.moe_mlp(p, x, **kw)[0])))(p, x)
-  return moe.count_primitives(fwd, ("ragged_dot_general",)), moe.count_primitives(grad, ("pad",))
+  s = moe.MoESettings(num_experts=E, k=K, norm_topk=True, fused_gate_up=fused, grouped_matmul="ragged")
+  fwd = jax.make_jaxpr(lambda p, x: moe.moe_mlp(p, x, None, s)[0])(p, x)
+  grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(moe.moe_mlp(p, x, None, s)[0])))(p, x)
+  return count_primitives(fwd, ("ragged_dot_general",)), count_primitives(grad, ("pad",))
 
 
 def test_fused_gate_up_is_one_grouped_matmul_with_no_pad_in_the_backward():
@@ -385,8 +390,8 @@ def test_fused_gate_up_is_one_grouped_matmul_with_no_pad_in_the_backward():
   # The fused matmul with a plain split GLU: autodiff pads each half-gradient.
   x, p = _uneven_inputs()
   h = jnp.ones((5, 8))
-  assert moe.count_primitives(jax.make_jaxpr(jax.grad(lambda h: jnp.sum(moe.split_glu(jax.nn.silu, h))))(h), ("pad",)) == 2
-  assert moe.count_primitives(jax.make_jaxpr(jax.grad(lambda h: jnp.sum(moe.fused_glu(jax.nn.silu, h))))(h), ("pad",)) == 0
+  assert count_primitives(jax.make_jaxpr(jax.grad(lambda h: jnp.sum(moe.split_glu(jax.nn.silu, h))))(h), ("pad",)) == 2
+  assert count_primitives(jax.make_jaxpr(jax.grad(lambda h: jnp.sum(moe.fused_glu(jax.nn.silu, h))))(h), ("pad",)) == 0
 
 
 def test_fused_glu_saves_the_same_named_residuals():
@@ -421,7 +426,7 @@ def test_sharded_equals_unsharded(uneven, unsharded_4_rows, mode):
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, ctx, num_experts=E, k=K, norm_topk=True)
+    y, side = moe.moe_mlp(p, x, ctx, moe.MoESettings(num_experts=E, k=K, norm_topk=True))
     return _loss(y, side), y
   with jax.set_mesh(mesh):
     put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731

@@ -99,7 +99,8 @@ def test_bit_identical_under_a_mesh(mode):
   mesh = make_mesh(load_config("cpu_devices=2", "mesh.fsdp=2", f"shard_mode={mode}"))
 
   def loss(barrier, p, x):
-    y, side = moe.moe_mlp(p, x, num_experts=E, k=K, norm_topk=True, block_rows=16, grad_barrier=barrier)
+    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, block_rows=16,
+                                                          grad_barrier=barrier))
     return jnp.sum(jnp.sin(y)) + side["moe_load_balance_loss"]
   got, texts = {}, {}
   with jax.set_mesh(mesh):

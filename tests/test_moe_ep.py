@@ -1,4 +1,4 @@
-"""Expert parallelism (nn/moe.py's `_dispatch_ep`): the MoE layer with its experts sharded over mesh.expert.
+"""Expert parallelism (nn/moe/expert_parallel.py's `_dispatch_ep`): the MoE layer with its experts sharded over mesh.expert.
 
 - The layer under EP equals the unsharded layer (forward and every gradient, float32, within 1e-6) on
   expert=2, expert=2 x fsdp=2 and data=2 x expert=2 under both shard modes, with the batch split over
@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from meshlm.config import load_config
 from meshlm.nn import moe
+from meshlm.nn.moe import expert_parallel, gmm
 from meshlm.nn.dense import dense
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import logical_spec
@@ -64,7 +65,7 @@ def _loss(y, side):
 
 def _layer(**kw):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, num_experts=E, k=K, norm_topk=True, **kw)
+    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, k=K, norm_topk=True, **kw))
     return _loss(y, side), y
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
 
@@ -152,8 +153,8 @@ def test_ep_with_ragged_dot(unsharded):
 
 def test_a_wrong_local_expert_offset_fails(unsharded, monkeypatch):
   """Negative control: each shard computing its neighbour's expert ids with its own kernels."""
-  real = moe.local_expert_offset
-  monkeypatch.setattr(moe, "local_expert_offset",
+  real = expert_parallel.local_expert_offset
+  monkeypatch.setattr(expert_parallel, "local_expert_offset",
                       lambda n, axes: (real(n, axes) + n) % E)  # shard i takes the ids of shard i + 1
   try:
     out, _, _, _ = run_sharded(EP_MESHES["expert2"], "explicit")
@@ -307,8 +308,8 @@ def test_local_dispatches_sum_to_the_whole_and_skip_other_experts(monkeypatch):
   _, w, ids = moe.route(logits, K, True)
   want = moe.dispatch(x_ND, ids, w, p["gate"], p["up"], p["down"], grouped_matmul_impl="blocks", block_rows=4)
   live = []
-  real = moe.block_layout
-  monkeypatch.setattr(moe, "block_layout", lambda *a: (out := real(*a), live.append(int(jnp.sum(out[3]))))[0])
+  real = gmm.block_layout
+  monkeypatch.setattr(gmm, "block_layout", lambda *a: (out := real(*a), live.append(int(jnp.sum(out[3]))))[0])
   half = E // 2
   parts = [moe.dispatch(x_ND, ids, w, *(p[k][o:o + half] for k in ("gate", "up", "down")), grouped_matmul_impl="blocks",
                         block_rows=4, expert_offset=jnp.int32(o)) for o in (0, half)]

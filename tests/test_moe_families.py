@@ -8,6 +8,7 @@ routing setting fails that parity, and the router statistics against transformer
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -187,10 +188,10 @@ def test_a_decode_routing_bug_is_caught(monkeypatch):
   cfg, params, tokens, _ = cached_generation("qwen3-moe-tiny")
   real = moe.moe_mlp
 
-  def decode_routes_wrongly(p, x_BTD, ctx=None, **kw):
+  def decode_routes_wrongly(p, x_BTD, ctx, settings, **kw):
     if x_BTD.shape[1] == 1:
-      kw["norm_topk"] = not kw["norm_topk"]
-    return real(p, x_BTD, ctx, **kw)
+      settings = dataclasses.replace(settings, norm_topk=not settings.norm_topk)
+    return real(p, x_BTD, ctx, settings, **kw)
   monkeypatch.setattr(moe, "moe_mlp", decode_routes_wrongly)
   api.clear_programs()
   try:
@@ -415,7 +416,7 @@ def test_remat_keeps_the_sort_permutation(remat):
   names the moe part declares (Part.remat_save_names: the sort permutation), so forward + backward
   sorts once, not twice."""
   from meshlm.models import decoder
-  from meshlm.nn.moe import count_sorts
+  from moe_helpers import count_sorts
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", f"remat={remat}", "train.compute_dtype=float32",
                     "train.seq_len=16")
   params = init_params(cfg, jax.random.key(0))

@@ -1,4 +1,4 @@
-"""model.moe_kernel_fsdp: what mesh.fsdp shards in the expert kernels (nn/moe.py moe_spec, _dispatch_ep).
+"""model.moe_kernel_fsdp: what mesh.fsdp shards in the expert kernels (nn/moe/ moe_spec, _dispatch_ep).
 
 - On fsdp=4 under explicit and auto, the MoE layer's loss, output and every gradient (float32) with
   `experts` (the experts dim on fsdp: the tokens travel, expert-parallel dispatch over fsdp), `embed`
@@ -25,6 +25,7 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
 from meshlm.nn import moe
+from meshlm.nn.moe import expert_parallel
 from meshlm.parallel.mesh import check_expert_axis, make_mesh
 from meshlm.parallel.sharding import ShardingWarning, logical_spec
 
@@ -41,7 +42,7 @@ def _layer(layout):
   axis = moe.experts_axis(_model(layout))
 
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, num_experts=E, k=K, norm_topk=True, experts_axis=axis)
+    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, k=K, norm_topk=True, experts_axis=axis))
     return _loss(y, side), y
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
 
@@ -141,8 +142,8 @@ def test_experts_over_expert_and_fsdp_equal_one_device(unsharded, rows):
 def test_the_offset_follows_the_specs_axis_order(unsharded, monkeypatch):
   """Negative control: the experts dim is on ("expert", "fsdp"), expert major; an offset from the
   fsdp-major linear index gives the two middle devices each other's experts."""
-  real = moe.local_expert_offset
-  monkeypatch.setattr(moe, "local_expert_offset", lambda n, axes: real(n, axes[::-1]))
+  real = expert_parallel.local_expert_offset
+  monkeypatch.setattr(expert_parallel, "local_expert_offset", lambda n, axes: real(n, axes[::-1]))
   try:
     out, _, _, _ = run(EP_FSDP, "explicit", "experts")
   finally:

@@ -63,7 +63,7 @@ class ModelConfig(_Strict):
       default_factory=dict, description="knobs of the layer parts that declare their own section: "
       "model.parts.PART.KNOB=value (each part's docs list its knobs)")
   # Mixture of experts (mixtral, qwen3_moe): the MoE layers' feed-forward is num_experts GLU experts of
-  # width moe_mlp_dim, each token routed to num_experts_per_tok of them (nn/moe.py).
+  # width moe_mlp_dim, each token routed to num_experts_per_tok of them (nn/moe/).
   num_experts: int = Field(default=0, ge=0, description="experts per MoE layer (0: no MoE layers)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -81,15 +81,15 @@ class ModelConfig(_Strict):
                                       "added to the training loss (0: off)")
   router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
                                     "logsumexp of the router logits) added to the training loss (0: off)")
-  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe.py has only these two.
+  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe/ has only these two.
   moe_impl: Literal["dropless", "reference"] = Field(
       default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls) or reference (every expert "
       "on every token, masked)")
   moe_grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
-      default="auto", description="the experts' grouped matmul (nn/moe.py): loop (a scan over the experts, rows "
+      default="auto", description="the experts' grouped matmul (nn/moe/gmm.py): loop (a scan over the experts, rows "
       "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
       "loop on CPU, ragged elsewhere")
-  # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe.py moe_spec):
+  # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe/layer.py moe_spec):
   # "experts" moves tokens to the experts (expert-parallel dispatch over fsdp and expert; no kernel gathered),
   # "embed" and "mlp" gather the kernels whole in each layer. null: experts where mesh.expert x mesh.fsdp divides
   # num_experts, else embed (parallel/sharding.py's divisibility rule decides, when the mesh is known).

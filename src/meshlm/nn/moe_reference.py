@@ -2,7 +2,7 @@
 
 Costs E / k times the dropless compute and E times its activation memory; only for tests and the
 reference arm of benchmarks. Routing is written out again here (softmax, top-k, renormalize) rather
-than imported, so a routing bug in nn/moe.py cannot hide in both.
+than imported, so a routing bug in nn/moe/routing.py cannot hide in both.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `moe` feed-forward (mixtral, qwen3_moe): a float32 router, top-k and dropless experts (nn/moe.py).
+"""The `moe` feed-forward (mixtral, qwen3_moe): a float32 router, top-k and dropless experts (nn/moe/).
 
 Side outputs: the router statistics (`moe_load_balance_loss`, `moe_z_loss`, the per-expert fractions
 and probabilities) and the routed expert ids (`moe_expert_ids` [B, T, k]); the decoder stacks them over
@@ -16,7 +16,7 @@ shared_expert_gate [D, 1] (Hugging Face mlp.shared_expert.{gate,up,down}_proj an
 each weight transposed). `shared_gate=False` (deepseek_v3): no shared_expert_gate, the GLU is added as it is
 (HF mlp.shared_experts, n_shared_experts * moe_intermediate_size wide = model.shared_expert_mlp_dim).
 
-Group-limited sigmoid routing (`routing="group_sigmoid"`, deepseek_v3; nn/moe.py group_route): s =
+Group-limited sigmoid routing (`routing="group_sigmoid"`, deepseek_v3; nn/moe/routing.py group_route): s =
 sigmoid(float32 logits); experts are picked from s + router_bias within the model.topk_group best of
 model.n_group groups; the weights are the unbiased s at them (/ (sum + 1e-20) with norm_topk_prob) times
 model.routed_scaling_factor. `router_bias` [E] float32 is model state (Part.model_state: not a parameter,
@@ -74,23 +74,31 @@ def router_losses(m: ModelConfig) -> dict:
   return out
 
 
+def settings(m: ModelConfig, *, norm_topk: bool | None = None, routing: str = "softmax") -> moe.MoESettings:
+  """The MoE layer's knobs from the model config. norm_topk: None reads model.norm_topk_prob. routing
+  "group_sigmoid": DeepSeek-V3's group-limited sigmoid scoring with the model's groups."""
+  group = {}
+  if routing == "group_sigmoid":
+    group = dict(scoring="sigmoid", n_group=m.n_group, topk_group=m.topk_group,
+                 routed_scaling=m.routed_scaling_factor, dropped_score=moe.GROUP_MASKS[m.router_group_mask])
+  return moe.MoESettings(num_experts=m.num_experts, k=m.num_experts_per_tok,
+                         norm_topk=m.norm_topk_prob if norm_topk is None else norm_topk,
+                         activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(m.router_dtype),
+                         impl=m.moe_impl, grouped_matmul=m.moe_grouped_matmul, experts_axis=moe.experts_axis(m),
+                         kernel_axes=tuple(moe.moe_spec(m)[n].axes for n in KERNELS), **group)
+
+
 def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None = None, shared: bool = False,
           shared_gate: bool = True, routing: str = "softmax"):
   """norm_topk: renormalize the top-k weights (mixtral: always); None reads model.norm_topk_prob.
   shared: add the shared expert (sigmoid-gated when shared_gate). routing: "softmax" or "group_sigmoid"."""
-  m = ctx.model
   kw = {}
   if routing == "group_sigmoid":
     seg = ctx.here.segment_ids
-    kw = dict(scoring="sigmoid", router_bias=p[ROUTER_BIAS], n_group=m.n_group, topk_group=m.topk_group,
-              routed_scaling=m.routed_scaling_factor, dropped_score=moe.GROUP_MASKS[m.router_group_mask],
-              token_mask_BT=None if seg is None else (seg > 0))  # padding (segment 0) is not counted
-  y, side = moe.moe_mlp(p, x_BTD, ctx, num_experts=m.num_experts, k=m.num_experts_per_tok,
-                        norm_topk=m.norm_topk_prob if norm_topk is None else norm_topk,
-                        activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(m.router_dtype),
-                        impl=m.moe_impl, grouped_matmul=m.moe_grouped_matmul, forced_ids_BTk=ctx.layer.get(FORCED_IDS),
-                        router_full=p["router_full"], experts_axis=moe.experts_axis(m),
-                        kernel_axes=tuple(moe.moe_spec(m)[n].axes for n in KERNELS), **kw)
+    # Padding (segment 0) is not counted.
+    kw = dict(router_bias=p[ROUTER_BIAS], token_mask_BT=None if seg is None else (seg > 0))
+  y, side = moe.moe_mlp(p, x_BTD, ctx, settings(ctx.model, norm_topk=norm_topk, routing=routing),
+                        forced_ids_BTk=ctx.layer.get(FORCED_IDS), router_full=p["router_full"], **kw)
   if shared:
     y = y + shared_expert(p, x_BTD, ctx, gated=shared_gate)
   return y, None, side

@@ -1,0 +1,43 @@
+"""The mixture-of-experts feed-forward layer: a float32 router, top-k, dropless dispatch.
+
+Per token the router picks k of E experts; each picked expert runs a GLU MLP on the token and the
+k outputs are summed with the routing weights. Dropless dispatch never drops a token:
+
+  route:     logits = x @ router (float32, through the dense primitive) -> softmax -> top-k
+  sort:      perm = argsort(expert id of each of the M*k (token, slot) pairs)      # the only sort
+  gather:    xs[j] = x[perm[j] // k]                                               # [A, D], A = M*k
+  matmuls:   h = xs @ gate_up[e_j] (one grouped matmul), a = act(h_gate) * h_up, ys = a @ down[e_j]
+  unsort:    y_flat = ys[inverse(perm)], y[n] = sum_k w[n, k] * y_flat[n, k]
+
+The files, by concern:
+- routing.py: the router's top-k (softmax, DeepSeek-V3's group-limited sigmoid), the bias rule, aux losses.
+- gmm.py: the grouped matmul (loop, blocks, ragged) and its custom backwards.
+- dropless.py: dispatch (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
+- expert_parallel.py: the dispatch with the experts sharded over ep devices.
+- layer.py: moe_spec, MoESettings and moe_mlp, the layer (routing, then the dispatch under shard_map).
+The reference beside it (nn/moe_reference.py) runs every expert on every token and masks.
+
+Router replay (`forced_ids_BTk` [B, T, k], -1 = not forced; nn/router_replay.py): forced tokens take
+the given expert ids, weighted by the live router probabilities at those ids (so the router keeps its
+gradient); top-k runs over at most `replay_rows` gathered tokens that are neither forced nor padding,
+with a lax.cond fallback to the full top-k, bit-identical to `replay_impl="full"`. The side outputs
+always carry the routed ids ("moe_expert_ids"), which is what a rollout records for replay.
+"""
+from meshlm.nn.moe.dropless import (REMAT_SAVE_NAMES, UNSORTS, dispatch, expert_grad_barrier, fused_glu,
+                                    gather_router_once, inverse_permutation, split_glu, unsort)
+from meshlm.nn.moe.expert_parallel import EXPERT_AXIS, ep_mesh_axes, local_expert_offset
+from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
+                               grouped_matmul, loop_block_rows, rest_block_sizes)
+from meshlm.nn.moe.layer import EXPERTS_AXES, KERNEL_FSDP, TOKENS, MoESettings, experts_axis, moe_mlp, moe_spec
+from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats,
+                                   bias_update, expert_load, group_limited_topk, group_route, load_balancing_loss,
+                                   route, sigmoid_weights)
+
+__all__ = [
+    "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS", "REMAT_SAVE_NAMES",
+    "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "TOKENS", "UNSORTS", "MoESettings", "aux_stats",
+    "bias_update", "block_layout", "default_block_rows", "default_grouped_matmul", "dispatch", "ep_mesh_axes",
+    "expert_grad_barrier", "expert_load", "experts_axis", "fused_glu", "gather_router_once", "group_limited_topk",
+    "group_route", "grouped_matmul", "inverse_permutation", "load_balancing_loss", "local_expert_offset",
+    "loop_block_rows", "moe_mlp", "moe_spec", "rest_block_sizes", "route", "sigmoid_weights", "split_glu", "unsort",
+]

@@ -1,0 +1,205 @@
+"""Dropless dispatch on local tokens: sort the (token, slot) pairs by expert, gather, grouped matmuls, unsort.
+
+Two speedups from the RL trainer (issue 11), each kept switchable against its plain version:
+- `unsort_impl="perm"`: the inverse permutation is a scatter of the sort's own permutation, and the
+  unsort's backward is a gather by `perm` (custom VJP) instead of autodiff's scatter-add. The
+  plain version ("argsort") argsorts perm again. Bit-identical gradients; one sort in the forward,
+  none in the backward (tests/moe_helpers.py count_sorts).
+- `fused_gate_up=True`: gate and up are one grouped matmul of width 2F, and `fused_glu`'s backward
+  writes both half-gradients in one concatenate instead of autodiff's pad-and-add.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from meshlm.nn import gather_once
+from meshlm.nn.moe.gmm import _vary_like, default_grouped_matmul, grouped_matmul
+from meshlm.nn.stack_row import is_row, materialize
+
+# Values a remat policy should save so that the backward replays no sort: the sort's permutation.
+# jax.checkpoint(policy=checkpoint_dots) alone recomputes the argsort in the backward; combine it with
+# save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
+REMAT_SAVE_NAMES = ("moe_perm",)
+UNSORTS = ("perm", "argsort")
+
+
+# --- the speedups: unsort with the sort's permutation, fused GLU -----------------------------------
+
+def inverse_permutation(perm: jax.Array) -> jax.Array:
+  """inv with inv[perm[j]] = j, by one scatter (no sort)."""
+  n = perm.shape[0]
+  return jnp.zeros((n,), perm.dtype).at[perm].set(jnp.arange(n, dtype=perm.dtype), unique_indices=True)
+
+
+@jax.custom_vjp
+def unsort(ys_AD: jax.Array, perm: jax.Array, inv: jax.Array) -> jax.Array:
+  """ys[inv]: rows back from expert order to (token, slot) order. The backward gathers by perm."""
+  return ys_AD[inv]
+
+
+def _unsort_fwd(ys_AD, perm, inv):
+  return ys_AD[inv], perm
+
+
+def _unsort_bwd(perm, dy_AD):
+  # Autodiff of ys[inv] scatter-adds dy into zeros at inv; each row lands once, so that is the gather
+  # dy[perm], except that 0 + (-0) = +0: where() keeps that, so the result is bit-identical.
+  d = dy_AD[perm]
+  return jnp.where(d == 0, jnp.zeros_like(d), d), None, None
+
+
+unsort.defvjp(_unsort_fwd, _unsort_bwd)
+
+
+def _glu(act, g, u):
+  return act(g) * u
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fused_glu(act: Callable, h_A2F: jax.Array) -> jax.Array:
+  """act(gate) * up for h = [gate | up] (the fused gate|up matmul's output), [A, 2F] -> [A, F]."""
+  F = h_A2F.shape[-1] // 2
+  g = checkpoint_name(h_A2F[..., :F], "moe_gate")
+  u = checkpoint_name(h_A2F[..., F:], "moe_up")
+  return _glu(act, g, u)
+
+
+def _fused_glu_fwd(act, h_A2F):
+  F = h_A2F.shape[-1] // 2
+  g = checkpoint_name(h_A2F[..., :F], "moe_gate")
+  u = checkpoint_name(h_A2F[..., F:], "moe_up")
+  return _glu(act, g, u), (g, u)
+
+
+def _fused_glu_bwd(act, res, d_AF):
+  g, u = res
+  _, vjp = jax.vjp(functools.partial(_glu, act), g, u)
+  dg, du = vjp(d_AF)
+  # Autodiff of the split pads each half-gradient with zeros and adds them: -0 becomes +0 there.
+  fix = lambda a: jnp.where(a == 0, jnp.zeros_like(a), a)  # noqa: E731
+  return (jnp.concatenate([fix(dg), fix(du)], axis=-1),)
+
+
+fused_glu.defvjp(_fused_glu_fwd, _fused_glu_bwd)
+
+
+def split_glu(act: Callable, h_A2F: jax.Array) -> jax.Array:
+  """The plain version of fused_glu: slice and let autodiff transpose the slices."""
+  F = h_A2F.shape[-1] // 2
+  return _glu(act, checkpoint_name(h_A2F[..., :F], "moe_gate"), checkpoint_name(h_A2F[..., F:], "moe_up"))
+
+
+# --- the expert-weight-gradient scheduling barrier ---------------------------------------------------
+
+@jax.custom_vjp
+def expert_grad_barrier(xs_AD: jax.Array, kernels: tuple) -> tuple[jax.Array, tuple]:
+  """Identity on (the experts' input rows, expert kernels). In the backward, the rows' cotangent
+  (what the gather's scatter-add turns into x's gradient) and the kernels' cotangents (the grouped
+  matmuls' weight gradients) pass one optimization_barrier together: XLA must have all of them
+  before any leaves, so the expert weight gradients are scheduled with the input gradient that the
+  previous layer's backward waits on, not deferred and interleaved with it. Numerically a no-op
+  (bit-identical values)."""
+  return xs_AD, kernels
+
+
+def _expert_grad_barrier_fwd(xs_AD, kernels):
+  return (xs_AD, kernels), None
+
+
+def _expert_grad_barrier_bwd(_, cts):
+  return jax.lax.optimization_barrier(cts)
+
+
+expert_grad_barrier.defvjp(_expert_grad_barrier_fwd, _expert_grad_barrier_bwd)
+
+
+# --- the router kernel, gathered once before the layers (issue 11 speedup 5) -------------------------
+
+def gather_router_once(router_stack: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  """The stacked router [L, D, E] (logical axes `axes`) gathered once before the layer scan: no
+  all-gather in the scan's body; each layer's gradient goes back per layer (nn/gather_once.py)."""
+  return gather_once.gather_stack(router_stack, axes, "router_gather_once")
+
+
+# --- dispatch ----------------------------------------------------------------------------------------
+
+def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+             down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
+             grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
+             expert_offset: jax.Array | None = None, grad_barrier: bool = True):
+  """Dropless expert computation on local tokens: y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
+
+  fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
+  grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
+  optimization barrier over their cotangents in the backward).
+  expert_offset (expert parallelism): the kernels hold experts [offset, offset + E) of all experts;
+  only the slots routed to those run, the rest sort to the end, get no rows in the grouped matmul
+  and give zeros (y is this shard's part of the sum over k).
+  """
+  if unsort_impl not in UNSORTS:
+    raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
+  M, D = x_MD.shape
+  k = ids_Mk.shape[1]
+  E = down_EFD.shape[0]
+  dt = x_MD.dtype
+  gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
+  with jax.named_scope("sort"):
+    flat = ids_Mk.reshape(-1)  # [A], slot j belongs to token j // k
+    local = None
+    if expert_offset is not None:
+      # Local expert ids; every other expert becomes E, which sorts last and is counted in no group.
+      flat = flat - expert_offset
+      local = (flat >= 0) & (flat < E)  # [A]
+      flat = jnp.where(local, flat, E)
+    perm = checkpoint_name(jnp.argsort(flat, stable=True).astype(jnp.int32), "moe_perm")
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
+  with jax.named_scope("gather"):
+    xs = x_MD[perm // k]  # [A, D]
+  if (default_grouped_matmul() if grouped_matmul_impl == "auto" else grouped_matmul_impl) != "loop":
+    # Only the expert loop reads a StackRow in place; the others take the row sliced out.
+    gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))
+  # Kernels left in their stacks (StackRow, read by the expert loop) skip the barrier: their cotangents are
+  # stack-shaped pads that XLA fuses across layers into one pass, which a barrier on each would block.
+  if grad_barrier and not any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)):
+    # On the grouped matmuls' input rows and kernels: the rows' cotangent enters the barrier before
+    # the gather's scatter-add, so XLA may still fold other gradients of x into that scatter (as
+    # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
+    # shard_map the kernels are made varying first (as the grouped matmul would), so the barrier's
+    # cotangents have its inputs' types; the cast's transpose (the cross-shard sum) stays outside.
+    kernels = tuple(_vary_like(w, xs) for w in (gate_EDF, up_EDF, down_EFD))
+    xs, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs, kernels)
+  # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
+  with jax.named_scope("experts"):
+    if fused_gate_up:
+      with jax.named_scope("gate_up"):
+        h = gmm(xs, (_as(gate_EDF, dt), _as(up_EDF, dt)), sizes)  # [A, 2F]
+      a = fused_glu(activation, h)
+    else:
+      with jax.named_scope("gate"):
+        g = checkpoint_name(gmm(xs, _as(gate_EDF, dt), sizes), "moe_gate")
+      with jax.named_scope("up"):
+        u = checkpoint_name(gmm(xs, _as(up_EDF, dt), sizes), "moe_up")
+      a = activation(g) * u
+    with jax.named_scope("down"):
+      ys = gmm(a, _as(down_EFD, dt), sizes)  # [A, D]
+  with jax.named_scope("unsort"):
+    if unsort_impl == "perm":
+      y_flat = unsort(ys, perm, inverse_permutation(perm))
+    else:
+      y_flat = ys[jnp.argsort(perm)]
+    if local is not None:
+      # The rows past the local groups are not computed (zeros, or a clamped gather in "blocks").
+      y_flat = jnp.where(local[:, None], y_flat, jnp.zeros_like(y_flat))
+  with jax.named_scope("combine"):
+    y = jnp.einsum("nkd,nk->nd", y_flat.reshape(M, k, D).astype(jnp.float32), w_Mk.astype(jnp.float32))
+  return y.astype(dt)
+
+
+def _as(w, dt):
+  """w.astype(dt); a StackRow of that dtype stays in its stack (a cast would copy its row anyway)."""
+  return w if is_row(w) and w.dtype == dt else materialize(w).astype(dt)

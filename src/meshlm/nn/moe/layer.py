@@ -1,0 +1,239 @@
+"""The MoE layer: its parameters (moe_spec), its settings (MoESettings) and moe_mlp, which routes, then
+runs the experts dropless (dropless.py) or, for tests, every expert on every token (nn/moe_reference.py).
+
+Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding.
+Which mesh axes shard the kernels' experts dim is sharding data (model.moe_kernel_fsdp picks the
+logical axis names in moe_spec; parallel/sharding.py's RULES map them):
+- no mesh axis shards the experts (mesh.expert = 1 with moe_kernel_fsdp embed or mlp): per batch (and
+  length) shard; tokens stay on their device, the expert kernels are gathered whole.
+- the experts dim is sharded over ep devices, on mesh.expert, mesh.fsdp or both: expert parallelism
+  (expert_parallel.py); with moe_kernel_fsdp embed or mlp FSDP still gathers the kernels' other dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from meshlm import spec as S
+from meshlm.nn import gather_once
+from meshlm.nn.dense import dense as dense_primitive
+from meshlm.nn.moe.dropless import dispatch
+from meshlm.nn.moe.expert_parallel import _axes_of, _dispatch_ep, ep_mesh_axes
+from meshlm.nn.moe.gmm import _leaf
+from meshlm.nn.moe.routing import (ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats, expert_load,
+                                   group_limited_topk, group_route, route, sigmoid_weights)
+from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
+from meshlm.nn.stack_row import StackRow, is_row, materialize
+from meshlm.parallel.sharding import auto_region, constrain, current_mesh, logical_spec
+
+TOKENS = ("batch", "length", None)
+# The logical names of a kernel's experts dim: "experts" (over mesh.expert) or, with model.moe_kernel_fsdp
+# experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). The HF adapters' per-expert tensors declare
+# these as the axes their {e} indexes (hf/maps.Tensor.inner_axes).
+EXPERTS_AXES = ("experts", "experts_fsdp")
+KERNEL_FSDP = ("experts", "embed", "mlp")  # model.moe_kernel_fsdp's values (null: "experts", falling back to embed)
+
+
+def experts_axis(m) -> str:
+  """The logical name of the expert kernels' experts dim for model.moe_kernel_fsdp (m: the model config)."""
+  layout = m.moe_kernel_fsdp
+  if layout is not None and layout not in KERNEL_FSDP:
+    raise ValueError(f"moe_kernel_fsdp={layout!r}: expected one of {KERNEL_FSDP} or None")
+  return "experts_fsdp" if layout in (None, "experts") else "experts"
+
+
+def moe_spec(m) -> dict:
+  """Parameters of one MoE layer: router [D, E], gate/up [E, D, F], down [E, F, D].
+
+  model.moe_kernel_fsdp picks what mesh.fsdp shards in the kernels, as logical axis names: "experts" (or
+  null) the experts dim ("experts_fsdp"; where mesh.expert x mesh.fsdp does not divide E, fsdp drops off it
+  and shards the embed dim, as "embed"), "embed" the embed dim, "mlp" gate/up's embed and down's mlp dim.
+  """
+  D, E, F = m.embed_dim, m.num_experts, m.moe_mlp_dim
+  e = experts_axis(m)
+  return {
+      "router": S.kernel((D, E), ROUTER_AXES),
+      "gate": S.kernel((E, D, F), (e, "embed", "mlp"), n_in=2),
+      "up": S.kernel((E, D, F), (e, "embed", "mlp"), n_in=2),
+      "down": S.kernel((E, F, D), (e, "mlp_fsdp" if m.moe_kernel_fsdp == "mlp" else "mlp", "embed"), n_in=2),
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESettings:
+  """The static knobs of one MoE layer, built once from the model config (models/ffns/moe.py settings), so
+  the layer's call names only its arrays.
+
+  scoring "softmax" (route: softmax, top-k) or "sigmoid" (group_route, DeepSeek-V3: sigmoid scores,
+  group-limited selection of scores + router_bias [E] with n_group / topk_group and dropped groups scoring
+  dropped_score, weights from the unbiased scores times routed_scaling).
+  impl: "dropless" or "reference" (every expert on every token). grouped_matmul, block_rows: gmm.py.
+  fused_gate_up, unsort_impl, grad_barrier: dropless.py's dispatch. replay_rows, replay_impl: router replay
+  (nn/router_replay.py): top-k over at most replay_rows of the unforced rows ("compact") or over all rows
+  ("full"), bit-identical either way.
+  experts_axis: the logical name of the kernels' experts dim (one of EXPERTS_AXES, as moe_spec named it):
+  the mesh axes it maps to are the ones the dispatch runs expert-parallel over.
+  kernel_axes: the logical axes of gate, up and down (moe_spec's), for kernels given as StackRow (an
+  unrolled layer's row left in its stack, nn/stack_row.py): under a mesh a StackRow is read in place only
+  where its stack is stored as the dispatch needs it (whole, or sharded on the experts dim alone under
+  expert parallelism); elsewhere, or without kernel_axes, its row is sliced out first.
+  """
+  num_experts: int
+  k: int
+  norm_topk: bool
+  activation: Callable = jax.nn.silu
+  router_dtype: object = jnp.float32
+  impl: str = "dropless"
+  grouped_matmul: str = "auto"
+  block_rows: int | None = None
+  fused_gate_up: bool = True
+  unsort_impl: str = "perm"
+  replay_rows: int = REPLAY_ROWS
+  replay_impl: str = "compact"
+  grad_barrier: bool = True
+  scoring: str = "softmax"
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling: float = 1.0
+  dropped_score: float = 0.0
+  experts_axis: str = "experts"
+  kernel_axes: tuple | None = None
+
+
+def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask_BT: jax.Array | None = None,
+            forced_ids_BTk: jax.Array | None = None, router_full: jax.Array | None = None,
+            router_bias: jax.Array | None = None):
+  """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
+  "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces); with sigmoid
+  scoring also "moe_expert_load" [E] (expert_load: routed pairs per expert, padding excluded), and the aux
+  statistics' "prob" is then the mean sigmoid score.
+
+  p: {"router": [D, E], "gate": [E, D, F], "up": [E, D, F], "down": [E, F, D]}; router_full: this
+  layer's slice of the router stack gathered once before the layers (gather_router_once). ctx supplies the
+  dense primitive (ctx.dense); None uses the plain nn.dense.dense.
+  token_mask_BT (1 = real token) weighs the aux statistics (and, under replay, spares padding top-k).
+  forced_ids_BTk (int32 [B, T, k], -1 = not forced): router replay (nn/router_replay.py). Forced tokens
+  use these ids with weights from the live router probabilities. router_bias [E]: sigmoid scoring's
+  selection bias (zeros when None).
+  """
+  E, k = settings.num_experts, settings.k
+  if not 1 <= k <= E:
+    raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
+  dense = dense_primitive if ctx is None else ctx.dense
+  with jax.named_scope("moe"):
+    with jax.named_scope("router"):
+      logits, probs, w, ids = _route(p, x_BTD, dense, settings, token_mask_BT, forced_ids_BTk, router_full,
+                                     router_bias)
+    side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
+    if settings.scoring == "sigmoid":
+      side["moe_expert_load"] = expert_load(ids, E, token_mask_BT)
+    if settings.impl == "reference":
+      return _experts_reference(p, x_BTD, ids, w, settings.activation), side
+    if settings.impl != "dropless":
+      raise ValueError(f"moe_impl={settings.impl!r}: expected dropless or reference")
+    return _experts_dropless(p, x_BTD, ids, w, settings), side
+
+
+def _route(p, x_BTD, dense, s: MoESettings, token_mask_BT, forced_ids_BTk, router_full, router_bias):
+  """(logits [B, T, E], probs [B, T, E], weights [B, T, k], ids [B, T, k]): the router's logits in
+  s.router_dtype and s.scoring's top-k, or router replay's with forced ids."""
+  E, k = s.num_experts, s.k
+  rdt = jnp.dtype(s.router_dtype)
+  router = p["router"] if router_full is None else gather_once.gathered(p["router"], router_full, ROUTER_AXES)
+  logits = dense(x_BTD.astype(rdt), router.astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
+  if forced_ids_BTk is not None:
+    check_forced_ids(forced_ids_BTk, (*x_BTD.shape[:2], k), E)
+  replay = dict(rows=s.replay_rows, impl=s.replay_impl)
+  if s.scoring == "softmax":
+    if forced_ids_BTk is None:
+      return (logits, *route(logits, k, s.norm_topk))
+    return (logits, *replay_route(logits, forced_ids_BTk, k, s.norm_topk, token_mask_BT, **replay))
+  if s.scoring == "sigmoid":
+    bias = jnp.zeros((E,), jnp.float32) if router_bias is None else router_bias.astype(jnp.float32)
+    groups = dict(n_group=s.n_group, topk_group=s.topk_group)
+    if forced_ids_BTk is None:
+      return (logits, *group_route(logits, bias, k, norm_topk=s.norm_topk, scaling=s.routed_scaling,
+                                   dropped=s.dropped_score, **groups))
+    select = functools.partial(group_limited_topk, dropped=s.dropped_score, **groups)
+    weigh = functools.partial(sigmoid_weights, norm_topk=s.norm_topk, scaling=s.routed_scaling)
+    return (logits, *replay_route(logits, forced_ids_BTk, k, s.norm_topk, token_mask_BT, **replay,
+                                  scoring="sigmoid", select=select, select_args=(bias,), weigh=weigh))
+  raise ValueError(f"router scoring={s.scoring!r}: expected one of {ROUTER_SCORINGS}")
+
+
+def _experts_reference(p, x_BTD, ids_BTk, w_BTk, activation):
+  """Every expert on every token, in an auto-axes region: under explicit sharding its einsums' operands
+  (batch on fsdp, the kernels' embed on fsdp) have no one output sharding, and the reference must run
+  on every mesh in both modes."""
+  from meshlm.nn.moe_reference import experts_reference
+  ref = auto_region(functools.partial(experts_reference, activation=activation), ("batch", "length", "act_embed"),
+                    x_BTD.shape)
+  return ref(x_BTD, ids_BTk, w_BTk, *(materialize(p[n]) for n in ("gate", "up", "down")))
+
+
+def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
+  """The dropless dispatch of the routed tokens: on local tokens without a mesh, else inside shard_map, per
+  batch (and length) shard or expert-parallel (expert_parallel.py)."""
+  E, experts_axis, kernel_axes = s.num_experts, s.experts_axis, s.kernel_axes
+  fn = functools.partial(_dispatch_BT, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
+                         block_rows=s.block_rows, unsort_impl=s.unsort_impl, fused_gate_up=s.fused_gate_up,
+                         grad_barrier=s.grad_barrier)
+  kernels = (p["gate"], p["up"], p["down"])
+  mesh = current_mesh()
+  if mesh.empty:
+    return fn(x_BTD, ids, w, *kernels)
+  spec = _batch_spec(x_BTD.shape)
+  kspec = logical_spec((experts_axis,), kernels[-1].shape[:1])
+  ep_axes = ep_mesh_axes(kspec)
+  # The kernels as the dispatch needs them: whole (gathered), or under expert parallelism sharded on the
+  # experts dim alone (each device keeps its E / ep experts; their other dims gathered, if sharded).
+  want = [(experts_axis if ep_axes else None,) + (None,) * (a.ndim - 1) for a in kernels]
+  kernels = tuple(_in_place(a, wa, None if kernel_axes is None else ax)
+                  for a, wa, ax in zip(kernels, want, kernel_axes or (None,) * 3))
+  kernels = tuple(a if is_row(a) else constrain(a, wa) for a, wa in zip(kernels, want))
+  kspecs = tuple(jax.sharding.PartitionSpec(None, *kspec) if is_row(a) else kspec if ep_axes else
+                 jax.sharding.PartitionSpec() for a in kernels)
+  x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
+  if not ep_axes:
+    # One dispatch per batch (and length) shard: tokens stay on their device.
+    body = fn
+  else:
+    # Expert parallelism: each device computes its experts for every token of its expert group (_dispatch_ep).
+    batch_axes = _axes_of(spec[:1])
+    body = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes, gathered=tuple(a for a in ep_axes if a in batch_axes),
+                             block_rows=s.block_rows, num_experts=E)
+  rows = tuple(a.index if is_row(a) else None for a in kernels)
+  return jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
+                       out_specs=spec)(x_BTD, ids, w, *(_leaf(a) for a in kernels))
+
+
+def _in_place(w, want: tuple, axes: tuple | None):
+  """w, or a StackRow's row sliced out unless its stack is stored (logical axes ("layers",) + axes) as the
+  dispatch wants the row (`want`), so reading it in place moves no data."""
+  if not is_row(w):
+    return w
+  if axes is not None and logical_spec(("layers",) + tuple(axes), w.stack.shape) == logical_spec(
+      (None,) + want, w.stack.shape):
+    return w
+  return w.get()
+
+
+def _with_rows(fn, rows: tuple, x_BTD, ids_BTk, w_BTk, *kernels, **kw):
+  """fn on the kernels, those with a row index given back as StackRow (shard_map passes their stacks)."""
+  kernels = tuple(a if r is None else StackRow(a, r) for a, r in zip(kernels, rows))
+  return fn(x_BTD, ids_BTk, w_BTk, *kernels, **kw)
+
+
+def _dispatch_BT(x_BTD, ids_BTk, w_BTk, gate, up, down, **kw):
+  B, T, D = x_BTD.shape
+  k = ids_BTk.shape[-1]
+  y = dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), gate, up, down, **kw)
+  return y.reshape(B, T, D)
+
+
+def _batch_spec(shape) -> jax.sharding.PartitionSpec:
+  return logical_spec(TOKENS, shape)
