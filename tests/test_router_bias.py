@@ -176,7 +176,7 @@ def test_resume_from_the_checkpoint_is_exact(run):
 
 
 def test_replayed_ids_bypass_the_bias_in_the_model(run):
-  """forward with forced_expert_ids: ids recorded with the zero bias, replayed into the model with the
+  """forward with the forced_expert_ids layer input: ids recorded with the zero bias, replayed into the model with the
   skewed bias, give the zero-bias logits bit for bit (the bias picks experts, never weighs them);
   unforced, the skewed bias routes elsewhere and the logits differ (control)."""
   cfg, batch = run["cfg"], run["batch"]
@@ -185,7 +185,7 @@ def test_replayed_ids_bypass_the_bias_in_the_model(run):
   skew = {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(jnp.asarray(SKEW), (2, 8))}}}}
   zero = {"layers": {"moe": {"moe": {"router_bias": jnp.zeros((2, 8), jnp.float32)}}}}
   fwd = jax.jit(lambda st, f: decoder.forward(cfg, decoder.merge_state(params, st), tokens, return_side=True,
-                                              forced_expert_ids=f))
+                                              layer_inputs={"forced_expert_ids": f}))
   none = jnp.full((2, *tokens.shape, 2), -1, jnp.int32)
   want, side = fwd(zero, none)
   got, got_side = fwd(skew, side["moe_expert_ids"])

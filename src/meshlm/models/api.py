@@ -124,8 +124,10 @@ def cached(name: str, cfg: Config, build, *static):
 
 
 def clear_programs() -> None:
-  """Forget every cached program (a test that patches a layer traces anew)."""
+  """Forget every cached program and resolved Model (a test that patches a layer or a registry entry
+  resolves and traces anew)."""
   _PROGRAMS.clear()
+  decoder.clear_cache()
 
 
 def _inputs(forced_LBTk) -> dict | None:

@@ -19,7 +19,7 @@ from meshlm.config import Config
 from meshlm.models import layers as L
 from meshlm.models.context import Context, make_context
 from meshlm.models.layers import Cache, run_layers, split_layer_inputs
-from meshlm.models.model import Model, resolve
+from meshlm.models.model import Model, clear_cache, resolve
 from meshlm.models.params import (after_step, after_step_side, init_model_state, init_params, merge_state,
                                   model_shardings, model_specs, model_state_shardings, model_state_specs,
                                   param_shardings, param_specs, split_state)
@@ -28,7 +28,7 @@ from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
-__all__ = ["ACT", "LOGITS", "Cache", "Model", "after_step", "after_step_side", "apply", "context", "decode", "forward",
+__all__ = ["ACT", "LOGITS", "Cache", "Model", "after_step", "clear_cache", "after_step_side", "apply", "context", "decode", "forward",
            "head", "init_model_state", "init_params", "input_readers", "merge_state", "model_shardings", "model_specs",
            "model_state_shardings", "model_state_specs", "param_shardings", "param_specs", "plan", "prefill", "resolve",
            "run_layers", "split_layer_inputs", "split_state"]

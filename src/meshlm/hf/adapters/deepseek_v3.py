@@ -30,6 +30,7 @@ import math
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
+from meshlm.hf.adapters.mixtral import fused_experts
 
 HF_MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -178,7 +179,6 @@ def to_hf_config(m: ModelConfig) -> dict:
 
 
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
-  from meshlm.nn.moe import EXPERTS_AXES  # here, not at the top: reading config.json needs no jax
   p = "model.layers.{i}."
   sa, mlp = p + "self_attn.", p + "mlp."
   experts = mlp + "experts."
@@ -199,12 +199,7 @@ def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
       # MoE layers
       "moe.router": maps.Linear(mlp + "gate.weight"),
       "moe.router_bias": maps.Tensor(mlp + "gate.e_score_correction_bias"),
-      "moe.gate": maps.Linear(experts + "{e}.gate_proj.weight", inner_axes=EXPERTS_AXES,
-                              fused=maps.Fused(experts + "gate_up_proj", 0, 2)),
-      "moe.up": maps.Linear(experts + "{e}.up_proj.weight", inner_axes=EXPERTS_AXES,
-                            fused=maps.Fused(experts + "gate_up_proj", 1, 2)),
-      "moe.down": maps.Linear(experts + "{e}.down_proj.weight", inner_axes=EXPERTS_AXES,
-                              fused=maps.Fused(experts + "down_proj")),
+      **fused_experts(experts),
       "moe.shared_gate": maps.Linear(mlp + "shared_experts.gate_proj.weight"),
       "moe.shared_up": maps.Linear(mlp + "shared_experts.up_proj.weight"),
       "moe.shared_down": maps.Linear(mlp + "shared_experts.down_proj.weight"),

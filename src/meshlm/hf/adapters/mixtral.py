@@ -55,6 +55,18 @@ def to_hf_config(m: ModelConfig) -> dict:
           "router_jitter_noise": 0.0, **moe_to_hf(m)}
 
 
+def fused_experts(experts: str) -> dict[str, maps.Tensor]:
+  """The expert kernels of a family whose experts are stored either per expert
+  (`<experts>{e}.gate_proj.weight`, up, down) or fused (`<experts>gate_up_proj`, `<experts>down_proj`)."""
+  from meshlm.nn.moe import EXPERTS_AXES  # here, not at the top: reading config.json needs no jax
+  return {"moe.gate": maps.Linear(experts + "{e}.gate_proj.weight", inner_axes=EXPERTS_AXES,
+                                  fused=maps.Fused(experts + "gate_up_proj", 0, 2)),
+          "moe.up": maps.Linear(experts + "{e}.up_proj.weight", inner_axes=EXPERTS_AXES,
+                                fused=maps.Fused(experts + "gate_up_proj", 1, 2)),
+          "moe.down": maps.Linear(experts + "{e}.down_proj.weight", inner_axes=EXPERTS_AXES,
+                                  fused=maps.Fused(experts + "down_proj"))}
+
+
 def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
   from meshlm.nn.moe import EXPERTS_AXES  # here, not at the top: reading config.json needs no jax
   out = {k: v for k, v in maps.llama_like_layer_map(m).items() if not k.startswith("mlp.")}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
-from meshlm.hf.adapters.mixtral import HF_DEFAULT_AUX_COEF, moe_from_hf
+from meshlm.hf.adapters.mixtral import HF_DEFAULT_AUX_COEF, fused_experts, moe_from_hf
 
 HF_MODEL_TYPE = "qwen3_next"
 HF_ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -143,16 +143,10 @@ def hybrid_layer_map(m: ModelConfig, *, fused: bool, moe: bool) -> dict[str, map
   if not moe:
     return {**out, "mlp.gate": maps.Linear(mlp + "gate_proj.weight"), "mlp.up": maps.Linear(mlp + "up_proj.weight"),
             "mlp.down": maps.Linear(mlp + "down_proj.weight")}
-  from meshlm.nn.moe import EXPERTS_AXES  # here, not at the top: reading config.json needs no jax
   experts = mlp + "experts."
   return {**out,
           "moe.router": maps.Linear(mlp + "gate.weight"),
-          "moe.gate": maps.Linear(experts + "{e}.gate_proj.weight", inner_axes=EXPERTS_AXES,
-                                  fused=maps.Fused(experts + "gate_up_proj", 0, 2)),
-          "moe.up": maps.Linear(experts + "{e}.up_proj.weight", inner_axes=EXPERTS_AXES,
-                                fused=maps.Fused(experts + "gate_up_proj", 1, 2)),
-          "moe.down": maps.Linear(experts + "{e}.down_proj.weight", inner_axes=EXPERTS_AXES,
-                                  fused=maps.Fused(experts + "down_proj")),
+          **fused_experts(experts),
           "moe.shared_gate": maps.Linear(mlp + "shared_expert.gate_proj.weight"),
           "moe.shared_up": maps.Linear(mlp + "shared_expert.up_proj.weight"),
           "moe.shared_down": maps.Linear(mlp + "shared_expert.down_proj.weight"),
