@@ -36,7 +36,7 @@ def main() -> int:
 
   prompt = args.prompt or args.cache - args.steps
   cfgs = {arm: meshlm.load_config(f"model={args.model}", "train.compute_dtype=float32", "cpu_devices=1",
-                                  "mesh.fsdp=1", f"model.mla_absorb={absorb}")
+                                  "mesh.fsdp=1", f"model.parts.mla.absorb={absorb}")
           for arm, absorb in (("absorbed", "true"), ("plain", "false"))}
   cfg = cfgs["absorbed"]
   mesh = make_mesh(cfg)

@@ -165,7 +165,7 @@ MESH = ("cpu_devices=4", "mesh.fsdp=2", "mesh.tensor=2", "train.compute_dtype=fl
 
 @functools.cache
 def _generated(absorb: bool):
-  cfg = load_config(f"model={PRESET}", *MESH, f"model.mla_absorb={str(absorb).lower()}")
+  cfg = load_config(f"model={PRESET}", *MESH, f"model.parts.mla.absorb={str(absorb).lower()}")
   params = model_tree(cfg)
   rng = np.random.default_rng(1)
   prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]

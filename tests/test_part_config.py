@@ -101,3 +101,33 @@ def test_a_wrong_decode_state_fails_the_recompute_check(monkeypatch):
       C.check_generate_equals_recompute(cfg, params)
   finally:
     api.clear_programs()
+
+
+# --- a knob that moved into its part's section: model.mla_absorb -> model.parts.mla.absorb -------------------
+
+def test_a_moved_key_still_sets_the_parts_knob():
+  from meshlm.models.mixers.mla import PART
+  absorb = lambda *o: section(registry.validate(load_config("model=deepseek-v3-tiny", *o)).model, PART).absorb
+  assert absorb() is True
+  assert absorb("model.mla_absorb=false") is False  # the old key, as presets and saved run configs have it
+  assert absorb("model.parts.mla.absorb=false") is False
+  assert absorb("model.mla_absorb=true", "model.parts.mla.absorb=false") is False  # the new name wins
+  assert "mla_absorb" not in ModelConfig.model_fields
+  with pytest.raises(ConfigError, match="model.parts.mla: model family 'llama' has no part 'mla'"):
+    registry.validate(load_config("model=llama2-tiny", "model.mla_absorb=false"))  # a knob llama has no part for
+
+
+def test_a_checkpoint_compares_the_parts_knobs_but_a_compute_knob():
+  """A checkpoint's saved model config against this run's: a part's knob that changes the numbers must match
+  (model.parts.causal_mean.scale), a knob its section names COMPUTE may differ (mla's absorb, also under its old
+  key, as a checkpoint from before the move saved it)."""
+  from meshlm.train.checkpoint import _model_mismatch
+  cfg = cfg_of()
+  saved = cfg.model.model_dump(mode="json")
+  assert _model_mismatch(saved, cfg) is None
+  other = dict(saved, parts={"causal_mean": {"scale": 2.0}})
+  assert _model_mismatch(other, cfg) == "model.parts.causal_mean.scale is 0.5 here but 2.0 in the checkpoint"
+  dsv3 = load_config("model=deepseek-v3-tiny", "model.parts.mla.absorb=false")
+  old = {k: v for k, v in load_config("model=deepseek-v3-tiny").model.model_dump(mode="json").items() if k != "parts"}
+  assert _model_mismatch(dict(old, mla_absorb=True), dsv3) is None
+  assert _model_mismatch(dict(old, parts={"gqa": {}}), dsv3).startswith("model.parts.gqa is None here")

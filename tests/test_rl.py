@@ -344,7 +344,7 @@ def test_a_raising_reward_scores_zero_and_is_counted():
     ("groups", "rl.num_generations=1: GRPO normalizes"),
     ("unknown", "rl.reward=exactly: unknown reward"),
     ("import", "rl.reward=no_such_module_xyz:f: cannot import it"),
-    ("dense", "rl.router_replay=true: llama2-tiny (model family .llama. here) has no layer whose choices a replay"),
+    ("dense", r"rl.router_replay=true: llama2-tiny \(model family .llama. here\) has no layer whose choices a replay"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, prompts, case, msg):
   import re

@@ -88,6 +88,13 @@ Lists every model preset (src/meshlm/config/presets/), one line each: its name (
 model family and its parameter count, counted from the parameter specs (nothing is allocated). Takes no keys."""
 
 
+def _part_keys() -> tuple:
+  """model.parts.<part>.<knob> for every registered part with its own config section."""
+  from meshlm.config.keys import section_keys
+  from meshlm.models.registry import part_sections
+  return tuple(k for name, section in part_sections().items() for k in section_keys(f"model.parts.{name}.", section))
+
+
 def command_help(cmd: str) -> str:
   """`meshlm <cmd> --help`: usage, the command's own options, then the config keys it takes, from the schema."""
   from meshlm.config.keys import render_keys
@@ -104,7 +111,7 @@ def command_help(cmd: str) -> str:
           "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
           "and the default column shows the schema's default where the preset says nothing.\n"
           "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"
-          f"config keys:\n{render_keys(skip=skip)}")
+          f"config keys:\n{render_keys(skip=skip, extra=_part_keys())}")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

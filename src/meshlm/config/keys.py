@@ -64,7 +64,8 @@ def _walk(model: type[BaseModel], prefix: str):
       yield from _walk(sub, dotted + ".")
       continue
     meaning = " ".join((field.description or "").split())
-    yield Key(dotted, type_name(field.annotation), show_value(field.default), meaning)
+    default = field.default_factory() if field.default_factory is not None else field.default
+    yield Key(dotted, type_name(field.annotation), show_value(default), meaning)
 
 
 @functools.cache
@@ -112,10 +113,15 @@ def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
   return any(name == p or (p.endswith(".") and name.startswith(p)) for p in prefixes)
 
 
-def render_keys(only: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()) -> str:
+def section_keys(prefix: str, section: type[BaseModel]) -> tuple[Key, ...]:
+  """The keys of a config section that is not a schema field (a layer part's own, model.parts.<part>.)."""
+  return tuple(_walk(section, prefix))
+
+
+def render_keys(only: tuple[str, ...] | None = None, skip: tuple[str, ...] = (), extra: tuple[Key, ...] = ()) -> str:
   """The table `meshlm <command> --help` prints: key, type, default, meaning; only the keys `only` names (keys or
-  sections ending in '.'), without those `skip` names."""
-  keys = [k for k in leaf_keys() if (only is None or _matches(k.name, only)) and not _matches(k.name, skip)]
+  sections ending in '.'), without those `skip` names; `extra` (the parts' own keys) after the schema's."""
+  keys = [k for k in leaf_keys() + tuple(extra) if (only is None or _matches(k.name, only)) and not _matches(k.name, skip)]
   rows = [("key", "type", "default", "meaning")] + [(k.name, k.type, k.default, k.meaning) for k in keys]
   widths = [max(len(r[i]) for r in rows) for i in range(3)]
   return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows)

@@ -161,8 +161,6 @@ class ModelConfig(_Strict):
   rope_interleave: bool = Field(default=False, description="MLA: RoPE rotates adjacent pairs (x0, x1), (x2, x3) "
                                 "of the rope dims, as transformers' apply_rotary_pos_emb_interleave; false: "
                                 "rotate-half pairs")
-  mla_absorb: bool = Field(default=True, description="MLA decode: absorb k_b into the query and v_b into the "
-                           "output, attending against the latent cache directly; false: rebuild K/V from it")
   first_k_dense_replace: int = Field(default=0, ge=0, description="deepseek_v3: the first k layers are dense (a GLU "
                                      "of mlp_dim), the rest MoE (moe_mlp_dim)")
   HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
@@ -170,7 +168,26 @@ class ModelConfig(_Strict):
   # How the layers compute or lay out the same parameters, not what they compute (the same function up to float
   # reassociation): a checkpoint of the model with other values restores, resumes and loads (train/checkpoint.py).
   COMPUTE_FIELDS: ClassVar[tuple[str, ...]] = ("moe_impl", "moe_grouped_matmul", "moe_kernel_fsdp", "gdn_impl",
-                                               "gdn_chunk_size", "mla_absorb")
+                                               "gdn_chunk_size")
+  # Keys that moved into a part's own section (model.parts.<part>.<knob>): the old key still sets the new one,
+  # in presets, on the command line and in a run's saved config (ModelConfig.moved).
+  MOVED: ClassVar[dict[str, tuple[str, str]]] = {"mla_absorb": ("mla", "absorb")}
+
+  @model_validator(mode="before")
+  @classmethod
+  def _moved_keys(cls, data):
+    return cls.moved(data) if isinstance(data, dict) else data
+
+  @classmethod
+  def moved(cls, data: dict) -> dict:
+    """data with each MOVED key set under parts (a value given there too wins: it is the key's new name)."""
+    if not any(k in data for k in cls.MOVED):
+      return data
+    data, parts = dict(data), {k: dict(v) for k, v in (data.get("parts") or {}).items()}
+    for old, (part, knob) in cls.MOVED.items():
+      if old in data:
+        parts.setdefault(part, {}).setdefault(knob, data.pop(old))
+    return dict(data, parts=parts)
 
   @model_validator(mode="after")
   def _heads_group(self):

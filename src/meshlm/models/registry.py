@@ -38,6 +38,17 @@ PARTS = {
 }
 
 
+def part_sections() -> dict[str, type]:
+  """{part name: its own config section (Part.config)} over the registered parts that declare one."""
+  out = {}
+  for name, where in PARTS.items():
+    module, factory = where.split(":")
+    part = getattr(importlib.import_module(module), factory)()
+    if part.config is not None:
+      out[name] = part.config
+  return out
+
+
 def get(name: str):
   """The Family called name."""
   if name not in FAMILIES:

@@ -40,7 +40,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models.decoder import merge_state, split_state
+from meshlm.models.decoder import merge_state, resolve, split_state
 
 ITEMS = ("params", "opt_state", "data", "meta")
 
@@ -134,14 +134,32 @@ def _data_state(data: dict, path: str) -> dict:
 
 def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   ours = cfg.model.model_dump(mode="json")
-  # A key the checkpoint predates had its default then (e.g. model.hidden_activation: silu).
+  # A key the checkpoint predates had its default then (e.g. model.hidden_activation: silu); a key that has
+  # moved into a part's section since is read under its new name.
   fields = type(cfg.model).model_fields
+  saved = type(cfg.model).moved(saved)
   saved = {**{k: fields[k].get_default(call_default_factory=True) for k in ours if k in fields and k not in saved},
            **saved}
   # Token ids change no parameter; the compute fields change how the same parameters are used.
-  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS) - set(cfg.model.COMPUTE_FIELDS)):
+  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS) - set(cfg.model.COMPUTE_FIELDS) - {"parts"}):
     if saved.get(k) != ours.get(k):
       return f"model.{k} is {ours.get(k)!r} here but {saved.get(k)!r} in the checkpoint"
+  return _parts_mismatch(saved.get("parts") or {}, cfg)
+
+
+def _parts_mismatch(saved: dict, cfg: Config) -> str | None:
+  """The parts' own knobs (model.parts), each at its section's default where unset; the knobs a section
+  names as COMPUTE (how the same parameters are used) may differ."""
+  sections = {p.name: p.config for p in resolve(cfg).unique_parts if p.config is not None}
+  ours = cfg.model.parts
+  for name in sorted(set(saved) | set(ours)):
+    section = sections.get(name)
+    if section is None:  # a section no part here declares: the model itself differs
+      return f"model.parts.{name} is {ours.get(name)!r} here but {saved.get(name)!r} in the checkpoint"
+    a, b = (section.model_validate(t.get(name, {})).model_dump(mode="json") for t in (ours, saved))
+    for knob in sorted(set(a) - set(getattr(section, "COMPUTE", ()))):
+      if a[knob] != b[knob]:
+        return f"model.parts.{name}.{knob} is {a[knob]!r} here but {b[knob]!r} in the checkpoint"
   return None
 
 

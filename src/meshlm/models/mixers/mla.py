@@ -15,9 +15,9 @@ transformers' (DeepseekV3RMSNorm's default, not rms_norm_eps).
 
 Decode state: the latent, not per-head K/V: "kv" [B, C, Rkv] (c after its norm) and "k_rope" [B, C, Hr] (after
 RoPE), Rkv + Hr numbers per cached position. Training and prefill run the plain path (K/V expanded from the
-latent). Decode with model.mla_absorb (default) absorbs k_b into the query (q_nope k_b^T: a query in the latent
+latent). Decode with model.parts.mla.absorb (default; its own config section, `MLAConfig`) absorbs k_b into the query (q_nope k_b^T: a query in the latent
 space) and v_b into the output side, so the new position attends to the latent rows directly (DeepSeek's own
-inference, vLLM and SGLang do this); with mla_absorb=false it rebuilds K/V from the latent rows (the plain
+inference, vLLM and SGLang do this); with absorb=false it rebuilds K/V from the latent rows (the plain
 path, the reference the absorbed one is tested against).
 
 Parameters (part key "attn"; Hugging Face torch weights in brackets, each transposed): q_a [D, Rq]
@@ -28,12 +28,15 @@ ctx.dense; the attention core and o run in one auto-axes region, as gqa's do.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
+import pydantic
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import Part, StateLeaf
+from meshlm.models.family import Part, StateLeaf, section
 from meshlm.nn import attention as A, mla as mla_core
 from meshlm.nn.attention import gqa_attention
 from meshlm.nn.norm import rms_norm
@@ -133,7 +136,7 @@ def project(o_BTNGH: jax.Array, w_o: jax.Array, dense) -> jax.Array:
 
 
 def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
-  """One new position per row against the latent cache: y [B, 1, D], absorbed (model.mla_absorb) or plain."""
+  """One new position per row against the latent cache: y [B, 1, D], absorbed (model.parts.mla.absorb) or plain."""
   m, here, dense = ctx.model, ctx.here, ctx.dense
   scale = softmax_scale(m)
   mask = A.decode_mask(here.mask, here.cache.write)  # [B, 1, 1, 1, C]
@@ -150,10 +153,22 @@ def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
     o = mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
     return project(o, w_o, dense)
 
-  region = auto_region(absorbed if m.mla_absorb else plain, A.OUT, q_nope.shape[:2] + w["o"].shape[-1:])
+  region = auto_region(absorbed if section(m, PART).absorb else plain, A.OUT, q_nope.shape[:2] + w["o"].shape[-1:])
   return region(q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"], w["o"])
 
 
+class MLAConfig(pydantic.BaseModel):
+  """The mla part's own knobs: model.parts.mla.<knob> (model.mla_absorb, its old key, still sets absorb)."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  # How the layer computes with the same parameters (a checkpoint resumes under another value).
+  COMPUTE: ClassVar[tuple[str, ...]] = ("absorb",)
+  absorb: bool = pydantic.Field(default=True, description="decode: absorb k_b into the query and v_b into the "
+                                "output, attending against the latent cache directly; false: rebuild K/V from it")
+
+
+PART = Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
+            rotary_dims=lambda m: (m.qk_rope_head_dim,), config=MLAConfig)
+
+
 def mla() -> Part:
-  return Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
-              rotary_dims=lambda m: (m.qk_rope_head_dim,))
+  return PART
