@@ -167,7 +167,7 @@ class _Reader:
     self.regions: list[_Region] = []  # innermost last
     self.pending: int | None = None  # a stablehlo.while whose `cond {` is next
     self.trips: dict[int, int | None] = {}
-    self.seen_bound: set[int] = set()
+    self.seen_bound: set[int] = set()  # whiles whose cond held a scalar constant: a second one leaves no bound
 
   def feed(self, i: int, line: str) -> None:
     before = self.depth
