@@ -131,91 +131,132 @@ def _loc_names(text: str) -> dict[str, str]:
 
 def parse(text: str) -> Module:
   """Parses StableHLO text (with or without debug locations)."""
-  locs = _loc_names(text)
-  ops: list[Op] = []
-  funcs: dict[str, list[Op]] = {}
-  func_args: dict[str, list] = {}
-  defs: dict[tuple[str, str], Op] = {}
-  all_defs: dict[tuple[str, str], list[Op]] = {}
-  func = ""
-  region_ids = iter(range(1, 1 << 62))
-  # Open regions, innermost last: [op index, brace depth inside, "cond" | "do" (a while's) | "region",
-  # region id].
-  # JAX prints a while's `cond {`, `} do {` and `}` on lines of their own, and every other region
-  # op opens its region at the end of its line and closes it on a line that starts with `}` and
-  # carries the op's location; other braces balance within a line (attribute dicts).
-  depth, regions, pending = 0, [], None
-  trips: dict[int, int | None] = {}
-  seen_bound: set[int] = set()
+  reader = _Reader(_loc_names(text))
   for i, line in enumerate(text.splitlines()):
-    before = depth
-    depth += line.count("{") - line.count("}")
+    reader.feed(i, line)
+  return Module(reader.ops, reader.funcs, reader.func_args, reader.defs, reader.trips, reader.all_defs)
+
+
+@dataclasses.dataclass
+class _Region:
+  """An open region: the op that holds it and the brace depth inside it."""
+  op: int  # index into the ops
+  depth: int
+  kind: str  # "cond" | "do" (a while's) | "region"
+  id: int
+
+
+class _Reader:
+  """parse's state between lines: the ops read so far, the function they are in and the open regions.
+
+  JAX prints a while's `cond {`, `} do {` and `}` on lines of their own, and every other region
+  op opens its region at the end of its line and closes it on a line that starts with `}` and
+  carries the op's location; other braces balance within a line (attribute dicts).
+  """
+
+  def __init__(self, locs: dict[str, str]):
+    self.locs = locs
+    self.ops: list[Op] = []
+    self.funcs: dict[str, list[Op]] = {}
+    self.func_args: dict[str, list] = {}
+    self.defs: dict[tuple[str, str], Op] = {}
+    self.all_defs: dict[tuple[str, str], list[Op]] = {}
+    self.func = ""
+    self.region_ids = iter(range(1, 1 << 62))
+    self.depth = 0
+    self.regions: list[_Region] = []  # innermost last
+    self.pending: int | None = None  # a stablehlo.while whose `cond {` is next
+    self.trips: dict[int, int | None] = {}
+    self.seen_bound: set[int] = set()  # whiles whose cond held a scalar constant: a second one leaves no bound
+
+  def feed(self, i: int, line: str) -> None:
+    before = self.depth
+    self.depth += line.count("{") - line.count("}")
     stripped = line.strip()
-    if stripped == "cond {" and pending is not None:
-      regions.append([pending, depth, "cond", next(region_ids)])
-      trips[pending] = None
-      pending = None
-      continue
-    if stripped == "} do {" and regions and regions[-1][1] == before:
-      regions[-1][2] = "do"
-      regions[-1][3] = next(region_ids)
-      continue
-    while regions and depth < regions[-1][1]:
-      k, _, kind, _ = regions.pop()
-      loc = _LOC_REF.search(line)
-      if kind == "region" and loc and not ops[k].close_scope:
-        ops[k].close_scope = locs.get(loc.group(1), "")
+    if stripped == "cond {" and self.pending is not None:
+      self.regions.append(_Region(self.pending, self.depth, "cond", next(self.region_ids)))
+      self.trips[self.pending] = None
+      self.pending = None
+      return
+    if stripped == "} do {" and self.regions and self.regions[-1].depth == before:
+      self.regions[-1].kind = "do"
+      self.regions[-1].id = next(self.region_ids)
+      return
+    self._close_regions(line)
     m = _FUNC.match(line)
     if m:
-      func = m.group(1)
-      funcs[func] = []
-      func_args[func] = [(a, *_parse_tensor(t)) for a, t in re.findall(r"(%arg\d+):\s*tensor<([^<>]*)>", m.group(2))]
-      continue
-    m = _OP.match(line)
-    results: list[str] = []
-    if m:
-      results = [r.strip() for r in m.group("results").split(",")]
-      body = m.group("body")
-    else:
-      m = _BARE_OP.match(line)
-      if not m:
-        continue
-      body = m.group("body")
-    nm = _NAME.match(body)
-    if not nm:
-      continue
-    name = nm.group("name")
-    if name == "call":
-      name = "func.call"
-    loc = _LOC_REF.search(body)
-    scope = locs.get(loc.group(1), "") if loc else ""
-    head = _LOC_REF.sub("", body)
-    head = head[: head.rfind(" : ")] if " : " in head else head
-    # Operands: values before any attribute dict / region; drop the op's own result names.
-    operands = [v.split("#")[0] for v in _VALUE.findall(head.split("{")[0] if "{" in head and name != "func.call" else head)]
-    in_types, out_types = _signature_types(body)
-    expanded: list[str] = []
-    for r in results:
-      base, _, count = r.partition(":")
-      expanded += [f"{base}#{k}" for k in range(int(count))] if count else [base]
-    op = Op(func, expanded, name, operands, out_types, in_types, scope, i, line.strip(),
-            tuple(k for k, _, kind, _ in regions if kind == "do"), tuple(k for k, _, _, _ in regions),
-            regions=tuple(r for _, _, _, r in regions))
-    if regions and regions[-1][2] == "cond" and name == "stablehlo.constant" and out_types == [((), "i32")]:
-      # The cond region compares the counter with the trip count: its one scalar i32 constant.
+      self.func = m.group(1)
+      self.funcs[self.func] = []
+      self.func_args[self.func] = [(a, *_parse_tensor(t))
+                                   for a, t in re.findall(r"(%arg\d+):\s*tensor<([^<>]*)>", m.group(2))]
+      return
+    op = _read_op(self.func, i, line, self.locs, self.regions)
+    if op is None:
+      return
+    self._note_trip_count(op, line)
+    if op.name == "stablehlo.while":
+      self.pending = len(self.ops)
+    elif self.depth > before:
+      self.regions.append(_Region(len(self.ops), self.depth, "region", next(self.region_ids)))
+    self._add(op)
+
+  def _close_regions(self, line: str) -> None:
+    """Pops the regions this line closes; a region op's closing line carries its location."""
+    while self.regions and self.depth < self.regions[-1].depth:
+      region = self.regions.pop()
+      loc = _LOC_REF.search(line)
+      if region.kind == "region" and loc and not self.ops[region.op].close_scope:
+        self.ops[region.op].close_scope = self.locs.get(loc.group(1), "")
+
+  def _note_trip_count(self, op: Op, line: str) -> None:
+    # The cond region compares the counter with the trip count: its one scalar i32 constant.
+    in_cond = bool(self.regions) and self.regions[-1].kind == "cond"
+    if in_cond and op.name == "stablehlo.constant" and op.result_types == [((), "i32")]:
       m = re.search(r"dense<(-?\d+)>", line)
-      w = regions[-1][0]
-      trips[w] = int(m.group(1)) if m and w not in seen_bound else None
-      seen_bound.add(w)
-    if name == "stablehlo.while":
-      pending = len(ops)
-    elif depth > before:
-      regions.append([len(ops), depth, "region", next(region_ids)])
-    ops.append(op)
-    funcs.setdefault(func, []).append(op)
-    for k, r in enumerate(expanded):
-      defs[(func, r.split("#")[0] if len(expanded) == 1 else r)] = op
-      defs.setdefault((func, r.split("#")[0]), op)
+      w = self.regions[-1].op
+      self.trips[w] = int(m.group(1)) if m and w not in self.seen_bound else None
+      self.seen_bound.add(w)
+
+  def _add(self, op: Op) -> None:
+    self.ops.append(op)
+    self.funcs.setdefault(op.func, []).append(op)
+    expanded = op.results
+    for r in expanded:
+      self.defs[(op.func, r.split("#")[0] if len(expanded) == 1 else r)] = op
+      self.defs.setdefault((op.func, r.split("#")[0]), op)
     for base in dict.fromkeys(r.split("#")[0] for r in expanded):
-      all_defs.setdefault((func, base), []).append(op)
-  return Module(ops, funcs, func_args, defs, trips, all_defs)
+      self.all_defs.setdefault((op.func, base), []).append(op)
+
+
+def _read_op(func: str, i: int, line: str, locs: dict[str, str], regions: list[_Region]) -> Op | None:
+  """The op on line i (None when the line holds none), inside the open regions."""
+  m = _OP.match(line)
+  results: list[str] = []
+  if m:
+    results = [r.strip() for r in m.group("results").split(",")]
+    body = m.group("body")
+  else:
+    m = _BARE_OP.match(line)
+    if not m:
+      return None
+    body = m.group("body")
+  nm = _NAME.match(body)
+  if not nm:
+    return None
+  name = nm.group("name")
+  if name == "call":
+    name = "func.call"
+  loc = _LOC_REF.search(body)
+  scope = locs.get(loc.group(1), "") if loc else ""
+  head = _LOC_REF.sub("", body)
+  head = head[: head.rfind(" : ")] if " : " in head else head
+  # Operands: values before any attribute dict / region; drop the op's own result names.
+  operands = [v.split("#")[0] for v in _VALUE.findall(head.split("{")[0] if "{" in head and name != "func.call" else head)]
+  in_types, out_types = _signature_types(body)
+  expanded: list[str] = []
+  for r in results:
+    base, _, count = r.partition(":")
+    expanded += [f"{base}#{k}" for k in range(int(count))] if count else [base]
+  return Op(func, expanded, name, operands, out_types, in_types, scope, i, line.strip(),
+            tuple(r.op for r in regions if r.kind == "do"), tuple(r.op for r in regions),
+            regions=tuple(r.id for r in regions))

@@ -123,6 +123,72 @@ def _widest(times: dict[str, list[float]], level: float) -> float | None:
   return None if any(w is None for w in widths) else max(widths)
 
 
+@dataclasses.dataclass
+class _Live:
+  """The arms still running and why the others stopped: `fail` moves an arm from one to the other."""
+  runners: dict[str, Any]
+  errors: dict[str, str]
+  log: Callable[[str], None]
+
+  def fail(self, name: str, e: BaseException, when: str) -> None:
+    self.errors[name] = _reason(e)
+    self.runners.pop(name, None)
+    self.log(f"bench: arm {name} failed{when}: {self.errors[name]}")
+
+
+def _prepare_all(arms: list[Arm], prepare, warmup: int, log: Callable[[str], None]) -> _Live:
+  """Every arm's runner, compiled and then warmed up; an arm that fails is reported and the others still run."""
+  live = _Live({}, {}, log)
+  for arm in arms:
+    log(f"bench: compiling {arm.name}")
+    try:
+      live.runners[arm.name] = prepare(arm)
+    except Exception as e:  # report the arm and the reason; the other arms still run
+      live.fail(arm.name, e, "")
+  # Warm up after every arm has compiled, so no arm's first timed round follows a long compile.
+  for name in list(live.runners):
+    try:
+      for _ in range(warmup):
+        live.runners[name].step()
+    except Exception as e:
+      live.fail(name, e, " during warm-up")
+  return live
+
+
+def _time_round(live: _Live, times: dict[str, list[float]], rounds: int, steps_per_rep: int) -> None:
+  """One round: every live arm visited forward then backward; appends each arm's mean visit to times."""
+  # Rotate the starting arm from round to round, so that every arm takes the round's ends (the
+  # visits next to the harness's own work between rounds) equally often, not only the baseline.
+  order = list(live.runners)
+  order = order[rounds % len(order):] + order[:rounds % len(order)]
+  visits: dict[str, list[float]] = {n: [] for n in order}
+  for name in order + order[::-1]:  # ABBA: both visits of every arm average to the same position
+    if name not in live.runners:
+      continue
+    try:
+      visits[name].append(live.runners[name].step(steps_per_rep))
+    except Exception as e:
+      live.fail(name, e, f" during round {rounds}")
+      times.pop(name)
+  for name in live.runners:
+    times[name].append(sum(visits[name]) / len(visits[name]))
+
+
+def _arm_results(arms: list[Arm], times: dict[str, list[float]], errors: dict[str, str],
+                 level: float) -> dict[str, dict]:
+  """arms.NAME of the report: each arm's stats, paired with the baseline's; "error" for an arm with no times."""
+  results: dict[str, dict] = {}
+  base = arms[0].name
+  for arm in arms:
+    if times.get(arm.name):
+      results[arm.name] = arm_stats(times[arm.name])
+      if arm.name != base and times.get(base):
+        results[arm.name].update(paired(times[base], times[arm.name], level))
+    else:
+      results[arm.name] = {"median_s": None, "spread": None, "reps": [], "error": errors.get(arm.name, "no reps")}
+  return results
+
+
 def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1,
         target_ci: float | None = None, max_seconds: float | None = None,
         clock: Callable[[], float] = time.perf_counter, level: float = LEVEL, timer: str = "wall") -> dict[str, Any]:
@@ -138,52 +204,18 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, ste
   """
   log = log or (lambda msg: print(msg, file=sys.stderr))
   prepare = prepare or (lambda arm: prepare_arm(arm, TIMERS[timer]))
-  runners: dict[str, Any] = {}
-  errors: dict[str, str] = {}
-
-  def fail(name: str, e: BaseException, when: str) -> None:
-    errors[name] = _reason(e)
-    runners.pop(name, None)
-    log(f"bench: arm {name} failed{when}: {errors[name]}")
-
-  for arm in arms:
-    log(f"bench: compiling {arm.name}")
-    try:
-      runners[arm.name] = prepare(arm)
-    except Exception as e:  # report the arm and the reason; the other arms still run
-      fail(arm.name, e, "")
-  # Warm up after every arm has compiled, so no arm's first timed round follows a long compile.
-  for name in list(runners):
-    try:
-      for _ in range(warmup):
-        runners[name].step()
-    except Exception as e:
-      fail(name, e, " during warm-up")
-  times: dict[str, list[float]] = {n: [] for n in runners}
+  live = _prepare_all(arms, prepare, warmup, log)
+  times: dict[str, list[float]] = {n: [] for n in live.runners}
   rounds, reason, widest = 0, "failed", None
   t0 = clock()
-  while runners:
-    # Rotate the starting arm from round to round, so that every arm takes the round's ends (the
-    # visits next to the harness's own work between rounds) equally often, not only the baseline.
-    order = list(runners)
-    order = order[rounds % len(order):] + order[:rounds % len(order)]
-    visits: dict[str, list[float]] = {n: [] for n in order}
-    for name in order + order[::-1]:  # ABBA: both visits of every arm average to the same position
-      if name not in runners:
-        continue
-      try:
-        visits[name].append(runners[name].step(steps_per_rep))
-      except Exception as e:
-        fail(name, e, f" during round {rounds}")
-        times.pop(name)
-    for name in runners:
-      times[name].append(sum(visits[name]) / len(visits[name]))
+  while live.runners:
+    _time_round(live, times, rounds, steps_per_rep)
     rounds += 1
-    if not runners:
+    if not live.runners:
       break
     if rounds < reps:
       continue
-    if arms[0].name not in runners:  # no baseline, no ratios: nothing to add rounds for
+    if arms[0].name not in live.runners:  # no baseline, no ratios: nothing to add rounds for
       reason = "failed"
       break
     if target_ci is None or len(times) < 2:
@@ -197,15 +229,7 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, ste
       reason = "time"
       break
   elapsed = clock() - t0
-  results: dict[str, dict] = {}
-  base = arms[0].name
-  for arm in arms:
-    if times.get(arm.name):
-      results[arm.name] = arm_stats(times[arm.name])
-      if arm.name != base and times.get(base):
-        results[arm.name].update(paired(times[base], times[arm.name], level))
-    else:
-      results[arm.name] = {"median_s": None, "spread": None, "reps": [], "error": errors.get(arm.name, "no reps")}
+  results = _arm_results(arms, times, live.errors, level)
   if target_ci is not None and len(times) >= 2 and arms[0].name in times:
     widest = _widest(times, level)
   stop = {"reason": reason, "rounds": rounds, "elapsed_s": elapsed, "target_ci": target_ci,

@@ -174,6 +174,36 @@ def _scalar_on(sharding, value: int) -> jax.Array:
 
 
 @dataclasses.dataclass
+class _Finished:
+  """A step whose metrics the loop has read."""
+  step: int
+  metrics: dict  # on the host
+  loss: float
+  grad_norm: float
+  nonfinite: bool
+  dt: float  # wall seconds since the step before it finished
+
+
+@dataclasses.dataclass
+class _Running:
+  """What one Loop.run carries from step to step."""
+  state: object  # the latest dispatched step's output (steps donate their input)
+  start: int
+  counters: dict  # the caller's dict, updated in place and checkpointed
+  i: int = 0  # the next step to dispatch
+  batch: dict | None = None  # step i's device batch, once fetched
+  last_done: float = 0.0  # perf_counter when the last step finished
+  inflight: collections.deque = dataclasses.field(default_factory=collections.deque)  # of _InFlight
+  losses: list[float] = dataclasses.field(default_factory=list)
+  norms: list[float] = dataclasses.field(default_factory=list)
+  first_step_s: float = float("nan")
+  preempt: bool = False  # a signal reached some process
+  stop_reason: str = "done"
+  saved: str | None = None
+  nonfinite_msg: str | None = None
+
+
+@dataclasses.dataclass
 class LoopOutcome:
   state: object
   losses: list[float]
@@ -192,7 +222,7 @@ class Loop:
 
   What a trainer brings: `fetch(i)`, the device batch of step i (the data pipeline's next batch, or
   an RL trainer's rollouts), and `position()`, the data position to checkpoint after the last fetch.
-  With queue_ahead, step i + 1 is dispatched before step i's metrics are read (see may_run_past); a
+  With queue_ahead, step i + 1 is dispatched before step i's metrics are read (see _may_run_past); a
   trainer whose batches depend on the latest parameters (on-policy rollouts) turns it off.
   """
   cfg: Config
@@ -210,109 +240,125 @@ class Loop:
 
   def run(self, state, start: int, rng, counters: dict, *, fetch: Callable[[int], dict],
           position: Callable[[], dict]) -> LoopOutcome:
-    cfg, step_fn, ckpt, say, writer, on_step = self.cfg, self.step_fn, self.ckpt, self.say, self.writer, self.on_step
-    t = cfg.train
-    tokens_per_step = self.tokens_per_step
+    t, ckpt = self.cfg.train, self.ckpt
     signals = _StopSignals()
-    losses, norms = [], []
-    first_step_s = float("nan")
-    stop_reason, saved, nonfinite_msg = "done", None, None
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"
-                                   "{task.fields[extra]}"),
-                        TimeRemainingColumn(), console=self.console,
-                        disable=not self.show_progress or jax.process_index() != 0 or not self.console.is_terminal,
-                        transient=False)
+    progress = self._progress_bar()
     # Not a terminal (a log file, a pipe): a plain line per logged step instead of the bar, which rich would only
     # draw once, at the end.
     plain = self.show_progress and jax.process_index() == 0 and not self.console.is_terminal
-    inflight: collections.deque[_InFlight] = collections.deque()
-    preempt = False
-
-    def may_run_past(i: int) -> bool:
-      """Whether step i + 1 may be dispatched before step i's metrics are read. The step donates its
-      state, so this is only when nothing at step i can need the state after it: no checkpoint, no
-      stop_after, no signal seen, and no non-finite stop even if step i turns out non-finite."""
-      done = i + 1
-      return (self.queue_ahead and done < t.steps and not preempt and not ckpt.should_save(done, t.steps)
-              and not (t.stop_after is not None and done - start >= t.stop_after)
-              and t.on_nonfinite == "skip" and counters["nonfinite_in_a_row"] + 1 < t.max_nonfinite_in_a_row)
-
+    r = _Running(state, start, counters)
     try:
       with progress:
         task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0, dt=0.0, extra="")
-        i, batch = start, (fetch(start) if start < t.steps else None)
-        last_done = time.perf_counter()
+        r.i, r.batch = start, (fetch(start) if start < t.steps else None)
+        r.last_done = time.perf_counter()
         while True:
-          # Keep one step queued behind the one being read, so the host's reading, logging and the
-          # next batch overlap the device's work instead of adding to it.
-          while i < t.steps and (not inflight or (len(inflight) == 1 and may_run_past(inflight[0].step))):
-            state, metrics = step_fn(state, batch)
-            inflight.append(_InFlight(i, metrics, position()))  # the data position right after batch i
-            i += 1
-            batch = fetch(i) if i < t.steps and (self.queue_ahead or not inflight) else None
-          if not inflight:
+          self._dispatch(r, fetch, position)
+          if not r.inflight:
             break
-          p = inflight.popleft()
-          m = jax.device_get(p.metrics)  # waits for step p.step
-          loss, gnorm, nonfinite = float(m["loss"]), float(m["grad_norm"]), bool(m["nonfinite"])
-          now = time.perf_counter()
-          dt, last_done = now - last_done, now  # wall time per finished step: the loop's real rate
-          if p.step == start:
-            first_step_s = now - self.t_start
-          losses.append(loss)
-          norms.append(gnorm)
-          counters["nonfinite_in_a_row"] = counters["nonfinite_in_a_row"] + 1 if nonfinite else 0
-          counters["nonfinite_total"] += int(nonfinite)
-          if p.step % t.log_every == 0 or p.step == t.steps - 1 or nonfinite:
-            # The loss's own metrics (aux losses, RL statistics) ride along under their names.
-            extra = {k: float(v) for k, v in m.items() if k not in ("loss", "grad_norm", "nonfinite")}
-            record = {"step": p.step, "loss": loss, "grad_norm": gnorm, "step_time_s": dt,
-                      "tokens_per_s": tokens_per_step / dt, "nonfinite": nonfinite, **extra, **counters}
-            if p.step == start:
-              record["time_to_first_step_s"] = first_step_s
-            writer.write(record)
-          if nonfinite:
-            say(f"[yellow]warning:[/] step {p.step}: non-finite loss ({loss}) or grad norm ({gnorm}); update skipped "
-                f"({counters['nonfinite_in_a_row']} in a row)")
-          extra_text = "  " + self.progress_extra(m) if self.progress_extra is not None else ""
-          progress.update(task, advance=1, loss=loss, tps=tokens_per_step / dt, dt=dt, extra=extra_text)
-          if plain and (p.step % t.log_every == 0 or p.step == t.steps - 1):
-            self.console.print(f"step {p.step + 1}/{t.steps}  loss {loss:.4f}  {tokens_per_step / dt:,.0f} tok/s  "
-                               f"{dt:.3f} s/step{extra_text}", markup=False, highlight=False)
-          if on_step is not None:
-            on_step(p.step)
+          p = r.inflight.popleft()
+          f = self._finish(r, p)
+          self._report(r, f, progress, task, plain)
+          if self.on_step is not None:
+            self.on_step(p.step)
 
           done = p.step + 1
-          preempt = signals.requested()  # every process asks once per step: the answer is collective
-          reason = "done"
-          if nonfinite and (t.on_nonfinite == "stop" or counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
-            why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
-                   f"{counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
-            nonfinite_msg = (f"stopped at step {p.step}: non-finite loss or gradient norm, {why}; the last good state is "
-                             f"saved as checkpoint {ckpt.dir}/{done}. Lower train.learning_rate or check the data")
-            reason = "nonfinite"
-          elif preempt:
-            reason = "preempted"
-          elif t.stop_after is not None and done - start >= t.stop_after and done < t.steps:
-            reason = "stop_after"
-          if inflight:
-            # Only a signal can get here (may_run_past rules out the rest): the state has moved on to
+          r.preempt = signals.requested()  # every process asks once per step: the answer is collective
+          reason = self._stop_reason(r, f)
+          if r.inflight:
+            # Only a signal can get here (_may_run_past rules out the rest): the state has moved on to
             # the queued step, so finish that one and save after it.
             assert reason in ("done", "preempted"), reason
             continue
           if reason != "done" or ckpt.should_save(done, t.steps):
-            ckpt.save(done, state, rng, p.data_state, counters)
-            saved = f"{ckpt.dir}/{done}"
+            ckpt.save(done, r.state, rng, p.data_state, counters)
+            r.saved = f"{ckpt.dir}/{done}"
           if reason != "done":
-            stop_reason = reason
+            r.stop_reason = reason
             break
-          if batch is None and i < t.steps:
-            batch = fetch(i)  # without queue_ahead the next batch is made only now, from the new state
+          if r.batch is None and r.i < t.steps:
+            r.batch = fetch(r.i)  # without queue_ahead the next batch is made only now, from the new state
     finally:
       signals.restore()
-      writer.close()
-    return LoopOutcome(state, losses, norms, first_step_s, stop_reason, saved, nonfinite_msg, signals.received)
+      self.writer.close()
+    return LoopOutcome(r.state, r.losses, r.norms, r.first_step_s, r.stop_reason, r.saved, r.nonfinite_msg,
+                       signals.received)
+
+  def _progress_bar(self) -> Progress:
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[dt]:.3f} s/step"
+                               "{task.fields[extra]}"),
+                    TimeRemainingColumn(), console=self.console,
+                    disable=not self.show_progress or jax.process_index() != 0 or not self.console.is_terminal,
+                    transient=False)
+
+  def _may_run_past(self, r: _Running, i: int) -> bool:
+    """Whether step i + 1 may be dispatched before step i's metrics are read. The step donates its
+    state, so this is only when nothing at step i can need the state after it: no checkpoint, no
+    stop_after, no signal seen, and no non-finite stop even if step i turns out non-finite."""
+    t, done = self.cfg.train, i + 1
+    return (self.queue_ahead and done < t.steps and not r.preempt and not self.ckpt.should_save(done, t.steps)
+            and not (t.stop_after is not None and done - r.start >= t.stop_after)
+            and t.on_nonfinite == "skip" and r.counters["nonfinite_in_a_row"] + 1 < t.max_nonfinite_in_a_row)
+
+  def _dispatch(self, r: _Running, fetch: Callable[[int], dict], position: Callable[[], dict]) -> None:
+    # Keep one step queued behind the one being read, so the host's reading, logging and the
+    # next batch overlap the device's work instead of adding to it.
+    steps = self.cfg.train.steps
+    while r.i < steps and (not r.inflight or (len(r.inflight) == 1 and self._may_run_past(r, r.inflight[0].step))):
+      r.state, metrics = self.step_fn(r.state, r.batch)
+      r.inflight.append(_InFlight(r.i, metrics, position()))  # the data position right after batch i
+      r.i += 1
+      r.batch = fetch(r.i) if r.i < steps and (self.queue_ahead or not r.inflight) else None
+
+  def _finish(self, r: _Running, p: _InFlight) -> _Finished:
+    """Waits for step p.step's metrics and counts them: its time, loss, grad norm and non-finite streak."""
+    m = jax.device_get(p.metrics)  # waits for step p.step
+    loss, gnorm, nonfinite = float(m["loss"]), float(m["grad_norm"]), bool(m["nonfinite"])
+    now = time.perf_counter()
+    dt, r.last_done = now - r.last_done, now  # wall time per finished step: the loop's real rate
+    if p.step == r.start:
+      r.first_step_s = now - self.t_start
+    r.losses.append(loss)
+    r.norms.append(gnorm)
+    r.counters["nonfinite_in_a_row"] = r.counters["nonfinite_in_a_row"] + 1 if nonfinite else 0
+    r.counters["nonfinite_total"] += int(nonfinite)
+    return _Finished(p.step, m, loss, gnorm, nonfinite, dt)
+
+  def _report(self, r: _Running, f: _Finished, progress: Progress, task, plain: bool) -> None:
+    """A finished step to metrics.jsonl (logged steps), the console (warnings, plain lines) and the bar."""
+    t, tokens_per_step = self.cfg.train, self.tokens_per_step
+    if f.step % t.log_every == 0 or f.step == t.steps - 1 or f.nonfinite:
+      # The loss's own metrics (aux losses, RL statistics) ride along under their names.
+      extra = {k: float(v) for k, v in f.metrics.items() if k not in ("loss", "grad_norm", "nonfinite")}
+      record = {"step": f.step, "loss": f.loss, "grad_norm": f.grad_norm, "step_time_s": f.dt,
+                "tokens_per_s": tokens_per_step / f.dt, "nonfinite": f.nonfinite, **extra, **r.counters}
+      if f.step == r.start:
+        record["time_to_first_step_s"] = r.first_step_s
+      self.writer.write(record)
+    if f.nonfinite:
+      self.say(f"[yellow]warning:[/] step {f.step}: non-finite loss ({f.loss}) or grad norm ({f.grad_norm}); "
+               f"update skipped ({r.counters['nonfinite_in_a_row']} in a row)")
+    extra_text = "  " + self.progress_extra(f.metrics) if self.progress_extra is not None else ""
+    progress.update(task, advance=1, loss=f.loss, tps=tokens_per_step / f.dt, dt=f.dt, extra=extra_text)
+    if plain and (f.step % t.log_every == 0 or f.step == t.steps - 1):
+      self.console.print(f"step {f.step + 1}/{t.steps}  loss {f.loss:.4f}  {tokens_per_step / f.dt:,.0f} tok/s  "
+                         f"{f.dt:.3f} s/step{extra_text}", markup=False, highlight=False)
+
+  def _stop_reason(self, r: _Running, f: _Finished) -> str:
+    """Why the loop stops after step f.step ("done": it does not); a non-finite stop sets r.nonfinite_msg."""
+    t, done = self.cfg.train, f.step + 1
+    if f.nonfinite and (t.on_nonfinite == "stop" or r.counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
+      why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
+             f"{r.counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
+      r.nonfinite_msg = (f"stopped at step {f.step}: non-finite loss or gradient norm, {why}; the last good state is "
+                         f"saved as checkpoint {self.ckpt.dir}/{done}. Lower train.learning_rate or check the data")
+      return "nonfinite"
+    if r.preempt:
+      return "preempted"
+    if t.stop_after is not None and done - r.start >= t.stop_after and done < t.steps:
+      return "stop_after"
+    return "done"
 
 
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
