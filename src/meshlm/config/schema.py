@@ -169,8 +169,7 @@ class ModelConfig(_Strict):
   # reassociation): a checkpoint of the model with other values restores, resumes and loads (train/checkpoint.py).
   COMPUTE_FIELDS: ClassVar[tuple[str, ...]] = ("moe_impl", "moe_grouped_matmul", "moe_kernel_fsdp", "gdn_impl",
                                                "gdn_chunk_size")
-  # Keys that moved into a part's own section (model.parts.<part>.<knob>): the old key still sets the new one,
-  # in presets, on the command line and in a run's saved config (ModelConfig.moved).
+  # Keys moved into a part's own section (model.parts.<part>.<knob>): the old key still sets the new one (moved).
   MOVED: ClassVar[dict[str, tuple[str, str]]] = {"mla_absorb": ("mla", "absorb")}
 
   @model_validator(mode="before")
