@@ -95,7 +95,7 @@ def test_a_wrong_decode_state_fails_the_recompute_check(monkeypatch):
   mod.FAMILY = Family("meanfam", kinds={"dense": Kind(mean_mixer.PART, glu())})
   monkeypatch.setitem(sys.modules, "newpart.meanfam_forgetful", mod)
   from meshlm.models import api
-  api.clear_programs()  # and the resolved Models: the registry entry changed
+  api.clear_programs()  # the compiled programs of the first sampling
   try:
     with pytest.raises(AssertionError):
       C.check_generate_equals_recompute(cfg, params)
@@ -131,3 +131,17 @@ def test_a_checkpoint_compares_the_parts_knobs_but_a_compute_knob():
   old = {k: v for k, v in load_config("model=deepseek-v3-tiny").model.model_dump(mode="json").items() if k != "parts"}
   assert _model_mismatch(dict(old, mla_absorb=True), dsv3) is None
   assert _model_mismatch(dict(old, parts={"gqa": {}}), dsv3).startswith("model.parts.gqa is None here")
+
+
+def test_resolve_is_cached_and_follows_the_registry(monkeypatch):
+  """The same config resolves to the same Model; a family swapped in the registry (as tests swap them)
+  resolves anew rather than from the cache (control: without the swap it is the cached one)."""
+  import dataclasses
+  from meshlm.models import model
+  cfg = cfg_of()
+  first = model.resolve(cfg)
+  assert model.resolve(cfg_of()) is first and model.resolve(first) is first
+  fam = registry.get("meanfam")
+  other = dataclasses.replace(fam, embed_scale=True)
+  monkeypatch.setattr(registry, "get", lambda name: other if name == "meanfam" else fam)
+  assert model.resolve(cfg).family.embed_scale and model.resolve(cfg) is not first

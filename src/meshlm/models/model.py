@@ -6,7 +6,8 @@
 `resolve` runs the family's own checks (Family.validate) once and freezes the answer, so the decoder,
 the train step and generate ask one object instead of re-deriving the family and plan at each call
 site (and per layer). Every decoder entry point takes a Config or a Model; a Config is resolved on
-entry. The cache is keyed by the config's contents, so a config changed after resolving resolves anew.
+entry. The cache is keyed by the config's contents and checked against the registry's entry, so a config
+changed after resolving, or a family swapped in the registry (a test's monkeypatch), resolves anew.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from meshlm.config import Config
 from meshlm import spec as S
 from meshlm.models.context import windows
 from meshlm.models.family import Family, Kind, LayerInput, LayerPlan, Part
-from meshlm.models.registry import family as _family
+from meshlm.models import registry
 from meshlm.nn import kv_cache
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -160,13 +161,14 @@ def resolve(cfg: Config | Model) -> Model:
   if isinstance(cfg, Model):
     return cfg
   key = cfg.model_dump_json()
+  registered = registry.get(cfg.model.family)  # what the registry holds now: a swapped entry resolves anew
   hit = _CACHE.get(key)
-  if hit is not None:
+  if hit is not None and hit[0] is registered:
     _CACHE.move_to_end(key)
-    return hit
-  fam = _family(cfg)
+    return hit[1]
+  fam = registry.family(cfg)
   out = Model(cfg, fam, fam.layer_plan(cfg.model))
-  _CACHE[key] = out
+  _CACHE[key] = (registered, out)
   if len(_CACHE) > _CACHE_SIZE:
     _CACHE.popitem(last=False)
   return out
