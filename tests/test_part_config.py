@@ -145,3 +145,10 @@ def test_resolve_is_cached_and_follows_the_registry(monkeypatch):
   other = dataclasses.replace(fam, embed_scale=True)
   monkeypatch.setattr(registry, "get", lambda name: other if name == "meanfam" else fam)
   assert model.resolve(cfg).family.embed_scale and model.resolve(cfg) is not first
+
+
+def test_a_checkpoint_knob_the_section_no_longer_takes_is_a_mismatch():
+  from meshlm.train.checkpoint import _model_mismatch
+  cfg = cfg_of()
+  saved = dict(cfg.model.model_dump(mode="json"), parts={"causal_mean": {"scale": 0.5, "gone": 1}})
+  assert _model_mismatch(saved, cfg).startswith("model.parts.causal_mean is {'scale': 0.5} here but")

@@ -550,7 +550,7 @@ def test_made_rollout_masks_truncated_rows_and_groups_its_advantages(made_clip):
   assert not np.allclose(adv, ref_group_advantages(_spread(8), 8), atol=1e-3)
   plain = R.to_batch(tr.cfg.model_copy(update={"rl": _rl(tr, mask_truncated_completions=False)}),
                      [p.ids for p in tr.last["prompts"][::4]], made_sampler()(tr.cfg, None, [[0]] * 2, None, None, None),
-                     tr.cfg.train.seq_len, False, tr.stops)
+                     tr.cfg.train.seq_len, tr.stops)
   assert [int(x) for x in plain["loss_mask"].sum(1)] == LENGTHS
 
 

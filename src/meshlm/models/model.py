@@ -84,13 +84,17 @@ class Model:
       return tuple(range(lp.num_layers))
     return tuple(range(lp.prefix)) + tuple(range(lp.prefix + lp.groups * lp.period, lp.num_layers))
 
+  def _layers_where(self, has) -> list[int]:
+    """The model layers (in order) whose kind has a part p with has(p)."""
+    return [i for i, k in enumerate(self.plan.kinds) if any(has(p) for p in self.family.kinds[k].parts)]
+
   def input_readers(self, name: str) -> list[int]:
     """The model layers (in order) whose kind has a part that reads the per-layer input `name`."""
-    return [i for i, k in enumerate(self.plan.kinds) if any(name in p.layer_inputs for p in self.family.kinds[k].parts)]
+    return self._layers_where(lambda p: name in p.layer_inputs)
 
   def side_layers(self, name: str) -> list[int]:
     """The model layers (in order) whose kind has a part that returns the side output `name`."""
-    return [i for i, k in enumerate(self.plan.kinds) if any(name in p.side_names for p in self.family.kinds[k].parts)]
+    return self._layers_where(lambda p: name in p.side_names)
 
   def layer_input(self, name: str) -> LayerInput:
     """The LayerInput that the first reader of `name` declares."""

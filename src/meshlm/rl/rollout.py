@@ -148,7 +148,7 @@ def truncated(gen: G.Generation, stop_tokens) -> np.ndarray:
   return np.array([n == 0 or int(gen.tokens[b, n - 1]) not in stops for b, n in enumerate(gen.lengths)], bool)
 
 
-def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int, replays: bool,
+def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int,
              stop_tokens=()) -> dict[str, np.ndarray]:
   """The RL step's host batch from a rollout, without advantages (set from the rewards). With
   rl.mask_truncated_completions the truncated completions' loss mask is 0 (they still count as rows)."""
@@ -174,7 +174,7 @@ def to_batch(cfg: Config, prompt_ids: list[list[int]], gen: G.Generation, T: int
            "sampler_logp": sampler, "old_logp": sampler.copy(), "advantages": np.zeros((B,), np.float32)}
   if cfg.rl.beta > 0:
     batch["ref_logp"] = sampler.copy()  # the trainer scores the reference into it (rl/trainer.py)
-  for name, rec in (gen.recorded.items() if replays else ()):
+  for name, rec in gen.recorded.items():  # every input a part replays (generate records them all)
     # rec [B, T_gen, n, ...]; position p: what token p chose, -1 where no token was fed.
     forced = np.full((B, T) + rec.shape[2:], -1, rec.dtype)
     n = min(T, rec.shape[1])

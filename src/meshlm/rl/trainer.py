@@ -30,7 +30,7 @@ from meshlm.parallel.mesh import make_mesh
 from meshlm.rl import loss as L
 from meshlm.rl import rollout as R
 from meshlm.rl.rewards import Rewards
-from meshlm.rl.step import build_rl_step, check_rl, flip_metrics, replays, scorer
+from meshlm.rl.step import build_rl_step, check_rl, flip_metrics, scorer
 from meshlm.train import loop as LP
 from meshlm.train.metrics import MetricsWriter
 
@@ -121,7 +121,6 @@ class Trainer:
     self.mesh = make_mesh(cfg) if mesh is None else mesh
     self.cfg = cfg = rl_config(cfg, self.prompts, self.mesh.size)
     self.step = build_rl_step(cfg, self.mesh)
-    self.replays = replays(cfg)
     self.stops = stop_tokens(cfg, self.tokenizer)
     self.iterator = R.PromptIterator(len(self.prompts), cfg.rl.prompts_per_step, cfg.data.seed)
     self.score = scorer(cfg, self.step) if cfg.rl.sampler_is != "none" or cfg.rl.beta > 0 else None
@@ -157,7 +156,7 @@ class Trainer:
     total = np.asarray(scored.total, np.float64)  # the metrics' (NaN: excluded); the advantages take float32
     cut = R.truncated(gen, self.stops)
     self.last = {"prompts": group, "texts": texts, "scored": scored, "truncated": cut}
-    batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.replays, self.stops)
+    batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.stops)
     adv = L.advantages if np.all(np.isfinite(total)) else L.advantages_excluding_nan  # NaN: rl.failed_reward=exclude
     batch["advantages"] = np.asarray(adv(total.astype(np.float32), rl.num_generations, rl.scale_rewards), np.float32)
     dev = self.step.put_batch(batch)

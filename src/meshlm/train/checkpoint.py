@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+import pydantic
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
@@ -153,10 +154,14 @@ def _parts_mismatch(saved: dict, cfg: Config) -> str | None:
   sections = {p.name: p.config for p in resolve(cfg).unique_parts if p.config is not None}
   ours = cfg.model.parts
   for name in sorted(set(saved) | set(ours)):
+    whole = f"model.parts.{name} is {ours.get(name)!r} here but {saved.get(name)!r} in the checkpoint"
     section = sections.get(name)
     if section is None:  # a section no part here declares: the model itself differs
-      return f"model.parts.{name} is {ours.get(name)!r} here but {saved.get(name)!r} in the checkpoint"
-    a, b = (section.model_validate(t.get(name, {})).model_dump(mode="json") for t in (ours, saved))
+      return whole
+    try:
+      a, b = (section.model_validate(t.get(name, {})).model_dump(mode="json") for t in (ours, saved))
+    except pydantic.ValidationError:  # a knob the checkpoint has that this part's section no longer takes
+      return whole
     for knob in sorted(set(a) - set(getattr(section, "COMPUTE", ()))):
       if a[knob] != b[knob]:
         return f"model.parts.{name}.{knob} is {a[knob]!r} here but {b[knob]!r} in the checkpoint"
