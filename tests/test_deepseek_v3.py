@@ -277,7 +277,7 @@ def test_census_counts_every_mla_projection_and_blocks_no_transpose_under_explic
 
 # --- bad input ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
+@pytest.mark.parametrize("key", ["num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
 def test_a_missing_mla_field_fails_in_one_line_naming_it(key, capsys):
   from meshlm.cli import main
   assert main(["train", f"model={PRESET}", f"model.{key}=null", "train.steps=1"]) == 2

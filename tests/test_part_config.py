@@ -63,6 +63,21 @@ def test_a_bad_section_is_refused_naming_the_key(override, msg):
     registry.validate(cfg_of(override))
 
 
+def test_a_model_without_attention_needs_no_head_fields():
+  """The preset sets no heads; attention's parts need them (Part.needs), so a family with attention refuses
+  each one null, naming the key; the control: the same config with all three set resolves."""
+  m = registry.validate(cfg_of()).model
+  assert (m.num_heads, m.num_kv_heads, m.head_dim) == (None, None, None)
+  llama = dict(PRESET, model=dict(PRESET["model"], family="llama", parts={}))
+  heads = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16"]
+  registry.validate(load_config(*heads, base=llama))
+  for given in heads:
+    key = given.split("=")[0]
+    with pytest.raises(ConfigError, match=f"^{key}: required by model.family=llama \\(its gqa layers\\); "
+                       f"set {key}=...$"):
+      registry.validate(load_config(*(h for h in heads if h != given), base=llama))
+
+
 def test_another_family_refuses_the_section():
   with pytest.raises(ConfigError, match="model.parts.causal_mean: model family 'llama' has no part 'causal_mean'"):
     registry.validate(load_config("model=llama2-tiny", "model.parts.causal_mean.scale=2"))

@@ -328,6 +328,10 @@ ERRORS = {
                 "mesh.context=2: train.seq_len=96 does not split into 2 shards of whole GDN chunks"),
     "kind": (("model.hybrid_layer_types=[linear_attention,linear_attention,mamba,full_attention]",),
              "model: hybrid_layer_types[2]='mamba': unknown layer type"),
+    "gdn_heads_missing": (("model.linear_num_key_heads=null",), "model.linear_num_key_heads: required by "
+                          "model.family=qwen3_5_moe (its gdn layers)"),
+    "heads_missing": (("model.num_kv_heads=null",), "model.num_kv_heads: required by model.family=qwen3_5_moe "
+                      "(its gated_gqa layers)"),
     "pattern_missing": (("model.full_attention_interval=null",), "model.hybrid_layer_types: model.family=qwen3_5 "
                         "needs its layer pattern"),
 }

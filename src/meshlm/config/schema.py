@@ -17,9 +17,10 @@ class ModelConfig(_Strict):
   vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
   embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
   num_layers: int = Field(gt=0, description="number of decoder layers")
-  num_heads: int = Field(gt=0, description="attention query heads")
-  num_kv_heads: int = Field(gt=0, description="key/value heads (grouped-query attention); divides num_heads")
-  head_dim: int = Field(gt=0, description="width of one attention head (even: RoPE rotates pairs)")
+  num_heads: Optional[int] = Field(default=None, gt=0, description="attention query heads (required with attention)")
+  num_kv_heads: Optional[int] = Field(default=None, gt=0, description="key/value heads (grouped-query attention); "
+                                      "divides num_heads")
+  head_dim: Optional[int] = Field(default=None, gt=0, description="width of one attention head (even)")
   mlp_dim: int = Field(gt=0, description="hidden width of the gated MLP")
   max_position: int = Field(default=4096, gt=0, description="longest sequence the model is built for (train.seq_len <= this)")
   rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency")
@@ -190,9 +191,9 @@ class ModelConfig(_Strict):
 
   @model_validator(mode="after")
   def _heads_group(self):
-    if self.num_heads % self.num_kv_heads:
+    if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-    if self.head_dim % 2:
+    if self.head_dim and self.head_dim % 2:
       raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
     if self.layer_pattern is not None:
       if not self.layer_pattern:
@@ -240,7 +241,7 @@ class ModelConfig(_Strict):
         raise ValueError(f"hybrid_layer_types: {len(types)} entries for num_layers={self.num_layers}; give one "
                          "per layer")
     rot = self.rotary_dim()
-    if rot < 2 or rot % 2:
+    if self.head_dim and (rot < 2 or rot % 2):
       raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {rot} of head_dim="
                        f"{self.head_dim} dims; RoPE needs an even number, at least 2")
 
@@ -256,7 +257,7 @@ class ModelConfig(_Strict):
 
   def rotary_dim(self) -> int:
     """The dims of each head that RoPE rotates: int(head_dim * partial_rotary_factor) (transformers' rule)."""
-    return int(self.head_dim * self.partial_rotary_factor)
+    return int((self.head_dim or 0) * self.partial_rotary_factor)
 
   def layer_types(self) -> tuple[str, ...]:
     """The repeating layer-type pattern (one period); layer i has type pattern[i % len(pattern)]."""
@@ -558,8 +559,7 @@ class Config(_Strict):
     """Resolves the tri-state flags: null means on under explicit (untied head for the LM head flag);
     model.moe_kernel_fsdp null by moe_layout_for."""
     explicit = self.shard_mode == "explicit"
-    lm = self.lm_head_weight_grad_in_kernel_order
-    dense = self.dense_weight_grad_in_kernel_order
+    lm, dense = self.lm_head_weight_grad_in_kernel_order, self.dense_weight_grad_in_kernel_order
     update = {
         "lm_head_weight_grad_in_kernel_order": (explicit and not self.model.tie_embeddings) if lm is None else lm,
         "dense_weight_grad_in_kernel_order": explicit if dense is None else dense,

@@ -14,9 +14,6 @@ from meshlm.models.ffns.glu import glu
 from meshlm.models.ffns.moe import moe_ffn, validate_group_routing
 from meshlm.models.mixers.mla import mla
 
-MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
 def plan(m: ModelConfig) -> LayerPlan:
   k = m.first_k_dense_replace
   kinds = tuple("dense" if i < k else "moe" for i in range(m.num_layers))
@@ -24,12 +21,8 @@ def plan(m: ModelConfig) -> LayerPlan:
 
 
 def validate(m: ModelConfig) -> None:
-  """The fields deepseek_v3 needs; one ConfigError line naming the key otherwise."""
+  """deepseek_v3's rules beyond the fields its parts need (Part.needs); one ConfigError line naming the key."""
   fam = m.family
-  for key in MLA_FIELDS:
-    if getattr(m, key) is None:
-      raise ConfigError(f"model.{key}: required by model.family={fam} (its multi-head latent attention); set "
-                        f"model.{key}=...")
   if m.qk_rope_head_dim % 2:
     raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim}: must be even (RoPE rotates pairs)")
   if m.first_k_dense_replace > m.num_layers:

@@ -134,6 +134,9 @@ class Part:
   losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
   shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
   config: type[pydantic.BaseModel] | None = None  # the part's own knobs: model.parts.<name>.<knob>
+  # The ModelConfig fields it reads that default to null, because a model without this part has no use for them
+  # (attention's heads): a family with the part refuses a null one, naming the key.
+  needs: tuple[str, ...] = ()
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
@@ -156,6 +159,15 @@ def section(m: ModelConfig, part: Part) -> pydantic.BaseModel:
 @functools.lru_cache(maxsize=256)
 def _section(cls: type[pydantic.BaseModel], text: str) -> pydantic.BaseModel:
   return cls.model_validate(json.loads(text))
+
+
+def check_needs(m: ModelConfig, parts: list[Part]) -> None:
+  """Each field the given parts need (Part.needs) is set: one ConfigError line naming the key otherwise."""
+  for part in parts:
+    for key in part.needs:
+      if getattr(m, key) is None:
+        raise ConfigError(f"model.{key}: required by model.family={m.family} (its {part.name} layers); set "
+                          f"model.{key}=...")
 
 
 def check_sections(m: ModelConfig, parts: list[Part]) -> None:

@@ -41,11 +41,8 @@ def hybrid_plan(m: ModelConfig) -> LayerPlan:
 
 
 def validate_hybrid(m: ModelConfig, *, moe: bool) -> None:
-  """The fields a GDN hybrid needs; one ConfigError line naming the key otherwise."""
+  """A GDN hybrid's rules beyond the fields its parts need (Part.needs); one ConfigError line naming the key."""
   fam = m.family
-  for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
-    if getattr(m, key) is None:
-      raise ConfigError(f"model.{key}: required by model.family={fam} (its linear-attention layers)")
   if m.hybrid_types() is None:
     raise ConfigError(f"model.hybrid_layer_types: model.family={fam} needs its layer pattern; set "
                       "model.hybrid_layer_types (one linear_attention or full_attention per layer) or "

@@ -8,7 +8,7 @@ import importlib
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models.family import check_sections
+from meshlm.models.family import check_needs, check_sections
 
 FAMILIES = {
     "llama": "meshlm.models.llama",
@@ -57,11 +57,13 @@ def get(name: str):
 
 
 def family(cfg: Config):
-  """cfg's Family, after its own checks of the model config (Family.validate) and its parts' of their
-  config sections (model.parts)."""
+  """cfg's Family, after its parts' checks of the fields they need (Part.needs), the family's own checks of the
+  model config (Family.validate) and the parts' of their config sections (model.parts)."""
   fam = get(cfg.model.family)
+  parts = [p for kind in fam.kinds.values() for p in kind.parts]
+  check_needs(cfg.model, parts)
   fam.validate(cfg.model)
-  check_sections(cfg.model, [p for kind in fam.kinds.values() for p in kind.parts])
+  check_sections(cfg.model, parts)
   return fam
 
 

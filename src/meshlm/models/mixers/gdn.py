@@ -59,6 +59,7 @@ from meshlm.nn.short_conv import causal_conv, window_at
 from meshlm.parallel.sharding import ACT, auto_region_many, axes, context_size
 
 KEY = "linear_attn"
+NEEDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 OUT = ACT
 ROWS = axes("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
 
@@ -237,4 +238,4 @@ def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              shard_multiple=lambda m: m.gdn_chunk_size)
+              shard_multiple=lambda m: m.gdn_chunk_size, needs=NEEDS)

@@ -26,6 +26,10 @@ from meshlm.nn.rope import apply_rope
 from meshlm.parallel.sharding import auto_region
 
 
+# The head fields attention reads (null by default: a model without attention needs none).
+NEEDS = ("num_heads", "num_kv_heads", "head_dim")
+
+
 def spec(m: ModelConfig, *, plus_one: bool = False) -> dict:
   D, N, Kv, H = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim
   out = {"q": A.q_spec(D, N, H), **A.kv_specs(D, Kv, H), "o": A.o_spec(N, H, D)}
@@ -126,7 +130,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
 def gqa() -> Part:
   """The part with plain q/k norms; a Family with norm_plus_one (gemma3) makes them (1 + w) (with_plus_one)."""
   return Part(name="gqa", key="attn", spec=spec, apply=apply, state_spec=state_spec, prepare=prepare,
-              rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one)
+              rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one, needs=NEEDS)
 
 
 def _is_own(fn, base) -> bool:

@@ -47,6 +47,8 @@ LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their de
 LATENT = axes("batch", "length", None)  # a latent row [B, T, Rq] or [B, T, Rkv + Hr]
 HEADS_LATENT = axes("batch", "length", "heads", None)  # the absorbed query [B, 1, N, Rkv]
 CACHE_AXES = axes("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
+# The fields it reads that default to null (q_lora_rank may stay null: a plain q projection).
+NEEDS = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def spec(m: ModelConfig) -> dict:
@@ -167,7 +169,7 @@ class MLAConfig(pydantic.BaseModel):
 
 
 PART = Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
-            rotary_dims=lambda m: (m.qk_rope_head_dim,), config=MLAConfig)
+            rotary_dims=lambda m: (m.qk_rope_head_dim,), config=MLAConfig, needs=NEEDS)
 
 
 def mla() -> Part:
