@@ -51,6 +51,10 @@ models/registry.py):
   kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
   reported at a dotted census field. The census reads the counters of every registered part, so a model
   without the part shows the field with zeros.
+- attention_width(m) -> N x (qk + v head dims) for a part whose queries attend over earlier keys (the model
+  FLOPs count 6 x that x the keys a query sees), None for a part that does not attend; active_fraction(m, s):
+  the share of one of its parameters (a ParamSpec of spec(m), stacked) that one token's matmuls meet (MoE's
+  routed experts: k / E), 1.0 by default.
 - with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
   RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls
   it with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms
@@ -160,6 +164,8 @@ class Part:
   shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
   config: type[pydantic.BaseModel] | None = None  # the part's own knobs: model.parts.<name>.<knob>
   census: tuple[CensusCounter, ...] = ()  # what the census counts for it (analysis/counters.py)
+  attention_width: Callable[[ModelConfig], int] | None = None  # N x (qk + v head dims); None: no attention
+  active_fraction: Callable[[ModelConfig, S.ParamSpec], float] = lambda m, s: 1.0  # of a parameter, per token
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"

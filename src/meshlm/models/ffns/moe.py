@@ -64,6 +64,14 @@ def check_forced(m: ModelConfig, forced, shape: tuple[int, ...], name: str = FOR
 FORCED = LayerInput(trailing=lambda m: (m.num_experts_per_tok,), check=check_forced, flips="router_flips")
 
 
+def routed_fraction(m: ModelConfig, s: S.ParamSpec) -> float:
+  """The share of a parameter one token's matmuls meet (Part.active_fraction): k / E of a kernel with an experts
+  axis (a token runs k of the E experts), all of every other."""
+  if m.num_experts and any(a and str(a).startswith("experts") for a in s.axes):
+    return m.num_experts_per_tok / m.num_experts
+  return 1.0
+
+
 def router_losses(m: ModelConfig) -> dict:
   """The router's loss terms whose coefficient is set: the load-balancing loss (transformers'
   load_balancing_loss_func over all MoE layers, nn/moe.py) and the z-loss (the mean over the layers of
@@ -211,4 +219,5 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
               stack_rows=KERNELS,
               side_names=SIDE_NAMES + ((LOAD,) if group else ()), replays={ROUTED_IDS: FORCED_IDS},
               model_state=router_bias_state if group else None, after_step=update_router_bias if group else None,
-              after_step_side={LOAD: "sum"} if group else {}, losses=router_losses, census=CENSUS)
+              after_step_side={LOAD: "sum"} if group else {}, losses=router_losses, census=CENSUS,
+              active_fraction=routed_fraction)
