@@ -3,7 +3,8 @@
 `census(cfg)` builds the step with `build_train_step` (what `meshlm train` runs), lowers it from
 abstract inputs and compiles it; nothing executes. The result is a nested dict whose dotted paths
 are the field names of DESIGN.md ("stablehlo.transpose_of_dot.blocked" is
-`result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field.
+`result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field. Besides its own
+fields it runs the counters every registered part declares (Part.census; the counting kinds: analysis/counters.py).
 """
 from __future__ import annotations
 

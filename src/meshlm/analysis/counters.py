@@ -46,6 +46,7 @@ def put(out: dict, dotted: str, value: Any) -> None:
   out[last] = value
 
 
+# ------------------------------------------------------------------------- scan_dead_work, on the compiled HLO
 
 _ZERO_CONSTANT = re.compile(r"constant\((-?0(\.0*)?(e[+-]?0+)?|false)\)")
 _LOOKS_THROUGH = ("bitcast", "copy", "reshape", "convert")
