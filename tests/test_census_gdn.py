@@ -1,5 +1,6 @@
-"""The census' gdn section (analysis/census.gdn_counts) on the chunked rule's own program, on a GDN model's
-train step and on a model without GDN layers, with controls that add the dead work it looks for."""
+"""The census' gdn section (the gdn part's declared counter: analysis/counters.scan_dead_work under nn/gdn.py's
+chunk scope) on the chunked rule's own program, on a GDN model's train step and on a model without GDN layers,
+with controls that add the dead work it looks for."""
 from __future__ import annotations
 
 import jax
@@ -10,10 +11,14 @@ import pytest
 from meshlm import load_config
 from meshlm.analysis import census as C
 from meshlm.analysis import hlo as H
+from meshlm.analysis.counters import scan_dead_work
+from meshlm.models.family import CensusCounter
+from meshlm.models.mixers.gdn import gdn as gdn_part
 from meshlm.nn import gdn
 
 B, T, K, N, HD, J, CHUNK = 1, 128, 1, 2, 16, 16, 32
 U = T // CHUNK
+COUNTER, = gdn_part().census  # what the census counts for the part: the dead work under the chunk scope
 
 
 def _inputs():
@@ -30,12 +35,16 @@ def _rule(q, k, v, g, beta):
 
 
 def _counts(fn) -> dict:
-  return C.gdn_counts(H.parse(jax.jit(fn).lower(*_inputs()).compile().as_text()))
+  return scan_dead_work(H.parse(jax.jit(fn).lower(*_inputs()).compile().as_text()), COUNTER.scope)
 
 
 @pytest.fixture(scope="module")
 def forward_counts():
   return _counts(lambda *a: _rule(*a)[0])
+
+
+def test_the_part_declares_the_gdn_field_under_the_rules_scope():
+  assert COUNTER == CensusCounter(field="gdn", kind="scan_dead_work", scope=gdn.CHUNK_SCOPE)
 
 
 def test_the_forward_rule_has_one_chunk_scan_whose_only_zero_fill_is_its_scan_output(forward_counts):
@@ -50,7 +59,7 @@ def test_a_zero_filled_buffer_written_inside_the_chunk_scope_is_counted(forward_
   carries from jnp.zeros (the dead fill) adds one zero-filled output."""
   def with_dead_fill(*a):
     o, _ = _rule(*a)
-    with jax.named_scope(C.GDN_SCOPE):
+    with jax.named_scope(COUNTER.scope):
       def body(buf_UBNJ, u):
         row = jax.lax.dynamic_slice_in_dim(o, u * CHUNK, CHUNK, 1).sum(1)  # [B, N, J]
         return jax.lax.dynamic_update_index_in_dim(buf_UBNJ, row, u, 0), None

@@ -1,6 +1,6 @@
-"""The census's MoE fields: sorts forward/backward, gathers and scatters in MoE layers, weight-gradient
-dots by parameter, optimization barriers (the expert-weight-gradient barrier), counted per step (call
-sites expanded, scan bodies times their trip count)."""
+"""The census's MoE fields: sorts forward/backward, gathers and scatters in MoE layers (the moe part's declared
+counter, stablehlo.moe), weight-gradient dots by parameter, optimization barriers (the expert-weight-gradient
+barrier), counted per step (call sites expanded, scan bodies times their trip count)."""
 import jax
 import pytest
 
@@ -60,7 +60,7 @@ TEXT = """module @m {
 def test_counts_per_step_through_calls_loops_and_shard_map():
   mod = SH.parse(TEXT)
   assert list(mod.trip_counts.values()) == [3]
-  got = C.moe_counts(mod)
+  got = C.executed_counts(mod)
   # @shared's sort: once from main (forward), 3 times from the loop body (a transpose path: backward).
   assert got["sorts"] == {"forward": 1, "backward": 3}
   # The gather sits in the shard_map, whose scope "layers/moe/shard_map" puts it in a MoE layer.
@@ -69,12 +69,12 @@ def test_counts_per_step_through_calls_loops_and_shard_map():
   assert got["weight_grad_dots"] == {"layers/moe/experts/down": 3}
   # Controls: a loop bound that is not a constant counts the body once; without the shard_map's
   # location its ops lose the "moe" scope.
-  once = C.moe_counts(SH.parse(TEXT.replace("dense<3>", "dense<3> : tensor<i32>\n      %c_3 = stablehlo.constant dense<4>")))
+  once = C.executed_counts(SH.parse(TEXT.replace("dense<3>", "dense<3> : tensor<i32>\n      %c_3 = stablehlo.constant dense<4>")))
   assert once["sorts"] == {"forward": 1, "backward": 1}
-  assert C.moe_counts(SH.parse(TEXT.replace('"layers/moe/shard_map"', '"shard_map"')))["moe"]["gathers"]["backward"] == 0
+  assert C.executed_counts(SH.parse(TEXT.replace('"layers/moe/shard_map"', '"shard_map"')))["moe"]["gathers"]["backward"] == 0
   # A dot that keeps an operand's leading (token) axis is an input gradient, whatever its shape.
   dx = TEXT.replace("contracting_dims = [0] x [0]", "contracting_dims = [1] x [0]")
-  assert C.moe_counts(SH.parse(dx))["weight_grad_dots"] == {}
+  assert C.executed_counts(SH.parse(dx))["weight_grad_dots"] == {}
 
 
 BASE = ("cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1", "train.seq_len=32", "shard_mode=explicit")

@@ -187,7 +187,8 @@ def test_the_checker_sees_a_family_importing_a_family(edges):
 # docstrings included, since a part named in prose is the first step to one named in code. Relative to src/meshlm.
 GENERIC_DIRS = ("train", "rl")  # every .py file under these, train/data/ included
 GENERIC_FILES = ("hf/io.py", "models/decoder.py", "models/model.py", "models/params.py", "models/layers.py",
-                 "models/generate.py", "models/context.py")
+                 "models/generate.py", "models/context.py", "analysis/census.py", "analysis/counters.py",
+                 "analysis/aot.py")
 PART_WORDS = re.compile(r"moe|expert|router|gdn|mla", re.IGNORECASE)
 # The public RL key that turns on replaying the sampler's recorded choices (docs/config.md): a config contract
 # named before parts declared replays, kept for its users. It is the one word the check lets pass.

@@ -292,13 +292,13 @@ def test_sampler_is_and_the_kl_reference_score_the_rollout_with_the_trainer(prom
 
 
 def test_census_of_the_rl_step_has_no_router_weight_gradient_dot(prompts):
-  from meshlm.analysis.census import moe_counts, stablehlo_counts
+  from meshlm.analysis.census import executed_counts, stablehlo_counts
   ps = R.load_prompts(_cfg(prompts), _byte())
 
   def router_dots(*extra):
     step = RS.build_rl_step(TR.rl_config(_cfg(prompts, "rl.router_replay=true", *extra), ps, 1))
     _, _, mod = stablehlo_counts(step.lower().as_text(debug_info=True))
-    return moe_counts(mod)["weight_grad_dots"]
+    return executed_counts(mod)["weight_grad_dots"]
   frozen, trained = router_dots(r"train.freeze=['.*\.router']"), router_dots()
   assert not [k for k in frozen if "router" in k] and frozen["layers/mlp/moe/experts/down"] > 0
   # Control: a trained router has its weight-gradient dot in each of the 3 scanned MoE layers; nothing else changes.

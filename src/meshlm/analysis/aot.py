@@ -244,39 +244,42 @@ def model_flops_per_token(cfg) -> float:
   queries see at most the window).
 
   The matmul parameters are the kernels of the parameter tree (every leaf with two or more dims besides the
-  layer axis; the embedding table only when it is the tied head), the experts' kernels times k / E. Gated
-  DeltaNet's recurrence and the elementwise work are not counted."""
+  layer axis; the embedding table only when it is the tied head), each times the share of it a token meets
+  (its part's Part.active_fraction). The widths are the parts' (Part.attention_width; a part without one does
+  not attend). A recurrence's own work and the elementwise work are not counted."""
   import jax
   from meshlm import spec as S
   from meshlm.models import decoder
-  from meshlm.models.registry import family
-  m = cfg.model
-  specs = decoder.param_specs(cfg)
-  flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=S.is_spec)[0]
+  M = decoder.resolve(cfg)
+  m = M.m
+  flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(M), is_leaf=S.is_spec)[0]
   matmul = 0.0
   for path, s in flat:
-    top = str(getattr(path[0], "key", path[0]))
-    if top == "embed" and not m.tie_embeddings:
+    names = [str(getattr(k, "key", k)) for k in path]
+    if names[0] == "embed" and not m.tie_embeddings:
       continue
     if len([a for a in s.axes if a != "layers"]) < 2:
       continue
     n = float(math.prod(s.shape))
-    if any(a and str(a).startswith("experts") for a in s.axes) and m.num_experts:
-      n *= m.num_experts_per_tok / m.num_experts
+    part = _owner(M, names)
+    if part is not None:
+      n *= part.active_fraction(m, s)
     matmul += n
   T = cfg.train.seq_len
-  fam, lp = family(cfg), decoder.plan(cfg)
   attention = 0.0
-  for kind, context in zip(lp.kinds, lp.contexts):
-    mixer = fam.kinds[kind].mixer.name
-    if mixer in ("gqa", "gated_gqa"):
-      width = 2 * m.num_heads * m.head_dim
-    elif mixer == "mla":
-      width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-    else:
-      continue
+  for kind, context in zip(M.plan.kinds, M.plan.contexts):
     w = m.sliding_window if context == "local" and m.sliding_window else T
     # The keys a query sees, averaged over the row: min(i, w) for query i (T / 2 for causal attention).
     keys = T / 2 if w >= T else (w * (w + 1) / 2 + (T - w) * w) / T
-    attention += 6.0 * width * keys
+    for part in M.kinds[kind].parts:
+      if part.attention_width is not None:
+        attention += 6.0 * part.attention_width(m) * keys
   return 6.0 * matmul + attention
+
+
+def _owner(M, names: list[str]):
+  """The Part whose parameters hold the leaf at the path `names` (["layers", kind, part key, ...]); None
+  outside the layers' parts (the embedding, the head, the layer norms)."""
+  if names[0] != "layers" or len(names) < 3:
+    return None
+  return next((p for p in M.kinds[names[1]].parts if p.key == names[2]), None)

@@ -3,7 +3,8 @@
 `census(cfg)` builds the step with `build_train_step` (what `meshlm train` runs), lowers it from
 abstract inputs and compiles it; nothing executes. The result is a nested dict whose dotted paths
 are the field names of DESIGN.md ("stablehlo.transpose_of_dot.blocked" is
-`result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field.
+`result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field. Besides its own
+fields it runs the counters every registered part declares (Part.census; the counting kinds: analysis/counters.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 from meshlm.analysis import hlo as H
 from meshlm.analysis import stablehlo as SH
+from meshlm.analysis.counters import DIRECTIONS, KINDS, part_counters, put, scan_dead_work
 from meshlm.analysis.scopes import attribute, join
+from meshlm.models.family import CensusCounter
 
 SHARDING_OPS = {"sdy.sharding_constraint", "sdy.reshard", "mhlo.sharding"}
 SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
@@ -151,7 +154,7 @@ def executed(mod: SH.Module, entry: str = "main"):
 
 def _param_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
   """Shapes a weight gradient can have, as `_dims` tuples (a gradient may come out transposed):
-  each rank>=2 argument of the step with 0, 1 or 2 of its leading (layer, expert) axes dropped, or
+  each rank>=2 argument of the step with 0, 1 or 2 of its leading (stacking) axes dropped, or
   one stacked axis dropped; and of a rank-3 slice, also with one dim of at most 64 (a head count)
   split in two, as grouped-query attention computes a projection's gradient per kv head and group."""
   shapes = set()
@@ -202,10 +205,13 @@ def _strip_direction(where: str) -> str:
   return where.rsplit(" ", 1)[0]
 
 
-def moe_counts(mod: SH.Module) -> dict[str, Any]:
-  """Sorts, gathers/scatters in MoE layers and weight-gradient dots, per step (see docs/analysis.md)."""
-  sorts = {"forward": 0, "backward": 0}
-  moe = {kind: {"forward": 0, "backward": 0} for kind in ("gathers", "scatters")}
+def executed_counts(mod: SH.Module, counters: tuple[CensusCounter, ...] | None = None) -> dict[str, Any]:
+  """Per step (see docs/analysis.md): sorts and weight-gradient dots, and the gathers and scatters under the
+  scope of each "scope_gathers_scatters" counter (None: every registered part's), at its field below
+  "stablehlo." (the scope is a component of an op's layer path: "mlp" of "layers/mlp/down")."""
+  scoped = [c for c in (part_counters() if counters is None else counters) if c.kind == "scope_gathers_scatters"]
+  sorts = {d: 0 for d in DIRECTIONS}
+  gathered = {c.field: {kind: {d: 0 for d in DIRECTIONS} for kind in ("gathers", "scatters")} for c in scoped}
   wgrad: collections.Counter = collections.Counter()
   params = _param_shapes(mod)
   for op, path, n in executed(mod):
@@ -220,23 +226,32 @@ def moe_counts(mod: SH.Module) -> dict[str, Any]:
       if (direction == "backward" and len(_dims(shape)) >= 2 and _dims(shape) in params
           and _contracts_leading_axes(mod, op)):
         wgrad[_strip_direction(where)] += n
-    elif "moe" in where.split(" ")[0].split("/"):
-      moe["gathers" if op.name == "stablehlo.gather" else "scatters"][direction] += n
-  return {"sorts": sorts, "moe": moe, "weight_grad_dots": dict(sorted(wgrad.items()))}
+    else:
+      scopes = where.split(" ")[0].split("/")
+      for c in scoped:
+        if c.scope in scopes:
+          gathered[c.field]["gathers" if op.name == "stablehlo.gather" else "scatters"][direction] += n
+  out: dict[str, Any] = {"sorts": sorts}
+  for c in scoped:
+    put(out, c.field.removeprefix("stablehlo."), gathered[c.field])
+  out["weight_grad_dots"] = dict(sorted(wgrad.items()))
+  return out
 
 
 def optimization_barriers(mod: SH.Module) -> dict[str, int]:
   """`stablehlo.optimization_barrier` ops per step, by direction: the scheduling fences the step asks
-  XLA for (MoE's expert_grad_barrier, one per layer in the backward; remat's own, if any)."""
-  out = {"forward": 0, "backward": 0}
+  XLA for (a part's own fences around its gradients, remat's, if any)."""
+  out = {d: 0 for d in DIRECTIONS}
   for op, path, n in executed(mod):
     if op.name == "stablehlo.optimization_barrier":
       out["backward" if attribute(path).endswith(" backward") else "forward"] += n
   return out
 
 
-def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
-  """StableHLO fields, the transpose-of-dot pair list and the parsed module."""
+def stablehlo_counts(text: str, counters: tuple[CensusCounter, ...] | None = None
+                     ) -> tuple[dict[str, Any], list[dict], SH.Module]:
+  """StableHLO fields (with the parts' declared counters of a StableHLO kind; None: every registered part's),
+  the transpose-of-dot pair list and the parsed module."""
   mod = SH.parse(text)
   prefixes = _func_prefixes(mod)
   where = lambda op: attribute(join(prefixes.get(op.func, ""), op.scope))
@@ -276,7 +291,7 @@ def stablehlo_counts(text: str) -> tuple[dict[str, Any], list[dict], SH.Module]:
       "dots": kinds["stablehlo.dot_general"],
       "op_counts": dict(sorted(kinds.items())),
       "optimization_barriers": optimization_barriers(mod),
-      **moe_counts(mod),
+      **executed_counts(mod, counters),
   }
   return counts, pairs, mod
 
@@ -375,119 +390,21 @@ def scan_layout_flags(mod: H.HloModule) -> list[dict]:
   return flags
 
 
-# The chunk scans of the gated delta rule (nn/gdn.py names its scope "gdn_chunked"; a backward loop keeps
-# the name inside transpose(jvp(...))).
-GDN_SCOPE = "gdn_chunked"
-_ZERO_CONSTANT = re.compile(r"constant\((-?0(\.0*)?(e[+-]?0+)?|false)\)")
-_LOOKS_THROUGH = ("bitcast", "copy", "reshape", "convert")
-
-
-def _root(mod: H.HloModule, comp: str) -> H.Instr | None:
-  items = mod.comps.get(comp) or []
-  roots = [i for i in items if i.text.startswith("ROOT ")]
-  return roots[0] if roots else (items[-1] if items else None)
-
-
-def _local(mod: H.HloModule, comp: str) -> dict[str, H.Instr]:
-  """comp's instructions by name (printed names repeat across computations)."""
-  return {i.name: i for i in mod.comps.get(comp, [])}
-
-
-def _zero_broadcast(mod: H.HloModule, comp: str, name: str) -> bool:
-  """The instruction (of comp) is a broadcast of a scalar zero, looking through bitcasts, copies, reshapes,
-  converts and XLA:CPU's one-op "wrapped_broadcast" fusions."""
-  local = _local(mod, comp)
-  ins = local.get(name)
-  while ins is not None and ins.opcode in _LOOKS_THROUGH and ins.operands:
-    ins = local.get(ins.operands[0])
-  if ins is None or not ins.operands:
-    return False
-  if ins.opcode == "fusion":
-    root = _root(mod, (ins.called.get("calls") or [""])[0])
-    if root is None or root.opcode != "broadcast":
-      return False
-  elif ins.opcode != "broadcast":
-    return False
-  src = local.get(ins.operands[0])
-  return src is not None and src.opcode == "constant" and bool(_ZERO_CONSTANT.search(src.text))
-
-
-def _reachable(mod: H.HloModule, comp: str) -> set[str]:
-  """comp and every computation it calls (fusions, nested loops), transitively."""
-  out, todo = set(), [comp]
-  while todo:
-    c = todo.pop()
-    if c in out or c not in mod.comps:
-      continue
-    out.add(c)
-    todo.extend(callee for ins in mod.comps[c] for callees in ins.called.values() for callee in callees)
-  return out
-
-
-def _carries(mod: H.HloModule, loop: H.Instr) -> list[tuple[str, str, H.Array]]:
-  """(computation, instruction name, array) of each operand of the loop's initial tuple."""
-  comp, local = loop.comp, _local(mod, loop.comp)
-  init = local.get(loop.operands[0]) if loop.operands else None
-  # XLA:CPU may wrap the loop in a computation of its own: follow its parameter to the call site.
-  for _ in range(4):
-    if init is None or init.opcode != "parameter":
-      break
-    index = int(re.search(r"parameter\((\d+)\)", init.text).group(1))
-    site = next((i for i in mod.instrs() if any(comp in c for c in i.called.values())), None)
-    if site is None or index >= len(site.operands):
-      return []
-    comp, local = site.comp, _local(mod, site.comp)
-    init = local.get(site.operands[index])
-  if init is None or init.opcode != "tuple":
-    return []
-  return [(comp, n, local[n].out) for n in init.operands if n in local and local[n].out is not None]
-
-
-def gdn_counts(mod: H.HloModule) -> dict[str, Any]:
-  """Dead work around the Gated DeltaNet chunk scans of the compiled step (see docs/analysis.md)."""
-  whiles = [ins for ins in mod.instrs() if ins.opcode == "while"]
-  body = lambda loop: (loop.called.get("body") or [""])[0]
-  chunk = [w for w in whiles if GDN_SCOPE in w.op_name]
-  chunk_comps = {w.comp for w in chunk}
-  zero_outputs, copies, transposes = 0, 0, 0
-  shapes = set()
-  for loop in chunk:
-    for comp, name, arr in _carries(mod, loop):
-      shapes.add(arr.shape)
-      # One slot per iteration: a scan output (JAX starts every one as a broadcast zero).
-      zero_outputs += bool(loop.trip_count and arr.shape[:1] == (loop.trip_count,) and _zero_broadcast(mod, comp, name))
-    for comp in _reachable(mod, body(loop)):
-      for ins in mod.comps[comp]:
-        copies += ins.opcode in ("copy", "copy-start")
-        transposes += ins.opcode == "transpose"
-  # A loop around the chunk scans (the layer scan) carrying a zero buffer of a chunk-scan buffer's shape:
-  # XLA hoisted a fill out of the layer body and copies it into every iteration.
-  hoisted = 0
-  for loop in whiles:
-    if loop in chunk or not (_reachable(mod, body(loop)) & chunk_comps):
-      continue
-    hoisted += sum(arr.shape in shapes and _zero_broadcast(mod, comp, name) for comp, name, arr in _carries(mod, loop))
-  return {"chunk_scans": len(chunk), "zero_filled_outputs": zero_outputs, "hoisted_zero_carries": hoisted,
-          "copies": copies, "transposes": transposes}
-
-
 # ---------------------------------------------------------------------------------------- the census
 
 def census_of(low: Lowered) -> dict[str, Any]:
-  """The census dict from lowered/compiled texts (see docs/analysis.md for every field)."""
-  shlo, pairs, smod = stablehlo_counts(low.stablehlo)
+  """The census dict from lowered/compiled texts (see docs/analysis.md for every field), with the counters the
+  registered parts declare."""
+  counters = part_counters()
+  shlo, pairs, smod = stablehlo_counts(low.stablehlo, counters)
   hlo, hmod = hlo_counts(low.hlo)
   shlo["transpose_of_dot"]["pairs"] = [{k: p[k] for k in ("kind", "weight_grad", "between", "scope", "shape")}
                                        for p in pairs]
-  return {
-      "stablehlo": shlo,
-      "hlo": hlo,
-      "blowups": blowups(smod),
-      "scan_layout": scan_layout_flags(hmod),
-      "gdn": gdn_counts(hmod),
-      "memory": low.memory,
-      "cost": low.cost,
-  }
+  out = {"stablehlo": shlo, "hlo": hlo, "blowups": blowups(smod), "scan_layout": scan_layout_flags(hmod)}
+  for c in counters:
+    if c.kind == "scan_dead_work":
+      put(out, c.field, scan_dead_work(hmod, c.scope))
+  return out | {"memory": low.memory, "cost": low.cost}
 
 
 def census(cfg, mesh=None) -> dict[str, Any]:
@@ -506,8 +423,9 @@ def config_summary(cfg) -> dict[str, Any]:
           "seq_len": cfg.train.seq_len}
 
 
-# Scalar fields shown in tables and compared side by side, in order.
-SUMMARY_FIELDS = (
+# Scalar fields shown in tables and compared side by side, in order; the parts' declared counters follow them
+# (summary_fields).
+STEP_FIELDS = (
     "stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "stablehlo.transpose_of_dot.blocked",
     "stablehlo.transpose_of_dot.weight_grad.adjacent", "stablehlo.transpose_of_dot.weight_grad.blocked",
     "stablehlo.transposes", "stablehlo.dots", "hlo.transposes", "hlo.copies", "hlo.fusions",
@@ -515,11 +433,14 @@ SUMMARY_FIELDS = (
     "blowups", "scan_layout", "memory.temp_size_in_bytes", "memory.total_bytes", "cost.flops", "cost.bytes_accessed",
     "stablehlo.sorts.forward", "stablehlo.sorts.backward",
     "stablehlo.optimization_barriers.forward", "stablehlo.optimization_barriers.backward",
-    *[f"stablehlo.moe.{k}.{d}" for k in ("gathers", "scatters") for d in ("forward", "backward")],
-    *[f"gdn.{k}" for k in ("chunk_scans", "zero_filled_outputs", "hoisted_zero_carries", "copies", "transposes")],
 )
-# A dict field shown as one row per key: "stablehlo.weight_grad_dots.layers/mlp/moe/router".
+# A dict field shown as one row per key: "stablehlo.weight_grad_dots.layers/attn/q".
 SUMMARY_DICTS = ("stablehlo.weight_grad_dots",)
+
+
+def summary_fields() -> tuple[str, ...]:
+  """The scalar fields of a table, in order: STEP_FIELDS, then each registered part's counters' (part_counters)."""
+  return STEP_FIELDS + tuple(f"{c.field}.{leaf}" for c in part_counters() for leaf in KINDS[c.kind][1])
 
 
 def field(result: dict, dotted: str) -> Any:
@@ -533,7 +454,7 @@ def field(result: dict, dotted: str) -> Any:
 
 
 def summary(result: dict) -> dict[str, Any]:
-  out = {f: field(result, f) for f in SUMMARY_FIELDS}
+  out = {f: field(result, f) for f in summary_fields()}
   for f in SUMMARY_DICTS:
     for k, v in (field(result, f) or {}).items():
       out[f"{f}.{k}"] = v

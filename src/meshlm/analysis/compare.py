@@ -10,7 +10,7 @@ import collections
 from typing import Any
 
 from meshlm.analysis import hlo as H
-from meshlm.analysis.census import HLO_BOOKKEEPING, SUMMARY_FIELDS, fmt_value, summary
+from meshlm.analysis.census import HLO_BOOKKEEPING, fmt_value, summary, summary_fields
 from meshlm.analysis.scopes import attribute
 
 
@@ -60,7 +60,7 @@ def compare(results: dict[str, dict[str, Any]], hlo_texts: dict[str, str]) -> di
 def render(report: dict[str, Any], max_buckets: int = 40) -> str:
   names = list(report["arms"])
   # The fixed fields, then each arm's per-key rows (weight-gradient dots by parameter), in order met.
-  fields = list(dict.fromkeys([*SUMMARY_FIELDS, *(f for n in names for f in report["arms"][n])]))
+  fields = list(dict.fromkeys([*summary_fields(), *(f for n in names for f in report["arms"][n])]))
   width = max(len(f) for f in fields)
   cols = [max(12, len(n)) for n in names]
   lines = [f"  {'field':<{width}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, cols))]

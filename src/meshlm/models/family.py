@@ -47,6 +47,14 @@ models/registry.py):
 - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
   load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
   value to the loss and logs the weighted value under the metric's name.
+- census: (CensusCounter, ...): what the census counts for the part in the compiled step, as data: a counting
+  kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
+  reported at a dotted census field. The census reads the counters of every registered part, so a model
+  without the part shows the field with zeros.
+- attention_width(m) -> N x (qk + v head dims) for a part whose queries attend over earlier keys (the model
+  FLOPs count 6 x that x the keys a query sees), None for a part that does not attend; active_fraction(m, s):
+  the share of one of its parameters (a ParamSpec of spec(m), stacked) that one token's matmuls meet (MoE's
+  routed experts: k / E), 1.0 by default.
 - with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
   RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls
   it with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms
@@ -108,6 +116,27 @@ class StateLeaf:
     assert self.commit in COMMITS, self.commit
 
 
+# The counting kinds a part may declare for the census (Part.census), each implemented by analysis/counters.py:
+# "scope_gathers_scatters": the StableHLO gathers and scatters run per step under the scope (a component of the
+#   op's layer path), by direction: {gathers, scatters} x {forward, backward}, under the "stablehlo." fields;
+# "scan_dead_work": the compiled step's while loops whose op name holds the scope, and the dead work around them
+#   (zero-filled outputs, zero buffers carried by a loop around them, copies and transposes in their bodies).
+CENSUS_KINDS = ("scope_gathers_scatters", "scan_dead_work")
+
+
+@dataclasses.dataclass(frozen=True)
+class CensusCounter:
+  """A count the census reports for a part: `kind` (CENSUS_KINDS) of the ops under the named scope `scope`,
+  at the census's dotted path `field` ("stablehlo.<name>" for a kind that reads the StableHLO)."""
+  field: str
+  kind: str
+  scope: str
+
+  def __post_init__(self):
+    assert self.kind in CENSUS_KINDS, (self.kind, CENSUS_KINDS)
+    assert self.field and self.scope, self
+
+
 SIDE_SUMS = ("mean", "sum")  # how the train step adds an after-step side output over micro-batches
 
 
@@ -137,6 +166,9 @@ class Part:
   # The ModelConfig fields it reads that default to null, because a model without this part has no use for them
   # (attention's heads): a family with the part refuses a null one, naming the key.
   needs: tuple[str, ...] = ()
+  census: tuple[CensusCounter, ...] = ()  # what the census counts for it (analysis/counters.py)
+  attention_width: Callable[[ModelConfig], int] | None = None  # N x (qk + v head dims); None: no attention
+  active_fraction: Callable[[ModelConfig, S.ParamSpec], float] = lambda m, s: 1.0  # of a parameter, per token
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"

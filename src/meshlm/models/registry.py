@@ -8,7 +8,7 @@ import importlib
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models.family import check_needs, check_sections
+from meshlm.models.family import CensusCounter, Part, check_needs, check_sections
 
 FAMILIES = {
     "llama": "meshlm.models.llama",
@@ -38,15 +38,30 @@ PARTS = {
 }
 
 
-def part_sections() -> dict[str, type]:
-  """{part name: its own config section (Part.config)} over the registered parts that declare one."""
+def parts() -> dict[str, Part]:
+  """{part name: the part its factory returns with no arguments}, in PARTS order."""
   out = {}
   for name, where in PARTS.items():
     module, factory = where.split(":")
-    part = getattr(importlib.import_module(module), factory)()
-    if part.config is not None:
-      out[name] = part.config
+    out[name] = getattr(importlib.import_module(module), factory)()
   return out
+
+
+def part_sections() -> dict[str, type]:
+  """{part name: its own config section (Part.config)} over the registered parts that declare one."""
+  return {name: part.config for name, part in parts().items() if part.config is not None}
+
+
+def census_counters() -> tuple[CensusCounter, ...]:
+  """The counters the registered parts declare for the census (Part.census), each field once, in PARTS order.
+  Two parts declaring one field differently is a ValueError naming both."""
+  out: dict[str, tuple[str, CensusCounter]] = {}
+  for name, part in parts().items():
+    for c in part.census:
+      first, seen = out.setdefault(c.field, (name, c))
+      if seen != c:
+        raise ValueError(f"census field {c.field!r}: part {first!r} declares {seen}, part {name!r} declares {c}")
+  return tuple(c for _, c in out.values())
 
 
 def get(name: str):

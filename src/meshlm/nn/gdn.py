@@ -103,6 +103,8 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
 DEFAULT_INVERSE = "right_looking"
+# The chunked rule's named scope: its chunk scans, forward and backward (the census counts the dead work around them).
+CHUNK_SCOPE = "gdn_chunked"
 _HI = jax.lax.Precision.HIGHEST  # float32 matmuls on every backend (TPU's default would round to bf16)
 
 
@@ -299,7 +301,7 @@ def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment
     raise ValueError(f"inverse={inverse!r}: expected one of {INVERSES}")
   B, T, N, J = v_BTNJ.shape
   H = q_BTKH.shape[-1]
-  with jax.named_scope("gdn_chunked"):
+  with jax.named_scope(CHUNK_SCOPE):
     c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_starts(segment_ids_BT, T), chunk_size, inverse)
     U, W = c.shape[4:]
     S = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
-from meshlm.models.family import LayerInput, Part
+from meshlm.models.family import CensusCounter, LayerInput, Part
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.nn.router_replay import check_forced_ids
@@ -46,6 +46,8 @@ SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe
 LOAD = "moe_expert_load"  # group_sigmoid's side output: routed pairs per expert [E], what after_step balances
 ROUTER_BIAS = "router_bias"  # group_sigmoid's model-state leaf [E] float32
 KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in unrolled layers (Part.stack_rows)
+# The census fields stablehlo.moe.{gathers,scatters}.{forward,backward}: the dispatch's gathers and scatters.
+CENSUS = (CensusCounter(field="stablehlo.moe", kind="scope_gathers_scatters", scope=moe.SCOPE),)
 
 
 def prepare(p: dict, specs: dict) -> dict:
@@ -60,6 +62,14 @@ def check_forced(m: ModelConfig, forced, shape: tuple[int, ...], name: str = FOR
 
 # Router replay's per-layer input; RL reports how often the trainer's routing leaves the sampler's (router flips).
 FORCED = LayerInput(trailing=lambda m: (m.num_experts_per_tok,), check=check_forced, flips="router_flips")
+
+
+def routed_fraction(m: ModelConfig, s: S.ParamSpec) -> float:
+  """The share of a parameter one token's matmuls meet (Part.active_fraction): k / E of a kernel with an experts
+  axis (a token runs k of the E experts), all of every other."""
+  if m.num_experts and any(a and str(a).startswith("experts") for a in s.axes):
+    return m.num_experts_per_tok / m.num_experts
+  return 1.0
 
 
 def router_losses(m: ModelConfig) -> dict:
@@ -209,4 +219,5 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
               stack_rows=KERNELS,
               side_names=SIDE_NAMES + ((LOAD,) if group else ()), replays={ROUTED_IDS: FORCED_IDS},
               model_state=router_bias_state if group else None, after_step=update_router_bias if group else None,
-              after_step_side={LOAD: "sum"} if group else {}, losses=router_losses)
+              after_step_side={LOAD: "sum"} if group else {}, losses=router_losses, census=CENSUS,
+              active_fraction=routed_fraction)

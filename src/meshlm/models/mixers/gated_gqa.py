@@ -69,4 +69,4 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
 
 def gated_gqa() -> Part:
   return Part(name="gated_gqa", key="attn", spec=spec, apply=apply, state_spec=gqa.state_spec, prepare=gqa.prepare,
-              rotary_dims=lambda m: (m.rotary_dim(),), needs=gqa.NEEDS)
+              rotary_dims=lambda m: (m.rotary_dim(),), needs=gqa.NEEDS, attention_width=gqa.attention_width)

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import Part, StateLeaf
+from meshlm.models.family import CensusCounter, Part, StateLeaf
 from meshlm.nn import gdn as rule
 from meshlm.nn import short_conv
 from meshlm.nn.short_conv import causal_conv, window_at
@@ -234,8 +234,12 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
   return y, {"conv": window, "recurrent": final}, {}
 
 
+# The census field "gdn": the dead work around the chunk scans of the compiled step (docs/analysis.md).
+CENSUS = (CensusCounter(field="gdn", kind="scan_dead_work", scope=rule.CHUNK_SCOPE),)
+
+
 def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              shard_multiple=lambda m: m.gdn_chunk_size, needs=NEEDS)
+              shard_multiple=lambda m: m.gdn_chunk_size, needs=NEEDS, census=CENSUS)

@@ -127,10 +127,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
   return region(q, k, v, here.mask, w_o, *gates), update
 
 
+def attention_width(m: ModelConfig) -> int:
+  """N x (qk + v head dims), H each: what a query's scores and values multiply per key it sees (the model FLOPs)."""
+  return 2 * m.num_heads * m.head_dim
+
+
 def gqa() -> Part:
   """The part with plain q/k norms; a Family with norm_plus_one (gemma3) makes them (1 + w) (with_plus_one)."""
   return Part(name="gqa", key="attn", spec=spec, apply=apply, state_spec=state_spec, prepare=prepare,
-              rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one, needs=NEEDS)
+              rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one, needs=NEEDS,
+              attention_width=attention_width)
 
 
 def _is_own(fn, base) -> bool:

@@ -168,8 +168,14 @@ class MLAConfig(pydantic.BaseModel):
                                 "output, attending against the latent cache directly; false: rebuild K/V from it")
 
 
+def attention_width(m: ModelConfig) -> int:
+  """N x (Hn + Hr + Hv): what a query's scores and values multiply per key it sees (the model FLOPs)."""
+  return m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+
+
 PART = Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
-            rotary_dims=lambda m: (m.qk_rope_head_dim,), config=MLAConfig, needs=NEEDS)
+            rotary_dims=lambda m: (m.qk_rope_head_dim,), config=MLAConfig, needs=NEEDS,
+            attention_width=attention_width)
 
 
 def mla() -> Part:

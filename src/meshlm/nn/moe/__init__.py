@@ -28,14 +28,14 @@ from meshlm.nn.moe.dropless import (REMAT_SAVE_NAMES, UNSORTS, dispatch, expert_
 from meshlm.nn.moe.expert_parallel import EXPERT_AXIS, ep_mesh_axes, local_expert_offset
 from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
                                grouped_matmul, loop_block_rows, rest_block_sizes)
-from meshlm.nn.moe.layer import EXPERTS_AXES, KERNEL_FSDP, TOKENS, MoESettings, experts_axis, moe_mlp, moe_spec
+from meshlm.nn.moe.layer import EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp, moe_spec
 from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats,
                                    bias_update, expert_load, group_limited_topk, group_route, load_balancing_loss,
                                    route, sigmoid_weights)
 
 __all__ = [
     "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS", "REMAT_SAVE_NAMES",
-    "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "TOKENS", "UNSORTS", "MoESettings", "aux_stats",
+    "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "MoESettings", "aux_stats",
     "bias_update", "block_layout", "default_block_rows", "default_grouped_matmul", "dispatch", "ep_mesh_axes",
     "expert_grad_barrier", "expert_load", "experts_axis", "fused_glu", "gather_router_once", "group_limited_topk",
     "group_route", "grouped_matmul", "inverse_permutation", "load_balancing_loss", "local_expert_offset",

@@ -35,6 +35,7 @@ TOKENS = ("batch", "length", None)
 # experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). The HF adapters' per-expert tensors declare
 # these as the axes their {e} indexes (hf/maps.Tensor.inner_axes).
 EXPERTS_AXES = ("experts", "experts_fsdp")
+SCOPE = "moe"  # the layer's named scope, its shard_map included (the census counts its gathers and scatters)
 KERNEL_FSDP = ("experts", "embed", "mlp")  # model.moe_kernel_fsdp's values (null: "experts", falling back to embed)
 
 
@@ -124,7 +125,7 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask
   if not 1 <= k <= E:
     raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
   dense = dense_primitive if ctx is None else ctx.dense
-  with jax.named_scope("moe"):
+  with jax.named_scope(SCOPE):
     with jax.named_scope("router"):
       logits, probs, w, ids = _route(p, x_BTD, dense, settings, token_mask_BT, forced_ids_BTk, router_full,
                                      router_bias)
