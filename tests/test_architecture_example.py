@@ -1,73 +1,38 @@
 """docs/architecture.md's worked example, run as the page writes it: its mixer, family, registry lines and tiny
-preset are read from the page's code blocks, registered, and held to tests/conformance.py's checks (cached
-sampling equals recomputing, packed documents, explicit equals auto with nothing blocked), so the page cannot
-drift from the code. Negative controls: the same mixer with a decode that drops its state (what declaring it
-position-wise would mean) fails the sampling check, and without its segment mask the packed-document check."""
+preset are read from the page's code blocks, registered (tests/doc_example.py), and held to tests/conformance.py's
+checks (cached sampling equals recomputing, packed documents, explicit equals auto with nothing blocked), so the
+page cannot drift from the code. Negative controls: the same mixer with a decode that drops its state (what
+declaring it position-wise would mean) fails the sampling check, and without its segment mask the packed-document
+check. Its config section is tests/test_part_config.py's."""
 from __future__ import annotations
 
 import dataclasses
-import re
+import importlib
 import sys
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
-import yaml
 
 import meshlm
 import conformance as C
+import doc_example as E
 from meshlm.models import api, registry
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-
-
-def blocks() -> dict[str, str]:
-  """The worked example's fenced blocks, by the path in their first line (`# models/mixers/mean.py`)."""
-  text = DOC.read_text()
-  start = text.index("## Worked example: a new mixer")
-  end = text.find("\n## ", start)  # the next section, else the end of the page
-  section = text[start:end if end != -1 else len(text)]
-  out = {}
-  for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, re.S):
-    first = body.splitlines()[0]
-    assert first.startswith("# "), first
-    out[first[2:].split(":")[0].strip()] = body
-  return out
 
 
 def test_the_page_holds_the_four_blocks():
-  assert set(blocks()) == {"models/mixers/mean.py", "models/mean_llama.py", "models/registry.py",
-                           "config/presets/mean-llama-tiny.yaml"}
-
-
-def _module(name: str, source: str) -> types.ModuleType:
-  module = types.ModuleType(name)
-  exec(compile(source, f"docs/architecture.md ({name})", "exec"), module.__dict__)
-  return module
+  assert set(E.blocks()) == {E.MIXER, E.FAMILY, E.REGISTRY, E.PRESET} == {
+      "models/mixers/mean.py", "models/mean_llama.py", "models/registry.py", "config/presets/mean-llama-tiny.yaml"}
 
 
 @pytest.fixture(scope="module")
 def example():
-  """(cfg, params, the mixer module) with the page's part and family registered for this module's tests."""
-  b = blocks()
-  mp = pytest.MonkeyPatch()
-  mixer = _module("meshlm.models.mixers.mean", b["models/mixers/mean.py"])
-  mp.setitem(sys.modules, mixer.__name__, mixer)
-  family = _module("meshlm.models.mean_llama", b["models/mean_llama.py"])
-  mp.setitem(sys.modules, family.__name__, family)
-  lines: dict = {}
-  exec(b["models/registry.py"], lines)
-  for table in ("PARTS", "FAMILIES"):
-    for k, v in lines[table].items():
-      mp.setitem(getattr(registry, table), k, v)
-  base = yaml.safe_load(b["config/presets/mean-llama-tiny.yaml"])
-  base.setdefault("model_name", "mean-llama-tiny")
-  cfg = meshlm.load_config("train.compute_dtype=float32", base=base)
-  yield cfg, meshlm.init_params(cfg, jax.random.key(0)), mixer, base
-  mp.undo()
-  api.clear_programs()
+  """(cfg, params, the mixer module, the preset tree) with the page's part and family registered for this module's
+  tests."""
+  with E.registered() as ex:
+    cfg = E.config()
+    yield cfg, meshlm.init_params(cfg, jax.random.key(0)), ex.mixer, E.preset()
 
 
 def test_the_registered_part_and_family_are_the_pages(example):
@@ -75,7 +40,6 @@ def test_the_registered_part_and_family_are_the_pages(example):
   fam = registry.family(cfg)
   assert fam.name == "mean_llama" and fam.kinds["dense"].mixer.name == "mean"
   assert fam.kinds["dense"].mixer.state_spec is mixer.state_spec
-  import importlib
   module, factory = registry.PARTS["mean"].split(":")
   assert getattr(importlib.import_module(module), factory)().name == "mean"
 

@@ -1,1 +1,0 @@
-"""A new layer part end to end (tests/test_part_config.py)."""
