@@ -1,7 +1,7 @@
 """The structural counts that tests/golden/ pins, and how a mismatch is reported.
 
 - tests/golden/census/<preset>.json: for every tiny preset and every arm in ARMS, the StableHLO
-  counts in KEYS, from lowering alone (no compile), so that test stays fast and does not move with
+  counts in keys(), from lowering alone (no compile), so that test stays fast and does not move with
   XLA's optimizer.
 - tests/golden/compiled_census.json: the compiled step's collective counts (all-gathers and the
   rest) for one config, COMPILED_CONFIG; these do move with XLA.
@@ -27,15 +27,22 @@ ARMS: dict[str, tuple[str, ...]] = {
     "explicit-auto_axes": ("shard_mode=explicit", "weight_grad_impl=auto_axes"),
     "auto": ("shard_mode=auto",),
 }
-KEYS = ("stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent", "stablehlo.transpose_of_dot.blocked",
-        "stablehlo.transpose_of_dot.weight_grad.adjacent", "stablehlo.transpose_of_dot.weight_grad.blocked",
-        "stablehlo.transposes", "stablehlo.dots", "blowups",
-        # MoE fields (per step: call sites expanded, scan bodies times their trip count).
-        "stablehlo.sorts.forward", "stablehlo.sorts.backward", "stablehlo.moe.gathers.forward",
-        "stablehlo.moe.gathers.backward", "stablehlo.moe.scatters.forward", "stablehlo.moe.scatters.backward",
-        "stablehlo.weight_grad_dots",
-        # Scheduling fences (MoE's expert-weight-gradient barrier: one per MoE layer in the backward).
-        "stablehlo.optimization_barriers.forward", "stablehlo.optimization_barriers.backward")
+STEP_KEYS = ("stablehlo.sharding_barriers", "stablehlo.transpose_of_dot.adjacent",
+             "stablehlo.transpose_of_dot.blocked", "stablehlo.transpose_of_dot.weight_grad.adjacent",
+             "stablehlo.transpose_of_dot.weight_grad.blocked", "stablehlo.transposes", "stablehlo.dots", "blowups",
+             # Per step: call sites expanded, scan bodies times their trip count.
+             "stablehlo.sorts.forward", "stablehlo.sorts.backward", "stablehlo.weight_grad_dots",
+             # Scheduling fences (a part's own, e.g. one per layer in the backward; remat's).
+             "stablehlo.optimization_barriers.forward", "stablehlo.optimization_barriers.backward")
+
+
+def keys() -> tuple[str, ...]:
+  """The pinned fields: STEP_KEYS, then the fields of the StableHLO counters the registered parts declare
+  (analysis/counters.py; an HLO counter moves with XLA's optimizer, so it is not pinned here)."""
+  from meshlm.analysis.counters import KINDS, part_counters
+  return STEP_KEYS + tuple(f"{c.field}.{leaf}" for c in part_counters() if KINDS[c.kind][0] == "stablehlo"
+                           for leaf in KINDS[c.kind][1])
+
 
 # The scanned stack, as real-size models run it (the llama2-tiny preset itself unrolls its layers).
 COMPILED_CONFIG = ("model=llama2-tiny", "scan_layers=true") + BASE
@@ -81,7 +88,7 @@ def golden_counts(preset: str, arms: list[str] | None = None, over: tuple[str, .
   out = {}
   for arm in ARMS if arms is None else arms:
     result = stablehlo_census(load_config(f"model={preset}", *BASE, *over, *ARMS[arm]))
-    out[arm] = {k: field(result, k) for k in KEYS}
+    out[arm] = {k: field(result, k) for k in keys()}
   return out
 
 
