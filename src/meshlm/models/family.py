@@ -47,6 +47,9 @@ models/registry.py):
 - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
   load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
   value to the loss and logs the weighted value under the metric's name.
+- needs: the ModelConfig fields the part reads that default to null, because a model without the part has no
+  use for them (attention's heads, gdn's and mla's ranks); the registry refuses a family with the part when
+  one is null, naming the key, before the family's own checks run.
 - census: (CensusCounter, ...): what the census counts for the part in the compiled step, as data: a counting
   kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
   reported at a dotted census field. The census reads the counters of every registered part, so a model
