@@ -67,14 +67,16 @@ def test_logical_spec_drops_size_one_axes_and_never_reuses_a_mesh_axis():
 
 
 def test_logical_spec_without_a_mesh_and_unknown_axes():
+  """No mesh: no sharding, but an unknown name fails as it does on a mesh (an inline tuple in a part is checked
+  in a one-device run too)."""
   assert logical_spec(("batch", "embed"), (8, 32)) == P()
-  mesh = mesh_of("mesh.fsdp=4")
-  with pytest.raises(KeyError, match="'hidden' has no rule"):
-    logical_spec(("hidden",), (8,), mesh)
+  for mesh in (None, mesh_of("mesh.fsdp=4")):
+    with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
+      logical_spec(("hidden",), (8,), mesh)
 
 
 def test_a_misspelt_axis_fails_where_it_is_declared():
-  """Negative controls: a ParamSpec (directly or through a builder) and an activation axes tuple with a name the
+  """Negative controls: a ParamSpec (directly or through a builder), a StateLeaf and an activation axes tuple with a name the
   rules lack each raise at construction, with no mesh, naming the axis and the known names."""
   with pytest.raises(ValueError, match=r"unknown logical axis 'kv_head'; known: .*kv_heads"):
     S.ParamSpec((4, 2), ("embed", "kv_head"))
@@ -84,6 +86,10 @@ def test_a_misspelt_axis_fails_where_it_is_declared():
     axes("batch", "lenght", None)
   assert axes("batch", "length", None) == ("batch", "length", None)
   assert S.ParamSpec((4, 2), ("embed", None)).axes == ("embed", None)
+  from meshlm.models.family import StateLeaf
+  with pytest.raises(ValueError, match=r"StateLeaf axes .*unknown logical axis 'kv_head'"):
+    StateLeaf((2, 4, 8), ("batch", "kv_head", None))
+  assert StateLeaf((2, 4, 8), ("batch", "kv_heads", None)).axes == ("batch", "kv_heads", None)
 
 
 def test_the_rules_name_the_known_axes():

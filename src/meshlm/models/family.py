@@ -117,6 +117,7 @@ class StateLeaf:
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
     assert self.commit in COMMITS, self.commit
+    S.check_axes(self.axes, f"StateLeaf axes {self.axes}")
 
 
 # The counting kinds a part may declare for the census (Part.census), each implemented by analysis/counters.py:

@@ -98,7 +98,9 @@ def context_size() -> int:
 
 
 def logical_spec(axes: Axes, shape: Sequence[int] | None = None, mesh=None) -> P:
-  """PartitionSpec for logical axes. Mesh axes of size 1 and non-dividing axes are dropped."""
+  """PartitionSpec for logical axes. Mesh axes of size 1 and non-dividing axes are dropped. An unknown axis
+  name is a ValueError with no mesh too, so a misspelt inline tuple fails in a one-device run."""
+  S.check_axes(tuple(axes), f"logical axes {tuple(axes)}")
   mesh = current_mesh() if mesh is None else mesh
   if mesh.empty:
     return P()
@@ -109,8 +111,6 @@ def logical_spec(axes: Axes, shape: Sequence[int] | None = None, mesh=None) -> P
     if name is None:
       parts.append(None)
       continue
-    if name not in RULES:
-      raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(RULES)}")
     mesh_axes = [a for a in RULES[name] if sizes.get(a, 1) > 1 and a not in used]
     if shape is not None:
       # Keep the longest prefix of mesh axes whose product divides this dimension.
