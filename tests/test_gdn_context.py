@@ -28,7 +28,8 @@ T = 128
 CHUNK = 16
 # qwen3.5-tiny (and qwen3-next-tiny) shrunk: tiny widths, two layers (one linear-attention, one full), two GDN
 # chunks of 16 per shard at context=4.
-SHRINK = ("model.num_layers=2", "model.full_attention_interval=2", "model.embed_dim=32", "model.mlp_dim=64", "model.vocab_size=64", f"model.parts.gdn.chunk_size={CHUNK}",
+SHRINK = ("model.num_layers=2", "model.full_attention_interval=2", "model.embed_dim=32", "model.mlp_dim=64",
+          "model.vocab_size=64", f"model.parts.gdn.chunk_size={CHUNK}",
           "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.head_dim=8",
           f"train.seq_len={T}", "train.compute_dtype=float32", "train.per_device_batch_size=1")
 # Float32 reassociation only (the shards' states are combined in another order than one scan over all chunks).
@@ -98,9 +99,9 @@ def test_explicit_and_auto_losses_agree():
 
 
 # qwen3-next-tiny's gradients reach 2.0 (qwen3.5-tiny's stay far smaller) and its MoE sums run in another order
-# with the sequence split: XLA's own partitioning of the unchanged model (model.parts.gdn.impl=reference, no context-parallel
-# code) already differs from unsharded. Measured here (shrunk to 2 layers): 3.5e-6 of a leaf's max |gradient| at
-# most (3.7e-5 with the preset's 4 layers); dropping the halo moves leaves by 0.28-0.40 of theirs.
+# with the sequence split: XLA's own partitioning of the unchanged model (model.parts.gdn.impl=reference, no
+# context-parallel code) already differs from unsharded. Measured here (shrunk to 2 layers): 3.5e-6 of a leaf's max
+# |gradient| at most (3.7e-5 with the preset's 4 layers); dropping the halo moves leaves by 0.28-0.40 of theirs.
 FUSED_RTOL = 3e-5
 
 

@@ -82,6 +82,19 @@ def test_hf_parity_runs_the_chunked_rule_in_chunks_of_64():
     assert (own.impl, own.chunk_size, own.conv_kernel_dim) == ("chunked", 64, 4), name
 
 
+def test_an_imported_model_takes_the_gdn_knobs_under_either_key_but_keeps_its_conv():
+  """config.json's linear_conv_kernel_dim is the gdn part's conv_kernel_dim; the chunk and the rule may be set under
+  the new key or the old one, another conv is a shape change of the loaded parameters, refused naming the key."""
+  import meshlm
+  path = f"model={FIXTURES / 'qwen3.5'}"
+  for chunk in ("model.gdn_chunk_size=16", "model.parts.gdn.chunk_size=16"):
+    own = gdn_mixer.knobs(meshlm.load_config(path, chunk, "model.gdn_impl=reference").model)
+    assert (own.chunk_size, own.impl, own.conv_kernel_dim) == (16, "reference", 4), chunk
+  for key in ("model.linear_conv_kernel_dim", "model.parts.gdn.conv_kernel_dim"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=3: would change the shape of parameters loaded"):
+      meshlm.load_config(path, f"{key}=3")
+
+
 @pytest.mark.parametrize("name, impl, chunk", [("qwen3-next", "chunked", 16), ("qwen3-next", "reference", 64),
                                                ("qwen3.5", "reference", 64)])
 def test_other_rules_match_transformers(name, impl, chunk):

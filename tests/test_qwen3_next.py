@@ -133,7 +133,8 @@ def test_partial_rope_rotates_the_first_dims_with_half_split_pairs():
 def test_fused_layout_equals_separate_layout_reshaped_as_documented():
   """qwen3-next's per-key-head in_proj_qkvz / in_proj_ba, reordered into qwen3.5's in_proj_qkv / _z / _b / _a as
   the gdn module docstring says, give the same mixer output: the layouts the HF maps rely on."""
-  cfg = load_config("model=qwen3.5-tiny", "train.compute_dtype=float32", "cpu_devices=1", "model.parts.gdn.impl=reference")
+  cfg = load_config("model=qwen3.5-tiny", "train.compute_dtype=float32", "cpu_devices=1",
+                    "model.parts.gdn.impl=reference")
   m = cfg.model
   K, N, G, H, J, _ = gdn_mixer.dims(m)
   D = m.embed_dim
@@ -159,9 +160,10 @@ def test_fused_layout_equals_separate_layout_reshaped_as_documented():
 # --- the gdn mixer: the chunked rule against the reference recurrence --------------------------------
 
 def mixer_setup(impl: str):
-  """The qwen3-next gdn mixer with model.parts.gdn.impl=impl on 150 positions (chunks of 64: document boundaries inside a
-  chunk and on a chunk edge, a ragged last chunk) holding up to three documents and padding."""
-  cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=1", f"model.parts.gdn.impl={impl}")
+  """The qwen3-next gdn mixer with model.parts.gdn.impl=impl on 150 positions (chunks of 64: document boundaries
+  inside a chunk and on a chunk edge, a ragged last chunk) holding up to three documents and padding."""
+  cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=1",
+                    f"model.parts.gdn.impl={impl}")
   m = cfg.model
   n = 150
   params = S.init_tree(gdn_mixer.spec(m, fused=True), jax.random.key(3), jnp.float32)
