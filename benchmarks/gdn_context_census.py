@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 
-SHRINK = ("model.embed_dim=32", "model.mlp_dim=64", "model.vocab_size=64", "model.gdn_chunk_size=16",
+CHUNK = 16
+# model.gdn_chunk_size: the old key of model.parts.gdn.chunk_size, which checkouts before the move read too.
+SHRINK = ("model.embed_dim=32", "model.mlp_dim=64", "model.vocab_size=64", f"model.gdn_chunk_size={CHUNK}",
           "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.head_dim=8", "train.seq_len=128",
           "train.compute_dtype=float32", "train.per_device_batch_size=1")
 MESHES = (("cpu_devices=2", "mesh.context=2"), ("cpu_devices=4", "mesh.context=4"),
@@ -40,7 +42,7 @@ def main() -> None:
   for mesh in MESHES:
     for mode in ("explicit", "auto"):
       cfg = load_config(f"model={args.preset}", *SHRINK, *mesh, f"shard_mode={mode}")
-      U = cfg.train.seq_len // cfg.model.gdn_chunk_size
+      U = cfg.train.seq_len // CHUNK
       name = " ".join(o for o in mesh if o.startswith("mesh."))
       try:
         c = census(cfg)

@@ -88,9 +88,9 @@ def test_a_zero_buffer_carried_around_the_chunk_scans_is_counted_as_hoisted():
 @pytest.fixture(scope="module")
 def model_census():
   tiny = ("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1", "train.seq_len=64",
-          "train.compute_dtype=float32", "model.embed_dim=32", "model.mlp_dim=32", "model.vocab_size=64",
-          "model.gdn_chunk_size=16")  # 4 chunks: a loop of one trip would be inlined
-  gdn_cfg = load_config("model=qwen3.5-tiny", *tiny)
+          "train.compute_dtype=float32", "model.embed_dim=32", "model.mlp_dim=32", "model.vocab_size=64")
+  # 4 chunks: a loop of one trip would be inlined (a knob of the gdn part, which llama refuses)
+  gdn_cfg = load_config("model=qwen3.5-tiny", *tiny, "model.parts.gdn.chunk_size=16")
   dense_cfg = load_config("model=llama2-tiny", *tiny, "model.num_layers=1")
   return gdn_cfg, C.census(gdn_cfg), C.census(dense_cfg)
 

@@ -201,7 +201,7 @@ def test_all_zero_q_and_k_rows_stay_finite():
 @pytest.mark.parametrize("chunk", [48, 0, 3])
 def test_chunk_size_not_a_power_of_two_is_refused(chunk):
   (q, k, v, g, beta, _), _ = rule_inputs(8)
-  with pytest.raises(ConfigError, match=rf"model\.gdn_chunk_size={chunk}: .*power of two"):
+  with pytest.raises(ConfigError, match=rf"model\.parts\.gdn\.chunk_size={chunk}: .*power of two"):
     gdn.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=chunk)
 
 

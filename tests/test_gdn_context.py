@@ -28,7 +28,8 @@ T = 128
 CHUNK = 16
 # qwen3.5-tiny (and qwen3-next-tiny) shrunk: tiny widths, two layers (one linear-attention, one full), two GDN
 # chunks of 16 per shard at context=4.
-SHRINK = ("model.num_layers=2", "model.full_attention_interval=2", "model.embed_dim=32", "model.mlp_dim=64", "model.vocab_size=64", f"model.gdn_chunk_size={CHUNK}",
+SHRINK = ("model.num_layers=2", "model.full_attention_interval=2", "model.embed_dim=32", "model.mlp_dim=64",
+          "model.vocab_size=64", f"model.parts.gdn.chunk_size={CHUNK}",
           "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.head_dim=8",
           f"train.seq_len={T}", "train.compute_dtype=float32", "train.per_device_batch_size=1")
 # Float32 reassociation only (the shards' states are combined in another order than one scan over all chunks).
@@ -98,9 +99,9 @@ def test_explicit_and_auto_losses_agree():
 
 
 # qwen3-next-tiny's gradients reach 2.0 (qwen3.5-tiny's stay far smaller) and its MoE sums run in another order
-# with the sequence split: XLA's own partitioning of the unchanged model (gdn_impl=reference, no context-parallel
-# code) already differs from unsharded. Measured here (shrunk to 2 layers): 3.5e-6 of a leaf's max |gradient| at
-# most (3.7e-5 with the preset's 4 layers); dropping the halo moves leaves by 0.28-0.40 of theirs.
+# with the sequence split: XLA's own partitioning of the unchanged model (model.parts.gdn.impl=reference, no
+# context-parallel code) already differs from unsharded. Measured here (shrunk to 2 layers): 3.5e-6 of a leaf's max
+# |gradient| at most (3.7e-5 with the preset's 4 layers); dropping the halo moves leaves by 0.28-0.40 of theirs.
 FUSED_RTOL = 3e-5
 
 
@@ -138,7 +139,7 @@ def test_gdn_layers_do_not_gather_the_sequence(mesh, shards, rows):
   _, _, hlo = run("qwen3.5-tiny", *MESHES[mesh])
   calls = _collectives(hlo, "linear_attn")
   state_bytes = shards * B * N * H * max(H, m.linear_value_head_dim) * 4  # the gathered [C, B, N, H, J or H]
-  halo_bytes = B * (m.linear_conv_kernel_dim - 1) * gdn_mixer.channels(m) * 4
+  halo_bytes = B * (gdn_mixer.knobs(m).conv_kernel_dim - 1) * gdn_mixer.channels(m) * 4
   flat = [(kind, c) for kind, cs in calls.items() for c in cs]
   assert flat  # the pass-2 gathers and the halo are there
   big = [(kind, c["shape"], c["scope"]) for kind, c in flat if c["bytes_per_call"] > max(state_bytes, halo_bytes)]

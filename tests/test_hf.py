@@ -34,7 +34,7 @@ TOL = 3e-6
 # The Gated DeltaNet hybrids (T = 150, float32 recurrent state, issue 20's bound): measured under JAX 0.12.0.1 on
 # fsdp=3 with the default chunked rule (chunks of 64), the largest errors are qwen3.5's 3.2e-6 (layer 5's hidden
 # state), qwen3.5-moe's 1.9e-6 (logits), qwen3-next's 1.7e-6 and qwen3.5-moe-vl's 2.0e-6 (logits); with
-# gdn_impl=reference they were 4.0e-6, 2.7e-6, 1.7e-6 and 1.7e-6.
+# model.parts.gdn.impl=reference they were 4.0e-6, 2.7e-6, 1.7e-6 and 1.7e-6.
 GDN_FIXTURES = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")
 GDN_TOL = 1e-5
 

@@ -18,6 +18,7 @@ import pytest
 
 from meshlm import forward, hf
 from meshlm.errors import ConfigError
+from meshlm.models.mixers import gdn as gdn_mixer
 
 from hf_layouts import copy_fused, copy_multimodal, read_tensors, text_layout, write_tensors
 
@@ -77,8 +78,21 @@ def test_hf_parity_runs_the_chunked_rule_in_chunks_of_64():
   partial one; measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5), so this file does not run those
   programs again; it checks the other chunk size and the other rule."""
   for name in GDN_FIXTURES:
-    m = hf.load(FIXTURES / name, "cpu_devices=1")[0].model
-    assert (m.gdn_impl, m.gdn_chunk_size) == ("chunked", 64), name
+    own = gdn_mixer.knobs(hf.load(FIXTURES / name, "cpu_devices=1")[0].model)
+    assert (own.impl, own.chunk_size, own.conv_kernel_dim) == ("chunked", 64, 4), name
+
+
+def test_an_imported_model_takes_the_gdn_knobs_under_either_key_but_keeps_its_conv():
+  """config.json's linear_conv_kernel_dim is the gdn part's conv_kernel_dim; the chunk and the rule may be set under
+  the new key or the old one, another conv is a shape change of the loaded parameters, refused naming the key."""
+  import meshlm
+  path = f"model={FIXTURES / 'qwen3.5'}"
+  for chunk in ("model.gdn_chunk_size=16", "model.parts.gdn.chunk_size=16"):
+    own = gdn_mixer.knobs(meshlm.load_config(path, chunk, "model.gdn_impl=reference").model)
+    assert (own.chunk_size, own.impl, own.conv_kernel_dim) == (16, "reference", 4), chunk
+  for key in ("model.linear_conv_kernel_dim", "model.parts.gdn.conv_kernel_dim"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=3: would change the shape of parameters loaded"):
+      meshlm.load_config(path, f"{key}=3")
 
 
 @pytest.mark.parametrize("name, impl, chunk", [("qwen3-next", "chunked", 16), ("qwen3-next", "reference", 64),
@@ -86,7 +100,8 @@ def test_hf_parity_runs_the_chunked_rule_in_chunks_of_64():
 def test_other_rules_match_transformers(name, impl, chunk):
   """The chunked rule in nine chunks of 16 on fsdp=3 (the fused layout), and the reference recurrence on both
   projection layouts."""
-  cfg, params = hf.load(FIXTURES / name, *SHARDED, f"model.gdn_impl={impl}", f"model.gdn_chunk_size={chunk}")
+  cfg, params = hf.load(FIXTURES / name, *SHARDED, f"model.parts.gdn.impl={impl}",
+                        f"model.parts.gdn.chunk_size={chunk}")
   assert parity_error(cfg, params, name) <= GDN_TOL
 
 
@@ -102,7 +117,7 @@ def test_fixtures_depend_on_the_state_carried_across_a_chunk(monkeypatch):
     return jax.numpy.concatenate([o1, o2], axis=1), state
 
   for name in ("qwen3-next", "qwen3.5"):
-    cfg, params = hf.load(FIXTURES / name, *ONE, "model.gdn_impl=reference")
+    cfg, params = hf.load(FIXTURES / name, *ONE, "model.parts.gdn.impl=reference")
     monkeypatch.setattr(rule, "gated_delta_rule_reference", forgets_at_64)
     err = parity_error(cfg, params, name)
     monkeypatch.setattr(rule, "gated_delta_rule_reference", real)

@@ -2,8 +2,10 @@
 the part's knob is no schema field and changes the numbers; the family refuses a section none of its parts
 declares and the section a bad or unknown knob, each naming the key; another family refuses the section; a model
 without attention needs no head fields; a checkpoint compares the parts' knobs (but a COMPUTE one); a moved key
-still sets its part's knob; the resolve cache follows the registry. Sampling from the mixer's decode state against
-recomputing, and its negative control, are tests/test_architecture_example.py's (run at the preset's knob)."""
+still sets its part's knob (mla's absorb; gdn's chunk_size, impl and conv_kernel_dim, a checkpoint resuming under
+another chunk or rule but not another conv); the resolve cache follows the registry. Sampling from the mixer's
+decode state against recomputing, and its negative control, are tests/test_architecture_example.py's (run at the
+preset's knob)."""
 import dataclasses
 from pathlib import Path
 
@@ -127,3 +129,67 @@ def test_resolve_is_cached_and_follows_the_registry(monkeypatch):
   other = dataclasses.replace(fam, embed_scale=True)
   monkeypatch.setattr(registry, "get", lambda name: other if name == "mean_llama" else fam)
   assert model.resolve(cfg).family.embed_scale and model.resolve(cfg) is not first
+
+
+# --- gdn's knobs, moved into its section: model.gdn_chunk_size, gdn_impl, linear_conv_kernel_dim -------------
+
+def gdn_knobs(*overrides, base=None):
+  from meshlm.models.mixers import gdn
+  own = gdn.knobs(registry.validate(load_config("model=qwen3.5-tiny", *overrides, base=base)).model)
+  return own.chunk_size, own.impl, own.conv_kernel_dim
+
+
+def test_the_old_gdn_keys_still_set_its_knobs():
+  """On the CLI the old key overrides what the preset sets under the new name (qwen3.5-tiny's parts.gdn.chunk_size:
+  64); in a tree (a saved run config, a base dict) it sets the knob, and the new name given there too wins."""
+  assert gdn_knobs() == (64, "chunked", 4)
+  assert gdn_knobs("model.gdn_chunk_size=16", "model.gdn_impl=reference", "model.linear_conv_kernel_dim=3") == (
+      16, "reference", 3)
+  assert gdn_knobs("model.parts.gdn.chunk_size=16", "model.parts.gdn.impl=reference",
+                   "model.parts.gdn.conv_kernel_dim=3") == (16, "reference", 3)
+  assert gdn_knobs("model.gdn_chunk_size=16", "model.parts.gdn.chunk_size=32")[0] == 32  # in order: the last wins
+  tree = load_config("model=qwen3.5-tiny").model_dump(mode="json")
+  flat = dict(tree, model={**{k: v for k, v in tree["model"].items() if k != "parts"}, "gdn_chunk_size": 16,
+                           "gdn_impl": "reference", "linear_conv_kernel_dim": 3})
+  assert gdn_knobs(base=flat) == (16, "reference", 3)
+  both = dict(flat, model=dict(flat["model"], parts={"gdn": {"chunk_size": 32}}))
+  assert gdn_knobs(base=both) == (32, "reference", 3)
+  assert not {"gdn_chunk_size", "gdn_impl", "linear_conv_kernel_dim"} & set(ModelConfig.model_fields)
+  assert not {"gdn_chunk_size", "gdn_impl"} & set(ModelConfig.COMPUTE_FIELDS)
+
+
+def test_an_old_key_at_its_default_sets_nothing_for_a_family_without_the_part():
+  """A model config saved before the move holds every field (llama's too, at the defaults): it loads; an old key
+  off its default still is a knob llama has no part for (control)."""
+  tree = load_config("model=llama2-tiny").model_dump(mode="json")
+  old = dict(tree, model=dict(tree["model"], gdn_chunk_size=64, gdn_impl="chunked", linear_conv_kernel_dim=4,
+                              mla_absorb=True))
+  assert registry.validate(load_config(base=old)).model.parts == {}
+  with pytest.raises(ConfigError, match="model.parts.gdn: model family 'llama' has no part 'gdn'"):
+    registry.validate(load_config(base=dict(old, model=dict(old["model"], gdn_chunk_size=32))))
+
+
+@pytest.mark.parametrize("key", ["model.parts.gdn.chunk_size", "model.gdn_chunk_size"])
+def test_a_gdn_chunk_not_a_power_of_two_is_refused_naming_the_section_key(key):
+  with pytest.raises(ConfigError, match=r"^model\.parts\.gdn\.chunk_size: 48 must be a power of two"):
+    gdn_knobs(f"{key}=48")
+  assert gdn_knobs(f"{key}=32")[0] == 32  # control
+
+
+def test_a_checkpoint_resumes_under_another_gdn_chunk_or_rule_but_not_another_conv():
+  """chunk_size and impl are COMPUTE knobs (the same parameters, computed in other pieces); conv_kernel_dim is a
+  parameter's shape. A checkpoint saved before the move (the flat keys) compares as the new ones."""
+  cfg = load_config("model=qwen3.5-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  assert _model_mismatch(saved, cfg) is None
+  assert _model_mismatch(dict(saved, parts={"gdn": {"chunk_size": 16, "impl": "reference"}}), cfg) is None
+  assert _model_mismatch(dict(saved, parts={"gdn": {"conv_kernel_dim": 3}}), cfg) == (
+      "model.parts.gdn.conv_kernel_dim is 4 here but 3 in the checkpoint")
+  old = {k: v for k, v in saved.items() if k != "parts"}
+  assert _model_mismatch(dict(old, gdn_chunk_size=32, gdn_impl="reference", linear_conv_kernel_dim=4), cfg) is None
+  assert _model_mismatch(dict(old, linear_conv_kernel_dim=2), cfg) == (
+      "model.parts.gdn.conv_kernel_dim is 4 here but 2 in the checkpoint")
+  llama = load_config("model=llama2-tiny")
+  before_the_move = dict(llama.model.model_dump(mode="json"), gdn_chunk_size=64, gdn_impl="chunked",
+                         linear_conv_kernel_dim=4, mla_absorb=True)
+  assert _model_mismatch(before_the_move, llama) is None

@@ -16,6 +16,7 @@ import pytest
 
 from meshlm import load_config
 from meshlm.models import init_params
+from meshlm.models.mixers import gdn as gdn_mixer
 
 # The config.json fields that fix the parameter count.
 OFFICIAL = {
@@ -108,7 +109,7 @@ def test_hybrid_preset_parameter_count(name):
   m = load_config(f"model={name}").model
   assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.full_attention_interval,
           m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
-          m.linear_conv_kernel_dim) == tuple(official[k] for k in (
+          gdn_mixer.knobs(m).conv_kernel_dim) == tuple(official[k] for k in (
               "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"))
@@ -175,7 +176,7 @@ def test_tiny_presets(name, family):
   if family.startswith("qwen3_5") or family == "qwen3_next":
     from meshlm.models.decoder import plan
     assert plan(cfg).kinds == ("linear_attn",) * 3 + ("full_attn",)  # 3 linear + 1 full
-    assert cfg.train.seq_len % cfg.model.gdn_chunk_size == 0
+    assert cfg.train.seq_len % gdn_mixer.knobs(cfg.model).chunk_size == 0
   if family == "deepseek_v3":
     from meshlm.models.decoder import plan
     lp = plan(cfg)

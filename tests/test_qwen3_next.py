@@ -133,7 +133,8 @@ def test_partial_rope_rotates_the_first_dims_with_half_split_pairs():
 def test_fused_layout_equals_separate_layout_reshaped_as_documented():
   """qwen3-next's per-key-head in_proj_qkvz / in_proj_ba, reordered into qwen3.5's in_proj_qkv / _z / _b / _a as
   the gdn module docstring says, give the same mixer output: the layouts the HF maps rely on."""
-  cfg = load_config("model=qwen3.5-tiny", "train.compute_dtype=float32", "cpu_devices=1", "model.gdn_impl=reference")
+  cfg = load_config("model=qwen3.5-tiny", "train.compute_dtype=float32", "cpu_devices=1",
+                    "model.parts.gdn.impl=reference")
   m = cfg.model
   K, N, G, H, J, _ = gdn_mixer.dims(m)
   D = m.embed_dim
@@ -159,9 +160,10 @@ def test_fused_layout_equals_separate_layout_reshaped_as_documented():
 # --- the gdn mixer: the chunked rule against the reference recurrence --------------------------------
 
 def mixer_setup(impl: str):
-  """The qwen3-next gdn mixer with model.gdn_impl=impl on 150 positions (chunks of 64: document boundaries inside a
-  chunk and on a chunk edge, a ragged last chunk) holding up to three documents and padding."""
-  cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=1", f"model.gdn_impl={impl}")
+  """The qwen3-next gdn mixer with model.parts.gdn.impl=impl on 150 positions (chunks of 64: document boundaries
+  inside a chunk and on a chunk edge, a ragged last chunk) holding up to three documents and padding."""
+  cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=1",
+                    f"model.parts.gdn.impl={impl}")
   m = cfg.model
   n = 150
   params = S.init_tree(gdn_mixer.spec(m, fused=True), jax.random.key(3), jnp.float32)
@@ -323,9 +325,11 @@ def test_training_qwen3_5_moe_tiny_lowers_the_loss(tmp_path):
 ERRORS = {
     "value_heads": (("model.linear_num_value_heads=6",),
                     "model: linear_num_value_heads=6 must be a multiple of linear_num_key_heads=4"),
-    "chunk": (("model.gdn_chunk_size=48",), "model: gdn_chunk_size=48 must be a power of two"),
+    "chunk": (("model.parts.gdn.chunk_size=48",), "model.parts.gdn.chunk_size: 48 must be a power of two"),
+    "old_chunk_key": (("model.gdn_chunk_size=48",), "model.parts.gdn.chunk_size: 48 must be a power of two"),
     "context": (("cpu_devices=2", "mesh.fsdp=1", "mesh.context=2", "train.seq_len=96"),
-                "mesh.context=2: train.seq_len=96 does not split into 2 shards of whole GDN chunks"),
+                "mesh.context=2: train.seq_len=96 does not split into 2 shards whose lengths are multiples of 64, "
+                "as the gdn layers need"),
     "kind": (("model.hybrid_layer_types=[linear_attention,linear_attention,mamba,full_attention]",),
              "model: hybrid_layer_types[2]='mamba': unknown layer type"),
     "gdn_heads_missing": (("model.linear_num_key_heads=null",), "model.linear_num_key_heads: required by "

@@ -365,7 +365,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, prompts, case, msg):
 def test_rows_of_a_gdn_hybrid_on_context_shards_are_whole_chunks(prompts):
   """The RL step's row length T (the longest prompt + rl.max_new_tokens, rounded up) is one the train step takes:
   on mesh.context, a Gated DeltaNet hybrid runs whole chunks per shard, so T is a multiple of context x
-  model.gdn_chunk_size. Before, T was only a multiple of 8, and `meshlm rl` stopped at its first rollout with a
+  model.parts.gdn.chunk_size. Before, T was only a multiple of 8, and `meshlm rl` stopped at its first rollout with a
   pydantic traceback (the sampler re-validates its config). Control: the rounding is only where a step needs it."""
   from meshlm.config import Config
   lengths = {}

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import pydantic
 import yaml
 
-from meshlm.config.schema import Config
+from meshlm.config.schema import Config, ModelConfig
 from meshlm.errors import ConfigError
 
 
@@ -36,8 +36,11 @@ def _parse_value(text: str) -> Any:
 
 
 def set_key(tree: dict, dotted: str, value: Any) -> None:
-  """tree[a][b][c] = value for dotted 'a.b.c', creating sections on the way."""
+  """tree[a][b][c] = value for dotted 'a.b.c', creating sections on the way. A key moved into a part's section
+  (ModelConfig.MOVED) sets its new name, so it overrides what the tree holds there."""
   keys = dotted.split(".")
+  if len(keys) == 2 and keys[0] == "model" and keys[1] in ModelConfig.MOVED:
+    keys = ["model", "parts", *ModelConfig.MOVED[keys[1]][:2]]
   node = tree
   for i, k in enumerate(keys[:-1]):
     nxt = node.get(k)

@@ -131,12 +131,6 @@ class ModelConfig(_Strict):
                                                 "linear_num_key_heads (value head n reads key head n // (N / K))")
   linear_key_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN key head dim H")
   linear_value_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN value head dim J")
-  linear_conv_kernel_dim: int = Field(default=4, gt=0, description="taps of the GDN causal depthwise conv over q|k|v")
-  gdn_chunk_size: int = Field(default=64, gt=0, description="chunk length of the chunked gated delta rule (a power "
-                              "of two)")
-  gdn_impl: Literal["chunked", "reference"] = Field(
-      default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
-      "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
   # Which layers are linear attention: hybrid_layer_types (Hugging Face's layer_types, one entry per layer) or,
   # when that is null, every full_attention_interval-th layer full ((i + 1) % interval == 0), the rest linear.
   hybrid_layer_types: Optional[list[str]] = Field(
@@ -168,10 +162,13 @@ class ModelConfig(_Strict):
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
   # How the layers compute or lay out the same parameters, not what they compute (the same function up to float
   # reassociation): a checkpoint of the model with other values restores, resumes and loads (train/checkpoint.py).
-  COMPUTE_FIELDS: ClassVar[tuple[str, ...]] = ("moe_impl", "moe_grouped_matmul", "moe_kernel_fsdp", "gdn_impl",
-                                               "gdn_chunk_size")
-  # Keys moved into a part's own section (model.parts.<part>.<knob>): the old key still sets the new one (moved).
-  MOVED: ClassVar[dict[str, tuple[str, str]]] = {"mla_absorb": ("mla", "absorb")}
+  COMPUTE_FIELDS: ClassVar[tuple[str, ...]] = ("moe_impl", "moe_grouped_matmul", "moe_kernel_fsdp")
+  # Keys moved into a part's own section: old key -> (part, knob, the old field's default). The old key still sets
+  # model.parts.<part>.<knob> (moved); at its default it sets nothing, since a model config saved before the move
+  # holds every field, the part's or not, and the section's default is the same.
+  MOVED: ClassVar[dict[str, tuple[str, str, Any]]] = {
+      "mla_absorb": ("mla", "absorb", True), "gdn_chunk_size": ("gdn", "chunk_size", 64),
+      "gdn_impl": ("gdn", "impl", "chunked"), "linear_conv_kernel_dim": ("gdn", "conv_kernel_dim", 4)}
 
   @model_validator(mode="before")
   @classmethod
@@ -180,13 +177,14 @@ class ModelConfig(_Strict):
 
   @classmethod
   def moved(cls, data: dict) -> dict:
-    """data with each MOVED key set under parts (a value given there too wins: it is the key's new name)."""
+    """data with each MOVED key set under parts (a value given there too wins: it is the key's new name), but at
+    its old default, which it drops."""
     if not any(k in data for k in cls.MOVED):
       return data
     data, parts = dict(data), {k: dict(v) for k, v in (data.get("parts") or {}).items()}
-    for old, (part, knob) in cls.MOVED.items():
-      if old in data:
-        parts.setdefault(part, {}).setdefault(knob, data.pop(old))
+    for old, (part, knob, default) in cls.MOVED.items():
+      if old in data and (value := data.pop(old)) != default:
+        parts.setdefault(part, {}).setdefault(knob, value)
     return dict(data, parts=parts)
 
   @model_validator(mode="after")
@@ -227,9 +225,6 @@ class ModelConfig(_Strict):
     if K is not None and N is not None and N % K:
       raise ValueError(f"linear_num_value_heads={N} must be a multiple of linear_num_key_heads={K} (value head n "
                        f"reads key head n // (N / K)); set model.linear_num_value_heads to a multiple of {K}")
-    c = self.gdn_chunk_size
-    if c & (c - 1):
-      raise ValueError(f"gdn_chunk_size={c} must be a power of two; set model.gdn_chunk_size=64 (or 16, 32, 128)")
     types = self.hybrid_layer_types
     if types is not None:
       bad = [(i, t) for i, t in enumerate(types) if t not in self.HYBRID_TYPES]
@@ -542,13 +537,6 @@ class Config(_Strict):
       raise ValueError(
           f"mesh.expert={self.mesh.expert}: {self.model_name} is dense (model.num_experts=0), so there are no experts "
           "to shard; leave mesh.expert at 1 and give the devices to mesh.data or mesh.fsdp")
-    if self.mesh.context > 1 and self.model.hybrid_types() is not None:
-      # Each context shard of a GDN layer runs whole chunks (the chunked rule's states-only pass per shard).
-      n, c, T = self.mesh.context, self.model.gdn_chunk_size, self.train.seq_len
-      if T % (n * c):
-        raise ValueError(
-            f"mesh.context={n}: train.seq_len={T} does not split into {n} shards of whole GDN chunks "
-            f"(model.gdn_chunk_size={c}); make train.seq_len a multiple of {n * c} or lower mesh.context")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "

@@ -43,7 +43,7 @@ models/registry.py):
   part with `section(m, part)`. The family refuses a section that none of its parts declares, and the
   section refuses an unknown knob or a bad value, each naming the key, when the model resolves.
 - shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
-  multiple of it (gdn: whole chunks, model.gdn_chunk_size); 1 for a part with no such need.
+  multiple of it (gdn: whole chunks, model.parts.gdn.chunk_size); 1 for a part with no such need.
 - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
   load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
   value to the loss and logs the weighted value under the metric's name.

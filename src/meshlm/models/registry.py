@@ -73,13 +73,26 @@ def get(name: str):
 
 def family(cfg: Config):
   """cfg's Family, after its parts' checks of the fields they need (Part.needs), the family's own checks of the
-  model config (Family.validate) and the parts' of their config sections (model.parts)."""
+  model config (Family.validate), the parts' of their config sections (model.parts) and of the context shards."""
   fam = get(cfg.model.family)
   parts = [p for kind in fam.kinds.values() for p in kind.parts]
   check_needs(cfg.model, parts)
   fam.validate(cfg.model)
   check_sections(cfg.model, parts)
+  check_shards(cfg, parts)
   return fam
+
+
+def check_shards(cfg: Config, parts: list[Part]) -> None:
+  """With the sequence split over mesh.context, each shard's length is a multiple of what every part needs of it
+  (Part.shard_multiple: whole chunks of a chunked recurrence): one ConfigError line otherwise."""
+  n, T = cfg.mesh.context, cfg.train.seq_len
+  for part in parts if n > 1 else ():
+    k = part.shard_multiple(cfg.model)
+    if k > 1 and T % (n * k):
+      raise ConfigError(f"mesh.context={n}: train.seq_len={T} does not split into {n} shards whose lengths are "
+                        f"multiples of {k}, as the {part.name} layers need; make train.seq_len a multiple of "
+                        f"{n * k} or lower mesh.context")
 
 
 def validate(cfg: Config) -> Config:

@@ -111,8 +111,8 @@ _HI = jax.lax.Precision.HIGHEST  # float32 matmuls on every backend (TPU's defau
 def check_chunk_size(chunk_size: int) -> None:
   """The chunk must be a power of two (the blocked and doubling inverses halve it; chunks tile shards)."""
   if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
-    raise ConfigError(f"model.gdn_chunk_size={chunk_size!r}: the Gated DeltaNet chunk must be a power of two "
-                      "(16, 32, 64, ...); set model.gdn_chunk_size=64")
+    raise ConfigError(f"model.parts.gdn.chunk_size={chunk_size!r}: the Gated DeltaNet chunk must be a power of two "
+                      "(16, 32, 64, ...); set model.parts.gdn.chunk_size=64")
 
 
 def _einsum(spec, *xs):

@@ -25,6 +25,7 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.mixtral import HF_DEFAULT_AUX_COEF, fused_experts, moe_from_hf
+from meshlm.models.mixers import gdn
 
 HF_MODEL_TYPE = "qwen3_next"
 HF_ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -33,12 +34,14 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers' defaults for fields a config.json may leave out (Qwen3NextConfig and the Qwen3.5 text configs).
 HF_PARTIAL_ROTARY = 0.25
 HF_FULL_ATTENTION_INTERVAL = 4
+HF_CONV_KERNEL_DIM = 4
 HF_INTERMEDIATE_SIZE = 5632  # Qwen3NextConfig's: the width of its (mlp_only_layers) dense MLPs, unused here
 
 
 def hybrid_from_hf(hf: dict, family: str) -> dict:
   """The fields the three GDN hybrids share: the llama-like ones, gated full attention with partial rotary,
-  the linear-attention geometry and the layer pattern."""
+  the linear-attention geometry (the conv taps in the gdn part's section, model.parts.gdn.conv_kernel_dim) and the
+  layer pattern."""
   maps.refuse(hf, "attn_output_gate", True, "meshlm's full-attention layers are always gated")
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   # rope_parameters.partial_rotary_factor (transformers 5), else the top-level field (transformers 4).
@@ -62,7 +65,7 @@ def hybrid_from_hf(hf: dict, family: str) -> dict:
          "linear_num_value_heads": int(maps.require(hf, "linear_num_value_heads")),
          "linear_key_head_dim": int(maps.require(hf, "linear_key_head_dim")),
          "linear_value_head_dim": int(maps.require(hf, "linear_value_head_dim")),
-         "linear_conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", 4))}
+         "parts": {"gdn": {"conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", HF_CONV_KERNEL_DIM))}}}
   if types is not None:
     out["hybrid_layer_types"] = list(types)
   else:
@@ -97,7 +100,7 @@ def hybrid_to_hf(m: ModelConfig) -> dict:
   return {**out, "partial_rotary_factor": m.partial_rotary_factor, "layer_types": list(m.hybrid_types()),
           "linear_num_key_heads": m.linear_num_key_heads, "linear_num_value_heads": m.linear_num_value_heads,
           "linear_key_head_dim": m.linear_key_head_dim, "linear_value_head_dim": m.linear_value_head_dim,
-          "linear_conv_kernel_dim": m.linear_conv_kernel_dim}
+          "linear_conv_kernel_dim": gdn.knobs(m).conv_kernel_dim}
 
 
 def shared_moe_to_hf(m: ModelConfig) -> dict:

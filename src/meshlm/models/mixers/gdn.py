@@ -31,6 +31,10 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
     norm         [J]                ones (a plain scale, not (1 + w)), shared by the value heads  [norm.weight]
     out_proj     [N, J, D]          [out_proj.weight [D, N*J]: .T.reshape(N, J, D)]
 
+Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.gdn_chunk_size, model.gdn_impl and
+model.linear_conv_kernel_dim still set them): chunk_size and impl say how the rule computes (COMPUTE: a checkpoint
+resumes under other values), conv_kernel_dim is Q, a parameter's shape.
+
 The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
 Training on mesh.context > 1 (`context_parallel`): T stays sharded through the layer; the conv takes the previous
 shard's last Q - 1 inputs as a halo (short_conv.causal_conv_context_parallel) and the rule runs per shard
@@ -46,13 +50,15 @@ Q - 1 real inputs. A decode step is the conv against its window and one step of 
 from __future__ import annotations
 
 import functools
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+import pydantic
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import CensusCounter, Part, StateLeaf
+from meshlm.models.family import CensusCounter, Part, StateLeaf, section
 from meshlm.nn import gdn as rule
 from meshlm.nn import short_conv
 from meshlm.nn.short_conv import causal_conv, window_at
@@ -64,10 +70,36 @@ OUT = ACT
 ROWS = axes("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
 
 
+class GDNConfig(pydantic.BaseModel):
+  """The gdn part's own knobs: model.parts.gdn.<knob> (their old keys, ModelConfig.MOVED, still set them)."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  # How the layer computes with the same parameters (a checkpoint resumes under other values).
+  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl")
+  chunk_size: int = pydantic.Field(default=64, gt=0, description="chunk length of the chunked gated delta rule (a "
+                                   "power of two); a mesh.context shard runs whole chunks")
+  impl: Literal["chunked", "reference"] = pydantic.Field(
+      default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
+      "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
+  conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
+                                        "(HF linear_conv_kernel_dim)")
+
+  @pydantic.field_validator("chunk_size")
+  @classmethod
+  def _power_of_two(cls, c: int) -> int:
+    if c & (c - 1):
+      raise ValueError(f"{c} must be a power of two; set model.parts.gdn.chunk_size=64 (or 16, 32, 128)")
+    return c
+
+
+def knobs(m: ModelConfig) -> GDNConfig:
+  """model.parts.gdn, its defaults filled in."""
+  return section(m, _SECTION)
+
+
 def dims(m: ModelConfig) -> tuple[int, int, int, int, int, int]:
   """(K, N, G, H, J, Q)."""
   K, N = m.linear_num_key_heads, m.linear_num_value_heads
-  return K, N, N // K, m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
+  return K, N, N // K, m.linear_key_head_dim, m.linear_value_head_dim, knobs(m).conv_kernel_dim
 
 
 def channels(m: ModelConfig) -> int:
@@ -149,17 +181,18 @@ def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: fl
 def context_parallel(m: ModelConfig, mode: str) -> bool:
   """Training with the sequence sharded over mesh.context > 1 (chunked rule): the conv takes a halo from the
   previous shard and the rule runs its three passes per shard (nn/gdn.py) instead of gathering the sequence."""
-  return mode == "train" and m.gdn_impl == "chunked" and context_size() > 1
+  return mode == "train" and knobs(m).impl == "chunked" and context_size() > 1
 
 
 def delta_rule(m: ModelConfig, mode: str = "train"):
   """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
-  prefill use model.gdn_impl (chunked, chunk model.gdn_chunk_size, or the reference recurrence); a decode step
-  is one step of the recurrence. Training on mesh.context > 1: the context-parallel chunked rule."""
+  prefill use model.parts.gdn.impl (chunked, in chunks of model.parts.gdn.chunk_size, or the reference recurrence);
+  a decode step is one step of the recurrence. Training on mesh.context > 1: the context-parallel chunked rule."""
+  own = knobs(m)
   if context_parallel(m, mode):
-    return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=m.gdn_chunk_size)
-  impl = "reference" if mode == "decode" else m.gdn_impl
-  return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=m.gdn_chunk_size)
+    return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=own.chunk_size)
+  impl = "reference" if mode == "decode" else own.impl
+  return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=own.chunk_size)
 
 
 def core(m: ModelConfig, mode: str, dense, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
@@ -242,4 +275,7 @@ def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              shard_multiple=lambda m: m.gdn_chunk_size, needs=NEEDS, census=CENSUS)
+              shard_multiple=lambda m: knobs(m).chunk_size, config=GDNConfig, needs=NEEDS, census=CENSUS)
+
+
+_SECTION = gdn()  # what `section` reads of the part (its name and config) is the same in both layouts
