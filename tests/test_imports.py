@@ -219,3 +219,39 @@ def test_the_checker_sees_a_part_named():
   assert part_names("if rl.router_replay:\n  y = router(x)\n", "fake.py") == ["fake.py:2: y = router(x)"]
   assert all((SRC / "meshlm" / f).is_file() for f in generic_files()), generic_files()
   assert len(generic_files()) > len(GENERIC_FILES) + 10  # the directories were walked
+
+
+# Issue 32's size rule: a file a newcomer can read whole, a function that fits on a screen. A file or function
+# that must be longer is named here with its reason (none today).
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
+LONGER_ALLOWED: dict[str, str] = {}
+
+
+def oversized(source: str, where: str) -> list[str]:
+  """'where: N lines' when the source is over MAX_FILE_LINES, 'where:fn: N lines' for each function over
+  MAX_FUNCTION_LINES (decorators excluded, nested functions counted on their own)."""
+  out = []
+  lines = source.count("\n") + (not source.endswith("\n") and bool(source))
+  if lines > MAX_FILE_LINES:
+    out.append(f"{where}: {lines} lines (at most {MAX_FILE_LINES})")
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      n = node.end_lineno - node.lineno + 1
+      if n > MAX_FUNCTION_LINES:
+        out.append(f"{where}:{node.name}: {n} lines (at most {MAX_FUNCTION_LINES})")
+  return out
+
+
+def test_no_file_or_function_is_over_its_size():
+  found = [hit for p in sorted((SRC / "meshlm").rglob("*.py"))
+           for hit in oversized(p.read_text(), str(p.relative_to(SRC / "meshlm")))
+           if hit.split(" ")[0].rstrip(":") not in LONGER_ALLOWED]
+  assert found == [], "\n".join(found)
+
+
+def test_the_size_check_sees_a_long_file_and_a_long_function():
+  """Negative control: 601 lines, and a function of 81 lines inside a class, are each reported."""
+  body = "def long():\n" + "  x = 1\n" * 80
+  src = "class C:\n" + "".join("  " + ln + "\n" for ln in body.splitlines()) + "y = 2\n" * (601 - 82)
+  assert oversized(src, "fake.py") == ["fake.py: 601 lines (at most 600)", "fake.py:long: 81 lines (at most 80)"]
+  assert oversized("def f():\n  return 1\n", "fake.py") == []
