@@ -187,11 +187,14 @@ class _OneBatchLate:
 
 # --- RL: `meshlm rl` as two processes samples, rewards and trains like one process -------------------------
 
-# test_rl.py's small qwen3-moe with two layers (one dense, one MoE); a reward that the untrained model's random
-# completions sometimes earn (the toy task's reward is 0 for all of them), so the advantages are not all zero.
-RL_BASE = ("model=qwen3-moe-tiny", "model.num_layers=2", "train.compute_dtype=float32", "model.embed_dim=64",
-           "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "model.moe_mlp_dim=32",
-           "model.vocab_size=257", "model.max_position=64", "train.seq_len=32", "mesh.fsdp=4", "train.steps=3",
+# The property is generate's cross-process gather and one batch on every process, not a part: the dense model of
+# the train tests above (one layer, embed 64) with the byte vocabulary, whose programs cost a third of a small MoE's
+# in each of the two processes; a reward that the untrained model's random completions sometimes earn (the toy
+# task's reward is 0 for all of them), so the advantages are not all zero. Router replay across processes is the
+# replayed ids' gather, which tests/test_rl.py and tests/test_rollout.py hold on one process's 4 devices.
+RL_BASE = ("model=llama2-tiny", "model.num_layers=1", "model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1",
+           "model.head_dim=32", "model.mlp_dim=128", "model.vocab_size=257", "model.max_position=64",
+           "train.compute_dtype=float32", "train.seq_len=32", "mesh.fsdp=4", "train.steps=3",
            "rl.prompts_per_step=2", "rl.num_generations=4", "rl.max_new_tokens=6", "rl.temperature=0.7",
            "rl.reward=[regex]", "rl.reward_regex=a|e|i|o|u|x", "train.learning_rate=1e-2", "train.warmup_steps=0")
 
