@@ -53,7 +53,9 @@ def _max_diff(a, b) -> float:
 
 # --- explicit equals auto ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+# fsdp=4 is tests/test_conformance.py's llama2-tiny row (3 float32 steps of packed documents under a ragged loss
+# mask); here the meshes with a data or a tensor axis.
+@pytest.mark.parametrize("mesh", [m for m in MESHES if m != "fsdp4"])
 def test_explicit_equals_auto(run, mesh):
   explicit, _ = run("shard_mode=explicit", *MESHES[mesh])
   auto, _ = run("shard_mode=auto", *MESHES[mesh])
