@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm.analysis import golden
 from meshlm.config import load_config
 from meshlm.models import decoder
 from meshlm.models import generate as G
@@ -259,19 +258,20 @@ MLA_PROJECTIONS = ("q_a", "q_b", "kv_a", "k_b", "v_b", "o")
 
 
 def test_census_counts_every_mla_projection_and_blocks_no_transpose_under_explicit():
-  on = golden.stablehlo_census(load_config(f"model={PRESET}", *golden.BASE, "shard_mode=explicit"))["stablehlo"]
-  assert on["transpose_of_dot"]["blocked"] == 0
-  for name in MLA_PROJECTIONS:
-    # Both layer kinds: the dense prefix layer (unrolled) and the scanned MoE layers (the scan's trip count, 2).
-    assert {k: v for k, v in on["weight_grad_dots"].items() if k.endswith(f"attn/{name}")} == {
-        f"layer_0/attn/{name}": 1, f"layers/attn/{name}": 2}, name
-  # Control, from the golden census (tests/test_analysis.py holds the file to the lowering): without the
-  # kernel-order flags the step has 18 blocked weight-gradient transposes (per call site), 10 of them MLA's: q_a,
-  # q_b, kv_a, k_b and v_b in the dense layer and in the scanned MoE body (o runs in the attention core's
-  # auto-axes region); the GLU's 3, the shared experts' 3, the router's and the head's are the other 8.
+  """From the golden census of the step (tests/test_analysis.py holds the file to the lowering, so no second
+  lowering here): under explicit no blocked transpose, and a weight-gradient dot for every MLA projection."""
   with open(os.path.join(os.path.dirname(__file__), "golden", "census", f"{PRESET}.json")) as f:
     counts = json.load(f)["counts"]
-  assert counts["explicit"]["stablehlo.weight_grad_dots"] == on["weight_grad_dots"]
+  on = counts["explicit"]
+  assert on["stablehlo.transpose_of_dot.blocked"] == 0
+  for name in MLA_PROJECTIONS:
+    # Both layer kinds: the dense prefix layer (unrolled) and the scanned MoE layers (the scan's trip count, 2).
+    assert {k: v for k, v in on["stablehlo.weight_grad_dots"].items() if k.endswith(f"attn/{name}")} == {
+        f"layer_0/attn/{name}": 1, f"layers/attn/{name}": 2}, name
+  # Control: without the kernel-order flags the step has 18 blocked weight-gradient transposes (per call site), 10
+  # of them MLA's: q_a, q_b, kv_a, k_b and v_b in the dense layer and in the scanned MoE body (o runs in the
+  # attention core's auto-axes region); the GLU's 3, the shared experts' 3, the router's and the head's are the
+  # other 8.
   assert counts["explicit-noflags"]["stablehlo.transpose_of_dot.weight_grad.blocked"] == 18
 
 
