@@ -11,6 +11,7 @@ from meshlm import spec as S
 from meshlm.analysis.aot import model_flops_per_token
 from meshlm.config import load_config, preset_names
 from meshlm.models import decoder, registry
+from meshlm.models.ffns.moe import knobs as moe_knobs
 
 
 def reference_flops_per_token(cfg) -> float:
@@ -26,8 +27,9 @@ def reference_flops_per_token(cfg) -> float:
     if len([a for a in s.axes if a != "layers"]) < 2:
       continue
     n = float(math.prod(s.shape))
-    if any(a and str(a).startswith("experts") for a in s.axes) and m.num_experts:
-      n *= m.num_experts_per_tok / m.num_experts
+    if any(a and str(a).startswith("experts") for a in s.axes):
+      own = moe_knobs(m)
+      n *= own.num_experts_per_tok / own.num_experts
     matmul += n
   T = cfg.train.seq_len
   fam, lp = registry.family(cfg), decoder.plan(cfg)

@@ -44,6 +44,11 @@ models/registry.py):
   section refuses an unknown knob or a bad value, each naming the key, when the model resolves.
 - shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
   multiple of it (gdn: whole chunks, model.parts.gdn.chunk_size); 1 for a part with no such need.
+- mesh_axes: the mesh axes that only such a part shards over (moe: "expert"); a model none of whose parts
+  names an axis refuses a size above 1 for it. check_mesh(m, sizes) refuses mesh axis sizes the part cannot
+  shard over (sizes: {axis: size}, only the axes known so far), one ConfigError line naming the keys.
+- run_knobs(cfg) -> {knob: value}: the knobs of its section that the config leaves null for the run to decide
+  from the mesh and the batch, filled in when the model resolves (registry.resolved); {} when none is left.
 - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
   load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
   value to the loss and logs the weighted value under the metric's name.
@@ -76,7 +81,7 @@ from typing import Any, Callable, Mapping
 import jax
 import pydantic
 
-from meshlm.config import ModelConfig
+from meshlm.config import Config, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
 from meshlm.nn.norm import rms_norm
@@ -166,7 +171,10 @@ class Part:
   with_plus_one: Callable[["Part", bool], "Part"] | None = None  # the part with (1 + w) own norms, or plain
   losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
   shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
+  mesh_axes: tuple[str, ...] = ()  # the mesh axes only parts like it shard over
+  check_mesh: Callable[[ModelConfig, Mapping[str, int]], None] = lambda m, sizes: None
   config: type[pydantic.BaseModel] | None = None  # the part's own knobs: model.parts.<name>.<knob>
+  run_knobs: Callable[[Config], dict] = lambda cfg: {}  # knobs left null for the run: {knob: value}
   # The ModelConfig fields it reads that default to null, because a model without this part has no use for them
   # (attention's heads): a family with the part refuses a null one, naming the key.
   needs: tuple[str, ...] = ()
@@ -207,19 +215,25 @@ def check_needs(m: ModelConfig, parts: list[Part]) -> None:
 
 
 def check_sections(m: ModelConfig, parts: list[Part]) -> None:
-  """model.parts against the sections the given parts declare: one ConfigError line naming the key."""
+  """model.parts against the sections the given parts declare, each one checked whether model.parts holds it or
+  not (a knob a section requires has no default): one ConfigError line naming the key."""
   own = {p.name: p for p in parts if p.config is not None}
-  for name, knobs in m.parts.items():
+  for name in m.parts:
     if name not in own:
       raise ConfigError(f"model.parts.{name}: model family {m.family!r} has no part {name!r} with knobs of its own "
                         f"(parts with knobs: {', '.join(sorted(own)) or 'none'})")
+  for name, part in own.items():
     try:
-      own[name].config.model_validate(knobs)
+      part.config.model_validate(m.parts.get(name, {}))
     except pydantic.ValidationError as err:
       first = err.errors()[0]
       key = ".".join(["model.parts", name, *(str(x) for x in first["loc"])])
-      known = ", ".join(own[name].config.model_fields)
+      if first["type"] == "missing":
+        raise ConfigError(f"{key}: required by model.family={m.family} (its {name} layers); set {key}=...") from None
+      known = ", ".join(part.config.model_fields)
       msg = "unknown knob" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+      if first["type"] not in ("extra_forbidden", "value_error") and not isinstance(first.get("input"), dict):
+        msg = f"{msg} (got {first['input']!r})"  # a value error's own message names the value
       raise ConfigError(f"{key}: {msg} (the {name} part's knobs: {known})") from None
 
 

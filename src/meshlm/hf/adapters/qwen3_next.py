@@ -25,6 +25,7 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.mixtral import HF_DEFAULT_AUX_COEF, fused_experts, moe_from_hf
+from meshlm.models.ffns import moe
 from meshlm.models.mixers import gdn
 
 HF_MODEL_TYPE = "qwen3_next"
@@ -74,18 +75,19 @@ def hybrid_from_hf(hf: dict, family: str) -> dict:
 
 
 def shared_moe_from_hf(hf: dict) -> dict:
-  """The routed experts and the gated shared expert (qwen3_next, qwen3_5_moe)."""
+  """The moe part's knobs (model.parts.moe) of the routed experts and the gated shared expert (qwen3_next,
+  qwen3_5_moe)."""
   maps.refuse(hf, "decoder_sparse_step", 1, "every layer of these families is MoE")
   maps.refuse(hf, "mlp_only_layers", ([], None), "every layer of these families is MoE")
   return {**moe_from_hf(hf, "num_experts"),
-          "moe_mlp_dim": int(maps.require(hf, "moe_intermediate_size")),
+          "mlp_dim": int(maps.require(hf, "moe_intermediate_size")),
           "shared_expert_mlp_dim": int(maps.require(hf, "shared_expert_intermediate_size"))}
 
 
 def from_hf_config(hf: dict) -> dict:
-  return {**hybrid_from_hf(hf, "qwen3_next"), **shared_moe_from_hf(hf),
-          "mlp_dim": int(hf.get("intermediate_size", HF_INTERMEDIATE_SIZE)),
-          "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
+  out = hybrid_from_hf(hf, "qwen3_next")
+  out["parts"]["moe"] = {**shared_moe_from_hf(hf), "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
+  return {**out, "mlp_dim": int(hf.get("intermediate_size", HF_INTERMEDIATE_SIZE))}
 
 
 def hybrid_to_hf(m: ModelConfig) -> dict:
@@ -104,14 +106,15 @@ def hybrid_to_hf(m: ModelConfig) -> dict:
 
 
 def shared_moe_to_hf(m: ModelConfig) -> dict:
-  return {"num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
-          "moe_intermediate_size": m.moe_mlp_dim, "shared_expert_intermediate_size": m.shared_expert_mlp_dim,
-          "output_router_logits": m.router_aux_loss_coef > 0,
-          "router_aux_loss_coef": m.router_aux_loss_coef or HF_DEFAULT_AUX_COEF}
+  own = moe.knobs(m)
+  return {"num_experts": own.num_experts, "num_experts_per_tok": own.num_experts_per_tok,
+          "moe_intermediate_size": own.mlp_dim, "shared_expert_intermediate_size": own.shared_expert_mlp_dim,
+          "output_router_logits": own.router_aux_loss_coef > 0,
+          "router_aux_loss_coef": own.router_aux_loss_coef or HF_DEFAULT_AUX_COEF}
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-  return {**hybrid_to_hf(m), **shared_moe_to_hf(m), "norm_topk_prob": m.norm_topk_prob,
+  return {**hybrid_to_hf(m), **shared_moe_to_hf(m), "norm_topk_prob": moe.knobs(m).norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
