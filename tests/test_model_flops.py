@@ -12,6 +12,7 @@ from meshlm.analysis.aot import model_flops_per_token
 from meshlm.config import load_config, preset_names
 from meshlm.models import decoder, registry
 from meshlm.models.ffns.moe import knobs as moe_knobs
+from meshlm.models.mixers.mla import knobs as mla_knobs
 
 
 def reference_flops_per_token(cfg) -> float:
@@ -39,7 +40,8 @@ def reference_flops_per_token(cfg) -> float:
     if mixer in ("gqa", "gated_gqa"):
       width = 2 * m.num_heads * m.head_dim
     elif mixer == "mla":
-      width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+      lat = mla_knobs(m)
+      width = m.num_heads * (lat.qk_nope_head_dim + lat.qk_rope_head_dim + lat.v_head_dim)
     else:
       continue
     w = m.sliding_window if context == "local" and m.sliding_window else T

@@ -302,3 +302,58 @@ def test_a_family_without_the_moe_part_refuses_its_section_and_the_expert_axis()
   with pytest.raises(ConfigError, match=r"^mesh.expert=3 does not divide model.parts.moe.num_experts=8"):
     registry.validate(load_config("model=qwen3-moe-tiny", "mesh.expert=3"))
   assert registry.validate(load_config("model=qwen3-moe-tiny", "mesh.expert=4")).mesh.expert == 4  # control
+
+
+# --- mla's ranks and head dims, moved into its section: model.q_lora_rank, ... -> model.parts.mla.* ----------------
+
+def mla_knobs(*overrides, base=None):
+  from meshlm.models.mixers import mla
+  return mla.knobs(registry.validate(load_config("model=deepseek-v3-tiny", *overrides, base=base)).model)
+
+
+def test_the_old_mla_keys_still_set_its_knobs():
+  """The old flat keys set the same names under model.parts.mla, on the CLI over the preset's section and in a saved
+  tree; the query heads stay the model's (num_heads, Part.needs)."""
+  from meshlm.models.mixers import mla
+  moved = {old: knob for old, (part, knob, _) in ModelConfig.MOVED.items() if part == "mla"}
+  assert moved == {k: k for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                  "rope_interleave")} | {"mla_absorb": "absorb"}
+  assert not set(moved) & set(ModelConfig.model_fields) and mla.NEEDS == ("num_heads",)
+  own = mla_knobs("model.q_lora_rank=null", "model.kv_lora_rank=16", "model.rope_interleave=false")
+  assert (own.q_lora_rank, own.kv_lora_rank, own.rope_interleave, own.qk_rope_head_dim) == (None, 16, False, 8)
+  tree = load_config("model=deepseek-v3-tiny").model_dump(mode="json")
+  old = dict(tree, model=before_the_moves(dict(tree["model"], parts={
+      "moe": tree["model"]["parts"]["moe"], "mla": dict(tree["model"]["parts"]["mla"], kv_lora_rank=16)})))
+  assert old["model"]["kv_lora_rank"] == 16 and "parts" not in old["model"]
+  assert mla_knobs(base=old) == mla_knobs("model.parts.mla.kv_lora_rank=16")
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("model.parts.mla.qk_rope_head_dim=7", r"^model\.parts\.mla\.qk_rope_head_dim: 7 must be even \(RoPE rotates "
+     r"pairs\)"),
+    ("model.qk_rope_head_dim=7", r"^model\.parts\.mla\.qk_rope_head_dim: 7 must be even"),  # the old key
+    ("model.parts.mla.kv_rank=8", r"^model\.parts\.mla\.kv_rank: unknown knob \(the mla part's knobs: q_lora_rank, "),
+    ("model.parts.mla.v_head_dim=0", r"^model\.parts\.mla\.v_head_dim: Input should be greater than 0 \(got 0\)"),
+    ("model.parts.mla.kv_lora_rank=null", r"^model\.parts\.mla\.kv_lora_rank: required by model\.family=deepseek_v3 "
+     r"\(its mla layers\); set model\.parts\.mla\.kv_lora_rank=\.\.\.$"),
+])
+def test_the_mla_section_refuses_a_bad_or_unknown_knob_naming_the_key(override, msg):
+  with pytest.raises(ConfigError, match=msg):
+    mla_knobs(override)
+  assert mla_knobs("model.parts.mla.qk_rope_head_dim=6").qk_rope_head_dim == 6  # control: even
+
+
+def test_an_mla_section_without_its_ranks_is_refused_naming_the_first():
+  tree = load_config("model=deepseek-v3-tiny").model_dump(mode="json")
+  parts = dict(tree["model"]["parts"], mla={"absorb": False})
+  with pytest.raises(ConfigError, match=r"^model\.parts\.mla\.kv_lora_rank: required by model\.family=deepseek_v3"):
+    registry.validate(load_config(base=dict(tree, model=dict(tree["model"], parts=parts))))
+
+
+def test_a_checkpoint_compares_the_mla_shapes_but_not_absorb():
+  cfg = load_config("model=deepseek-v3-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  mla = saved["parts"]["mla"]
+  assert _model_mismatch(dict(saved, parts=dict(saved["parts"], mla=dict(mla, absorb=False))), cfg) is None
+  assert _model_mismatch(dict(saved, parts=dict(saved["parts"], mla=dict(mla, rope_interleave=False))), cfg) == (
+      "model.parts.mla.rope_interleave is True here but False in the checkpoint")

@@ -17,6 +17,7 @@ import pytest
 from meshlm import load_config
 from meshlm.models import init_params
 from meshlm.models.ffns.moe import knobs as moe_knobs
+from meshlm.models.mixers.mla import knobs as mla_knobs
 from meshlm.models.mixers import gdn as gdn_mixer
 
 
@@ -191,8 +192,8 @@ def test_tiny_presets(name, family):
     from meshlm.models.decoder import plan
     lp = plan(cfg)
     assert lp.kinds == ("dense", "moe", "moe") and lp.prefix == 1 and lp.groups == 2  # dense prefix, MoE scan
-    m = cfg.model
-    assert m.q_lora_rank and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim and m.rope_interleave
+    m, lat = cfg.model, mla_knobs(cfg.model)
+    assert lat.q_lora_rank and lat.v_head_dim != lat.qk_nope_head_dim + lat.qk_rope_head_dim and lat.rope_interleave
     # YaRN on, and training runs past the original context
     assert m.rope_scaling["factor"] > 1 and m.rope_scaling["mscale_all_dim"]
     assert m.rope_scaling["original_max_position"] < cfg.train.seq_len
@@ -226,10 +227,10 @@ def test_deepseek_v3_preset_parameter_count():
   c = DEEPSEEK_V3
   assert count_deepseek_v3(c) == c["published"]
   cfg = load_config("model=deepseek-v3")
-  m, own = cfg.model, moe_knobs(cfg.model)
-  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
-          m.qk_rope_head_dim, m.v_head_dim, m.mlp_dim, own.mlp_dim, own.num_experts, own.num_experts_per_tok,
-          own.n_group, own.topk_group, own.routed_scaling_factor, m.first_k_dense_replace,
+  m, own, lat = cfg.model, moe_knobs(cfg.model), mla_knobs(cfg.model)
+  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, lat.q_lora_rank, lat.kv_lora_rank,
+          lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim, m.mlp_dim, own.mlp_dim, own.num_experts,
+          own.num_experts_per_tok, own.n_group, own.topk_group, own.routed_scaling_factor, m.first_k_dense_replace,
           m.tie_embeddings) == tuple(c[k] for k in (
               "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",

@@ -87,20 +87,6 @@ class ModelConfig(_Strict):
   # RoPE rotates the first rot = int(head_dim * factor) dims of each head (half-split pairs within them).
   partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, description="fraction of each head's dims that RoPE "
                                        "rotates (the first ones); 1: all")
-  # Multi-head latent attention (deepseek_v3's mla mixer). Letters (docs/architecture.md): Rq/Rkv the lora ranks,
-  # Hn/Hr/Hv the nope, rope and value head dims; each query/key head is Hn + Hr wide, [nope, rope].
-  q_lora_rank: Optional[int] = Field(default=None, gt=0, description="MLA: rank Rq of the query's low-rank "
-                                     "projection (q_a -> q_a_norm -> q_b); null: a plain q projection")
-  kv_lora_rank: Optional[int] = Field(default=None, gt=0, description="MLA: rank Rkv of the compressed kv (the "
-                                      "latent the decode cache holds)")
-  qk_nope_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head query/key dims without "
-                                          "RoPE (Hn)")
-  qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head query dims with RoPE, and "
-                                          "the width of the one rope key shared by every head (Hr, even)")
-  v_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head value dims (Hv)")
-  rope_interleave: bool = Field(default=False, description="MLA: RoPE rotates adjacent pairs (x0, x1), (x2, x3) "
-                                "of the rope dims, as transformers' apply_rotary_pos_emb_interleave; false: "
-                                "rotate-half pairs")
   first_k_dense_replace: int = Field(default=0, ge=0, description="deepseek_v3: the first k layers are dense (a GLU "
                                      "of mlp_dim), the rest MoE (model.parts.moe.*)")
   HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
@@ -108,7 +94,7 @@ class ModelConfig(_Strict):
   # Keys moved into a part's own section: old key -> (part, knob, the old field's default). The old key still sets
   # model.parts.<part>.<knob> (moved); at its default it sets nothing, since a model config saved before the move
   # holds every field, the part's or not, and the section's default is the same (or, for a knob the section
-  # requires, the old "none": num_experts 0, moe_mlp_dim null).
+  # requires, the old "none": num_experts 0, moe_mlp_dim null, mla's ranks null).
   MOVED: ClassVar[dict[str, tuple[str, str, Any]]] = {
       "mla_absorb": ("mla", "absorb", True), "gdn_chunk_size": ("gdn", "chunk_size", 64),
       "gdn_impl": ("gdn", "impl", "chunked"), "linear_conv_kernel_dim": ("gdn", "conv_kernel_dim", 4),
@@ -121,7 +107,10 @@ class ModelConfig(_Strict):
       "router_scoring": ("moe", "router_scoring", "softmax"), "n_group": ("moe", "n_group", 1),
       "topk_group": ("moe", "topk_group", 1), "routed_scaling_factor": ("moe", "routed_scaling_factor", 1.0),
       "router_bias_update_rate": ("moe", "router_bias_update_rate", 0.0),
-      "router_group_mask": ("moe", "router_group_mask", "zero")}
+      "router_group_mask": ("moe", "router_group_mask", "zero"),
+      "q_lora_rank": ("mla", "q_lora_rank", None), "kv_lora_rank": ("mla", "kv_lora_rank", None),
+      "qk_nope_head_dim": ("mla", "qk_nope_head_dim", None), "qk_rope_head_dim": ("mla", "qk_rope_head_dim", None),
+      "v_head_dim": ("mla", "v_head_dim", None), "rope_interleave": ("mla", "rope_interleave", False)}
 
   @model_validator(mode="before")
   @classmethod

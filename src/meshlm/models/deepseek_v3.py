@@ -21,10 +21,9 @@ def plan(m: ModelConfig) -> LayerPlan:
 
 
 def validate(m: ModelConfig) -> None:
-  """deepseek_v3's rules beyond the fields its parts need (Part.needs); one ConfigError line naming the key."""
+  """deepseek_v3's rules beyond the fields and knobs its parts need (Part.needs, their sections); one ConfigError
+  line naming the key."""
   fam = m.family
-  if m.qk_rope_head_dim % 2:
-    raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim}: must be even (RoPE rotates pairs)")
   if m.first_k_dense_replace > m.num_layers:
     raise ConfigError(f"model.first_k_dense_replace={m.first_k_dense_replace}: more dense layers than "
                       f"model.num_layers={m.num_layers}")

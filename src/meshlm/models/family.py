@@ -228,7 +228,8 @@ def check_sections(m: ModelConfig, parts: list[Part]) -> None:
     except pydantic.ValidationError as err:
       first = err.errors()[0]
       key = ".".join(["model.parts", name, *(str(x) for x in first["loc"])])
-      if first["type"] == "missing":
+      field = part.config.model_fields.get(str(first["loc"][0])) if first["loc"] else None
+      if first["type"] == "missing" or (first.get("input") is None and field is not None and field.is_required()):
         raise ConfigError(f"{key}: required by model.family={m.family} (its {name} layers); set {key}=...") from None
       known = ", ".join(part.config.model_fields)
       msg = "unknown knob" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
