@@ -159,8 +159,8 @@ def test_the_old_gdn_keys_still_set_its_knobs():
                    "model.parts.gdn.conv_kernel_dim=3") == (16, "reference", 3)
   assert gdn_knobs("model.gdn_chunk_size=16", "model.parts.gdn.chunk_size=32")[0] == 32  # in order: the last wins
   tree = load_config("model=qwen3.5-tiny").model_dump(mode="json")
-  flat = dict(tree, model={**{k: v for k, v in tree["model"].items() if k != "parts"}, "gdn_chunk_size": 16,
-                           "gdn_impl": "reference", "linear_conv_kernel_dim": 3})
+  flat = dict(tree, model=dict(before_the_moves(tree["model"]), gdn_chunk_size=16, gdn_impl="reference",
+                               linear_conv_kernel_dim=3))
   assert gdn_knobs(base=flat) == (16, "reference", 3)
   both = dict(flat, model=dict(flat["model"], parts={"gdn": {"chunk_size": 32}}))
   assert gdn_knobs(base=both) == (32, "reference", 3)
@@ -191,10 +191,11 @@ def test_a_checkpoint_resumes_under_another_gdn_chunk_or_rule_but_not_another_co
   cfg = load_config("model=qwen3.5-tiny")
   saved = cfg.model.model_dump(mode="json")
   assert _model_mismatch(saved, cfg) is None
-  assert _model_mismatch(dict(saved, parts={"gdn": {"chunk_size": 16, "impl": "reference"}}), cfg) is None
-  assert _model_mismatch(dict(saved, parts={"gdn": {"conv_kernel_dim": 3}}), cfg) == (
+  gdn = saved["parts"]["gdn"]
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(gdn, chunk_size=16, impl="reference")}), cfg) is None
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(gdn, conv_kernel_dim=3)}), cfg) == (
       "model.parts.gdn.conv_kernel_dim is 4 here but 3 in the checkpoint")
-  old = {k: v for k, v in saved.items() if k != "parts"}
+  old = before_the_moves(saved)
   assert _model_mismatch(dict(old, gdn_chunk_size=32, gdn_impl="reference", linear_conv_kernel_dim=4), cfg) is None
   assert _model_mismatch(dict(old, linear_conv_kernel_dim=2), cfg) == (
       "model.parts.gdn.conv_kernel_dim is 4 here but 2 in the checkpoint")
@@ -357,3 +358,51 @@ def test_a_checkpoint_compares_the_mla_shapes_but_not_absorb():
   assert _model_mismatch(dict(saved, parts=dict(saved["parts"], mla=dict(mla, absorb=False))), cfg) is None
   assert _model_mismatch(dict(saved, parts=dict(saved["parts"], mla=dict(mla, rope_interleave=False))), cfg) == (
       "model.parts.mla.rope_interleave is True here but False in the checkpoint")
+
+
+# --- gdn's heads, moved into its section: model.linear_num_key_heads, ... -> model.parts.gdn.key_heads, ... --------
+
+def test_the_old_gdn_head_keys_still_set_its_knobs():
+  """linear_num_key_heads, linear_num_value_heads, linear_key_head_dim and linear_value_head_dim set key_heads,
+  value_heads, key_head_dim and value_head_dim, on the CLI and in a saved tree; the layer plan's keys
+  (hybrid_layer_types, full_attention_interval) stay the model's."""
+  from meshlm.models.mixers import gdn
+  moved = {old: knob for old, (part, knob, _) in ModelConfig.MOVED.items() if part == "gdn"}
+  assert moved == {"linear_num_key_heads": "key_heads", "linear_num_value_heads": "value_heads",
+                   "linear_key_head_dim": "key_head_dim", "linear_value_head_dim": "value_head_dim",
+                   "gdn_chunk_size": "chunk_size", "gdn_impl": "impl", "linear_conv_kernel_dim": "conv_kernel_dim"}
+  assert not set(moved) & set(ModelConfig.model_fields)
+  assert {"hybrid_layer_types", "full_attention_interval"} <= set(ModelConfig.model_fields)
+  heads = lambda *o, base=None: (lambda k: (k.key_heads, k.value_heads, k.key_head_dim, k.value_head_dim))(  # noqa
+      gdn.knobs(registry.validate(load_config("model=qwen3.5-tiny", *o, base=base)).model))
+  assert heads() == (2, 4, 32, 32)
+  assert heads("model.linear_num_key_heads=1", "model.linear_num_value_heads=3", "model.linear_key_head_dim=16",
+               "model.linear_value_head_dim=8") == (1, 3, 16, 8)
+  tree = load_config("model=qwen3.5-tiny").model_dump(mode="json")
+  old = dict(tree, model=dict(before_the_moves(tree["model"]), linear_num_value_heads=6))
+  assert old["model"]["linear_num_key_heads"] == 2 and heads(base=old) == (2, 6, 32, 32)
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("model.parts.gdn.value_heads=3", r"^model\.parts\.gdn\.value_heads: 3 must be a multiple of key_heads=2 \(value "
+     r"head n reads key head n // \(N / K\)\); set model\.parts\.gdn\.value_heads to a multiple of 2"),
+    ("model.linear_num_value_heads=3", r"^model\.parts\.gdn\.value_heads: 3 must be a multiple of key_heads=2"),
+    ("model.parts.gdn.key_heads=null", r"^model\.parts\.gdn\.key_heads: required by model\.family=qwen3_5 \(its gdn "
+     r"layers\); set model\.parts\.gdn\.key_heads=\.\.\.$"),
+    ("model.parts.gdn.heads=2", r"^model\.parts\.gdn\.heads: unknown knob \(the gdn part's knobs: key_heads, "),
+])
+def test_the_gdn_section_refuses_bad_heads_naming_the_key(override, msg):
+  from meshlm.models.mixers import gdn
+  with pytest.raises(ConfigError, match=msg):
+    registry.validate(load_config("model=qwen3.5-tiny", override))
+  ok = registry.validate(load_config("model=qwen3.5-tiny", "model.parts.gdn.value_heads=6"))  # control: 3 x 2
+  assert gdn.knobs(ok.model).value_heads == 6
+
+
+def test_a_checkpoint_compares_the_gdn_heads():
+  cfg = load_config("model=qwen3.5-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(saved["parts"]["gdn"], value_heads=2)}), cfg) == (
+      "model.parts.gdn.value_heads is 4 here but 2 in the checkpoint")
+  assert _model_mismatch(dict(before_the_moves(saved), linear_num_value_heads=2), cfg) == (
+      "model.parts.gdn.value_heads is 4 here but 2 in the checkpoint")

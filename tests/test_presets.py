@@ -118,8 +118,8 @@ def test_hybrid_preset_parameter_count(name):
   assert count_from_config == official["count"] and abs(count_from_config / official["card"] - 1) < 0.01
   m = load_config(f"model={name}").model
   assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.full_attention_interval,
-          m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
-          gdn_mixer.knobs(m).conv_kernel_dim) == tuple(official[k] for k in (
+          gdn_mixer.knobs(m).key_heads, gdn_mixer.knobs(m).value_heads, gdn_mixer.knobs(m).key_head_dim,
+          gdn_mixer.knobs(m).value_head_dim, gdn_mixer.knobs(m).conv_kernel_dim) == tuple(official[k] for k in (
               "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"))

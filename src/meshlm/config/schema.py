@@ -69,13 +69,7 @@ class ModelConfig(_Strict):
   mlp_only_layers: list[int] = Field(default_factory=list, description="qwen3_moe: layer indices that stay dense "
                                      "(a plain MLP of mlp_dim)")
   # Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): linear-attention (GDN) layers between gated full
-  # attention layers. Letters (docs/architecture.md): K key heads, N value heads, H key head dim, J value head dim.
-  linear_num_key_heads: Optional[int] = Field(default=None, gt=0, description="GDN key heads K (HF "
-                                              "linear_num_key_heads)")
-  linear_num_value_heads: Optional[int] = Field(default=None, gt=0, description="GDN value heads N, a multiple of "
-                                                "linear_num_key_heads (value head n reads key head n // (N / K))")
-  linear_key_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN key head dim H")
-  linear_value_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN value head dim J")
+  # attention layers (the hybrid families' layer plan; the gdn part's own knobs are model.parts.gdn.*).
   # Which layers are linear attention: hybrid_layer_types (Hugging Face's layer_types, one entry per layer) or,
   # when that is null, every full_attention_interval-th layer full ((i + 1) % interval == 0), the rest linear.
   hybrid_layer_types: Optional[list[str]] = Field(
@@ -89,12 +83,11 @@ class ModelConfig(_Strict):
                                        "rotates (the first ones); 1: all")
   first_k_dense_replace: int = Field(default=0, ge=0, description="deepseek_v3: the first k layers are dense (a GLU "
                                      "of mlp_dim), the rest MoE (model.parts.moe.*)")
-  HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
   # Keys moved into a part's own section: old key -> (part, knob, the old field's default). The old key still sets
   # model.parts.<part>.<knob> (moved); at its default it sets nothing, since a model config saved before the move
   # holds every field, the part's or not, and the section's default is the same (or, for a knob the section
-  # requires, the old "none": num_experts 0, moe_mlp_dim null, mla's ranks null).
+  # requires, the old "none": num_experts 0, moe_mlp_dim null, mla's ranks and gdn's heads null).
   MOVED: ClassVar[dict[str, tuple[str, str, Any]]] = {
       "mla_absorb": ("mla", "absorb", True), "gdn_chunk_size": ("gdn", "chunk_size", 64),
       "gdn_impl": ("gdn", "impl", "chunked"), "linear_conv_kernel_dim": ("gdn", "conv_kernel_dim", 4),
@@ -110,7 +103,9 @@ class ModelConfig(_Strict):
       "router_group_mask": ("moe", "router_group_mask", "zero"),
       "q_lora_rank": ("mla", "q_lora_rank", None), "kv_lora_rank": ("mla", "kv_lora_rank", None),
       "qk_nope_head_dim": ("mla", "qk_nope_head_dim", None), "qk_rope_head_dim": ("mla", "qk_rope_head_dim", None),
-      "v_head_dim": ("mla", "v_head_dim", None), "rope_interleave": ("mla", "rope_interleave", False)}
+      "v_head_dim": ("mla", "v_head_dim", None), "rope_interleave": ("mla", "rope_interleave", False),
+      "linear_num_key_heads": ("gdn", "key_heads", None), "linear_num_value_heads": ("gdn", "value_heads", None),
+      "linear_key_head_dim": ("gdn", "key_head_dim", None), "linear_value_head_dim": ("gdn", "value_head_dim", None)}
 
   @model_validator(mode="before")
   @classmethod
@@ -140,7 +135,10 @@ class ModelConfig(_Strict):
         raise ValueError("layer_pattern: must name at least one layer type (global or local), or be null")
       if "local" in self.layer_pattern and self.sliding_window is None:
         raise ValueError("layer_pattern: has local layers but sliding_window is null; set model.sliding_window")
-    self._check_gdn()
+    rot = self.rotary_dim()
+    if self.head_dim and (rot < 2 or rot % 2):
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {rot} of head_dim="
+                       f"{self.head_dim} dims; RoPE needs an even number, at least 2")
     kind = (self.rope_scaling or {}).get("rope_type", "llama3")
     if self.rope_scaling and kind not in ("llama3", "linear", "yarn"):
       raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported; expected llama3, linear or yarn")
@@ -152,26 +150,6 @@ class ModelConfig(_Strict):
         raise ValueError(f"rope_scaling: {kind} scaling needs {', '.join(missing)} "
                          f"(set model.rope_scaling.{missing[0]}=...)")
     return self
-
-  def _check_gdn(self) -> None:
-    K, N = self.linear_num_key_heads, self.linear_num_value_heads
-    if K is not None and N is not None and N % K:
-      raise ValueError(f"linear_num_value_heads={N} must be a multiple of linear_num_key_heads={K} (value head n "
-                       f"reads key head n // (N / K)); set model.linear_num_value_heads to a multiple of {K}")
-    types = self.hybrid_layer_types
-    if types is not None:
-      bad = [(i, t) for i, t in enumerate(types) if t not in self.HYBRID_TYPES]
-      if bad:
-        i, t = bad[0]
-        raise ValueError(f"hybrid_layer_types[{i}]={t!r}: unknown layer type; expected "
-                         f"{' or '.join(self.HYBRID_TYPES)}")
-      if len(types) != self.num_layers:
-        raise ValueError(f"hybrid_layer_types: {len(types)} entries for num_layers={self.num_layers}; give one "
-                         "per layer")
-    rot = self.rotary_dim()
-    if self.head_dim and (rot < 2 or rot % 2):
-      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {rot} of head_dim="
-                       f"{self.head_dim} dims; RoPE needs an even number, at least 2")
 
   def hybrid_types(self) -> tuple[str, ...] | None:
     """Each layer's mixer type in a GDN hybrid, "linear_attention" or "full_attention" (Hugging Face's

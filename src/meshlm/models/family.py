@@ -38,10 +38,11 @@ models/registry.py):
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
-- config: the part's own config section, a pydantic model whose fields (with defaults) are the part's
-  knobs, set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`) and read in the
-  part with `section(m, part)`. The family refuses a section that none of its parts declares, and the
-  section refuses an unknown knob or a bad value, each naming the key, when the model resolves.
+- config: the part's own config section, a pydantic model whose fields are the part's knobs (with defaults, or
+  required: moe's num_experts), set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`)
+  and read in the part with `section(m, part)`. The family refuses a section that none of its parts declares,
+  and checks each section its parts declare, given or not: an unknown knob, a bad value or a missing required
+  one is refused naming the key, when the model resolves.
 - shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
   multiple of it (gdn: whole chunks, model.parts.gdn.chunk_size); 1 for a part with no such need.
 - mesh_axes: the mesh axes that only such a part shards over (moe: "expert"); a model none of whose parts
@@ -53,8 +54,9 @@ models/registry.py):
   load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
   value to the loss and logs the weighted value under the metric's name.
 - needs: the ModelConfig fields the part reads that default to null, because a model without the part has no
-  use for them (attention's heads, gdn's and mla's ranks); the registry refuses a family with the part when
-  one is null, naming the key, before the family's own checks run.
+  use for them but several parts share them (attention's heads, read by gqa, gated_gqa and mla); the registry
+  refuses a family with the part when one is null, naming the key, before the family's own checks run. A value
+  only the part reads is a knob of its section instead, required there when it has no default.
 - census: (CensusCounter, ...): what the census counts for the part in the compiled step, as data: a counting
   kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
   reported at a dotted census field. The census reads the counters of every registered part, so a model

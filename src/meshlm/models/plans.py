@@ -42,8 +42,18 @@ def hybrid_plan(m: ModelConfig) -> LayerPlan:
 
 
 def validate_hybrid(m: ModelConfig, *, moe: bool) -> None:
-  """A GDN hybrid's rules beyond the fields its parts need (Part.needs); one ConfigError line naming the key."""
-  fam = m.family
+  """A GDN hybrid's rules beyond the fields and knobs its parts need (Part.needs, their sections): its layer plan
+  (model.hybrid_layer_types, one known type per layer, or model.full_attention_interval); one ConfigError line
+  naming the key."""
+  fam, types = m.family, m.hybrid_layer_types
+  if types is not None:
+    bad = [(i, t) for i, t in enumerate(types) if t not in KINDS]
+    if bad:
+      i, t = bad[0]
+      raise ConfigError(f"model.hybrid_layer_types[{i}]={t!r}: unknown layer type; expected {' or '.join(KINDS)}")
+    if len(types) != m.num_layers:
+      raise ConfigError(f"model.hybrid_layer_types: {len(types)} entries for model.num_layers={m.num_layers}; give "
+                        "one per layer")
   if m.hybrid_types() is None:
     raise ConfigError(f"model.hybrid_layer_types: model.family={fam} needs its layer pattern; set "
                       "model.hybrid_layer_types (one linear_attention or full_attention per layer) or "

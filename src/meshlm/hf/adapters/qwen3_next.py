@@ -41,8 +41,8 @@ HF_INTERMEDIATE_SIZE = 5632  # Qwen3NextConfig's: the width of its (mlp_only_lay
 
 def hybrid_from_hf(hf: dict, family: str) -> dict:
   """The fields the three GDN hybrids share: the llama-like ones, gated full attention with partial rotary,
-  the linear-attention geometry (the conv taps in the gdn part's section, model.parts.gdn.conv_kernel_dim) and the
-  layer pattern."""
+  the linear-attention geometry (the gdn part's section, model.parts.gdn: its heads, head dims and conv taps) and
+  the layer pattern."""
   maps.refuse(hf, "attn_output_gate", True, "meshlm's full-attention layers are always gated")
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   # rope_parameters.partial_rotary_factor (transformers 5), else the top-level field (transformers 4).
@@ -62,11 +62,11 @@ def hybrid_from_hf(hf: dict, family: str) -> dict:
       raise ConfigError(f"config.json: layer_types has {', '.join(map(repr, bad))}; meshlm's {family} reads only "
                         f"{' and '.join(LAYER_TYPES)}")
   out = {"family": family, **base, "partial_rotary_factor": float(partial),
-         "linear_num_key_heads": int(maps.require(hf, "linear_num_key_heads")),
-         "linear_num_value_heads": int(maps.require(hf, "linear_num_value_heads")),
-         "linear_key_head_dim": int(maps.require(hf, "linear_key_head_dim")),
-         "linear_value_head_dim": int(maps.require(hf, "linear_value_head_dim")),
-         "parts": {"gdn": {"conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", HF_CONV_KERNEL_DIM))}}}
+         "parts": {"gdn": {"key_heads": int(maps.require(hf, "linear_num_key_heads")),
+                           "value_heads": int(maps.require(hf, "linear_num_value_heads")),
+                           "key_head_dim": int(maps.require(hf, "linear_key_head_dim")),
+                           "value_head_dim": int(maps.require(hf, "linear_value_head_dim")),
+                           "conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", HF_CONV_KERNEL_DIM))}}}
   if types is not None:
     out["hybrid_layer_types"] = list(types)
   else:
@@ -99,10 +99,11 @@ def hybrid_to_hf(m: ModelConfig) -> dict:
   out["rope_parameters"] = {**out["rope_parameters"], "partial_rotary_factor": m.partial_rotary_factor}
   if "rope_scaling" in out:
     out["rope_scaling"] = {**out["rope_scaling"], "partial_rotary_factor": m.partial_rotary_factor}
+  own = gdn.knobs(m)
   return {**out, "partial_rotary_factor": m.partial_rotary_factor, "layer_types": list(m.hybrid_types()),
-          "linear_num_key_heads": m.linear_num_key_heads, "linear_num_value_heads": m.linear_num_value_heads,
-          "linear_key_head_dim": m.linear_key_head_dim, "linear_value_head_dim": m.linear_value_head_dim,
-          "linear_conv_kernel_dim": gdn.knobs(m).conv_kernel_dim}
+          "linear_num_key_heads": own.key_heads, "linear_num_value_heads": own.value_heads,
+          "linear_key_head_dim": own.key_head_dim, "linear_value_head_dim": own.value_head_dim,
+          "linear_conv_kernel_dim": own.conv_kernel_dim}
 
 
 def shared_moe_to_hf(m: ModelConfig) -> dict:
