@@ -406,3 +406,12 @@ def test_a_checkpoint_compares_the_gdn_heads():
       "model.parts.gdn.value_heads is 4 here but 2 in the checkpoint")
   assert _model_mismatch(dict(before_the_moves(saved), linear_num_value_heads=2), cfg) == (
       "model.parts.gdn.value_heads is 4 here but 2 in the checkpoint")
+
+
+def test_a_null_section_drops_it_so_another_family_can_be_set_over_a_preset():
+  """model.parts.<part>=null removes the section: qwen3.5-moe-tiny as the dense qwen3_5 (a preset's part the family
+  lacks); control: without the null, qwen3_5 refuses the moe section."""
+  cfg = registry.validate(load_config("model=qwen3.5-moe-tiny", "model.family=qwen3_5", "model.parts.moe=null"))
+  assert set(cfg.model.parts) == {"gdn"}
+  with pytest.raises(ConfigError, match="^model.parts.moe: model family 'qwen3_5' has no part 'moe'"):
+    registry.validate(load_config("model=qwen3.5-moe-tiny", "model.family=qwen3_5"))

@@ -62,7 +62,7 @@ class ModelConfig(_Strict):
   # the part's section when the model resolves: a new part's knobs need no field here.
   parts: dict[str, dict[str, Any]] = Field(
       default_factory=dict, description="knobs of the layer parts that declare their own section: "
-      "model.parts.PART.KNOB=value (each part's docs list its knobs)")
+      "model.parts.PART.KNOB=value (each part's docs list its knobs); model.parts.PART=null drops a section")
   # Which layers of a MoE family are MoE (its layer plan; the MoE part's own knobs are model.parts.moe.*).
   decoder_sparse_step: int = Field(default=1, gt=0, description="qwen3_moe: layer i is MoE when (i + 1) % this == 0 "
                                    "(and i is not in mlp_only_layers); the others are dense")
@@ -110,7 +110,14 @@ class ModelConfig(_Strict):
   @model_validator(mode="before")
   @classmethod
   def _moved_keys(cls, data):
-    return cls.moved(data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+      return data
+    data = cls.moved(data)
+    parts = data.get("parts")
+    if isinstance(parts, dict) and any(v is None for v in parts.values()):
+      # model.parts.<part>=null drops the section: a preset's part that the family set over it lacks.
+      data = dict(data, parts={k: v for k, v in parts.items() if v is not None})
+    return data
 
   @classmethod
   def moved(cls, data: dict) -> dict:
