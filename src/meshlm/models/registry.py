@@ -133,7 +133,8 @@ def check_shards(cfg: Config, parts: list[Part]) -> None:
 
 
 def validate(cfg: Config) -> Config:
-  """cfg with its parts' run knobs filled in (`resolved`), once its family accepts its model fields (ConfigError
-  otherwise): commands call this right after loading a config, before anything touches the run directory."""
+  """cfg resolved (`resolved`: its parts' sections written out whole, their run knobs decided), once its family
+  accepts its model fields (ConfigError otherwise): commands call this right after loading a config, before
+  anything touches the run directory."""
   family(cfg)
   return resolved(cfg)
