@@ -22,6 +22,7 @@ import functools
 import re
 
 import jax
+import jax.extend  # jax.extend.core.jaxprs_in_params below: jax does not import the submodule itself
 import jax.numpy as jnp
 import numpy as np
 import pytest
