@@ -48,7 +48,7 @@ bench-table: $(STAMP)
 # tracked picture, written by hand from a run: docs/rl.md). About 5 minutes on 2 CPU cores.
 RL_DEMO ?= runs/rl-demo
 RL_MODEL := model=qwen3-moe-tiny model.embed_dim=64 model.num_heads=4 model.num_kv_heads=2 model.head_dim=16 \
-  model.mlp_dim=128 model.moe_mlp_dim=64 model.vocab_size=257 model.max_position=64
+  model.mlp_dim=128 model.parts.moe.mlp_dim=64 model.vocab_size=257 model.max_position=64
 RL_COMMON := train.compute_dtype=float32 train.seq_len=64 cpu_devices=1
 RL_SFT_STEPS ?= 60
 RL_STEPS ?= 400

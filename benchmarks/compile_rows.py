@@ -20,19 +20,19 @@ Q397 = ["model=qwen3.5-397b-a17b", "topology=tpu7x-256", "train.per_device_batch
 V5P8 = ["model=llama3-8b", "topology=v5p-8", "mesh.fsdp=4", "remat=full"]
 ROWS = {
     "q397_fsdp128_ctx2_full": Q397 + ["train.seq_len=16384", "mesh.fsdp=128", "mesh.context=2",
-                                      "model.moe_kernel_fsdp=experts"],
+                                      "model.parts.moe.kernel_fsdp=experts"],
     "q397_e8c2f16_embed": Q397 + ["train.seq_len=16384", "mesh.expert=8", "mesh.context=2", "mesh.fsdp=16",
-                                  "model.moe_kernel_fsdp=embed"],
+                                  "model.parts.moe.kernel_fsdp=embed"],
     "q397_e8c2f16_embed_seq4096": Q397 + ["train.seq_len=4096", "mesh.expert=8", "mesh.context=2", "mesh.fsdp=16",
-                                          "model.moe_kernel_fsdp=embed"],
+                                          "model.parts.moe.kernel_fsdp=embed"],
     # One period of the 397B model (3 GDN + 1 full-attention layer of its 60), all else as the row above: the
     # full depth at 4,096 tokens ran past 40 minutes of compile here.
     "q397_4layers_e8c2f16_embed_seq4096": Q397 + ["model.num_layers=4", "train.seq_len=4096", "mesh.expert=8",
-                                                  "mesh.context=2", "mesh.fsdp=16", "model.moe_kernel_fsdp=embed"],
+                                                  "mesh.context=2", "mesh.fsdp=16", "model.parts.moe.kernel_fsdp=embed"],
     "dsv3_v5p512": ["model=deepseek-v3", "topology=v5p-512", "mesh.expert=8", "mesh.fsdp=32", "remat=full",
-                    "model.moe_kernel_fsdp=embed"],
+                    "model.parts.moe.kernel_fsdp=embed"],
     "dsv3_v5p512_t4": ["model=deepseek-v3", "topology=v5p-512", "mesh.expert=8", "mesh.tensor=4", "mesh.fsdp=8",
-                       "remat=full", "model.moe_kernel_fsdp=embed"],
+                       "remat=full", "model.parts.moe.kernel_fsdp=embed"],
     "llama3_v5p8_explicit": V5P8 + ["shard_mode=explicit"],
     "llama3_v5p8_explicit_noflags": V5P8 + ["shard_mode=explicit", "dense_weight_grad_in_kernel_order=false",
                                             "lm_head_weight_grad_in_kernel_order=false"],

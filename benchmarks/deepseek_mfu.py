@@ -20,12 +20,14 @@ import sys
 
 
 def flops_per_token(m, seq: int) -> float:
-  D, N = m.embed_dim, m.num_heads
-  Hn, Hr, Hv, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-  q = D * m.q_lora_rank + m.q_lora_rank * N * (Hn + Hr) if m.q_lora_rank else D * N * (Hn + Hr)
+  from meshlm.models.ffns.moe import knobs  # here: --help needs no jax
+  from meshlm.models.mixers import mla
+  D, N, lat = m.embed_dim, m.num_heads, mla.knobs(m)
+  Hn, Hr, Hv, R, Rq = lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim, lat.kv_lora_rank, lat.q_lora_rank
+  q = D * Rq + Rq * N * (Hn + Hr) if Rq else D * N * (Hn + Hr)
   attn = q + D * (R + Hr) + R * N * (Hn + Hv) + N * Hv * D
-  k = m.first_k_dense_replace
-  moe = D * m.num_experts + m.num_experts_per_tok * 3 * D * m.moe_mlp_dim + 3 * D * m.shared_expert_mlp_dim
+  k, own = m.first_k_dense_replace, knobs(m)
+  moe = D * own.num_experts + own.num_experts_per_tok * 3 * D * own.mlp_dim + 3 * D * own.shared_expert_mlp_dim
   matmul = m.num_layers * attn + k * 3 * D * m.mlp_dim + (m.num_layers - k) * moe + D * m.vocab_size
   return 6.0 * matmul + 6.0 * m.num_layers * N * (Hn + Hr + Hv) * seq / 2
 

@@ -14,7 +14,8 @@ import argparse
 import collections
 
 CHUNK = 16
-# model.gdn_chunk_size: the old key of model.parts.gdn.chunk_size, which checkouts before the move read too.
+# The old flat keys of model.parts.gdn.chunk_size, key_head_dim and value_head_dim (ModelConfig.MOVED), which
+# checkouts from before the moves read too: the script compares trees.
 SHRINK = ("model.embed_dim=32", "model.mlp_dim=64", "model.vocab_size=64", f"model.gdn_chunk_size={CHUNK}",
           "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.head_dim=8", "train.seq_len=128",
           "train.compute_dtype=float32", "train.per_device_batch_size=1")

@@ -8,12 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${1:-12}
 BENCH=".venv/bin/meshlm bench"
-BEFORE="model.moe_grouped_matmul=blocks,model.moe_kernel_fsdp=embed"
+BEFORE="model.parts.moe.grouped_matmul=blocks,model.parts.moe.kernel_fsdp=embed"
 
 # The issue's geometry (MaxText's mixtral-tiny): embed 256, 8 query / 4 KV heads of 32, 8 experts top-2 of width
 # 512, 2 layers, vocab 512, seq 128, global batch 4, float32; the dense arm is llama with an MLP of width 2 x 512.
 G="model.embed_dim=256,model.num_heads=8,model.num_kv_heads=4,model.head_dim=32,model.num_layers=2,model.vocab_size=512,train.seq_len=128,train.compute_dtype=float32,scan_layers=false"
-MOE="model=mixtral-tiny,$G,model.num_experts=8,model.moe_mlp_dim=512,model.sliding_window=null"
+MOE="model=mixtral-tiny,$G,model.parts.moe.num_experts=8,model.parts.moe.mlp_dim=512,model.sliding_window=null"
 DENSE="model=llama2-tiny,$G,model.mlp_dim=1024"
 for mesh in "4 train.per_device_batch_size=1,mesh.fsdp=4" "1 train.per_device_batch_size=4,mesh.fsdp=1"; do
   set -- $mesh

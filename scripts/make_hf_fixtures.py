@@ -57,8 +57,8 @@ q_b or a plain q_proj; mscale 0.8 against mscale_all_dim 1.2 (the cos/sin factor
 live), or both 1.0 as published; 8 experts in 4 groups keeping 2 (or one group), top-3 (top-2), a perturbed
 e_score_correction_bias with experts 2 and 5 at -0.8 so that most tokens have a negative biased score, and on some
 tokens transformers 5's -inf fill of the dropped groups and the 0.0 of transformers 4 / DeepSeek's remote code pick
-different experts (deepseek_routing_checks counts them; meshlm imports model.router_group_mask=-inf, transformers
-5's rule); a dense first layer (two for noqlora), two shared experts' width, interleaved rope (transformers' default, which the published config relies on), and in deepseek-v3 eight
+different experts (deepseek_routing_checks counts them; meshlm imports model.parts.moe.router_group_mask=-inf,
+transformers 5's rule); a dense first layer (two for noqlora), two shared experts' width, interleaved rope (transformers' default, which the published config relies on), and in deepseek-v3 eight
 tensors of a multi-token-prediction layer 3 that transformers does not load. deepseek-v3-fp8 and
 deepseek-v3-fp8-ue8m0 (make_fp8) are a one-layer model with a 576-row kv_a_proj_with_mqa, its layers' linear
 weights quantized as DeepSeek's are (float8_e4m3fn, a float32 weight_scale_inv per 128 x 128 block, amax / 448,
@@ -295,7 +295,7 @@ def build(name: str):
         # of experts 2 and 5 are negative whenever s < 0.7. When both are and the top-k reaches them, transformers 5
         # (the other groups at -inf) takes a negative kept expert while the 0.0 fill (transformers 4, DeepSeek's
         # remote code) takes a dropped one: deepseek_routing_checks() counts the tokens where the two differ, so the
-        # fixture tells them apart (meshlm imports model.router_group_mask=-inf).
+        # fixture tells them apart (meshlm imports model.parts.moe.router_group_mask=-inf).
         b.copy_(0.2 * torch.rand_like(b) - 0.1)
         b[2] = -0.7
         if b.numel() == 8:

@@ -25,14 +25,14 @@ ERRORS = {
     "tied_head_flag": (["model.tie_embeddings=true", f"{KO_LM}=true"], f"{KO_LM}=true needs an untied LM head"),
     "unknown_preset": (["model=llama5-tiny"], "model=llama5-tiny: unknown preset"),
     # Gated DeltaNet hybrids (issue 20).
-    "gdn_value_heads": (["model=qwen3.5-tiny", "model.linear_num_value_heads=3"],
-                        "model: linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
+    "gdn_value_heads": (["model=qwen3.5-tiny", "model.parts.gdn.value_heads=3"],
+                        "model.parts.gdn.value_heads: 3 must be a multiple of key_heads=2"),
     "gdn_chunk": (["model=qwen3.5-tiny", "model.parts.gdn.chunk_size=48"],
                   "model.parts.gdn.chunk_size: 48 must be a power of two"),
     "gdn_context": (["model=qwen3.5-tiny", "cpu_devices=2", "mesh.fsdp=1", "mesh.context=2", "train.seq_len=96"],
                     "mesh.context=2: train.seq_len=96 does not split into 2 shards whose lengths are multiples of 64"),
     "gdn_kind": (["model=qwen3.5-tiny", "model.hybrid_layer_types=[linear_attention,mamba,linear_attention,"
-                  "full_attention]"], "model: hybrid_layer_types[1]='mamba': unknown layer type"),
+                  "full_attention]"], "model.hybrid_layer_types[1]='mamba': unknown layer type"),
 }
 
 

@@ -173,20 +173,32 @@ def test_preset_name_must_be_a_string():
 
 
 def test_moe_impl_capacity_is_not_offered():
-  """Rough edge 5: capacity was in the schema and --help but not built (a 61-line traceback at trace time)."""
+  """Rough edge 5: capacity was in the schema and --help but not built (a 61-line traceback at trace time). The
+  knob is the moe part's (model.parts.moe.impl; model.moe_impl, its old key, still sets it)."""
+  import meshlm
+  from meshlm.cli import _part_keys
   from meshlm.config.keys import render_keys
-  msg = _error("model=qwen3-moe-tiny", "model.moe_impl=capacity")
-  assert msg.startswith("model.moe_impl:") and "'dropless' or 'reference'" in msg and "'capacity'" in msg, msg
-  assert "capacity" not in render_keys()
-  assert load_config("model=qwen3-moe-tiny", "model.moe_impl=reference").model.moe_impl == "reference"
+  from meshlm.models.ffns.moe import knobs
+  for key in ("model.parts.moe.impl", "model.moe_impl"):
+    with pytest.raises(ConfigError) as info:
+      meshlm.load_config("model=qwen3-moe-tiny", f"{key}=capacity")
+    msg = str(info.value)
+    assert msg.startswith("model.parts.moe.impl:") and "'dropless' or 'reference'" in msg and "'capacity'" in msg, msg
+  assert "model.parts.moe.impl" in render_keys(extra=_part_keys()) and "capacity" not in render_keys(extra=_part_keys())
+  assert knobs(meshlm.load_config("model=qwen3-moe-tiny", "model.parts.moe.impl=reference").model).impl == "reference"
 
 
 def test_expert_axis_on_a_dense_model_is_refused():
-  """Rough edge 15: mesh.expert=2 on a dense model trained silently; a MoE model still takes it."""
-  msg = _error("model=llama2-tiny", "mesh.expert=2")
-  assert msg.startswith("mesh.expert=2: llama2-tiny is dense (model.num_experts=0)") and "leave mesh.expert at 1" in msg
-  assert load_config("model=qwen3-moe-tiny", "mesh.expert=2").mesh.expert == 2
-  assert load_config("model=llama2-tiny", "mesh.expert=1").mesh.expert == 1
+  """Rough edge 15: mesh.expert=2 on a dense model trained silently; a MoE model still takes it. Only the moe part
+  shards over mesh.expert (Part.mesh_axes), so the family checks it."""
+  import meshlm
+  with pytest.raises(ConfigError) as info:
+    meshlm.load_config("model=llama2-tiny", "mesh.expert=2")
+  msg = str(info.value)
+  assert msg.startswith("mesh.expert=2: llama2-tiny (model.family=llama) has no moe layers, the only ones that shard "
+                        "over mesh.expert") and "leave mesh.expert at 1" in msg, msg
+  assert meshlm.load_config("model=qwen3-moe-tiny", "mesh.expert=2").mesh.expert == 2
+  assert meshlm.load_config("model=llama2-tiny", "mesh.expert=1").mesh.expert == 1
 
 
 def test_data_source_follows_the_path_when_unset():

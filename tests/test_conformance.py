@@ -37,6 +37,7 @@ import meshlm
 import conformance as C
 from meshlm.analysis.golden import shrink, tiny_presets
 from meshlm.models import registry
+from meshlm.models.ffns.moe import knobs
 from meshlm.parallel import make_mesh
 
 pytestmark = pytest.mark.ci_must_run
@@ -344,7 +345,7 @@ if DEVICES == 1:
     with where():
       free, side = C.logits_of(cfg, params, block)
       free_ids = np.moveaxis(side["moe_expert_ids"], 0, 2)
-      shifted = np.where(rec >= 0, (rec + 1) % cfg.model.num_experts, free_ids)
+      shifted = np.where(rec >= 0, (rec + 1) % knobs(cfg.model).num_experts, free_ids)
       other, _ = C.logits_of(cfg, params, block, forced_expert_ids=shifted)
     real = block[2] > 0
     assert np.abs(other - free)[real].max() > 1e-3

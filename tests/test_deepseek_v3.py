@@ -34,15 +34,16 @@ def reference(p: dict, x, positions, m, xp, *, mscale: bool = True, interleave: 
 
   cos/sin: YaRN's inverse frequencies (tested against transformers in test_rope_yarn.py) at the positions,
   times the attention factor; the softmax scale qk_head_dim ** -0.5 * mscale(factor, mscale_all_dim) ** 2.
-  mscale=False drops the softmax correction, interleave overrides model.rope_interleave (negative controls)."""
-  Hn, Hr, R = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+  mscale=False drops the softmax correction, interleave overrides the knob rope_interleave (negative controls)."""
+  own = mla.knobs(m)
+  Hn, Hr, R = own.qk_nope_head_dim, own.qk_rope_head_dim, own.kv_lora_rank
   sc = m.rope_scaling
   get = lambda f, ms=1.0: 0.1 * ms * math.log(f) + 1.0 if f > 1 else 1.0
 
   def rms(w, a):
     return a / xp.sqrt(xp.mean(a * a, axis=-1, keepdims=True) + 1e-6) * w
 
-  if m.q_lora_rank is not None:
+  if own.q_lora_rank is not None:
     q = xp.einsum("btr,rnh->btnh", rms(p["q_a_norm"], x @ p["q_a"]), p["q_b"])
   else:
     q = xp.einsum("btd,dnh->btnh", x, p["q"])
@@ -57,7 +58,7 @@ def reference(p: dict, x, positions, m, xp, *, mscale: bool = True, interleave: 
   cos, sin = xp.asarray(cos, x.dtype), xp.asarray(sin, x.dtype)
 
   def rope(a):  # [B, T, n, Hr]
-    if m.rope_interleave if interleave is None else interleave:
+    if own.rope_interleave if interleave is None else interleave:
       a1, a2 = a[..., 0::2], a[..., 1::2]
       return xp.concatenate([a1 * cos - a2 * sin, a2 * cos + a1 * sin], axis=-1)
     a1, a2 = a[..., :Hr // 2], a[..., Hr // 2:]
@@ -81,9 +82,9 @@ def model_tree(cfg) -> dict:
 
 
 def _case(q_lora: bool, interleave: bool):
-  over = [f"model={PRESET}", f"model.rope_interleave={str(interleave).lower()}"]
+  over = [f"model={PRESET}", f"model.parts.mla.rope_interleave={str(interleave).lower()}"]
   if not q_lora:
-    over.append("model.q_lora_rank=null")
+    over.append("model.parts.mla.q_lora_rank=null")
   cfg = load_config(*over)
   params = meshlm.init_params(cfg, jax.random.key(0))
   p = jax.tree.map(lambda a: a[0], params["layers"]["moe"]["attn"])
@@ -194,8 +195,8 @@ def test_absorbed_and_plain_decode_agree():
 
 def test_the_cache_holds_the_latent_per_token_per_layer():
   cfg = load_config(f"model={PRESET}", "train.compute_dtype=float32")
-  m = cfg.model
-  per_token = m.kv_lora_rank + m.qk_rope_head_dim
+  m, own = cfg.model, mla.knobs(cfg.model)
+  per_token = own.kv_lora_rank + own.qk_rope_head_dim
   B, C = 2, 64
   for i in range(m.num_layers):
     spec = decoder.resolve(cfg).state_spec(i, B, C)
@@ -210,7 +211,7 @@ def test_the_cache_holds_the_latent_per_token_per_layer():
   n_buffers = len(jax.tree.leaves(jax.eval_shape(lambda p, t, n: decoder.prefill(cfg, p, t, n, C)[1],
                                                  params, tokens, lengths)))
   assert want <= out_bytes <= want + 8 * n_buffers  # and the output tuple's table of buffer pointers
-  per_head_kv = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+  per_head_kv = m.num_heads * (own.qk_nope_head_dim + own.qk_rope_head_dim + own.v_head_dim)
   assert per_head_kv > 2 * per_token  # what a K/V cache would hold instead
 
 
@@ -277,9 +278,14 @@ def test_census_counts_every_mla_projection_and_blocks_no_transpose_under_explic
 
 # --- bad input ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key", ["num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
+@pytest.mark.parametrize("key", ["model.num_heads", "model.parts.mla.kv_lora_rank", "model.parts.mla.qk_nope_head_dim",
+                                 "model.parts.mla.qk_rope_head_dim", "model.parts.mla.v_head_dim",
+                                 "model.kv_lora_rank"])  # the last: the old key, which sets the new one
 def test_a_missing_mla_field_fails_in_one_line_naming_it(key, capsys):
+  """The query heads are a model field the part needs (Part.needs); the ranks and head dims the mla section's
+  required knobs."""
   from meshlm.cli import main
-  assert main(["train", f"model={PRESET}", f"model.{key}=null", "train.steps=1"]) == 2
+  named = "model.parts.mla.kv_lora_rank" if key == "model.kv_lora_rank" else key
+  assert main(["train", f"model={PRESET}", f"{key}=null", "train.steps=1"]) == 2
   err = capsys.readouterr().err
-  assert err.startswith(f"meshlm: error: model.{key}: required by model.family=deepseek_v3") and err.count("\n") == 1
+  assert err.startswith(f"meshlm: error: {named}: required by model.family=deepseek_v3") and err.count("\n") == 1

@@ -30,7 +30,7 @@ CHUNK = 16
 # chunks of 16 per shard at context=4.
 SHRINK = ("model.num_layers=2", "model.full_attention_interval=2", "model.embed_dim=32", "model.mlp_dim=64",
           "model.vocab_size=64", f"model.parts.gdn.chunk_size={CHUNK}",
-          "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.head_dim=8",
+          "model.parts.gdn.key_head_dim=8", "model.parts.gdn.value_head_dim=8", "model.head_dim=8",
           f"train.seq_len={T}", "train.compute_dtype=float32", "train.per_device_batch_size=1")
 # Float32 reassociation only (the shards' states are combined in another order than one scan over all chunks).
 # Measured max |diff| of any gradient leaf on qwen3.5-tiny shrunk: 1.2e-7 (context=2), 3.1e-7 (context=4),
@@ -134,12 +134,12 @@ def test_gdn_layers_do_not_gather_the_sequence(mesh, shards, rows):
   segment-id boundary exchange: nothing with T / C positions or more. Every chunk scan runs over the local
   chunks only, and with fsdp the gathered states are this device's rows only (rows of B = 2)."""
   cfg = load_config("model=qwen3.5-tiny", *SHRINK)
-  m = cfg.model
-  B, N, H = 2, m.linear_num_value_heads, m.linear_key_head_dim
+  m, own = cfg.model, gdn_mixer.knobs(cfg.model)
+  B, N, H = 2, own.value_heads, own.key_head_dim
   _, _, hlo = run("qwen3.5-tiny", *MESHES[mesh])
   calls = _collectives(hlo, "linear_attn")
-  state_bytes = shards * B * N * H * max(H, m.linear_value_head_dim) * 4  # the gathered [C, B, N, H, J or H]
-  halo_bytes = B * (gdn_mixer.knobs(m).conv_kernel_dim - 1) * gdn_mixer.channels(m) * 4
+  state_bytes = shards * B * N * H * max(H, own.value_head_dim) * 4  # the gathered [C, B, N, H, J or H]
+  halo_bytes = B * (own.conv_kernel_dim - 1) * gdn_mixer.channels(m) * 4
   flat = [(kind, c) for kind, cs in calls.items() for c in cs]
   assert flat  # the pass-2 gathers and the halo are there
   big = [(kind, c["shape"], c["scope"]) for kind, c in flat if c["bytes_per_call"] > max(state_bytes, halo_bytes)]

@@ -22,7 +22,7 @@ from seams import own_shard_only
 # mixtral-tiny narrower, two MoE layers; two prompts whose lengths bucket to 32 positions, so the longer one
 # spans the shard edge at 16 on context=2.
 SHRINK = ("model=mixtral-tiny", "model.num_layers=2", "model.embed_dim=64", "model.vocab_size=128",
-          "model.moe_mlp_dim=64", "train.compute_dtype=float32")
+          "model.parts.moe.mlp_dim=64", "train.compute_dtype=float32")
 LENGTHS = (13, 29)
 NEW = 8
 # Float32 reassociation only (the prefill's sums split over the shards). Measured max |log-prob diff|: 7.2e-7 on

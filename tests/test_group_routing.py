@@ -230,22 +230,23 @@ def test_the_moe_layer_routes_by_groups_and_counts_real_tokens(inputs):
 # --- config checks ---------------------------------------------------------------------------------
 
 GOOD = dict(num_experts=8, num_experts_per_tok=2, router_scoring="sigmoid", n_group=4, topk_group=2)
+KEY = "model.parts.moe."
 
 
 def _model(**kw):
   from meshlm.config import ModelConfig
   base = load_config("model=llama2-tiny").model.model_dump()
-  return ModelConfig(**dict(base, moe_mlp_dim=16, family="groupkind", **dict(GOOD, **kw)))
+  return ModelConfig(**dict(base, family="groupkind", parts={"moe": dict(mlp_dim=16, **dict(GOOD, **kw))}))
 
 
 @pytest.mark.parametrize("kw,key", [
-    (dict(n_group=3), "model.n_group=3 does not divide model.num_experts=8"),
-    (dict(topk_group=5, n_group=4), "model.topk_group=5 is larger than model.n_group=4"),
-    (dict(num_experts_per_tok=5), "model.num_experts_per_tok=5 is larger than model.topk_group x experts per group"),
-    (dict(router_scoring="softmax"), "model.router_scoring=softmax"),
-    (dict(n_group=8, topk_group=4), "model.n_group=8: each group scores the sum of its top 2"),
-    (dict(router_aux_loss_coef=0.01), "model.router_aux_loss_coef=0.01: the Switch load-balancing loss"),
-    (dict(router_dtype="bfloat16"), "model.router_dtype=bfloat16: group-limited sigmoid routing"),
+    (dict(n_group=3), f"{KEY}n_group=3 does not divide {KEY}num_experts=8"),
+    (dict(topk_group=5, n_group=4), f"{KEY}topk_group=5 is larger than {KEY}n_group=4"),
+    (dict(num_experts_per_tok=5), f"{KEY}num_experts_per_tok=5 is larger than topk_group x experts per group"),
+    (dict(router_scoring="softmax"), f"{KEY}router_scoring=softmax"),
+    (dict(n_group=8, topk_group=4), f"{KEY}n_group=8: each group scores the sum of its top 2"),
+    (dict(router_aux_loss_coef=0.01), f"{KEY}router_aux_loss_coef=0.01: the Switch load-balancing loss"),
+    (dict(router_dtype="bfloat16"), f"{KEY}router_dtype=bfloat16: group-limited sigmoid routing"),
 ])
 def test_bad_group_routing_is_one_line_naming_the_key(kw, key):
   from meshlm.models.ffns.moe import validate_group_routing
@@ -259,16 +260,16 @@ def test_the_cli_exits_2_naming_the_key(tmp_path, capsys, monkeypatch):
   from meshlm import cli
   from meshlm.models import registry
   monkeypatch.setitem(registry.FAMILIES, "groupkind", "groupkind")
-  args = ["train", "model=llama2-tiny", "model.family=groupkind", "model.num_experts=8", "model.moe_mlp_dim=16",
-          "model.shared_expert_mlp_dim=16", "model.router_scoring=sigmoid", "model.n_group=3", f"run_dir={tmp_path}"]
+  args = ["train", "model=llama2-tiny", "model.family=groupkind", f"{KEY}num_experts=8", f"{KEY}mlp_dim=16",
+          f"{KEY}shared_expert_mlp_dim=16", f"{KEY}router_scoring=sigmoid", f"{KEY}n_group=3", f"run_dir={tmp_path}"]
   assert cli.main(args) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "model.n_group=3 does not divide" in err[0], err
+  assert len(err) == 1 and f"{KEY}n_group=3 does not divide" in err[0], err
 
 
-@pytest.mark.parametrize("preset,key", [("mixtral-tiny", "model.router_scoring=sigmoid"),
-                                        ("qwen3-moe-tiny", "model.router_bias_update_rate=0.1"),
-                                        ("qwen3-next-tiny", "model.n_group=2")])
+@pytest.mark.parametrize("preset,key", [("mixtral-tiny", f"{KEY}router_scoring=sigmoid"),
+                                        ("qwen3-moe-tiny", f"{KEY}router_bias_update_rate=0.1"),
+                                        ("qwen3-next-tiny", f"{KEY}n_group=2")])
 def test_softmax_families_refuse_the_group_routing_keys(preset, key):
   from meshlm.models import registry
   registry.family(load_config(f"model={preset}"))  # as it is: accepted
@@ -278,13 +279,15 @@ def test_softmax_families_refuse_the_group_routing_keys(preset, key):
 
 
 def test_a_checkpoint_from_before_these_keys_still_matches():
-  """A checkpoint's model record without the routing keys (written before they existed) had their
-  defaults: it matches a softmax model, and not one that sets a key (control)."""
+  """A checkpoint's model record without the routing keys (written before they existed, with the MoE keys flat, as
+  before they moved into model.parts.moe) had their defaults: it matches a softmax model, and not one that sets a
+  key (control)."""
   from meshlm.train.checkpoint import _model_mismatch
   cfg = load_config("model=mixtral-tiny")
-  old = {k: v for k, v in cfg.model.model_dump(mode="json").items()
-         if k not in ("router_scoring", "n_group", "topk_group", "routed_scaling_factor", "router_bias_update_rate",
-                      "router_group_mask")}
+  old = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k != "parts"}
+  old.update(num_experts=4, num_experts_per_tok=2, moe_mlp_dim=256, norm_topk_prob=True, router_dtype="float32",
+             router_aux_loss_coef=0.0, router_z_loss_coef=0.0, moe_impl="dropless", moe_grouped_matmul="auto",
+             moe_kernel_fsdp="embed", shared_expert_mlp_dim=None)
   assert _model_mismatch(old, cfg) is None
-  bad = _model_mismatch(old, load_config("model=mixtral-tiny", "model.n_group=2"))
-  assert bad.startswith("model.n_group is 2 here but 1 in the checkpoint")
+  bad = _model_mismatch(old, load_config("model=mixtral-tiny", f"{KEY}router_group_mask=-inf"))
+  assert bad == f"{KEY}router_group_mask is '-inf' here but 'zero' in the checkpoint"

@@ -23,6 +23,8 @@ from meshlm import forward, hf
 from meshlm.errors import ConfigError
 from meshlm.hf import fp8
 from meshlm.hf import io as hf_io
+from meshlm.models.ffns.moe import knobs as moe_knobs
+from meshlm.models.mixers.mla import knobs as mla_knobs
 from meshlm.nn.rope import freqs_at
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -325,7 +327,10 @@ def test_logits_and_hidden_match_transformers(loaded, name):
   assert max(errs) <= TOL, f"{name}: rel errors (logits, then each layer) {errs}"
 
 
-def with_model(cfg, **changes):
+def with_model(cfg, parts=None, **changes):
+  """cfg with model fields changed, and the knobs `parts` gives ({part: {knob: value}}) set in model.parts."""
+  if parts:
+    changes["parts"] = {**cfg.model.parts, **{p: {**cfg.model.parts.get(p, {}), **k} for p, k in parts.items()}}
   return cfg.model_copy(update={"model": cfg.model.model_copy(update=changes)})
 
 
@@ -341,9 +346,9 @@ def controls(cfg):
   return {
       "mscales swapped": (with_model(cfg, rope_scaling={**s, "mscale": s["mscale_all_dim"],
                                                         "mscale_all_dim": s["mscale"]}), None),
-      "rope not interleaved": (with_model(cfg, rope_interleave=False), None),
+      "rope not interleaved": (with_model(cfg, parts={"mla": {"rope_interleave": False}}), None),
       "router bias zero": (cfg, zero_router_bias),
-      "dropped groups at 0.0": (with_model(cfg, router_group_mask="zero"), None),
+      "dropped groups at 0.0": (with_model(cfg, parts={"moe": {"router_group_mask": "zero"}}), None),
   }
 
 
@@ -363,15 +368,17 @@ def test_wrong_variants_fail_parity(loaded, control):
 def test_config_and_router_bias_are_read(loaded):
   cfg, params = loaded["deepseek-v3"]
   m = cfg.model
-  assert (m.family, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == \
+  lat = mla_knobs(m)
+  assert (m.family, lat.q_lora_rank, lat.kv_lora_rank, lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim) == \
       ("deepseek_v3", 18, 14, 8, 8, 10)
-  assert (m.num_experts, m.num_experts_per_tok, m.moe_mlp_dim, m.shared_expert_mlp_dim, m.first_k_dense_replace) == \
-      (8, 3, 22, 44, 1)
-  assert (m.router_scoring, m.n_group, m.topk_group, m.routed_scaling_factor, m.norm_topk_prob, m.rope_interleave,
-          m.router_group_mask) == ("sigmoid", 4, 2, 2.5, True, True, "-inf")
+  own = moe_knobs(m)
+  assert (own.num_experts, own.num_experts_per_tok, own.mlp_dim, own.shared_expert_mlp_dim, m.first_k_dense_replace) \
+      == (8, 3, 22, 44, 1)
+  assert (own.router_scoring, own.n_group, own.topk_group, own.routed_scaling_factor, own.norm_topk_prob,
+          lat.rope_interleave, own.router_group_mask) == ("sigmoid", 4, 2, 2.5, True, True, "-inf")
   assert m.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position": 64.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.2}
-  assert loaded["deepseek-v3-noqlora"][0].model.q_lora_rank is None
+  assert mla_knobs(loaded["deepseek-v3-noqlora"][0].model).q_lora_rank is None
   raw = raw_tensors(FIXTURES / "deepseek-v3")
   bias = np.asarray(params["layers"]["moe"]["moe"]["router_bias"])  # [2 MoE layers, E]
   for row, layer in enumerate((1, 2)):

@@ -278,7 +278,7 @@ def copy_with_config(name: str, tmp_path: Path, **changes) -> Path:
      "must list one type per layer (num_hidden_layers=6)"),
     ("qwen3.5", dict(num_experts=4), "config.json: num_experts=4: Qwen3_5ForCausalLM is dense"),
     ("qwen3.5", dict(linear_num_value_heads=None), "config.json: missing field 'linear_num_value_heads'"),
-    ("qwen3.5", dict(linear_num_value_heads=5), "linear_num_value_heads=5 must be a multiple of linear_num_key_heads=2"),
+    ("qwen3.5", dict(linear_num_value_heads=5), "model.parts.gdn.value_heads: 5 must be a multiple of key_heads=2"),
     ("qwen3.5", dict(attn_output_gate=False), "attn_output_gate=False is not supported"),
     ("qwen3-next", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported (every layer of these families "
                                               "is MoE)"),

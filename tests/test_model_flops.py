@@ -11,6 +11,8 @@ from meshlm import spec as S
 from meshlm.analysis.aot import model_flops_per_token
 from meshlm.config import load_config, preset_names
 from meshlm.models import decoder, registry
+from meshlm.models.ffns.moe import knobs as moe_knobs
+from meshlm.models.mixers.mla import knobs as mla_knobs
 
 
 def reference_flops_per_token(cfg) -> float:
@@ -26,8 +28,9 @@ def reference_flops_per_token(cfg) -> float:
     if len([a for a in s.axes if a != "layers"]) < 2:
       continue
     n = float(math.prod(s.shape))
-    if any(a and str(a).startswith("experts") for a in s.axes) and m.num_experts:
-      n *= m.num_experts_per_tok / m.num_experts
+    if any(a and str(a).startswith("experts") for a in s.axes):
+      own = moe_knobs(m)
+      n *= own.num_experts_per_tok / own.num_experts
     matmul += n
   T = cfg.train.seq_len
   fam, lp = registry.family(cfg), decoder.plan(cfg)
@@ -37,7 +40,8 @@ def reference_flops_per_token(cfg) -> float:
     if mixer in ("gqa", "gated_gqa"):
       width = 2 * m.num_heads * m.head_dim
     elif mixer == "mla":
-      width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+      lat = mla_knobs(m)
+      width = m.num_heads * (lat.qk_nope_head_dim + lat.qk_rope_head_dim + lat.v_head_dim)
     else:
       continue
     w = m.sliding_window if context == "local" and m.sliding_window else T

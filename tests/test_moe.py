@@ -124,7 +124,7 @@ def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
   y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, impl="reference"))
   np.testing.assert_allclose(y, refs[True][0][1], rtol=1e-6, atol=1e-6)
   assert set(side) == {"moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", "moe_expert_ids"}
-  with pytest.raises(ValueError, match="moe_impl='capacity'"):
+  with pytest.raises(ValueError, match="impl='capacity'"):
     moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, impl="capacity"))
 
 
@@ -409,7 +409,7 @@ def test_fused_glu_saves_the_same_named_residuals():
 
 # --- sharding -----------------------------------------------------------------------------------------
 
-SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
+SPEC = moe.moe_spec(D, E, F, kernel_fsdp="embed")
 
 
 @pytest.fixture(scope="module")
@@ -445,8 +445,8 @@ def _reference_on_fsdp4(impl: str, mode: str):
   """(loss, grads as numpy) of one batch through mixtral-tiny (shrunk) on fsdp=4 with model.moe_impl=impl."""
   from meshlm.models import decoder
   from meshlm.train.step import BATCH_SPEC, grads_and_loss
-  cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", f"shard_mode={mode}", f"model.moe_impl={impl}",
-                    "model.embed_dim=64", "model.moe_mlp_dim=64", "model.head_dim=16", "model.num_layers=1",
+  cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", f"shard_mode={mode}", f"model.parts.moe.impl={impl}",
+                    "model.embed_dim=64", "model.parts.moe.mlp_dim=64", "model.head_dim=16", "model.num_layers=1",
                     "model.vocab_size=128", "train.seq_len=16", "train.per_device_batch_size=1",
                     "train.compute_dtype=float32")
   mesh = make_mesh(cfg)
@@ -465,7 +465,7 @@ def _reference_on_fsdp4(impl: str, mode: str):
 
 @pytest.mark.parametrize("mode", ["explicit"])
 def test_reference_impl_runs_on_fsdp4_and_equals_dropless(mode):
-  """model.moe_impl=reference on fsdp=4 (it raised under explicit: its einsums had no one output sharding) gives
+  """model.parts.moe.impl=reference on fsdp=4 (it raised under explicit: its einsums had no one output sharding) gives
   the dropless path's loss and gradients. Explicit only, where it raised (an auto arm cost a
   compile per impl for no case of its own: dropless explicit == auto is every MoE family's row of
   tests/test_conformance.py)."""

@@ -93,7 +93,7 @@ def test_bit_identical_under_a_mesh(mode):
   from meshlm.config import load_config
   from meshlm.parallel.mesh import make_mesh
   from meshlm.parallel.sharding import logical_spec
-  spec = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
+  spec = moe.moe_spec(D, E, F, kernel_fsdp="embed")
   x, _, _, gate, up, down = _inputs()
   p = {"router": 0.3 * jax.random.normal(jax.random.key(1), (D, E)), "gate": gate, "up": up, "down": down}
   mesh = make_mesh(load_config("cpu_devices=2", "mesh.fsdp=2", f"shard_mode={mode}"))

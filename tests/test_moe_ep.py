@@ -22,6 +22,7 @@ import functools
 import re
 
 import jax
+import jax.extend  # jax.extend.core.jaxprs_in_params below: jax does not import the submodule itself
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,7 +55,7 @@ def _inputs(seed: int = 0):
   return jnp.asarray(x), jax.tree.map(jnp.asarray, p)
 
 
-SPEC = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
+SPEC = moe.moe_spec(D, E, F, kernel_fsdp="embed")
 CTX = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
 
@@ -221,9 +222,9 @@ STEPS = 8
 SEQ_LEN = 32
 MODEL_BASE = ("cpu_devices=4", "train.per_device_batch_size=1", f"train.seq_len={SEQ_LEN}",
               "train.compute_dtype=float32", "train.warmup_steps=0", "train.learning_rate=3e-3",
-              "model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01")
+              "model.parts.moe.router_aux_loss_coef=0.1", "model.parts.moe.router_z_loss_coef=0.01")
 MODEL_MESHES = {"expert2-fsdp2": ("mesh.fsdp=2", "mesh.expert=2"),
-                "fsdp4": ("mesh.fsdp=4", "model.moe_kernel_fsdp=embed")}  # no EP: the kernels gathered
+                "fsdp4": ("mesh.fsdp=4", "model.parts.moe.kernel_fsdp=embed")}  # no EP: the kernels gathered
 PARITY_ATOL = 1e-5
 METRICS = ("loss", "moe_aux_loss", "moe_z_loss")
 

@@ -25,6 +25,7 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.hf import io as hf_io
 from meshlm.models import decoder
+from meshlm.models.ffns.moe import knobs
 from meshlm.models.plans import periodic_plan
 from meshlm.models.qwen3_moe import layer_kinds
 from meshlm.nn.moe import load_balancing_loss
@@ -56,30 +57,32 @@ def cli_error(argv: list[str], capsys) -> str:
 
 
 def test_top_k_larger_than_the_experts_is_refused(tmp_path, capsys):
-  err = cli_error(["train", "model=mixtral-tiny", "model.num_experts_per_tok=5", f"run_dir={tmp_path / 'run'}"],
-                  capsys)
-  assert "num_experts_per_tok=5 is larger than num_experts=4" in err, err
+  err = cli_error(["train", "model=mixtral-tiny", "model.parts.moe.num_experts_per_tok=5",
+                   f"run_dir={tmp_path / 'run'}"], capsys)
+  assert "model.parts.moe.num_experts_per_tok: 5 is larger than num_experts=4" in err, err
   assert not (tmp_path / "run").exists()
 
 
 def test_mesh_expert_must_divide_the_experts(tmp_path, capsys):
   err = cli_error(["train", "model=mixtral-tiny", "cpu_devices=3", "mesh.fsdp=1", "mesh.expert=3",
                    f"run_dir={tmp_path / 'run'}"], capsys)
-  assert err == "meshlm: error: mesh.expert=3 does not divide model.num_experts=4; pick a mesh.expert that divides 4"
+  assert err == ("meshlm: error: mesh.expert=3 does not divide model.parts.moe.num_experts=4; pick a mesh.expert "
+                 "that divides 4")
   assert not (tmp_path / "run").exists()
   # A mesh built elsewhere and handed to the step is checked too.
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.step import build_train_step
   # (an MoE config with 6 experts builds it; mesh.expert=2 on a dense model is refused at load)
-  mesh = make_mesh(load_config("model=mixtral-tiny", "model.num_experts=6", "cpu_devices=3", "mesh.fsdp=1",
+  mesh = make_mesh(load_config("model=mixtral-tiny", "model.parts.moe.num_experts=6", "cpu_devices=3", "mesh.fsdp=1",
                                "mesh.expert=3"))
-  with pytest.raises(ConfigError, match=r"^mesh.expert=3 does not divide model.num_experts=4"):
+  with pytest.raises(ConfigError, match=r"^mesh.expert=3 does not divide model.parts.moe.num_experts=4"):
     build_train_step(load_config("model=mixtral-tiny", "cpu_devices=3"), mesh)
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.num_experts=0", "model: num_experts: mixtral needs experts on every layer"),
-    ("model.norm_topk_prob=false", "model: norm_topk_prob=false: mixtral always renormalizes"),
+    ("model.parts.moe.num_experts=0", "model.parts.moe.num_experts: Input should be greater than 0 (got 0)"),
+    ("model.parts.moe.norm_topk_prob=false", "model.parts.moe.norm_topk_prob=false: mixtral always renormalizes"),
+    ("model.norm_topk_prob=false", "model.parts.moe.norm_topk_prob=false: mixtral always renormalizes"),  # old key
 ])
 def test_mixtral_refuses_what_it_cannot_be(override, message, tmp_path, capsys):
   err = cli_error(["train", "model=mixtral-tiny", override, f"run_dir={tmp_path / 'run'}"], capsys)
@@ -87,18 +90,20 @@ def test_mixtral_refuses_what_it_cannot_be(override, message, tmp_path, capsys):
   assert not (tmp_path / "run").exists()
 
 
-def test_moe_fields_are_validated():
-  with pytest.raises(ConfigError, match="moe_mlp_dim: required with num_experts=4"):
-    load_config("model=llama2-tiny", "model.num_experts=4")
-  with pytest.raises(ConfigError, match=r"mlp_only_layers: layer 4 is not in \[0, num_layers=4\)"):
-    load_config("model=qwen3-moe-tiny", "model.mlp_only_layers=[4]")
+def test_qwen3_moe_checks_its_plans_keys():
+  """mlp_only_layers is the family's layer plan, not a knob of the moe part: qwen3_moe checks it, naming the key
+  (control: the last layer). The moe section's own checks are tests/test_part_config.py's."""
+  import meshlm
+  with pytest.raises(ConfigError, match=r"^model.mlp_only_layers: layer 4 is not in \[0, model.num_layers=4\)"):
+    meshlm.load_config("model=qwen3-moe-tiny", "model.mlp_only_layers=[4]")
+  meshlm.load_config("model=qwen3-moe-tiny", "model.mlp_only_layers=[3]")
 
 
 # --- layer plans ---------------------------------------------------------------------------------
 
 def kinds_of(num_layers: int, step: int, only: list[int], experts: int = 8) -> str:
   cfg = load_config("model=qwen3-moe-tiny", f"model.num_layers={num_layers}", f"model.decoder_sparse_step={step}",
-                    f"model.mlp_only_layers={only}", f"model.num_experts={experts}")
+                    f"model.mlp_only_layers={only}", f"model.parts.moe.num_experts={experts}")
   return "".join(k[0] for k in layer_kinds(cfg.model))
 
 
@@ -108,7 +113,7 @@ def test_qwen3_moe_layer_kinds_follow_transformers():
   assert kinds_of(5, 2, []) == "dmdmd"
   assert kinds_of(6, 3, [5]) == "ddmddd"
   assert kinds_of(4, 1, [0, 2]) == "dmdm"
-  assert kinds_of(3, 1, [], experts=0) == "ddd"
+  assert kinds_of(3, 1, [0, 1, 2]) == "ddd"
 
 
 @pytest.mark.parametrize("kinds, prefix, period", [
@@ -126,7 +131,7 @@ def test_periodic_plan(kinds, prefix, period):
 
 # Shapes that compile in seconds, for either family's tiny preset.
 SMALL = ("model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=24",
-         "model.moe_mlp_dim=8", "model.vocab_size=64", "model.num_experts=4")
+         "model.parts.moe.mlp_dim=8", "model.vocab_size=64", "model.parts.moe.num_experts=4")
 TINY_QWEN = ("model=qwen3-moe-tiny", *SMALL)
 
 
@@ -221,10 +226,10 @@ def test_moe_fixtures_cover_the_routing_variants():
 
 
 @pytest.mark.parametrize("name, wrong", [
-    ("qwen3-moe", "model.norm_topk_prob=false"),
-    ("qwen3-moe-nonorm", "model.norm_topk_prob=true"),
-    ("qwen3-moe", "model.num_experts_per_tok=3"),
-    ("mixtral", "model.num_experts_per_tok=1"),
+    ("qwen3-moe", "model.parts.moe.norm_topk_prob=false"),
+    ("qwen3-moe-nonorm", "model.parts.moe.norm_topk_prob=true"),
+    ("qwen3-moe", "model.parts.moe.num_experts_per_tok=3"),
+    ("mixtral", "model.parts.moe.num_experts_per_tok=1"),
 ])
 def test_wrong_routing_fails_parity(name, wrong):
   """Negative controls: the parity check tells each routing setting from the right one."""
@@ -295,18 +300,18 @@ def reads(monkeypatch, *overrides: str) -> tuple[dict, dict]:
 
 
 def test_each_device_reads_only_its_experts(monkeypatch):
-  """mesh.expert=5, and fsdp=5 with the experts on fsdp (model.moe_kernel_fsdp=experts): each device
+  """mesh.expert=5, and fsdp=5 with the experts on fsdp (model.parts.moe.kernel_fsdp=experts): each device
   holds one expert of each kernel and reads only that expert's tensors (once each over the whole load);
-  with the experts whole on every device (fsdp=5 shards embed: moe_kernel_fsdp=embed), every device
+  with the experts whole on every device (fsdp=5 shards embed: kernel_fsdp=embed), every device
   reads every expert's tensor."""
   for mesh, axis in ((("mesh.fsdp=1", "mesh.expert=5"), "expert"),
-                     (("mesh.fsdp=5", "model.moe_kernel_fsdp=experts"), "fsdp")):
+                     (("mesh.fsdp=5", "model.parts.moe.kernel_fsdp=experts"), "fsdp")):
     params, counts = reads(monkeypatch, "cpu_devices=5", *mesh)
     gate = params["layers"]["moe"]["moe"]["gate"]
     assert gate.shape == (2, 5, 45, 22) and gate.sharding.spec[1] == axis
     experts = {n: c for n, c in counts.items() if ".experts." in n}
     assert len(experts) == 2 * 5 * 3 and set(experts.values()) == {1}
-  _, counts = reads(monkeypatch, "cpu_devices=5", "mesh.fsdp=5", "model.moe_kernel_fsdp=embed")
+  _, counts = reads(monkeypatch, "cpu_devices=5", "mesh.fsdp=5", "model.parts.moe.kernel_fsdp=embed")
   assert {c for n, c in counts.items() if ".experts." in n} == {5}
 
 
@@ -339,7 +344,7 @@ def test_router_losses_enter_the_loss():
   from meshlm.train.step import cross_entropy, next_token_loss
   base = (*TINY_QWEN, *F32)
   plain = load_config(*base)
-  coefs = load_config(*base, "model.router_aux_loss_coef=0.3", "model.router_z_loss_coef=0.02")
+  coefs = load_config(*base, "model.parts.moe.router_aux_loss_coef=0.3", "model.parts.moe.router_z_loss_coef=0.02")
   params = decoder.init_params(plain, jax.random.key(0))
   batch = {k: jnp.asarray(v) for k, v in tiny_batch(64, 2, 9).items()}
   n = jnp.sum(batch["loss_mask"])
@@ -367,8 +372,8 @@ def test_micro_batches_weigh_router_losses_by_their_tokens():
   """Summed over micro-batches, the logged router losses are the token-weighted mean of each
   micro-batch's own (not their sum), as the cross-entropy sums to the batch's."""
   from meshlm.train.step import grads_and_loss, next_token_loss
-  over = (*TINY_QWEN, "train.compute_dtype=float32", "model.router_aux_loss_coef=0.1",
-          "model.router_z_loss_coef=0.01", "train.per_device_batch_size=4")
+  over = (*TINY_QWEN, "train.compute_dtype=float32", "model.parts.moe.router_aux_loss_coef=0.1",
+          "model.parts.moe.router_z_loss_coef=0.01", "train.per_device_batch_size=4")
   cfg1, cfg2 = load_config(*over), load_config(*over, "train.micro_batches=2")
   params = decoder.init_params(cfg1, jax.random.key(0))
   batch = tiny_batch(64, 4, 9, seed=3)
@@ -396,7 +401,8 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
   run = tmp_path / "run"
   assert main(["train", f"model={preset}", *mesh, f"train.steps={steps}", "train.seq_len=64",
                "train.per_device_batch_size=4", "train.warmup_steps=5", "train.sample_tokens=0",
-               "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", f"run_dir={run}"]) == 0
+               "model.parts.moe.router_aux_loss_coef=0.01", "model.parts.moe.router_z_loss_coef=0.001",
+               f"run_dir={run}"]) == 0
   records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(steps))
   losses = [r["loss"] for r in records]
@@ -404,7 +410,7 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
   # Byte-level, untrained: about ln(512) = 6.2; a few dozen steps on Python source take it well below.
   assert np.mean(losses[-5:]) < losses[0] - 1.5, losses
   # E * sum_e f_e p_e: k when balanced; each expert takes at most every token (f_e <= 1), so at most E.
-  experts = load_config(f"model={preset}").model.num_experts
+  experts = knobs(load_config(f"model={preset}").model).num_experts
   aux = [r["moe_aux_loss"] for r in records]
   assert all(0 < a <= experts for a in aux), aux
   assert all(r["moe_z_loss"] > 0 for r in records)

@@ -1,4 +1,4 @@
-"""model.moe_kernel_fsdp: what mesh.fsdp shards in the expert kernels (nn/moe/ moe_spec, _dispatch_ep).
+"""model.parts.moe.kernel_fsdp: what mesh.fsdp shards in the expert kernels (nn/moe/ moe_spec, _dispatch_ep).
 
 - On fsdp=4 under explicit and auto, the MoE layer's loss, output and every gradient (float32) with
   `experts` (the experts dim on fsdp: the tokens travel, expert-parallel dispatch over fsdp), `embed`
@@ -23,10 +23,11 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from meshlm.analysis.census import hlo_counts
 from meshlm.config import load_config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models import decoder, registry
+from meshlm.models.ffns.moe import knobs
 from meshlm.nn import moe
 from meshlm.nn.moe import expert_parallel
-from meshlm.parallel.mesh import check_expert_axis, make_mesh
+from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import ShardingWarning, logical_spec
 
 from test_moe_ep import CTX, B, D, E, F, K, TOL, _inputs, _loss, _rel_diffs
@@ -34,12 +35,8 @@ from test_moe_ep import CTX, B, D, E, F, K, TOL, _inputs, _loss, _rel_diffs
 LAYOUTS = ("experts", "embed", "mlp")
 
 
-def _model(layout, experts: int = E):
-  return type("M", (), dict(embed_dim=D, num_experts=experts, moe_mlp_dim=F, moe_kernel_fsdp=layout))()
-
-
 def _layer(layout):
-  axis = moe.experts_axis(_model(layout))
+  axis = moe.experts_axis(layout)
 
   def f(p, x):
     y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, k=K, norm_topk=True, experts_axis=axis))
@@ -58,7 +55,7 @@ def run(axes: dict, mode: str, layout: str, rows: int = B):
   the params placed as moe_spec lays them out for `layout` and x as the model places activations.
   rerun(permutation) runs the same executable with the experts of gate, up and down permuted."""
   x, p = _inputs()
-  spec = moe.moe_spec(_model(layout))
+  spec = moe.moe_spec(D, E, F, layout)
   mesh = _mesh(axes, mode)
   with jax.set_mesh(mesh):
     put = lambda a, names: jax.device_put(a, NamedSharding(mesh, logical_spec(names, a.shape, mesh)))  # noqa: E731
@@ -158,7 +155,7 @@ def test_the_offset_follows_the_specs_axis_order(unsharded, monkeypatch):
 
 def _specs(layout, mesh_shape: dict, experts: int = E) -> dict:
   mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape), axis_types=(AxisType.Explicit,) * len(mesh_shape))
-  spec = moe.moe_spec(_model(layout, experts))
+  spec = moe.moe_spec(D, experts, F, layout)
   return {k: tuple(logical_spec(s.axes, s.shape, mesh)) + (None,) * (3 - len(s.shape)) for k, s in spec.items()}
 
 
@@ -188,42 +185,46 @@ def test_null_falls_back_to_embed_quietly():
 
 def test_the_model_stores_each_layout():
   """The whole model (mixtral-tiny, stacked layers) through decoder.param_shardings on fsdp=4; null resolves
-  by moe_layout_for: experts at issue 19's geometry (1 row of 128 tokens per device, experts of width 512),
+  by layout_for: experts at issue 19's geometry (1 row of 128 tokens per device, experts of width 512),
   embed for the preset's 8 rows per device."""
   def down(layout, *extra):
-    cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", "model.num_experts=8", *extra,
-                      *([] if layout is None else [f"model.moe_kernel_fsdp={layout}"]))
+    cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", "model.parts.moe.num_experts=8", *extra,
+                      *([] if layout is None else [f"model.parts.moe.kernel_fsdp={layout}"]))
     sh = decoder.param_shardings(cfg, make_mesh(cfg))
     [moe_p] = [v for v in sh["layers"].values() if "moe" in v]
     return tuple(moe_p["moe"]["down"].spec), tuple(moe_p["moe"]["gate"].spec)
-  few = ("train.per_device_batch_size=1", "model.moe_mlp_dim=512")
+  few = ("train.per_device_batch_size=1", "model.parts.moe.mlp_dim=512")
   assert down(None, *few) == down("experts") == ((None, "fsdp", None, None), (None, "fsdp", None, None))
   assert down(None) == down("embed") == ((None, None, None, "fsdp"), (None, None, "fsdp", None))
   assert down("mlp") == ((None, None, "fsdp", None), (None, None, "fsdp", None))
 
 
 def test_null_layout_compares_the_dispatch_rows_with_the_kernels():
-  """moe_layout_for: experts while ep x rows x k x (D + 2F) <= 3 E D F, embed past it; embed where the fsdp
-  size is not known from the config."""
-  base = ("model=mixtral-tiny", "model.num_experts=8", "model.embed_dim=64", "model.moe_mlp_dim=64",
+  """layout_for: experts while ep x rows x k x (D + 2F) <= 3 E D F, embed past it; embed where the fsdp
+  size is not known from the config. The config as loaded keeps null; the model resolves it (registry.resolved)."""
+  base = ("model=mixtral-tiny", "model.parts.moe.num_experts=8", "model.embed_dim=64", "model.parts.moe.mlp_dim=64",
           "model.num_heads=2", "model.num_kv_heads=2", "train.seq_len=16", "cpu_devices=4", "mesh.fsdp=4")
   kernels = 3 * 8 * 64 * 64  # 98,304; one row of 16 tokens x k=2 x (64 + 128) x ep=4 = 24,576 per sequence
   assert 4 * 4 * 16 * 2 * (64 + 2 * 64) == kernels
-  assert load_config(*base, "train.per_device_batch_size=4").model.moe_kernel_fsdp == "experts"  # equal: experts
-  assert load_config(*base, "train.per_device_batch_size=5").model.moe_kernel_fsdp == "embed"
-  assert load_config(*base, "train.per_device_batch_size=8", "train.micro_batches=2").model.moe_kernel_fsdp == "experts"
-  assert load_config("model=mixtral-tiny").model.moe_kernel_fsdp == "embed"  # mesh.fsdp=-1, no cpu_devices
-  assert load_config(*base, "train.per_device_batch_size=5", "model.moe_kernel_fsdp=experts").model.moe_kernel_fsdp \
-      == "experts"  # set, not resolved
+  layout = lambda *o: knobs(registry.validate(load_config(*o)).model).kernel_fsdp  # noqa: E731
+  assert layout(*base, "train.per_device_batch_size=4") == "experts"  # equal: experts
+  assert layout(*base, "train.per_device_batch_size=5") == "embed"
+  assert layout(*base, "train.per_device_batch_size=8", "train.micro_batches=2") == "experts"
+  assert layout("model=mixtral-tiny") == "embed"  # mesh.fsdp=-1, no cpu_devices
+  assert layout(*base, "train.per_device_batch_size=5", "model.parts.moe.kernel_fsdp=experts") == "experts"  # set
+  assert knobs(load_config(*base, "train.per_device_batch_size=4").model).kernel_fsdp is None  # not yet resolved
+  assert knobs(decoder.resolve(load_config(*base, "train.per_device_batch_size=4")).m).kernel_fsdp == "experts"
 
 
 def test_experts_refused_where_it_cannot_shard():
-  cfg = load_config("model=mixtral-tiny", "model.moe_kernel_fsdp=experts")  # 4 experts
-  with pytest.raises(ConfigError, match=r"model.moe_kernel_fsdp=experts: mesh.expert x mesh.fsdp = 1 x 8 does not "
-                                        r"divide model.num_experts=4"):
-    check_expert_axis(cfg, 1, 8)
-  check_expert_axis(cfg, 1, 4)
-  check_expert_axis(load_config("model=mixtral-tiny"), 1, 8)  # null falls back
+  cfg = load_config("model=mixtral-tiny", "model.parts.moe.kernel_fsdp=experts")  # 4 experts
+  with pytest.raises(ConfigError, match=r"model.parts.moe.kernel_fsdp=experts: mesh.expert x mesh.fsdp = 1 x 8 does "
+                                        r"not divide model.parts.moe.num_experts=4"):
+    registry.check_mesh(cfg, {"expert": 1, "fsdp": 8})
+  registry.check_mesh(cfg, {"expert": 1, "fsdp": 4})
+  registry.check_mesh(load_config("model=mixtral-tiny"), {"expert": 1, "fsdp": 8})  # null falls back
+  with pytest.raises(ConfigError, match=r"model.parts.moe.kernel_fsdp=experts: mesh.expert x mesh.fsdp = 1 x 8"):
+    registry.validate(load_config("model=mixtral-tiny", "model.parts.moe.kernel_fsdp=experts", "mesh.fsdp=8"))
 
 
 # --- what the compiled layer moves ----------------------------------------------------------------------

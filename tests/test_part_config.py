@@ -53,8 +53,8 @@ def test_the_knob_changes_the_numbers():
 
 
 @pytest.mark.parametrize("override, msg", [
-    ("model.parts.mean.scale=-1", r"model.parts.mean.scale: Input should be greater than 0 \(the mean part's knobs: "
-     r"scale\)"),
+    ("model.parts.mean.scale=-1", r"model.parts.mean.scale: Input should be greater than 0 \(got -1\) \(the mean "
+     r"part's knobs: scale\)"),
     ("model.parts.mean.scael=2", r"model.parts.mean.scael: unknown knob \(the mean part's knobs: scale\)"),
     ("model.parts.glu.scale=2", r"model.parts.glu: model family 'mean_llama' has no part 'glu' with knobs of its own "
      r"\(parts with knobs: mean\)"),
@@ -86,6 +86,16 @@ def test_another_family_refuses_the_section():
 
 # --- a knob that moved into its part's section: model.mla_absorb -> model.parts.mla.absorb -------------------
 
+def before_the_moves(model: dict) -> dict:
+  """A model config as a meshlm before the moves saved it: every moved knob under its old flat key (ModelConfig.MOVED),
+  each at its old default unless model.parts set it (a saved config holds every field, the parts' or not)."""
+  old = {(part, knob): key for key, (part, knob, _) in ModelConfig.MOVED.items()}
+  out = {k: v for k, v in model.items() if k != "parts"}
+  out.update({key: default for key, (_, _, default) in ModelConfig.MOVED.items()})
+  out.update({old[part, knob]: v for part, knobs in model.get("parts", {}).items() for knob, v in knobs.items()})
+  return out
+
+
 def test_a_moved_key_still_sets_the_parts_knob():
   from meshlm.models.mixers.mla import PART
   absorb = lambda *o: section(registry.validate(load_config("model=deepseek-v3-tiny", *o)).model, PART).absorb
@@ -108,8 +118,8 @@ def test_a_checkpoint_compares_the_parts_knobs_but_a_compute_knob():
   other = dict(saved, parts={"mean": {"scale": 2.0}})
   assert _model_mismatch(other, cfg) == "model.parts.mean.scale is 0.5 here but 2.0 in the checkpoint"
   dsv3 = load_config("model=deepseek-v3-tiny", "model.parts.mla.absorb=false")
-  old = {k: v for k, v in load_config("model=deepseek-v3-tiny").model.model_dump(mode="json").items() if k != "parts"}
-  assert _model_mismatch(dict(old, mla_absorb=True), dsv3) is None
+  old = before_the_moves(load_config("model=deepseek-v3-tiny").model.model_dump(mode="json"))
+  assert old["mla_absorb"] is True and _model_mismatch(old, dsv3) is None
   assert _model_mismatch(dict(old, parts={"gqa": {}}), dsv3).startswith("model.parts.gqa is None here")
 
 
@@ -149,21 +159,20 @@ def test_the_old_gdn_keys_still_set_its_knobs():
                    "model.parts.gdn.conv_kernel_dim=3") == (16, "reference", 3)
   assert gdn_knobs("model.gdn_chunk_size=16", "model.parts.gdn.chunk_size=32")[0] == 32  # in order: the last wins
   tree = load_config("model=qwen3.5-tiny").model_dump(mode="json")
-  flat = dict(tree, model={**{k: v for k, v in tree["model"].items() if k != "parts"}, "gdn_chunk_size": 16,
-                           "gdn_impl": "reference", "linear_conv_kernel_dim": 3})
+  flat = dict(tree, model=dict(before_the_moves(tree["model"]), gdn_chunk_size=16, gdn_impl="reference",
+                               linear_conv_kernel_dim=3))
   assert gdn_knobs(base=flat) == (16, "reference", 3)
   both = dict(flat, model=dict(flat["model"], parts={"gdn": {"chunk_size": 32}}))
   assert gdn_knobs(base=both) == (32, "reference", 3)
   assert not {"gdn_chunk_size", "gdn_impl", "linear_conv_kernel_dim"} & set(ModelConfig.model_fields)
-  assert not {"gdn_chunk_size", "gdn_impl"} & set(ModelConfig.COMPUTE_FIELDS)
 
 
 def test_an_old_key_at_its_default_sets_nothing_for_a_family_without_the_part():
   """A model config saved before the move holds every field (llama's too, at the defaults): it loads; an old key
   off its default still is a knob llama has no part for (control)."""
   tree = load_config("model=llama2-tiny").model_dump(mode="json")
-  old = dict(tree, model=dict(tree["model"], gdn_chunk_size=64, gdn_impl="chunked", linear_conv_kernel_dim=4,
-                              mla_absorb=True))
+  old = dict(tree, model=before_the_moves(tree["model"]))
+  assert {"gdn_chunk_size", "mla_absorb", "num_experts", "moe_mlp_dim"} <= set(old["model"])
   assert registry.validate(load_config(base=old)).model.parts == {}
   with pytest.raises(ConfigError, match="model.parts.gdn: model family 'llama' has no part 'gdn'"):
     registry.validate(load_config(base=dict(old, model=dict(old["model"], gdn_chunk_size=32))))
@@ -182,14 +191,227 @@ def test_a_checkpoint_resumes_under_another_gdn_chunk_or_rule_but_not_another_co
   cfg = load_config("model=qwen3.5-tiny")
   saved = cfg.model.model_dump(mode="json")
   assert _model_mismatch(saved, cfg) is None
-  assert _model_mismatch(dict(saved, parts={"gdn": {"chunk_size": 16, "impl": "reference"}}), cfg) is None
-  assert _model_mismatch(dict(saved, parts={"gdn": {"conv_kernel_dim": 3}}), cfg) == (
+  gdn = saved["parts"]["gdn"]
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(gdn, chunk_size=16, impl="reference")}), cfg) is None
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(gdn, conv_kernel_dim=3)}), cfg) == (
       "model.parts.gdn.conv_kernel_dim is 4 here but 3 in the checkpoint")
-  old = {k: v for k, v in saved.items() if k != "parts"}
+  old = before_the_moves(saved)
   assert _model_mismatch(dict(old, gdn_chunk_size=32, gdn_impl="reference", linear_conv_kernel_dim=4), cfg) is None
   assert _model_mismatch(dict(old, linear_conv_kernel_dim=2), cfg) == (
       "model.parts.gdn.conv_kernel_dim is 4 here but 2 in the checkpoint")
   llama = load_config("model=llama2-tiny")
-  before_the_move = dict(llama.model.model_dump(mode="json"), gdn_chunk_size=64, gdn_impl="chunked",
-                         linear_conv_kernel_dim=4, mla_absorb=True)
-  assert _model_mismatch(before_the_move, llama) is None
+  assert _model_mismatch(before_the_moves(llama.model.model_dump(mode="json")), llama) is None
+
+
+# --- moe's knobs, moved into its section: model.num_experts, moe_mlp_dim, moe_impl, ... -> model.parts.moe.* --------
+
+def moe_knobs(*overrides, base=None, preset="qwen3-moe-tiny"):
+  from meshlm.models.ffns import moe
+  return moe.knobs(registry.validate(load_config(f"model={preset}", *overrides, base=base)).model)
+
+
+def test_the_old_moe_keys_still_set_its_knobs():
+  """Each old flat key sets its knob under the new name (moe_mlp_dim -> mlp_dim, moe_impl -> impl, ...); on the CLI
+  it overrides the preset's section, in a tree it sets the knob, and the new name given there too wins. None of the
+  old names is a schema field."""
+  from meshlm.config.schema import ModelConfig as M
+  moved = {old: knob for old, (part, knob, _) in M.MOVED.items() if part == "moe"}
+  assert len(moved) == 17 and not set(moved) & set(M.model_fields)
+  assert {k: v for k, v in moved.items() if k != v} == {"moe_mlp_dim": "mlp_dim", "moe_impl": "impl",
+                                                        "moe_grouped_matmul": "grouped_matmul",
+                                                        "moe_kernel_fsdp": "kernel_fsdp"}
+  own = moe_knobs("model.moe_mlp_dim=32", "model.num_experts_per_tok=3", "model.moe_impl=reference",
+                  "model.moe_grouped_matmul=blocks", "model.moe_kernel_fsdp=mlp", "model.router_z_loss_coef=0.01")
+  assert (own.mlp_dim, own.num_experts_per_tok, own.impl, own.grouped_matmul, own.kernel_fsdp,
+          own.router_z_loss_coef) == (32, 3, "reference", "blocks", "mlp", 0.01)
+  assert moe_knobs().mlp_dim == 128 and moe_knobs("model.moe_mlp_dim=32", "model.parts.moe.mlp_dim=16").mlp_dim == 16
+  tree = load_config("model=qwen3-moe-tiny").model_dump(mode="json")
+  flat = dict(tree, model=before_the_moves(dict(tree["model"], parts={"moe": {"num_experts": 8, "mlp_dim": 32}})))
+  assert flat["model"]["moe_mlp_dim"] == 32 and (moe_knobs(base=flat).mlp_dim, moe_knobs(base=flat).impl) == (
+      32, "dropless")
+  both = dict(flat, model=dict(flat["model"], parts={"moe": {"mlp_dim": 16}}))
+  assert moe_knobs(base=both).mlp_dim == 16
+
+
+def test_an_old_saved_moe_config_loads_and_resumes():
+  """A qwen3-moe-tiny run config saved before the move (every field, the MoE ones flat, kernel_fsdp resolved) loads
+  to the preset's knobs, and its checkpoint resumes under the preset's config; the control: one with another top-k
+  is refused naming the new key."""
+  cfg = registry.validate(load_config("model=qwen3-moe-tiny"))
+  tree = cfg.model_dump(mode="json")
+  old = dict(tree, model=before_the_moves(tree["model"]))
+  assert old["model"]["moe_kernel_fsdp"] == "embed" and "parts" not in old["model"]
+  assert moe_knobs(base=old) == moe_knobs()  # the old keys at their defaults set nothing: the section's defaults
+  assert _model_mismatch(old["model"], cfg) is None
+  assert _model_mismatch(dict(old["model"], num_experts_per_tok=3), cfg) == (
+      "model.parts.moe.num_experts_per_tok is 2 here but 3 in the checkpoint")
+
+
+def test_a_checkpoint_resumes_under_another_moe_layout_but_not_other_experts():
+  """impl, grouped_matmul and kernel_fsdp are the section's COMPUTE knobs; the experts' count and width are
+  parameters' shapes."""
+  from meshlm.models.ffns.moe import MoEConfig
+  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp")
+  cfg = load_config("model=mixtral-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  moe = saved["parts"]["moe"]
+  other = dict(moe, impl="reference", grouped_matmul="ragged", kernel_fsdp="experts")
+  assert _model_mismatch(dict(saved, parts={"moe": other}), cfg) is None
+  assert _model_mismatch(dict(saved, parts={"moe": dict(moe, mlp_dim=128)}), cfg) == (
+      "model.parts.moe.mlp_dim is 256 here but 128 in the checkpoint")
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("model.parts.moe.impl=capacity", r"^model\.parts\.moe\.impl: Input should be 'dropless' or 'reference' "
+     r"\(got 'capacity'\) \(the moe part's knobs: num_experts, num_experts_per_tok, mlp_dim, "),
+    ("model.parts.moe.moe_impl=reference", r"^model\.parts\.moe\.moe_impl: unknown knob \(the moe part's knobs: "),
+    ("model.parts.moe.num_experts_per_tok=9", r"^model\.parts\.moe\.num_experts_per_tok: 9 is larger than "
+     r"num_experts=8: each token can be routed to at most every expert"),
+    ("model.num_experts_per_tok=9", r"^model\.parts\.moe\.num_experts_per_tok: 9 is larger"),  # the old key
+    ("model.parts.moe.num_experts=0", r"^model\.parts\.moe\.num_experts: Input should be greater than 0 \(got 0\)"),
+    ("model.parts.moe.router_dtype=float16", r"^model\.parts\.moe\.router_dtype: Input should be 'float32' or "
+     r"'bfloat16'"),
+])
+def test_the_moe_section_refuses_a_bad_or_unknown_knob_naming_the_key(override, msg):
+  with pytest.raises(ConfigError, match=msg):
+    moe_knobs(override)
+  assert moe_knobs("model.parts.moe.num_experts_per_tok=8").num_experts_per_tok == 8  # control: at most every expert
+
+
+@pytest.mark.parametrize("knob", ["num_experts", "mlp_dim"])
+def test_a_required_moe_knob_is_named_when_missing(knob):
+  """A family with the moe part checks its section whether model.parts holds it or not: num_experts and mlp_dim
+  have no default. Control: the same tree with the knob."""
+  tree = load_config("model=mixtral-tiny").model_dump(mode="json")
+  moe = tree["model"]["parts"]["moe"]
+  for parts, named in (({"moe": {k: v for k, v in moe.items() if k != knob}}, knob), ({}, "num_experts")):
+    with pytest.raises(ConfigError, match=f"^model.parts.moe.{named}: required by model.family=mixtral \\(its moe "
+                       f"layers\\); set model.parts.moe.{named}=...$"):
+      registry.validate(load_config(base=dict(tree, model=dict(tree["model"], parts=parts))))
+  registry.validate(load_config(base=tree))
+
+
+def test_a_family_without_the_moe_part_refuses_its_section_and_the_expert_axis():
+  """qwen3_5 (dense) and llama refuse model.parts.moe, under its name and under an old key; only a model with the
+  moe part may set mesh.expert above 1 (Part.mesh_axes), and the moe part that it divides its experts."""
+  for preset, family in (("qwen3.5-tiny", "qwen3_5"), ("llama2-tiny", "llama")):
+    for key in ("model.parts.moe.num_experts=4", "model.num_experts=4"):
+      with pytest.raises(ConfigError, match=f"^model.parts.moe: model family '{family}' has no part 'moe'"):
+        registry.validate(load_config(f"model={preset}", key))
+  with pytest.raises(ConfigError, match=r"^mesh.expert=2: llama2-tiny \(model.family=llama\) has no moe layers"):
+    registry.validate(load_config("model=llama2-tiny", "mesh.expert=2"))
+  with pytest.raises(ConfigError, match=r"^mesh.expert=3 does not divide model.parts.moe.num_experts=8"):
+    registry.validate(load_config("model=qwen3-moe-tiny", "mesh.expert=3"))
+  assert registry.validate(load_config("model=qwen3-moe-tiny", "mesh.expert=4")).mesh.expert == 4  # control
+
+
+# --- mla's ranks and head dims, moved into its section: model.q_lora_rank, ... -> model.parts.mla.* ----------------
+
+def mla_knobs(*overrides, base=None):
+  from meshlm.models.mixers import mla
+  return mla.knobs(registry.validate(load_config("model=deepseek-v3-tiny", *overrides, base=base)).model)
+
+
+def test_the_old_mla_keys_still_set_its_knobs():
+  """The old flat keys set the same names under model.parts.mla, on the CLI over the preset's section and in a saved
+  tree; the query heads stay the model's (num_heads, Part.needs)."""
+  from meshlm.models.mixers import mla
+  moved = {old: knob for old, (part, knob, _) in ModelConfig.MOVED.items() if part == "mla"}
+  assert moved == {k: k for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                  "rope_interleave")} | {"mla_absorb": "absorb"}
+  assert not set(moved) & set(ModelConfig.model_fields) and mla.NEEDS == ("num_heads",)
+  own = mla_knobs("model.q_lora_rank=null", "model.kv_lora_rank=16", "model.rope_interleave=false")
+  assert (own.q_lora_rank, own.kv_lora_rank, own.rope_interleave, own.qk_rope_head_dim) == (None, 16, False, 8)
+  tree = load_config("model=deepseek-v3-tiny").model_dump(mode="json")
+  old = dict(tree, model=before_the_moves(dict(tree["model"], parts={
+      "moe": tree["model"]["parts"]["moe"], "mla": dict(tree["model"]["parts"]["mla"], kv_lora_rank=16)})))
+  assert old["model"]["kv_lora_rank"] == 16 and "parts" not in old["model"]
+  assert mla_knobs(base=old) == mla_knobs("model.parts.mla.kv_lora_rank=16")
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("model.parts.mla.qk_rope_head_dim=7", r"^model\.parts\.mla\.qk_rope_head_dim: 7 must be even \(RoPE rotates "
+     r"pairs\)"),
+    ("model.qk_rope_head_dim=7", r"^model\.parts\.mla\.qk_rope_head_dim: 7 must be even"),  # the old key
+    ("model.parts.mla.kv_rank=8", r"^model\.parts\.mla\.kv_rank: unknown knob \(the mla part's knobs: q_lora_rank, "),
+    ("model.parts.mla.v_head_dim=0", r"^model\.parts\.mla\.v_head_dim: Input should be greater than 0 \(got 0\)"),
+    ("model.parts.mla.kv_lora_rank=null", r"^model\.parts\.mla\.kv_lora_rank: required by model\.family=deepseek_v3 "
+     r"\(its mla layers\); set model\.parts\.mla\.kv_lora_rank=\.\.\.$"),
+])
+def test_the_mla_section_refuses_a_bad_or_unknown_knob_naming_the_key(override, msg):
+  with pytest.raises(ConfigError, match=msg):
+    mla_knobs(override)
+  assert mla_knobs("model.parts.mla.qk_rope_head_dim=6").qk_rope_head_dim == 6  # control: even
+
+
+def test_an_mla_section_without_its_ranks_is_refused_naming_the_first():
+  tree = load_config("model=deepseek-v3-tiny").model_dump(mode="json")
+  parts = dict(tree["model"]["parts"], mla={"absorb": False})
+  with pytest.raises(ConfigError, match=r"^model\.parts\.mla\.kv_lora_rank: required by model\.family=deepseek_v3"):
+    registry.validate(load_config(base=dict(tree, model=dict(tree["model"], parts=parts))))
+
+
+def test_a_checkpoint_compares_the_mla_shapes_but_not_absorb():
+  cfg = load_config("model=deepseek-v3-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  mla = saved["parts"]["mla"]
+  assert _model_mismatch(dict(saved, parts=dict(saved["parts"], mla=dict(mla, absorb=False))), cfg) is None
+  assert _model_mismatch(dict(saved, parts=dict(saved["parts"], mla=dict(mla, rope_interleave=False))), cfg) == (
+      "model.parts.mla.rope_interleave is True here but False in the checkpoint")
+
+
+# --- gdn's heads, moved into its section: model.linear_num_key_heads, ... -> model.parts.gdn.key_heads, ... --------
+
+def test_the_old_gdn_head_keys_still_set_its_knobs():
+  """linear_num_key_heads, linear_num_value_heads, linear_key_head_dim and linear_value_head_dim set key_heads,
+  value_heads, key_head_dim and value_head_dim, on the CLI and in a saved tree; the layer plan's keys
+  (hybrid_layer_types, full_attention_interval) stay the model's."""
+  from meshlm.models.mixers import gdn
+  moved = {old: knob for old, (part, knob, _) in ModelConfig.MOVED.items() if part == "gdn"}
+  assert moved == {"linear_num_key_heads": "key_heads", "linear_num_value_heads": "value_heads",
+                   "linear_key_head_dim": "key_head_dim", "linear_value_head_dim": "value_head_dim",
+                   "gdn_chunk_size": "chunk_size", "gdn_impl": "impl", "linear_conv_kernel_dim": "conv_kernel_dim"}
+  assert not set(moved) & set(ModelConfig.model_fields)
+  assert {"hybrid_layer_types", "full_attention_interval"} <= set(ModelConfig.model_fields)
+  heads = lambda *o, base=None: (lambda k: (k.key_heads, k.value_heads, k.key_head_dim, k.value_head_dim))(  # noqa
+      gdn.knobs(registry.validate(load_config("model=qwen3.5-tiny", *o, base=base)).model))
+  assert heads() == (2, 4, 32, 32)
+  assert heads("model.linear_num_key_heads=1", "model.linear_num_value_heads=3", "model.linear_key_head_dim=16",
+               "model.linear_value_head_dim=8") == (1, 3, 16, 8)
+  tree = load_config("model=qwen3.5-tiny").model_dump(mode="json")
+  old = dict(tree, model=dict(before_the_moves(tree["model"]), linear_num_value_heads=6))
+  assert old["model"]["linear_num_key_heads"] == 2 and heads(base=old) == (2, 6, 32, 32)
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("model.parts.gdn.value_heads=3", r"^model\.parts\.gdn\.value_heads: 3 must be a multiple of key_heads=2 \(value "
+     r"head n reads key head n // \(N / K\)\); set model\.parts\.gdn\.value_heads to a multiple of 2"),
+    ("model.linear_num_value_heads=3", r"^model\.parts\.gdn\.value_heads: 3 must be a multiple of key_heads=2"),
+    ("model.parts.gdn.key_heads=null", r"^model\.parts\.gdn\.key_heads: required by model\.family=qwen3_5 \(its gdn "
+     r"layers\); set model\.parts\.gdn\.key_heads=\.\.\.$"),
+    ("model.parts.gdn.heads=2", r"^model\.parts\.gdn\.heads: unknown knob \(the gdn part's knobs: key_heads, "),
+])
+def test_the_gdn_section_refuses_bad_heads_naming_the_key(override, msg):
+  from meshlm.models.mixers import gdn
+  with pytest.raises(ConfigError, match=msg):
+    registry.validate(load_config("model=qwen3.5-tiny", override))
+  ok = registry.validate(load_config("model=qwen3.5-tiny", "model.parts.gdn.value_heads=6"))  # control: 3 x 2
+  assert gdn.knobs(ok.model).value_heads == 6
+
+
+def test_a_checkpoint_compares_the_gdn_heads():
+  cfg = load_config("model=qwen3.5-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(saved["parts"]["gdn"], value_heads=2)}), cfg) == (
+      "model.parts.gdn.value_heads is 4 here but 2 in the checkpoint")
+  assert _model_mismatch(dict(before_the_moves(saved), linear_num_value_heads=2), cfg) == (
+      "model.parts.gdn.value_heads is 4 here but 2 in the checkpoint")
+
+
+def test_a_null_section_drops_it_so_another_family_can_be_set_over_a_preset():
+  """model.parts.<part>=null removes the section: qwen3.5-moe-tiny as the dense qwen3_5 (a preset's part the family
+  lacks); control: without the null, qwen3_5 refuses the moe section."""
+  cfg = registry.validate(load_config("model=qwen3.5-moe-tiny", "model.family=qwen3_5", "model.parts.moe=null"))
+  assert set(cfg.model.parts) == {"gdn"}
+  with pytest.raises(ConfigError, match="^model.parts.moe: model family 'qwen3_5' has no part 'moe'"):
+    registry.validate(load_config("model=qwen3.5-moe-tiny", "model.family=qwen3_5"))

@@ -16,7 +16,17 @@ import pytest
 
 from meshlm import load_config
 from meshlm.models import init_params
+from meshlm.models.ffns.moe import knobs as moe_knobs
+from meshlm.models.mixers.mla import knobs as mla_knobs
 from meshlm.models.mixers import gdn as gdn_mixer
+
+
+def experts_of(m) -> tuple:
+  """(num_experts, mlp_dim, shared_expert_mlp_dim) of the moe part's knobs; (0, None, None) for a model without it."""
+  if "moe" not in m.parts:
+    return 0, None, None
+  own = moe_knobs(m)
+  return own.num_experts, own.mlp_dim, own.shared_expert_mlp_dim
 
 # The config.json fields that fix the parameter count.
 OFFICIAL = {
@@ -108,12 +118,12 @@ def test_hybrid_preset_parameter_count(name):
   assert count_from_config == official["count"] and abs(count_from_config / official["card"] - 1) < 0.01
   m = load_config(f"model={name}").model
   assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.full_attention_interval,
-          m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
-          gdn_mixer.knobs(m).conv_kernel_dim) == tuple(official[k] for k in (
+          gdn_mixer.knobs(m).key_heads, gdn_mixer.knobs(m).value_heads, gdn_mixer.knobs(m).key_head_dim,
+          gdn_mixer.knobs(m).value_head_dim, gdn_mixer.knobs(m).conv_kernel_dim) == tuple(official[k] for k in (
               "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"))
-  assert (m.num_experts, m.moe_mlp_dim, m.shared_expert_mlp_dim) == (
+  assert experts_of(m) == (
       official.get("num_experts", 0), official.get("moe_intermediate_size"),
       official.get("shared_expert_intermediate_size"))
   assert m.partial_rotary_factor == 0.25 and m.rope_theta == 1e7 and not m.tie_embeddings
@@ -131,7 +141,7 @@ def test_real_preset_parameter_count(name):
           m.tie_embeddings, m.qk_norm) == tuple(official[k] for k in (
               "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "tie_word_embeddings", "qk_norm"))
-  assert (m.num_experts, m.moe_mlp_dim) == (official.get("num_experts", 0), official.get("expert_size"))
+  assert experts_of(m)[:2] == (official.get("num_experts", 0), official.get("expert_size"))
   shapes = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
   assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == official["published"]
 
@@ -146,10 +156,10 @@ def test_real_preset_details():
 
 def test_real_moe_preset_details():
   m = load_config("model=mixtral-8x7b").model
-  assert m.family == "mixtral" and m.num_experts_per_tok == 2 and m.sliding_window is None
+  assert m.family == "mixtral" and moe_knobs(m).num_experts_per_tok == 2 and m.sliding_window is None
   assert m.rope_theta == 1_000_000.0
   m = load_config("model=qwen3-moe-30b-a3b").model
-  assert m.family == "qwen3_moe" and m.num_experts_per_tok == 8 and m.norm_topk_prob
+  assert m.family == "qwen3_moe" and moe_knobs(m).num_experts_per_tok == 8 and moe_knobs(m).norm_topk_prob
   assert m.decoder_sparse_step == 1 and m.mlp_only_layers == [] and m.norm_eps == 1e-6
 
 
@@ -169,7 +179,8 @@ def test_tiny_presets(name, family):
   if name == "llama3-tiny":
     assert cfg.model.rope_scaling["original_max_position"] < cfg.train.seq_len
   if family == "mixtral":
-    assert cfg.model.sliding_window < cfg.train.seq_len and cfg.model.num_experts_per_tok < cfg.model.num_experts
+    own = moe_knobs(cfg.model)
+    assert cfg.model.sliding_window < cfg.train.seq_len and own.num_experts_per_tok < own.num_experts
   if family == "qwen3_moe":
     from meshlm.models.decoder import plan
     assert set(plan(cfg).kinds) == {"dense", "moe"}  # both layer kinds in one model
@@ -181,12 +192,12 @@ def test_tiny_presets(name, family):
     from meshlm.models.decoder import plan
     lp = plan(cfg)
     assert lp.kinds == ("dense", "moe", "moe") and lp.prefix == 1 and lp.groups == 2  # dense prefix, MoE scan
-    m = cfg.model
-    assert m.q_lora_rank and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim and m.rope_interleave
+    m, lat = cfg.model, mla_knobs(cfg.model)
+    assert lat.q_lora_rank and lat.v_head_dim != lat.qk_nope_head_dim + lat.qk_rope_head_dim and lat.rope_interleave
     # YaRN on, and training runs past the original context
     assert m.rope_scaling["factor"] > 1 and m.rope_scaling["mscale_all_dim"]
     assert m.rope_scaling["original_max_position"] < cfg.train.seq_len
-    assert 1 < m.n_group and m.topk_group < m.n_group
+    assert 1 < moe_knobs(m).n_group and moe_knobs(m).topk_group < moe_knobs(m).n_group
 
 
 # DeepSeek-V3 (issue 21): deepseek-ai/DeepSeek-V3 config.json. 671,026,419,200 = the 61 layers, embeddings and
@@ -216,15 +227,16 @@ def test_deepseek_v3_preset_parameter_count():
   c = DEEPSEEK_V3
   assert count_deepseek_v3(c) == c["published"]
   cfg = load_config("model=deepseek-v3")
-  m = cfg.model
-  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
-          m.qk_rope_head_dim, m.v_head_dim, m.mlp_dim, m.moe_mlp_dim, m.num_experts, m.num_experts_per_tok, m.n_group,
-          m.topk_group, m.routed_scaling_factor, m.first_k_dense_replace, m.tie_embeddings) == tuple(c[k] for k in (
+  m, own, lat = cfg.model, moe_knobs(cfg.model), mla_knobs(cfg.model)
+  assert (m.vocab_size, m.embed_dim, m.num_layers, m.num_heads, lat.q_lora_rank, lat.kv_lora_rank,
+          lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim, m.mlp_dim, own.mlp_dim, own.num_experts,
+          own.num_experts_per_tok, own.n_group, own.topk_group, own.routed_scaling_factor, m.first_k_dense_replace,
+          m.tie_embeddings) == tuple(c[k] for k in (
               "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",
               "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
               "first_k_dense_replace", "tie_word_embeddings"))
-  assert m.shared_expert_mlp_dim == c["n_shared_experts"] * c["moe_intermediate_size"]
+  assert own.shared_expert_mlp_dim == c["n_shared_experts"] * c["moe_intermediate_size"]
   assert m.rope_scaling["factor"] == 40 and m.rope_scaling["mscale_all_dim"] == 1.0 and m.max_position == 163840
   from meshlm.models import decoder
   shapes = jax.eval_shape(lambda k: (init_params(cfg, k), decoder.init_model_state(cfg, k)), jax.random.key(0))

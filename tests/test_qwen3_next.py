@@ -167,7 +167,7 @@ def mixer_setup(impl: str):
   m = cfg.model
   n = 150
   params = S.init_tree(gdn_mixer.spec(m, fused=True), jax.random.key(3), jnp.float32)
-  params = dict(params, A_log=jnp.linspace(-1.0, 1.0, m.linear_num_value_heads))
+  params = dict(params, A_log=jnp.linspace(-1.0, 1.0, gdn_mixer.knobs(m).value_heads))
   x = jax.random.normal(jax.random.key(4), (2, n, m.embed_dim))
   seg = np.ones((2, n), np.int32)
   seg[0, 40:], seg[0, 64:], seg[0, 140:] = 2, 3, 0
@@ -323,16 +323,20 @@ def test_training_qwen3_5_moe_tiny_lowers_the_loss(tmp_path):
 # --- config errors: one line naming the key -------------------------------------------------------------
 
 ERRORS = {
-    "value_heads": (("model.linear_num_value_heads=6",),
-                    "model: linear_num_value_heads=6 must be a multiple of linear_num_key_heads=4"),
+    "value_heads": (("model.parts.gdn.value_heads=6",),
+                    "model.parts.gdn.value_heads: 6 must be a multiple of key_heads=4"),
+    "old_value_heads_key": (("model.linear_num_value_heads=6",),
+                            "model.parts.gdn.value_heads: 6 must be a multiple of key_heads=4"),
     "chunk": (("model.parts.gdn.chunk_size=48",), "model.parts.gdn.chunk_size: 48 must be a power of two"),
     "old_chunk_key": (("model.gdn_chunk_size=48",), "model.parts.gdn.chunk_size: 48 must be a power of two"),
     "context": (("cpu_devices=2", "mesh.fsdp=1", "mesh.context=2", "train.seq_len=96"),
                 "mesh.context=2: train.seq_len=96 does not split into 2 shards whose lengths are multiples of 64, "
                 "as the gdn layers need"),
     "kind": (("model.hybrid_layer_types=[linear_attention,linear_attention,mamba,full_attention]",),
-             "model: hybrid_layer_types[2]='mamba': unknown layer type"),
-    "gdn_heads_missing": (("model.linear_num_key_heads=null",), "model.linear_num_key_heads: required by "
+             "model.hybrid_layer_types[2]='mamba': unknown layer type"),
+    "kinds_per_layer": (("model.hybrid_layer_types=[linear_attention,full_attention]",),
+                        "model.hybrid_layer_types: 2 entries for model.num_layers=4; give one per layer"),
+    "gdn_heads_missing": (("model.parts.gdn.key_heads=null",), "model.parts.gdn.key_heads: required by "
                           "model.family=qwen3_5_moe (its gdn layers)"),
     "heads_missing": (("model.num_kv_heads=null",), "model.num_kv_heads: required by model.family=qwen3_5_moe "
                       "(its gated_gqa layers)"),
@@ -346,8 +350,8 @@ def test_bad_input_fails_in_one_line_naming_the_key(name, capsys):
   from meshlm.cli import main
   args, msg = ERRORS[name]
   base = ("model=qwen3.5-moe-tiny",) if name != "pattern_missing" else ("model=qwen3.5-tiny",)
-  if name == "value_heads":
-    base += ("model.linear_num_key_heads=4",)
+  if name in ("value_heads", "old_value_heads_key"):
+    base += ("model.parts.gdn.key_heads=4",)
   assert main(["train", *base, *args, "train.steps=1"]) == 2
   err = capsys.readouterr().err
   assert err.startswith(f"meshlm: error: {msg}") and err.count("\n") == 1, err

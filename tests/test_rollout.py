@@ -9,6 +9,7 @@ import pytest
 
 import meshlm
 from meshlm.models import decoder
+from meshlm.models.ffns.moe import knobs
 from meshlm.models import generate as G
 
 LENGTHS, NEW = (5, 9, 12), 8
@@ -36,7 +37,7 @@ def _forward(cfg, params, block, forced=None):
 
 def test_outputs_are_arrays_in_the_replay_layout():
   cfg, _, prompts, out, block = rollout()
-  B, L, k = len(prompts), len(decoder.input_readers(cfg, "forced_expert_ids")), cfg.model.num_experts_per_tok
+  B, L, k = len(prompts), len(decoder.input_readers(cfg, "forced_expert_ids")), knobs(cfg.model).num_experts_per_tok
   assert out.tokens.shape == out.logprobs.shape == (B, NEW) and list(out.lengths) == [NEW] * B
   assert out.expert_ids.shape == (B, max(LENGTHS) + NEW, L, k) and out.expert_ids.dtype == np.int32
   for b, n in enumerate(LENGTHS):
@@ -61,7 +62,7 @@ def test_replayed_ids_give_the_samplers_routing_and_the_same_logits_bit_for_bit(
     want = [logp[b, n - 1 + j, block[b, n + j]] for j in range(NEW)]
     np.testing.assert_allclose(out.logprobs[b], want, atol=1e-5, rtol=0)
   # Control: other experts at the recorded positions change the logits.
-  E = cfg.model.num_experts
+  E = knobs(cfg.model).num_experts
   shifted = np.where(forced >= 0, (forced + 1) % E, -1)
   other, _ = _forward(cfg, params, block, shifted)
   assert np.abs(other - free_logits).max() > 1e-4

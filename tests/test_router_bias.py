@@ -19,9 +19,9 @@ from meshlm.train import step as ST
 RATE = 0.02
 SKEW = np.array([0.45, 0.4, 0.1, 0.0, 0.0, -0.1, -0.3, -0.3], np.float32)  # favours group 0's experts
 BASE = ("model=llama2-tiny", "model.family=groupkind", "model.embed_dim=64", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "model.num_experts=8",
-        "model.num_experts_per_tok=2", "model.moe_mlp_dim=16", "model.shared_expert_mlp_dim=16",
-        "model.router_scoring=sigmoid", "model.n_group=4", "model.topk_group=2", "model.routed_scaling_factor=2.5",
+        "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64", "model.parts.moe.num_experts=8",
+        "model.parts.moe.num_experts_per_tok=2", "model.parts.moe.mlp_dim=16", "model.parts.moe.shared_expert_mlp_dim=16",
+        "model.parts.moe.router_scoring=sigmoid", "model.parts.moe.n_group=4", "model.parts.moe.topk_group=2", "model.parts.moe.routed_scaling_factor=2.5",
         "train.compute_dtype=float32", "train.seq_len=16", "train.warmup_steps=0", "train.sample_tokens=0",
         "train.learning_rate=1e-4", "data.source=synthetic")
 ONE = ("cpu_devices=1", "train.per_device_batch_size=8")
@@ -80,7 +80,7 @@ def run(tmp_path_factory):
   load (a forward's side output, no micro-batches) before each of the first 3 steps and after the
   50th, the bias after each of the first 3, the state after 6, and a checkpoint written after 3."""
   from meshlm.train.checkpoint import Checkpointer
-  mp, cfg, step, state, batch = _setup(*FOUR, f"model.router_bias_update_rate={RATE}", *FROZEN,
+  mp, cfg, step, state, batch = _setup(*FOUR, f"model.parts.moe.router_bias_update_rate={RATE}", *FROZEN,
                                        f"run_dir={tmp_path_factory.mktemp('bias')}")
   try:
     fwd = jax.jit(lambda st, b: decoder.forward(cfg, decoder.merge_state(st.params, st.model_state), b["inputs"],
@@ -147,7 +147,7 @@ def test_the_load_balances_over_50_steps(run):
 def test_at_rate_zero_the_bias_never_moves():
   """Control: from the same skewed start, three steps at rate 0 leave it bit-unchanged while the
   trainable parameters move."""
-  mp, _, step, state, batch = _setup(*ONE, "model.router_bias_update_rate=0", *FROZEN)
+  mp, _, step, state, batch = _setup(*ONE, "model.parts.moe.router_bias_update_rate=0", *FROZEN)
   try:
     q0 = np.asarray(state.params["final_norm"])
     for _ in range(3):

@@ -18,6 +18,7 @@
 import functools
 
 import jax
+import jax.extend  # jax.extend.core.jaxprs_in_params below: jax does not import the submodule itself
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from jax.sharding import NamedSharding
 from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.ffns.moe import knobs
 from meshlm.nn import moe
 from meshlm.nn import router_replay as rr
 from meshlm.nn.dense import dense
@@ -161,7 +163,7 @@ def test_sharded_replay_gives_the_unsharded_ids(layer, mode):
                           forced_ids_BTk=forced)
     c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
     return jnp.sum(c * y) + side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"], (y, side["moe_expert_ids"])
-  spec = moe.moe_spec(type("M", (), dict(embed_dim=D, num_experts=E, moe_mlp_dim=F, moe_kernel_fsdp="embed"))())
+  spec = moe.moe_spec(D, E, F, kernel_fsdp="embed")
   with jax.set_mesh(mesh):
     put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
     ps = {k: put(v, spec[k].axes) for k, v in p.items()}
@@ -216,11 +218,11 @@ def test_replaying_recorded_ids_gives_the_unforced_logits_and_gradients(model):
   cfg, params, _, plain, replay = model
   ids = plain[0][1][1]
   n_moe = decoder.plan(cfg).count("moe")
-  assert ids.shape == (n_moe, MB, MT, cfg.model.num_experts_per_tok) and ids.dtype == jnp.int32
+  assert ids.shape == (n_moe, MB, MT, knobs(cfg.model).num_experts_per_tok) and ids.dtype == jnp.int32
   assert _same(replay(params, ids), plain)
   # Control: other ids (every token forced elsewhere) change the logits and the gradients.
-  (_, (logits, got_ids)), grads = replay(params, (ids + 1) % cfg.model.num_experts)
-  np.testing.assert_array_equal(got_ids, (ids + 1) % cfg.model.num_experts)
+  (_, (logits, got_ids)), grads = replay(params, (ids + 1) % knobs(cfg.model).num_experts)
+  np.testing.assert_array_equal(got_ids, (ids + 1) % knobs(cfg.model).num_experts)
   assert float(jnp.max(jnp.abs(logits - plain[0][1][0]))) > 1e-4
   assert not _same(grads, plain[1])
   router = jnp.moveaxis(grads["layers"]["moe"]["moe"]["router"], cfg.param_scan_axis, 0)  # [L_moe, D, E]
@@ -234,7 +236,7 @@ def test_bad_forced_ids_are_refused_by_forward(model):
   with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(.*\), expected \(.*\)"):
     decoder.forward(cfg, params, tokens, layer_inputs={"forced_expert_ids": ids[:-1]})
   with pytest.raises(ValueError, match=r"forced_expert_ids: ids range over \[\d+, \d+\], expected -1"):
-    decoder.forward(cfg, params, tokens, layer_inputs={"forced_expert_ids": ids + cfg.model.num_experts})
+    decoder.forward(cfg, params, tokens, layer_inputs={"forced_expert_ids": ids + knobs(cfg.model).num_experts})
   dense_cfg = load_config("model=llama2-tiny", "cpu_devices=1")
   with pytest.raises(ValueError, match="no layer of model family 'llama' here reads 'forced_expert_ids'"):
     decoder.forward(dense_cfg, {}, tokens, layer_inputs={"forced_expert_ids": ids})
@@ -252,7 +254,7 @@ def test_train_step_with_forced_ids(model):
   step = train_step.build_train_step(cfg, batch_spec=train_step.replay_batch_spec(cfg))
   field = step.batch_spec["forced_expert_ids"]
   n_moe = decoder.plan(cfg).count("moe")
-  assert field.shape(MB, MT) == (MB, MT, n_moe, cfg.model.num_experts_per_tok)
+  assert field.shape(MB, MT) == (MB, MT, n_moe, knobs(cfg.model).num_experts_per_tok)
   targets = jnp.roll(tokens, -1, axis=1)
   logits = plain[0][1][0]
   want = float(jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)))
@@ -268,7 +270,7 @@ def test_train_step_with_forced_ids(model):
     return float(metrics["loss"])
   assert abs(loss_with(ids) - want) <= 1e-5 * abs(want)  # replaying the recorded routing
   assert abs(loss_with(np.full_like(ids, -1)) - want) <= 1e-5 * abs(want)  # nothing forced: top-k
-  assert abs(loss_with((ids + 1) % cfg.model.num_experts) - want) > 1e-4  # control: other experts
+  assert abs(loss_with((ids + 1) % knobs(cfg.model).num_experts) - want) > 1e-4  # control: other experts
   with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(4, 16, 3, 1\), expected \(4, 16, 3, 2\)"):
     step.put_batch(dict(batch, forced_expert_ids=np.zeros((MB, MT, n_moe, 1), np.int32)))
   with pytest.raises(ValueError, match=r"forced_expert_ids: ids range over \[-3, -1\]"):
@@ -282,7 +284,7 @@ def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
   recorded ids replay bit for bit (forward only, small dims)."""
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", "model.num_layers=7", "model.mlp_only_layers=[2,5]",
                     "model.embed_dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
-                    "model.mlp_dim=64", "model.moe_mlp_dim=32", "model.vocab_size=128", "param_scan_axis=1",
+                    "model.mlp_dim=64", "model.parts.moe.mlp_dim=32", "model.vocab_size=128", "param_scan_axis=1",
                     "remat=full", "train.compute_dtype=float32")
   lp = decoder.plan(cfg)
   assert (lp.kinds, lp.period, lp.groups, lp.rest) == (("moe", "moe", "dense") * 2 + ("moe",), 3, 2, 1)
@@ -294,7 +296,7 @@ def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
   assert ids.shape == (5, 2, 8, 2)
   assert _same(fwd(params, ids), (logits, side))
   # Each layer gets its own row: a different shift per MoE layer comes back layer by layer.
-  shifted = (ids + 1 + np.arange(5)[:, None, None, None]) % cfg.model.num_experts
+  shifted = (ids + 1 + np.arange(5)[:, None, None, None]) % knobs(cfg.model).num_experts
   got_logits, got = fwd(params, shifted)
   np.testing.assert_array_equal(got["moe_expert_ids"], shifted)
   assert float(jnp.max(jnp.abs(got_logits - logits))) > 1e-4
@@ -309,7 +311,7 @@ LB, LT = 2, 144
 FITS = 200  # unforced tokens per layer: fits R
 SMALL_MOE = ("model=qwen3-moe-tiny", "cpu_devices=1", "train.compute_dtype=float32", "model.embed_dim=64",
              "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.mlp_dim=64",
-             "model.moe_mlp_dim=32", "model.vocab_size=128")
+             "model.parts.moe.mlp_dim=32", "model.vocab_size=128")
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +353,7 @@ def _routing_conds(jaxpr) -> list:
 
 def test_the_replay_program_of_a_model_holds_the_cond_and_an_R_row_top_k(long_model):
   cfg, params, tokens, _, ids = long_model
-  R, N, E = rr.REPLAY_ROWS, LB * LT, cfg.model.num_experts
+  R, N, E = rr.REPLAY_ROWS, LB * LT, knobs(cfg.model).num_experts
   replay = jax.make_jaxpr(lambda p, f: decoder.forward(cfg, p, tokens, layer_inputs={"forced_expert_ids": f}))(params, ids)
   conds = _routing_conds(replay)
   # One cond in the scanned MoE layers' body; its branches: the full top-k over [N, E], the compact
@@ -370,7 +372,7 @@ def test_a_model_uses_the_compact_branch_when_the_free_rows_fit(long_model, monk
   layer the replay still gives the unforced logits bit for bit, so its top-k is the compact branch's;
   with every token unforced (N > R) the cond falls back and the wrong ids come through (control)."""
   cfg, params, tokens, logits, ids = long_model
-  E = cfg.model.num_experts
+  E = knobs(cfg.model).num_experts
   full_topk = rr.full_topk
   monkeypatch.setattr(rr, "full_topk", lambda probs, need, k: (full_topk(probs, need, k) + 1) % E)
   fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, layer_inputs={"forced_expert_ids": f}))

@@ -24,8 +24,9 @@ BASE = ("model=mixtral-tiny", "train.compute_dtype=float32", "train.seq_len=32")
 MESHES = {
     "one device": ("cpu_devices=1", "mesh.fsdp=1", "train.per_device_batch_size=2"),
     # Two of the four experts per device: with one, XLA unrolls the expert loop and the one read is a slice.
-    "fsdp2 experts": ("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1", "model.moe_kernel_fsdp=experts"),
-    "fsdp2 embed": ("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1", "model.moe_kernel_fsdp=embed"),
+    "fsdp2 experts": ("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1",
+                      "model.parts.moe.kernel_fsdp=experts"),
+    "fsdp2 embed": ("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1", "model.parts.moe.kernel_fsdp=embed"),
 }
 
 

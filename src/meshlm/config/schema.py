@@ -62,75 +62,14 @@ class ModelConfig(_Strict):
   # the part's section when the model resolves: a new part's knobs need no field here.
   parts: dict[str, dict[str, Any]] = Field(
       default_factory=dict, description="knobs of the layer parts that declare their own section: "
-      "model.parts.PART.KNOB=value (each part's docs list its knobs)")
-  # Mixture of experts (mixtral, qwen3_moe): the MoE layers' feed-forward is num_experts GLU experts of
-  # width moe_mlp_dim, each token routed to num_experts_per_tok of them (nn/moe/).
-  num_experts: int = Field(default=0, ge=0, description="experts per MoE layer (0: no MoE layers)")
-  num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
-                                   "num_experts")
-  moe_mlp_dim: Optional[int] = Field(default=None, gt=0, description="hidden width of each expert's GLU; required "
-                                     "with num_experts > 0")
-  norm_topk_prob: bool = Field(default=True, description="renormalize the top-k routing weights to sum to 1 (mixtral "
-                               "always does; qwen3_moe when set)")
+      "model.parts.PART.KNOB=value (each part's docs list its knobs); model.parts.PART=null drops a section")
+  # Which layers of a MoE family are MoE (its layer plan; the MoE part's own knobs are model.parts.moe.*).
   decoder_sparse_step: int = Field(default=1, gt=0, description="qwen3_moe: layer i is MoE when (i + 1) % this == 0 "
                                    "(and i is not in mlp_only_layers); the others are dense")
   mlp_only_layers: list[int] = Field(default_factory=list, description="qwen3_moe: layer indices that stay dense "
                                      "(a plain MLP of mlp_dim)")
-  router_dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="dtype of the router logits, "
-                                                       "softmax and top-k")
-  router_aux_loss_coef: float = Field(default=0.0, ge=0, description="weight of the Switch load-balancing loss "
-                                      "added to the training loss (0: off)")
-  router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
-                                    "logsumexp of the router logits) added to the training loss (0: off)")
-  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe/ has only these two.
-  moe_impl: Literal["dropless", "reference"] = Field(
-      default="dropless", description="MoE dispatch: dropless (sorted, grouped matmuls) or reference (every expert "
-      "on every token, masked)")
-  moe_grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
-      default="auto", description="the experts' grouped matmul (nn/moe/gmm.py): loop (a scan over the experts, rows "
-      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
-      "loop on CPU, ragged elsewhere")
-  # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe/layer.py moe_spec):
-  # "experts" moves tokens to the experts (expert-parallel dispatch over fsdp and expert; no kernel gathered),
-  # "embed" and "mlp" gather the kernels whole in each layer. null: experts where mesh.expert x mesh.fsdp divides
-  # num_experts, else embed (parallel/sharding.py's divisibility rule decides, when the mesh is known).
-  moe_kernel_fsdp: Optional[Literal["experts", "embed", "mlp"]] = Field(
-      default=None, description="what mesh.fsdp shards in the expert kernels: experts (each device holds E / "
-      "(expert x fsdp) whole experts and the tokens travel to them), embed (the embed dim; kernels gathered per "
-      "layer) or mlp (as embed, but down on its mlp dim); null: experts when mesh.expert x mesh.fsdp divides "
-      "num_experts, else embed")
-  # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
-  # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
-  shared_expert_mlp_dim: Optional[int] = Field(
-      default=None, gt=0, description="width of the gated shared expert beside the routed ones (qwen3_next, "
-      "qwen3_5_moe; HF shared_expert_intermediate_size); null: none")
-  # Group-limited sigmoid routing (deepseek_v3; models/ffns/moe.py `moe_ffn(routing="group_sigmoid")`, nn/moe.py
-  # group_route): sigmoid scores, the experts in n_group groups of which topk_group are kept, a routing bias
-  # (model state) that picks experts and never weighs them, updated after each step at router_bias_update_rate.
-  router_scoring: Literal["softmax", "sigmoid"] = Field(
-      default="softmax", description="router scores: softmax (mixtral, qwen3_moe) or sigmoid (deepseek_v3, with "
-      "group-limited selection)")
-  n_group: int = Field(default=1, gt=0, description="sigmoid routing: expert groups (consecutive ids; must divide "
-                       "num_experts), each scored by the sum of its top 2 biased scores (HF n_group)")
-  topk_group: int = Field(default=1, gt=0, description="sigmoid routing: groups kept per token (at most n_group); "
-                          "the top-k experts come from them (HF topk_group)")
-  routed_scaling_factor: float = Field(default=1.0, gt=0, description="sigmoid routing: the routed experts' "
-                                       "weights are multiplied by this (HF routed_scaling_factor)")
-  router_bias_update_rate: float = Field(
-      default=0.0, ge=0, description="sigmoid routing's aux-loss-free balancing: after each step router_bias += "
-      "rate * sign(mean load - load) per expert, from the whole batch's routing counts; 0: frozen")
-  router_group_mask: Literal["zero", "-inf"] = Field(
-      default="zero", description="sigmoid routing: what the experts of dropped groups score in the final top-k: "
-      "zero (DeepSeek's published modeling_deepseek.py) or -inf (transformers 5's DeepseekV3TopkRouter); they "
-      "differ only where a kept expert's biased score is negative")
   # Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): linear-attention (GDN) layers between gated full
-  # attention layers. Letters (docs/architecture.md): K key heads, N value heads, H key head dim, J value head dim.
-  linear_num_key_heads: Optional[int] = Field(default=None, gt=0, description="GDN key heads K (HF "
-                                              "linear_num_key_heads)")
-  linear_num_value_heads: Optional[int] = Field(default=None, gt=0, description="GDN value heads N, a multiple of "
-                                                "linear_num_key_heads (value head n reads key head n // (N / K))")
-  linear_key_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN key head dim H")
-  linear_value_head_dim: Optional[int] = Field(default=None, gt=0, description="GDN value head dim J")
+  # attention layers (the hybrid families' layer plan; the gdn part's own knobs are model.parts.gdn.*).
   # Which layers are linear attention: hybrid_layer_types (Hugging Face's layer_types, one entry per layer) or,
   # when that is null, every full_attention_interval-th layer full ((i + 1) % interval == 0), the rest linear.
   hybrid_layer_types: Optional[list[str]] = Field(
@@ -142,38 +81,43 @@ class ModelConfig(_Strict):
   # RoPE rotates the first rot = int(head_dim * factor) dims of each head (half-split pairs within them).
   partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, description="fraction of each head's dims that RoPE "
                                        "rotates (the first ones); 1: all")
-  # Multi-head latent attention (deepseek_v3's mla mixer). Letters (docs/architecture.md): Rq/Rkv the lora ranks,
-  # Hn/Hr/Hv the nope, rope and value head dims; each query/key head is Hn + Hr wide, [nope, rope].
-  q_lora_rank: Optional[int] = Field(default=None, gt=0, description="MLA: rank Rq of the query's low-rank "
-                                     "projection (q_a -> q_a_norm -> q_b); null: a plain q projection")
-  kv_lora_rank: Optional[int] = Field(default=None, gt=0, description="MLA: rank Rkv of the compressed kv (the "
-                                      "latent the decode cache holds)")
-  qk_nope_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head query/key dims without "
-                                          "RoPE (Hn)")
-  qk_rope_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head query dims with RoPE, and "
-                                          "the width of the one rope key shared by every head (Hr, even)")
-  v_head_dim: Optional[int] = Field(default=None, gt=0, description="MLA: per-head value dims (Hv)")
-  rope_interleave: bool = Field(default=False, description="MLA: RoPE rotates adjacent pairs (x0, x1), (x2, x3) "
-                                "of the rope dims, as transformers' apply_rotary_pos_emb_interleave; false: "
-                                "rotate-half pairs")
   first_k_dense_replace: int = Field(default=0, ge=0, description="deepseek_v3: the first k layers are dense (a GLU "
-                                     "of mlp_dim), the rest MoE (moe_mlp_dim)")
-  HYBRID_TYPES: ClassVar[tuple[str, ...]] = ("linear_attention", "full_attention")
+                                     "of mlp_dim), the rest MoE (model.parts.moe.*)")
   TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("bos_token_id", "eos_token_id", "pad_token_id", "generation_config")
-  # How the layers compute or lay out the same parameters, not what they compute (the same function up to float
-  # reassociation): a checkpoint of the model with other values restores, resumes and loads (train/checkpoint.py).
-  COMPUTE_FIELDS: ClassVar[tuple[str, ...]] = ("moe_impl", "moe_grouped_matmul", "moe_kernel_fsdp")
   # Keys moved into a part's own section: old key -> (part, knob, the old field's default). The old key still sets
   # model.parts.<part>.<knob> (moved); at its default it sets nothing, since a model config saved before the move
-  # holds every field, the part's or not, and the section's default is the same.
+  # holds every field, the part's or not, and the section's default is the same (or, for a knob the section
+  # requires, the old "none": num_experts 0, moe_mlp_dim null, mla's ranks and gdn's heads null).
   MOVED: ClassVar[dict[str, tuple[str, str, Any]]] = {
       "mla_absorb": ("mla", "absorb", True), "gdn_chunk_size": ("gdn", "chunk_size", 64),
-      "gdn_impl": ("gdn", "impl", "chunked"), "linear_conv_kernel_dim": ("gdn", "conv_kernel_dim", 4)}
+      "gdn_impl": ("gdn", "impl", "chunked"), "linear_conv_kernel_dim": ("gdn", "conv_kernel_dim", 4),
+      "num_experts": ("moe", "num_experts", 0), "num_experts_per_tok": ("moe", "num_experts_per_tok", 2),
+      "moe_mlp_dim": ("moe", "mlp_dim", None), "norm_topk_prob": ("moe", "norm_topk_prob", True),
+      "router_dtype": ("moe", "router_dtype", "float32"), "router_aux_loss_coef": ("moe", "router_aux_loss_coef", 0.0),
+      "router_z_loss_coef": ("moe", "router_z_loss_coef", 0.0), "moe_impl": ("moe", "impl", "dropless"),
+      "moe_grouped_matmul": ("moe", "grouped_matmul", "auto"), "moe_kernel_fsdp": ("moe", "kernel_fsdp", None),
+      "shared_expert_mlp_dim": ("moe", "shared_expert_mlp_dim", None),
+      "router_scoring": ("moe", "router_scoring", "softmax"), "n_group": ("moe", "n_group", 1),
+      "topk_group": ("moe", "topk_group", 1), "routed_scaling_factor": ("moe", "routed_scaling_factor", 1.0),
+      "router_bias_update_rate": ("moe", "router_bias_update_rate", 0.0),
+      "router_group_mask": ("moe", "router_group_mask", "zero"),
+      "q_lora_rank": ("mla", "q_lora_rank", None), "kv_lora_rank": ("mla", "kv_lora_rank", None),
+      "qk_nope_head_dim": ("mla", "qk_nope_head_dim", None), "qk_rope_head_dim": ("mla", "qk_rope_head_dim", None),
+      "v_head_dim": ("mla", "v_head_dim", None), "rope_interleave": ("mla", "rope_interleave", False),
+      "linear_num_key_heads": ("gdn", "key_heads", None), "linear_num_value_heads": ("gdn", "value_heads", None),
+      "linear_key_head_dim": ("gdn", "key_head_dim", None), "linear_value_head_dim": ("gdn", "value_head_dim", None)}
 
   @model_validator(mode="before")
   @classmethod
   def _moved_keys(cls, data):
-    return cls.moved(data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+      return data
+    data = cls.moved(data)
+    parts = data.get("parts")
+    if isinstance(parts, dict) and any(v is None for v in parts.values()):
+      # model.parts.<part>=null drops the section: a preset's part that the family set over it lacks.
+      data = dict(data, parts={k: v for k, v in parts.items() if v is not None})
+    return data
 
   @classmethod
   def moved(cls, data: dict) -> dict:
@@ -198,16 +142,10 @@ class ModelConfig(_Strict):
         raise ValueError("layer_pattern: must name at least one layer type (global or local), or be null")
       if "local" in self.layer_pattern and self.sliding_window is None:
         raise ValueError("layer_pattern: has local layers but sliding_window is null; set model.sliding_window")
-    if self.num_experts:
-      if self.num_experts_per_tok > self.num_experts:
-        raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} is larger than num_experts="
-                         f"{self.num_experts}: each token can be routed to at most every expert")
-      if self.moe_mlp_dim is None:
-        raise ValueError(f"moe_mlp_dim: required with num_experts={self.num_experts} (the width of each expert)")
-    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-    if bad:
-      raise ValueError(f"mlp_only_layers: layer {bad[0]} is not in [0, num_layers={self.num_layers})")
-    self._check_gdn()
+    rot = self.rotary_dim()
+    if self.head_dim and (rot < 2 or rot % 2):
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {rot} of head_dim="
+                       f"{self.head_dim} dims; RoPE needs an even number, at least 2")
     kind = (self.rope_scaling or {}).get("rope_type", "llama3")
     if self.rope_scaling and kind not in ("llama3", "linear", "yarn"):
       raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported; expected llama3, linear or yarn")
@@ -219,26 +157,6 @@ class ModelConfig(_Strict):
         raise ValueError(f"rope_scaling: {kind} scaling needs {', '.join(missing)} "
                          f"(set model.rope_scaling.{missing[0]}=...)")
     return self
-
-  def _check_gdn(self) -> None:
-    K, N = self.linear_num_key_heads, self.linear_num_value_heads
-    if K is not None and N is not None and N % K:
-      raise ValueError(f"linear_num_value_heads={N} must be a multiple of linear_num_key_heads={K} (value head n "
-                       f"reads key head n // (N / K)); set model.linear_num_value_heads to a multiple of {K}")
-    types = self.hybrid_layer_types
-    if types is not None:
-      bad = [(i, t) for i, t in enumerate(types) if t not in self.HYBRID_TYPES]
-      if bad:
-        i, t = bad[0]
-        raise ValueError(f"hybrid_layer_types[{i}]={t!r}: unknown layer type; expected "
-                         f"{' or '.join(self.HYBRID_TYPES)}")
-      if len(types) != self.num_layers:
-        raise ValueError(f"hybrid_layer_types: {len(types)} entries for num_layers={self.num_layers}; give one "
-                         "per layer")
-    rot = self.rotary_dim()
-    if self.head_dim and (rot < 2 or rot % 2):
-      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {rot} of head_dim="
-                       f"{self.head_dim} dims; RoPE needs an even number, at least 2")
 
   def hybrid_types(self) -> tuple[str, ...] | None:
     """Each layer's mixer type in a GDN hybrid, "linear_attention" or "full_attention" (Hugging Face's
@@ -271,7 +189,7 @@ class MeshConfig(_Strict):
   data: int = Field(default=1, description="data-parallel size (-1: the devices left)")
   fsdp: int = Field(default=-1, description="FSDP size: shards parameters along embed (-1: the devices left)")
   tensor: int = Field(default=1, description="tensor-parallel size: shards heads, mlp and vocab (-1: the devices left)")
-  expert: int = Field(default=1, description="expert-parallel size: shards the MoE experts (must divide num_experts)")
+  expert: int = Field(default=1, description="expert-parallel size: shards the MoE experts (must divide model.parts.moe.num_experts)")
   context: int = Field(default=1, description="context-parallel size: training shards the sequence over it (GDN layers per shard, attention gathers K/V)")
 
   @model_validator(mode="after")
@@ -533,10 +451,6 @@ class Config(_Strict):
       raise ValueError(
           "lm_head_weight_grad_in_kernel_order=true needs an untied LM head, but model.tie_embeddings "
           "is true (the tied head is an einsum over the embedding table); leave the flag unset or false")
-    if self.mesh.expert != 1 and not self.model.num_experts:
-      raise ValueError(
-          f"mesh.expert={self.mesh.expert}: {self.model_name} is dense (model.num_experts=0), so there are no experts "
-          "to shard; leave mesh.expert at 1 and give the devices to mesh.data or mesh.fsdp")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "
@@ -544,16 +458,14 @@ class Config(_Strict):
     return self
 
   def resolved(self) -> "Config":
-    """Resolves the tri-state flags: null means on under explicit (untied head for the LM head flag);
-    model.moe_kernel_fsdp null by moe_layout_for."""
+    """Resolves the tri-state flags: null means on under explicit (untied head for the LM head flag). (A part's
+    knob left to the run, such as model.parts.moe.kernel_fsdp, is filled in when its model resolves.)"""
     explicit = self.shard_mode == "explicit"
     lm, dense = self.lm_head_weight_grad_in_kernel_order, self.dense_weight_grad_in_kernel_order
     update = {
         "lm_head_weight_grad_in_kernel_order": (explicit and not self.model.tie_embeddings) if lm is None else lm,
         "dense_weight_grad_in_kernel_order": explicit if dense is None else dense,
     }
-    if self.model.num_experts and self.model.moe_kernel_fsdp is None:
-      update["model"] = self.model.model_copy(update={"moe_kernel_fsdp": moe_layout_for(self)})
     return self.model_copy(update=update)
 
   @property
@@ -565,24 +477,3 @@ class Config(_Strict):
   def dense_kernel_order(self) -> bool:
     return bool(self.dense_weight_grad_in_kernel_order) and self.shard_mode == "explicit"
 
-
-def moe_layout_for(cfg: Config) -> str:
-  """model.moe_kernel_fsdp's null: "experts" where moving the tokens to the experts costs less than moving the
-  experts to the tokens, else "embed" (docs/performance.md, "MoE at the speed of its FLOPs").
-
-  Per layer and device, "embed" gathers the three kernels whole, 3 E D F elements (and reduce-scatters as many
-  gradient elements); "experts" runs the dispatch (the row gather, the GLU, the unsort) over the routed rows of
-  the whole expert group, ep x tokens x k x (D + 2F) elements, ep = mesh.expert x the fsdp size. Where the fsdp
-  size is not known from the config (mesh.fsdp=-1 without cpu_devices: the real devices decide) or is 1, "embed".
-  Where mesh.expert x fsdp does not divide E, "experts" falls back to embed in parallel/sharding.py anyway."""
-  m, t, mesh = cfg.model, cfg.train, cfg.mesh
-  fsdp = mesh.fsdp
-  if fsdp == -1:
-    others = mesh.data * mesh.tensor * mesh.expert * mesh.context
-    fsdp = cfg.cpu_devices // others if cfg.cpu_devices and cfg.cpu_devices % others == 0 else None
-  if fsdp is None or fsdp == 1:
-    return "embed"  # unknown, or no FSDP: nothing to choose (the experts dim then shards over mesh.expert alone)
-  ep = mesh.expert * fsdp
-  rows = t.per_device_batch_size * t.seq_len // t.micro_batches * m.num_experts_per_tok
-  dispatch = ep * rows * (m.embed_dim + 2 * m.moe_mlp_dim)
-  return "experts" if dispatch <= 3 * m.num_experts * m.embed_dim * m.moe_mlp_dim else "embed"

@@ -415,11 +415,11 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   With no mesh, the enclosing jax.set_mesh's, else the config's (meshlm.parallel.resolve_mesh).
   """
   import jax
-  from meshlm.models import decoder
+  from meshlm.models import decoder, registry
   from meshlm.parallel.mesh import resolve_mesh
   path = Path(path)
   base = {"model_name": path.name, "model": model_fields(path)}
-  cfg = load_config(*overrides, base=base)
+  cfg = registry.validate(load_config(*overrides, base=base))  # the family's checks; its parts' knobs written out
   mesh = resolve_mesh(cfg, None, mesh)
   hf = read_hf_config(path)
   fam, _, wrapped = resolve(hf, str(path / "config.json"))

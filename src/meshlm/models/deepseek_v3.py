@@ -1,7 +1,7 @@
 """deepseek_v3: multi-head latent attention (the mla mixer) on every layer; the first
-model.first_k_dense_replace layers have a dense GLU of mlp_dim, the rest a MoE of moe_mlp_dim experts routed by
-group-limited sigmoid scores with a routing bias (model state), beside ungated shared experts
-(model.shared_expert_mlp_dim wide), as transformers' DeepseekV3DecoderLayer.
+model.first_k_dense_replace layers have a dense GLU of mlp_dim, the rest a MoE of model.parts.moe.mlp_dim wide
+experts routed by group-limited sigmoid scores with a routing bias (model state), beside ungated shared experts
+(model.parts.moe.shared_expert_mlp_dim wide), as transformers' DeepseekV3DecoderLayer.
 
 The plan: the dense layers are an unrolled prefix, the MoE layers one scan (deepseek-v3: 3 dense, 58 MoE).
 """
@@ -21,10 +21,9 @@ def plan(m: ModelConfig) -> LayerPlan:
 
 
 def validate(m: ModelConfig) -> None:
-  """deepseek_v3's rules beyond the fields its parts need (Part.needs); one ConfigError line naming the key."""
+  """deepseek_v3's rules beyond the fields and knobs its parts need (Part.needs, their sections); one ConfigError
+  line naming the key."""
   fam = m.family
-  if m.qk_rope_head_dim % 2:
-    raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim}: must be even (RoPE rotates pairs)")
   if m.first_k_dense_replace > m.num_layers:
     raise ConfigError(f"model.first_k_dense_replace={m.first_k_dense_replace}: more dense layers than "
                       f"model.num_layers={m.num_layers}")

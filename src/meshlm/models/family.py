@@ -38,18 +38,25 @@ models/registry.py):
 - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
 - side_names: the side outputs apply returns; replays: {side output: the per-layer input that
   forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
-- config: the part's own config section, a pydantic model whose fields (with defaults) are the part's
-  knobs, set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`) and read in the
-  part with `section(m, part)`. The family refuses a section that none of its parts declares, and the
-  section refuses an unknown knob or a bad value, each naming the key, when the model resolves.
+- config: the part's own config section, a pydantic model whose fields are the part's knobs (with defaults, or
+  required: moe's num_experts), set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`)
+  and read in the part with `section(m, part)`. The family refuses a section that none of its parts declares,
+  and checks each section its parts declare, given or not: an unknown knob, a bad value or a missing required
+  one is refused naming the key, when the model resolves.
 - shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
   multiple of it (gdn: whole chunks, model.parts.gdn.chunk_size); 1 for a part with no such need.
+- mesh_axes: the mesh axes that only such a part shards over (moe: "expert"); a model none of whose parts
+  names an axis refuses a size above 1 for it. check_mesh(m, sizes) refuses mesh axis sizes the part cannot
+  shard over (sizes: {axis: size}, only the axes known so far), one ConfigError line naming the keys.
+- run_knobs(cfg) -> {knob: value}: the knobs of its section that the config leaves null for the run to decide
+  from the mesh and the batch, filled in when the model resolves (registry.resolved); {} when none is left.
 - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
   load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
   value to the loss and logs the weighted value under the metric's name.
 - needs: the ModelConfig fields the part reads that default to null, because a model without the part has no
-  use for them (attention's heads, gdn's and mla's ranks); the registry refuses a family with the part when
-  one is null, naming the key, before the family's own checks run.
+  use for them but several parts share them (attention's heads, read by gqa, gated_gqa and mla); the registry
+  refuses a family with the part when one is null, naming the key, before the family's own checks run. A value
+  only the part reads is a knob of its section instead, required there when it has no default.
 - census: (CensusCounter, ...): what the census counts for the part in the compiled step, as data: a counting
   kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
   reported at a dotted census field. The census reads the counters of every registered part, so a model
@@ -76,7 +83,7 @@ from typing import Any, Callable, Mapping
 import jax
 import pydantic
 
-from meshlm.config import ModelConfig
+from meshlm.config import Config, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
 from meshlm.nn.norm import rms_norm
@@ -166,7 +173,10 @@ class Part:
   with_plus_one: Callable[["Part", bool], "Part"] | None = None  # the part with (1 + w) own norms, or plain
   losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
   shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
+  mesh_axes: tuple[str, ...] = ()  # the mesh axes only parts like it shard over
+  check_mesh: Callable[[ModelConfig, Mapping[str, int]], None] = lambda m, sizes: None
   config: type[pydantic.BaseModel] | None = None  # the part's own knobs: model.parts.<name>.<knob>
+  run_knobs: Callable[[Config], dict] = lambda cfg: {}  # knobs left null for the run: {knob: value}
   # The ModelConfig fields it reads that default to null, because a model without this part has no use for them
   # (attention's heads): a family with the part refuses a null one, naming the key.
   needs: tuple[str, ...] = ()
@@ -207,19 +217,26 @@ def check_needs(m: ModelConfig, parts: list[Part]) -> None:
 
 
 def check_sections(m: ModelConfig, parts: list[Part]) -> None:
-  """model.parts against the sections the given parts declare: one ConfigError line naming the key."""
+  """model.parts against the sections the given parts declare, each one checked whether model.parts holds it or
+  not (a knob a section requires has no default): one ConfigError line naming the key."""
   own = {p.name: p for p in parts if p.config is not None}
-  for name, knobs in m.parts.items():
+  for name in m.parts:
     if name not in own:
       raise ConfigError(f"model.parts.{name}: model family {m.family!r} has no part {name!r} with knobs of its own "
                         f"(parts with knobs: {', '.join(sorted(own)) or 'none'})")
+  for name, part in own.items():
     try:
-      own[name].config.model_validate(knobs)
+      part.config.model_validate(m.parts.get(name, {}))
     except pydantic.ValidationError as err:
       first = err.errors()[0]
       key = ".".join(["model.parts", name, *(str(x) for x in first["loc"])])
-      known = ", ".join(own[name].config.model_fields)
+      field = part.config.model_fields.get(str(first["loc"][0])) if first["loc"] else None
+      if first["type"] == "missing" or (first.get("input") is None and field is not None and field.is_required()):
+        raise ConfigError(f"{key}: required by model.family={m.family} (its {name} layers); set {key}=...") from None
+      known = ", ".join(part.config.model_fields)
       msg = "unknown knob" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+      if first["type"] not in ("extra_forbidden", "value_error") and not isinstance(first.get("input"), dict):
+        msg = f"{msg} (got {first['input']!r})"  # a value error's own message names the value
       raise ConfigError(f"{key}: {msg} (the {name} part's knobs: {known})") from None
 
 

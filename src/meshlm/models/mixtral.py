@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.models.family import Family, Kind, LayerPlan
-from meshlm.models.ffns.moe import moe_ffn, validate_softmax_routing
+from meshlm.models.ffns.moe import knobs, moe_ffn, validate_softmax_routing
 from meshlm.models.mixers.gqa import gqa
 
 
 def validate(m) -> None:
-  if not m.num_experts:
-    raise ConfigError("model: num_experts: mixtral needs experts on every layer (set model.num_experts and "
-                      "model.moe_mlp_dim)")
-  if not m.norm_topk_prob:
-    raise ConfigError("model: norm_topk_prob=false: mixtral always renormalizes its top-k routing weights")
+  if not knobs(m).norm_topk_prob:
+    raise ConfigError("model.parts.moe.norm_topk_prob=false: mixtral always renormalizes its top-k routing weights")
   validate_softmax_routing(m)
 
 

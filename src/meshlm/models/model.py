@@ -161,7 +161,8 @@ class Model:
 
 
 def resolve(cfg: Config | Model) -> Model:
-  """cfg's Model (cfg itself when it is one), after its family's checks: ConfigError names a bad key."""
+  """cfg's Model (cfg itself when it is one), after its family's checks (ConfigError names a bad key), holding cfg
+  resolved (registry.resolved: the parts' sections written out whole, their run knobs decided)."""
   if isinstance(cfg, Model):
     return cfg
   key = cfg.model_dump_json()
@@ -171,6 +172,7 @@ def resolve(cfg: Config | Model) -> Model:
     _CACHE.move_to_end(key)
     return hit[1]
   fam = registry.family(cfg)
+  cfg = registry.resolved(cfg)  # what the parts read: every knob of their sections, those left to the run decided
   out = Model(cfg, fam, fam.layer_plan(cfg.model))
   _CACHE[key] = (registered, out)
   if len(_CACHE) > _CACHE_SIZE:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshlm.errors import ConfigError
 from meshlm.models.family import Family, Kind
-from meshlm.models.ffns.moe import moe_ffn
+from meshlm.models.ffns.moe import knobs, moe_ffn
 from meshlm.models.mixers.gated_gqa import gated_gqa
 from meshlm.models.mixers.gdn import gdn
 from meshlm.models.plans import hybrid_plan, validate_hybrid
@@ -12,8 +12,9 @@ from meshlm.models.plans import hybrid_plan, validate_hybrid
 
 def validate(m) -> None:
   validate_hybrid(m, moe=True)
-  if not m.norm_topk_prob:
-    raise ConfigError("model.norm_topk_prob=false: qwen3_5_moe always renormalizes its top-k routing weights")
+  if not knobs(m).norm_topk_prob:
+    raise ConfigError("model.parts.moe.norm_topk_prob=false: qwen3_5_moe always renormalizes its top-k routing "
+                      "weights")
 
 
 FAMILY = Family(

@@ -8,7 +8,7 @@ import importlib
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models.family import CensusCounter, Part, check_needs, check_sections
+from meshlm.models.family import CensusCounter, Part, check_needs, check_sections, section
 
 FAMILIES = {
     "llama": "meshlm.models.llama",
@@ -72,15 +72,52 @@ def get(name: str):
 
 
 def family(cfg: Config):
-  """cfg's Family, after its parts' checks of the fields they need (Part.needs), the family's own checks of the
-  model config (Family.validate), the parts' of their config sections (model.parts) and of the context shards."""
+  """cfg's Family, after its parts' checks of the fields they need (Part.needs) and of their config sections
+  (model.parts), the family's own checks of the model config (Family.validate), and the parts' of the context
+  shards and of the mesh axes the config fixes."""
   fam = get(cfg.model.family)
-  parts = [p for kind in fam.kinds.values() for p in kind.parts]
+  parts = _parts(fam)
   check_needs(cfg.model, parts)
-  fam.validate(cfg.model)
   check_sections(cfg.model, parts)
+  fam.validate(cfg.model)
   check_shards(cfg, parts)
+  check_mesh(cfg)
   return fam
+
+
+def _parts(fam) -> list[Part]:
+  """Every part of the family's kinds, each once (by name), in order of first appearance."""
+  return list({p.name: p for kind in fam.kinds.values() for p in kind.parts}.values())
+
+
+def resolved(cfg: Config) -> Config:
+  """cfg with each config section of its parts written out whole (every knob, at its default where model.parts
+  leaves it), so that two configs of one model compare equal and a saved config holds every knob, and with the
+  knobs its parts leave to the run filled in (Part.run_knobs, decided by the mesh and the batch); cfg itself when
+  nothing changes. Runs on a config its family accepts (`family`)."""
+  own = {p.name: {**section(cfg.model, p).model_dump(mode="json"), **p.run_knobs(cfg)}
+         for p in _parts(get(cfg.model.family)) if p.config is not None}
+  if own == cfg.model.parts:
+    return cfg
+  return cfg.model_copy(update={"model": cfg.model.model_copy(update={"parts": own})})
+
+
+def check_mesh(cfg: Config, sizes: dict[str, int] | None = None) -> None:
+  """The mesh axis sizes (default: those cfg.mesh fixes; -1 is not known yet) against the model's parts: an axis
+  that only parts this model lacks shard over stays at 1 (Part.mesh_axes), and each part accepts the sizes
+  (Part.check_mesh, with its run knobs filled in). One ConfigError line naming the key otherwise."""
+  if sizes is None:
+    sizes = {k: v for k, v in cfg.mesh.sizes().items() if v != -1}
+  ours = _parts(get(cfg.model.family))
+  others = {a: p.name for p in parts().values() for a in p.mesh_axes if all(a not in q.mesh_axes for q in ours)}
+  for axis, part in others.items():
+    if sizes.get(axis, 1) > 1:
+      raise ConfigError(f"mesh.{axis}={sizes[axis]}: {cfg.model_name} (model.family={cfg.model.family}) has no "
+                        f"{part} layers, the only ones that shard over mesh.{axis}; leave mesh.{axis} at 1 and give "
+                        "the devices to mesh.data or mesh.fsdp")
+  m = resolved(cfg).model
+  for part in ours:
+    part.check_mesh(m, sizes)
 
 
 def check_shards(cfg: Config, parts: list[Part]) -> None:
@@ -96,7 +133,8 @@ def check_shards(cfg: Config, parts: list[Part]) -> None:
 
 
 def validate(cfg: Config) -> Config:
-  """cfg, once its family accepts its model fields (ConfigError otherwise): commands call this right
-  after loading a config, before anything touches the run directory."""
+  """cfg resolved (`resolved`: its parts' sections written out whole, their run knobs decided), once its family
+  accepts its model fields (ConfigError otherwise): commands call this right after loading a config, before
+  anything touches the run directory."""
   family(cfg)
-  return cfg
+  return resolved(cfg)

@@ -38,26 +38,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
   elif fixed != num_devices:
     raise ConfigError(f"mesh: {_fmt(sizes)} needs {fixed} devices but {num_devices} are in use "
                       "(set cpu_devices=N, or make one axis -1)")
-  check_expert_axis(cfg, sizes["expert"], sizes["fsdp"])
   return sizes
-
-
-def check_mesh(cfg: Config, mesh) -> None:
-  """The checks a given mesh must pass for cfg's model (as resolve_mesh_shape runs them on a config's own)."""
-  sizes = dict(mesh.shape)
-  check_expert_axis(cfg, sizes.get("expert", 1), sizes.get("fsdp", 1))
-
-
-def check_expert_axis(cfg: Config, expert: int, fsdp: int = 1) -> None:
-  """Expert weights shard whole experts over mesh.expert, so it must divide model.num_experts; with
-  model.moe_kernel_fsdp=experts over mesh.expert x mesh.fsdp (null falls back to embed instead)."""
-  e = cfg.model.num_experts
-  if e and e % expert:
-    raise ConfigError(f"mesh.expert={expert} does not divide model.num_experts={e}; pick a mesh.expert that "
-                      f"divides {e}")
-  if e and cfg.model.moe_kernel_fsdp == "experts" and e % (expert * fsdp):
-    raise ConfigError(f"model.moe_kernel_fsdp=experts: mesh.expert x mesh.fsdp = {expert} x {fsdp} does not divide "
-                      f"model.num_experts={e}; use model.moe_kernel_fsdp=embed (or null, which falls back to it)")
 
 
 def _fmt(sizes: dict[str, int], skip: int = 1) -> str:

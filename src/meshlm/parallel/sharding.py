@@ -33,7 +33,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "layers": (),
     "experts": ("expert",),
-    # The MoE kernels' layouts under FSDP (model.moe_kernel_fsdp, nn/moe/layer.py moe_spec). "experts_fsdp": the experts
+    # The MoE kernels' layouts under FSDP (model.parts.moe.kernel_fsdp, nn/moe/layer.py moe_spec). "experts_fsdp": the experts
     # dim over mesh.expert and mesh.fsdp (expert-major), so a kernel's embed dim, which comes after it, finds fsdp
     # used and stays whole. "mlp_fsdp": down's mlp dim over fsdp (and tensor), its embed dim then whole.
     "experts_fsdp": ("expert", "fsdp"),

@@ -141,8 +141,9 @@ def _model_mismatch(saved: dict, cfg: Config) -> str | None:
   saved = type(cfg.model).moved(saved)
   saved = {**{k: fields[k].get_default(call_default_factory=True) for k in ours if k in fields and k not in saved},
            **saved}
-  # Token ids change no parameter; the compute fields change how the same parameters are used.
-  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS) - set(cfg.model.COMPUTE_FIELDS) - {"parts"}):
+  # Token ids change no parameter (and the parts' knobs that only change how the same parameters are used are their
+  # sections' COMPUTE ones, below).
+  for k in sorted((set(saved) | set(ours)) - set(cfg.model.TOKEN_FIELDS) - {"parts"}):
     if saved.get(k) != ours.get(k):
       return f"model.{k} is {ours.get(k)!r} here but {saved.get(k)!r} in the checkpoint"
   return _parts_mismatch(saved.get("parts") or {}, cfg)

@@ -22,8 +22,9 @@ import optax
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.registry import check_mesh
 from meshlm import spec as S
-from meshlm.parallel.mesh import check_mesh, make_mesh
+from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import constrain, logical_spec
 from meshlm.train.optimizer import make_optimizer
 
@@ -352,7 +353,8 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
   """The step for cfg on mesh. loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics); batch_spec
   declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
-  check_mesh(cfg, mesh)
+  # The family's checks first (cached), then what the model's parts ask of this mesh (Part.check_mesh, mesh_axes).
+  check_mesh(decoder.resolve(cfg).cfg, dict(mesh.shape))
   batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
   if "loss_mask" not in batch_spec:
     raise ConfigError("batch_spec: needs a loss_mask field (the token count that normalizes the loss)")

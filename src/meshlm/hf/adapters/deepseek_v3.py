@@ -31,6 +31,8 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.mixtral import fused_experts
+from meshlm.models.ffns import moe
+from meshlm.models.mixers import mla
 
 HF_MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -125,55 +127,62 @@ def from_hf_config(hf: dict) -> dict:
       "rope_scaling": scaling,
       "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
       "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-      # latent attention
-      "q_lora_rank": None if q_lora is None else int(q_lora),
-      "kv_lora_rank": int(maps.require(hf, "kv_lora_rank")),
-      "qk_nope_head_dim": nope,
-      "qk_rope_head_dim": rope,
-      "v_head_dim": int(maps.require(hf, "v_head_dim")),
-      "rope_interleave": bool(_get(hf, "rope_interleave")),
       "first_k_dense_replace": int(_get(hf, "first_k_dense_replace")),
-      # routing
-      "num_experts": int(maps.require(hf, "n_routed_experts")),
-      "num_experts_per_tok": int(maps.require(hf, "num_experts_per_tok")),
-      "moe_mlp_dim": moe_dim,
-      "shared_expert_mlp_dim": shared * moe_dim,
-      "norm_topk_prob": bool(_get(hf, "norm_topk_prob")),
-      "router_scoring": "sigmoid",
-      "n_group": int(_get(hf, "n_group")),
-      "topk_group": int(_get(hf, "topk_group")),
-      "routed_scaling_factor": float(_get(hf, "routed_scaling_factor")),
-      # transformers 5's DeepseekV3TopkRouter scores the dropped groups' experts -inf (transformers 4 and DeepSeek's
-      # remote code: 0.0, meshlm's default); they pick different experts when kept experts' biased scores go negative
-      "router_group_mask": "-inf",
-      # DeepseekV3ForCausalLM computes no auxiliary loss; a coefficient meshlm wrote comes back
-      "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
+      "parts": {"mla": {  # latent attention: the mla part's knobs
+          "q_lora_rank": None if q_lora is None else int(q_lora),
+          "kv_lora_rank": int(maps.require(hf, "kv_lora_rank")),
+          "qk_nope_head_dim": nope,
+          "qk_rope_head_dim": rope,
+          "v_head_dim": int(maps.require(hf, "v_head_dim")),
+          "rope_interleave": bool(_get(hf, "rope_interleave")),
+      }, "moe": {  # routing: the moe part's knobs
+          "num_experts": int(maps.require(hf, "n_routed_experts")),
+          "num_experts_per_tok": int(maps.require(hf, "num_experts_per_tok")),
+          "mlp_dim": moe_dim,
+          "shared_expert_mlp_dim": shared * moe_dim,
+          "norm_topk_prob": bool(_get(hf, "norm_topk_prob")),
+          "router_scoring": "sigmoid",
+          "n_group": int(_get(hf, "n_group")),
+          "topk_group": int(_get(hf, "topk_group")),
+          "routed_scaling_factor": float(_get(hf, "routed_scaling_factor")),
+          # transformers 5's DeepseekV3TopkRouter scores the dropped groups' experts -inf (transformers 4 and
+          # DeepSeek's remote code: 0.0, meshlm's default); they pick different experts when kept experts' biased
+          # scores go negative
+          "router_group_mask": "-inf",
+          # DeepseekV3ForCausalLM computes no auxiliary loss; a coefficient meshlm wrote comes back
+          "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits")
+          else 0.0,
+      }},
   }
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-  if m.router_scoring != "sigmoid":
-    raise ConfigError(f"model.router_scoring={m.router_scoring!r}: DeepseekV3ForCausalLM routes by sigmoid scores")
+  own, lat = moe.knobs(m), mla.knobs(m)
+  if own.router_scoring != "sigmoid":
+    raise ConfigError(f"model.parts.moe.router_scoring={own.router_scoring!r}: DeepseekV3ForCausalLM routes by "
+                      "sigmoid scores")
   if m.num_kv_heads != m.num_heads:
     raise ConfigError(f"model.num_kv_heads={m.num_kv_heads}: DeepseekV3ForCausalLM has one latent key and value per "
                       f"query head (num_heads={m.num_heads})")
-  shared, moe_dim = m.shared_expert_mlp_dim, m.moe_mlp_dim
-  if not shared or not moe_dim or shared % moe_dim:
-    raise ConfigError(f"model.shared_expert_mlp_dim={shared}: DeepseekV3ForCausalLM's shared experts are "
-                      f"n_shared_experts x moe_intermediate_size, a positive multiple of model.moe_mlp_dim={moe_dim}")
+  shared, moe_dim = own.shared_expert_mlp_dim, own.mlp_dim
+  if not shared or shared % moe_dim:
+    raise ConfigError(f"model.parts.moe.shared_expert_mlp_dim={shared}: DeepseekV3ForCausalLM's shared experts are "
+                      "n_shared_experts x moe_intermediate_size, a positive multiple of model.parts.moe.mlp_dim="
+                      f"{moe_dim}")
   return {
       "vocab_size": m.vocab_size, "hidden_size": m.embed_dim, "intermediate_size": m.mlp_dim,
       "moe_intermediate_size": moe_dim, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-      "num_key_value_heads": m.num_heads, "n_shared_experts": shared // moe_dim, "n_routed_experts": m.num_experts,
-      "routed_scaling_factor": m.routed_scaling_factor, "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank,
-      "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "qk_nope_head_dim": m.qk_nope_head_dim,
-      "n_group": m.n_group, "topk_group": m.topk_group, "num_experts_per_tok": m.num_experts_per_tok,
-      "first_k_dense_replace": m.first_k_dense_replace, "norm_topk_prob": m.norm_topk_prob,
+      "num_key_value_heads": m.num_heads, "n_shared_experts": shared // moe_dim, "n_routed_experts": own.num_experts,
+      "routed_scaling_factor": own.routed_scaling_factor, "kv_lora_rank": lat.kv_lora_rank,
+      "q_lora_rank": lat.q_lora_rank, "qk_rope_head_dim": lat.qk_rope_head_dim, "v_head_dim": lat.v_head_dim,
+      "qk_nope_head_dim": lat.qk_nope_head_dim,
+      "n_group": own.n_group, "topk_group": own.topk_group, "num_experts_per_tok": own.num_experts_per_tok,
+      "first_k_dense_replace": m.first_k_dense_replace, "norm_topk_prob": own.norm_topk_prob,
       "scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu",
       "max_position_embeddings": m.max_position, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
-      "rope_interleave": m.rope_interleave, "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
+      "rope_interleave": lat.rope_interleave, "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
       "num_nextn_predict_layers": 0,  # meshlm has no multi-token-prediction layers to write
-      "output_router_logits": m.router_aux_loss_coef > 0, "router_aux_loss_coef": m.router_aux_loss_coef,
+      "output_router_logits": own.router_aux_loss_coef > 0, "router_aux_loss_coef": own.router_aux_loss_coef,
       **rope_to_hf(m),
   }
 
@@ -183,7 +192,8 @@ def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
   sa, mlp = p + "self_attn.", p + "mlp."
   experts = mlp + "experts."
   kv_b = sa + "kv_b_proj.weight"
-  sizes = (m.qk_nope_head_dim, m.v_head_dim)
+  lat = mla.knobs(m)
+  sizes = (lat.qk_nope_head_dim, lat.v_head_dim)
   out = {
       "attn_norm": maps.Tensor(p + "input_layernorm.weight"),
       "mlp_norm": maps.Tensor(p + "post_attention_layernorm.weight"),
@@ -204,7 +214,7 @@ def hf_layer_map(m: ModelConfig) -> dict[str, maps.Tensor]:
       "moe.shared_up": maps.Linear(mlp + "shared_experts.up_proj.weight"),
       "moe.shared_down": maps.Linear(mlp + "shared_experts.down_proj.weight"),
   }
-  if m.q_lora_rank is None:
+  if lat.q_lora_rank is None:
     out["attn.q"] = maps.Linear(sa + "q_proj.weight")
   else:
     out["attn.q_a"] = maps.Linear(sa + "q_a_proj.weight")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
+from meshlm.models.ffns.moe import knobs
 
 HF_MODEL_TYPE = "mixtral"
 HF_ARCHITECTURES = ("MixtralForCausalLM",)
@@ -18,7 +19,7 @@ HF_DEFAULT_AUX_COEF = 0.001
 
 
 def moe_from_hf(hf: dict, experts_key: str) -> dict:
-  """ModelConfig MoE fields both families share. The aux loss counts in transformers only with
+  """The moe part's knobs (model.parts.moe) the MoE families share. The aux loss counts in transformers only with
   output_router_logits, so that decides whether meshlm adds it."""
   coef = float(hf.get("router_aux_loss_coef", HF_DEFAULT_AUX_COEF)) if hf.get("output_router_logits") else 0.0
   return {"num_experts": int(maps.require(hf, experts_key)),
@@ -27,18 +28,19 @@ def moe_from_hf(hf: dict, experts_key: str) -> dict:
 
 
 def moe_to_hf(m: ModelConfig) -> dict:
-  return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
-          "output_router_logits": m.router_aux_loss_coef > 0,
-          "router_aux_loss_coef": m.router_aux_loss_coef or HF_DEFAULT_AUX_COEF}
+  own = knobs(m)
+  return {"num_local_experts": own.num_experts, "num_experts_per_tok": own.num_experts_per_tok,
+          "output_router_logits": own.router_aux_loss_coef > 0,
+          "router_aux_loss_coef": own.router_aux_loss_coef or HF_DEFAULT_AUX_COEF}
 
 
 def from_hf_config(hf: dict) -> dict:
   maps.refuse(hf, "router_jitter_noise", (0, 0.0), "meshlm routes without jitter noise")
   if hf.get("layer_types") and any(t not in ("full_attention", "sliding_attention") for t in hf["layer_types"]):
     raise ConfigError(f"config.json: layer_types={hf['layer_types']!r} is not supported")
-  out = {"family": "mixtral", **maps.llama_like_from_hf(hf), **moe_from_hf(hf, "num_local_experts"),
-         "norm_topk_prob": True}
-  out["moe_mlp_dim"] = out["mlp_dim"]  # intermediate_size is each expert's width
+  out = {"family": "mixtral", **maps.llama_like_from_hf(hf)}
+  # intermediate_size is each expert's width
+  out["parts"] = {"moe": {**moe_from_hf(hf, "num_local_experts"), "mlp_dim": out["mlp_dim"], "norm_topk_prob": True}}
   window = hf.get("sliding_window")
   out["sliding_window"] = None if window is None else int(window)
   return out
@@ -51,7 +53,7 @@ def to_hf_config(m: ModelConfig) -> dict:
     raise ConfigError("model.layer_pattern: MixtralForCausalLM slides on every layer or none")
   drop = ("attention_bias", "mlp_bias", "intermediate_size")  # not MixtralConfig fields / set below
   out = {k: v for k, v in maps.llama_like_to_hf(m).items() if k not in drop}
-  return {**out, "intermediate_size": m.moe_mlp_dim, "sliding_window": m.sliding_window,
+  return {**out, "intermediate_size": knobs(m).mlp_dim, "sliding_window": m.sliding_window,
           "router_jitter_noise": 0.0, **moe_to_hf(m)}
 
 

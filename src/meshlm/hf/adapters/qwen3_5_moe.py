@@ -14,6 +14,7 @@ from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.qwen3_next import (SKIPPED, hybrid_from_hf, hybrid_layer_map, hybrid_to_hf,
                                            shared_moe_from_hf, shared_moe_to_hf)
+from meshlm.models.ffns.moe import knobs
 
 HF_MODEL_TYPE = "qwen3_5_moe_text"
 HF_ARCHITECTURES = ("Qwen3_5MoeForCausalLM",)
@@ -21,14 +22,15 @@ WRAPPED = (maps.Wrapped("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration",)),
 
 
 def from_hf_config(hf: dict) -> dict:
-  out = {**hybrid_from_hf(hf, "qwen3_5_moe"), **shared_moe_from_hf(hf), "norm_topk_prob": True}
-  out["mlp_dim"] = int(hf.get("intermediate_size") or out["moe_mlp_dim"])
+  out = hybrid_from_hf(hf, "qwen3_5_moe")
+  out["parts"]["moe"] = {**shared_moe_from_hf(hf), "norm_topk_prob": True}
+  out["mlp_dim"] = int(hf.get("intermediate_size") or out["parts"]["moe"]["mlp_dim"])
   return out
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-  if not m.norm_topk_prob:
-    raise ConfigError("model.norm_topk_prob=false: Qwen3_5MoeForCausalLM always renormalizes its top-k")
+  if not knobs(m).norm_topk_prob:
+    raise ConfigError("model.parts.moe.norm_topk_prob=false: Qwen3_5MoeForCausalLM always renormalizes its top-k")
   out = {k: v for k, v in hybrid_to_hf(m).items() if k != "intermediate_size"}  # not a Qwen3_5MoeTextConfig field
   return {**out, **shared_moe_to_hf(m)}
 

@@ -11,6 +11,7 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.mixtral import moe_from_hf, moe_to_hf
+from meshlm.models.ffns.moe import knobs
 
 HF_MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -21,9 +22,9 @@ def from_hf_config(hf: dict) -> dict:
   # transformers 5 writes num_local_experts (its attribute_map), Hub checkpoints num_experts.
   experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
   out = {"family": "qwen3_moe", **maps.llama_like_from_hf(hf), "qk_norm": True,
-         **moe_from_hf(hf, experts_key),
-         "moe_mlp_dim": int(maps.require(hf, "moe_intermediate_size")),
-         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+         "parts": {"moe": {**moe_from_hf(hf, experts_key),
+                           "mlp_dim": int(maps.require(hf, "moe_intermediate_size")),
+                           "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}},
          "decoder_sparse_step": int(hf.get("decoder_sparse_step", 1)),
          "mlp_only_layers": [int(i) for i in hf.get("mlp_only_layers") or []]}
   return out
@@ -34,12 +35,11 @@ def to_hf_config(m: ModelConfig) -> dict:
     raise ConfigError("model.qk_norm / model.sliding_window: Qwen3MoeForCausalLM needs qk_norm=true and no "
                       "sliding_window")
   out = {k: v for k, v in maps.llama_like_to_hf(m).items() if k != "mlp_bias"}  # not a Qwen3MoeConfig field
-  moe = moe_to_hf(m)
+  moe, own = moe_to_hf(m), knobs(m)
   return {**out, "use_sliding_window": False, "sliding_window": None, **moe,
           # transformers 4 reads num_experts; 5 maps it onto num_local_experts, which it writes.
-          "num_experts": m.num_experts,
-          "moe_intermediate_size": m.moe_mlp_dim or m.mlp_dim,  # read only when there are experts
-          "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": m.decoder_sparse_step,
+          "num_experts": own.num_experts, "moe_intermediate_size": own.mlp_dim,
+          "norm_topk_prob": own.norm_topk_prob, "decoder_sparse_step": m.decoder_sparse_step,
           "mlp_only_layers": list(m.mlp_only_layers)}
 
 

@@ -25,6 +25,7 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.hf import maps
 from meshlm.hf.adapters.mixtral import HF_DEFAULT_AUX_COEF, fused_experts, moe_from_hf
+from meshlm.models.ffns import moe
 from meshlm.models.mixers import gdn
 
 HF_MODEL_TYPE = "qwen3_next"
@@ -40,8 +41,8 @@ HF_INTERMEDIATE_SIZE = 5632  # Qwen3NextConfig's: the width of its (mlp_only_lay
 
 def hybrid_from_hf(hf: dict, family: str) -> dict:
   """The fields the three GDN hybrids share: the llama-like ones, gated full attention with partial rotary,
-  the linear-attention geometry (the conv taps in the gdn part's section, model.parts.gdn.conv_kernel_dim) and the
-  layer pattern."""
+  the linear-attention geometry (the gdn part's section, model.parts.gdn: its heads, head dims and conv taps) and
+  the layer pattern."""
   maps.refuse(hf, "attn_output_gate", True, "meshlm's full-attention layers are always gated")
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   # rope_parameters.partial_rotary_factor (transformers 5), else the top-level field (transformers 4).
@@ -61,11 +62,11 @@ def hybrid_from_hf(hf: dict, family: str) -> dict:
       raise ConfigError(f"config.json: layer_types has {', '.join(map(repr, bad))}; meshlm's {family} reads only "
                         f"{' and '.join(LAYER_TYPES)}")
   out = {"family": family, **base, "partial_rotary_factor": float(partial),
-         "linear_num_key_heads": int(maps.require(hf, "linear_num_key_heads")),
-         "linear_num_value_heads": int(maps.require(hf, "linear_num_value_heads")),
-         "linear_key_head_dim": int(maps.require(hf, "linear_key_head_dim")),
-         "linear_value_head_dim": int(maps.require(hf, "linear_value_head_dim")),
-         "parts": {"gdn": {"conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", HF_CONV_KERNEL_DIM))}}}
+         "parts": {"gdn": {"key_heads": int(maps.require(hf, "linear_num_key_heads")),
+                           "value_heads": int(maps.require(hf, "linear_num_value_heads")),
+                           "key_head_dim": int(maps.require(hf, "linear_key_head_dim")),
+                           "value_head_dim": int(maps.require(hf, "linear_value_head_dim")),
+                           "conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", HF_CONV_KERNEL_DIM))}}}
   if types is not None:
     out["hybrid_layer_types"] = list(types)
   else:
@@ -74,18 +75,19 @@ def hybrid_from_hf(hf: dict, family: str) -> dict:
 
 
 def shared_moe_from_hf(hf: dict) -> dict:
-  """The routed experts and the gated shared expert (qwen3_next, qwen3_5_moe)."""
+  """The moe part's knobs (model.parts.moe) of the routed experts and the gated shared expert (qwen3_next,
+  qwen3_5_moe)."""
   maps.refuse(hf, "decoder_sparse_step", 1, "every layer of these families is MoE")
   maps.refuse(hf, "mlp_only_layers", ([], None), "every layer of these families is MoE")
   return {**moe_from_hf(hf, "num_experts"),
-          "moe_mlp_dim": int(maps.require(hf, "moe_intermediate_size")),
+          "mlp_dim": int(maps.require(hf, "moe_intermediate_size")),
           "shared_expert_mlp_dim": int(maps.require(hf, "shared_expert_intermediate_size"))}
 
 
 def from_hf_config(hf: dict) -> dict:
-  return {**hybrid_from_hf(hf, "qwen3_next"), **shared_moe_from_hf(hf),
-          "mlp_dim": int(hf.get("intermediate_size", HF_INTERMEDIATE_SIZE)),
-          "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
+  out = hybrid_from_hf(hf, "qwen3_next")
+  out["parts"]["moe"] = {**shared_moe_from_hf(hf), "norm_topk_prob": bool(hf.get("norm_topk_prob", True))}
+  return {**out, "mlp_dim": int(hf.get("intermediate_size", HF_INTERMEDIATE_SIZE))}
 
 
 def hybrid_to_hf(m: ModelConfig) -> dict:
@@ -97,21 +99,23 @@ def hybrid_to_hf(m: ModelConfig) -> dict:
   out["rope_parameters"] = {**out["rope_parameters"], "partial_rotary_factor": m.partial_rotary_factor}
   if "rope_scaling" in out:
     out["rope_scaling"] = {**out["rope_scaling"], "partial_rotary_factor": m.partial_rotary_factor}
+  own = gdn.knobs(m)
   return {**out, "partial_rotary_factor": m.partial_rotary_factor, "layer_types": list(m.hybrid_types()),
-          "linear_num_key_heads": m.linear_num_key_heads, "linear_num_value_heads": m.linear_num_value_heads,
-          "linear_key_head_dim": m.linear_key_head_dim, "linear_value_head_dim": m.linear_value_head_dim,
-          "linear_conv_kernel_dim": gdn.knobs(m).conv_kernel_dim}
+          "linear_num_key_heads": own.key_heads, "linear_num_value_heads": own.value_heads,
+          "linear_key_head_dim": own.key_head_dim, "linear_value_head_dim": own.value_head_dim,
+          "linear_conv_kernel_dim": own.conv_kernel_dim}
 
 
 def shared_moe_to_hf(m: ModelConfig) -> dict:
-  return {"num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
-          "moe_intermediate_size": m.moe_mlp_dim, "shared_expert_intermediate_size": m.shared_expert_mlp_dim,
-          "output_router_logits": m.router_aux_loss_coef > 0,
-          "router_aux_loss_coef": m.router_aux_loss_coef or HF_DEFAULT_AUX_COEF}
+  own = moe.knobs(m)
+  return {"num_experts": own.num_experts, "num_experts_per_tok": own.num_experts_per_tok,
+          "moe_intermediate_size": own.mlp_dim, "shared_expert_intermediate_size": own.shared_expert_mlp_dim,
+          "output_router_logits": own.router_aux_loss_coef > 0,
+          "router_aux_loss_coef": own.router_aux_loss_coef or HF_DEFAULT_AUX_COEF}
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-  return {**hybrid_to_hf(m), **shared_moe_to_hf(m), "norm_topk_prob": m.norm_topk_prob,
+  return {**hybrid_to_hf(m), **shared_moe_to_hf(m), "norm_topk_prob": moe.knobs(m).norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 

@@ -8,34 +8,45 @@ Router replay: the per-layer input `forced_expert_ids` [B, T, k] (-1 = not force
 (nn/router_replay.py). The router kernel is gathered once before the layer scan (`prepare`), and the
 sort permutation is saved under remat (`remat_save_names`), so the backward does not sort again.
 
-Shared expert (`moe_ffn(shared=True)`: qwen3-next, qwen3.5-moe): a GLU of width model.shared_expert_mlp_dim (S)
+Shared expert (`moe_ffn(shared=True)`: qwen3-next, qwen3.5-moe): a GLU of width shared_expert_mlp_dim (S)
 beside the routed experts on every token, scaled by sigmoid(shared_expert_gate(x)):
   y = moe(x) + sigmoid(x @ shared_expert_gate) * down(silu(gate(x)) * up(x))
 Its parameters sit beside the experts': shared_gate [D, S], shared_up [D, S], shared_down [S, D],
 shared_expert_gate [D, 1] (Hugging Face mlp.shared_expert.{gate,up,down}_proj and mlp.shared_expert_gate,
 each weight transposed). `shared_gate=False` (deepseek_v3): no shared_expert_gate, the GLU is added as it is
-(HF mlp.shared_experts, n_shared_experts * moe_intermediate_size wide = model.shared_expert_mlp_dim).
+(HF mlp.shared_experts, n_shared_experts * moe_intermediate_size wide = shared_expert_mlp_dim).
 
 Group-limited sigmoid routing (`routing="group_sigmoid"`, deepseek_v3; nn/moe/routing.py group_route): s =
-sigmoid(float32 logits); experts are picked from s + router_bias within the model.topk_group best of
-model.n_group groups; the weights are the unbiased s at them (/ (sum + 1e-20) with norm_topk_prob) times
-model.routed_scaling_factor. `router_bias` [E] float32 is model state (Part.model_state: not a parameter,
-not in the optimizer, checkpointed; HF mlp.gate.e_score_correction_bias), zeros at init, and after each
-step (after_step) the aux-loss-free rule moves it: bias += model.router_bias_update_rate *
-sign(mean load - load), from the side output "moe_expert_load" [E] (routed pairs per expert, padding
-excluded) summed over the whole global batch and its micro-batches. Rate 0 leaves it bit-unchanged.
+sigmoid(float32 logits); experts are picked from s + router_bias within the topk_group best of n_group groups;
+the weights are the unbiased s at them (/ (sum + 1e-20) with norm_topk_prob) times routed_scaling_factor.
+`router_bias` [E] float32 is model state (Part.model_state: not a parameter, not in the optimizer,
+checkpointed; HF mlp.gate.e_score_correction_bias), zeros at init, and after each step (after_step) the
+aux-loss-free rule moves it: bias += router_bias_update_rate * sign(mean load - load), from the side output
+"moe_expert_load" [E] (routed pairs per expert, padding excluded) summed over the whole global batch and its
+micro-batches. Rate 0 leaves it bit-unchanged.
+
+Its own knobs, model.parts.moe.<knob> (`MoEConfig`; the old flat keys, model.num_experts, model.moe_mlp_dim,
+model.moe_impl and the rest, still set them): num_experts and mlp_dim are required; impl, grouped_matmul and
+kernel_fsdp say how the layer computes and lays out the same parameters (COMPUTE: a checkpoint resumes under
+other values). kernel_fsdp null is decided for the run (`run_knobs`, by `layout_for`), and the part checks the
+mesh: mesh.expert shards whole experts (`check_mesh`), and only a model with this part may set it above 1
+(Part.mesh_axes). Which layers are MoE is the family's plan (model.decoder_sparse_step, mlp_only_layers,
+first_k_dense_replace), not a knob of the part.
 """
 from __future__ import annotations
 
 import functools
+from typing import ClassVar, Literal, Optional
 
 import jax
 import jax.numpy as jnp
+import pydantic
+from pydantic import Field
 
-from meshlm.config import ModelConfig
+from meshlm.config import Config, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
-from meshlm.models.family import CensusCounter, LayerInput, Part
+from meshlm.models.family import CensusCounter, LayerInput, Part, section
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.nn.router_replay import check_forced_ids
@@ -50,6 +61,118 @@ KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in
 CENSUS = (CensusCounter(field="stablehlo.moe", kind="scope_gathers_scatters", scope=moe.SCOPE),)
 
 
+class MoEConfig(pydantic.BaseModel):
+  """The moe part's own knobs: model.parts.moe.<knob> (their old flat keys, ModelConfig.MOVED, still set them)."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
+  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp")
+  num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
+  num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
+                                   "num_experts")
+  mlp_dim: int = Field(gt=0, description="hidden width of each expert's GLU (HF moe_intermediate_size)")
+  norm_topk_prob: bool = Field(default=True, description="renormalize the top-k routing weights to sum to 1 (mixtral "
+                               "always does; qwen3_moe when set)")
+  router_dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="dtype of the router logits, "
+                                                       "softmax and top-k")
+  router_aux_loss_coef: float = Field(default=0.0, ge=0, description="weight of the Switch load-balancing loss "
+                                      "added to the training loss (0: off)")
+  router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
+                                    "logsumexp of the router logits) added to the training loss (0: off)")
+  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe/ has only these two.
+  impl: Literal["dropless", "reference"] = Field(
+      default="dropless", description="dispatch: dropless (sorted, grouped matmuls) or reference (every expert on "
+      "every token, masked)")
+  grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
+      default="auto", description="the experts' grouped matmul (nn/moe/gmm.py): loop (a scan over the experts, rows "
+      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
+      "loop on CPU, ragged elsewhere")
+  # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe/layer.py moe_spec):
+  # "experts" moves tokens to the experts (expert-parallel dispatch over fsdp and expert; no kernel gathered),
+  # "embed" and "mlp" gather the kernels whole in each layer. null: decided for the run by layout_for.
+  kernel_fsdp: Optional[Literal["experts", "embed", "mlp"]] = Field(
+      default=None, description="what mesh.fsdp shards in the expert kernels: experts (each device holds E / "
+      "(expert x fsdp) whole experts and the tokens travel to them), embed (the embed dim; kernels gathered per "
+      "layer) or mlp (as embed, but down on its mlp dim); null: experts where moving the tokens costs less than "
+      "gathering the kernels, else embed (the run's mesh and batch decide)")
+  # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
+  # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
+  shared_expert_mlp_dim: Optional[int] = Field(
+      default=None, gt=0, description="width of the shared expert beside the routed ones (qwen3_next, qwen3_5_moe, "
+      "deepseek_v3; HF shared_expert_intermediate_size); null: none")
+  # Group-limited sigmoid routing (deepseek_v3: moe_ffn(routing="group_sigmoid")).
+  router_scoring: Literal["softmax", "sigmoid"] = Field(
+      default="softmax", description="router scores: softmax (mixtral, qwen3_moe) or sigmoid (deepseek_v3, with "
+      "group-limited selection)")
+  n_group: int = Field(default=1, gt=0, description="sigmoid routing: expert groups (consecutive ids; must divide "
+                       "num_experts), each scored by the sum of its top 2 biased scores (HF n_group)")
+  topk_group: int = Field(default=1, gt=0, description="sigmoid routing: groups kept per token (at most n_group); "
+                          "the top-k experts come from them (HF topk_group)")
+  routed_scaling_factor: float = Field(default=1.0, gt=0, description="sigmoid routing: the routed experts' "
+                                       "weights are multiplied by this (HF routed_scaling_factor)")
+  router_bias_update_rate: float = Field(
+      default=0.0, ge=0, description="sigmoid routing's aux-loss-free balancing: after each step router_bias += "
+      "rate * sign(mean load - load) per expert, from the whole batch's routing counts; 0: frozen")
+  router_group_mask: Literal["zero", "-inf"] = Field(
+      default="zero", description="sigmoid routing: what the experts of dropped groups score in the final top-k: "
+      "zero (DeepSeek's published modeling_deepseek.py) or -inf (transformers 5's DeepseekV3TopkRouter); they "
+      "differ only where a kept expert's biased score is negative")
+
+  @pydantic.field_validator("num_experts_per_tok")
+  @classmethod
+  def _at_most_every_expert(cls, k: int, info) -> int:
+    E = info.data.get("num_experts")  # validated before it (field order)
+    if E is not None and k > E:
+      raise ValueError(f"{k} is larger than num_experts={E}: each token can be routed to at most every expert")
+    return k
+
+
+def knobs(m: ModelConfig) -> MoEConfig:
+  """model.parts.moe, its defaults filled in."""
+  return section(m, _SECTION)
+
+
+def layout_for(cfg: Config) -> str:
+  """kernel_fsdp's null: "experts" where moving the tokens to the experts costs less than moving the experts to
+  the tokens, else "embed" (docs/performance.md, "MoE at the speed of its FLOPs").
+
+  Per layer and device, "embed" gathers the three kernels whole, 3 E D F elements (and reduce-scatters as many
+  gradient elements); "experts" runs the dispatch (the row gather, the GLU, the unsort) over the routed rows of
+  the whole expert group, ep x tokens x k x (D + 2F) elements, ep = mesh.expert x the fsdp size. Where the fsdp
+  size is not known from the config (mesh.fsdp=-1 without cpu_devices: the real devices decide) or is 1, "embed".
+  Where mesh.expert x fsdp does not divide E, "experts" falls back to embed in parallel/sharding.py anyway."""
+  m, t, mesh, own = cfg.model, cfg.train, cfg.mesh, knobs(cfg.model)
+  fsdp = mesh.fsdp
+  if fsdp == -1:
+    others = mesh.data * mesh.tensor * mesh.expert * mesh.context
+    fsdp = cfg.cpu_devices // others if cfg.cpu_devices and cfg.cpu_devices % others == 0 else None
+  if fsdp is None or fsdp == 1:
+    return "embed"  # unknown, or no FSDP: nothing to choose (the experts dim then shards over mesh.expert alone)
+  ep = mesh.expert * fsdp
+  rows = t.per_device_batch_size * t.seq_len // t.micro_batches * own.num_experts_per_tok
+  dispatch = ep * rows * (m.embed_dim + 2 * own.mlp_dim)
+  return "experts" if dispatch <= 3 * own.num_experts * m.embed_dim * own.mlp_dim else "embed"
+
+
+def run_knobs(cfg: Config) -> dict:
+  """kernel_fsdp null, decided for the run by layout_for (Part.run_knobs)."""
+  return {"kernel_fsdp": layout_for(cfg)} if knobs(cfg.model).kernel_fsdp is None else {}
+
+
+def check_mesh(m: ModelConfig, sizes: dict[str, int]) -> None:
+  """Expert weights shard whole experts over mesh.expert, so it must divide num_experts; with kernel_fsdp=experts
+  over mesh.expert x mesh.fsdp (null falls back to embed instead). sizes: the axes known so far (Part.check_mesh)."""
+  own = knobs(m)
+  E, expert = own.num_experts, sizes.get("expert", 1)
+  if E % expert:
+    raise ConfigError(f"mesh.expert={expert} does not divide model.parts.moe.num_experts={E}; pick a mesh.expert "
+                      f"that divides {E}")
+  fsdp = sizes.get("fsdp")
+  if fsdp is not None and own.kernel_fsdp == "experts" and E % (expert * fsdp):
+    raise ConfigError(f"model.parts.moe.kernel_fsdp=experts: mesh.expert x mesh.fsdp = {expert} x {fsdp} does not "
+                      f"divide model.parts.moe.num_experts={E}; use model.parts.moe.kernel_fsdp=embed (or null, which "
+                      "falls back to it)")
+
+
 def prepare(p: dict, specs: dict) -> dict:
   return dict(p, router_full=moe.gather_router_once(p["router"], specs["router"].axes))
 
@@ -57,18 +180,19 @@ def prepare(p: dict, specs: dict) -> dict:
 def check_forced(m: ModelConfig, forced, shape: tuple[int, ...], name: str = FORCED_IDS) -> None:
   """forced_expert_ids ([L_moe, B, T, k] to the decoder, [B, T, L_moe, k] in a batch): its shape, and its
   range when concrete."""
-  check_forced_ids(forced, shape, m.num_experts, name)
+  check_forced_ids(forced, shape, knobs(m).num_experts, name)
 
 
 # Router replay's per-layer input; RL reports how often the trainer's routing leaves the sampler's (router flips).
-FORCED = LayerInput(trailing=lambda m: (m.num_experts_per_tok,), check=check_forced, flips="router_flips")
+FORCED = LayerInput(trailing=lambda m: (knobs(m).num_experts_per_tok,), check=check_forced, flips="router_flips")
 
 
 def routed_fraction(m: ModelConfig, s: S.ParamSpec) -> float:
   """The share of a parameter one token's matmuls meet (Part.active_fraction): k / E of a kernel with an experts
   axis (a token runs k of the E experts), all of every other."""
-  if m.num_experts and any(a and str(a).startswith("experts") for a in s.axes):
-    return m.num_experts_per_tok / m.num_experts
+  if any(a and str(a).startswith("experts") for a in s.axes):
+    own = knobs(m)
+    return own.num_experts_per_tok / own.num_experts
   return 1.0
 
 
@@ -76,31 +200,38 @@ def router_losses(m: ModelConfig) -> dict:
   """The router's loss terms whose coefficient is set: the load-balancing loss (transformers'
   load_balancing_loss_func over all MoE layers, nn/moe.py) and the z-loss (the mean over the layers of
   each layer's mean squared logsumexp), as {metric: (coef, fn(side))} (Part.losses)."""
-  out = {}
-  if m.num_experts and m.router_aux_loss_coef > 0:
-    out["moe_aux_loss"] = (m.router_aux_loss_coef, moe.load_balancing_loss)
-  if m.num_experts and m.router_z_loss_coef > 0:
-    out["moe_z_loss"] = (m.router_z_loss_coef, lambda side: jnp.mean(side["moe_z_loss"]))
+  out, own = {}, knobs(m)
+  if own.router_aux_loss_coef > 0:
+    out["moe_aux_loss"] = (own.router_aux_loss_coef, moe.load_balancing_loss)
+  if own.router_z_loss_coef > 0:
+    out["moe_z_loss"] = (own.router_z_loss_coef, lambda side: jnp.mean(side["moe_z_loss"]))
   return out
 
 
+def moe_spec(m: ModelConfig) -> dict:
+  """The routed experts' parameters (nn/moe/layer.py moe_spec) at the section's sizes and kernel layout."""
+  own = knobs(m)
+  return moe.moe_spec(m.embed_dim, own.num_experts, own.mlp_dim, own.kernel_fsdp)
+
+
 def settings(m: ModelConfig, *, norm_topk: bool | None = None, routing: str = "softmax") -> moe.MoESettings:
-  """The MoE layer's knobs from the model config. norm_topk: None reads model.norm_topk_prob. routing
-  "group_sigmoid": DeepSeek-V3's group-limited sigmoid scoring with the model's groups."""
-  group = {}
+  """The MoE layer's settings from the part's knobs. norm_topk: None reads norm_topk_prob. routing
+  "group_sigmoid": DeepSeek-V3's group-limited sigmoid scoring with the section's groups."""
+  own, group = knobs(m), {}
   if routing == "group_sigmoid":
-    group = dict(scoring="sigmoid", n_group=m.n_group, topk_group=m.topk_group,
-                 routed_scaling=m.routed_scaling_factor, dropped_score=moe.GROUP_MASKS[m.router_group_mask])
-  return moe.MoESettings(num_experts=m.num_experts, k=m.num_experts_per_tok,
-                         norm_topk=m.norm_topk_prob if norm_topk is None else norm_topk,
-                         activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(m.router_dtype),
-                         impl=m.moe_impl, grouped_matmul=m.moe_grouped_matmul, experts_axis=moe.experts_axis(m),
-                         kernel_axes=tuple(moe.moe_spec(m)[n].axes for n in KERNELS), **group)
+    group = dict(scoring="sigmoid", n_group=own.n_group, topk_group=own.topk_group,
+                 routed_scaling=own.routed_scaling_factor, dropped_score=moe.GROUP_MASKS[own.router_group_mask])
+  return moe.MoESettings(num_experts=own.num_experts, k=own.num_experts_per_tok,
+                         norm_topk=own.norm_topk_prob if norm_topk is None else norm_topk,
+                         activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(own.router_dtype),
+                         impl=own.impl, grouped_matmul=own.grouped_matmul,
+                         experts_axis=moe.experts_axis(own.kernel_fsdp),
+                         kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS), **group)
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None = None, shared: bool = False,
           shared_gate: bool = True, routing: str = "softmax"):
-  """norm_topk: renormalize the top-k weights (mixtral: always); None reads model.norm_topk_prob.
+  """norm_topk: renormalize the top-k weights (mixtral: always); None reads the knob norm_topk_prob.
   shared: add the shared expert (sigmoid-gated when shared_gate). routing: "softmax" or "group_sigmoid"."""
   kw = {}
   if routing == "group_sigmoid":
@@ -115,7 +246,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None 
 
 
 def shared_spec(m: ModelConfig, gated: bool = True) -> dict:
-  D, F = m.embed_dim, m.shared_expert_mlp_dim
+  D, F = m.embed_dim, knobs(m).shared_expert_mlp_dim
   out = {
       "shared_gate": S.kernel((D, F), ("embed", "mlp")),
       "shared_up": S.kernel((D, F), ("embed", "mlp")),
@@ -140,62 +271,60 @@ def shared_expert(p: dict, x_BTD: jax.Array, ctx, gated: bool = True) -> jax.Arr
 
 
 def spec_with_shared(m: ModelConfig, gated: bool = True) -> dict:
-  return {**moe.moe_spec(m), **shared_spec(m, gated)}
+  return {**moe_spec(m), **shared_spec(m, gated)}
 
 
 def router_bias_state(m: ModelConfig) -> dict:
   """The model state of a group_sigmoid layer: router_bias [E], zeros, replicated (it is tiny)."""
-  return {ROUTER_BIAS: S.ParamSpec((m.num_experts,), (None,), "zeros", decay=False)}
+  return {ROUTER_BIAS: S.ParamSpec((knobs(m).num_experts,), (None,), "zeros", decay=False)}
 
 
 def update_router_bias(leaves: dict, side: dict, m: ModelConfig) -> dict:
   """after_step: the aux-loss-free rule on router_bias [L, E] from the batch's load [L, E]."""
-  return {ROUTER_BIAS: moe.bias_update(leaves[ROUTER_BIAS], side[LOAD], m.router_bias_update_rate)}
+  return {ROUTER_BIAS: moe.bias_update(leaves[ROUTER_BIAS], side[LOAD], knobs(m).router_bias_update_rate)}
 
 
 def validate_group_routing(m: ModelConfig, *, shared: bool = False) -> None:
-  """The fields group-limited sigmoid routing needs (and with shared, the shared experts' width); one
-  ConfigError line naming the key otherwise."""
-  E, k, G = m.num_experts, m.num_experts_per_tok, m.n_group
-  fam = m.family
-  if not E:
-    raise ConfigError(f"model.num_experts: model.family={fam} routes to experts; set model.num_experts and "
-                      "model.moe_mlp_dim")
-  if shared and m.shared_expert_mlp_dim is None:
-    raise ConfigError(f"model.shared_expert_mlp_dim: required by model.family={fam} (its shared experts, HF "
+  """The knobs group-limited sigmoid routing needs (and with shared, the shared experts' width); one ConfigError
+  line naming the key otherwise."""
+  own, fam, key = knobs(m), m.family, "model.parts.moe."
+  E, k, G = own.num_experts, own.num_experts_per_tok, own.n_group
+  if shared and own.shared_expert_mlp_dim is None:
+    raise ConfigError(f"{key}shared_expert_mlp_dim: required by model.family={fam} (its shared experts, HF "
                       "n_shared_experts x moe_intermediate_size)")
-  if m.router_scoring != "sigmoid":
-    raise ConfigError(f"model.router_scoring={m.router_scoring}: model.family={fam} routes with group-limited "
-                      "sigmoid scores; set model.router_scoring=sigmoid")
+  if own.router_scoring != "sigmoid":
+    raise ConfigError(f"{key}router_scoring={own.router_scoring}: model.family={fam} routes with group-limited "
+                      f"sigmoid scores; set {key}router_scoring=sigmoid")
   if E % G:
-    raise ConfigError(f"model.n_group={G} does not divide model.num_experts={E}: the groups are equal runs of "
-                      "experts")
+    raise ConfigError(f"{key}n_group={G} does not divide {key}num_experts={E}: the groups are equal runs of experts")
   if G > 1 and E // G < 2:
-    raise ConfigError(f"model.n_group={G}: each group scores the sum of its top 2 experts, so it needs at least 2 "
+    raise ConfigError(f"{key}n_group={G}: each group scores the sum of its top 2 experts, so it needs at least 2 "
                       f"(num_experts={E} gives {E // G}); use n_group <= {E // 2}")
-  if m.topk_group > G:
-    raise ConfigError(f"model.topk_group={m.topk_group} is larger than model.n_group={G}: a token keeps at most "
+  if own.topk_group > G:
+    raise ConfigError(f"{key}topk_group={own.topk_group} is larger than {key}n_group={G}: a token keeps at most "
                       "every group")
-  if k > m.topk_group * (E // G):
-    raise ConfigError(f"model.num_experts_per_tok={k} is larger than model.topk_group x experts per group = "
-                      f"{m.topk_group} x {E // G}: the kept groups hold too few experts; raise model.topk_group")
-  if m.router_dtype != "float32":
-    raise ConfigError(f"model.router_dtype={m.router_dtype}: group-limited sigmoid routing computes its router "
+  if k > own.topk_group * (E // G):
+    raise ConfigError(f"{key}num_experts_per_tok={k} is larger than topk_group x experts per group = "
+                      f"{own.topk_group} x {E // G}: the kept groups hold too few experts; raise {key}topk_group")
+  if own.router_dtype != "float32":
+    raise ConfigError(f"{key}router_dtype={own.router_dtype}: group-limited sigmoid routing computes its router "
                       "logits in float32; leave it at float32")
-  if m.router_aux_loss_coef > 0:
-    raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef}: the Switch load-balancing loss reads "
+  if own.router_aux_loss_coef > 0:
+    raise ConfigError(f"{key}router_aux_loss_coef={own.router_aux_loss_coef}: the Switch load-balancing loss reads "
                       "softmax probabilities; group-limited sigmoid routing balances through its routing bias "
-                      "(model.router_bias_update_rate); leave it at 0")
+                      f"({key}router_bias_update_rate); leave it at 0")
 
 
 def validate_softmax_routing(m: ModelConfig) -> None:
-  """A softmax-routed family refuses the group-routing keys it would ignore (one ConfigError line)."""
-  if m.router_scoring != "softmax":
-    raise ConfigError(f"model.router_scoring={m.router_scoring}: model.family={m.family} routes with softmax")
-  for key, default in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
-                       ("router_bias_update_rate", 0.0)):
-    if getattr(m, key) != default:
-      raise ConfigError(f"model.{key}={getattr(m, key)}: only group-limited sigmoid routing reads it "
+  """A softmax-routed family refuses the group-routing knobs it would ignore (one ConfigError line)."""
+  own = knobs(m)
+  if own.router_scoring != "softmax":
+    raise ConfigError(f"model.parts.moe.router_scoring={own.router_scoring}: model.family={m.family} routes with "
+                      "softmax")
+  for knob, default in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
+                        ("router_bias_update_rate", 0.0)):
+    if getattr(own, knob) != default:
+      raise ConfigError(f"model.parts.moe.{knob}={getattr(own, knob)}: only group-limited sigmoid routing reads it "
                         f"(model.family={m.family} routes with softmax); leave it at {default}")
 
 
@@ -204,13 +333,13 @@ ROUTINGS = ("softmax", "group_sigmoid")
 
 def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate: bool = True,
             routing: str = "softmax") -> Part:
-  """shared: a shared expert beside the routed ones (model.shared_expert_mlp_dim wide), scaled by
+  """shared: a shared expert beside the routed ones (shared_expert_mlp_dim wide), scaled by
   sigmoid(shared_expert_gate(x)) when shared_gate. routing: "softmax" (top-k of the softmax) or
   "group_sigmoid" (DeepSeek-V3's group-limited sigmoid routing, the router_bias model state and its
   aux-loss-free after_step; the family calls validate_group_routing)."""
   if routing not in ROUTINGS:
     raise ValueError(f"moe_ffn(routing={routing!r}): expected one of {ROUTINGS}")
-  spec = functools.partial(spec_with_shared, gated=shared_gate) if shared else moe.moe_spec
+  spec = functools.partial(spec_with_shared, gated=shared_gate) if shared else moe_spec
   group = routing == "group_sigmoid"
   return Part(name="moe", key="moe", spec=spec, position_wise=True,
               apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
@@ -220,4 +349,8 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
               side_names=SIDE_NAMES + ((LOAD,) if group else ()), replays={ROUTED_IDS: FORCED_IDS},
               model_state=router_bias_state if group else None, after_step=update_router_bias if group else None,
               after_step_side={LOAD: "sum"} if group else {}, losses=router_losses, census=CENSUS,
-              active_fraction=routed_fraction)
+              active_fraction=routed_fraction, config=MoEConfig, run_knobs=run_knobs, mesh_axes=("expert",),
+              check_mesh=check_mesh)
+
+
+_SECTION = moe_ffn()  # what `section` reads of the part (its name and config) is the same however it is built

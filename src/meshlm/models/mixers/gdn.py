@@ -31,9 +31,12 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
     norm         [J]                ones (a plain scale, not (1 + w)), shared by the value heads  [norm.weight]
     out_proj     [N, J, D]          [out_proj.weight [D, N*J]: .T.reshape(N, J, D)]
 
-Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.gdn_chunk_size, model.gdn_impl and
-model.linear_conv_kernel_dim still set them): chunk_size and impl say how the rule computes (COMPUTE: a checkpoint
-resumes under other values), conv_kernel_dim is Q, a parameter's shape.
+Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.linear_num_key_heads,
+model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim, model.gdn_chunk_size,
+model.gdn_impl and model.linear_conv_kernel_dim still set them): key_heads K, value_heads N (a multiple of K),
+key_head_dim H and value_head_dim J are required; chunk_size and impl say how the rule computes (COMPUTE: a
+checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. Which layers are GDN is the
+hybrid family's plan (model.hybrid_layer_types or full_attention_interval, models/plans.py), not a knob.
 
 The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
 Training on mesh.context > 1 (`context_parallel`): T stays sharded through the layer; the conv takes the previous
@@ -65,7 +68,6 @@ from meshlm.nn.short_conv import causal_conv, window_at
 from meshlm.parallel.sharding import ACT, auto_region_many, axes, context_size
 
 KEY = "linear_attn"
-NEEDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 OUT = ACT
 ROWS = axes("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
 
@@ -75,6 +77,11 @@ class GDNConfig(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under other values).
   COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl")
+  key_heads: int = pydantic.Field(gt=0, description="key heads K (HF linear_num_key_heads)")
+  value_heads: int = pydantic.Field(gt=0, description="value heads N, a multiple of key_heads (value head n reads "
+                                    "key head n // (N / K); HF linear_num_value_heads)")
+  key_head_dim: int = pydantic.Field(gt=0, description="key head dim H (HF linear_key_head_dim)")
+  value_head_dim: int = pydantic.Field(gt=0, description="value head dim J (HF linear_value_head_dim)")
   chunk_size: int = pydantic.Field(default=64, gt=0, description="chunk length of the chunked gated delta rule (a "
                                    "power of two); a mesh.context shard runs whole chunks")
   impl: Literal["chunked", "reference"] = pydantic.Field(
@@ -82,6 +89,15 @@ class GDNConfig(pydantic.BaseModel):
       "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
+
+  @pydantic.field_validator("value_heads")
+  @classmethod
+  def _groups(cls, n: int, info) -> int:
+    k = info.data.get("key_heads")  # validated before it (field order)
+    if k is not None and n % k:
+      raise ValueError(f"{n} must be a multiple of key_heads={k} (value head n reads key head n // (N / K)); set "
+                       f"model.parts.gdn.value_heads to a multiple of {k}")
+    return n
 
   @pydantic.field_validator("chunk_size")
   @classmethod
@@ -98,8 +114,9 @@ def knobs(m: ModelConfig) -> GDNConfig:
 
 def dims(m: ModelConfig) -> tuple[int, int, int, int, int, int]:
   """(K, N, G, H, J, Q)."""
-  K, N = m.linear_num_key_heads, m.linear_num_value_heads
-  return K, N, N // K, m.linear_key_head_dim, m.linear_value_head_dim, knobs(m).conv_kernel_dim
+  own = knobs(m)
+  K, N = own.key_heads, own.value_heads
+  return K, N, N // K, own.key_head_dim, own.value_head_dim, own.conv_kernel_dim
 
 
 def channels(m: ModelConfig) -> int:
@@ -275,7 +292,7 @@ def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              shard_multiple=lambda m: knobs(m).chunk_size, config=GDNConfig, needs=NEEDS, census=CENSUS)
+              shard_multiple=lambda m: knobs(m).chunk_size, config=GDNConfig, census=CENSUS)
 
 
 _SECTION = gdn()  # what `section` reads of the part (its name and config) is the same in both layouts

@@ -1,13 +1,13 @@
 """The `mla` mixer (deepseek_v3): multi-head latent attention, as transformers' DeepseekV3Attention.
 
-    q           = q_b(rms(q_a(x)))  with model.q_lora_rank, else q(x)       [B, T, N, Hn + Hr]: [nope, rope]
+    q           = q_b(rms(q_a(x)))  with q_lora_rank, else q(x)             [B, T, N, Hn + Hr]: [nope, rope]
     c | k_rope  = kv_a(x)                                                   [B, T, Rkv + Hr]
     c           = rms(c)                                                    the compressed kv (the latent)
     k_nope, v   = k_b(c), v_b(c)                                            [B, T, N, Hn], [B, T, N, Hv]
     q_rope, k_rope = RoPE on the rope dims only; k_rope is one head, shared by every query head
     y           = o(softmax(q . [k_nope, k_rope] * scale) v)
 
-RoPE rotates rotate-half pairs, or adjacent pairs with model.rope_interleave (nn/rope.apply_rope_interleave).
+RoPE rotates rotate-half pairs, or adjacent pairs with rope_interleave (nn/rope.apply_rope_interleave).
 The context gives cos/sin at width Hr from the positions (nn/rope.freqs_at), carrying YaRN's attention factor;
 the softmax scale carries YaRN's other correction: (Hn + Hr) ** -0.5 * mscale(factor, mscale_all_dim) ** 2
 (nn/rope.softmax_mscale, transformers' yarn_apply_mscale). The q_a and kv_a norms use eps 1e-6, as
@@ -15,10 +15,16 @@ transformers' (DeepseekV3RMSNorm's default, not rms_norm_eps).
 
 Decode state: the latent, not per-head K/V: "kv" [B, C, Rkv] (c after its norm) and "k_rope" [B, C, Hr] (after
 RoPE), Rkv + Hr numbers per cached position. Training and prefill run the plain path (K/V expanded from the
-latent). Decode with model.parts.mla.absorb (default; its own config section, `MLAConfig`) absorbs k_b into the query (q_nope k_b^T: a query in the latent
-space) and v_b into the output side, so the new position attends to the latent rows directly (DeepSeek's own
-inference, vLLM and SGLang do this); with absorb=false it rebuilds K/V from the latent rows (the plain
-path, the reference the absorbed one is tested against).
+latent). Decode with absorb (default) absorbs k_b into the query (q_nope k_b^T: a query in the latent space) and
+v_b into the output side, so the new position attends to the latent rows directly (DeepSeek's own inference, vLLM
+and SGLang do this); with absorb=false it rebuilds K/V from the latent rows (the plain path, the reference the
+absorbed one is tested against).
+
+Its own knobs, model.parts.mla.<knob> (`MLAConfig`; the old flat keys, model.q_lora_rank, model.kv_lora_rank,
+model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim, model.rope_interleave and model.mla_absorb, still
+set them): the ranks and head dims (Rq, Rkv, Hn, Hr, Hv) are required but q_lora_rank (null: a plain q
+projection), Hr is even; absorb says how decode computes (COMPUTE: a checkpoint resumes under either). The query
+heads are the model's num_heads (Part.needs), as attention's are.
 
 Parameters (part key "attn"; Hugging Face torch weights in brackets, each transposed): q_a [D, Rq]
 [q_a_proj], q_a_norm [Rq] [q_a_layernorm], q_b [Rq, N, Hn + Hr] [q_b_proj] (or q [D, N, Hn + Hr] [q_proj]),
@@ -28,11 +34,12 @@ ctx.dense; the attention core and o run in one auto-axes region, as gqa's do.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
 import pydantic
+from pydantic import Field
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
@@ -47,18 +54,51 @@ LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their de
 LATENT = axes("batch", "length", None)  # a latent row [B, T, Rq] or [B, T, Rkv + Hr]
 HEADS_LATENT = axes("batch", "length", "heads", None)  # the absorbed query [B, 1, N, Rkv]
 CACHE_AXES = axes("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
-# The fields it reads that default to null (q_lora_rank may stay null: a plain q projection).
-NEEDS = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# The model fields it reads that default to null (the query heads); its ranks and head dims are its own knobs.
+NEEDS = ("num_heads",)
+
+
+class MLAConfig(pydantic.BaseModel):
+  """The mla part's own knobs: model.parts.mla.<knob> (their old flat keys, ModelConfig.MOVED, still set them).
+  Letters (docs/architecture.md): Rq/Rkv the lora ranks, Hn/Hr/Hv the nope, rope and value head dims; each
+  query/key head is Hn + Hr wide, [nope, rope]."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  # How the layer computes with the same parameters (a checkpoint resumes under another value).
+  COMPUTE: ClassVar[tuple[str, ...]] = ("absorb",)
+  q_lora_rank: Optional[int] = Field(default=None, gt=0, description="rank Rq of the query's low-rank projection "
+                                     "(q_a -> q_a_norm -> q_b); null: a plain q projection")
+  kv_lora_rank: int = Field(gt=0, description="rank Rkv of the compressed kv (the latent the decode cache holds)")
+  qk_nope_head_dim: int = Field(gt=0, description="per-head query/key dims without RoPE (Hn)")
+  qk_rope_head_dim: int = Field(gt=0, description="per-head query dims with RoPE, and the width of the one rope key "
+                                "shared by every head (Hr, even)")
+  v_head_dim: int = Field(gt=0, description="per-head value dims (Hv)")
+  rope_interleave: bool = Field(default=False, description="RoPE rotates adjacent pairs (x0, x1), (x2, x3) of the "
+                                "rope dims, as transformers' apply_rotary_pos_emb_interleave; false: rotate-half pairs")
+  absorb: bool = Field(default=True, description="decode: absorb k_b into the query and v_b into the output, "
+                       "attending against the latent cache directly; false: rebuild K/V from it")
+
+  @pydantic.field_validator("qk_rope_head_dim")
+  @classmethod
+  def _even(cls, h: int) -> int:
+    if h % 2:
+      raise ValueError(f"{h} must be even (RoPE rotates pairs)")
+    return h
+
+
+def knobs(m: ModelConfig) -> MLAConfig:
+  """model.parts.mla, its defaults filled in."""
+  return section(m, PART)
 
 
 def spec(m: ModelConfig) -> dict:
-  D, N, R = m.embed_dim, m.num_heads, m.kv_lora_rank
-  Hn, Hr, Hv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+  own = knobs(m)
+  D, N, R, Rq = m.embed_dim, m.num_heads, own.kv_lora_rank, own.q_lora_rank
+  Hn, Hr, Hv = own.qk_nope_head_dim, own.qk_rope_head_dim, own.v_head_dim
   out = {}
-  if m.q_lora_rank is not None:
-    out["q_a"] = S.kernel((D, m.q_lora_rank), ("embed", None))
-    out["q_a_norm"] = S.vector(m.q_lora_rank, "ones")
-    out["q_b"] = S.kernel((m.q_lora_rank, N, Hn + Hr), (None, "heads", "head_dim"))
+  if Rq is not None:
+    out["q_a"] = S.kernel((D, Rq), ("embed", None))
+    out["q_a_norm"] = S.vector(Rq, "ones")
+    out["q_b"] = S.kernel((Rq, N, Hn + Hr), (None, "heads", "head_dim"))
   else:
     out["q"] = A.q_spec(D, N, Hn + Hr)
   out["kv_a"] = S.kernel((D, R + Hr), ("embed", None))
@@ -70,18 +110,20 @@ def spec(m: ModelConfig) -> dict:
 
 
 def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
-  return {"kv": StateLeaf((batch, size, m.kv_lora_rank), CACHE_AXES),
-          "k_rope": StateLeaf((batch, size, m.qk_rope_head_dim), CACHE_AXES)}
+  own = knobs(m)
+  return {"kv": StateLeaf((batch, size, own.kv_lora_rank), CACHE_AXES),
+          "k_rope": StateLeaf((batch, size, own.qk_rope_head_dim), CACHE_AXES)}
 
 
 def softmax_scale(m: ModelConfig) -> float:
-  return (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * softmax_mscale(m.rope_scaling)
+  own = knobs(m)
+  return (own.qk_nope_head_dim + own.qk_rope_head_dim) ** -0.5 * softmax_mscale(m.rope_scaling)
 
 
 def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
   """q [B, T, N, Hn + Hr] through ctx.dense (q_a -> norm -> q_b, or q)."""
-  m, dt = ctx.model, x_BTD.dtype
-  if m.q_lora_rank is None:
+  dt = x_BTD.dtype
+  if knobs(ctx.model).q_lora_rank is None:
     with jax.named_scope("q"):
       return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->btnh", A.HEADS)
   with jax.named_scope("q_a"):
@@ -93,7 +135,7 @@ def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
 
 def project_latent(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
   """(c [B, T, Rkv] after its norm, the rope key [B, T, Hr] before RoPE), through ctx.dense."""
-  R = ctx.model.kv_lora_rank
+  R = knobs(ctx.model).kv_lora_rank
   with jax.named_scope("kv_a"):
     ckr = ctx.dense(x_BTD, p["kv_a"].astype(x_BTD.dtype), "btd,dr->btr", LATENT)  # [B, T, Rkv + Hr]
   return rms_norm(p["kv_a_norm"], ckr[..., :R], LATENT_NORM_EPS), ckr[..., R:]
@@ -102,13 +144,13 @@ def project_latent(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   """(attention output [B, T, D], update, {}). update: the latent rows {"kv" [B, T, Rkv], "k_rope" [B, T, Hr]}
   (T = 1 in decode), None when training. state (decode): the layer's latent cache, read only."""
-  m = ctx.model
+  m, own = ctx.model, knobs(ctx.model)
   dt = x_BTD.dtype
-  Hn = m.qk_nope_head_dim
+  Hn = own.qk_nope_head_dim
   q = project_q(p, x_BTD, ctx)
   c, k_rope = project_latent(p, x_BTD, ctx)
-  cos, sin = ctx.here.rope[m.qk_rope_head_dim]
-  rope = apply_rope_interleave if m.rope_interleave else apply_rope
+  cos, sin = ctx.here.rope[own.qk_rope_head_dim]
+  rope = apply_rope_interleave if own.rope_interleave else apply_rope
   q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin)
   k_rope = rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head, shared by every query head
   update = None if ctx.mode == "train" else {"kv": c, "k_rope": k_rope}
@@ -155,26 +197,18 @@ def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
     o = mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
     return project(o, w_o, dense)
 
-  region = auto_region(absorbed if section(m, PART).absorb else plain, A.OUT, q_nope.shape[:2] + w["o"].shape[-1:])
+  region = auto_region(absorbed if knobs(m).absorb else plain, A.OUT, q_nope.shape[:2] + w["o"].shape[-1:])
   return region(q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"], w["o"])
-
-
-class MLAConfig(pydantic.BaseModel):
-  """The mla part's own knobs: model.parts.mla.<knob> (model.mla_absorb, its old key, still sets absorb)."""
-  model_config = pydantic.ConfigDict(extra="forbid")
-  # How the layer computes with the same parameters (a checkpoint resumes under another value).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("absorb",)
-  absorb: bool = pydantic.Field(default=True, description="decode: absorb k_b into the query and v_b into the "
-                                "output, attending against the latent cache directly; false: rebuild K/V from it")
 
 
 def attention_width(m: ModelConfig) -> int:
   """N x (Hn + Hr + Hv): what a query's scores and values multiply per key it sees (the model FLOPs)."""
-  return m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+  own = knobs(m)
+  return m.num_heads * (own.qk_nope_head_dim + own.qk_rope_head_dim + own.v_head_dim)
 
 
 PART = Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
-            rotary_dims=lambda m: (m.qk_rope_head_dim,), config=MLAConfig, needs=NEEDS,
+            rotary_dims=lambda m: (knobs(m).qk_rope_head_dim,), config=MLAConfig, needs=NEEDS,
             attention_width=attention_width)
 
 

@@ -2,12 +2,12 @@
 runs the experts dropless (dropless.py) or, for tests, every expert on every token (nn/moe_reference.py).
 
 Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding.
-Which mesh axes shard the kernels' experts dim is sharding data (model.moe_kernel_fsdp picks the
-logical axis names in moe_spec; parallel/sharding.py's RULES map them):
-- no mesh axis shards the experts (mesh.expert = 1 with moe_kernel_fsdp embed or mlp): per batch (and
+Which mesh axes shard the kernels' experts dim is sharding data (the kernel_fsdp layout, the moe part's
+knob model.parts.moe.kernel_fsdp, picks the logical axis names in moe_spec; parallel/sharding.py's RULES map them):
+- no mesh axis shards the experts (mesh.expert = 1 with kernel_fsdp embed or mlp): per batch (and
   length) shard; tokens stay on their device, the expert kernels are gathered whole.
 - the experts dim is sharded over ep devices, on mesh.expert, mesh.fsdp or both: expert parallelism
-  (expert_parallel.py); with moe_kernel_fsdp embed or mlp FSDP still gathers the kernels' other dim.
+  (expert_parallel.py); with kernel_fsdp embed or mlp FSDP still gathers the kernels' other dim.
 """
 from __future__ import annotations
 
@@ -31,42 +31,41 @@ from meshlm.nn.stack_row import StackRow, is_row, materialize
 from meshlm.parallel.sharding import auto_region, constrain, current_mesh, logical_spec
 
 TOKENS = ("batch", "length", None)
-# The logical names of a kernel's experts dim: "experts" (over mesh.expert) or, with model.moe_kernel_fsdp
+# The logical names of a kernel's experts dim: "experts" (over mesh.expert) or, with kernel_fsdp
 # experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). The HF adapters' per-expert tensors declare
 # these as the axes their {e} indexes (hf/maps.Tensor.inner_axes).
 EXPERTS_AXES = ("experts", "experts_fsdp")
 SCOPE = "moe"  # the layer's named scope, its shard_map included (the census counts its gathers and scatters)
-KERNEL_FSDP = ("experts", "embed", "mlp")  # model.moe_kernel_fsdp's values (null: "experts", falling back to embed)
+KERNEL_FSDP = ("experts", "embed", "mlp")  # kernel_fsdp's values (null: "experts", falling back to embed)
 
 
-def experts_axis(m) -> str:
-  """The logical name of the expert kernels' experts dim for model.moe_kernel_fsdp (m: the model config)."""
-  layout = m.moe_kernel_fsdp
-  if layout is not None and layout not in KERNEL_FSDP:
-    raise ValueError(f"moe_kernel_fsdp={layout!r}: expected one of {KERNEL_FSDP} or None")
-  return "experts_fsdp" if layout in (None, "experts") else "experts"
+def experts_axis(kernel_fsdp: str | None) -> str:
+  """The logical name of the expert kernels' experts dim for the kernel_fsdp layout."""
+  if kernel_fsdp is not None and kernel_fsdp not in KERNEL_FSDP:
+    raise ValueError(f"kernel_fsdp={kernel_fsdp!r}: expected one of {KERNEL_FSDP} or None")
+  return "experts_fsdp" if kernel_fsdp in (None, "experts") else "experts"
 
 
-def moe_spec(m) -> dict:
+def moe_spec(embed_dim: int, num_experts: int, mlp_dim: int, kernel_fsdp: str | None = None) -> dict:
   """Parameters of one MoE layer: router [D, E], gate/up [E, D, F], down [E, F, D].
 
-  model.moe_kernel_fsdp picks what mesh.fsdp shards in the kernels, as logical axis names: "experts" (or
-  null) the experts dim ("experts_fsdp"; where mesh.expert x mesh.fsdp does not divide E, fsdp drops off it
-  and shards the embed dim, as "embed"), "embed" the embed dim, "mlp" gate/up's embed and down's mlp dim.
+  kernel_fsdp picks what mesh.fsdp shards in the kernels, as logical axis names: "experts" (or null) the experts
+  dim ("experts_fsdp"; where mesh.expert x mesh.fsdp does not divide E, fsdp drops off it and shards the embed
+  dim, as "embed"), "embed" the embed dim, "mlp" gate/up's embed and down's mlp dim.
   """
-  D, E, F = m.embed_dim, m.num_experts, m.moe_mlp_dim
-  e = experts_axis(m)
+  D, E, F = embed_dim, num_experts, mlp_dim
+  e = experts_axis(kernel_fsdp)
   return {
       "router": S.kernel((D, E), ROUTER_AXES),
       "gate": S.kernel((E, D, F), (e, "embed", "mlp"), n_in=2),
       "up": S.kernel((E, D, F), (e, "embed", "mlp"), n_in=2),
-      "down": S.kernel((E, F, D), (e, "mlp_fsdp" if m.moe_kernel_fsdp == "mlp" else "mlp", "embed"), n_in=2),
+      "down": S.kernel((E, F, D), (e, "mlp_fsdp" if kernel_fsdp == "mlp" else "mlp", "embed"), n_in=2),
   }
 
 
 @dataclasses.dataclass(frozen=True)
 class MoESettings:
-  """The static knobs of one MoE layer, built once from the model config (models/ffns/moe.py settings), so
+  """The static knobs of one MoE layer, built once from the moe part's (models/ffns/moe.py settings), so
   the layer's call names only its arrays.
 
   scoring "softmax" (route: softmax, top-k) or "sigmoid" (group_route, DeepSeek-V3: sigmoid scores,
@@ -135,7 +134,7 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask
     if settings.impl == "reference":
       return _experts_reference(p, x_BTD, ids, w, settings.activation), side
     if settings.impl != "dropless":
-      raise ValueError(f"moe_impl={settings.impl!r}: expected dropless or reference")
+      raise ValueError(f"impl={settings.impl!r}: expected dropless or reference")
     return _experts_dropless(p, x_BTD, ids, w, settings), side
 
 

@@ -23,7 +23,7 @@ def route(logits_BTE: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, ja
 
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
-# What an expert of a dropped group scores in group-limited routing's final top-k (model.router_group_mask):
+# What an expert of a dropped group scores in group-limited routing's final top-k (the moe part's router_group_mask):
 # "zero" (0.0, DeepSeek's published modeling_deepseek.py; a dropped expert then beats a kept one whose
 # biased score is negative) or "-inf" (transformers 5's DeepseekV3TopkRouter: only kept groups' experts).
 GROUP_MASKS = {"zero": 0.0, "-inf": -math.inf}
