@@ -1,9 +1,9 @@
 """deepseek_v3: the mla mixer against a float64 reference of transformers' formulas (q_lora set and unset,
 rope_interleave on and off, forward and gradients, YaRN's softmax mscale seen only past position 0), the latent
 cache and absorbed decode (cached greedy = uncached, absorbed = plain, the cache's size from the state spec and
-the compiled memory), 20 explicit train steps on expert=2 x fsdp=2 (explicit = auto is tests/test_conformance.py's on
-fsdp=4 and tests/test_moe_ep.py's under expert parallelism), the census with every MLA projection counted, and bad
-input."""
+the compiled memory), 20 explicit train steps of an MoE layer on expert=2 x fsdp=2 (explicit = auto is
+tests/test_conformance.py's on fsdp=4 and tests/test_moe_ep.py's under expert parallelism), the census with every
+MLA projection counted, and bad input."""
 from __future__ import annotations
 
 import functools
@@ -228,7 +228,9 @@ TRAIN = ("train.per_device_batch_size=1", f"train.seq_len={SEQ}", "train.compute
 # documents per row whose positions run past YaRN's original 64, 3 steps), and for a whole MoE model under expert
 # parallelism by tests/test_moe_ep.py's test_model_explicit_equals_auto_under_ep (the moe part's EP dispatch, the
 # same for every family) and test_ep_equals_unsharded (the layer on expert=2 x fsdp=2, both modes).
-EP = ("cpu_devices=4", "mesh.fsdp=2", "mesh.expert=2", "shard_mode=explicit")
+# One layer, an MoE one: its MLA, routed experts and GLU shared expert are every part of the dense first layer too.
+EP = ("cpu_devices=4", "mesh.fsdp=2", "mesh.expert=2", "shard_mode=explicit", "model.num_layers=1",
+      "model.first_k_dense_replace=0")
 
 
 def _losses() -> np.ndarray:
@@ -251,7 +253,7 @@ def _losses() -> np.ndarray:
   return np.asarray(out)
 
 
-def test_trains_over_20_steps_on_expert2_fsdp2():
+def test_an_moe_layer_trains_over_20_steps_on_expert2_fsdp2():
   losses = _losses()
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]  # it trains
   assert len(set(losses.tolist())) == STEPS  # every step's batch and update reach the loss
