@@ -41,9 +41,11 @@ RL = ("rl.prompts_per_step=2", "rl.num_generations=4", "rl.max_new_tokens=8", "r
 REPLAY = ("rl.router_replay=true", r"train.freeze=['.*\.router']")
 ROUTER = "layers.moe.moe.router"
 # Every parameter but the final norm frozen: the RL loss (scoring under top-p, the ratio, the replayed ids in the
-# forward) and its backward down to the logits run in full, while the backward through the layers, whose sharding is
-# the train step's (explicit = auto for qwen3-moe-tiny: tests/test_conformance.py), compiles no more (a third of the
-# compile). train.freeze is a list: it replaces REPLAY's router freeze, which it includes.
+# forward) and its backward down to the logits run in full, while the backward through the layers compiles no more
+# (a third of the compile). That backward is the train step's, explicit = auto for qwen3-moe-tiny in
+# tests/test_conformance.py; through a replayed routing, the MoE layer's under both modes is
+# tests/test_router_replay.py's test_sharded_replay_gives_the_unsharded_ids. train.freeze is a list: it replaces
+# REPLAY's router freeze, which it includes.
 FINAL_NORM_ONLY = r"train.freeze=['layers\..*', 'embed', 'lm_head']"
 
 
