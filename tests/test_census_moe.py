@@ -165,13 +165,9 @@ def test_argsort_unsort_adds_a_sort_per_layer(monkeypatch):
   assert _census("qwen3-moe-tiny")["sorts"] == {"forward": 6, "backward": 0}
 
 
-def test_frozen_router_has_no_weight_gradient_dots(qwen):
-  r = _census("qwen3-moe-tiny", "train.freeze=['.*router.*']")
-  assert _wgrad(r, "router") == {}
-  assert _wgrad(qwen, "router") == {"layers/mlp/moe/router": 3}  # control: not frozen
-  # Everything else keeps its weight-gradient dots.
-  rest = {k: v for k, v in qwen["weight_grad_dots"].items() if not k.endswith("router")}
-  assert r["weight_grad_dots"] == rest
+# A frozen router's missing weight-gradient dots (and every other kernel's kept, a trained router's 3 as the control):
+# tests/test_rl.py's test_census_of_the_rl_step_has_no_router_weight_gradient_dot, on the RL step, which is this
+# train step with RL's loss (the same grads_and_loss and train.freeze mask) and router replay on.
 
 
 def test_dense_preset_has_no_sorts_and_seven_weight_gradients_per_layer():

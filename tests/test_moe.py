@@ -1,8 +1,9 @@
 """The MoE layer (nn/moe/) against its reference (nn/moe_reference.py), numpy and its plain variants.
 
 - Dropless equals every-expert-on-every-token: forward and every gradient, float32, with routing
-  forced uneven (expert 0 gets every token, two experts get none) at odd sizes, norm_topk on and off,
-  each grouped-matmul implementation; a wrong unsort fails the same check (negative control).
+  forced uneven (expert 0 gets every token, two experts get none) at odd sizes, each grouped-matmul
+  implementation with norm_topk on, and off on the CPU default; a wrong unsort fails the same check
+  (negative control).
 - The grouped matmul (block scan and ragged_dot) against per-group numpy, empty and full groups.
 - Aux losses against a numpy transcription of transformers' load_balancing_loss_func and the z-loss.
 - Speedup 1: one sort in forward + backward (the plain argsort unsort has two), and its gradient
@@ -64,6 +65,13 @@ def _dropless(norm_topk, **kw):
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
 
+@functools.cache
+def _dropless_out(norm_topk, **kw):
+  """((loss, y), (d_params, d_x)) of the dropless layer on _uneven_inputs(), once per setting for the module."""
+  x, p = _uneven_inputs()
+  return _dropless(norm_topk, **kw)(p, x)
+
+
 def _reference(norm_topk):
   def f(p, x):
     y, r = moe_mlp_reference(p, x, num_experts=E, k=K, norm_topk=norm_topk)
@@ -104,11 +112,12 @@ DROPLESS_ARMS = {
 }
 
 
-@pytest.mark.parametrize("norm_topk", [True, False])
-@pytest.mark.parametrize("arm", list(DROPLESS_ARMS))
+# norm_topk is the router's (route's weights), before any dispatch: every arm with it on, and without it the arm the
+# models run on CPU (grouped_matmul "auto" is "loop" there); the other arms take the same weights either way.
+@pytest.mark.parametrize("arm, norm_topk", [(arm, True) for arm in DROPLESS_ARMS] + [("loop", False)])
 def test_dropless_equals_reference(uneven, arm, norm_topk):
-  x, p, refs = uneven
-  diffs = _max_rel_diffs(_dropless(norm_topk, **DROPLESS_ARMS[arm])(p, x), refs[norm_topk])
+  _, _, refs = uneven
+  diffs = _max_rel_diffs(_dropless_out(norm_topk, **DROPLESS_ARMS[arm]), refs[norm_topk])
   print(arm, norm_topk, diffs)
   assert set(diffs) == {"loss", "y", "d_x", "d_router", "d_gate", "d_up", "d_down"}
   assert max(diffs.values()) <= TOL, diffs
@@ -302,8 +311,11 @@ def test_token_of_each_slot_is_perm_floordiv_k_not_an_index_gather():
 
 
 def test_layer_gradient_is_bit_identical_to_the_argsort_unsort():
-  (g1, args), (g2, _) = _layer_grad("perm"), _layer_grad("argsort")
-  a, b = jax.jit(g1)(*args), jax.jit(g2)(*args)
+  """The layer's loss, output and every gradient with the perm unsort (the "loop" arm of the reference check, the
+  CPU default) against the same layer with the argsort unsort, bit for bit."""
+  a = _dropless_out(True, **DROPLESS_ARMS["loop"])
+  b = _dropless_out(True, **DROPLESS_ARMS["loop"], unsort_impl="argsort")
+  assert len(jax.tree.leaves(a)) == 3 + len(_uneven_inputs()[1])  # loss, y, d_x and each parameter's
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     assert np.array_equal(np.asarray(u).view(np.uint32), np.asarray(v).view(np.uint32))
 

@@ -1,14 +1,15 @@
 """Expert parallelism (nn/moe/expert_parallel.py's `_dispatch_ep`): the MoE layer with its experts sharded over mesh.expert.
 
 - The layer under EP equals the unsharded layer (forward and every gradient, float32, within 1e-6) on
-  expert=2, expert=2 x fsdp=2 and data=2 x expert=2 under both shard modes, with the batch split over
-  the expert axis (all-gather in, reduce-scatter out) and not split (psum), and with ragged_dot; the
-  expert kernels' gradients stay sharded on experts. A wrong local-expert offset fails the same check.
+  expert=2 x fsdp=2 and data=2 x expert=2 under both shard modes, with the batch split over the expert
+  axis (all-gather in, reduce-scatter out), on expert=2 with the batch not split (psum), and with
+  ragged_dot; the expert kernels' gradients stay sharded on experts. A wrong local-expert offset fails
+  the same check.
 - dispatch(expert_offset=) alone: two halves of the experts add up to the whole, and rows of other
   experts get no grouped-matmul blocks.
 - The compiled step never moves a whole expert kernel: no collective of the full [E, D, F] shape
   (the fsdp=4 layer without EP has them: control), and each shard_map sees E / ep experts.
-- The whole model (mixtral-tiny), STEPS train steps in float32 with both router losses
+- The whole model (mixtral-tiny, one layer), STEPS train steps in float32 with both router losses
   on: explicit equals auto on expert=2 x fsdp=2 (the experts on both axes, model.moe_kernel_fsdp's
   default), and EP (expert=2 x fsdp=2) equals no EP (fsdp=4 with model.moe_kernel_fsdp=embed),
   max |loss diff| <= 1e-5, the aux losses compared too. On data=2 x expert=2 explicit = auto is held by
@@ -121,8 +122,10 @@ def sharded(name: str, mode: str, rows: int = B, **kw):
   return _runs[key]
 
 
+# expert=2 alone runs the expert2-fsdp2 arm's dispatch (the same expert axis, the batch gathered over it) without
+# the kernels' fsdp gather: its own mesh has the psum path (3 rows) below.
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
-@pytest.mark.parametrize("name", list(EP_MESHES))
+@pytest.mark.parametrize("name", ["expert2-fsdp2", "data2-expert2"])
 def test_ep_equals_unsharded(unsharded, name, mode):
   out, types, shardings, _ = sharded(name, mode)
   diffs = _rel_diffs(out, unsharded[B])
@@ -158,7 +161,7 @@ def test_a_wrong_local_expert_offset_fails(unsharded, monkeypatch):
   monkeypatch.setattr(expert_parallel, "local_expert_offset",
                       lambda n, axes: (real(n, axes) + n) % E)  # shard i takes the ids of shard i + 1
   try:
-    out, _, _, _ = run_sharded(EP_MESHES["expert2"], "explicit")
+    out, _, _, _ = run_sharded(EP_MESHES["expert2-fsdp2"], "explicit")
   finally:
     monkeypatch.undo()
     jax.clear_caches()
@@ -218,9 +221,11 @@ def test_each_shard_map_holds_its_experts_only():
 
 # 8 steps, each with its own batch, from one init: the step's every path (dispatch, both router losses, the
 # update of EP-sharded kernels) runs from the second step on trained weights; more steps repeat the same code.
+# One layer: a second (unrolled) layer is the same code compiled again; its kernels read in place from their stacks
+# under expert parallelism are tests/test_stack_rows.py's (fsdp2 experts).
 STEPS = 8
 SEQ_LEN = 32
-MODEL_BASE = ("cpu_devices=4", "train.per_device_batch_size=1", f"train.seq_len={SEQ_LEN}",
+MODEL_BASE = ("cpu_devices=4", "model.num_layers=1", "train.per_device_batch_size=1", f"train.seq_len={SEQ_LEN}",
               "train.compute_dtype=float32", "train.warmup_steps=0", "train.learning_rate=3e-3",
               "model.parts.moe.router_aux_loss_coef=0.1", "model.parts.moe.router_z_loss_coef=0.01")
 MODEL_MESHES = {"expert2-fsdp2": ("mesh.fsdp=2", "mesh.expert=2"),
@@ -307,13 +312,21 @@ def test_local_dispatches_sum_to_the_whole_and_skip_other_experts(monkeypatch):
   x_ND = x.reshape(-1, D)
   logits = x_ND @ p["router"]
   _, w, ids = moe.route(logits, K, True)
-  want = moe.dispatch(x_ND, ids, w, p["gate"], p["up"], p["down"], grouped_matmul_impl="blocks", block_rows=4)
+  want = jax.jit(lambda x, ids, w, p: moe.dispatch(x, ids, w, p["gate"], p["up"], p["down"],
+                                                    grouped_matmul_impl="blocks", block_rows=4))(x_ND, ids, w, p)
   live = []
   real = gmm.block_layout
-  monkeypatch.setattr(gmm, "block_layout", lambda *a: (out := real(*a), live.append(int(jnp.sum(out[3]))))[0])
+
+  def counted(*a):  # each grouped matmul's live blocks, in program order
+    out = real(*a)
+    jax.debug.callback(lambda n: live.append(int(n)), jnp.sum(out[3]), ordered=True)
+    return out
+  monkeypatch.setattr(gmm, "block_layout", counted)
   half = E // 2
-  parts = [moe.dispatch(x_ND, ids, w, *(p[k][o:o + half] for k in ("gate", "up", "down")), grouped_matmul_impl="blocks",
-                        block_rows=4, expert_offset=jnp.int32(o)) for o in (0, half)]
+  parts = jax.jit(lambda x, ids, w, p: [
+      moe.dispatch(x, ids, w, *(p[k][o:o + half] for k in ("gate", "up", "down")), grouped_matmul_impl="blocks",
+                   block_rows=4, expert_offset=jnp.int32(o)) for o in (0, half)])(x_ND, ids, w, p)
+  jax.effects_barrier()
   np.testing.assert_allclose(parts[0] + parts[1], want, rtol=0, atol=1e-6)
   counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
   # Two grouped matmuls (gate|up, down) per half; each uses ceil(rows / 4) blocks per local expert.

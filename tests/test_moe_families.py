@@ -159,11 +159,12 @@ def generation_rows(out) -> tuple[list[list[int]], list[list[float]]]:
 
 
 @functools.cache  # once per preset for the module: the negative control reuses the good run
-def cached_generation(preset: str):
+def cached_generation(preset: str, *extra: str):
   """(cfg, params, per-row tokens, per-row log-probs) of greedy meshlm.generate (prefill + cached
   decode); mixtral-tiny's window (shrunk to 4) slides within the 9 positions."""
   import meshlm
-  cfg = load_config(f"model={preset}", *F32, *SMALL, *(("model.sliding_window=4",) if preset == "mixtral-tiny" else ()))
+  cfg = load_config(f"model={preset}", *F32, *SMALL, *(("model.sliding_window=4",) if preset == "mixtral-tiny" else ()),
+                    *extra)
   params = decoder.init_params(cfg, jax.random.key(2))
   tokens, logprobs = generation_rows(meshlm.generate(cfg, params, list(PROMPTS), max_new_tokens=NEW_TOKENS,
                                                      temperature=0))
@@ -190,7 +191,9 @@ def test_a_decode_routing_bug_is_caught(monkeypatch):
   import meshlm
   from meshlm.models import api
   from meshlm.nn import moe
-  cfg, params, tokens, _ = cached_generation("qwen3-moe-tiny")
+  # One MoE layer: the wrong weighing shows in one, and every layer more is compiled into prefill, decode and the
+  # teacher-forced forward, for the good run and the bug each.
+  cfg, params, tokens, _ = cached_generation("qwen3-moe-tiny", "model.num_layers=1", "model.mlp_only_layers=[]")
   real = moe.moe_mlp
 
   def decode_routes_wrongly(p, x_BTD, ctx, settings, **kw):
@@ -349,10 +352,15 @@ def test_router_losses_enter_the_loss():
   batch = {k: jnp.asarray(v) for k, v in tiny_batch(64, 2, 9).items()}
   n = jnp.sum(batch["loss_mask"])
 
+  def with_router(router):
+    moe = dict(params["layers"]["moe"], moe=dict(params["layers"]["moe"]["moe"], router=router))
+    return dict(params, layers=dict(params["layers"], moe=moe))
+
   def loss_and_router_grad(cfg):
-    fn = jax.jit(jax.value_and_grad(lambda p: next_token_loss(cfg, p, batch, n), has_aux=True))
-    (loss, metrics), grads = fn(params)
-    return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grads["layers"]["moe"]["moe"]["router"])
+    # The gradient of the router alone: the other kernels' weight gradients are not compiled.
+    fn = jax.jit(jax.value_and_grad(lambda r: next_token_loss(cfg, with_router(r), batch, n), has_aux=True))
+    (loss, metrics), grad = fn(params["layers"]["moe"]["moe"]["router"])
+    return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad)
 
   loss0, m0, g0 = loss_and_router_grad(plain)
   loss1, m1, g1 = loss_and_router_grad(coefs)
@@ -377,7 +385,10 @@ def test_micro_batches_weigh_router_losses_by_their_tokens():
   cfg1, cfg2 = load_config(*over), load_config(*over, "train.micro_batches=2")
   params = decoder.init_params(cfg1, jax.random.key(0))
   batch = tiny_batch(64, 4, 9, seed=3)
-  _, _, metrics = jax.jit(lambda p, b: grads_and_loss(cfg2, p, b))(params, {k: jnp.asarray(v) for k, v in batch.items()})
+  # Every leaf frozen: the metrics are the micro-batches' forwards, and no backward is compiled.
+  none = jax.tree.map(lambda _: False, params)
+  _, _, metrics = jax.jit(lambda p, b: grads_and_loss(cfg2, p, b, trainable=none))(
+      params, {k: jnp.asarray(v) for k, v in batch.items()})
   # grads_and_loss puts rows i, M + i, ... in micro-batch i.
   halves = [{k: jnp.asarray(v[i::2]) for k, v in batch.items()} for i in range(2)]
   own_loss = jax.jit(lambda p, h: next_token_loss(cfg1, p, h, jnp.sum(h["loss_mask"]))[1])
@@ -399,7 +410,7 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
   from meshlm.cli import main
   steps = 25
   run = tmp_path / "run"
-  assert main(["train", f"model={preset}", *mesh, f"train.steps={steps}", "train.seq_len=64",
+  assert main(["train", f"model={preset}", *mesh, f"train.steps={steps}", "train.seq_len=32",
                "train.per_device_batch_size=4", "train.warmup_steps=5", "train.sample_tokens=0",
                "model.parts.moe.router_aux_loss_coef=0.01", "model.parts.moe.router_z_loss_coef=0.001",
                f"run_dir={run}"]) == 0

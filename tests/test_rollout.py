@@ -29,9 +29,16 @@ def rollout():
   return cfg, params, prompts, out, block
 
 
-def _forward(cfg, params, block, forced=None):
-  fwd = jax.jit(lambda p, t, f: decoder.forward(cfg, p, t, return_side=True, layer_inputs={"forced_expert_ids": f}))
-  logits, side = fwd(params, block, forced)
+@functools.cache
+def _forward_program():
+  """The jitted training forward of rollout()'s config: the free and the forced calls each compile once, the
+  control's other forced ids reuse the forced program."""
+  cfg = rollout()[0]
+  return jax.jit(lambda p, t, f: decoder.forward(cfg, p, t, return_side=True, layer_inputs={"forced_expert_ids": f}))
+
+
+def _forward(params, block, forced=None):
+  logits, side = _forward_program()(params, block, forced)
   return np.asarray(logits), np.asarray(side["moe_expert_ids"])
 
 
@@ -48,12 +55,12 @@ def test_outputs_are_arrays_in_the_replay_layout():
 
 def test_replayed_ids_give_the_samplers_routing_and_the_same_logits_bit_for_bit():
   cfg, params, _, out, block = rollout()
-  free_logits, free_ids = _forward(cfg, params, block)
+  free_logits, free_ids = _forward(params, block)
   recorded = out.expert_ids >= 0
   # The sampler (prefill + cached decode) routed every fed token as the training forward does.
   np.testing.assert_array_equal(np.moveaxis(free_ids, 0, 2)[recorded], out.expert_ids[recorded])
   forced = np.moveaxis(out.expert_ids, 2, 0)  # [L_moe, B, T, k]
-  logits, ids = _forward(cfg, params, block, forced)
+  logits, ids = _forward(params, block, forced)
   np.testing.assert_array_equal(logits, free_logits)
   np.testing.assert_array_equal(ids, free_ids)
   # The policy's log-probs of the sampled tokens, from the replayed forward, are the sampler's.
@@ -64,7 +71,7 @@ def test_replayed_ids_give_the_samplers_routing_and_the_same_logits_bit_for_bit(
   # Control: other experts at the recorded positions change the logits.
   E = knobs(cfg.model).num_experts
   shifted = np.where(forced >= 0, (forced + 1) % E, -1)
-  other, _ = _forward(cfg, params, block, shifted)
+  other, _ = _forward(params, block, shifted)
   assert np.abs(other - free_logits).max() > 1e-4
 
 
@@ -102,7 +109,10 @@ def test_a_batch_the_mesh_divides_samples_as_on_one_device(mode):
   prompts = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [8, 8]]
 
   def sample(*overrides, key=0):
-    cfg = meshlm.load_config("model=qwen3-moe-tiny", "train.compute_dtype=float32", *overrides)
+    # One MoE layer (the preset's dense first layer and its other MoE layers add compile time, not buffers: the
+    # routed-ids record is built once for all the MoE layers).
+    cfg = meshlm.load_config("model=qwen3-moe-tiny", "model.num_layers=1", "model.mlp_only_layers=[]",
+                             "train.compute_dtype=float32", *overrides)
     params = meshlm.init_params(cfg, jax.random.key(key))
     # Sampled (temperature, top-p): the row keys are sharded as the rows, and each row draws as on one device.
     return G.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=(), temperature=0.8, top_p=0.9)

@@ -8,8 +8,9 @@
   holds the cond with a top-k over [R, E], and the compact branch's ids are the ones used (a wrong full
   top-k changes nothing while the free rows fit, and comes through when they do not).
 - Replaying the ids an unforced forward recorded gives its logits and gradients bit for bit (whole
-  qwen3-moe-tiny and mixtral-tiny); other ids change the output; the router keeps a gradient when
-  every token is forced; explicit and auto sharding give the unsharded ids.
+  qwen3-moe-tiny; mixtral-tiny's unrolled layers in tests/test_conformance.py); other ids change the
+  output; the router keeps a gradient when every token is forced; explicit and auto sharding give the
+  unsharded ids.
 - The train step takes the ids as a batch field; bad shapes and ranges are refused in one line.
 - The decoder's per-layer inputs reach each MoE layer through a scan period holding two of them, an
   unrolled remainder, param_scan_axis=1 and remat=full (checked to fail when the period's rank is
@@ -199,9 +200,14 @@ def test_bad_forced_ids_are_refused(layer):
 MB, MT = 4, 16
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "mixtral-tiny"])
-def model(request):
-  cfg = load_config(f"model={request.param}", "cpu_devices=1", "train.compute_dtype=float32")
+# qwen3-moe-tiny: a dense layer, then MoE layers in a scan. Unrolled MoE layers (mixtral-tiny) replay their recorded
+# ids bit for bit in tests/test_conformance.py's test_recorded_expert_ids_replay_bit_for_bit[mixtral-tiny] (the
+# 1-device process), and take each its own row of the forced ids in
+# test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder (an unrolled remainder); the gradients
+# through a replayed routing are the moe part's, the same in a scan or unrolled.
+@pytest.fixture(scope="module")
+def model():
+  cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", "train.compute_dtype=float32")
   params = decoder.init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (MB, MT)), jnp.int32)
   c = jnp.cos(jnp.arange(MB * MT * cfg.model.vocab_size, dtype=jnp.float32)).reshape(MB, MT, -1)
@@ -246,11 +252,16 @@ def test_bad_forced_ids_are_refused_by_forward(model):
     decoder.forward(cfg, params, tokens, layer_inputs={"x": ids})
 
 
-@pytest.mark.parametrize("model", ["qwen3-moe-tiny"], indirect=True)  # one preset: a step compile each
 def test_train_step_with_forced_ids(model):
+  """The forced ids as a batch field of the train step: placed on fsdp=2, split over 2 micro-batches, and read by
+  the step's forward. Only the final norm trains: the field and the forward are what is checked here, and a
+  backward through every layer compiles about three times as long. The gradients of a replayed routing are
+  test_replaying_recorded_ids_gives_the_unforced_logits_and_gradients's; the RL step trains the whole model on
+  replayed ids in tests/test_rl.py."""
   _, _, tokens, plain, _ = model
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32",
-                    f"train.seq_len={MT}", f"train.per_device_batch_size={MB // 2}", "train.micro_batches=2")
+                    f"train.seq_len={MT}", f"train.per_device_batch_size={MB // 2}", "train.micro_batches=2",
+                    r"train.freeze=['layers\..*', 'embed', 'lm_head']")
   step = train_step.build_train_step(cfg, batch_spec=train_step.replay_batch_spec(cfg))
   field = step.batch_spec["forced_expert_ids"]
   n_moe = decoder.plan(cfg).count("moe")
@@ -281,7 +292,8 @@ def test_train_step_with_forced_ids(model):
 def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
   """A plan whose scanned period holds two MoE layers ([G, n] grouping), an unrolled MoE remainder,
   param_scan_axis=1 and remat=full: every MoE layer routes by its own row of the forced ids, and the
-  recorded ids replay bit for bit (forward only, small dims)."""
+  recorded ids replay bit for bit (forward only, small dims; a routing with nothing forced is the plain top-k, bit
+  for bit: test_compact_topk_is_bit_identical_to_the_full_topk[none-forced])."""
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", "model.num_layers=7", "model.mlp_only_layers=[2,5]",
                     "model.embed_dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
                     "model.mlp_dim=64", "model.parts.moe.mlp_dim=32", "model.vocab_size=128", "param_scan_axis=1",
@@ -291,7 +303,9 @@ def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
   params = decoder.init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 8)), jnp.int32)
   fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, layer_inputs={"forced_expert_ids": f}))
-  logits, side = jax.jit(lambda p: decoder.forward(cfg, p, tokens, return_side=True))(params)
+  # Recorded with nothing forced (every row -1: each layer's own top-k), so one program serves the recording and
+  # the replays.
+  logits, side = fwd(params, np.full((5, 2, 8, 2), -1, np.int32))
   ids = np.asarray(side["moe_expert_ids"])  # [5, 2, 8, 2]
   assert ids.shape == (5, 2, 8, 2)
   assert _same(fwd(params, ids), (logits, side))
