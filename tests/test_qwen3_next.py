@@ -1,7 +1,9 @@
 """The Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe): the short conv against its definition, the
-two projection layouts against each other, forward and gradients, the negative control of the packed-document
-check (a dropped GDN reset; the check itself, and cached sampling, are tests/test_conformance.py's), AdamW's
-decay mask, a short training run whose loss falls, and the config errors.
+two projection layouts against each other, the mixer's chunked rule against the reference, the negative control
+of the packed-document check (a dropped GDN reset; the check itself, and cached sampling, are
+tests/test_conformance.py's), AdamW's decay mask, a short training run whose loss falls, and the config errors.
+The whole model's gradients (finite, shaped as the parameters, reaching every GDN parameter) are read from
+tests/test_gdn_context.py's unsharded runs; explicit == auto, tests/test_conformance.py's.
 
 Every program compiles once per module (functools.cache); float32 throughout.
 """
@@ -16,17 +18,12 @@ import pytest
 import meshlm
 from meshlm import spec as S
 from meshlm.config import load_config
-from meshlm.models import decoder, registry
+from meshlm.models import decoder
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.models.mixers.gated_gqa import partial_rope
 from meshlm.nn.rope import apply_rope, rope_angles, inv_frequencies
 from meshlm.nn.short_conv import causal_conv, causal_conv_reference, window_at
 
-PRESETS = {"qwen3-next-tiny": "qwen3_next", "qwen3.5-tiny": "qwen3_5", "qwen3.5-moe-tiny": "qwen3_5_moe"}
-# The forward-and-gradient test runs on the two presets whose parts make up the third (qwen3.5-moe-tiny is
-# qwen3.5-tiny's mixers with qwen3-next-tiny's feed-forward); qwen3.5-moe-tiny trains end to end below. Packed
-# documents and cached sampling of all three: tests/test_conformance.py.
-WHOLE_MODEL = ["qwen3-next-tiny", "qwen3.5-tiny"]
 T = 48
 LEN1, LEN2 = 21, 19  # two documents packed into one row of T, then 8 padding positions
 # Float32 reassociation; a document reading another moves logits by 1e-2 or more. Packed against alone measures
@@ -39,6 +36,11 @@ LEAK = 1e-3  # what a dropped reset must move the second document's logits by, a
 # The presets' 3 linear + 1 full layers shrunk to one period of 1 + 1 for the whole-model tests: the same kinds and
 # code, half the scan body to compile (the suite's budget).
 SHRINK = ("model.num_layers=2", "model.full_attention_interval=2")
+# One linear-attention layer: the training run's own part is qwen3.5's separate GDN projections beside the MoE
+# feed-forward (qwen3.5-moe-tiny's combination); its full-attention layer (gated attention + MoE) is qwen3-next-tiny's
+# kind, and the 2-layer period trains under both shard modes in tests/test_conformance.py (3 moving losses).
+ONE_GDN_LAYER = ("model.num_layers=1", "model.hybrid_layer_types=[linear_attention]",
+                 "model.full_attention_interval=null")
 
 
 @functools.cache
@@ -66,26 +68,6 @@ def packed_batch(vocab: int):
 def split_docs(logits):
   """(packed doc1, packed doc2, alone doc1, alone doc2) logits."""
   return logits[0, :LEN1], logits[0, LEN1:LEN1 + LEN2], logits[1, :LEN1], logits[2, :LEN2]
-
-
-@functools.cache
-def compiled(preset: str):
-  """f(params, tokens, positions, segment_ids) -> (loss, logits [B, T, V], grads): one value_and_grad compile
-  per preset, shared by the gradient, packed-document and uncached-sampling tests (all [3, T] blocks)."""
-  cfg, _ = setup(preset)
-
-  def loss(p, toks, pos, seg):
-    logits = decoder.forward(cfg, p, toks, pos, seg)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
-  return jax.jit(jax.value_and_grad(loss, has_aux=True))
-
-
-@functools.cache
-def forward_and_grads(preset: str):
-  """(logits [3, T, V], loss, grads) of the packed batch."""
-  cfg, params = setup(preset)
-  (value, logits), grads = compiled(preset)(params, *packed_batch(cfg.model.vocab_size))
-  return np.asarray(logits), float(value), grads
 
 
 # --- nn/short_conv.py against its definition ---------------------------------------------------------
@@ -203,60 +185,14 @@ def test_gdn_mixer_chunked_equals_reference_outputs_and_gradients():
   assert np.abs(y_leak - y_r).max() > LEAK
 
 
-@functools.cache
-def mixer_sharded(mode: str):
-  """(y, loss, gradients) of the fused (qwen3-next) gdn mixer on fsdp=2 under shard_mode=mode, its parameters
-  and input placed on their shardings: the fused layout regroups batch-sharded rows, which explicit sharding
-  refuses outside the mixer's auto-axes region."""
-  from jax.sharding import NamedSharding
-  from meshlm.parallel.mesh import make_mesh
-  from meshlm.parallel.sharding import ACT, logical_spec
-  cfg, params, x, pos, seg = mixer_setup("chunked")
-  cfg = load_config("model=qwen3-next-tiny", "train.compute_dtype=float32", "cpu_devices=2", "mesh.fsdp=2",
-                    f"shard_mode={mode}")
-  mesh = make_mesh(cfg)
-  specs = gdn_mixer.spec(cfg.model, fused=True)
-  params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh))),
-                        params, specs, is_leaf=lambda v: isinstance(v, S.ParamSpec))
-  x = jax.device_put(x, NamedSharding(mesh, logical_spec(ACT, x.shape, mesh)))
-  with jax.set_mesh(mesh):
-    ctx = decoder.context(cfg, pos, seg)
-
-    def loss(p, x):
-      y, _, _ = gdn_mixer.apply(p, x, ctx, fused=True)
-      return jnp.sum(jnp.sin(y)), y
-    (value, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-  return np.asarray(y), float(value), jax.tree.map(np.asarray, grads)
+# The fused mixer under fsdp, explicit against auto (it regroups batch-sharded rows, which explicit sharding refuses
+# outside the mixer's auto-axes region), is tests/test_conformance.py's qwen3-next-tiny row: its train steps on
+# fsdp=4 run this mixer's forward and backward under both modes (losses within 1e-5 over 3 moving steps).
 
 
-def test_fused_gdn_mixer_explicit_equals_auto_on_fsdp2():
-  y_e, l_e, g_e = mixer_sharded("explicit")
-  y_a, l_a, g_a = mixer_sharded("auto")
-  np.testing.assert_allclose(y_e, y_a, atol=1e-5, rtol=0)
-  assert abs(l_e - l_a) < 1e-4
-  for a, b in zip(jax.tree.leaves(g_e), jax.tree.leaves(g_a)):
-    np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, np.abs(b).max()), rtol=0)
-  y_r, _ = mixer_grads("reference")  # and both are the unsharded mixer
-  np.testing.assert_allclose(y_e, y_r, atol=1e-5, rtol=0)
-
-
-# --- the whole model: forward, gradients, packed documents ------------------------------------------
-
-@pytest.mark.parametrize("preset", WHOLE_MODEL)
-def test_forward_and_gradients_are_finite_and_shaped(preset):
-  cfg, params = setup(preset)
-  logits, loss, grads = forward_and_grads(preset)
-  assert logits.shape == (3, T, cfg.model.vocab_size) and np.isfinite(logits).all() and np.isfinite(loss)
-  assert jax.tree.structure(grads) == jax.tree.structure(params)
-  assert jax.tree.leaves(jax.tree.map(lambda g, p: g.shape == p.shape, grads, params)) == [True] * len(
-      jax.tree.leaves(params))
-  for path, g in jax.tree_util.tree_leaves_with_path(grads):
-    assert np.isfinite(np.asarray(g)).all(), jax.tree_util.keystr(path)
-  gdn = grads["layers"]["linear_attn"]["linear_attn"]
-  for leaf in ("A_log", "dt_bias", "conv1d", "norm", "out_proj"):
-    assert np.abs(np.asarray(gdn[leaf])).max() > 0, leaf  # every GDN parameter is wired into the loss
-  assert registry.family(cfg).name == PRESETS[preset]
-
+# --- the whole model: packed documents ---------------------------------------------------------------
+# (Forward and gradients: test_gradients_are_finite_shaped_and_reach_every_gdn_parameter in
+# tests/test_gdn_context.py, on its unsharded runs of qwen3.5-tiny and qwen3-next-tiny.)
 
 def test_without_the_rule_reset_the_second_document_reads_the_first(monkeypatch):
   """Control of tests/test_conformance.py's packed-document check: the same forward with the delta rule's segment
@@ -306,8 +242,8 @@ def test_a_log_and_dt_bias_are_kept_out_of_weight_decay():
 # (Explicit equals auto for the three hybrids is tests/test_conformance.py's, on fsdp=4.)
 
 STEPS = 4
-TRAIN = ("model=qwen3.5-moe-tiny", *SHRINK, "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32", "train.seq_len=64",
-         "train.per_device_batch_size=2", f"train.steps={STEPS}", "train.warmup_steps=0", "train.sample_tokens=0",
+TRAIN = ("model=qwen3.5-moe-tiny", *ONE_GDN_LAYER, "cpu_devices=2", "mesh.fsdp=2", "train.compute_dtype=float32",
+         "train.seq_len=64", "train.per_device_batch_size=2", f"train.steps={STEPS}", "train.warmup_steps=0", "train.sample_tokens=0",
          "data.source=stdlib", "shard_mode=explicit")
 
 
