@@ -48,12 +48,13 @@ def batch(vocab: int) -> dict:
   return packed_batch(vocab, T, ((0, 50, 64, 128), (0, 67, 120)))
 
 
-# qwen3-next-tiny's fused layout on one linear-attention layer (its MoE feed-forward with it): its gated full
-# attention is qwen3.5-tiny's, checked here on every mesh, and a MoE layer under mesh.context is also
-# tests/test_mla_context.py's (deepseek-v3-tiny's routed and shared experts); one layer, two model compiles of 16 s
-# instead of 26 s of CPU.
+# qwen3-next-tiny's fused layout on one linear-attention layer (its MoE feed-forward and gated shared expert with it),
+# the MoE by model.moe_impl=reference (every expert on every token, masked): its gated full attention is
+# qwen3.5-tiny's, checked here on every mesh, and the dropless MoE dispatch under mesh.context is
+# tests/test_mla_context.py's (deepseek-v3-tiny's routed and shared experts, context=2 and context=2 x fsdp=2). The
+# two model compiles: 26 s of CPU with the shrunk preset's two layers, 13 s on one, 10 s with the reference MoE.
 OWN = {"qwen3-next-tiny": ("model.num_layers=1", "model.hybrid_layer_types=[linear_attention]",
-                           "model.full_attention_interval=null")}
+                           "model.full_attention_interval=null", "model.moe_impl=reference")}
 
 
 def config(preset: str, *over: str):
@@ -121,8 +122,8 @@ FUSED_RTOL = 3e-5
 
 @pytest.mark.slow  # two more model compiles; -m "not slow" skips it
 def test_fused_layout_sharded_equals_unsharded():
-  """qwen3-next-tiny (the fused projections, a MoE feed-forward and its shared expert, one layer) on context=2,
-  each gradient leaf within FUSED_RTOL of its own scale."""
+  """qwen3-next-tiny (the fused projections, a MoE feed-forward and its gated shared expert, one layer) on
+  context=2, each gradient leaf within FUSED_RTOL of its own scale."""
   (lg, got, _), (lw, want, _) = run("qwen3-next-tiny", *MESHES["context2"]), run("qwen3-next-tiny", *UNSHARDED)
   assert abs(lg - lw) < ATOL
   rel = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-3)), got, want)
