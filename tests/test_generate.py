@@ -176,10 +176,10 @@ def test_generate_command_samples_from_a_model_directory(model_dir, capsys):
   from meshlm.cli import main
   assert main(["generate", str(model_dir), "prompt=def f(", "max_new_tokens=6", "cpu_devices=1"]) == 0
   out = capsys.readouterr().out
-  cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1", "train.compute_dtype=float32")
-  from meshlm.commands.convert import load_meshlm
-  _, params = load_meshlm(model_dir, "cpu_devices=1")
+  # The directory's config and parameters as the command reads them: its compiled sampler serves this call too.
+  cfg, params = meshlm.load(model_dir, "cpu_devices=1")
   want = G.generate(cfg, params, [list(b"def f(")], max_new_tokens=6)
+  assert want.compilations == {"prefill": 0, "decode": 0}
   from meshlm.console import printable
   from meshlm.train.data import ByteTokenizer
   assert out == printable("def f(" + ByteTokenizer().decode(want.token_lists()[0])) + "\n"
