@@ -285,8 +285,8 @@ def test_inverse_backward_matches_autodiff_of_solve_triangular():
   # unit_lower_inverse's one custom backward, against JAX's own derivative of the triangular solve.
   a = jnp.asarray(wy_matrix(16, M=3, seed=5))
   c = jnp.asarray(np.random.default_rng(2).standard_normal(a.shape), jnp.float32)
-  ours = jax.grad(lambda a: jnp.sum(c * gdn.unit_lower_inverse(a, "right_looking")))(a)
-  theirs = jax.grad(lambda a: jnp.sum(c * gdn._inverse_solve_triangular(a)))(a)
+  ours = jax.jit(jax.grad(lambda a: jnp.sum(c * gdn.unit_lower_inverse(a, "right_looking"))))(a)
+  theirs = jax.jit(jax.grad(lambda a: jnp.sum(c * gdn._inverse_solve_triangular(a))))(a)
   theirs = jnp.tril(theirs, -1)  # A's upper part and diagonal are not free
   assert rel_err(ours, theirs) < RULE_RTOL
 
