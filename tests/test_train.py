@@ -152,8 +152,9 @@ def _micro_batch() -> dict:
 
 
 def _gradients(micro_batches: int):
-  """(loss, gradients) of the real train step's grads_and_loss on fsdp=2, 8 rows in all."""
-  cfg = load_config("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=4", "train.compute_dtype=float32",
+  """(loss, gradients) of the real train step's grads_and_loss on fsdp=2, 8 rows in all (one layer of
+  llama2-tiny's two: the accumulation and its normalization do not depend on the depth)."""
+  cfg = load_config("model.num_layers=1", "cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=4", "train.compute_dtype=float32",
                     f"train.seq_len={MICRO_LEN}", f"train.micro_batches={micro_batches}")
   step = build_train_step(cfg)
   assert step.global_batch == MICRO_ROWS
