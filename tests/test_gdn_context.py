@@ -133,8 +133,8 @@ def test_fused_layout_sharded_equals_unsharded():
 
 # The whole-model forward and gradients of tests/test_qwen3_next.py, read from the unsharded runs above (no compile
 # of their own): qwen3.5-tiny (separate projections, linear + full attention, dense GLU) and qwen3-next-tiny (fused
-# projections, MoE). The logits of every tiny preset are checked by tests/test_conformance.py (packed documents,
-# generate against recomputing with forward).
+# projections, MoE). The logits of every tiny preset, these two whole, are checked by tests/test_conformance.py's
+# 1-device rows (tests/test_conformance_devices.py runs them: packed documents, generate against recomputing).
 @pytest.mark.parametrize("preset, family", [("qwen3.5-tiny", "qwen3_5"), ("qwen3-next-tiny", "qwen3_next")])
 def test_gradients_are_finite_shaped_and_reach_every_gdn_parameter(preset, family):
   from meshlm.models import registry
