@@ -74,9 +74,10 @@ GDN_FIXTURES = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")
 
 def test_hf_parity_runs_the_chunked_rule_in_chunks_of_64():
   """tests/test_hf.py's test_logits_and_hidden_match_transformers loads each GDN fixture as it comes (fsdp=3), so
-  it checks the chunked rule in chunks of 64 on all four against transformers (T = 150 is two whole chunks and a
-  partial one; measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5), so this file does not run those
-  programs again; it checks another chunk size."""
+  it checks the chunked rule in chunks of 64 against transformers (T = 150 is two whole chunks and a partial one;
+  measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5) on qwen3-next, qwen3.5 and qwen3.5-moe-vl, and
+  tests/test_conformance.py on qwen3.5-moe's logits; so this file does not run those programs again; it checks
+  another chunk size."""
   for name in GDN_FIXTURES:
     own = gdn_mixer.knobs(hf.load(FIXTURES / name, "cpu_devices=1")[0].model)
     assert (own.impl, own.chunk_size, own.conv_kernel_dim) == ("chunked", 64, 4), name
