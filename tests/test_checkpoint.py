@@ -124,7 +124,10 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(reference, tmp_path
   err = " ".join(p.stderr.split())
   assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]  # saved, but not done: `&& convert` stops
   assert "SIGTERM: finishing this step, then saving a checkpoint" in err
-  assert steps_on_disk(tmp_path) == [5] and "stopped (preempted) after step 5 of 20" in err
+  assert steps_on_disk(tmp_path) == [5]
+  # The whole line, as tests/test_cli.py holds it for SIGINT: where the checkpoint is, the exit code, how to go on.
+  assert (f"stopped (preempted) after step 5 of 20; checkpoint {tmp_path}/checkpoints/5; exit code "
+          f"{128 + signal.SIGTERM} (SIGTERM); to continue, run the same command with run_dir={tmp_path}") in err, err
   assert len(metrics(tmp_path)) == 5  # the step in flight finished and was logged
   resumed = run(tmp_path, env=env)
   assert "(step 5 of 20)" in " ".join(resumed.stderr.split())
