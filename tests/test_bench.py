@@ -423,11 +423,12 @@ def test_bench_cli_plot_folder_must_exist(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_bench_end_to_end(capsys, tmp_path):
-  """The real step, two arms, through the CLI: JSON shape and the plot."""
+  """The real step, two arms, through the CLI: JSON shape and the plot (one layer of llama2-tiny's two: the
+  harness times whatever step it is given)."""
   from meshlm.cli import main
   png = tmp_path / "b.png"
-  rc = main(["bench", "model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.per_device_batch_size=1",
-             "train.seq_len=16", "--arm", "auto:shard_mode=auto", "--arm", "explicit:shard_mode=explicit",
+  rc = main(["bench", "model=llama2-tiny", "model.num_layers=1", "cpu_devices=4", "mesh.fsdp=4",
+             "train.per_device_batch_size=1", "train.seq_len=16", "--arm", "auto:shard_mode=auto", "--arm", "explicit:shard_mode=explicit",
              "--reps", "6", "--warmup", "1", "--json", "--plot", str(png)])
   assert rc == 0
   report = json.loads(capsys.readouterr().out)

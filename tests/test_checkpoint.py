@@ -1,11 +1,16 @@
 """Checkpoints, exact resume, preemption, crash safety, the non-finite guard and bad input.
 
-Every run is a real `meshlm train` subprocess on one tiny config, so the runs share one persistent
+Every run that trains is a real `meshlm train` subprocess on one tiny config, so the runs share one persistent
 compilation cache (only the first compiles). The reference is one uninterrupted 20-step run with
-checkpoint.every=10; every interrupted variant must reproduce its losses bit for bit.
+checkpoint.every=10; every interrupted variant must reproduce its losses bit for bit. A command refused before
+anything compiles runs in this process (`main()`, as `meshlm train` calls it: the same exit code and stderr; a
+process start is about 2 s of CPU, and that a refusal is one line and exit 2 from a real process is
+tests/test_cli.py's); those that need a process of their own (jax.distributed, signals) are subprocesses.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -43,6 +48,15 @@ def run(run_dir, *extra, env, check=True, seams=()) -> subprocess.CompletedProce
   if check and p.returncode != 0:
     raise AssertionError(f"meshlm exited {p.returncode}:\n{p.stderr[-3000:]}")
   return p
+
+
+def run_here(run_dir, *extra) -> subprocess.CompletedProcess:
+  """The same command in this process, through meshlm.cli.main: for one refused before it compiles anything."""
+  from meshlm.cli import main
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = main(["train", *BASE, f"run_dir={run_dir}", *extra])
+  return subprocess.CompletedProcess(["meshlm", "train"], code, out.getvalue(), err.getvalue())
 
 
 def start(run_dir, *extra, env, seams=()) -> subprocess.Popen:
@@ -110,7 +124,10 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(reference, tmp_path
   err = " ".join(p.stderr.split())
   assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]  # saved, but not done: `&& convert` stops
   assert "SIGTERM: finishing this step, then saving a checkpoint" in err
-  assert steps_on_disk(tmp_path) == [5] and "stopped (preempted) after step 5 of 20" in err
+  assert steps_on_disk(tmp_path) == [5]
+  # The whole line, as tests/test_cli.py holds it for SIGINT: where the checkpoint is, the exit code, how to go on.
+  assert (f"stopped (preempted) after step 5 of 20; checkpoint {tmp_path}/checkpoints/5; exit code "
+          f"{128 + signal.SIGTERM} (SIGTERM); to continue, run the same command with run_dir={tmp_path}") in err, err
   assert len(metrics(tmp_path)) == 5  # the step in flight finished and was logged
   resumed = run(tmp_path, env=env)
   assert "(step 5 of 20)" in " ".join(resumed.stderr.split())
@@ -250,14 +267,14 @@ def test_bad_input_exits_with_one_line_and_keeps_checkpoints(reference, tmp_path
   # A run_dir that is not writable: a path under a regular file (chmod would not stop root).
   blocker = tmp_path / "a-file"
   blocker.write_text("x")
-  p = run(blocker / "run", env=env, check=False)
+  p = run_here(blocker / "run")
   assert p.returncode == 2
   lines = p.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0] == f"meshlm: error: run_dir={blocker}/run: not writable (Not a directory)"
   if os.geteuid() != 0:  # a read-only run_dir that holds checkpoints
     os.chmod(run_dir, 0o555)
     try:
-      p = run(run_dir, env=env, check=False)
+      p = run_here(run_dir)
     finally:
       os.chmod(run_dir, 0o755)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f"meshlm: error: run_dir={run_dir}: not writable")
@@ -311,13 +328,13 @@ def test_load_params_from_a_hugging_face_directory(tmp_path):
 # root too (chmod would not) and needs nothing from the filesystem (chattr +i does), so these run
 # as CI runs them, as root in a container.
 
-def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path, env):
+def test_unwritable_checkpoint_dir_fails_before_compiling(tmp_path):
   """Before the fix the run trained on, Orbax waited 300 s for the step directory, and exited 1 with a
   409-line traceback. Now it is one line and exit 2 before anything compiles (no banner either)."""
   blocker = tmp_path / "a-file"
   blocker.write_text("x")
   ckpts = blocker / "ckpts"
-  p = run(tmp_path / "run", f"checkpoint.dir={ckpts}", env=env, check=False)
+  p = run_here(tmp_path / "run", f"checkpoint.dir={ckpts}")
   assert p.returncode == 2, p.stderr[-3000:]
   assert p.stderr.strip().splitlines() == [f"meshlm: error: checkpoint.dir={ckpts}: not writable (Not a directory)"]
   assert not (tmp_path / "run" / "config.yaml").exists()
@@ -354,7 +371,7 @@ def test_refused_or_do_nothing_commands_keep_config_yaml_and_checkpoints(referen
   shutil.copytree(ref_dir, run_dir)
   before = _record(run_dir)
 
-  p = run(run_dir, "model.mlp_dim=96", env=env, check=False)  # resume with another model: refused
+  p = run_here(run_dir, "model.mlp_dim=96")  # resume with another model: refused
   assert p.returncode == 2
   assert p.stderr.strip().splitlines()[-1] == (
       f"meshlm: error: run_dir={run_dir}: its checkpoint {run_dir}/checkpoints/20 is for another model "
@@ -362,12 +379,12 @@ def test_refused_or_do_nothing_commands_keep_config_yaml_and_checkpoints(referen
       "to start from its parameters")
   assert _record(run_dir) == before
 
-  p = run(run_dir, "data.source=text", f"data.path={tmp_path}/nowhere/*.txt", env=env, check=False)
+  p = run_here(run_dir, "data.source=text", f"data.path={tmp_path}/nowhere/*.txt")
   assert p.returncode == 2 and "data.path" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
   assert _record(run_dir) == before
 
-  p = run(run_dir, "train.steps=10", env=env)  # already at step 20: nothing to do
-  assert "nothing to do" in p.stderr
+  p = run_here(run_dir, "train.steps=10")  # already at step 20: nothing to do
+  assert p.returncode == 0 and "nothing to do" in p.stderr
   assert _record(run_dir) == before
 
 
@@ -387,7 +404,7 @@ def test_resume_on_other_data_is_refused(reference, tmp_path, env):
   shutil.copytree(ref_dir, run_dir)
   before = _record(run_dir)
   text = _text_files(tmp_path / "a", "a", 0)
-  p = run(run_dir, "data.source=text", f"data.path={text}", "train.steps=30", env=env, check=False)
+  p = run_here(run_dir, "data.source=text", f"data.path={text}", "train.steps=30")
   assert p.returncode == 2, p.stderr[-2000:]
   assert p.stderr.strip().splitlines()[-1] == (
       f"meshlm: error: run_dir={run_dir}: its checkpoint {run_dir}/checkpoints/20 was trained on other data "
@@ -400,7 +417,7 @@ def test_resume_on_other_data_is_refused(reference, tmp_path, env):
   run(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2", env=env)
   before = _record(text_dir)
   other = _text_files(tmp_path / "b", "b", 1)
-  p = run(text_dir, "data.source=text", f"data.path={other}", "checkpoint.every=2", env=env, check=False)
+  p = run_here(text_dir, "data.source=text", f"data.path={other}", "checkpoint.every=2")
   assert p.returncode == 2, p.stderr[-2000:]
   assert (f"(data.path is {other!r} here but {text!r} in the checkpoint)"
           in p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]

@@ -3,7 +3,8 @@ the same model unsharded, in the loss and every gradient (float32), on context=2
 context=2 x fsdp=2 under both shard modes. The batch packs documents that span shard edges, one that starts
 exactly on an edge, and padding. A negative control drops the conv's halo and must fail the check; the compiled
 program's GDN layers run their chunk scans on the local shard only, and their collectives are the small
-per-shard states and maps (and the conv halo), never the sequence; full attention gathers K and V.
+per-shard states and maps (and the conv halo), never the sequence; full attention gathers K and V. The unsharded
+runs' gradients are finite, shaped as the parameters and reach every GDN parameter.
 
 Each program compiles once per module (functools.cache); every program is grads_and_loss (the train step's
 loss and gradients), jitted on one mesh.
@@ -47,16 +48,29 @@ def batch(vocab: int) -> dict:
   return packed_batch(vocab, T, ((0, 50, 64, 128), (0, 67, 120)))
 
 
+# qwen3-next-tiny's fused layout on one linear-attention layer (its MoE feed-forward and gated shared expert with it),
+# the MoE by model.parts.moe.impl=reference (every expert on every token, masked): its gated full attention is
+# qwen3.5-tiny's, checked here on every mesh, and the dropless MoE dispatch under mesh.context is
+# tests/test_mla_context.py's (deepseek-v3-tiny's routed and shared experts, context=2 and context=2 x fsdp=2). The
+# two model compiles: 26 s of CPU with the shrunk preset's two layers, 13 s on one, 10 s with the reference MoE.
+OWN = {"qwen3-next-tiny": ("model.num_layers=1", "model.hybrid_layer_types=[linear_attention]",
+                           "model.full_attention_interval=null", "model.parts.moe.impl=reference")}
+
+
+def config(preset: str, *over: str):
+  return load_config(f"model={preset}", *SHRINK, *OWN.get(preset, ()), *over)
+
+
 @functools.cache
 def params(preset: str):
-  cfg = load_config(f"model={preset}", *SHRINK, "cpu_devices=1")
+  cfg = config(preset, "cpu_devices=1")
   return jax.tree.map(np.asarray, decoder.init_params(cfg, jax.random.key(0), make_mesh(cfg)))
 
 
 @functools.cache
 def run(preset: str, *over: str, halo: bool = True):
   """(loss, grads as numpy, compiled HLO text) of grads_and_loss on the mesh `over` names."""
-  cfg = load_config(f"model={preset}", *SHRINK, *over)
+  cfg = config(preset, *over)
   mesh = make_mesh(cfg)
   p = jax.device_put(params(preset), decoder.param_shardings(cfg, mesh))
   b = batch(cfg.model.vocab_size)
@@ -101,19 +115,39 @@ def test_explicit_and_auto_losses_agree():
 # qwen3-next-tiny's gradients reach 2.0 (qwen3.5-tiny's stay far smaller) and its MoE sums run in another order
 # with the sequence split: XLA's own partitioning of the unchanged model (model.parts.gdn.impl=reference, no
 # context-parallel code) already differs from unsharded. Measured here (shrunk to 2 layers): 3.5e-6 of a leaf's max
-# |gradient| at most (3.7e-5 with the preset's 4 layers); dropping the halo moves leaves by 0.28-0.40 of theirs.
+# |gradient| at most (3.7e-5 with the preset's 4 layers; 2.1e-6 on the one layer of OWN); dropping the halo moves
+# leaves by 0.28-0.40 of theirs.
 FUSED_RTOL = 3e-5
 
 
 @pytest.mark.slow  # two more model compiles; -m "not slow" skips it
 def test_fused_layout_sharded_equals_unsharded():
-  """qwen3-next-tiny (the fused projections, a MoE feed-forward) on context=2, each gradient leaf within
-  FUSED_RTOL of its own scale."""
+  """qwen3-next-tiny (the fused projections, a MoE feed-forward and its gated shared expert, one layer) on
+  context=2, each gradient leaf within FUSED_RTOL of its own scale."""
   (lg, got, _), (lw, want, _) = run("qwen3-next-tiny", *MESHES["context2"]), run("qwen3-next-tiny", *UNSHARDED)
   assert abs(lg - lw) < ATOL
   rel = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-3)), got, want)
   flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(rel)[0]}
   assert max(flat.values()) < FUSED_RTOL, {k: v for k, v in flat.items() if v >= FUSED_RTOL}
+
+
+# The whole-model forward and gradients of tests/test_qwen3_next.py, read from the unsharded runs above (no compile
+# of their own): qwen3.5-tiny (separate projections, linear + full attention, dense GLU) and qwen3-next-tiny (fused
+# projections, MoE). The logits of every tiny preset, these two whole, are checked by tests/test_conformance.py's
+# 1-device rows (tests/test_conformance_devices.py runs them: packed documents, generate against recomputing).
+@pytest.mark.parametrize("preset, family", [("qwen3.5-tiny", "qwen3_5"), ("qwen3-next-tiny", "qwen3_next")])
+def test_gradients_are_finite_shaped_and_reach_every_gdn_parameter(preset, family):
+  from meshlm.models import registry
+  loss, grads, _ = run(preset, *UNSHARDED)
+  p = params(preset)
+  assert np.isfinite(loss)
+  assert jax.tree.structure(grads) == jax.tree.structure(p)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(p)):
+    assert g.shape == w.shape and np.isfinite(g).all(), jax.tree_util.keystr(path)
+  gdn = grads["layers"]["linear_attn"]["linear_attn"]
+  for leaf in ("A_log", "dt_bias", "conv1d", "norm", "out_proj"):
+    assert np.abs(gdn[leaf]).max() > 0, leaf  # every GDN parameter is wired into the loss
+  assert registry.family(config(preset, *UNSHARDED)).name == family
 
 
 def test_dropping_the_conv_halo_fails_the_check():

@@ -2,7 +2,7 @@
 recomputing the prefix, log-probs equal a teacher-forced forward, windowed layers hold past their window, one
 compile per shape bucket, bad requests. Cached against recomputed for every family, through the public API on 1
 device, is tests/test_conformance.py's; here the sharded KV cache (KV heads over mesh.tensor) of the
-preset with local and global layers, and llama2-tiny for the compile and sampling controls."""
+preset with local and global layers, and llama2-tiny (one layer) for the compile and sampling controls."""
 import functools
 
 import jax
@@ -25,10 +25,15 @@ LENGTHS = (5, 17, 33)  # with 64 new tokens every row runs past mistral's, gemma
 # gemma3-tiny decodes one local and one global layer (golden.shrink) instead of its 8 (a scanned period of 6, then
 # 2): both kinds, the window and the ring cache past it, a fraction of the layer bodies to compile in the prefill,
 # the decode loop and the teacher-forced forward. The other presets are as shipped (shrink gives ()).
+# llama2-tiny, the compile and sampling controls' model, on one layer of its two: the cache's sharding and the
+# sampler do not depend on the depth (gemma3-tiny's two layers hold the per-layer caches).
+OWN = {"llama2-tiny": ("model.num_layers=1",)}
+
+
 @functools.cache  # once per (preset, mode) for the module: each makes and compiles the params' init
 def setup(preset: str, mode: str):
-  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), "train.compute_dtype=float32", "cpu_devices=4",
-                           "mesh.fsdp=2", "mesh.tensor=2", f"shard_mode={mode}")
+  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), *OWN.get(preset, ()), "train.compute_dtype=float32",
+                           "cpu_devices=4", "mesh.fsdp=2", "mesh.tensor=2", f"shard_mode={mode}")
   params = meshlm.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(1)
   prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, n)] for n in LENGTHS]
@@ -176,10 +181,10 @@ def test_generate_command_samples_from_a_model_directory(model_dir, capsys):
   from meshlm.cli import main
   assert main(["generate", str(model_dir), "prompt=def f(", "max_new_tokens=6", "cpu_devices=1"]) == 0
   out = capsys.readouterr().out
-  cfg = meshlm.load_config("model=llama2-tiny", "cpu_devices=1", "train.compute_dtype=float32")
-  from meshlm.commands.convert import load_meshlm
-  _, params = load_meshlm(model_dir, "cpu_devices=1")
+  # The directory's config and parameters as the command reads them: its compiled sampler serves this call too.
+  cfg, params = meshlm.load(model_dir, "cpu_devices=1")
   want = G.generate(cfg, params, [list(b"def f(")], max_new_tokens=6)
+  assert want.compilations == {"prefill": 0, "decode": 0}
   from meshlm.console import printable
   from meshlm.train.data import ByteTokenizer
   assert out == printable("def f(" + ByteTokenizer().decode(want.token_lists()[0])) + "\n"

@@ -104,7 +104,14 @@ def parity_error(cfg, params, ref) -> float:
   return max([rel(logits, ref["logits"])] + [rel(hidden[i], ref["hidden"][i]) for i in range(hidden.shape[0])])
 
 
-@pytest.mark.parametrize("name", NAMES)
+# qwen3.5-moe's logits against transformers are tests/test_conformance.py's (its qwen3_5_moe fixture row: in the
+# 1-device process, and the README calls in and outside a mesh on 8 devices), at this file's GDN_TOL; its layers
+# are qwen3.5's GDN layers and qwen3-next's MoE, each held per layer below, and qwen3.5-moe-vl (the same family and
+# adapter) is held per layer here too. Its fsdp=3 forward here was the file's heaviest compile.
+PARITY_ELSEWHERE = ("qwen3.5-moe",)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in PARITY_ELSEWHERE])
 def test_logits_and_hidden_match_transformers(name):
   need_family(name)
   cfg, params = hf.load(FIXTURES / name, *SHARDED)

@@ -74,9 +74,10 @@ GDN_FIXTURES = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-moe-vl")
 
 def test_hf_parity_runs_the_chunked_rule_in_chunks_of_64():
   """tests/test_hf.py's test_logits_and_hidden_match_transformers loads each GDN fixture as it comes (fsdp=3), so
-  it checks the chunked rule in chunks of 64 on all four against transformers (T = 150 is two whole chunks and a
-  partial one; measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5), so this file does not run those
-  programs again; it checks the other chunk size and the other rule."""
+  it checks the chunked rule in chunks of 64 against transformers (T = 150 is two whole chunks and a partial one;
+  measured, JAX 0.12.0.1: at most 4.4e-6, qwen3.5's layer 5) on qwen3-next, qwen3.5 and qwen3.5-moe-vl, and
+  tests/test_conformance.py on qwen3.5-moe's logits; so this file does not run those programs again; it checks
+  another chunk size."""
   for name in GDN_FIXTURES:
     own = gdn_mixer.knobs(hf.load(FIXTURES / name, "cpu_devices=1")[0].model)
     assert (own.impl, own.chunk_size, own.conv_kernel_dim) == ("chunked", 64, 4), name
@@ -95,11 +96,14 @@ def test_an_imported_model_takes_the_gdn_knobs_under_either_key_but_keeps_its_co
       meshlm.load_config(path, f"{key}=3")
 
 
-@pytest.mark.parametrize("name, impl, chunk", [("qwen3-next", "chunked", 16), ("qwen3-next", "reference", 64),
-                                               ("qwen3.5", "reference", 64)])
+# The reference recurrence against transformers is this chain, each link tested: the chunked rule (chunks of 64) against
+# transformers on all four fixtures (tests/test_hf.py, per-layer hidden states, GDN_TOL), and the chunked rule against
+# the reference inside the fused mixer (tests/test_qwen3_next.py, T = 150 in chunks of 64, documents and padding,
+# outputs and every gradient) and alone (tests/test_gdn.py, odd lengths, outputs, final state and every gradient); the
+# rule runs after the projections, so the layout does not reach it. (Two fsdp=3 parity compiles were here for it.)
+@pytest.mark.parametrize("name, impl, chunk", [("qwen3-next", "chunked", 16)])
 def test_other_rules_match_transformers(name, impl, chunk):
-  """The chunked rule in nine chunks of 16 on fsdp=3 (the fused layout), and the reference recurrence on both
-  projection layouts."""
+  """The chunked rule in nine chunks of 16 (and a partial one) on fsdp=3, the fused layout."""
   cfg, params = hf.load(FIXTURES / name, *SHARDED, f"model.parts.gdn.impl={impl}",
                         f"model.parts.gdn.chunk_size={chunk}")
   assert parity_error(cfg, params, name) <= GDN_TOL

@@ -1,8 +1,8 @@
-"""Context parallelism of multi-head latent attention (deepseek_v3): the tiny model with its sequence sharded over
-mesh.context equals the same model unsharded, in the loss and every gradient (float32), on context=2 and on
-context=2 x fsdp=2. The batch packs documents that span the shard edge. The MLA core runs in an auto-axes
-region (models/mixers/mla.py), so XLA's partitioner gathers what each shard's queries need; nothing here is
-MLA-specific parallel code, and this test is what shows that the partitioned program computes the same numbers.
+"""Context parallelism of multi-head latent attention (deepseek_v3): the tiny model (one MLA + MoE layer) with its
+sequence sharded over mesh.context equals the same model unsharded, in the loss and every gradient (float32), on
+context=2 and on context=2 x fsdp=2. The batch packs documents that span the shard edge. The MLA core runs in an
+auto-axes region (models/mixers/mla.py), so XLA's partitioner gathers what each shard's queries need; nothing here
+is MLA-specific parallel code, and this test is what shows that the partitioned program computes the same numbers.
 
 Negative control: attention that sees only its own shard's keys (what a context-parallel attention that never
 gathers K/V computes) must fail the same check.
@@ -25,12 +25,15 @@ from meshlm.train.step import grads_and_loss
 from seams import max_diffs, own_shard_only, packed_batch, placed_batch
 
 T = 64
-# deepseek-v3-tiny with one dense and one MoE layer (the preset has one dense and two MoE layers of the same
-# code), narrower, so each program compiles in seconds.
-SHRINK = ("model.num_layers=2", "model.embed_dim=64", "model.vocab_size=128", f"train.seq_len={T}",
-          "train.compute_dtype=float32", "train.per_device_batch_size=2")
-# Float32 reassociation only: measured max |diff| of the loss and any gradient leaf 3.5e-8 (context=2) and
-# 3.2e-8 (context=2 x fsdp=2), against gradients up to 0.044; the control moves some value by 0.030.
+# deepseek-v3-tiny on one MoE layer (first_k_dense_replace=0; the preset has one dense and two MoE layers, all with
+# MLA), narrower, so each program compiles in seconds. Its dense layer's MLP is position-wise, and a dense GLU under
+# mesh.context is tests/test_gdn_context.py's (qwen3.5-tiny); with it, the four programs took 27 s of CPU, 21 s
+# without.
+SHRINK = ("model.num_layers=1", "model.first_k_dense_replace=0", "model.embed_dim=64", "model.vocab_size=128",
+          f"train.seq_len={T}", "train.compute_dtype=float32", "train.per_device_batch_size=2")
+# Float32 reassociation only: measured max |diff| of the loss and any gradient leaf 1.9e-8 (context=2) and
+# 2.0e-8 (context=2 x fsdp=2), against gradients up to 0.046; the control moves some value by 0.019. (With the
+# dense layer too: 3.5e-8, 3.2e-8, 0.044 and 0.030.)
 ATOL = 1e-6
 LEAK = 1e-3  # what the negative control must move some value by, at least
 

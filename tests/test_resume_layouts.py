@@ -4,8 +4,9 @@ resumes under other values (run_dir.RESUMABLE, the moe section's COMPUTE knobs) 
 uninterrupted one does, to float32 reassociation. A key that changes the parameters' meaning is still refused
 (the control), naming the key.
 
-In process (train/loop.train), a tiny mixtral on fsdp=2: one uninterrupted 4-step run, one that stops after 2
-steps, and its resume under the other layout.
+In process (train/loop.train), a tiny mixtral on fsdp=2: one uninterrupted 4-step run saving checkpoints 2 and 4,
+and a copy of it without checkpoint 4 resumed from step 2 under the other layout. (That a run stopped after 2 steps
+saves what this one saved at 2, bit for bit, is tests/test_checkpoint.py's test_exact_resume_is_bit_identical.)
 """
 import shutil
 
@@ -32,19 +33,24 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """(losses of the uninterrupted run, the stopped run's run_dir)."""
-  whole = train(load_config(*RUN, f"run_dir={tmp_path_factory.mktemp('whole')}"), show_progress=False)
-  stopped_dir = tmp_path_factory.mktemp("stopped")
-  stopped = train(load_config(*RUN, "train.stop_after=2", f"run_dir={stopped_dir}"), show_progress=False)
-  assert stopped.stop_reason != "done" and len(stopped.losses) == 2
-  np.testing.assert_array_equal(stopped.losses, whole.losses[:2])
-  return np.asarray(whole.losses), stopped_dir
+  """(losses of the uninterrupted run, its run_dir)."""
+  whole_dir = tmp_path_factory.mktemp("whole")
+  whole = train(load_config(*RUN, f"run_dir={whole_dir}"), show_progress=False)
+  assert whole.stop_reason == "done" and sorted(p.name for p in (whole_dir / "checkpoints").iterdir()) == ["2", "4"]
+  return np.asarray(whole.losses), whole_dir
+
+
+def at_step_2(whole_dir, run_dir):
+  """A copy of the uninterrupted run as it stood after step 2: its checkpoint 4 removed (metrics.jsonl's steps 2
+  and 3 are dropped by the resume, as after any stop)."""
+  shutil.copytree(whole_dir, run_dir)
+  shutil.rmtree(run_dir / "checkpoints" / "4")
 
 
 def test_a_run_resumes_under_another_layout_of_the_same_parameters(runs, tmp_path):
-  whole, stopped_dir = runs
+  whole, whole_dir = runs
   run_dir = tmp_path / "run"
-  shutil.copytree(stopped_dir, run_dir)
+  at_step_2(whole_dir, run_dir)
   resumed = train(load_config(*RUN, *OTHER, f"run_dir={run_dir}"), show_progress=False)
   assert resumed.start_step == 2 and len(resumed.losses) == 2 and resumed.stop_reason == "done"
   diff = np.max(np.abs(np.asarray(resumed.losses) - whole[2:]))
@@ -56,9 +62,8 @@ def test_a_run_resumes_under_another_layout_of_the_same_parameters(runs, tmp_pat
 
 
 def test_a_key_that_changes_the_parameters_is_still_refused(runs, tmp_path):
-  _, stopped_dir = runs
+  _, whole_dir = runs
   run_dir = tmp_path / "run"
-  shutil.copytree(stopped_dir, run_dir)
+  at_step_2(whole_dir, run_dir)
   with pytest.raises(ConfigError, match="model.parts.moe.num_experts_per_tok is 1 here but 2 in the checkpoint"):
-    train(load_config(*RUN, *OTHER, "model.parts.moe.num_experts_per_tok=1", f"run_dir={run_dir}"),
-          show_progress=False)
+    train(load_config(*RUN, *OTHER, "model.parts.moe.num_experts_per_tok=1", f"run_dir={run_dir}"), show_progress=False)

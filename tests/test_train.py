@@ -88,14 +88,17 @@ def test_short_run_learns(run):
   assert result.losses[-1] < result.losses[0] - 0.5, result.losses
 
 
-@pytest.mark.parametrize("mode, expected", [("explicit", True), ("auto", False)])
-def test_run_dir_holds_the_resolved_config(run, mode, expected):
-  _, run_dir = run(f"shard_mode={mode}", *MESHES["fsdp4"])
+# The auto run is test_explicit_equals_auto's on data=2 x fsdp=2 (an auto run on fsdp=4 would compile a step for
+# this test alone, now that fsdp=4's explicit == auto is test_conformance's).
+@pytest.mark.parametrize("mode, mesh, expected", [("explicit", "fsdp4", True), ("auto", "data2_fsdp2", False)])
+def test_run_dir_holds_the_resolved_config(run, mode, mesh, expected):
+  _, run_dir = run(f"shard_mode={mode}", *MESHES[mesh])
   saved = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
   assert saved["shard_mode"] == mode
   assert saved["lm_head_weight_grad_in_kernel_order"] is expected
   assert saved["dense_weight_grad_in_kernel_order"] is expected
-  assert saved["train"]["steps"] == STEPS and saved["mesh"]["fsdp"] == 4
+  want = {k.split("=")[0].removeprefix("mesh."): int(k.split("=")[1]) for k in MESHES[mesh]}
+  assert saved["train"]["steps"] == STEPS and {k: saved["mesh"][k] for k in want} == want
 
 
 def test_metrics_jsonl(run):
@@ -114,10 +117,12 @@ def test_metrics_jsonl(run):
 
 # Each run compiles a train step (~10 s of CPU), so the choices are paired: between them the two
 # runs cover scan vs unrolled, the layer axis at 1 through both code paths (scan's moveaxis and the
-# unrolled per-layer index), and remat full and dots, each against scan / axis 0 / no remat.
+# unrolled per-layer index), and remat full and dots, each against llama2-tiny as shipped (unrolled,
+# axis 0, no remat). The preset sets scan_layers: false, so the scanned variant says scan_layers=true
+# (without it both variants ran unrolled, and scan's path was not compared here).
 STACK_VARIANTS = {
     "unrolled_axis1_remat_dots": ("scan_layers=false", "param_scan_axis=1", "remat=dots"),
-    "scan_axis1_remat_full": ("param_scan_axis=1", "remat=full"),
+    "scan_axis1_remat_full": ("scan_layers=true", "param_scan_axis=1", "remat=full"),
 }
 
 
@@ -126,7 +131,7 @@ def test_stack_variants_train_to_the_same_loss(run, variant):
   """scan vs unrolled, layer axis 0 vs 1, remat none/full/dots: the same function and gradient."""
   ref, _ = run("shard_mode=explicit", *MESHES["fsdp4"])
   got, _ = run("shard_mode=explicit", *MESHES["fsdp4"], *STACK_VARIANTS[variant])
-  print(f"{variant} vs scan/axis 0/no remat: max |loss diff| = {_max_diff(got.losses, ref.losses):.3g}")
+  print(f"{variant} vs unrolled/axis 0/no remat: max |loss diff| = {_max_diff(got.losses, ref.losses):.3g}")
   np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-6, atol=0)
   np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
 
@@ -147,8 +152,9 @@ def _micro_batch() -> dict:
 
 
 def _gradients(micro_batches: int):
-  """(loss, gradients) of the real train step's grads_and_loss on fsdp=2, 8 rows in all."""
-  cfg = load_config("cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=4", "train.compute_dtype=float32",
+  """(loss, gradients) of the real train step's grads_and_loss on fsdp=2, 8 rows in all (one layer of
+  llama2-tiny's two: the accumulation and its normalization do not depend on the depth)."""
+  cfg = load_config("model.num_layers=1", "cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=4", "train.compute_dtype=float32",
                     f"train.seq_len={MICRO_LEN}", f"train.micro_batches={micro_batches}")
   step = build_train_step(cfg)
   assert step.global_batch == MICRO_ROWS
