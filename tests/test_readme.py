@@ -41,3 +41,19 @@ def test_import_meshlm_reaches_hf_lazily():
                      capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
   assert "no attribute 'no_such_name'" in p.stdout
+
+
+# The front pages stay short (issue 32): what meshlm is and links in the README, current figures in
+# docs/performance.md; detail goes to docs/, history to docs/performance-log.md.
+LINE_LIMITS = {"README.md": 250, "docs/performance.md": 400}
+
+
+def too_long(root: Path, limits: dict[str, int]) -> list[str]:
+  return [f"{name}: {n} lines (at most {limit})" for name, limit in limits.items()
+          if (n := len((root / name).read_text().splitlines())) > limit]
+
+
+def test_the_readme_and_the_performance_page_stay_short(tmp_path):
+  assert too_long(README.parent, LINE_LIMITS) == []
+  (tmp_path / "long.md").write_text("x\n" * 11)  # control: one line over its limit is named
+  assert too_long(tmp_path, {"long.md": 10}) == ["long.md: 11 lines (at most 10)"]
