@@ -105,6 +105,7 @@ def test_a_gdn_train_step_has_a_forward_and_a_backward_chunk_scan_per_layer_and_
   # Shown in the table and compared by `meshlm compare`.
   assert "gdn.hoisted_zero_carries" in C.summary(got)
 
-# A model without GDN layers shows zeros: tests/test_census_parts.py's test_a_registered_parts_counters_are_census_fields
-# runs census_of on a program with a forward and a backward scan under another part's scope and asserts every gdn
-# field 0 (the fields themselves are its OLD_SUMMARY_FIELDS); a llama train step's census here cost 3 s of CPU.
+# A model without GDN layers shows zeros: tests/test_census_parts.py's
+# test_a_registered_parts_counters_are_census_fields runs census_of on a program with a forward and a backward scan
+# under another part's scope and asserts every gdn field 0 (the fields themselves are its OLD_SUMMARY_FIELDS); a
+# llama train step's census here cost 3 s of CPU.
