@@ -1,11 +1,13 @@
 """Checkpoints, exact resume, preemption, crash safety, the non-finite guard and bad input.
 
-Every run that trains is a real `meshlm train` subprocess on one tiny config, so the runs share one persistent
-compilation cache (only the first compiles). The reference is one uninterrupted 20-step run with
-checkpoint.every=10; every interrupted variant must reproduce its losses bit for bit. A command refused before
-anything compiles runs in this process (`main()`, as `meshlm train` calls it: the same exit code and stderr; a
-process start is about 2 s of CPU, and that a refusal is one line and exit 2 from a real process is
-tests/test_cli.py's); those that need a process of their own (jax.distributed, signals) are subprocesses.
+Every run trains one tiny config. The reference is one uninterrupted 20-step run with checkpoint.every=10; every
+interrupted variant must reproduce its losses bit for bit. A run that needs a process of its own (a signal, a kill,
+the seams of tests/seams.py, jax.distributed) is a real `meshlm train` subprocess; those share one persistent
+compilation cache (only the first compiles). Every other command runs in this process (`main()`, as `meshlm train`
+calls it: the same exit code and stderr; a process start is about 2 s of CPU, and in this process the step compiles
+once for all of them). A resume still crosses a process boundary in each resume test: test_exact_resume's second
+run is a subprocess resuming what this process saved, the signal and kill tests resume here what a subprocess saved.
+That a refusal is one line and exit 2 from a real process is tests/test_cli.py's.
 """
 from __future__ import annotations
 
@@ -50,12 +52,14 @@ def run(run_dir, *extra, env, check=True, seams=()) -> subprocess.CompletedProce
   return p
 
 
-def run_here(run_dir, *extra) -> subprocess.CompletedProcess:
-  """The same command in this process, through meshlm.cli.main: for one refused before it compiles anything."""
+def run_here(run_dir, *extra, check=False) -> subprocess.CompletedProcess:
+  """The same command in this process, through meshlm.cli.main (check=True: it must exit 0, as run's)."""
   from meshlm.cli import main
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     code = main(["train", *BASE, f"run_dir={run_dir}", *extra])
+  if check and code != 0:
+    raise AssertionError(f"meshlm exited {code}:\n{err.getvalue()[-3000:]}")
   return subprocess.CompletedProcess(["meshlm", "train"], code, out.getvalue(), err.getvalue())
 
 
@@ -94,10 +98,10 @@ def assert_trees_equal(a, b):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, env):
+def reference(tmp_path_factory):
   """20 steps straight, checkpoint.every=10: the losses every other run must match."""
   run_dir = tmp_path_factory.mktemp("ref")
-  run(run_dir, env=env)
+  run_here(run_dir, check=True)
   assert steps_on_disk(run_dir) == [10, 20]
   got = losses(run_dir)
   assert len(got) == STEPS and all(np.isfinite(got))
@@ -106,10 +110,10 @@ def reference(tmp_path_factory, env):
 
 def test_exact_resume_is_bit_identical(reference, tmp_path, env):
   ref_dir, ref_losses = reference
-  first = run(tmp_path, "train.stop_after=10", env=env)
+  first = run_here(tmp_path, "train.stop_after=10", check=True)
   assert "stopped (stop_after) after step 10 of 20" in first.stderr
   assert steps_on_disk(tmp_path) == [10]
-  second = run(tmp_path, "train.stop_after=10", env=env)  # the identical command
+  second = run(tmp_path, "train.stop_after=10", env=env)  # the identical command, in a process of its own
   assert f"resuming from checkpoint {tmp_path}/checkpoints/10 (step 10 of 20)" in " ".join(second.stderr.split())
   assert losses(tmp_path) == ref_losses  # exact float equality, every step
   assert_trees_equal(restore(tmp_path, 20, "params"), restore(ref_dir, 20, "params"))
@@ -129,7 +133,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(reference, tmp_path
   assert (f"stopped (preempted) after step 5 of 20; checkpoint {tmp_path}/checkpoints/5; exit code "
           f"{128 + signal.SIGTERM} (SIGTERM); to continue, run the same command with run_dir={tmp_path}") in err, err
   assert len(metrics(tmp_path)) == 5  # the step in flight finished and was logged
-  resumed = run(tmp_path, env=env)
+  resumed = run_here(tmp_path, check=True)
   assert "(step 5 of 20)" in " ".join(resumed.stderr.split())
   assert losses(tmp_path) == ref_losses
 
@@ -172,7 +176,7 @@ def test_sigkill_mid_write_then_corrupted_checkpoint_is_skipped(reference, tmp_p
   with open(biggest, "r+b") as f:
     f.truncate(os.path.getsize(biggest) // 2)
 
-  resumed = run(tmp_path, env=env)  # the checkpoint cadence does not change the numbers
+  resumed = run_here(tmp_path, check=True)  # the checkpoint cadence does not change the numbers
   err = " ".join(resumed.stderr.split())
   assert f"checkpoint {ckpts}/{newest} is corrupted or incomplete" in err
   assert f"resuming from checkpoint {ckpts}/{older} (step {older} of 20)" in err
@@ -281,9 +285,9 @@ def test_bad_input_exits_with_one_line_and_keeps_checkpoints(reference, tmp_path
   assert _checkpoint_files(run_dir) == before
 
 
-def test_load_params_from_a_meshlm_run(reference, tmp_path, env):
-  """In-process: the loader returns the newest checkpoint's parameters on this run's shardings;
-  then a new run (subprocess) starts from them at step 0, with fresh optimizer state."""
+def test_load_params_from_a_meshlm_run(reference, tmp_path):
+  """The loader returns the newest checkpoint's parameters on this run's shardings; then a new run starts from
+  them at step 0, with fresh optimizer state."""
   import jax
   from meshlm.config import load_config
   from meshlm.errors import ConfigError
@@ -303,7 +307,7 @@ def test_load_params_from_a_meshlm_run(reference, tmp_path, env):
   with pytest.raises(ConfigError, match=r"parameters of another model \(model.mlp_dim is 96 here but 128"):
     load_params(other, str(ref_dir), abstract, shardings, step_fn.mesh)
 
-  p = run(tmp_path / "new", f"checkpoint.load_params_from={ref_dir}", "train.stop_after=2", env=env)
+  p = run_here(tmp_path / "new", f"checkpoint.load_params_from={ref_dir}", "train.stop_after=2", check=True)
   assert f"parameters from {ref_dir}" in " ".join(p.stderr.split())
   new = losses(tmp_path / "new")
   # Trained parameters on the first batch: far below the fresh model's first loss.
@@ -363,7 +367,7 @@ def _record(run_dir) -> tuple[dict[str, bytes], bytes]:
   return _checkpoint_files(run_dir), (run_dir / "config.yaml").read_bytes()
 
 
-def test_refused_or_do_nothing_commands_keep_config_yaml_and_checkpoints(reference, tmp_path, env):
+def test_refused_or_do_nothing_commands_keep_config_yaml_and_checkpoints(reference, tmp_path):
   """Each of these used to rewrite config.yaml with its own config, which then no longer described the
   checkpoints beside it; each would record something different (mlp_dim 96, source text, steps 10)."""
   ref_dir, _ = reference
@@ -396,7 +400,7 @@ def _text_files(folder, name: str, seed: int) -> str:
   return str(folder / "*.txt")
 
 
-def test_resume_on_other_data_is_refused(reference, tmp_path, env):
+def test_resume_on_other_data_is_refused(reference, tmp_path):
   """The saved data position is meaningless on another source or file set: refused, naming the key,
   with the checkpoints and config.yaml untouched. Before the fix both runs went on silently."""
   ref_dir, _ = reference
@@ -414,7 +418,7 @@ def test_resume_on_other_data_is_refused(reference, tmp_path, env):
 
   # The same source on other files: data.path.
   text_dir = tmp_path / "text-run"
-  run(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2", env=env)
+  run_here(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2", check=True)
   before = _record(text_dir)
   other = _text_files(tmp_path / "b", "b", 1)
   p = run_here(text_dir, "data.source=text", f"data.path={other}", "checkpoint.every=2")
@@ -423,5 +427,6 @@ def test_resume_on_other_data_is_refused(reference, tmp_path, env):
           in p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
   assert _record(text_dir) == before
   # Negative control: the same data resumes.
-  p = run(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2", env=env)
+  p = run_here(text_dir, "data.source=text", f"data.path={text}", "train.stop_after=2", "checkpoint.every=2",
+               check=True)
   assert "(step 2 of 20)" in " ".join(p.stderr.split())
