@@ -21,6 +21,17 @@ SKIPPED = ("model.visual.", "mtp.")
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def reference_forms(path: Path) -> tuple[str, ...]:
+  """Overrides that run a fixture's recurrence and dispatch in their reference forms: model.parts.gdn.impl=reference
+  for a Gated DeltaNet hybrid, model.parts.moe.impl=reference (every expert on every token, masked) for a MoE one.
+  Each compiles in about half the CPU time of the default form; the HF tests' wrong-config controls run them, their
+  mistakes being outside both (measured: every control's error the same to 5 digits under either form)."""
+  cfg = json.loads((Path(path) / "config.json").read_text())
+  text = cfg.get("text_config", cfg)
+  return ((("model.parts.gdn.impl=reference",) if text.get("linear_num_value_heads") else ())
+          + (("model.parts.moe.impl=reference",) if text.get("num_local_experts") or text.get("num_experts") else ()))
+
+
 def fuse(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Per-expert tensors -> each layer's gate_up_proj [E, 2F, D] (gate rows first) and down_proj [E, D, F]."""
   out, experts = {}, {}

@@ -22,7 +22,7 @@ from meshlm.errors import ConfigError
 from meshlm.commands import convert
 from meshlm.hf.io import families
 
-from hf_layouts import text_layout
+from hf_layouts import reference_forms, text_layout
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # The DeepSeek-V3 fixtures (deepseek-v3*: MLA, group-limited routing, fp8) have their own file,
@@ -157,24 +157,14 @@ def _controls() -> list[tuple[str, str]]:
   return out
 
 
-def control_rules(name: str) -> tuple[str, ...]:
-  """The controls run the reference forms of the GDN hybrids' recurrence (model.parts.gdn.impl=reference) and of the
-  MoE fixtures' dispatch (model.parts.moe.impl=reference: every expert on every token, masked): each compiles in
-  about half the CPU time, and the controls' mistakes (norms, window, rotary fraction) are outside them (measured:
-  every control's error is the same to 5 digits under either form). The default forms' parity is
-  test_logits_and_hidden_match_transformers; the reference recurrence's with the right config on one device is
-  tests/test_hf_qwen3_next.py's test_layout_mistakes_fail_parity (before its controls), the reference dispatch's
-  against the dropless one is tests/test_moe.py's."""
-  hf_cfg = text_config(name)
-  moe = bool(hf_cfg.get("num_local_experts") or hf_cfg.get("num_experts"))
-  return (("model.parts.gdn.impl=reference",) if name in GDN_FIXTURES else ()) + \
-      (("model.parts.moe.impl=reference",) if moe else ())
-
-
+# The controls run the fixture's reference forms (hf_layouts.reference_forms). The default forms' parity is
+# test_logits_and_hidden_match_transformers; the reference recurrence's with the right config on one device is
+# tests/test_hf_qwen3_next.py's test_layout_mistakes_fail_parity (before its controls), the reference dispatch's
+# against the dropless one is tests/test_moe.py's.
 @pytest.mark.parametrize("name, wrong", _controls())
 def test_wrong_config_fails_parity(name, wrong):
   """Negative controls: the parity check above tells a slightly wrong config from the right one."""
-  ok = ("train.compute_dtype=float32", "cpu_devices=1", *control_rules(name))
+  ok = ("train.compute_dtype=float32", "cpu_devices=1", *reference_forms(FIXTURES / name))
   ref = np.load(FIXTURES / name / "reference.npz")
   cfg, params = hf.load(FIXTURES / name, *ok, wrong)
   assert cfg.model != hf.load(FIXTURES / name, *ok[1:])[0].model  # the override took

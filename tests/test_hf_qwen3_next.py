@@ -20,19 +20,11 @@ from meshlm import forward, hf
 from meshlm.errors import ConfigError
 from meshlm.models.mixers import gdn as gdn_mixer
 
-from hf_layouts import copy_fused, copy_multimodal, read_tensors, text_layout, write_tensors
+from hf_layouts import copy_fused, copy_multimodal, read_tensors, reference_forms, text_layout, write_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 ONE = ("train.compute_dtype=float32", "cpu_devices=1")
 GDN_TOL = 1e-5  # tests/test_hf.py's bound for these fixtures (measured errors there)
-
-
-def reference_forms(name: str) -> tuple[str, ...]:
-  """The controls' overrides: the reference recurrence, and for qwen3-next (the MoE one of the two) the reference
-  dispatch (every expert on every token, masked). Each compiles in about half the CPU time of the default form, and
-  the controls' mistakes are outside them: each control's error is the same to 6 digits under either (measured).
-  The default forms' parity is tests/test_hf.py's test_logits_and_hidden_match_transformers (fsdp=3)."""
-  return ("model.parts.gdn.impl=reference",) + (("model.parts.moe.impl=reference",) if name == "qwen3-next" else ())
 
 
 def rel(a, b) -> float:
@@ -129,7 +121,7 @@ def test_fixtures_depend_on_the_state_carried_across_a_chunk(monkeypatch):
     return jax.numpy.concatenate([o1, o2], axis=1), state
 
   for name in ("qwen3-next", "qwen3.5"):
-    cfg, params = hf.load(FIXTURES / name, *ONE, *reference_forms(name))
+    cfg, params = hf.load(FIXTURES / name, *ONE, *reference_forms(FIXTURES / name))
     monkeypatch.setattr(rule, "gated_delta_rule_reference", forgets_at_64)
     err = parity_error(cfg, params, name)
     monkeypatch.setattr(rule, "gated_delta_rule_reference", real)
@@ -250,7 +242,7 @@ CONTROLS = {"shifted_layers": shifted_layers, "swapped_b_a": swapped_b_a, "swapp
 def loaded(name: str):
   """(cfg, params, parity error) of a fixture on one device in its reference forms (reference_forms), once per
   module: the three controls share it, and the two that change only parameters run its compiled forward."""
-  cfg, params = hf.load(FIXTURES / name, *ONE, *reference_forms(name))
+  cfg, params = hf.load(FIXTURES / name, *ONE, *reference_forms(FIXTURES / name))
   return cfg, params, parity_error(cfg, params, name, reuse=True)
 
 
@@ -341,10 +333,10 @@ def test_transformers_4_and_mrope_spellings_read_the_same_model(tmp_path):
   mrope_interleaved: plain RoPE for text) give the same model and the same numbers."""
   # The reference forms, as loaded("qwen3-next") runs them: the same program, compiled once per run (the
   # compilation cache).
-  cfg, params = hf.load(FIXTURES / "qwen3-next", *ONE, *reference_forms("qwen3-next"))
+  cfg, params = hf.load(FIXTURES / "qwen3-next", *ONE, *reference_forms(FIXTURES / "qwen3-next"))
   src = copy_with_config("qwen3-next", tmp_path, rope_parameters=None, layer_types=None, rope_theta=1000.0,
                          partial_rotary_factor=0.25, full_attention_interval=2)
-  cfg4, params4 = hf.load(src, *ONE, *reference_forms("qwen3-next"))
+  cfg4, params4 = hf.load(src, *ONE, *reference_forms(FIXTURES / "qwen3-next"))
   assert cfg4.model.full_attention_interval == 2 and cfg4.model.hybrid_layer_types is None
   assert cfg4.model.hybrid_types() == cfg.model.hybrid_types()
   assert cfg4.model.model_copy(update={"full_attention_interval": None,
