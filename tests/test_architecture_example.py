@@ -8,6 +8,7 @@ would mean) fails the sampling row there, and without its segment mask the packe
 section is tests/test_part_config.py's."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import os
@@ -51,6 +52,20 @@ def test_the_registered_part_and_family_are_the_pages(example):
   assert fam.kinds["dense"].mixer.state_spec is mixer.state_spec
   module, factory = registry.PARTS["mean"].split(":")
   assert getattr(importlib.import_module(module), factory)().name == "mean"
+
+
+def test_the_page_part_sets_only_the_core_fields(example):
+  """A new part with no replay, model state or mesh rules sets only Part's core fields: its records declare
+  nothing."""
+  from meshlm.models import family as F
+  _, _, mixer, _ = example
+  calls = [n for n in ast.walk(ast.parse(E.blocks()[E.MIXER])) if isinstance(n, ast.Call)
+           and getattr(n.func, "id", None) == "Part"]
+  records = {"compute", "replay", "model_state", "mesh", "instrument"}
+  assert len(calls) == 1 and not {k.arg for k in calls[0].keywords} & records
+  part = mixer.PART
+  assert (part.compute, part.replay, part.model_state, part.mesh, part.instrument) == (
+      F.Compute(), F.Replay(), None, F.MeshRules(), F.Instrument())
 
 
 def test_conformance_runs_on_the_page_family_by_its_preset_name():

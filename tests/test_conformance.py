@@ -76,7 +76,7 @@ def has_hf(family: str) -> bool:
 
 def replays(family: str) -> bool:
   """The family has a part whose side output a per-layer input replays (MoE's routed ids)."""
-  return any(p.replays for kind in registry.get(family).kinds.values() for p in kind.parts)
+  return any(p.replay.replays for kind in registry.get(family).kinds.values() for p in kind.parts)
 
 
 def preset_rows(moe_only: bool = False, hf_only: bool = False) -> list:
