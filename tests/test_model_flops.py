@@ -1,5 +1,5 @@
-"""The model FLOPs per token (analysis/aot.model_flops_per_token) from what the parts declare (Instrument.attention_width,
-Instrument.active_fraction) equal, for every preset, the formula that named the parts (the copy below, as it was at
+"""The model FLOPs per token (analysis/aot.model_flops_per_token) from what the parts declare
+(Instrument.attention_width, Instrument.active_fraction) equal, for every preset, the formula that named the parts (the copy below, as it was at
 60149c0); a part that forgets its declaration changes the number."""
 import dataclasses
 import math

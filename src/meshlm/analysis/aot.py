@@ -245,8 +245,8 @@ def model_flops_per_token(cfg) -> float:
 
   The matmul parameters are the kernels of the parameter tree (every leaf with two or more dims besides the
   layer axis; the embedding table only when it is the tied head), each times the share of it a token meets
-  (its part's Instrument.active_fraction). The widths are the parts' (Instrument.attention_width; a part without one does
-  not attend). A recurrence's own work and the elementwise work are not counted."""
+  (its part's Instrument.active_fraction). The widths are the parts' (Instrument.attention_width; a part without
+  one does not attend). A recurrence's own work and the elementwise work are not counted."""
   import jax
   from meshlm import spec as S
   from meshlm.models import decoder
