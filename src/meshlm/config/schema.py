@@ -12,8 +12,8 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
   """Shapes of a decoder. Field names are the words used in presets and on the CLI."""
-  family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3, mixtral, "
-                      "qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe, deepseek_v3")
+  # The description's family list is written by models/registry.py from its FAMILIES (config/ sits below models/).
+  family: str = Field(default="llama", description="model family (models/registry.FAMILIES)")
   vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
   embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
   num_layers: int = Field(gt=0, description="number of decoder layers")
