@@ -5,7 +5,7 @@ dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, 
 The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
 positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
 A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
-this one layer (decoder.run_layers' layer_inputs: what its parts declare as Part.layer_inputs).
+this one layer (layers.run_layers' layer_inputs: what its parts declare as Part.layer_inputs).
 """
 from __future__ import annotations
 
