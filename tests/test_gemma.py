@@ -96,13 +96,13 @@ def _ref_forward(m, params, ids):
     x1, x2 = x[..., :H // 2], x[..., H // 2:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-  types = m.layer_types()
+  pattern = m.context_pattern()
   scale = (m.query_pre_attn_scalar or H) ** -0.5
   x = P["embed"][ids] * np.sqrt(D)  # [B, T, D]
   hidden = []
   for i in range(m.num_layers):
     p = jax.tree.map(lambda a: a[i], P["layers"]["dense"])
-    local = types[i % len(types)] == "local"
+    local = pattern[i % len(pattern)] == "local"
     if local and m.rope_local_theta is not None:
       theta, factor = m.rope_local_theta, 1.0
     else:
@@ -214,7 +214,7 @@ def test_every_projection_goes_through_the_kernel_order_dense():
   from jax.sharding import NamedSharding, PartitionSpec
   from meshlm.parallel.mesh import make_mesh
   cfg = load_config("model=gemma3-tiny", "cpu_devices=4", "mesh.fsdp=4", "shard_mode=explicit")
-  assert cfg.model.num_layers == 8 and len(cfg.model.layer_types()) == 6
+  assert cfg.model.num_layers == 8 and len(cfg.model.context_pattern()) == 6
   mesh = make_mesh(cfg)
   params = S.map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(cfg))
   params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params,
@@ -232,7 +232,7 @@ def test_every_projection_goes_through_the_kernel_order_dense():
 def test_config_errors_name_the_key():
   with pytest.raises(ConfigError, match=r"layer_pattern: has local layers but sliding_window is null"):
     load_config("model=gemma2-tiny", "model.sliding_window=null")
-  with pytest.raises(ConfigError, match=r"layer_pattern: must name at least one layer type"):
+  with pytest.raises(ConfigError, match=r"layer_pattern: must name at least one attention context"):
     load_config("model=gemma2-tiny", "model.layer_pattern=[]")
   with pytest.raises(ConfigError, match=r"model.layer_pattern.0"):
     load_config("model=gemma2-tiny", "model.layer_pattern=[sliding]")
@@ -266,7 +266,7 @@ def test_gemma3_reads_the_published_config_json():
   m = load_config(base={"model": gemma3.from_hf_config(text_config)}).model
   preset = load_config("model=gemma3-4b").model
   assert m == preset
-  assert m.layer_types() == ("local",) * 5 + ("global",) and m.rope_local_theta == 10000.0
+  assert m.context_pattern() == ("local",) * 5 + ("global",) and m.rope_local_theta == 10000.0
 
 
 def test_gemma3_reads_transformers5_rope_parameters():

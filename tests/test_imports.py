@@ -289,3 +289,18 @@ def test_decoder_reexports_nothing_of_params_or_layers():
   assert reexported(fake, (params, layers)) == {"init_params"}
   assert decoder_reach_through("p = decoder.init_params(cfg, key)  # decoder.py", set(decoder.__all__)) == {"init_params"}
 
+
+# The attention context (global/local) is a "context" (ModelConfig.context_pattern, layer_contexts, Context.context_name,
+# ctx.as_context); "layer type" is the mixer kind (model.hybrid_layer_types, Hugging Face's layer_types).
+OLD_CONTEXT_NAMES = re.compile(r"\.layer_types\(\)|\bas_type\(|\blayer_type\b")
+
+
+def test_the_attention_context_has_one_name():
+  """Control: each old spelling is found."""
+  roots = [SRC / "meshlm", SRC.parent / "tests", SRC.parent / "benchmarks", SRC.parent / "scripts"]
+  found = {str(p): OLD_CONTEXT_NAMES.findall(p.read_text()) for r in roots for p in sorted(r.rglob("*.py"))
+           if p != Path(__file__).resolve() and OLD_CONTEXT_NAMES.search(p.read_text())}
+  assert found == {}, found
+  for old in ("m.layer_types()", "ctx.as_type(t)", "ctx.layer_type"):
+    assert OLD_CONTEXT_NAMES.search(old), old
+  assert not OLD_CONTEXT_NAMES.search("m.hybrid_layer_types, hf['layer_types'], ctx.as_context(c), ctx.context_name")
