@@ -22,7 +22,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models.model import resolve
 from meshlm.models import generate as G
 
 
@@ -114,7 +114,7 @@ def row_multiple(cfg: Config) -> int:
   length must be a multiple of for the model's parts (MeshRules.shard_multiple: whole chunks of a chunked
   recurrence)."""
   if cfg.mesh.context > 1:
-    return cfg.mesh.context * decoder.resolve(cfg).shard_multiple
+    return cfg.mesh.context * resolve(cfg).shard_multiple
   return cfg.mesh.context
 
 
