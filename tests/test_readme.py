@@ -46,7 +46,7 @@ def test_import_meshlm_reaches_hf_lazily():
 # The front pages stay short (issues 32 and 47): what meshlm is and links in the README, the map in
 # docs/architecture.md, current figures in docs/performance.md; detail goes to docs/ pages and module docstrings,
 # history to docs/performance-log.md.
-LINE_LIMITS = {"README.md": 250, "docs/architecture.md": 250, "docs/performance.md": 400}
+LINE_LIMITS = {"README.md": 250, "docs/architecture.md": 250, "docs/performance.md": 300}
 
 
 def too_long(root: Path, limits: dict[str, int]) -> list[str]:
