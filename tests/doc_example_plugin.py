@@ -1,4 +1,4 @@
-"""A pytest plugin (`-p doc_example_plugin`, with tests/ on PYTHONPATH) that registers docs/architecture.md's worked
+"""A pytest plugin (`-p doc_example_plugin`, with tests/ on PYTHONPATH) that registers docs/adding-a-part.md's worked
 example (tests/doc_example.py: a new mixer, a family with no Hugging Face adapter, a tiny preset) for the whole
 process, its preset among the package's, as a part author's new family is registered: so the tree's own
 conformance runs on it by its preset's name,
@@ -7,7 +7,7 @@ conformance runs on it by its preset's name,
 
 It registers beside it FORGETFUL, the same family but with a mixer whose decode drops its state (declared
 position-wise, so no state reaches it), and that family's preset FORGETFUL_PRESET: its generate row must fail.
-tests/test_architecture_example.py runs both."""
+tests/test_adding_a_part.py runs both."""
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,4 @@
-"""docs/architecture.md's worked example, run as the page writes it: its mixer, family, registry lines and tiny
+"""docs/adding-a-part.md's worked example, run as the page writes it: its mixer, family, registry lines and tiny
 preset are read from the page's code blocks, registered (tests/doc_example.py), and held to the conformance as a
 part author runs it, `pytest tests/test_conformance.py -k <its preset>` in a process of the default device count
 (tests/doc_example_plugin.py registers it there): cached sampling equals recomputing, packed documents, explicit
