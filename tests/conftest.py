@@ -73,6 +73,8 @@ def _under_ci() -> bool:
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "ci_must_run: under CI=true a skip of this test fails the run")
+  config.addinivalue_line("markers", "tiny_preset: a tiny preset's public-API conformance row, a 1-device user's "
+                          "calls in every process (tests/test_conformance.py)")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
-from meshlm.models.family import CensusCounter, Part
+from meshlm.models.family import CensusCounter, Instrument, Part
 
 ROWS, SCAN = "counted_rows", "counted_scan"
 CENSUS = (CensusCounter(field="stablehlo.counted", kind="scope_gathers_scatters", scope=ROWS),
@@ -29,23 +29,25 @@ def apply(p: dict, x_BTD: jax.Array, ctx=None, state=None):
 
 
 def counted() -> Part:
-  return Part(name="counted", key="mlp", spec=spec, apply=apply, position_wise=True, census=CENSUS)
+  return Part(name="counted", key="mlp", spec=spec, apply=apply, position_wise=True,
+              instrument=Instrument(census=CENSUS))
 
 
 def uncounted() -> Part:
   """The same part with its counters under a scope no op has (the negative control)."""
-  return Part(name="uncounted", key="mlp", spec=spec, apply=apply, position_wise=True, census=(
+  return Part(name="uncounted", key="mlp", spec=spec, apply=apply, position_wise=True, instrument=Instrument(census=(
       CensusCounter(field="stablehlo.nowhere", kind="scope_gathers_scatters", scope="no_such_scope"),
-      CensusCounter(field="nowhere", kind="scan_dead_work", scope="no_such_scope")))
+      CensusCounter(field="nowhere", kind="scan_dead_work", scope="no_such_scope"))))
 
 
 def elsewhere() -> Part:
   """A part declaring counted's "counted" field under another scope: a conflict."""
   return Part(name="elsewhere", key="mlp", spec=spec, apply=apply, position_wise=True,
-              census=(CensusCounter(field="counted", kind="scan_dead_work", scope="elsewhere"),))
+              instrument=Instrument(census=(CensusCounter(field="counted", kind="scan_dead_work", scope="elsewhere"),)))
 
 
 def misfiled() -> Part:
   """A part declaring a StableHLO kind outside the "stablehlo." fields."""
   return Part(name="misfiled", key="mlp", spec=spec, apply=apply, position_wise=True,
-              census=(CensusCounter(field="counted", kind="scope_gathers_scatters", scope=ROWS),))
+              instrument=Instrument(census=(
+                  CensusCounter(field="counted", kind="scope_gathers_scatters", scope=ROWS),)))

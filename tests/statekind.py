@@ -10,7 +10,7 @@ swap the rule (the identity, for the control that the leaf moves only through it
 import jax.numpy as jnp
 
 from meshlm import spec as S
-from meshlm.models.family import Family, Kind, Part
+from meshlm.models.family import Family, Kind, ModelState, Part
 from meshlm.models.ffns import glu
 from meshlm.models.mixers.gqa import gqa
 
@@ -30,7 +30,7 @@ def ema_rule(leaves, side, m):
 RULE = {"fn": ema_rule}
 
 PART = Part(name="ema_glu", key="mlp", spec=glu.spec, apply=apply, side_names=("mean_sq",),
-            model_state=lambda m: {"ema": S.ParamSpec((1,), (None,), "zeros")},
-            after_step=lambda leaves, side, m: RULE["fn"](leaves, side, m))
+            model_state=ModelState(spec=lambda m: {"ema": S.ParamSpec((1,), (None,), "zeros")},
+                                   after_step=lambda leaves, side, m: RULE["fn"](leaves, side, m)))
 
 FAMILY = Family("statekind", kinds={"dense": Kind(gqa(), PART)})

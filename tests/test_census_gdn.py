@@ -19,7 +19,7 @@ from meshlm.nn import gdn
 
 B, T, K, N, HD, J, CHUNK = 1, 128, 1, 2, 16, 16, 32
 U = T // CHUNK
-COUNTER, = gdn_part().census  # what the census counts for the part: the dead work under the chunk scope
+COUNTER, = gdn_part().instrument.census  # what the census counts for the part: the dead work under the chunk scope
 
 
 def _inputs():

@@ -147,13 +147,14 @@ def test_mixtral_tiny_unrolled_layers(monkeypatch):
 
 def test_remat_without_the_save_names_sorts_again_in_the_backward(monkeypatch):
   """remat=full saves the permutation (0 sorts in the backward); without the names the moe part
-  declares (Part.remat_save_names) the backward replays the argsort, once per MoE layer: the census
+  declares (Compute.remat_save_names) the backward replays the argsort, once per MoE layer: the census
   sees it."""
   import dataclasses
   from meshlm.models import registry
   assert _census("qwen3-moe-tiny", "remat=full")["sorts"] == {"forward": 3, "backward": 0}
   fam = registry.get("qwen3_moe")
-  kinds = {k: dataclasses.replace(v, ffn=dataclasses.replace(v.ffn, remat_save_names=())) for k, v in fam.kinds.items()}
+  kinds = {k: dataclasses.replace(v, ffn=dataclasses.replace(v.ffn, compute=dataclasses.replace(
+      v.ffn.compute, remat_save_names=()))) for k, v in fam.kinds.items()}
   monkeypatch.setattr(registry, "get", lambda name: dataclasses.replace(fam, kinds=kinds))
   assert _census("qwen3-moe-tiny", "remat=full")["sorts"] == {"forward": 3, "backward": 3}
 

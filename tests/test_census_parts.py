@@ -1,4 +1,4 @@
-"""The census counts what the parts declare (Part.census): a registered part's counters under its own scopes
+"""The census counts what the parts declare (Instrument.census): a registered part's counters under its own scopes
 become census fields with their counts, a counter whose scope occurs nowhere counts zeros, an unregistered
 part adds no field, and the tree's parts give the table the fields it always had, in the same order."""
 import jax

@@ -191,7 +191,7 @@ def test_moe_impl_capacity_is_not_offered():
 
 def test_expert_axis_on_a_dense_model_is_refused():
   """Rough edge 15: mesh.expert=2 on a dense model trained silently; a MoE model still takes it. Only the moe part
-  shards over mesh.expert (Part.mesh_axes), so the family checks it."""
+  shards over mesh.expert (MeshRules.axes), so the family checks it."""
   import meshlm
   with pytest.raises(ConfigError) as info:
     meshlm.load_config("model=llama2-tiny", "mesh.expert=2")

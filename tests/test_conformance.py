@@ -1,24 +1,31 @@
 """Every registered family through the public API as users call it, generated from models/registry: no list of
 presets or families is kept here. tests/conformance.py holds the checks:
 
-- on each tiny preset: greedy generate (three right-padded prompts, past every sliding window and across a GDN
-  chunk boundary) equals recomputing with forward, token for token, log-probs within 1e-5; packed documents get
-  the logits each has alone; hf.save -> hf.load keeps every leaf and the logits bit for bit; for MoE, generate's
-  recorded expert ids fed back as forced_expert_ids give the same logits, bit for bit; and explicit equals auto
-  over a few float32 train steps on fsdp=4, with no blocked transpose-of-dot pair under explicit;
-- on one HF fixture per family: hf.load -> forward matches transformers' logits; hf.save -> hf.load is bit for
-  bit; for MoE, the README's calls (hf.load, forward, generate) give the same inside a jax.set_mesh as outside.
+- on each tiny preset (the product rows, which every family needs): greedy generate (three right-padded prompts,
+  past every sliding window and across a GDN chunk boundary) equals recomputing with forward, token for token,
+  log-probs within 1e-5; packed documents get the logits each has alone; for MoE, generate's recorded expert ids
+  fed back as forced_expert_ids give the same logits, bit for bit; and explicit equals auto over a few float32
+  train steps on fsdp=4, with no blocked transpose-of-dot pair under explicit;
+- on a family with a Hugging Face adapter (hf/adapters/<family>.py, which declares its model_type; a family
+  without one has no HF rows and is asked for no fixture): hf.save -> hf.load keeps every leaf and the logits of
+  each tiny preset bit for bit; on one HF fixture per family, hf.load -> forward matches transformers' logits and
+  hf.save -> hf.load is bit for bit; for MoE, the README's calls (hf.load, forward, generate) give the same inside
+  a jax.set_mesh as outside.
 
-A family registered without what these need (a tiny preset, an HF adapter and fixture, a part that declares
-neither its decode state nor that it is position-wise) fails test_every_family_has_what_conformance_needs,
+A family registered without what these need (a tiny preset, a part that declares neither its decode state nor
+that it is position-wise; with an HF adapter, a fixture) fails test_every_family_has_what_conformance_needs,
 naming what is missing.
 
-Which rows run depends on the process's device count. With 1 device (the user's default;
-tests/test_conformance_devices.py starts that process) every public-API row, outside any mesh context as the
-README calls them. With more, the MoE families' fixtures through the README's calls (hf.load and forward, in and
-outside a jax.set_mesh, the logits against transformers') as a user of those devices makes them: in the
-suite's 8-device process a 4-device user's (cpu_devices=4); and there explicit == auto for one tiny preset of
-every family (the first by name: llama2-tiny for llama). Under CI=true none may skip (ci_must_run).
+A tiny preset's rows (marked tiny_preset) exist in every process and are a 1-device user's calls, outside any
+mesh context as the README makes them: in a process of more devices on the first one (cpu_devices=1), so a part
+author's `pytest tests/test_conformance.py -k <preset>` runs every row of the preset on the default 8 devices.
+The fixtures' rows depend on the process's device count. With 1 device (the user's default and no cpu_devices;
+tests/test_conformance_devices.py starts that process, leaving the tiny_preset rows to the suite's own process
+so that none runs twice) every fixture row. With more, the MoE families' fixtures through the README's calls
+(hf.load and forward, in and outside a jax.set_mesh, the logits against transformers') as a user of those
+devices makes them: in the suite's 8-device process a 4-device user's (cpu_devices=4); and there explicit ==
+auto for one tiny preset of every family (the first by name: llama2-tiny for llama). Under CI=true none may skip
+(ci_must_run).
 
 Measured (XLA:CPU, float32, 1 device): generate against the forward at most 1.4e-6 in log-probs, no ties; packed
 against alone at most 3.9e-6 of the largest logit; fixture logits against transformers at most 3.3e-6 relative.
@@ -47,6 +54,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FIXTURE_TOL = 1e-5  # relative, logits against transformers (test_hf holds every layer's hidden state at 3e-6)
 # In the suite's 8-device process the calls are a 4-device user's (cpu_devices=4 names the first 4 devices).
 USER = ("cpu_devices=4",) if DEVICES >= 4 else ()
+# A tiny preset's rows are a 1-device user's in every process: with more devices, the first one.
+ONE = ("cpu_devices=1",) if DEVICES > 1 else ()
+TINY_PRESET = pytest.mark.tiny_preset  # the 1-device process deselects these rows: the suite's own runs them
 
 
 def presets_of(family: str) -> list[str]:
@@ -58,19 +68,27 @@ def fixtures_of(family: str) -> list[str]:
                 if (p / "config.json").is_file() and C.family_of_fixture(str(p)) == family)
 
 
+def has_hf(family: str) -> bool:
+  """The family declares a Hugging Face model type: it has an adapter (hf/adapters/<family>.py), so HF rows."""
+  from meshlm.hf.adapters import ADAPTERS
+  return family in ADAPTERS
+
+
 def replays(family: str) -> bool:
   """The family has a part whose side output a per-layer input replays (MoE's routed ids)."""
-  return any(p.replays for kind in registry.get(family).kinds.values() for p in kind.parts)
+  return any(p.replay.replays for kind in registry.get(family).kinds.values() for p in kind.parts)
 
 
-def preset_rows(moe_only: bool = False) -> list:
-  """Every tiny preset (moe_only: of the MoE families), in the 1-device process; none elsewhere."""
-  fams = [f for f in sorted(registry.FAMILIES) if replays(f) or not moe_only] if DEVICES == 1 else []
+def preset_rows(moe_only: bool = False, hf_only: bool = False) -> list:
+  """Every tiny preset (moe_only: of the MoE families; hf_only: of the families with an HF adapter), in every
+  process."""
+  fams = [f for f in sorted(registry.FAMILIES) if (replays(f) or not moe_only) and (has_hf(f) or not hf_only)]
   return [pytest.param(p, id=p) for f in fams for p in presets_of(f)]
 
 
 def fixture_rows(moe_only: bool = False) -> list:
-  """One HF fixture per family (moe_only, and in processes of more than 1 device: of the MoE families)."""
+  """One HF fixture per family with an adapter (moe_only, and in processes of more than 1 device: of the MoE
+  families)."""
   fams = [f for f in sorted(registry.FAMILIES) if replays(f) or not (moe_only or DEVICES > 1)]
   return [pytest.param(n, id=n) for f in fams for n in fixtures_of(f)[:1]]
 
@@ -92,7 +110,7 @@ def elsewhere():
 
 @functools.cache
 def preset_model(preset: str):
-  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), "train.compute_dtype=float32")
+  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), "train.compute_dtype=float32", *ONE)
   return cfg, meshlm.init_params(cfg, jax.random.key(0))
 
 
@@ -104,7 +122,10 @@ def fixture_model(name: str):
 
 @functools.cache
 def sample(kind: str, name: str):
-  cfg, params = preset_model(name) if kind == "preset" else fixture_model(name)
+  """Greedy generate on a tiny preset (outside any mesh context) or a fixture (in this process's: where())."""
+  if kind == "preset":
+    return C.greedy(*preset_model(name))
+  cfg, params = fixture_model(name)
   with where():
     return C.greedy(cfg, params)
 
@@ -112,15 +133,10 @@ def sample(kind: str, name: str):
 # --- what a family needs ---------------------------------------------------------------------------
 
 def missing_for(fam: str) -> list[str]:
-  """What conformance needs of family `fam` and does not find, one phrase each."""
-  from meshlm.hf.adapters import ADAPTERS
+  """What the product rows need of family `fam` and do not find, one phrase each: every family's."""
   out = []
   if not presets_of(fam):
     out.append(f"a tiny preset (src/meshlm/config/presets/<name>-tiny.yaml with model.family: {fam})")
-  if fam not in ADAPTERS:
-    out.append("a Hugging Face adapter (hf/adapters/<family>.py, found by its name)")
-  elif not fixtures_of(fam):
-    out.append("an HF fixture (scripts/make_hf_fixtures.py writes tests/fixtures/hf/<name>/)")
   for kind_name, kind in registry.get(fam).kinds.items():
     for part in kind.parts:
       if part.state_spec is None and not part.position_wise:
@@ -129,14 +145,23 @@ def missing_for(fam: str) -> list[str]:
   return out
 
 
+def hf_missing_for(fam: str) -> list[str]:
+  """What the HF rows need of family `fam` and do not find: asked only of a family with an HF adapter."""
+  if has_hf(fam) and not fixtures_of(fam):
+    return ["an HF fixture (its adapter declares an HF model type; scripts/make_hf_fixtures.py writes "
+            "tests/fixtures/hf/<name>/)"]
+  return []
+
+
 @pytest.mark.parametrize("fam", sorted(registry.FAMILIES))
 def test_every_family_has_what_conformance_needs(fam):
-  missing = missing_for(fam)
+  missing = missing_for(fam) + hf_missing_for(fam)
   assert not missing, f"family {fam!r} lacks: " + "; ".join(missing)
 
 
 def test_a_family_without_what_it_needs_is_named(monkeypatch):
-  """Control: a registered family with no tiny preset, no adapter, and a mixer declaring no decode state."""
+  """Control: a registered family with no tiny preset and a mixer declaring no decode state; with no HF adapter it
+  is asked for no fixture, with one (llama's) for a fixture."""
   import dataclasses
   import types
   import sys
@@ -148,17 +173,24 @@ def test_a_family_without_what_it_needs_is_named(monkeypatch):
   monkeypatch.setitem(sys.modules, "throwaway_family", module)
   monkeypatch.setitem(registry.FAMILIES, "throwaway", "throwaway_family")
   missing = " ".join(missing_for("throwaway"))
-  assert "a tiny preset" in missing and "a Hugging Face adapter" in missing
-  assert "part 'stateless' declares neither its decode state" in missing
+  assert "a tiny preset" in missing and "part 'stateless' declares neither its decode state" in missing
+  assert not has_hf("throwaway") and hf_missing_for("throwaway") == []
+  from meshlm.hf import adapters
+  monkeypatch.setitem(adapters.ADAPTERS, "throwaway", adapters.ADAPTERS["llama"])
+  assert "an HF fixture" in " ".join(hf_missing_for("throwaway"))
 
 
 def test_the_rows_come_from_the_registry():
-  """This process's rows: with 1 device every tiny preset and one fixture of every family; with more, one fixture
-  of every MoE family, and explicit == auto for one tiny preset of every family where there are 4 devices."""
+  """This process's rows: in every process every tiny preset (its HF round trip where its family has an adapter);
+  with 1 device one fixture of every family with an adapter; with more, one fixture of every MoE family, and
+  explicit == auto for one tiny preset of every family where there are 4 devices."""
   moe = {f for f in registry.FAMILIES if replays(f)}
-  assert moe and moe != set(registry.FAMILIES)
-  fams = set(registry.FAMILIES) if DEVICES == 1 else moe
-  assert {p.values[0] for p in preset_rows()} == (set(tiny_presets()) if DEVICES == 1 else set())
+  hf = {f for f in registry.FAMILIES if has_hf(f)}
+  assert moe and moe != set(registry.FAMILIES) and moe <= hf
+  fams = hf if DEVICES == 1 else moe
+  family = {p: meshlm.load_config(f"model={p}").model.family for p in tiny_presets()}
+  assert {p.values[0] for p in preset_rows()} == set(tiny_presets())
+  assert {p.values[0] for p in preset_rows(hf_only=True)} == {p for p, f in family.items() if f in hf}
   assert {C.family_of_fixture(str(FIXTURES / p.values[0])) for p in fixture_rows()} == fams
   assert {C.family_of_fixture(str(FIXTURES / p.values[0])) for p in fixture_rows(moe_only=True)} == moe
   parity = [p.values[0] for p in parity_rows()]
@@ -168,36 +200,35 @@ def test_the_rows_come_from_the_registry():
 
 
 # --- tiny presets through the public API --------------------------------------------------------------
-# Defined in the 1-device process only (an empty parametrization would be a skip, which CI=true fails).
-if DEVICES == 1:
-  @pytest.mark.parametrize("preset", preset_rows())
-  def test_generate_equals_recomputing_with_forward(preset):
-    cfg, params = preset_model(preset)
-    with where():
-      got = C.check_generate_equals_recompute(cfg, params, sample("preset", preset))
-    print(f"{preset} on {DEVICES} devices: {got}")
+# A 1-device user's calls in every process (ONE), outside any mesh context.
+
+@TINY_PRESET
+@pytest.mark.parametrize("preset", preset_rows())
+def test_generate_equals_recomputing_with_forward(preset):
+  cfg, params = preset_model(preset)
+  got = C.check_generate_equals_recompute(cfg, params, sample("preset", preset))
+  print(f"{preset} on 1 device: {got}")
 
 
-  @pytest.mark.parametrize("preset", preset_rows())
-  def test_packed_documents_equal_each_alone(preset):
-    cfg, params = preset_model(preset)
-    with where():
-      print(f"{preset}: packed vs alone, relative max |diff| {C.check_packed_documents(cfg, params):.3g}")
+@TINY_PRESET
+@pytest.mark.parametrize("preset", preset_rows())
+def test_packed_documents_equal_each_alone(preset):
+  print(f"{preset}: packed vs alone, relative max |diff| {C.check_packed_documents(*preset_model(preset)):.3g}")
 
 
-  @pytest.mark.parametrize("preset", preset_rows())
-  def test_hf_save_then_load_is_bit_identical(preset, tmp_path):
-    cfg, params = preset_model(preset)
-    with where():
-      C.check_hf_round_trip(cfg, params, tmp_path / "hf")
+@TINY_PRESET
+@pytest.mark.parametrize("preset", preset_rows(hf_only=True))
+def test_hf_save_then_load_is_bit_identical(preset, tmp_path):
+  cfg, params = preset_model(preset)
+  C.check_hf_round_trip(cfg, params, tmp_path / "hf", over=ONE)
 
 
-  @pytest.mark.parametrize("preset", preset_rows(moe_only=True))
-  def test_recorded_expert_ids_replay_bit_for_bit(preset):
-    cfg, params = preset_model(preset)
-    with where():
-      agree = C.check_replay(cfg, params, sample("preset", preset))
-    print(f"{preset}: the sampler and the forward routed {agree:.2%} of the fed tokens' layers alike")
+@TINY_PRESET
+@pytest.mark.parametrize("preset", preset_rows(moe_only=True))
+def test_recorded_expert_ids_replay_bit_for_bit(preset):
+  cfg, params = preset_model(preset)
+  agree = C.check_replay(cfg, params, sample("preset", preset))
+  print(f"{preset}: the sampler and the forward routed {agree:.2%} of the fed tokens' layers alike")
 
 
 # --- HF fixtures through the public API ---------------------------------------------------------------
@@ -317,33 +348,33 @@ if DEVICES >= 4:
 
 # --- negative controls of the public-API checks ----------------------------------------------------------
 
-if DEVICES == 1:
-  def test_a_load_that_moves_one_leaf_by_an_ulp_fails_the_round_trip(monkeypatch, tmp_path):
-    preset = preset_rows()[0].values[0]
-    cfg, params = preset_model(preset)
-    real = meshlm.hf.load
+@TINY_PRESET
+def test_a_load_that_moves_one_leaf_by_an_ulp_fails_the_round_trip(monkeypatch, tmp_path):
+  preset = preset_rows(hf_only=True)[0].values[0]
+  cfg, params = preset_model(preset)
+  real = meshlm.hf.load
 
-    def nudged(*a, **kw):
-      cfg2, tree = real(*a, **kw)
-      leaf = np.asarray(tree["final_norm"])
-      return cfg2, dict(tree, final_norm=jax.numpy.asarray(np.nextafter(leaf, np.float32(np.inf))))
-    monkeypatch.setattr(meshlm.hf, "load", nudged)
-    with where(), pytest.raises(AssertionError, match="final_norm"):
-      C.check_hf_round_trip(cfg, params, tmp_path / "hf")
+  def nudged(*a, **kw):
+    cfg2, tree = real(*a, **kw)
+    leaf = np.asarray(tree["final_norm"])
+    return cfg2, dict(tree, final_norm=jax.numpy.asarray(np.nextafter(leaf, np.float32(np.inf))))
+  monkeypatch.setattr(meshlm.hf, "load", nudged)
+  with pytest.raises(AssertionError, match="final_norm"):
+    C.check_hf_round_trip(cfg, params, tmp_path / "hf", over=ONE)
 
 
-  def test_other_expert_ids_forced_change_the_logits():
-    """Control of the replay check: forcing each recorded routing's next expert instead moves the logits, so equal
-    logits in test_recorded_expert_ids_replay_bit_for_bit mean the forced ids were read."""
-    preset = preset_rows(moe_only=True)[0].values[0]
-    cfg, params = preset_model(preset)
-    out = sample("preset", preset)
-    block = C.right_padded([p + n for p, n in zip(C.prompts(cfg), out.token_lists())])
-    rec = out.expert_ids[:, :C.T]
-    with where():
-      free, side = C.logits_of(cfg, params, block)
-      free_ids = np.moveaxis(side["moe_expert_ids"], 0, 2)
-      shifted = np.where(rec >= 0, (rec + 1) % knobs(cfg.model).num_experts, free_ids)
-      other, _ = C.logits_of(cfg, params, block, forced_expert_ids=shifted)
-    real = block[2] > 0
-    assert np.abs(other - free)[real].max() > 1e-3
+@TINY_PRESET
+def test_other_expert_ids_forced_change_the_logits():
+  """Control of the replay check: forcing each recorded routing's next expert instead moves the logits, so equal
+  logits in test_recorded_expert_ids_replay_bit_for_bit mean the forced ids were read."""
+  preset = preset_rows(moe_only=True)[0].values[0]
+  cfg, params = preset_model(preset)
+  out = sample("preset", preset)
+  block = C.right_padded([p + n for p, n in zip(C.prompts(cfg), out.token_lists())])
+  rec = out.expert_ids[:, :C.T]
+  free, side = C.logits_of(cfg, params, block)
+  free_ids = np.moveaxis(side["moe_expert_ids"], 0, 2)
+  shifted = np.where(rec >= 0, (rec + 1) % knobs(cfg.model).num_experts, free_ids)
+  other, _ = C.logits_of(cfg, params, block, forced_expert_ids=shifted)
+  real = block[2] > 0
+  assert np.abs(other - free)[real].max() > 1e-3

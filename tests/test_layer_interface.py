@@ -1,9 +1,12 @@
 """Every registered family against the declared layer interface (models/family.py), by abstract
 evaluation (jax.eval_shape: no compile): each part's parameters are ParamSpecs, apply returns exactly
 its declared side outputs, no update when training, and in prefill and decode an update whose leaves
-are the ones its state_spec declares, shaped by their commit rule. The generic decoder imports no part."""
+are the ones its state_spec declares, shaped by their commit rule. The generic decoder imports no part. Every
+field of Part and of its opt-in records is documented in its own class's docstring."""
 import ast
+import dataclasses
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ import pytest
 from meshlm import spec as S
 from meshlm.config import load_config, preset_names
 from meshlm.models import decoder, registry
+from meshlm.models import family as F
 from meshlm.models.family import COMMITS, Kind, LayerInput, Part, StateLeaf
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshlm"
@@ -52,11 +56,11 @@ def _run(cfg, kind: Kind, part: Part, mode: str, context_name: str):
     state = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in part.state_spec(m, B, size).items()}
 
   def f(p, x, state):
-    if part.prepare is not None:
-      p = part.prepare(p, specs)
+    if part.compute.prepare is not None:
+      p = part.compute.prepare(p, specs)
     p = jax.tree.map(lambda a: a[0], p)
     if part.model_state is not None:
-      p = dict(p, **jax.tree.map(lambda s: jnp.zeros(s.shape), part.model_state(m), is_leaf=S.is_spec))
+      p = dict(p, **jax.tree.map(lambda s: jnp.zeros(s.shape), part.model_state.spec(m), is_leaf=S.is_spec))
     pos = jnp.broadcast_to(jnp.arange(T_in, dtype=jnp.int32), (B, T_in)) + (C - 1 if mode == "decode" else 0)
     kw = {} if mode == "train" else dict(cache_len=C)
     if mode == "prefill":
@@ -84,11 +88,12 @@ def test_part_honours_its_declaration(fam_name, kind_name, part_name):
   assert part.name in registry.PARTS, f"part {part.name!r} is not in models/registry.PARTS"
   assert kind.mixer.key != kind.ffn.key and part.key not in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm")
   assert all(S.is_spec(s) for s in jax.tree.leaves(part.spec(m), is_leaf=S.is_spec))
-  for li in part.layer_inputs.values():  # the trailing shape a batch field and the decoder's input take
+  for li in part.replay.layer_inputs.values():  # the trailing shape a batch field and the decoder's input take
     assert isinstance(li, LayerInput) and callable(li.check) and all(isinstance(n, int) for n in li.trailing(m))
-  assert set(part.replays) <= set(part.side_names) and set(part.replays.values()) <= set(part.layer_inputs)
-  if part.after_step is not None:
-    assert part.model_state is not None and part.side_names
+  assert set(part.replay.replays) <= set(part.side_names)
+  assert set(part.replay.replays.values()) <= set(part.replay.layer_inputs)
+  if part.model_state is not None:
+    assert part.side_names and set(part.state_side()) <= set(part.side_names)
   contexts = sorted(set(registry.family(cfg).layer_plan(m).contexts))
   for context_name in contexts:
     (y, update, side), size = _run(cfg, kind, part, "train", context_name)
@@ -142,9 +147,71 @@ def test_the_generic_decoder_imports_no_part(tmp_path):
 
 def test_a_wrong_declaration_fails_the_check():
   """Control: a part whose apply returns a side output it does not declare is caught."""
-  import dataclasses
   cfg = load_config("model=llama2-tiny", "train.compute_dtype=float32", "cpu_devices=1")
   kind = registry.get("llama").kinds["dense"]
   sloppy = dataclasses.replace(kind.ffn, apply=lambda p, x, ctx, state=None: (x, None, {"extra": jnp.zeros(())}))
   (_, _, side), _ = _run(cfg, kind, sloppy, "train", "global")
   assert sorted(side) != sorted(sloppy.side_names)
+
+
+RECORDS = (Part, F.Compute, F.Replay, F.ModelState, F.MeshRules, F.Instrument)
+
+
+def undocumented(cls) -> list[str]:
+  """The dataclass fields of cls that its docstring does not document as an item (`- name: ...` or `- name(...`)."""
+  return [f.name for f in dataclasses.fields(cls) if not re.search(rf"^\s*- {f.name}\b", cls.__doc__ or "", re.M)]
+
+
+@pytest.mark.parametrize("cls", RECORDS, ids=[c.__name__ for c in RECORDS])
+def test_every_field_of_the_part_and_its_records_is_documented_once_in_its_class(cls):
+  assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+  assert undocumented(cls) == [], f"{cls.__name__}: fields with no `- name` item in its docstring"
+
+
+def test_an_undocumented_field_is_named():
+  """Control: a record with a field its docstring leaves out."""
+  @dataclasses.dataclass(frozen=True)
+  class Sloppy:
+    """- axes: documented."""
+    axes: tuple = ()
+    check: object = None
+  assert undocumented(Sloppy) == ["check"]
+
+
+def test_the_parts_opt_in_records_default_to_declaring_nothing():
+  """A part that sets only the core fields (glu) gets records that declare nothing, and the readers see nothing."""
+  part = registry.parts()["glu"]
+  assert (part.compute, part.replay, part.model_state, part.mesh, part.instrument) == (
+      F.Compute(), F.Replay(), None, F.MeshRules(), F.Instrument())
+  cfg = load_config("model=llama2-tiny")
+  assert part.mesh.shard_multiple(cfg.model) == 1 and part.mesh.run_knobs(cfg) == {} and part.state_side() == {}
+  assert part.instrument.attention_width is None and part.compute.prepare is None
+
+
+RECORD_OF = {"compute": "Compute", "replay": "Replay", "model_state": "ModelState", "mesh": "MeshRules",
+             "instrument": "Instrument"}
+
+
+def doc_field_lists(text: str) -> tuple[set[str], dict[str, str]]:
+  """Part fields a doc names: those of a signature `Part(a, b | c, ...)` (no `=` in it), and {field: record} of
+  its `field=Record(` items."""
+  names = set()
+  for sig in re.findall(r"\bPart\(([\w ,|.]*)\)", text):
+    names.update(n for n in re.split(r"[ ,|]+", sig) if n and n != "...")
+  return names, dict(re.findall(r"\b(\w+)=(" + "|".join(RECORD_OF.values()) + r")\(", text))
+
+
+def test_the_docs_name_only_parts_fields_and_records():
+  """Where a doc keeps (part of) Part's field list, each name is a field, and each record sits at its field."""
+  fields = {f.name for f in dataclasses.fields(Part)}
+  assert set(RECORD_OF) <= fields and {f.name: f.type.split(" ")[0] for f in dataclasses.fields(Part)
+                                       if f.name in RECORD_OF} == RECORD_OF
+  docs = sorted((SRC.parents[1] / "docs").glob("*.md"))
+  for doc in docs:
+    names, records = doc_field_lists(doc.read_text())
+    assert names <= fields, f"{doc.name}: not Part fields: {sorted(names - fields)}"
+    assert all(RECORD_OF.get(k) == v for k, v in records.items()), f"{doc.name}: {records}"
+  # Control: the old signature names fields that moved into records.
+  names, _ = doc_field_lists("Part(name, key, spec, apply, state_spec, prepare, mesh_axes)")
+  assert names - fields == {"prepare", "mesh_axes"}
+  assert doc_field_lists("x = Part(name='a', mesh=Instrument(census=()))")[1] == {"mesh": "Instrument"}

@@ -1,5 +1,5 @@
-"""The model FLOPs per token (analysis/aot.model_flops_per_token) from what the parts declare (Part.attention_width,
-Part.active_fraction) equal, for every preset, the formula that named the parts (the copy below, as it was at
+"""The model FLOPs per token (analysis/aot.model_flops_per_token) from what the parts declare
+(Instrument.attention_width, Instrument.active_fraction) equal, for every preset, the formula that named the parts (the copy below, as it was at
 60149c0); a part that forgets its declaration changes the number."""
 import dataclasses
 import math
@@ -74,9 +74,12 @@ def test_the_window_and_length_follow_the_reference(preset, over):
 
 
 def swap_part(monkeypatch, family: str, **fields) -> None:
-  """The registry's `family` with each kind's mixer or ffn given other Part fields (mixer={...}, ffn={...})."""
+  """The registry's `family` with each kind's mixer or ffn given other Instrument fields (mixer={...}, ffn={...})."""
   fam = registry.get(family)
-  kinds = {k: dataclasses.replace(v, **{half: dataclasses.replace(getattr(v, half), **f) for half, f in fields.items()})
+
+  def swapped_part(part, f):
+    return dataclasses.replace(part, instrument=dataclasses.replace(part.instrument, **f))
+  kinds = {k: dataclasses.replace(v, **{half: swapped_part(getattr(v, half), f) for half, f in fields.items()})
            for k, v in fam.kinds.items()}
   swapped = dataclasses.replace(fam, kinds=kinds)
   get = registry.get

@@ -1,4 +1,4 @@
-"""Model state: non-trainable leaves a layer part declares (Part.model_state) with an after-step rule.
+"""Model state: non-trainable leaves a layer part declares (ModelState) with an after-step rule.
 
 The leaf changes only through its rule, never through the optimizer (it is not in the parameters the
 optimizer sees); a checkpoint holds it beside the parameters; 10 + 10 steps equal 20 bit for bit, the

@@ -432,7 +432,7 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_keeps_the_sort_permutation(remat):
   """Under remat the backward replays the layer unless told otherwise; the decoder's policies save the
-  names the moe part declares (Part.remat_save_names: the sort permutation), so forward + backward
+  names the moe part declares (Compute.remat_save_names: the sort permutation), so forward + backward
   sorts once, not twice."""
   from meshlm.models import decoder
   from meshlm.models.model import Model

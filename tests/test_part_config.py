@@ -293,7 +293,7 @@ def test_a_required_moe_knob_is_named_when_missing(knob):
 
 def test_a_family_without_the_moe_part_refuses_its_section_and_the_expert_axis():
   """qwen3_5 (dense) and llama refuse model.parts.moe, under its name and under an old key; only a model with the
-  moe part may set mesh.expert above 1 (Part.mesh_axes), and the moe part that it divides its experts."""
+  moe part may set mesh.expert above 1 (MeshRules.axes), and the moe part that it divides its experts."""
   for preset, family in (("qwen3.5-tiny", "qwen3_5"), ("llama2-tiny", "llama")):
     for key in ("model.parts.moe.num_experts=4", "model.num_experts=4"):
       with pytest.raises(ConfigError, match=f"^model.parts.moe: model family '{family}' has no part 'moe'"):

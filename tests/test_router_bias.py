@@ -128,7 +128,7 @@ def test_each_step_moves_the_bias_by_the_rule_from_the_whole_batch(run):
   """bias += rate * sign(mean load - load) with the load of the whole global batch's real tokens (a
   forward of the whole batch), though the step counts it on 4 fsdp shards in 2 micro-batches; the
   second micro-batch has no loss tokens, so a count weighted by each micro-batch's token share (what
-  "mean" side outputs get) would leave its tokens out (checked by hand with after_step_side=
+  "mean" side outputs get) would leave its tokens out (checked by hand with ModelState.side=
   {"moe_expert_load": "mean"}: the third step then moves layer 0's expert 2 to 0.12, not 0.08)."""
   real = 6 * 16 + 2 * 9
   bias = np.broadcast_to(SKEW, (2, 8))

@@ -245,8 +245,8 @@ def model_flops_per_token(cfg) -> float:
 
   The matmul parameters are the kernels of the parameter tree (every leaf with two or more dims besides the
   layer axis; the embedding table only when it is the tied head), each times the share of it a token meets
-  (its part's Part.active_fraction). The widths are the parts' (Part.attention_width; a part without one does
-  not attend). A recurrence's own work and the elementwise work are not counted."""
+  (its part's Instrument.active_fraction). The widths are the parts' (Instrument.attention_width; a part without
+  one does not attend). A recurrence's own work and the elementwise work are not counted."""
   import jax
   from meshlm import spec as S
   from meshlm.models.params import param_specs
@@ -264,7 +264,7 @@ def model_flops_per_token(cfg) -> float:
     n = float(math.prod(s.shape))
     part = _owner(M, names)
     if part is not None:
-      n *= part.active_fraction(m, s)
+      n *= part.instrument.active_fraction(m, s)
     matmul += n
   T = cfg.train.seq_len
   attention = 0.0
@@ -273,8 +273,8 @@ def model_flops_per_token(cfg) -> float:
     # The keys a query sees, averaged over the row: min(i, w) for query i (T / 2 for causal attention).
     keys = T / 2 if w >= T else (w * (w + 1) / 2 + (T - w) * w) / T
     for part in M.kinds[kind].parts:
-      if part.attention_width is not None:
-        attention += 6.0 * part.attention_width(m) * keys
+      if part.instrument.attention_width is not None:
+        attention += 6.0 * part.instrument.attention_width(m) * keys
   return 6.0 * matmul + attention
 
 

@@ -4,7 +4,8 @@
 abstract inputs and compiles it; nothing executes. The result is a nested dict whose dotted paths
 are the field names of DESIGN.md ("stablehlo.transpose_of_dot.blocked" is
 `result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field. Besides its own
-fields it runs the counters every registered part declares (Part.census; the counting kinds: analysis/counters.py).
+fields it runs the counters every registered part declares (Instrument.census; the counting kinds:
+analysis/counters.py).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The counting kinds of the census that parts declare (models/family.CensusCounter, Part.census): which program
-each reads, the fields it reports, and the compiled loops' dead-work count.
+"""The counting kinds of the census that parts declare (models/family.CensusCounter, Instrument.census): which
+program each reads, the fields it reports, and the compiled loops' dead-work count.
 
 A part names what should be counted for it (a kind, one of its named scopes and a census field) and the census
 (analysis/census.py) runs every registered part's counters on every step, so a model without the part shows

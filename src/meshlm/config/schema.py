@@ -433,7 +433,8 @@ class Config(_Strict):
   scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
   param_scan_axis: Literal[0, 1] = Field(default=0, description="axis of the stacked layer dimension in parameters")
   stack_rows: bool = Field(default=True, description="unrolled layers read the parameters a part lists in "
-                           "Part.stack_rows (MoE expert kernels) in place from their stacks; false: every row sliced out")
+                           "MeshRules.stack_rows (MoE expert kernels) in place from their stacks; false: every row "
+                           "sliced out")
   remat: Literal["none", "full", "dots"] = Field(default="none", description="rematerialization per layer: none, full, or save dots")
   cpu_devices: Optional[int] = Field(default=None, gt=0, description="N fake host devices (CPU only); null: the real devices")
   mesh: MeshConfig = MeshConfig()

@@ -5,7 +5,7 @@ dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, 
 The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
 positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
 A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
-this one layer (layers.run_layers' layer_inputs: what its parts declare as Part.layer_inputs).
+this one layer (layers.run_layers' layer_inputs: what its parts declare as Replay.layer_inputs).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   context_name: str = "global"
-  # This layer's own inputs, {name: array} (the decoder's per-layer channel, Part.layer_inputs); empty
+  # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
   layer: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 

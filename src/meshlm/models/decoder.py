@@ -105,7 +105,7 @@ def forward(cfg: Config | Model, params: dict, tokens_BT: jax.Array, positions_B
 
   layer_inputs: {name: [n, B, T, ...]}, a per-layer input stacked over the n model layers that read it
   (Model.input_readers(name)), in model order; each is checked by the part that reads it (its shape, and
-  its values when the array is concrete, called outside jit). A part's replayed side output (Part.replays)
+  its values when the array is concrete, called outside jit). A part's replayed side output (Replay.replays)
   fed back as its layer input replays that part's choices.
   """
   M = resolve(cfg)

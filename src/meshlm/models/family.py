@@ -5,73 +5,13 @@ A layer **kind** is a mixer and a feed-forward plus their norms:
     x = x + post_norm(mixer(norm(x)))        # gqa, later mla, gdn, gated_gqa
     x = x + post_norm(ffn(norm(x)))          # glu, moe
 
-Both halves are a `Part`, declared with typed fields (models/mixers/, models/ffns/; registered in
-models/registry.py):
-
-- spec(m) -> one layer's ParamSpec tree, stored under `key` in the layer's parameters.
-- apply(p, x_BTD, ctx, state) -> (y_BTD, update, side). p: the part's parameters for one layer
-  (after `prepare`, with the model-state leaves merged in); ctx: the `Context` (models/context.py);
-  state: the layer's decode state (its leaves as `state_spec` declares them) in decode, else None;
-  update: what the layer wrote (None when training), committed by the decoder after the layer scan;
-  side: per-layer side outputs ({name: array}), {} when there are none.
-- state_spec(m, batch, size) -> {leaf: StateLeaf}: the decode state of one layer whose context holds
-  `size` cache slots, and how its update is committed ("rows" or "replace").
-- position_wise: True for a part whose output at a position reads that position's input alone (a
-  feed-forward), so it keeps no decode state. Every part declares one or the other: a state_spec, or
-  position_wise (tests/test_conformance.py refuses a part with neither, and samples from every family
-  against recomputing, which catches a wrong one).
-- prepare(stack, specs) -> stack: runs once before the layer scan on the part's stacked parameters
-  (a "layers" axis leading or at param_scan_axis): gather-once transforms live here.
-- remat_save_names: names (jax.ad_checkpoint.checkpoint_name) a remat policy must save.
-- stack_rows: names of parameters the part reads by row from their stacks itself: in an unrolled layer
-  it gets them as `nn.stack_row.StackRow(stack, layer row)` instead of the sliced row (a copy on XLA:CPU),
-  so a part whose parameters are large reads only what it uses (MoE: one expert's kernel at a time).
-- layer_inputs: {name: LayerInput}: per-layer inputs the part reads from `ctx.layer[name]`, given to the
-  decoder stacked over the model layers that read them ([n, B, T, *trailing]); the train step takes each
-  as a batch field [B, T, n, *trailing] of that name, and LayerInput.check refuses a bad one either way.
-- model_state(m) -> ParamSpec tree of non-trainable leaves (merged into p, never seen by the
-  optimizer), and after_step(leaves, side, m) -> leaves, the rule that updates them after each step
-  from the part's side outputs (stacked over the kind's layers). after_step_side: {side output: "mean"
-  | "sum"}, the side outputs the rule reads and how the train step adds them over micro-batches:
-  "mean" weights each by its micro-batch's share of the tokens (a token mean), "sum" adds them as
-  they are (counts: the whole batch's total); empty = every side output, "mean".
-- rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
-- side_names: the side outputs apply returns; replays: {side output: the per-layer input that
-  forces it} (MoE: the routed ids replay as forced ids), what a sampler records for a replay.
-- config: the part's own config section, a pydantic model whose fields are the part's knobs (with defaults, or
-  required: moe's num_experts), set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`)
-  and read in the part with `section(m, part)`. The family refuses a section that none of its parts declares,
-  and checks each section its parts declare, given or not: an unknown knob, a bad value or a missing required
-  one is refused naming the key, when the model resolves.
-- shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a
-  multiple of it (gdn: whole chunks, model.parts.gdn.chunk_size); 1 for a part with no such need.
-- mesh_axes: the mesh axes that only such a part shards over (moe: "expert"); a model none of whose parts
-  names an axis refuses a size above 1 for it. check_mesh(m, sizes) refuses mesh axis sizes the part cannot
-  shard over (sizes: {axis: size}, only the axes known so far), one ConfigError line naming the keys.
-- run_knobs(cfg) -> {knob: value}: the knobs of its section that the config leaves null for the run to decide
-  from the mesh and the batch, filled in when the model resolves (registry.resolved); {} when none is left.
-- losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
-  load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted
-  value to the loss and logs the weighted value under the metric's name.
-- needs: the ModelConfig fields the part reads that default to null, because a model without the part has no
-  use for them but several parts share them (attention's heads, read by gqa, gated_gqa and mla); the registry
-  refuses a family with the part when one is null, naming the key, before the family's own checks run. A value
-  only the part reads is a knob of its section instead, required there when it has no default.
-- census: (CensusCounter, ...): what the census counts for the part in the compiled step, as data: a counting
-  kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
-  reported at a dotted census field. The census reads the counters of every registered part, so a model
-  without the part shows the field with zeros.
-- attention_width(m) -> N x (qk + v head dims) for a part whose queries attend over earlier keys (the model
-  FLOPs count 6 x that x the keys a query sees), None for a part that does not attend; active_fraction(m, s):
-  the share of one of its parameters (a ParamSpec of spec(m), stacked) that one token's matmuls meet (MoE's
-  routed experts: k / E), 1.0 by default.
-- with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
-  RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls
-  it with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms
-  do not follow it (gdn's gated norm and mla's norms are plain, gated_gqa's q/k norms are always (1 + w), as
-  in Hugging Face).
-
-The generic decoder (models/decoder.py) reads only these fields: it knows no part by name.
+Both halves are a `Part` (models/mixers/, models/ffns/; registered in models/registry.py): a small core that
+every part sets (`Part`'s docstring), and opt-in records, each a small frozen dataclass grouped by concern, that
+only a part with that concern sets: `Compute` (how the decoder runs it), `Replay` (routing replay),
+`ModelState` (non-trainable leaves with an after-step rule), `MeshRules` and `Instrument` (what the census and
+the model FLOPs count). Each field is documented once, in its class's docstring (tests/test_layer_interface.py
+holds that every field is). The generic decoder (models/decoder.py) reads only these fields: it knows no part by
+name.
 """
 from __future__ import annotations
 
@@ -98,7 +38,7 @@ class LayerInput:
   the decoder (n: the layers that read it, model order), [B, T, n, *trailing] as a batch field.
 
   check(m, array, shape, name) refuses a wrong shape, and bad values when the array is concrete
-  (ValueError, one line). A replayed input (Part.replays) may name `flips`, the metric prefix under which
+  (ValueError, one line). A replayed input (Replay.replays) may name `flips`, the metric prefix under which
   RL reports the fraction of the sampler's recorded choices (the last axis holds a token's choices, -1 =
   none) that the trainer's own forward did not make."""
   trailing: Callable[[ModelConfig], tuple[int, ...]]
@@ -127,7 +67,7 @@ class StateLeaf:
     S.check_axes(self.axes, f"StateLeaf axes {self.axes}")
 
 
-# The counting kinds a part may declare for the census (Part.census), each implemented by analysis/counters.py:
+# The counting kinds a part may declare for the census (Instrument.census), each implemented by analysis/counters.py:
 # "scope_gathers_scatters": the StableHLO gathers and scatters run per step under the scope (a component of the
 #   op's layer path), by direction: {gathers, scatters} x {forward, backward}, under the "stablehlo." fields;
 # "scan_dead_work": the compiled step's while loops whose op name holds the scope, and the dead work around them
@@ -152,49 +92,165 @@ SIDE_SUMS = ("mean", "sum")  # how the train step adds an after-step side output
 
 
 @dataclasses.dataclass(frozen=True)
+class Compute:
+  """How the decoder runs a part, beyond apply (gqa, gated_gqa and moe set it).
+
+  - prepare(stack, specs) -> stack: runs once before the layer scan on the part's stacked parameters (a "layers"
+    axis leading or at param_scan_axis): gather-once transforms live here.
+  - remat_save_names: names (jax.ad_checkpoint.checkpoint_name) a remat policy must save.
+  - with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
+    RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls it
+    with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms do not
+    follow it (gdn's gated norm and mla's norms are plain, gated_gqa's q/k norms are always (1 + w), as in
+    Hugging Face)."""
+  prepare: Callable[[dict, dict], dict] | None = None
+  remat_save_names: tuple[str, ...] = ()
+  with_plus_one: Callable[["Part", bool], "Part"] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+  """Routing replay: per-layer inputs a part reads, and the side outputs they force (moe sets it).
+
+  - layer_inputs: {name: LayerInput}: per-layer inputs the part reads from `ctx.layer[name]`, given to the decoder
+    stacked over the model layers that read them ([n, B, T, *trailing]); the train step takes each as a batch
+    field [B, T, n, *trailing] of that name, and LayerInput.check refuses a bad one either way.
+  - replays: {side output: the per-layer input that forces it} (MoE: the routed ids replay as forced ids), what a
+    sampler records for a replay."""
+  layer_inputs: Mapping[str, LayerInput] = dataclasses.field(default_factory=dict)
+  replays: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    assert set(self.replays.values()) <= set(self.layer_inputs), (self.replays, tuple(self.layer_inputs))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+  """Non-trainable leaves of a part with the rule that updates them after each step (moe's group_sigmoid routing
+  sets it: the router bias).
+
+  - spec(m) -> ParamSpec tree of the leaves (merged into the part's p, never seen by the optimizer).
+  - after_step(leaves, side, m) -> leaves: the rule, from the part's side outputs (stacked over the kind's layers).
+  - side: {side output: "mean" | "sum"}, the side outputs the rule reads and how the train step adds them over
+    micro-batches: "mean" weights each by its micro-batch's share of the tokens (a token mean), "sum" adds them as
+    they are (counts: the whole batch's total); empty = every side output of the part, "mean"."""
+  spec: Callable[[ModelConfig], dict]
+  after_step: Callable[[dict, dict, ModelConfig], dict]
+  side: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    assert set(self.side.values()) <= set(SIDE_SUMS), self.side
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+  """What a part asks of the mesh and of the run (moe and gdn set it).
+
+  - axes: the mesh axes that only such a part shards over (moe: "expert"); a model none of whose parts names an
+    axis refuses a size above 1 for it.
+  - check(m, sizes): refuses mesh axis sizes the part cannot shard over (sizes: {axis: size}, only the axes known
+    so far), one ConfigError line naming the keys.
+  - shard_multiple(m) -> int: with the sequence split over mesh.context, each shard's length must be a multiple of
+    it (gdn: whole chunks, model.parts.gdn.chunk_size); 1 for a part with no such need.
+  - run_knobs(cfg) -> {knob: value}: the knobs of its section that the config leaves null for the run to decide
+    from the mesh and the batch, filled in when the model resolves (registry.resolved); {} when none is left.
+  - stack_rows: names of parameters the part reads by row from their stacks itself: in an unrolled layer it gets
+    them as `nn.stack_row.StackRow(stack, layer row)` instead of the sliced row (a copy on XLA:CPU), so a part
+    whose parameters are large reads only what it uses (MoE: one expert's kernel at a time)."""
+  axes: tuple[str, ...] = ()
+  check: Callable[[ModelConfig, Mapping[str, int]], None] = lambda m, sizes: None
+  shard_multiple: Callable[[ModelConfig], int] = lambda m: 1
+  run_knobs: Callable[[Config], dict] = lambda cfg: {}
+  stack_rows: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Instrument:
+  """What the instruments count of a part (the census, the model FLOPs).
+
+  - census: (CensusCounter, ...): what the census counts for the part in the compiled step, as data: a counting
+    kind (CENSUS_KINDS, which analysis/counters.py implements) over the ops under one of the part's named scopes,
+    reported at a dotted census field. The census reads the counters of every registered part, so a model without
+    the part shows the field with zeros.
+  - attention_width(m) -> N x (qk + v head dims) for a part whose queries attend over earlier keys (the model
+    FLOPs count 6 x that x the keys a query sees), None for a part that does not attend.
+  - active_fraction(m, s): the share of one of its parameters (a ParamSpec of spec(m), stacked) that one token's
+    matmuls meet (MoE's routed experts: k / E), 1.0 by default."""
+  census: tuple[CensusCounter, ...] = ()
+  attention_width: Callable[[ModelConfig], int] | None = None
+  active_fraction: Callable[[ModelConfig, S.ParamSpec], float] = lambda m, s: 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Part:
-  """A mixer or a feed-forward: the declared interface of one half of a layer kind."""
+  """A mixer or a feed-forward: the declared interface of one half of a layer kind. The core, which a part with
+  no replay, model state or mesh rules sets alone:
+
+  - name: the part's name (models/registry.PARTS, its config section's).
+  - key: its subtree in one layer's parameters ("attn", "mlp", "moe").
+  - spec(m) -> one layer's ParamSpec tree, stored under `key` in the layer's parameters.
+  - apply(p, x_BTD, ctx, state) -> (y_BTD, update, side). p: the part's parameters for one layer (after
+    `prepare`, with the model-state leaves merged in); ctx: the `Context` (models/context.py); state: the layer's
+    decode state (its leaves as `state_spec` declares them) in decode, else None; update: what the layer wrote
+    (None when training), committed by the decoder after the layer scan; side: per-layer side outputs ({name:
+    array}), {} when there are none.
+  - state_spec(m, batch, size) -> {leaf: StateLeaf}: the decode state of one layer whose context holds `size`
+    cache slots, and how its update is committed ("rows" or "replace").
+  - position_wise: True for a part whose output at a position reads that position's input alone (a feed-forward),
+    so it keeps no decode state. Every part declares one or the other: a state_spec, or position_wise
+    (tests/test_conformance.py refuses a part with neither, and samples from every family against recomputing,
+    which catches a wrong one).
+  - config: the part's own config section, a pydantic model whose fields are the part's knobs (with defaults, or
+    required: moe's num_experts), set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`)
+    and read in the part with `section(m, part)`. The family refuses a section that none of its parts declares,
+    and checks each section its parts declare, given or not: an unknown knob, a bad value or a missing required
+    one is refused naming the key, when the model resolves.
+  - needs: the ModelConfig fields the part reads that default to null, because a model without the part has no
+    use for them but several parts share them (attention's heads, read by gqa, gated_gqa and mla); the registry
+    refuses a family with the part when one is null, naming the key, before the family's own checks run. A value
+    only the part reads is a knob of its section instead, required there when it has no default.
+  - rotary_dims(m) -> the RoPE widths the part reads from its context (`ctx.here.rope[dim]`).
+  - side_names: the side outputs apply returns (every one, every call).
+  - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
+    load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted value to the
+    loss and logs the weighted value under the metric's name.
+
+  The opt-in records, each a frozen dataclass documented in its own docstring; a part without the concern leaves
+  its default, which declares nothing:
+
+  - compute: Compute, how the decoder runs it (prepare, remat names, its own (1 + w) norms).
+  - replay: Replay, routing replay (per-layer inputs, the side outputs they force).
+  - model_state: ModelState or None, non-trainable leaves and their after-step rule.
+  - mesh: MeshRules, what it asks of the mesh and the run.
+  - instrument: Instrument, what the census and the model FLOPs count of it."""
   name: str
-  key: str  # its subtree in one layer's parameters ("attn", "mlp", "moe")
+  key: str
   spec: Callable[[ModelConfig], dict]
   apply: Callable[..., tuple[jax.Array, Any, dict]]
   state_spec: Callable[[ModelConfig, int, int], dict[str, StateLeaf]] | None = None
-  position_wise: bool = False  # reads each position alone, so no decode state (say so, or declare state_spec)
-  prepare: Callable[[dict, dict], dict] | None = None
-  remat_save_names: tuple[str, ...] = ()
-  stack_rows: tuple[str, ...] = ()
-  layer_inputs: Mapping[str, LayerInput] = dataclasses.field(default_factory=dict)
-  model_state: Callable[[ModelConfig], dict] | None = None
-  after_step: Callable[[dict, dict, ModelConfig], dict] | None = None
-  after_step_side: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> "mean" | "sum"
-  rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
-  side_names: tuple[str, ...] = ()  # the side outputs apply returns (every one, every call)
-  replays: Mapping[str, str] = dataclasses.field(default_factory=dict)  # side output -> the layer input it replays
-  with_plus_one: Callable[["Part", bool], "Part"] | None = None  # the part with (1 + w) own norms, or plain
-  losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
-  shard_multiple: Callable[[ModelConfig], int] = lambda m: 1  # a context shard's length must be a multiple of it
-  mesh_axes: tuple[str, ...] = ()  # the mesh axes only parts like it shard over
-  check_mesh: Callable[[ModelConfig, Mapping[str, int]], None] = lambda m, sizes: None
-  config: type[pydantic.BaseModel] | None = None  # the part's own knobs: model.parts.<name>.<knob>
-  run_knobs: Callable[[Config], dict] = lambda cfg: {}  # knobs left null for the run: {knob: value}
-  # The ModelConfig fields it reads that default to null, because a model without this part has no use for them
-  # (attention's heads): a family with the part refuses a null one, naming the key.
+  position_wise: bool = False
+  config: type[pydantic.BaseModel] | None = None
   needs: tuple[str, ...] = ()
-  census: tuple[CensusCounter, ...] = ()  # what the census counts for it (analysis/counters.py)
-  attention_width: Callable[[ModelConfig], int] | None = None  # N x (qk + v head dims); None: no attention
-  active_fraction: Callable[[ModelConfig, S.ParamSpec], float] = lambda m, s: 1.0  # of a parameter, per token
+  rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
+  side_names: tuple[str, ...] = ()
+  losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
+  compute: Compute = dataclasses.field(default_factory=Compute)
+  replay: Replay = dataclasses.field(default_factory=Replay)
+  model_state: ModelState | None = None
+  mesh: MeshRules = dataclasses.field(default_factory=MeshRules)
+  instrument: Instrument = dataclasses.field(default_factory=Instrument)
 
   def __post_init__(self):
     assert not (self.position_wise and self.state_spec is not None), f"{self.name}: position_wise with a state_spec"
-    assert set(self.after_step_side) <= set(self.side_names), (self.after_step_side, self.side_names)
-    assert set(self.after_step_side.values()) <= set(SIDE_SUMS), self.after_step_side
-    assert set(self.replays.values()) <= set(self.layer_inputs), (self.replays, tuple(self.layer_inputs))
+    assert set(self.replay.replays) <= set(self.side_names), (self.replay.replays, self.side_names)
+    if self.model_state is not None:
+      assert set(self.model_state.side) <= set(self.side_names), (self.model_state.side, self.side_names)
 
   def state_side(self) -> dict[str, str]:
-    """{side output: "mean" | "sum"} that after_step reads (none without an after_step rule)."""
-    if self.after_step is None:
+    """{side output: "mean" | "sum"} that the model-state rule reads (none without one)."""
+    if self.model_state is None:
       return {}
-    return dict(self.after_step_side) or {n: "mean" for n in self.side_names}
+    return dict(self.model_state.side) or {n: "mean" for n in self.side_names}
 
 
 def section(m: ModelConfig, part: Part) -> pydantic.BaseModel:
@@ -257,8 +313,8 @@ class Kind:
     return (self.mixer, self.ffn)
 
   def with_plus_one(self, on: bool) -> "Kind":
-    """This kind with (1 + w) norms (on) or plain ones: its own and its parts' (Part.with_plus_one)."""
-    mixer, ffn = (p if p.with_plus_one is None else p.with_plus_one(p, on) for p in self.parts)
+    """This kind with (1 + w) norms (on) or plain ones: its own and its parts' (Compute.with_plus_one)."""
+    mixer, ffn = (p if p.compute.with_plus_one is None else p.compute.with_plus_one(p, on) for p in self.parts)
     kind = dataclasses.replace(self, mixer=mixer, ffn=ffn)
     object.__setattr__(kind, "plus_one", on)  # init=False: a family file cannot set it by hand
     return kind
@@ -278,7 +334,7 @@ class Kind:
 
   def model_state(self, m: ModelConfig) -> dict:
     """{part key: ParamSpec tree} of the parts' non-trainable leaves."""
-    return {p.key: p.model_state(m) for p in self.parts if p.model_state is not None}
+    return {p.key: p.model_state.spec(m) for p in self.parts if p.model_state is not None}
 
   def apply(self, p: dict, x_BTD: jax.Array, ctx, state: dict | None = None) -> tuple[jax.Array, dict, dict]:
     """One layer: (x [B, T, D], {part key: update} for the parts that returned one, side outputs)."""
@@ -352,7 +408,7 @@ class Family:
   """A model family: its layer kinds, its plan, the two decoder-level switches and its own checks.
 
   norm_plus_one is the one switch for (1 + w) RMSNorms: the kinds' layer norms, their parts' own norms
-  (Part.with_plus_one: gqa's q/k norms) and the final norm all follow it."""
+  (Compute.with_plus_one: gqa's q/k norms) and the final norm all follow it."""
   name: str
   kinds: Mapping[str, Kind]
   # The layer plan for a config; default: every layer of the first kind, contexts repeating

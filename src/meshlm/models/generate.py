@@ -15,7 +15,7 @@ of two), so a call compiles the prefill once and the decode loop once per bucket
 temperature, top-k and top-p, which only shape the draw. `sample_logprobs` are the log-probs of the
 distribution the token was really drawn from (after temperature, top-k and top-p, by `truncate`): what
 RL's importance ratio divides by. `recorded` holds, for each per-layer input that a part's side output
-replays (Part.replays), that side output over the rows prompt + completion, laid out as the train step's
+replays (Replay.replays), that side output over the rows prompt + completion, laid out as the train step's
 batch field of that name: position p of row b holds what token p chose, and -1 where no token was fed
 (padding, the last token). (`Generation` is models/api.py's, with its named views of the record.)
 Sampling is seeded per row (`seed` an int or one per row): row b's draw depends only on its seed, its
@@ -123,7 +123,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int 
 
 
 def recorded_inputs(cfg: Config) -> dict[str, str]:
-  """{side output name: the per-layer input it replays} over the plan's parts (Part.replays)."""
+  """{side output name: the per-layer input it replays} over the plan's parts (Replay.replays)."""
   return resolve(cfg).replays
 
 

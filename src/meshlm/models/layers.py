@@ -27,10 +27,10 @@ def _layer(stack: Any, i: int, axis: int) -> Any:
 def _unrolled_params(M: Model, kind, stack: dict, i: int) -> dict:
   """Row i of an unrolled layer's stacks (layer axis leading): with cfg.stack_rows its parts' `stack_rows`
   left in their stacks as StackRow (nn/stack_row.py), every other leaf sliced."""
-  parts = [p for p in kind.parts if p.stack_rows and M.cfg.stack_rows]
+  parts = [p for p in kind.parts if p.mesh.stack_rows and M.cfg.stack_rows]
   out = _layer({k: v for k, v in stack.items() if k not in {p.key for p in parts}}, i, 0)
   for part in parts:
-    out[part.key] = {n: StackRow(a, i) if n in part.stack_rows else _layer(a, i, 0)
+    out[part.key] = {n: StackRow(a, i) if n in part.mesh.stack_rows else _layer(a, i, 0)
                      for n, a in stack[part.key].items()}
   return out
 
@@ -270,8 +270,8 @@ def prepare(M: Model, layers: dict) -> dict:
   for kind, stack in layers.items():
     stack = dict(stack)
     for part in fam.kinds[kind].parts:
-      if part.prepare is not None:
-        stack[part.key] = part.prepare(stack[part.key], specs[kind][part.key])
+      if part.compute.prepare is not None:
+        stack[part.key] = part.compute.prepare(stack[part.key], specs[kind][part.key])
     if axis != 0:
       stack = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stack)
     out[kind] = stack

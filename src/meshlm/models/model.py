@@ -90,7 +90,7 @@ class Model:
 
   def input_readers(self, name: str) -> list[int]:
     """The model layers (in order) whose kind has a part that reads the per-layer input `name`."""
-    return self._layers_where(lambda p: name in p.layer_inputs)
+    return self._layers_where(lambda p: name in p.replay.layer_inputs)
 
   def side_layers(self, name: str) -> list[int]:
     """The model layers (in order) whose kind has a part that returns the side output `name`."""
@@ -99,22 +99,22 @@ class Model:
   def layer_input(self, name: str) -> LayerInput:
     """The LayerInput that the first reader of `name` declares."""
     kind = self.kind(self.input_readers(name)[0])
-    return next(p.layer_inputs[name] for p in kind.parts if name in p.layer_inputs)
+    return next(p.replay.layer_inputs[name] for p in kind.parts if name in p.replay.layer_inputs)
 
   @functools.cached_property
   def layer_input_names(self) -> tuple[str, ...]:
     """Every per-layer input some layer of the plan reads, sorted."""
-    return tuple(sorted({n for _, p in self.parts for n in p.layer_inputs}))
+    return tuple(sorted({n for _, p in self.parts for n in p.replay.layer_inputs}))
 
   @functools.cached_property
   def replays(self) -> dict[str, str]:
     """{side output: the per-layer input that replays it} over the plan's parts (what a sampler records)."""
-    return {side: name for _, p in self.parts for side, name in p.replays.items()}
+    return {side: name for _, p in self.parts for side, name in p.replay.replays.items()}
 
   @functools.cached_property
   def shard_multiple(self) -> int:
-    """What each context shard's length must be a multiple of, over the plan's parts (Part.shard_multiple)."""
-    return math.lcm(*(p.shard_multiple(self.m) for _, p in self.parts))
+    """What each context shard's length must be a multiple of, over the plan's parts (MeshRules.shard_multiple)."""
+    return math.lcm(*(p.mesh.shard_multiple(self.m) for _, p in self.parts))
 
   @functools.cached_property
   def rotary_dims(self) -> tuple[int, ...]:
@@ -131,7 +131,7 @@ class Model:
     """remat=full saves nothing but the values the parts name as cheap to keep and dear to recompute (a
     part's permutation, say: without it the backward sorts again); remat=dots saves dots too."""
     cp = jax.checkpoint_policies
-    names = cp.save_only_these_names(*sorted({n for _, p in self.parts for n in p.remat_save_names}))
+    names = cp.save_only_these_names(*sorted({n for _, p in self.parts for n in p.compute.remat_save_names}))
     return names if self.cfg.remat == "full" else cp.save_from_both_policies(cp.checkpoint_dots, names)
 
   @functools.cached_property
@@ -152,7 +152,7 @@ class Model:
 
   @functools.cached_property
   def model_state_specs(self) -> dict:
-    """The non-trainable leaves the parts declare (Part.model_state), stacked like the parameters:
+    """The non-trainable leaves the parts declare (ModelState), stacked like the parameters:
     {"layers": {kind: {part key: ...}}} for the kinds that have any; {} when none do."""
     m, lp = self.m, self.plan
     layers = {k: S.stack(kind.model_state(m), lp.count(k), self.cfg.param_scan_axis)

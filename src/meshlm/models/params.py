@@ -27,7 +27,7 @@ def param_specs(cfg: Config | Model) -> dict:
 
 
 def model_state_specs(cfg: Config | Model) -> dict:
-  """The non-trainable leaves the parts declare (Part.model_state), stacked like the parameters:
+  """The non-trainable leaves the parts declare (ModelState), stacked like the parameters:
   {"layers": {kind: {part key: ...}}} for the kinds that have any; {} when none do."""
   return _copy(resolve(cfg).model_state_specs)
 
@@ -87,7 +87,7 @@ def split_state(cfg: Config | Model, tree: dict) -> tuple[dict, dict]:
 
 
 def after_step_side(cfg: Config | Model) -> dict[str, str]:
-  """{side output: "mean" | "sum"} over the parts' after_step rules (Part.after_step_side): how the
+  """{side output: "mean" | "sum"} over the parts' after_step rules (ModelState.side): how the
   train step adds each over micro-batches."""
   out: dict[str, str] = {}
   for _, p in resolve(cfg).parts:
@@ -107,7 +107,7 @@ def after_step(cfg: Config | Model, model_state: dict, side: dict) -> dict:
   for kind, parts in model_state["layers"].items():
     out["layers"][kind] = dict(parts)
     for part in M.family.kinds[kind].parts:
-      if part.after_step is None or part.key not in parts:
+      if part.model_state is None or part.key not in parts:
         continue
       mine = {}
       for name in part.state_side():
@@ -115,7 +115,7 @@ def after_step(cfg: Config | Model, model_state: dict, side: dict) -> dict:
         rows = [j for j, i in enumerate(layers) if lp.kinds[i] == kind]
         mine[name] = side[name] if len(rows) == len(layers) else side[name][np.asarray(rows)]
       leaves = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), parts[part.key])
-      new = part.after_step(leaves, mine, M.m)
+      new = part.model_state.after_step(leaves, mine, M.m)
       out["layers"][kind][part.key] = jax.tree.map(lambda a: jnp.moveaxis(a, 0, min(axis, a.ndim - 1)), new)
   return out
 

@@ -63,11 +63,11 @@ def part_sections() -> dict[str, type]:
 
 
 def census_counters() -> tuple[CensusCounter, ...]:
-  """The counters the registered parts declare for the census (Part.census), each field once, in PARTS order.
+  """The counters the registered parts declare for the census (Instrument.census), each field once, in PARTS order.
   Two parts declaring one field differently is a ValueError naming both."""
   out: dict[str, tuple[str, CensusCounter]] = {}
   for name, part in parts().items():
-    for c in part.census:
+    for c in part.instrument.census:
       first, seen = out.setdefault(c.field, (name, c))
       if seen != c:
         raise ValueError(f"census field {c.field!r}: part {first!r} declares {seen}, part {name!r} declares {c}")
@@ -103,9 +103,9 @@ def _parts(fam) -> list[Part]:
 def resolved(cfg: Config) -> Config:
   """cfg with each config section of its parts written out whole (every knob, at its default where model.parts
   leaves it), so that two configs of one model compare equal and a saved config holds every knob, and with the
-  knobs its parts leave to the run filled in (Part.run_knobs, decided by the mesh and the batch); cfg itself when
+  knobs its parts leave to the run filled in (MeshRules.run_knobs, decided by the mesh and the batch); cfg itself when
   nothing changes. Runs on a config its family accepts (`family`)."""
-  own = {p.name: {**section(cfg.model, p).model_dump(mode="json"), **p.run_knobs(cfg)}
+  own = {p.name: {**section(cfg.model, p).model_dump(mode="json"), **p.mesh.run_knobs(cfg)}
          for p in _parts(get(cfg.model.family)) if p.config is not None}
   if own == cfg.model.parts:
     return cfg
@@ -114,12 +114,12 @@ def resolved(cfg: Config) -> Config:
 
 def check_mesh(cfg: Config, sizes: dict[str, int] | None = None) -> None:
   """The mesh axis sizes (default: those cfg.mesh fixes; -1 is not known yet) against the model's parts: an axis
-  that only parts this model lacks shard over stays at 1 (Part.mesh_axes), and each part accepts the sizes
-  (Part.check_mesh, with its run knobs filled in). One ConfigError line naming the key otherwise."""
+  that only parts this model lacks shard over stays at 1 (MeshRules.axes), and each part accepts the sizes
+  (MeshRules.check, with its run knobs filled in). One ConfigError line naming the key otherwise."""
   if sizes is None:
     sizes = {k: v for k, v in cfg.mesh.sizes().items() if v != -1}
   ours = _parts(get(cfg.model.family))
-  others = {a: p.name for p in parts().values() for a in p.mesh_axes if all(a not in q.mesh_axes for q in ours)}
+  others = {a: p.name for p in parts().values() for a in p.mesh.axes if all(a not in q.mesh.axes for q in ours)}
   for axis, part in others.items():
     if sizes.get(axis, 1) > 1:
       raise ConfigError(f"mesh.{axis}={sizes[axis]}: {cfg.model_name} (model.family={cfg.model.family}) has no "
@@ -127,15 +127,15 @@ def check_mesh(cfg: Config, sizes: dict[str, int] | None = None) -> None:
                         "the devices to mesh.data or mesh.fsdp")
   m = resolved(cfg).model
   for part in ours:
-    part.check_mesh(m, sizes)
+    part.mesh.check(m, sizes)
 
 
 def check_shards(cfg: Config, parts: list[Part]) -> None:
   """With the sequence split over mesh.context, each shard's length is a multiple of what every part needs of it
-  (Part.shard_multiple: whole chunks of a chunked recurrence): one ConfigError line otherwise."""
+  (MeshRules.shard_multiple: whole chunks of a chunked recurrence): one ConfigError line otherwise."""
   n, T = cfg.mesh.context, cfg.train.seq_len
   for part in parts if n > 1 else ():
-    k = part.shard_multiple(cfg.model)
+    k = part.mesh.shard_multiple(cfg.model)
     if k > 1 and T % (n * k):
       raise ConfigError(f"mesh.context={n}: train.seq_len={T} does not split into {n} shards whose lengths are "
                         f"multiples of {k}, as the {part.name} layers need; make train.seq_len a multiple of "

@@ -4,7 +4,7 @@ An unrolled layer reads its parameters as rows of the stacks [L, ...]. Slicing a
 XLA:CPU: a slice cannot alias part of its operand's buffer. For a MoE layer's expert kernels that is the
 layer's largest tensor, copied in the forward and read again in the backward (the stage profile in docs/performance-log.md:
 21 thread-ms, about 12% of the thread time of issue 19's one-device mixtral step). A part that lists a parameter in
-`Part.stack_rows` gets it as a `StackRow` instead and reads what it needs straight from the stack: the
+`MeshRules.stack_rows` gets it as a `StackRow` instead and reads what it needs straight from the stack: the
 expert loop takes each expert's kernel at [index, e] (nn/moe/gmm.py). Its cotangent is the stack's, zero
 outside the row: XLA makes it a pad, fused with the other layers' into one pass, as the slice's
 transpose is.

@@ -111,7 +111,8 @@ class PromptIterator:
 
 def row_multiple(cfg: Config) -> int:
   """What the train step needs T to be a multiple of: the mesh.context shards' count, times what each shard's
-  length must be a multiple of for the model's parts (Part.shard_multiple: whole chunks of a chunked recurrence)."""
+  length must be a multiple of for the model's parts (MeshRules.shard_multiple: whole chunks of a chunked
+  recurrence)."""
   if cfg.mesh.context > 1:
     return cfg.mesh.context * resolve(cfg).shard_multiple
   return cfg.mesh.context

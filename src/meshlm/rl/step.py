@@ -11,7 +11,7 @@ is 1 on completion tokens only):
   sampler_logp [B, T]  the sampler's log-probs of the distribution it drew from
   advantages [B]       group-normalized (rl/loss.py: advantages)
   ref_logp [B, T]      the reference policy's log-probs (only with rl.beta > 0)
-  a replay's fields    what the sampler recorded of its layers' choices (Part.replays; each
+  a replay's fields    what the sampler recorded of its layers' choices (Replay.replays; each
                        [B, T, n, k], -1 = none): forced in the forward with rl.router_replay,
                        else compared with the trainer's own choices (the input's `flips` metrics)
 
@@ -50,7 +50,7 @@ def rl_fields(cfg: Config) -> dict[str, ST.BatchField]:
 
 
 def replays(cfg: Config) -> bool:
-  """Whether some layer records choices that a replay can force (Part.replays)."""
+  """Whether some layer records choices that a replay can force (Replay.replays)."""
   return bool(resolve(cfg).replays)
 
 

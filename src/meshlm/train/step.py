@@ -72,7 +72,7 @@ def layer_input_field(cfg: Config, name: str) -> BatchField:
 
 
 def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> dict[str, BatchField]:
-  """base plus a field for each per-layer input that replays a part's recorded choices (Part.replays),
+  """base plus a field for each per-layer input that replays a part's recorded choices (Replay.replays),
   laid out as layer_input_field says; ConfigError when no layer replays."""
   M = resolve(cfg)
   if not M.replays:
@@ -357,7 +357,7 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
   """The step for cfg on mesh. loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics); batch_spec
   declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
-  # The family's checks first (cached), then what the model's parts ask of this mesh (Part.check_mesh, mesh_axes).
+  # The family's checks first (cached), then what the model's parts ask of this mesh (MeshRules.check, mesh_axes).
   check_mesh(resolve(cfg).cfg, dict(mesh.shape))
   batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
   if "loss_mask" not in batch_spec:

@@ -19,7 +19,7 @@ each weight transposed). `shared_gate=False` (deepseek_v3): no shared_expert_gat
 Group-limited sigmoid routing (`routing="group_sigmoid"`, deepseek_v3; nn/moe/routing.py group_route): s =
 sigmoid(float32 logits); experts are picked from s + router_bias within the topk_group best of n_group groups;
 the weights are the unbiased s at them (/ (sum + 1e-20) with norm_topk_prob) times routed_scaling_factor.
-`router_bias` [E] float32 is model state (Part.model_state: not a parameter, not in the optimizer,
+`router_bias` [E] float32 is model state (ModelState: not a parameter, not in the optimizer,
 checkpointed; HF mlp.gate.e_score_correction_bias), zeros at init, and after each step (after_step) the
 aux-loss-free rule moves it: bias += router_bias_update_rate * sign(mean load - load), from the side output
 "moe_expert_load" [E] (routed pairs per expert, padding excluded) summed over the whole global batch and its
@@ -30,7 +30,7 @@ model.moe_impl and the rest, still set them): num_experts and mlp_dim are requir
 kernel_fsdp say how the layer computes and lays out the same parameters (COMPUTE: a checkpoint resumes under
 other values). kernel_fsdp null is decided for the run (`run_knobs`, by `layout_for`), and the part checks the
 mesh: mesh.expert shards whole experts (`check_mesh`), and only a model with this part may set it above 1
-(Part.mesh_axes). Which layers are MoE is the family's plan (model.decoder_sparse_step, mlp_only_layers,
+(MeshRules.axes). Which layers are MoE is the family's plan (model.decoder_sparse_step, mlp_only_layers,
 first_k_dense_replace), not a knob of the part.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ from pydantic import Field
 from meshlm.config import Config, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
-from meshlm.models.family import CensusCounter, LayerInput, Part, section
+from meshlm.models.family import (CensusCounter, Compute, Instrument, LayerInput, MeshRules, ModelState, Part, Replay,
+                                  section)
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.nn.router_replay import check_forced_ids
@@ -56,7 +57,7 @@ ROUTED_IDS = "moe_expert_ids"  # the side output holding the routed ids [B, T, k
 SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", ROUTED_IDS)
 LOAD = "moe_expert_load"  # group_sigmoid's side output: routed pairs per expert [E], what after_step balances
 ROUTER_BIAS = "router_bias"  # group_sigmoid's model-state leaf [E] float32
-KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in unrolled layers (Part.stack_rows)
+KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in unrolled layers (MeshRules.stack_rows)
 # The census fields stablehlo.moe.{gathers,scatters}.{forward,backward}: the dispatch's gathers and scatters.
 CENSUS = (CensusCounter(field="stablehlo.moe", kind="scope_gathers_scatters", scope=moe.SCOPE),)
 
@@ -154,13 +155,13 @@ def layout_for(cfg: Config) -> str:
 
 
 def run_knobs(cfg: Config) -> dict:
-  """kernel_fsdp null, decided for the run by layout_for (Part.run_knobs)."""
+  """kernel_fsdp null, decided for the run by layout_for (MeshRules.run_knobs)."""
   return {"kernel_fsdp": layout_for(cfg)} if knobs(cfg.model).kernel_fsdp is None else {}
 
 
 def check_mesh(m: ModelConfig, sizes: dict[str, int]) -> None:
   """Expert weights shard whole experts over mesh.expert, so it must divide num_experts; with kernel_fsdp=experts
-  over mesh.expert x mesh.fsdp (null falls back to embed instead). sizes: the axes known so far (Part.check_mesh)."""
+  over mesh.expert x mesh.fsdp (null falls back to embed instead). sizes: the axes known so far (MeshRules.check)."""
   own = knobs(m)
   E, expert = own.num_experts, sizes.get("expert", 1)
   if E % expert:
@@ -188,7 +189,7 @@ FORCED = LayerInput(trailing=lambda m: (knobs(m).num_experts_per_tok,), check=ch
 
 
 def routed_fraction(m: ModelConfig, s: S.ParamSpec) -> float:
-  """The share of a parameter one token's matmuls meet (Part.active_fraction): k / E of a kernel with an experts
+  """The share of a parameter one token's matmuls meet (Instrument.active_fraction): k / E of a kernel with an experts
   axis (a token runs k of the E experts), all of every other."""
   if any(a and str(a).startswith("experts") for a in s.axes):
     own = knobs(m)
@@ -341,16 +342,16 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
     raise ValueError(f"moe_ffn(routing={routing!r}): expected one of {ROUTINGS}")
   spec = functools.partial(spec_with_shared, gated=shared_gate) if shared else moe_spec
   group = routing == "group_sigmoid"
+  state = ModelState(spec=router_bias_state, after_step=update_router_bias, side={LOAD: "sum"}) if group else None
   return Part(name="moe", key="moe", spec=spec, position_wise=True,
               apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
                                       routing=routing),
-              prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES, layer_inputs={FORCED_IDS: FORCED},
-              stack_rows=KERNELS,
-              side_names=SIDE_NAMES + ((LOAD,) if group else ()), replays={ROUTED_IDS: FORCED_IDS},
-              model_state=router_bias_state if group else None, after_step=update_router_bias if group else None,
-              after_step_side={LOAD: "sum"} if group else {}, losses=router_losses, census=CENSUS,
-              active_fraction=routed_fraction, config=MoEConfig, run_knobs=run_knobs, mesh_axes=("expert",),
-              check_mesh=check_mesh)
+              config=MoEConfig, side_names=SIDE_NAMES + ((LOAD,) if group else ()), losses=router_losses,
+              compute=Compute(prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES),
+              replay=Replay(layer_inputs={FORCED_IDS: FORCED}, replays={ROUTED_IDS: FORCED_IDS}),
+              model_state=state,
+              mesh=MeshRules(axes=("expert",), check=check_mesh, run_knobs=run_knobs, stack_rows=KERNELS),
+              instrument=Instrument(census=CENSUS, active_fraction=routed_fraction))
 
 
 _SECTION = moe_ffn()  # what `section` reads of the part (its name and config) is the same however it is built

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import Part
+from meshlm.models.family import Compute, Instrument, Part
 from meshlm.models.mixers import gqa
 from meshlm.nn import attention as A, gather_once
 from meshlm.nn.norm import rms_norm
@@ -68,5 +68,6 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
 
 
 def gated_gqa() -> Part:
-  return Part(name="gated_gqa", key="attn", spec=spec, apply=apply, state_spec=gqa.state_spec, prepare=gqa.prepare,
-              rotary_dims=lambda m: (m.rotary_dim(),), needs=gqa.NEEDS, attention_width=gqa.attention_width)
+  return Part(name="gated_gqa", key="attn", spec=spec, apply=apply, state_spec=gqa.state_spec, needs=gqa.NEEDS,
+              rotary_dims=lambda m: (m.rotary_dim(),), compute=Compute(prepare=gqa.prepare),
+              instrument=Instrument(attention_width=gqa.attention_width))

@@ -61,7 +61,7 @@ import pydantic
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import CensusCounter, Part, StateLeaf, section
+from meshlm.models.family import CensusCounter, Instrument, MeshRules, Part, StateLeaf, section
 from meshlm.nn import gdn as rule
 from meshlm.nn import short_conv
 from meshlm.nn.short_conv import causal_conv, window_at
@@ -292,7 +292,8 @@ def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              shard_multiple=lambda m: knobs(m).chunk_size, config=GDNConfig, census=CENSUS)
+              config=GDNConfig, mesh=MeshRules(shard_multiple=lambda m: knobs(m).chunk_size),
+              instrument=Instrument(census=CENSUS))
 
 
 _SECTION = gdn()  # what `section` reads of the part (its name and config) is the same in both layouts

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import Part, StateLeaf
+from meshlm.models.family import Compute, Instrument, Part, StateLeaf
 from meshlm.nn import attention as A, gather_once
 from meshlm.nn.attention import gqa_attention, gqa_attention_decode
 from meshlm.nn.kv_cache import CACHE_AXES
@@ -134,9 +134,9 @@ def attention_width(m: ModelConfig) -> int:
 
 def gqa() -> Part:
   """The part with plain q/k norms; a Family with norm_plus_one (gemma3) makes them (1 + w) (with_plus_one)."""
-  return Part(name="gqa", key="attn", spec=spec, apply=apply, state_spec=state_spec, prepare=prepare,
-              rotary_dims=lambda m: (m.head_dim,), with_plus_one=with_plus_one, needs=NEEDS,
-              attention_width=attention_width)
+  return Part(name="gqa", key="attn", spec=spec, apply=apply, state_spec=state_spec, needs=NEEDS,
+              rotary_dims=lambda m: (m.head_dim,), compute=Compute(prepare=prepare, with_plus_one=with_plus_one),
+              instrument=Instrument(attention_width=attention_width))
 
 
 def _is_own(fn, base) -> bool:

@@ -43,7 +43,7 @@ from pydantic import Field
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import Part, StateLeaf, section
+from meshlm.models.family import Instrument, Part, StateLeaf, section
 from meshlm.nn import attention as A, mla as mla_core
 from meshlm.nn.attention import gqa_attention
 from meshlm.nn.norm import rms_norm
@@ -209,7 +209,7 @@ def attention_width(m: ModelConfig) -> int:
 
 PART = Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
             rotary_dims=lambda m: (knobs(m).qk_rope_head_dim,), config=MLAConfig, needs=NEEDS,
-            attention_width=attention_width)
+            instrument=Instrument(attention_width=attention_width))
 
 
 def mla() -> Part:
