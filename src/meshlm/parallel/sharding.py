@@ -38,6 +38,12 @@ RULES: dict[str, tuple[str, ...]] = {
     # used and stays whole. "mlp_fsdp": down's mlp dim over fsdp (and tensor), its embed dim then whole.
     "experts_fsdp": ("expert", "fsdp"),
     "mlp_fsdp": ("tensor", "fsdp"),
+    # MLA's up-projection kernels' rank dim (q_b [Rq, N, Hn + Hr], k_b and v_b [Rkv, N, H]: models/mixers/mla.py), which
+    # have no embed dim. The rank, not the heads: FSDP gathers the kernel whole before its dot and reduce-scatters its
+    # gradient, the same bytes whichever dim is split (the rank being the contracted dim makes no partial sum: the
+    # gathered kernel is whole), while the heads are tensor's dim (a compound name, and N / (tensor x fsdp) must
+    # divide) and the ranks divide further: deepseek-v3's 1536 and 512 split over 256 devices, its 128 heads do not.
+    "latent": ("fsdp",),
 }
 # ParamSpec checks its axes against spec.LOGICAL_AXES (spec.py sits below parallel/): the two name one set.
 if set(RULES) != S.LOGICAL_AXES:
