@@ -39,8 +39,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "experts": ("expert",),
     # The MoE kernels' layouts under FSDP (model.parts.moe.kernel_fsdp, nn/moe/layer.py moe_spec). "experts_fsdp": the experts
-    # dim over mesh.expert and mesh.fsdp (expert-major), so a kernel's embed dim, which comes after it, finds fsdp
-    # used and stays whole. "mlp_fsdp": down's mlp dim over fsdp (and tensor), its embed dim then whole.
+    # dim over mesh.expert and mesh.fsdp (expert-major), so a kernel's embed dim, which comes after it, finds both
+    # used (it takes context, if any). "mlp_fsdp": down's mlp dim over fsdp (and tensor), its embed dim then what is
+    # left (context, if any).
     "experts_fsdp": ("expert", "fsdp"),
     "mlp_fsdp": ("tensor", "fsdp"),
     # MLA's up-projection kernels' rank dim (q_b [Rq, N, Hn + Hr], k_b and v_b [Rkv, N, H]: models/mixers/mla.py), which
