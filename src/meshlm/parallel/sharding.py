@@ -26,11 +26,12 @@ Axes = Sequence[str | None]
 # context device. Their dims take fsdp, then expert (the batch's device order), then context: a kernel is gathered
 # whole before its dot either way, and the per-device parameters and AdamW state are the even split
 # (tests/test_param_split.py). An expert kernel's experts dim has taken expert already; its embed dim gets the rest.
+PARAM_STORAGE = ("fsdp", "expert", "context")  # the rule of a parameter dim split only to store it: embed, latent
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "length": ("context",),
     "act_embed": (),
-    "embed": ("fsdp", "expert", "context"),
+    "embed": PARAM_STORAGE,
     "vocab": ("tensor",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
@@ -52,7 +53,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # Measured (deepseek-v3-small, v5p:2x2x2, fsdp=8, seq 1024, remat=full, compiled for TPU): rank or heads, the same
     # collectives per step (74 all-gathers, 485 MiB; 7 all-reduces), 0 blocked transpose-of-dot pairs in both, peak
     # 0.545 / 0.543 GiB (tile rounding), estimated HBM traffic within 0.2%.
-    "latent": ("fsdp", "expert", "context"),
+    "latent": PARAM_STORAGE,
 }
 # ParamSpec checks its axes against spec.LOGICAL_AXES (spec.py sits below parallel/): the two name one set.
 if set(RULES) != S.LOGICAL_AXES:
