@@ -141,9 +141,12 @@ def test_ep_equals_unsharded(unsharded, name, mode):
 
 def test_ep_with_the_batch_not_split_over_experts(unsharded):
   """3 rows do not split over expert=2: every device of the group holds the same tokens, computes its
-  experts' part, and a psum adds the parts (no gather, no scatter)."""
+  experts' part, and a psum adds the parts (no gather of the tokens, no scatter). The one all-gather is the
+  router kernel's: its embed dim is sharded over expert, as every non-expert parameter's (parallel/sharding.RULES)."""
   out, _, _, hlo = sharded("expert2", "explicit", rows=3)
-  assert not re.search(r"reduce-scatter|all-gather", hlo)  # the psum path
+  assert not re.search(r"reduce-scatter", hlo)  # the psum path
+  gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather\(", hlo)
+  assert gathered and set(gathered) == {f"f32[{D},{E}]"}, gathered
   diffs = _rel_diffs(out, unsharded[3])
   assert max(diffs.values()) <= TOL, diffs
 

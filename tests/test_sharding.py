@@ -219,14 +219,16 @@ def test_rule_derived_sets_follow_the_rules():
   does not shard, and the hand copy the FSDP set once was, are not the derived set."""
   from meshlm.nn import gather_once as GO
   from meshlm.nn.moe import expert_parallel as EP
-  assert GO.FSDP_AXES == {"embed", "experts_fsdp", "mlp_fsdp"} == GO.fsdp_axes(RULES)
+  assert GO.FSDP_AXES == {"embed", "latent", "experts_fsdp", "mlp_fsdp"} == GO.fsdp_axes(RULES)
   assert "batch" not in GO.FSDP_AXES  # an activation axis: never a gathered kernel's
   assert GO.fsdp_axes(dict(RULES, rows_fsdp=("tensor", "fsdp"))) == GO.FSDP_AXES | {"rows_fsdp"}
   assert GO.fsdp_axes(dict(RULES, rows=("tensor",))) == GO.FSDP_AXES  # control: not fsdp-sharded
   assert GO.FSDP_AXES != {"embed"}  # control: the old hand copy
   assert EP.EXPERT_AXIS == "expert" == EP.expert_axis(RULES)
   assert EP.expert_axis(dict(RULES, experts=("data",))) == "data"
-  # gather_once leaves whole only what fsdp shards alone; a mixed axis would gather expert/tensor too.
+  # gather_once leaves whole only what is split to store it (PARAM_STORAGE); a mixed axis would gather
+  # expert/tensor too.
   assert GO.gathered_axes(("layers", "embed", "heads")) == ("layers", None, "heads")
+  assert GO.gathered_axes(("layers", "latent", "heads", "head_dim")) == ("layers", None, "heads", "head_dim")
   with pytest.raises(ValueError, match="experts_fsdp"):
     GO.gathered_axes(("layers", "experts_fsdp", "embed"))

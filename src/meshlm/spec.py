@@ -14,7 +14,7 @@ import numpy as np
 # is held equal to this set at import; the set lives here, below parallel/, so that a ParamSpec can check its
 # axes when it is built: a misspelt name would otherwise fail only once a mesh exists.
 LOGICAL_AXES = frozenset({"batch", "length", "act_embed", "embed", "vocab", "mlp", "heads", "kv_heads",
-                          "head_dim", "layers", "experts", "experts_fsdp", "mlp_fsdp"})
+                          "head_dim", "layers", "experts", "experts_fsdp", "mlp_fsdp", "latent"})
 
 
 def check_axes(names: tuple[str | None, ...], what: str) -> None:

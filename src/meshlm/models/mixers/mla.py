@@ -98,13 +98,13 @@ def spec(m: ModelConfig) -> dict:
   if Rq is not None:
     out["q_a"] = S.kernel((D, Rq), ("embed", None))
     out["q_a_norm"] = S.vector(Rq, "ones")
-    out["q_b"] = S.kernel((Rq, N, Hn + Hr), (None, "heads", "head_dim"))
+    out["q_b"] = S.kernel((Rq, N, Hn + Hr), ("latent", "heads", "head_dim"))
   else:
     out["q"] = A.q_spec(D, N, Hn + Hr)
   out["kv_a"] = S.kernel((D, R + Hr), ("embed", None))
   out["kv_a_norm"] = S.vector(R, "ones")
-  out["k_b"] = S.kernel((R, N, Hn), (None, "heads", "head_dim"))
-  out["v_b"] = S.kernel((R, N, Hv), (None, "heads", "head_dim"))
+  out["k_b"] = S.kernel((R, N, Hn), ("latent", "heads", "head_dim"))
+  out["v_b"] = S.kernel((R, N, Hv), ("latent", "heads", "head_dim"))
   out["o"] = A.o_spec(N, Hv, D)
   return out
 
