@@ -207,7 +207,7 @@ def main(args: list[str]) -> int:
     else:
       report["programs"] |= _sampler(cfg, mesh, name == "decode", report_of)
   from meshlm.analysis.census import config_summary
-  report["config"] = config_summary(cfg) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
+  report["config"] = config_summary(cfg, topo.platform) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
   print(dumps(report) if "--json" in opts else render(report))
   sys.stdout.flush()
   return 1 if any(p["memory"]["fits"] is False for p in report["programs"].values()) else 0
@@ -288,6 +288,7 @@ def render(report: dict) -> str:
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
   lines = [f"compile {c['model']}  topology={topo['name']} ({chip['devices']} x {chip['kind']}, "
            f"{chip['devices_per_chip']} per chip)  mesh {mesh}  shard_mode={c['shard_mode']}  remat={c['remat']}  "
+           f"attention={c.get('attention_impl', '-')}  "
            f"per_device_batch_size={c['per_device_batch_size']}  seq_len={c['seq_len']}"]
   fit = report.get("fit")
   if fit:
