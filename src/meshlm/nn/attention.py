@@ -52,7 +52,7 @@ def with_new_slot(mask_B111C: jax.Array) -> jax.Array:
 
 # On CPU, `attention_impl=auto` runs flash from this length up and xla below it: the crossover that
 # benchmarks/attention_crossover.py measured (docs/performance.md, "Attention: flash vs xla on CPU").
-CPU_FLASH_FROM = 4096
+CPU_FLASH_FROM = 1024
 IMPLS = ("xla", "flash")
 
 
