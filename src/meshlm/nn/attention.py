@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
+from meshlm.nn.flash_attention import flash_attention
 from meshlm.parallel.sharding import ACT, axes
 
 # Parameter axes: the query kernel [D, N, H] (gather_once reads them), K/V [D, Kv, H], o [N, H, D].
@@ -81,8 +82,6 @@ def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
   mask; flash: the segment ids or None)."""
   if impl == "flash":
-    from meshlm.nn.flash_attention import flash_attention
-
     def flash(q, k, v, seg):
       return flash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
     return flash, mask.segment_ids
