@@ -179,10 +179,11 @@ def _flash_bwd(st: _Static, res, d_out):
       ds = p * (dp - d_i[..., None])
       if t is not None:
         ds = ds * (1.0 - t * t)  # d(cap tanh(s / cap)) / ds
-      ds = ds * st.scale
-      dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j.astype(_F32))
+      # In the inputs' dtype (bf16 compute: bf16 dots accumulating in float32), as the forward's p @ v.
+      ds = (ds * st.scale).astype(q.dtype)
+      dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j, preferred_element_type=_F32)
       dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * b, b, axis=1) + dq_i, i * b, axis=1)
-      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i.astype(_F32))
+      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i, preferred_element_type=_F32)
       return dq, dk, dv
 
     lo, hi = _query_blocks(st, j, n)
