@@ -204,6 +204,21 @@ def test_per_layer_gradients_agree(preset):
   print(f"{preset}: per-leaf gradients, max relative |flash - xla| {worst:.3g} over {len(flash)} leaves")
 
 
+def test_generate_with_a_flash_prefill_equals_recomputing(monkeypatch):
+  """Sampling under flash: the prefill's core is flash (the decode steps keep their cached path), and greedy
+  generate equals one flash forward over prompt + completion; gemma2-tiny's prompts cross its window (48)."""
+  import meshlm.nn.attention as A
+  traced = []
+  def counted(*args, **kw):
+    traced.append(kw["window"])
+    return FA.flash_attention(*args, **kw)
+  monkeypatch.setattr(A, "flash_attention", counted)
+  cfg = meshlm.load_config("model=gemma2-tiny", "attention_impl=flash", "train.compute_dtype=float32")
+  out = C.greedy(cfg, params := meshlm.init_params(cfg, jax.random.key(0)))
+  assert set(traced) == {None, cfg.model.sliding_window}, traced  # the prefill ran flash, global and local layers
+  print(C.check_generate_equals_recompute(cfg, params, out))
+
+
 def _grads(preset: str, impl: str):
   cfg = meshlm.load_config(f"model={preset}", *shrink(preset), f"attention_impl={impl}", "train.compute_dtype=float32")
   params = meshlm.init_params(cfg, jax.random.key(0))
