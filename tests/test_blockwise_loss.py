@@ -1,7 +1,7 @@
 """loss_impl=blockwise (nn/head_loss.py: the head and the log-softmax per block, a custom VJP) against the
 materialized reference (decoder.head, then train/step.cross_entropy or rl/step.score): the loss, the RL
 log-probs and entropy, and their gradients w.r.t. the head's input and its kernel, in float32, each with a
-negative control; then a few tiny presets trained 2 steps both ways, and the compiled step's buffers."""
+negative control; then a few tiny presets trained 3 steps both ways, and the compiled step's buffers."""
 import re
 
 import jax
@@ -26,7 +26,7 @@ def _cfg(*extra):
                             f"loss_block={BLOCK}", "train.compute_dtype=float32", *extra)
 
 
-def _data(seed=0):
+def _data(seed=0, V=V):
   rng = np.random.default_rng(seed)
   # Large enough logits that the soft-cap (2.0) bends them: its slope matters in the gradient.
   x = jnp.asarray(2 * rng.standard_normal((B, T, D)), jnp.float32)
@@ -161,3 +161,142 @@ def test_auto_picks_blockwise_only_for_large_logits():
   assert not ST.blockwise_loss(cfg, 2 ** 19 // 128 - 1, 128)
   assert ST.blockwise_loss(cfg.model_copy(update={"loss_impl": "blockwise"}), 1, 1)
   assert not ST.blockwise_loss(cfg.model_copy(update={"loss_impl": "materialized"}), 2 ** 20, 2 ** 10)
+
+
+# --- The train step: a few tiny presets, 3 steps each way; the compiled step's buffers ------------------------
+# A vocab no other dimension of these models equals (the logits check below finds [B, T, V] by it).
+STEP_T, LOSS_BLOCK, STEP_V = 32, 8, 300
+STEP_RUNS = {  # name: (preset, mesh and mode, loss_impl)
+    "llama2": ("llama2-tiny", ["mesh.fsdp=4"], "materialized"),
+    "llama2_blockwise": ("llama2-tiny", ["mesh.fsdp=4"], "blockwise"),
+    # The vocab over mesh.tensor and the batch over data and fsdp, under auto: against the fsdp=4 reference.
+    "llama2_blockwise_auto_tensor": ("llama2-tiny", ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2",
+                                                     "shard_mode=auto"], "blockwise"),
+    "gemma2": ("gemma2-tiny", ["mesh.fsdp=4"], "materialized"),  # tied head, final soft-cap
+    "gemma2_blockwise": ("gemma2-tiny", ["mesh.fsdp=4"], "blockwise"),
+    "gemma2_blockwise_tensor": ("gemma2-tiny", ["mesh.fsdp=2", "mesh.tensor=2"], "blockwise"),
+    "mixtral": ("mixtral-tiny", ["mesh.fsdp=4"], "materialized"),
+    "mixtral_blockwise": ("mixtral-tiny", ["mesh.fsdp=4"], "blockwise"),
+}
+
+
+def _batch(global_batch: int, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  shape = (global_batch, STEP_T)
+  return {"inputs": rng.integers(0, STEP_V, shape).astype(np.int32),
+          "targets": rng.integers(0, STEP_V, shape).astype(np.int32), "segment_ids": np.ones(shape, np.int32),
+          "positions": np.tile(np.arange(STEP_T, dtype=np.int32), (shape[0], 1)),
+          "loss_mask": (rng.random(shape) > 0.2).astype(np.float32)}
+
+
+def _train(name: str):
+  """([(loss, grad norm)] of 3 steps, the compiled step's HLO text, its census, B per device) of one STEP_RUNS
+  entry."""
+  from meshlm.analysis.census import census_of, lowered_of
+  from meshlm.parallel.mesh import make_mesh
+  preset, mesh_keys, impl = STEP_RUNS[name]
+  cfg = meshlm.load_config(f"model={preset}", "cpu_devices=4", *mesh_keys, "train.per_device_batch_size=1",
+                           f"train.seq_len={STEP_T}", f"model.vocab_size={STEP_V}", "train.compute_dtype=float32",
+                           f"loss_impl={impl}", f"loss_block={LOSS_BLOCK}")
+  mesh = make_mesh(cfg)
+  step = ST.build_train_step(cfg, mesh)
+  lowered = step.lower()
+  compiled = lowered.compile()
+  state = step.init_state(jax.random.key(0))
+  losses = []
+  for i in range(3):
+    with jax.set_mesh(mesh):
+      state, metrics = compiled(state, step.put_batch(_batch(step.global_batch, i)))
+    # The gradient norm too: AdamW's first update is about lr x sign(g), so the losses alone hardly see dW.
+    losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+  b_local = step.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+  return losses, compiled.as_text(), census_of(lowered_of(lowered, compiled)), b_local
+
+
+@pytest.fixture(scope="module")
+def runs():
+  cache = {}
+  def get(name):
+    if name not in cache:
+      cache[name] = _train(name)
+    return cache[name]
+  return get
+
+
+@pytest.mark.parametrize("name", [n for n in STEP_RUNS if "blockwise" in n])
+def test_blockwise_trains_to_the_materialized_losses(runs, name):
+  ref = runs(name.split("_blockwise")[0])[0]
+  got = runs(name)[0]
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  assert len({loss for loss, _ in ref}) == 3  # three different steps compared
+
+
+def _logits_buffers(hlo: str, b_local: int, vocab: int = STEP_V) -> list[str]:
+  """Every array shape in the HLO text holding a whole [B, T, V] logits tensor (any layout or split of B x T)."""
+  out = []
+  for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo):
+    shape = [int(d) for d in dims.split(",")]
+    if vocab in shape and int(np.prod(shape)) == b_local * STEP_T * vocab:
+      out.append(dims)
+  return out
+
+
+@pytest.mark.parametrize("base", ["llama2", "gemma2"])
+def test_the_blockwise_step_holds_no_logits(runs, base):
+  """The materialized step holds [B, T, V] (the control); the blockwise one none, only [B, block, V] pieces."""
+  _, hlo, _, b_local = runs(base)
+  assert _logits_buffers(hlo, b_local)
+  _, hlo, census, b_local = runs(f"{base}_blockwise")
+  assert _logits_buffers(hlo, b_local) == []
+  assert re.search(rf"f32\[{b_local},{LOSS_BLOCK},{STEP_V}\]", hlo)  # the blocks are there
+  # The head's weight gradient in kernel order under explicit: no blocked transpose-of-dot pair anywhere.
+  assert census["stablehlo"]["transpose_of_dot"]["blocked"] == 0
+
+
+def _head_census(tied: bool):
+  """The StableHLO census counts of the blockwise loss's gradient on an explicit fsdp=2 x tensor=2 mesh (lowered
+  only), the kernel stored as the model stores it (embed over fsdp, vocab over tensor)."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from meshlm.analysis.census import stablehlo_counts
+  mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+  x, params, targets, mask = _data(V=40)  # a vocab mesh.tensor divides
+  kernel, spec = (params["embed"], P("tensor", "fsdp")) if tied else (params["lm_head"], P("fsdp", "tensor"))
+  loss = lambda x, k: -jnp.sum(head_loss.blockwise_logprobs(x, k, targets, tied=tied, block=BLOCK)[0] * mask)
+  with jax.set_mesh(mesh):
+    args = (jax.device_put(x, NamedSharding(mesh, P("fsdp"))), jax.device_put(kernel, NamedSharding(mesh, spec)))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text(debug_info=True)
+  return stablehlo_counts(text, counters=())[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_weight_gradient_comes_out_in_kernel_order(tied, monkeypatch):
+  """0 transpose-of-dot pairs under explicit; control: dW formed in the other order, then transposed, is blocked."""
+  counts = _head_census(tied)
+  assert counts["transpose_of_dot"]["blocked"] == 0 and counts["transpose_of_dot"]["adjacent"] == 0
+  from jax.sharding import reshard
+
+  def flipped(opts, x, dz, k_sh):
+    eqn = "btd,btv->dv" if opts.tied else "btv,btd->vd"
+    pair = (x, dz) if opts.tied else (dz, x)
+    other = jax.sharding.PartitionSpec(*reversed(k_sh))
+    return reshard(jnp.einsum(eqn, *pair, out_sharding=other, preferred_element_type=jnp.float32).T, k_sh)
+  monkeypatch.setattr(head_loss, "_weight_grad", flipped)
+  assert _head_census(tied)["transpose_of_dot"]["blocked"] >= 1
+
+
+def test_the_rl_step_scores_blockwise_as_it_scores_materialized(monkeypatch):
+  """rl/step.scores (the RL loss's and the scorer's log-probs and entropy) under both loss_impl values, on a
+  one-layer model with top-k scoring; the blockwise one goes through the blockwise head (and only it does)."""
+  out, calls = {}, []
+  blockwise = head_loss.blockwise_logprobs
+  monkeypatch.setattr(decoder, "blockwise_logprobs", lambda *a, **k: calls.append(1) or blockwise(*a, **k))
+  for impl in ("materialized", "blockwise"):
+    cfg = _cfg("model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=8",
+               "model.mlp_dim=32", "rl.top_k=5", f"loss_impl={impl}")
+    params = meshlm.init_params(cfg, jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in _batch(B, seed=3).items()}
+    batch = {k: (v % V if v.dtype == jnp.int32 and k in ("inputs", "targets") else v) for k, v in batch.items()}
+    out[impl] = jax.jit(lambda p, b: RS.scores(cfg, p, b, False)[:2])(params, batch)
+    assert len(calls) == (impl == "blockwise")
+  np.testing.assert_allclose(out["blockwise"][0], out["materialized"][0], **TOL)
+  np.testing.assert_allclose(out["blockwise"][1], out["materialized"][1], **TOL)

@@ -30,8 +30,8 @@ from meshlm.nn.head_loss import blockwise_logprobs
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
-__all__ = ["ACT", "LOGITS", "Cache", "Model", "after_step", "clear_cache", "after_step_side", "apply", "context", "decode",
-           "features", "forward", "head", "head_logprobs", "init_model_state", "init_params", "input_readers",
+__all__ = ["ACT", "LOGITS", "Cache", "Model", "after_step", "clear_cache", "after_step_side", "apply", "context",
+           "decode", "features", "forward", "head", "head_logprobs", "init_model_state", "init_params", "input_readers",
            "merge_state", "model_shardings", "model_specs", "model_state_shardings", "model_state_specs",
            "param_shardings", "param_specs", "plan", "prefill", "resolve", "run_layers", "split_layer_inputs",
            "split_state", "trunk"]

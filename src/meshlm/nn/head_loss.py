@@ -180,22 +180,27 @@ def _sharded_like(a: jax.Array):
   return jax.typeof(a).sharding.spec if is_explicit() else None
 
 
+def _weight_grad(opts: _Opts, x_BtD: jax.Array, dz_BtV: jax.Array, k_sh) -> jax.Array:
+  """One block's head weight gradient, float32, in the kernel's stored order: dot_general emits (lhs free, rhs
+  free) dims, so x first for [D, V] and dz first for the tied [V, D]; there is no transpose after the dot."""
+  if opts.tied:
+    return jnp.einsum("btv,btd->vd", dz_BtV, x_BtD, out_sharding=k_sh, preferred_element_type=jnp.float32)
+  return jnp.einsum("btd,btv->dv", x_BtD, dz_BtV, out_sharding=k_sh, preferred_element_type=jnp.float32)
+
+
 def _logprobs_bwd(opts: _Opts, res, cts):
   x_BTD, kernel, targets_BT, lse_BT, ent_BT = res
   g_logp, g_ent = cts
   T, nb, tb = x_BTD.shape[1], opts.nb, opts.tb
   blocked = [_blocks(a, nb, tb) for a in (x_BTD, targets_BT, lse_BT, ent_BT, g_logp, g_ent)]
-  dk_eqn, dx_eqn = ("btv,btd->vd", "btv,vd->btd") if opts.tied else ("btd,btv->dv", "btv,dv->btd")
+  dx_eqn = "btv,vd->btd" if opts.tied else "btv,dv->btd"
   k_sh = _sharded_like(kernel)
 
   def body(dk, a):
     x, tg, lse, ent, gl, ge = a
     dz = _block_dz(opts, x, kernel, tg, lse, ent, gl, ge).astype(x.dtype)
     dx = jnp.einsum(dx_eqn, dz, kernel, out_sharding=_sharded_like(x))
-    # The weight gradient in the kernel's stored order: dot_general emits (lhs free, rhs free) dims.
-    pair = (dz, x) if opts.tied else (x, dz)
-    step = jnp.einsum(dk_eqn, *pair, out_sharding=k_sh, preferred_element_type=jnp.float32)
-    return dk + step, dx
+    return dk + _weight_grad(opts, x, dz, k_sh), dx
 
   dk0 = jnp.zeros(kernel.shape, jnp.float32, out_sharding=k_sh) if is_explicit() else \
       jnp.zeros(kernel.shape, jnp.float32)
