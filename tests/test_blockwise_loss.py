@@ -172,6 +172,8 @@ STEP_RUNS = {  # name: (preset, mesh and mode, loss_impl)
     # The vocab over mesh.tensor and the batch over data and fsdp, under auto: against the fsdp=4 reference.
     "llama2_blockwise_auto_tensor": ("llama2-tiny", ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2",
                                                      "shard_mode=auto"], "blockwise"),
+    # The sequence over mesh.context: the strided blocks keep each block's positions on their devices.
+    "llama2_blockwise_context": ("llama2-tiny", ["mesh.fsdp=2", "mesh.context=2"], "blockwise"),
     "gemma2": ("gemma2-tiny", ["mesh.fsdp=4"], "materialized"),  # tied head, final soft-cap
     "gemma2_blockwise": ("gemma2-tiny", ["mesh.fsdp=4"], "blockwise"),
     "gemma2_blockwise_tensor": ("gemma2-tiny", ["mesh.fsdp=2", "mesh.tensor=2"], "blockwise"),
@@ -209,7 +211,7 @@ def _train(name: str):
       state, metrics = compiled(state, step.put_batch(_batch(step.global_batch, i)))
     # The gradient norm too: AdamW's first update is about lr x sign(g), so the losses alone hardly see dW.
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-  b_local = step.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+  b_local = step.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])  # the logits checks' runs: T whole
   return losses, compiled.as_text(), census_of(lowered_of(lowered, compiled)), b_local
 
 
