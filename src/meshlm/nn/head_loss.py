@@ -10,7 +10,8 @@ H = -sum_v p_v log p_v. A custom VJP recomputes each block's logits in the backw
 dz = g_logp (onehot - p) - g_H p (log p + H) (times 1 / temperature and the soft-cap's slope 1 - tanh^2),
 and accumulates the head's weight gradient in the kernel's stored order (`btd,btv->dv`, tied `btv,btd->vd`:
 dot_general emits it so, nothing to transpose) while producing dx per block. Memory is O(B x Tb x V);
-the residuals are x, the kernel, the targets and two floats per token.
+the residuals are x, the kernel, the targets and two floats per token. `block` bounds the positions per block;
+T is split into the fewest such blocks, evened out.
 
 Blocks are strided, as train/step._split_micro splits micro-batches: block j holds positions j, nb + j, 2 nb + j,
 ..., so a sequence sharded over mesh.context stays on its devices. T is padded up to nb x Tb with positions
@@ -21,14 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from meshlm.parallel.sharding import axes, constrain, einsum, is_explicit
+from meshlm.parallel.sharding import LOGITS, axes, constrain, einsum, is_explicit
 
-LOGITS = axes("batch", "length", "vocab")
 TOKENS_V = axes("batch", "length", None)  # the vocab whole: a keep_fn's sort and top-k are then local
 
 
@@ -39,27 +39,24 @@ def blockwise_logprobs(x_BTD: jax.Array, kernel: jax.Array, targets_BT: jax.Arra
 
   kernel: [D, V] (tied=False) or [V, D] (tied=True), in x's dtype. keep_fn(z [B, Tb, V]) -> bool [B, Tb, V]: the
   tokens the distribution keeps (z: the capped logits over the temperature, without gradient); the target is
-  always kept. block: positions per block (at most T)."""
+  always kept. block: at most this many positions per block."""
   T = x_BTD.shape[1]
-  tb = max(1, min(block, T))
-  nb = math.ceil(T / tb)
+  nb = math.ceil(T / max(1, block))
+  tb = math.ceil(T / nb)  # the fewest blocks of at most `block`, evened out: at most nb - 1 padded positions
   opts = _Opts(tied, cap, float(temperature), keep_fn, bool(entropy), nb, tb)
   logp, ent = _logprobs(opts, x_BTD, kernel, targets_BT)
   return logp, (ent if entropy else None)
 
 
-class _Opts(tuple):
-  """The static choices of one call (hashable: a custom_vjp nondiff argument)."""
-  def __new__(cls, tied, cap, temperature, keep_fn, entropy, nb, tb):
-    return super().__new__(cls, (tied, cap, temperature, keep_fn, entropy, nb, tb))
-
-  tied = property(lambda s: s[0])
-  cap = property(lambda s: s[1])
-  temperature = property(lambda s: s[2])
-  keep_fn = property(lambda s: s[3])
-  entropy = property(lambda s: s[4])
-  nb = property(lambda s: s[5])
-  tb = property(lambda s: s[6])
+class _Opts(NamedTuple):
+  """The static choices of one call (hashable: the custom VJP's nondiff argument)."""
+  tied: bool
+  cap: float | None
+  temperature: float
+  keep_fn: Callable | None
+  entropy: bool
+  nb: int  # blocks
+  tb: int  # positions per block
 
 
 def _blocks(a: jax.Array, nb: int, tb: int) -> jax.Array:
