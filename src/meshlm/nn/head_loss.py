@@ -178,11 +178,13 @@ def _sharded_like(a: jax.Array):
 
 
 def _weight_grad(opts: _Opts, x_BtD: jax.Array, dz_BtV: jax.Array, k_sh) -> jax.Array:
-  """One block's head weight gradient, float32, in the kernel's stored order: dot_general emits (lhs free, rhs
-  free) dims, so x first for [D, V] and dz first for the tied [V, D]; there is no transpose after the dot."""
+  """One block's head weight gradient in the kernel's stored order: dot_general emits (lhs free, rhs free) dims,
+  so x first for [D, V] and dz first for the tied [V, D]; there is no transpose after the dot. In the compute
+  dtype, as the materialized head's is: each device's partial sum over its tokens is a whole [D, V] before the
+  reduce-scatter, and in float32 under bfloat16 compute it would be twice that (llama3-8b: 2 GiB)."""
   if opts.tied:
-    return jnp.einsum("btv,btd->vd", dz_BtV, x_BtD, out_sharding=k_sh, preferred_element_type=jnp.float32)
-  return jnp.einsum("btd,btv->dv", x_BtD, dz_BtV, out_sharding=k_sh, preferred_element_type=jnp.float32)
+    return jnp.einsum("btv,btd->vd", dz_BtV, x_BtD, out_sharding=k_sh)
+  return jnp.einsum("btd,btv->dv", x_BtD, dz_BtV, out_sharding=k_sh)
 
 
 def _logprobs_bwd(opts: _Opts, res, cts):
@@ -197,7 +199,7 @@ def _logprobs_bwd(opts: _Opts, res, cts):
     x, tg, lse, ent, gl, ge = a
     dz = _block_dz(opts, x, kernel, tg, lse, ent, gl, ge).astype(x.dtype)
     dx = jnp.einsum(dx_eqn, dz, kernel, out_sharding=_sharded_like(x))
-    return dk + _weight_grad(opts, x, dz, k_sh), dx
+    return dk + _weight_grad(opts, x, dz, k_sh).astype(jnp.float32), dx  # the sum over blocks in float32
 
   dk0 = jnp.zeros(kernel.shape, jnp.float32, out_sharding=k_sh) if is_explicit() else \
       jnp.zeros(kernel.shape, jnp.float32)
