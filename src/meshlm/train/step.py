@@ -115,9 +115,9 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
 # loss_impl=auto goes blockwise from this many logits (batch x seq_len x vocab of one micro-batch, all devices
 # together): 2^28 float32 logits are 1 GiB, and the materialized path holds them and their log-softmax (and in
 # the backward their gradient). Below it the logits are small next to the step, and the materialized path is
-# today's numbers: every tiny preset (at most 2^23 logits per step here) stays on it, on every backend. A trace
-# sees the shapes, not the platform (the mesh it compiles for may be a compile-only TPU topology), so the
-# choice reads the size only.
+# today's numbers: every tiny preset stays on it (at most 16 rows x 128 positions x 512 per device: 2^20, 2^23 on
+# 8 devices), on every backend. A trace sees the shapes, not the platform (the mesh it compiles for may be a
+# compile-only TPU topology), so the choice reads the size only.
 BLOCKWISE_FROM = 2 ** 28
 
 
