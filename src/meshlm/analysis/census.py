@@ -429,7 +429,8 @@ def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
           "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
           "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,
           "compute_dtype": cfg.train.compute_dtype, "per_device_batch_size": cfg.train.per_device_batch_size,
-          "seq_len": cfg.train.seq_len}
+          "seq_len": cfg.train.seq_len,
+          "loss_impl": cfg.loss_impl}
 
 
 # Scalar fields shown in tables and compared side by side, in order; the parts' declared counters follow them
@@ -487,7 +488,8 @@ def render(result: dict) -> str:
   if c:
     lines.append(f"census {c['model']}  shard_mode={c['shard_mode']}  lm_head_kernel_order="
                  f"{c['lm_head_weight_grad_in_kernel_order']}  dense_kernel_order={c['dense_weight_grad_in_kernel_order']}"
-                 f"  weight_grad_impl={c['weight_grad_impl']}  attention={c.get('attention_impl', '-')}")
+                 f"  weight_grad_impl={c['weight_grad_impl']}  attention={c.get('attention_impl', '-')}"
+                 + (f"  loss_impl={c['loss_impl']}" if "loss_impl" in c else ""))
   rows = summary(result)
   width = max(len(f) for f in rows)
   for f, v in rows.items():

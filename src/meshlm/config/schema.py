@@ -433,6 +433,12 @@ class Config(_Strict):
   attention_impl: Literal["auto", "xla", "flash", "splash"] = Field(
       default="auto", description="the attention core: xla (materialized scores, the reference), flash (blockwise, "
       "pure JAX), splash (not built yet); auto: flash on GPU/TPU and on CPU from a measured length up, else xla")
+  loss_impl: Literal["auto", "materialized", "blockwise"] = Field(
+      default="auto", description="the LM head and loss: materialized [B, T, V] logits (the reference), blockwise "
+      "(head and log-softmax per block of loss_block positions at most, custom VJP; never [B, T, V]), or auto: blockwise "
+      "when a step's batch x seq_len x vocab reaches 2^28")
+  loss_block: int = Field(default=256, ge=1,
+                          description="at most this many sequence positions per block of the blockwise loss")
   scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
   param_scan_axis: Literal[0, 1] = Field(default=0, description="axis of the stacked layer dimension in parameters")
   stack_rows: bool = Field(default=True, description="unrolled layers read the parameters a part lists in "
