@@ -427,6 +427,16 @@ def test_header_reports_trainable_and_frozen_parameter_counts(capsys, fake_train
   assert f"  trainable={total:,}  frozen=0  " in capsys.readouterr().err
 
 
+def test_header_names_the_attention_core(capsys, fake_train):
+  """The banner says which attention core the step runs: attention_impl resolved (auto on CPU at llama2-tiny's
+  length: xla)."""
+  run_dir, _ = fake_train
+  for extra, core in (((), "xla"), (("attention_impl=flash",), "flash")):
+    assert main(["train", "cpu_devices=2", *extra, f"run_dir={run_dir}"]) == 0
+    banner = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("meshlm train")][0]
+    assert f"  attention={core}  " in banner, banner
+
+
 def test_freezing_everything_is_refused(capsys, tmp_path):
   """Before, the run trained for its steps with nothing trainable and no word."""
   assert main(["train", "cpu_devices=2", "train.freeze=['.*']", f"run_dir={tmp_path}/run"]) == 2

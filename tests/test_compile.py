@@ -58,7 +58,10 @@ def test_cpu_topology_arguments_are_the_hand_count(cpu_report):
   mem = cpu_report["programs"]["train"]["memory"]
   hand = hand_count_llama(512, 256, 2, 8, 4, 32, 768, fsdp=4, batch_rows=32, seq=128)
   assert mem["argument_bytes"] == sum(hand.values())
+  # loss_impl=auto at 32 x 128 x 512 logits: the materialized head (train/step.blockwise_loss)
+  assert cpu_report["config"]["loss_impl"] == "auto" and cpu_report["config"]["loss_path"] == "materialized"
   assert {k: v for k, v in mem["arguments_by_input"].items() if v} == hand
+  assert cpu_report["config"]["attention_impl"] == "xla"  # auto on CPU below the crossover (128 < 1024)
   # Negative controls: norms split like the matrices, or no optimizer state, are other numbers.
   wrong = hand_count_llama(512, 256, 2, 8, 4, 32, 768, fsdp=4, batch_rows=32, seq=128, shard_norms=True)
   assert mem["argument_bytes"] != sum(wrong.values())
@@ -266,7 +269,9 @@ def tpu_run():
     return real(lowered, compiled)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(aot, "lowered_of", keep)
-    report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")
+    # The materialized attention core: the program's loops are the 2-layer scans alone, as the FLOP counts below
+    # expect (auto is flash on TPU, whose block loops have data-dependent trip counts: test_tpu_flash_attention).
+    report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1", "attention_impl=xla")
   (hlo, cost), = seen
   return report, hlo, cost
 
@@ -327,6 +332,17 @@ def test_tpu_convolution_flops_match_xla_counted_alike(tpu_run, monkeypatch):
   assert 0.97 < C.flops(mod) / xla["flops"] <= 1.0
   monkeypatch.setattr(C, "_window_pairs", lambda out, inp, size, *rest: out * size)
   assert C.flops(mod) > 1.5 * xla["flops"]
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_tpu_flash_attention(tpu_report):
+  """attention_impl=auto compiles the flash core for TPU (the report says which core each program used), with
+  nothing blocked under explicit; the xla run above says xla."""
+  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")
+  assert report["config"]["attention_impl"] == "flash" and tpu_report["config"]["attention_impl"] == "xla"
+  assert report["exit"] == 0 and report["programs"]["train"]["memory"]["fits"] is True
+  assert report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]["blocked"] == 0
 
 
 def test_the_tpu_extra_and_make_tests_lock_pin_the_same_libtpu():

@@ -139,6 +139,8 @@ def test_suggestions_come_from_the_schema():
     (["shard_mode=manual"], "shard_mode", "'manual'"),
     (["train.compute_dtype=float16"], "train.compute_dtype", "'float16'"),
     (["weight_grad_impl=fast"], "weight_grad_impl", "'fast'"),
+    (["loss_impl=fused"], "loss_impl", "'fused'"),
+    (["loss_block=0"], "loss_block", "greater than or equal to 1"),
     (["param_scan_axis=2"], "param_scan_axis", "0 or 1"),
     (["remat=some"], "remat", "'some'"),
     (["cpu_devices=0"], "cpu_devices", "greater than 0"),

@@ -1,5 +1,5 @@
 """Resuming a MoE run with another layout or implementation of the same parameters: model.parts.moe.kernel_fsdp,
-model.parts.moe.grouped_matmul, scan_layers and stack_rows change how the step computes, not what, so a checkpoint
+model.parts.moe.grouped_matmul, scan_layers, stack_rows and loss_impl change how the step computes, not what, so a checkpoint
 resumes under other values (run_dir.RESUMABLE, the moe section's COMPUTE knobs) and the run goes on as the
 uninterrupted one does, to float32 reassociation. A key that changes the parameters' meaning is still refused
 (the control), naming the key.
@@ -23,9 +23,10 @@ RUN = ("model=mixtral-tiny", "model.embed_dim=32", "model.num_heads=2", "model.n
        "train.warmup_steps=0", "train.sample_tokens=0", "data.source=synthetic", "checkpoint.every=2",
        "model.parts.moe.kernel_fsdp=experts")
 # The same parameters computed another way: kernels FSDP-sharded on mlp (gathered whole per layer) instead of
-# on the experts dim (expert parallelism), the block-layout grouped matmul, unrolled layers with sliced rows.
+# on the experts dim (expert parallelism), the block-layout grouped matmul, unrolled layers with sliced rows, the
+# blockwise head and loss (in blocks of 5 positions: the last one padded).
 OTHER = ("model.parts.moe.kernel_fsdp=mlp", "model.parts.moe.grouped_matmul=blocks", "scan_layers=false",
-         "stack_rows=false")
+         "stack_rows=false", "loss_impl=blockwise", "loss_block=5")
 # Float32 reassociation only (another dispatch and other collectives sum in another order). Measured max |loss
 # diff| over the two resumed steps: 4.8e-7, against losses that move by 0.2-0.8 a step.
 ATOL = 1e-5
@@ -58,7 +59,7 @@ def test_a_run_resumes_under_another_layout_of_the_same_parameters(runs, tmp_pat
   assert len(set(whole.tolist())) == 4  # the run really trains: equal losses would make the check trivial
   assert diff < ATOL
   text = (run_dir / "config.yaml").read_text()
-  assert "    kernel_fsdp: mlp\n" in text and "scan_layers: false" in text
+  assert "    kernel_fsdp: mlp\n" in text and "scan_layers: false" in text and "loss_impl: blockwise" in text
 
 
 def test_a_key_that_changes_the_parameters_is_still_refused(runs, tmp_path):

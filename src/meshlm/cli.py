@@ -143,6 +143,7 @@ def cmd_train(args: list[str], start: float) -> int:
   from meshlm.console import make_console, printable, report_stop
   from meshlm.train.loop import param_counts, prepare_run_dir, train
   from meshlm.train.run_dir import leave_as_found
+  from meshlm.analysis.census import attention_impl
   trainable, frozen = param_counts(cfg)  # train.freeze that leaves nothing to train fails here
   console = make_console()
   try:
@@ -151,6 +152,7 @@ def cmd_train(args: list[str], start: float) -> int:
       console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                     f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                     f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  "
+                    f"attention={attention_impl(cfg)}  "
                     f"trainable={trainable:,}  frozen={frozen:,}  data={_data_label(cfg)}  "
                     f"tokenizer={cfg.data.tokenizer}  run_dir={cfg.run_dir}")
       result = train(cfg, console=console, start_time=start)

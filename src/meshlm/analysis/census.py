@@ -415,13 +415,23 @@ def census(cfg, mesh=None) -> dict[str, Any]:
   return out
 
 
-def config_summary(cfg) -> dict[str, Any]:
+def attention_impl(cfg, platform: str | None = None) -> str:
+  """The attention core the train step runs (attention_impl resolved at train.seq_len on platform, by default
+  JAX's backend): what the reports print."""
+  import jax
+  from meshlm.nn.attention import resolve_impl
+  return resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend())
+
+
+def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
   return {"model": cfg.model_name, "shard_mode": cfg.shard_mode,
+          "attention_impl": attention_impl(cfg, platform),
           "lm_head_weight_grad_in_kernel_order": cfg.lm_head_weight_grad_in_kernel_order,
           "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
           "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,
           "compute_dtype": cfg.train.compute_dtype, "per_device_batch_size": cfg.train.per_device_batch_size,
-          "seq_len": cfg.train.seq_len}
+          "seq_len": cfg.train.seq_len,
+          "loss_impl": cfg.loss_impl}
 
 
 # Scalar fields shown in tables and compared side by side, in order; the parts' declared counters follow them
@@ -479,7 +489,8 @@ def render(result: dict) -> str:
   if c:
     lines.append(f"census {c['model']}  shard_mode={c['shard_mode']}  lm_head_kernel_order="
                  f"{c['lm_head_weight_grad_in_kernel_order']}  dense_kernel_order={c['dense_weight_grad_in_kernel_order']}"
-                 f"  weight_grad_impl={c['weight_grad_impl']}")
+                 f"  weight_grad_impl={c['weight_grad_impl']}  attention={c.get('attention_impl', '-')}"
+                 + (f"  loss_impl={c['loss_impl']}" if "loss_impl" in c else ""))
   rows = summary(result)
   width = max(len(f) for f in rows)
   for f, v in rows.items():

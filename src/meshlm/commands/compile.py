@@ -91,6 +91,13 @@ def _train(cfg, mesh, rl: bool = False):
   return step.lower(), inputs, tokens
 
 
+def _loss_path(cfg, devices: int) -> str:
+  """The train step's head and loss as compiled: loss_impl, with auto decided for this batch (train/step.py)."""
+  from meshlm.train.step import blockwise_loss
+  rows = cfg.train.per_device_batch_size * devices // cfg.train.micro_batches
+  return "blockwise" if blockwise_loss(cfg, rows, cfg.train.seq_len) else "materialized"
+
+
 def _rl_config(cfg, devices: int):
   """meshlm rl's shapes: rl.prompts_per_step x rl.num_generations rows over the devices (rl/trainer.rl_config; the
   row length is train.seq_len here, where meshlm rl reads it from its prompts)."""
@@ -207,7 +214,8 @@ def main(args: list[str]) -> int:
     else:
       report["programs"] |= _sampler(cfg, mesh, name == "decode", report_of)
   from meshlm.analysis.census import config_summary
-  report["config"] = config_summary(cfg) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
+  report["config"] = config_summary(cfg, topo.platform) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
+  report["config"]["loss_path"] = _loss_path(cfg, mesh.size)
   print(dumps(report) if "--json" in opts else render(report))
   sys.stdout.flush()
   return 1 if any(p["memory"]["fits"] is False for p in report["programs"].values()) else 0
@@ -288,7 +296,9 @@ def render(report: dict) -> str:
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
   lines = [f"compile {c['model']}  topology={topo['name']} ({chip['devices']} x {chip['kind']}, "
            f"{chip['devices_per_chip']} per chip)  mesh {mesh}  shard_mode={c['shard_mode']}  remat={c['remat']}  "
-           f"per_device_batch_size={c['per_device_batch_size']}  seq_len={c['seq_len']}"]
+           f"attention={c.get('attention_impl', '-')}  "
+           f"per_device_batch_size={c['per_device_batch_size']}  seq_len={c['seq_len']}"
+           + (f"  loss={c['loss_path']}" if "loss_path" in c else "")]
   fit = report.get("fit")
   if fit:
     for t in fit["tried"]:

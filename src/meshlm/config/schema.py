@@ -430,6 +430,15 @@ class Config(_Strict):
       default=None, description="in-layer projections' weight gradient in kernel order; null: on under explicit")
   weight_grad_impl: Literal["auto_axes", "custom_vjp"] = Field(
       default="custom_vjp", description="how the kernel-order weight gradient is produced")
+  attention_impl: Literal["auto", "xla", "flash", "splash"] = Field(
+      default="auto", description="the attention core: xla (materialized scores, the reference), flash (blockwise, "
+      "pure JAX), splash (not built yet); auto: flash on GPU/TPU and on CPU from a measured length up, else xla")
+  loss_impl: Literal["auto", "materialized", "blockwise"] = Field(
+      default="auto", description="the LM head and loss: materialized [B, T, V] logits (the reference), blockwise "
+      "(head and log-softmax per block of loss_block positions at most, custom VJP; never [B, T, V]), or auto: blockwise "
+      "when a step's batch x seq_len x vocab reaches 2^28")
+  loss_block: int = Field(default=256, ge=1,
+                          description="at most this many sequence positions per block of the blockwise loss")
   scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
   param_scan_axis: Literal[0, 1] = Field(default=0, description="axis of the stacked layer dimension in parameters")
   stack_rows: bool = Field(default=True, description="unrolled layers read the parameters a part lists in "
@@ -452,6 +461,8 @@ class Config(_Strict):
       raise ValueError(
           "lm_head_weight_grad_in_kernel_order=true needs an untied LM head, but model.tie_embeddings "
           "is true (the tied head is an einsum over the embedding table); leave the flag unset or false")
+    if self.attention_impl == "splash":
+      raise ValueError("attention_impl=splash: the TPU splash kernel is not built yet; use auto, xla or flash")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "

@@ -3,7 +3,8 @@
 It is split in two. The model-wide part: the config, the mode (train | prefill | decode) and the
 dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, eqn, out_axes)`).
 The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
-positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
+positions, segment ids, RoPE tables, the attention mask's description (nn/attention.Mask; the [T, T] array
+only for the xla core) and, when sampling, the KV-cache slots (decode reads their mask, O(C)).
 A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
 this one layer (layers.run_layers' layer_inputs: what its parts declare as Replay.layer_inputs).
 """
@@ -17,10 +18,10 @@ import jax
 
 from meshlm.config import Config
 from meshlm.nn import kv_cache
-from meshlm.nn.attention import attention_mask
+from meshlm.nn.attention import Mask, attention_mask, resolve_impl
 from meshlm.nn.dense import dense
 from meshlm.nn.rope import freqs_at, inv_frequencies, rope_angles
-from meshlm.parallel.sharding import auto_region, context_size
+from meshlm.parallel.sharding import auto_region, context_size, platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Inputs:
   positions: jax.Array  # [B, T]
   segment_ids: jax.Array | None  # [B, T]; state-carrying mixers reset at document boundaries
   rope: Mapping[int, tuple[jax.Array, jax.Array]]  # rotary width -> (cos, sin) [B, T, width / 2]
-  mask: jax.Array  # [B or 1, 1, 1, T, S] boolean, S = T (train, prefill) or the cache length (decode)
+  mask: Mask | None  # train, prefill: causal, window, segments (decode: None; it reads cache.read_mask)
   cache: kv_cache.Slots | None = None  # where this context's layers read and write their cache
   lengths: jax.Array | None = None  # prefill: [B] real tokens per right-padded prompt row
 
@@ -40,6 +41,7 @@ class Context:
   dense: Callable[..., jax.Array]  # dense(x, kernel, eqn, out_axes), bound to the dense flags
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
+  attention_impl: str = "xla"  # the attention core of train and prefill: xla | flash (attention_impl resolved)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -85,24 +87,29 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   prefill: the same over a right-padded prompt block, plus the slots that move each row's first
     lengths_B[b] keys into a cache of cache_len (a window-sized ring for local layers).
   decode: one new position per row (positions_BT [B, 1]); masks and write slots over the cache.
+  The masks of train and prefill are descriptions; their [T, T] arrays are built (once per step) only when the
+  attention core is xla (attention_impl resolved for this length and platform).
   """
   m = cfg.model
   T = positions_BT.shape[1]
+  impl = resolve_impl(cfg.attention_impl, T, platform()) if mode != "decode" else "xla"
   ropes = {"global": {d: freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling) for d in rotary_dims}}
   if "local" in contexts and m.rope_local_theta is not None:
     ropes["local"] = {d: rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)) for d in rotary_dims}
   inputs = {}
   for name in ("global",) + tuple(c for c in ("local",) if c in contexts):
     window = windows(m)[name]
+    mask, slots = None, None
     if mode == "train":
-      mask, slots = train_mask(segment_ids_BT, T, window), None
+      dense = train_mask(segment_ids_BT, T, window) if impl == "xla" else None
+      mask = Mask(window, segment_ids_BT, dense)
     elif mode == "prefill":
       size = kv_cache.cache_size(cache_len, window)
-      mask, slots = attention_mask(None, T, window), kv_cache.prefill_slots(lengths_B, T, size)
+      mask = Mask(window, None, attention_mask(None, T, window) if impl == "xla" else None)
+      slots = kv_cache.prefill_slots(lengths_B, T, size)
     else:
       size = kv_cache.cache_size(cache_len, window)
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
-      mask = slots.read_mask  # [B, 1, 1, 1, C]
     inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
                           lengths_B if mode == "prefill" else None)
-  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode)
+  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, attention_impl=impl)

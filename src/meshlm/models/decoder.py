@@ -8,7 +8,8 @@ module re-exports none of them; tests/test_imports.py holds that).
 
 Three entry points share one path: `forward` (training and scoring: logits for every position),
 `prefill` (a right-padded prompt block; returns the logits and a fresh cache) and `decode` (one new
-token per row against the cache).
+token per row against the cache). A loss that never holds [B, T, V] logits takes `features` (forward
+without the head) and `head_logprobs` (the head and the target's log-prob, block by block: nn/head_loss.py).
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from meshlm.models.context import Context, make_context
 from meshlm.models.model import Model, resolve
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
+from meshlm.nn.head_loss import blockwise_logprobs
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
-__all__ = ["apply", "context", "decode", "forward", "head", "input_readers", "plan", "prefill"]
+__all__ = ["apply", "context", "decode", "features", "forward", "head", "head_logprobs", "input_readers", "plan",
+           "prefill", "trunk"]
 
 
 def plan(cfg: Config | Model):
@@ -52,6 +55,19 @@ def head(cfg: Config | Model, params: dict, x_BTD: jax.Array) -> jax.Array:
     return logits
 
 
+def head_logprobs(cfg: Config | Model, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, *,
+                  temperature: float = 1.0, keep_fn=None, entropy: bool = False):
+  """(log p(target) [B, T], entropy [B, T] or None) in float32, from the final-normed activations through the
+  head (tied or untied, soft-capped as `head`) block by block (nn/head_loss.py): [B, T, V] never exists. The
+  head's weight gradient comes out in kernel order whatever the flags say (the blockwise VJP computes it so)."""
+  cfg = resolve(cfg).cfg
+  tied = cfg.model.tie_embeddings
+  kernel = (params["embed"] if tied else params["lm_head"]).astype(x_BTD.dtype)
+  with jax.named_scope("lm_head_loss"):
+    return blockwise_logprobs(x_BTD, kernel, targets_BT, tied=tied, cap=cfg.model.final_logit_softcap,
+                              temperature=temperature, keep_fn=keep_fn, entropy=entropy, block=cfg.loss_block)
+
+
 def apply(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context, cache: L.Cache | None = None,
           collect: bool = False, last_B: jax.Array | None = None,
           layer_inputs: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
@@ -61,6 +77,14 @@ def apply(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context,
   needs the next-token logits of each prompt's last real token, not [B, T, V]).
   layer_inputs: {name: [n_readers, ...]} (see forward).
   """
+  x, cache, side = trunk(cfg, params, tokens_BT, ctx, cache, collect, last_B, layer_inputs)
+  return head(cfg, params, x), cache, side
+
+
+def trunk(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context, cache: L.Cache | None = None,
+          collect: bool = False, last_B: jax.Array | None = None,
+          layer_inputs: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
+  """embed -> layers -> final norm: (the head's input [B, T, D] ([B, 1, D] with last_B), new cache, side)."""
   M = resolve(cfg)
   m, fam = M.m, M.family
   by_kind = L.split_layer_inputs(M, layer_inputs or {}, tokens_BT.shape)  # checked before anything runs
@@ -74,7 +98,7 @@ def apply(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context,
   if last_B is not None:
     pick = jax.nn.one_hot(last_B, x.shape[1], dtype=x.dtype)  # [B, T]
     x = einsum("btd,bt->bd", x, pick, ("batch", "act_embed"))[:, None]  # [B, 1, D]
-  return head(M, params, x), cache, side
+  return x, cache, side
 
 
 def _positions(tokens_BT: jax.Array, positions_BT=None) -> jax.Array:
@@ -115,6 +139,16 @@ def forward(cfg: Config | Model, params: dict, tokens_BT: jax.Array, positions_B
   if return_hidden:
     return logits, side.pop("hidden")
   return (logits, side) if return_side else logits
+
+
+def features(cfg: Config | Model, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
+             layer_inputs: dict | None = None) -> tuple[jax.Array, dict]:
+  """(the head's input [B, T, D]: final-normed, side outputs as forward's return_side): forward without the
+  head, for a loss that applies the head itself (head_logprobs)."""
+  M = resolve(cfg)
+  positions_BT = _positions(tokens_BT, positions_BT)
+  x, _, side = trunk(M, params, tokens_BT, context(M, positions_BT, segment_ids_BT), layer_inputs=layer_inputs)
+  return x, side
 
 
 def prefill(cfg: Config | Model, params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cache_len: int,

@@ -6,10 +6,13 @@ of their kernels and activations, the q/K/V/o parameter specs, and the decode ma
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
+from meshlm.nn.flash_attention import flash_attention
 from meshlm.parallel.sharding import ACT, axes
 
 # Parameter axes: the query kernel [D, N, H] (gather_once reads them), K/V [D, Kv, H], o [N, H, D].
@@ -46,6 +49,47 @@ def with_new_slot(mask_B111C: jax.Array) -> jax.Array:
   """[B, 1, C + 1]: the cache's read mask, and the new position (always seen) after it."""
   m = mask_B111C[:, 0, 0]  # [B, 1, C]
   return jnp.concatenate([m, jnp.ones(m.shape[:-1] + (1,), bool)], axis=-1)
+
+
+# On CPU, `attention_impl=auto` runs flash from this length up and xla below it: the crossover that
+# benchmarks/attention_crossover.py measured (docs/performance.md, "Attention: flash vs xla on CPU").
+CPU_FLASH_FROM = 1024
+IMPLS = ("xla", "flash")
+
+
+def resolve_impl(impl: str, T: int, platform: str) -> str:
+  """The attention core a program of length T runs on platform ("cpu", "gpu", "tpu"): impl unless it is auto."""
+  if impl != "auto":
+    if impl not in IMPLS:
+      raise ValueError(f"attention_impl={impl!r}: expected auto, xla or flash")
+    return impl
+  return "flash" if platform != "cpu" or T >= CPU_FLASH_FROM else "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+  """What a query of a training or prefill context sees, as a description: every key at or before it (causal),
+  inside `window` positions when one is given, and of its own document when segment ids are given. `dense` is
+  the materialized [B or 1, 1, 1, T, T] array, which only the xla core reads (models/context builds it once per
+  step for that core alone); flash reads the description. Decode reads its cache slots' mask instead."""
+  window: int | None = None
+  segment_ids: jax.Array | None = None  # [B, T]
+  dense: jax.Array | None = None
+
+
+def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
+  """(fn(q, k, v, operand) -> [B, T, K, G, Hv], operand): the attention core for impl and the one array it reads
+  from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
+  mask; flash: the segment ids or None)."""
+  if impl == "flash":
+    def flash(q, k, v, seg):
+      return flash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+    return flash, mask.segment_ids
+
+  def xla(q, k, v, dense):
+    return gqa_attention(q, k, v, dense, scale=scale, softcap=softcap)
+  assert mask.dense is not None, "the xla core reads the materialized mask (models/context.make_context builds it)"
+  return xla, mask.dense
 
 
 def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int | None = None) -> jax.Array:

@@ -105,6 +105,13 @@ def current_mesh():
   return jax.sharding.get_abstract_mesh()
 
 
+def platform() -> str:
+  """The platform ("cpu", "gpu", "tpu") the program being traced is for: its mesh's devices (a compile-only
+  topology's under meshlm compile), else JAX's default backend."""
+  device = getattr(current_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None) or jax.default_backend()
+
+
 def is_explicit() -> bool:
   mesh = current_mesh()
   return not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types)

@@ -74,19 +74,52 @@ def score(cfg: Config, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[ja
     z = jnp.where(keep, z, -jnp.inf)
   logq = jax.nn.log_softmax(z, axis=-1)
   logp = jnp.sum(jnp.where(onehot, logq, 0.0), axis=-1)
-  entropy = -jnp.sum(jnp.where(keep, jnp.exp(logq) * logq, 0.0), axis=-1)
+  # The inner where keeps -inf (off the kept set) out of the product, whose gradient would be NaN there.
+  entropy = -jnp.sum(jnp.where(keep, jnp.exp(logq) * jnp.where(keep, logq, 0.0), 0.0), axis=-1)
   return logp, entropy
 
 
-def _forward(cfg: Config, params, batch: dict, replay: bool):
+def score_blockwise(cfg: Config, params, x_BTD: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """score's (log q(target) [B, T], entropy of q [B, T]) from the head's input, the head applied block by block
+  (decoder.head_logprobs): the same q (temperature, the truncation's kept set plus the target) and gradients,
+  with no [B, T, V] logits."""
+  rl = cfg.rl
+  keep_fn = None
+  if rl.score_truncated and (rl.top_k is not None or rl.top_p < 1):
+    keep_fn = functools.partial(_kept, rl.top_k, rl.top_p)
+  return decoder.head_logprobs(cfg, params, x_BTD, targets_BT, temperature=rl.temperature, keep_fn=keep_fn,
+                               entropy=True)
+
+
+def _kept(top_k, top_p, z):
+  return jnp.isfinite(truncate(z, top_k, top_p))
+
+
+def scores(cfg: Config, params, batch: dict, replay: bool):
+  """(log q(target) [B, T], entropy [B, T], the trainer's own choices as _forward's), through the materialized
+  head and `score`, or blockwise (cfg.loss_impl: train/step.blockwise_loss) through `score_blockwise`."""
+  if ST.blockwise_loss(resolve(cfg).cfg, *batch["inputs"].shape):
+    x, live = _forward(cfg, params, batch, replay, features=True)
+    logp, entropy = score_blockwise(cfg, params, x, batch["targets"])
+  else:
+    logits, live = _forward(cfg, params, batch, replay)
+    logp, entropy = score(cfg, logits, batch["targets"])
+  return logp, entropy, live
+
+
+def _forward(cfg: Config, params, batch: dict, replay: bool, features: bool = False):
   """(logits, {replayed input: the trainer's own choices [n, B, T, k]}, {} without replays); with replay the
-  batch's recorded choices are forced."""
+  batch's recorded choices are forced. features: the head's input [B, T, D] instead of the logits."""
   M = resolve(cfg)
   side = bool(M.replays)
-  out = decoder.forward(M, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=side,
-                        layer_inputs=ST.layer_inputs_of(M, batch) if replay else None)
+  args = (M, params, batch["inputs"], batch["positions"], batch["segment_ids"])
+  layer_inputs = ST.layer_inputs_of(M, batch) if replay else None
+  if features:
+    out = decoder.features(*args, layer_inputs=layer_inputs)
+  else:
+    out = decoder.forward(*args, return_side=side, layer_inputs=layer_inputs)
   if not side:
-    return out, {}
+    return (out[0] if features else out), {}
   return out[0], {name: out[1][s] for s, name in M.replays.items()}
 
 
@@ -109,8 +142,7 @@ def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows
   """The train step's loss_fn: GRPO over one (micro-)batch. Metrics are sums that add up over
   micro-batches to the batch's means (the max of the log-prob gap is exact with one micro-batch)."""
   rl = cfg.rl
-  logits, live = _forward(cfg, params, batch, rl.router_replay)
-  logp, entropy = score(cfg, logits, batch["targets"])
+  logp, entropy, live = scores(cfg, params, batch, rl.router_replay)
   mask = batch["loss_mask"]
   w = L.token_weights(mask, rl.loss_agg, num_tokens, num_rows, rl.max_new_tokens, cfg.train.micro_batches)
   level, mode = L.SAMPLER_IS[rl.sampler_is]
@@ -181,6 +213,5 @@ def scorer(cfg: Config, step: ST.TrainStep):
   param_sh = model_shardings(cfg, step.mesh)
 
   def f(params, batch):
-    logits, _ = _forward(cfg, params, batch, cfg.rl.router_replay)
-    return score(cfg, logits, batch["targets"])[0]
+    return scores(cfg, params, batch, cfg.rl.router_replay)[0]
   return jax.jit(f, in_shardings=(param_sh, batch_sh))

@@ -19,7 +19,7 @@ from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Compute, Instrument, Part, StateLeaf
 from meshlm.nn import attention as A, gather_once
-from meshlm.nn.attention import gqa_attention, gqa_attention_decode
+from meshlm.nn.attention import gqa_attention_decode
 from meshlm.nn.kv_cache import CACHE_AXES
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope
@@ -118,13 +118,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
       o = gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
       return project(o, w_o, *gate)
     region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w_o.shape[-1:])
-    mask = A.decode_mask(here.mask, here.cache.write)
+    mask = A.decode_mask(here.cache.read_mask, here.cache.write)
     return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
-  def attend_and_project(q, k, v, mask, w_o, *gate):
-    return project(gqa_attention(q, k, v, mask, scale=scale, softcap=softcap), w_o, *gate)  # [B, T, Kv, G, H]
+  # The core ctx.attention_impl names (xla: the materialized mask; flash: blockwise, the segment ids).
+  core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap)
+
+  def attend_and_project(q, k, v, operand, w_o, *gate):
+    return project(core(q, k, v, operand), w_o, *gate)  # core: [B, T, Kv, G, H]
   region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w_o.shape[-1:])
-  return region(q, k, v, here.mask, w_o, *gates), update
+  return region(q, k, v, operand, w_o, *gates), update
 
 
 def attention_width(m: ModelConfig) -> int:

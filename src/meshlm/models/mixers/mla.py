@@ -45,7 +45,6 @@ from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Instrument, Part, StateLeaf, section
 from meshlm.nn import attention as A, mla as mla_core
-from meshlm.nn.attention import gqa_attention
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope, apply_rope_interleave, softmax_mscale
 from meshlm.parallel.sharding import auto_region, axes
@@ -163,14 +162,16 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
     v = ctx.dense(c, w["v_b"], "btr,rnh->btnh", A.HEADS)
   scale = softmax_scale(m)
 
+  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale)  # xla or flash (gqa.attend)
+
   # The attention core and the output projection in one auto-axes region (gqa.attend says why).
-  def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, mask, w_o):
+  def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, operand, w_o):
     qk = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + Hr]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
-    o = gqa_attention(qk, k, v, mask, scale=scale)  # [B, T, N, 1, Hv]
+    o = core(qk, k, v, operand)  # [B, T, N, 1, Hv]
     return project(o, w_o, ctx.dense)
   region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w["o"].shape[-1:])
-  return region(q_nope, q_rope, k_nope, k_rope, v, ctx.here.mask, w["o"]), update, {}
+  return region(q_nope, q_rope, k_nope, k_rope, v, operand, w["o"]), update, {}
 
 
 def project(o_BTNGH: jax.Array, w_o: jax.Array, dense) -> jax.Array:
@@ -183,7 +184,7 @@ def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
   """One new position per row against the latent cache: y [B, 1, D], absorbed (model.parts.mla.absorb) or plain."""
   m, here, dense = ctx.model, ctx.here, ctx.dense
   scale = softmax_scale(m)
-  mask = A.decode_mask(here.mask, here.cache.write)  # [B, 1, 1, 1, C]
+  mask = A.decode_mask(here.cache.read_mask, here.cache.write)  # [B, 1, 1, 1, C]
 
   def absorbed(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
     with jax.named_scope("k_b"):

@@ -1,0 +1,200 @@
+"""Blockwise ("flash") attention in pure JAX: the `attention_impl=flash` core.
+
+The forward walks the query blocks; for each it runs an online softmax over only the key blocks its mask can
+reach (the causal diagonal and below, inside the sliding window), keeping a running max, sum and output in
+float32. It saves the output and each row's log-sum-exp. The backward (a custom VJP, FlashAttention-2's)
+walks the key blocks, and for each only the query blocks that can see it, recomputing the block's
+probabilities from q, k and the saved log-sum-exp. Neither pass holds more than a [B, K, G, block, block]
+score tile: memory is O(T x block), never O(T^2), and causal costs about half the square's FLOPs.
+
+Everything nn/attention.gqa_attention (the `xla` reference) does: GQA groups, its [B, T, K, G, H] output,
+the scale, the logit soft-cap (and its derivative), a sliding window, packed segments (segment ids: a
+document never sees another), query/key and value head dims that differ (MLA), and any length (padded to
+the block inside, the pad masked). Only jnp and lax loops: it runs on CPU, GPU and TPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 512  # query and key block length (a shorter sequence is one block)
+_F32 = jnp.float32
+_MIN = float(jnp.finfo(_F32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  softcap: float | None
+  window: int | None
+  block: int
+  length: int  # the real T (the arrays are padded to a multiple of block)
+  segments: bool
+
+
+def flash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array | None = None,
+                    *, scale: float, softcap: float | None = None, window: int | None = None,
+                    block: int = BLOCK) -> jax.Array:
+  """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), blockwise.
+
+  q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (the same T: training and prefill); returns [B, T, K, G, Hv].
+  """
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  assert k_BSKH.shape[1] == T == v_BSKH.shape[1], (q_BTNH.shape, k_BSKH.shape, v_BSKH.shape)
+  b = min(block, T)
+  pad = -T % b
+  q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
+
+  def padded(x):
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+  seg = None if segment_ids_BT is None else padded(segment_ids_BT.astype(jnp.int32))
+  st = _Static(float(scale), softcap, window, b, T, seg is not None)
+  with jax.named_scope("flash_attention"):
+    out = _flash(st, padded(q), padded(k_BSKH), padded(v_BSKH), seg)
+  return out[:, :T]
+
+
+def _key_offset(j, b: int):
+  """The first position of block j (tests swap in a wrong one: the negative control)."""
+  return j * b
+
+
+def _tile_mask(st: _Static, i, j, seg):
+  """[B or 1, 1, 1, bq, bk]: what query block i sees of key block j (causal, inside the window, a real key,
+  the same segment)."""
+  b = st.block
+  qp = i * b + jnp.arange(b)[:, None]
+  kp = _key_offset(j, b) + jnp.arange(b)[None, :]
+  mask = (kp <= qp) & (kp < st.length)
+  if st.window is not None:
+    mask &= qp - kp < st.window
+  mask = mask[None, None, None]
+  if st.segments:
+    sq = lax.dynamic_slice_in_dim(seg, i * b, b, axis=1)  # [B, bq]
+    sk = lax.dynamic_slice_in_dim(seg, j * b, b, axis=1)
+    mask = mask & _same_segment(sq, sk)[:, None, None]
+  return mask
+
+
+def _same_segment(sq_Bq, sk_Bk):
+  """[B, bq, bk]: a query sees keys of its own document only."""
+  return sq_Bq[:, :, None] == sk_Bk[:, None, :]
+
+
+def _scores(st: _Static, q_i, k_j):
+  """(capped scores [B, K, G, bq, bk] float32, tanh of the raw scores / cap or None)."""
+  s = jnp.einsum("bqkgh,bskh->bkgqs", q_i, k_j, preferred_element_type=_F32) * st.scale
+  if st.softcap is None:
+    return s, None
+  t = jnp.tanh(s / st.softcap)
+  return st.softcap * t, t
+
+
+def _key_blocks(st: _Static, i):
+  """[lo, hi): the key blocks query block i can see."""
+  b = st.block
+  lo = 0 if st.window is None else jnp.maximum(i * b - st.window + 1, 0) // b
+  return lo, i + 1
+
+
+def _query_blocks(st: _Static, j, n: int):
+  """[lo, hi): the query blocks that can see key block j."""
+  b = st.block
+  hi = n if st.window is None else jnp.minimum((j * b + b - 1 + st.window - 1) // b + 1, n)
+  return j, hi
+
+
+def _forward(st: _Static, q, k, v, seg):
+  """(out [B, Tp, K, G, Hv] in v's dtype, lse [B, K, G, Tp] float32) over padded inputs."""
+  B, Tp, K, G, H = q.shape
+  Hv, b = v.shape[-1], st.block
+
+  def query_block(i):
+    q_i = lax.dynamic_slice_in_dim(q, i * b, b, axis=1)  # [B, bq, K, G, H]
+
+    def key_block(j, carry):
+      m, l, acc = carry  # [B, K, G, bq], the same, [B, K, G, bq, Hv]
+      k_j = lax.dynamic_slice_in_dim(k, _key_offset(j, b), b, axis=1)
+      v_j = lax.dynamic_slice_in_dim(v, _key_offset(j, b), b, axis=1)
+      mask = _tile_mask(st, i, j, seg)
+      s, _ = _scores(st, q_i, k_j)
+      s = jnp.where(mask, s, _MIN)
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+      corr = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_j, preferred_element_type=_F32)
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    init = (jnp.full((B, K, G, b), _MIN, _F32), jnp.zeros((B, K, G, b), _F32), jnp.zeros((B, K, G, b, Hv), _F32))
+    lo, hi = _key_blocks(st, i)
+    m, l, acc = lax.fori_loop(lo, hi, key_block, init)
+    seen = l > 0  # a pad row may see nothing
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+    return out.astype(v.dtype), lse
+
+  out, lse = lax.map(query_block, jnp.arange(Tp // b))  # [n, B, K, G, bq, Hv], [n, B, K, G, bq]
+  out = jnp.reshape(jnp.moveaxis(out, 0, 3), (B, K, G, Tp, Hv))
+  lse = jnp.reshape(jnp.moveaxis(lse, 0, 3), (B, K, G, Tp))
+  return jnp.transpose(out, (0, 3, 1, 2, 4)), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _Static, q, k, v, seg):
+  return _forward(st, q, k, v, seg)[0]
+
+
+def _flash_fwd(st: _Static, q, k, v, seg):
+  out, lse = _forward(st, q, k, v, seg)
+  return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(st: _Static, res, d_out):
+  """FlashAttention-2's backward: per key block, the query blocks that see it; dq accumulates in place."""
+  q, k, v, seg, out, lse = res
+  B, Tp, K, G, H = q.shape
+  b, n = st.block, Tp // st.block
+  # D_i = sum_h dO_i o_i: the softmax's row term, [B, K, G, Tp].
+  d_row = jnp.einsum("btkgh,btkgh->bkgt", d_out.astype(_F32), out.astype(_F32))
+
+  def key_block(dq, j):
+    k_j = lax.dynamic_slice_in_dim(k, _key_offset(j, b), b, axis=1)  # [B, bk, K, H]
+    v_j = lax.dynamic_slice_in_dim(v, _key_offset(j, b), b, axis=1)
+
+    def query_block(i, carry):
+      dq, dk, dv = carry
+      q_i = lax.dynamic_slice_in_dim(q, i * b, b, axis=1)  # [B, bq, K, G, H]
+      do_i = lax.dynamic_slice_in_dim(d_out, i * b, b, axis=1)
+      lse_i = lax.dynamic_slice_in_dim(lse, i * b, b, axis=3)  # [B, K, G, bq]
+      d_i = lax.dynamic_slice_in_dim(d_row, i * b, b, axis=3)
+      s, t = _scores(st, q_i, k_j)
+      p = jnp.where(_tile_mask(st, i, j, seg), jnp.exp(s - lse_i[..., None]), 0.0)  # [B, K, G, bq, bk]
+      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(d_out.dtype), do_i, preferred_element_type=_F32)
+      dp = jnp.einsum("bqkgh,bskh->bkgqs", do_i, v_j, preferred_element_type=_F32)
+      ds = p * (dp - d_i[..., None])
+      if t is not None:
+        ds = ds * (1.0 - t * t)  # d(cap tanh(s / cap)) / ds
+      # In the inputs' dtype (bf16 compute: bf16 dots accumulating in float32), as the forward's p @ v.
+      ds = (ds * st.scale).astype(q.dtype)
+      dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j, preferred_element_type=_F32)
+      dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * b, b, axis=1) + dq_i, i * b, axis=1)
+      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i, preferred_element_type=_F32)
+      return dq, dk, dv
+
+    lo, hi = _query_blocks(st, j, n)
+    init = (dq, jnp.zeros(k_j.shape, _F32), jnp.zeros(v_j.shape, _F32))
+    dq, dk, dv = lax.fori_loop(lo, hi, query_block, init)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = lax.scan(key_block, jnp.zeros(q.shape, _F32), jnp.arange(n))  # dk [n, B, bk, K, H]
+  dk = jnp.reshape(jnp.moveaxis(dk, 0, 1), k.shape)
+  dv = jnp.reshape(jnp.moveaxis(dv, 0, 1), v.shape)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

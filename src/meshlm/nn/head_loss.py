@@ -1,0 +1,210 @@
+"""The LM head and the per-token log-probs computed together over blocks of the sequence: no [B, T, V] logits.
+
+    logp_BT, entropy_BT = blockwise_logprobs(x_BTD, kernel, targets_BT, tied=..., cap=..., block=...)
+
+x_BTD is the final-normed hidden state; kernel the untied head [D, V] (tied=False) or the embedding table [V, D]
+(tied=True). Per block of Tb positions the logits [B, Tb, V] are formed in float32, soft-capped
+(cap * tanh(z / cap)), divided by the temperature, restricted to the kept set (keep_fn, e.g. top-k/top-p, plus
+the target itself), and reduced to log p(target) = z_target - logsumexp(z) and, when asked, the entropy
+H = -sum_v p_v log p_v. A custom VJP recomputes each block's logits in the backward, forms
+dz = g_logp (onehot - p) - g_H p (log p + H) (times 1 / temperature and the soft-cap's slope 1 - tanh^2),
+and accumulates the head's weight gradient in the kernel's stored order (`btd,btv->dv`, tied `btv,btd->vd`:
+dot_general emits it so, nothing to transpose) while producing dx per block. Memory is O(B x Tb x V);
+the residuals are x, the kernel, the targets and two floats per token. `block` bounds the positions per block;
+T is split into the fewest such blocks, evened out.
+
+Blocks are strided, as train/step._split_micro splits micro-batches: block j holds positions j, nb + j, 2 nb + j,
+..., so a sequence sharded over mesh.context stays on its devices. T is padded up to nb x Tb with positions
+whose cotangent is zero. The reference is the materialized path: models/decoder.head, then
+train/step.cross_entropy (or rl/step.score); tests/test_blockwise_loss.py holds the two equal.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshlm.parallel.sharding import LOGITS, axes, constrain, einsum, is_explicit
+
+TOKENS_V = axes("batch", "length", None)  # the vocab whole: a keep_fn's sort and top-k are then local
+
+
+def blockwise_logprobs(x_BTD: jax.Array, kernel: jax.Array, targets_BT: jax.Array, *, tied: bool,
+                       cap: float | None = None, temperature: float = 1.0, keep_fn: Callable | None = None,
+                       entropy: bool = False, block: int = 256) -> tuple[jax.Array, jax.Array | None]:
+  """(log p(target) [B, T], entropy [B, T] or None), float32, never holding [B, T, V].
+
+  kernel: [D, V] (tied=False) or [V, D] (tied=True), in x's dtype. keep_fn(z [B, Tb, V]) -> bool [B, Tb, V]: the
+  tokens the distribution keeps (z: the capped logits over the temperature, without gradient); the target is
+  always kept. block: at most this many positions per block."""
+  T = x_BTD.shape[1]
+  nb = math.ceil(T / max(1, block))
+  tb = math.ceil(T / nb)  # the fewest blocks of at most `block`, evened out: at most nb - 1 padded positions
+  opts = _Opts(tied, cap, float(temperature), keep_fn, bool(entropy), nb, tb)
+  logp, ent = _logprobs(opts, x_BTD, kernel, targets_BT)
+  return logp, (ent if entropy else None)
+
+
+class _Opts(NamedTuple):
+  """The static choices of one call (hashable: the custom VJP's nondiff argument)."""
+  tied: bool
+  cap: float | None
+  temperature: float
+  keep_fn: Callable | None
+  entropy: bool
+  nb: int  # blocks
+  tb: int  # positions per block
+
+
+def _blocks(a: jax.Array, nb: int, tb: int) -> jax.Array:
+  """[B, T, ...] -> [nb, B, tb, ...], zero-padded to nb x tb positions; block j holds positions j, nb + j, ..."""
+  B, T = a.shape[:2]
+  pad = nb * tb - T
+  if pad:
+    a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+  a = jnp.reshape(a, (B, tb, nb) + a.shape[2:])  # position i * nb + j -> [:, i, j]
+  a = constrain(a, ("batch", "length", None) + (None,) * (a.ndim - 3))
+  return jnp.moveaxis(a, 2, 0)
+
+
+def _unblocks(a: jax.Array, T: int) -> jax.Array:
+  """[nb, B, tb, ...] -> [B, T, ...], the inverse of _blocks (padding dropped)."""
+  nb, B, tb = a.shape[:3]
+  a = jnp.moveaxis(a, 0, 2)  # [B, tb, nb, ...]
+  a = jnp.reshape(a, (B, tb * nb) + a.shape[3:])
+  return a[:, :T]
+
+
+def _cap_slope(t: jax.Array) -> jax.Array:
+  """d(cap * tanh(u / cap)) / du, from t = tanh(u / cap)."""
+  return 1.0 - t * t
+
+
+def _entropy_slope(p: jax.Array, logq: jax.Array, ent: jax.Array) -> jax.Array:
+  """-dH/dz [B, tb, V] = p (log p + H), on the kept set (p is 0 off it)."""
+  return p * (logq + ent[..., None])
+
+
+def _logits(opts: _Opts, x_BtD: jax.Array, kernel: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  """(z [B, tb, V] float32: capped, over the temperature; t = tanh(u / cap) or None), the head of one block."""
+  eqn = "btd,vd->btv" if opts.tied else "btd,dv->btv"
+  u = einsum(eqn, x_BtD, kernel, LOGITS).astype(jnp.float32)
+  t = None
+  if opts.cap is not None:
+    t = jnp.tanh(u / opts.cap)
+    u = opts.cap * t
+  if opts.temperature != 1.0:
+    u = u / opts.temperature
+  if opts.keep_fn is not None:
+    u = constrain(u, TOKENS_V)
+  return u, t
+
+
+def _kept(opts: _Opts, z: jax.Array, onehot: jax.Array) -> jax.Array | None:
+  """The kept set [B, tb, V] (bool), or None when every token is kept."""
+  if opts.keep_fn is None:
+    return None
+  return opts.keep_fn(jax.lax.stop_gradient(z)) | (onehot > 0)
+
+
+def _onehot(opts: _Opts, targets_Bt: jax.Array, V: int) -> jax.Array:
+  # A one-hot contraction, as train/step.cross_entropy: a gather on vocab-sharded logits is ambiguous under explicit.
+  return constrain(jax.nn.one_hot(targets_Bt, V, dtype=jnp.float32), TOKENS_V if opts.keep_fn else LOGITS)
+
+
+def _block_forward(opts: _Opts, x_BtD, kernel, targets_Bt):
+  """(logp [B, tb], lse [B, tb], entropy [B, tb] or zeros) of one block."""
+  z, _ = _logits(opts, x_BtD, kernel)
+  onehot = _onehot(opts, targets_Bt, z.shape[-1])
+  keep = _kept(opts, z, onehot)
+  zk = z if keep is None else jnp.where(keep, z, -jnp.inf)
+  m = jnp.max(zk, axis=-1, keepdims=True)
+  # log p = (z - max) - log sum exp(z - max), as jax.nn.log_softmax forms it (z - lse would lose the small
+  # differences a peaked distribution's entropy is made of).
+  shifted = z - m
+  log_sum = jnp.log(jnp.sum(jnp.exp(shifted if keep is None else jnp.where(keep, shifted, -jnp.inf)), axis=-1,
+                            keepdims=True))
+  logq = shifted - log_sum  # [B, tb, V]
+  logp = jnp.sum(logq * onehot, axis=-1)
+  lse = (m + log_sum)[..., 0]
+  ent = jnp.zeros_like(lse)
+  if opts.entropy:
+    p = jnp.exp(logq) if keep is None else jnp.where(keep, jnp.exp(logq), 0.0)
+    ent = -jnp.sum(p * logq, axis=-1)
+  return logp, lse, ent
+
+
+def _scan_forward(opts: _Opts, x_BTD, kernel, targets_BT):
+  T = x_BTD.shape[1]
+  xs = (_blocks(x_BTD, opts.nb, opts.tb), _blocks(targets_BT, opts.nb, opts.tb))
+  _, (logp, lse, ent) = jax.lax.scan(lambda c, a: (c, _block_forward(opts, a[0], kernel, a[1])), None, xs)
+  return _unblocks(logp, T), _unblocks(lse, T), _unblocks(ent, T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _logprobs(opts: _Opts, x_BTD, kernel, targets_BT):
+  logp, _, ent = _scan_forward(opts, x_BTD, kernel, targets_BT)
+  return logp, ent
+
+
+def _logprobs_fwd(opts: _Opts, x_BTD, kernel, targets_BT):
+  logp, lse, ent = _scan_forward(opts, x_BTD, kernel, targets_BT)
+  return (logp, ent), (x_BTD, kernel, targets_BT, lse, ent)
+
+
+def _block_dz(opts: _Opts, x_BtD, kernel, targets_Bt, lse, ent, g_logp, g_ent):
+  """d(sum g_logp logp + g_ent H) / du [B, tb, V] float32 for one block, u the head's raw logits."""
+  z, t = _logits(opts, x_BtD, kernel)
+  onehot = _onehot(opts, targets_Bt, z.shape[-1])
+  keep = _kept(opts, z, onehot)
+  logq = z - lse[..., None]
+  p = jnp.exp(logq) if keep is None else jnp.where(keep, jnp.exp(logq), 0.0)
+  dz = g_logp[..., None] * (onehot - p)
+  if opts.entropy:
+    dz = dz - g_ent[..., None] * _entropy_slope(p, logq, ent)
+  if opts.temperature != 1.0:
+    dz = dz / opts.temperature
+  if t is not None:
+    dz = dz * _cap_slope(t)
+  return constrain(dz, LOGITS)
+
+
+def _sharded_like(a: jax.Array):
+  """The out_sharding that keeps a result sharded as a (explicit), else None."""
+  return jax.typeof(a).sharding.spec if is_explicit() else None
+
+
+def _weight_grad(opts: _Opts, x_BtD: jax.Array, dz_BtV: jax.Array, k_sh) -> jax.Array:
+  """One block's head weight gradient in the kernel's stored order: dot_general emits (lhs free, rhs free) dims,
+  so x first for [D, V] and dz first for the tied [V, D]; there is no transpose after the dot. In the compute
+  dtype, as the materialized head's is: each device's partial sum over its tokens is a whole [D, V] before the
+  reduce-scatter, and in float32 under bfloat16 compute it would be twice that (llama3-8b: 2 GiB)."""
+  if opts.tied:
+    return jnp.einsum("btv,btd->vd", dz_BtV, x_BtD, out_sharding=k_sh)
+  return jnp.einsum("btd,btv->dv", x_BtD, dz_BtV, out_sharding=k_sh)
+
+
+def _logprobs_bwd(opts: _Opts, res, cts):
+  x_BTD, kernel, targets_BT, lse_BT, ent_BT = res
+  g_logp, g_ent = cts
+  T, nb, tb = x_BTD.shape[1], opts.nb, opts.tb
+  blocked = [_blocks(a, nb, tb) for a in (x_BTD, targets_BT, lse_BT, ent_BT, g_logp, g_ent)]
+  dx_eqn = "btv,vd->btd" if opts.tied else "btv,dv->btd"
+  k_sh = _sharded_like(kernel)
+
+  def body(dk, a):
+    x, tg, lse, ent, gl, ge = a
+    dz = _block_dz(opts, x, kernel, tg, lse, ent, gl, ge).astype(x.dtype)
+    dx = jnp.einsum(dx_eqn, dz, kernel, out_sharding=_sharded_like(x))
+    return dk + _weight_grad(opts, x, dz, k_sh).astype(jnp.float32), dx  # the sum over blocks in float32
+
+  dk0 = jnp.zeros(kernel.shape, jnp.float32, out_sharding=k_sh) if is_explicit() else \
+      jnp.zeros(kernel.shape, jnp.float32)
+  dk, dx = jax.lax.scan(body, dk0, tuple(blocked))
+  return _unblocks(dx, T), dk.astype(kernel.dtype), None
+
+
+_logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)
