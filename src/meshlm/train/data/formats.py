@@ -37,7 +37,7 @@ CONVERSATIONAL = ("conversational", "conversational_prompt_completion")
 
 def infer_format(row: dict, field: str) -> str | None:
   """The format a row's fields say, or None when they fit none."""
-  if isinstance(row.get(field), (str, bytes)):
+  if field in row:  # a non-string there is refused by the language-modeling reader, naming data.field
     return "language_modeling"
   if isinstance(row.get("messages"), list):
     return "conversational"
