@@ -197,3 +197,32 @@ def test_truncation_cuts_or_drops_and_counts(tmp_path):
   seg = dropped["segment_ids"]
   lengths = [int((row == s).sum()) for row in seg for s in np.unique(row[row != 0])[:-1]]  # whole segments
   assert lengths and set(lengths) == {short_len}  # only the short row is left
+
+
+def test_parquet_rows_read_as_the_jsonl_rows(tmp_path):
+  """A conversational Parquet file (messages as a list of structs) gives the batches of the same rows in JSONL."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]}
+          for i in range(9)]
+  pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "c.parquet"), row_group_size=4)
+  jsonl = _jsonl(tmp_path / "c.jsonl", rows)
+  over = (f"data.chat_template={HERE}/gemma3_training.jinja", "data.assistant_only=true")
+  a = make_dataset(_cfg(f"data.path={tmp_path}/c.parquet", *over), global_batch=2, seq_len=32, shuffle=False)
+  b = make_dataset(_cfg(f"data.path={jsonl}", *over), global_batch=2, seq_len=32, shuffle=False)
+  for _ in range(3):
+    x, y = next(a), next(b)
+    assert all(np.array_equal(x[k], y[k]) for k in x)
+    assert 0 < x["loss_mask"].sum() < (x["segment_ids"] != 0).sum()
+  pq.write_table(pa.Table.from_pylist([{"prompt": "a"}]), str(tmp_path / "p.parquet"))
+  with pytest.raises(ConfigError, match=r"p.parquet has no column 'completion' \(data.format=prompt_completion\)"):
+    make_dataset(_cfg(f"data.path={tmp_path}/p.parquet", "data.format=prompt_completion"), global_batch=1, seq_len=32)
+
+
+def test_a_format_for_plain_text_files_and_a_bad_eval_path_are_refused(tmp_path):
+  from meshlm.train.validation import eval_config
+  (tmp_path / "a.txt").write_text("hello")
+  with pytest.raises(ConfigError, match=r"data.format=conversational: data.source=text holds plain text"):
+    make_dataset(_cfg(f"data.path={tmp_path}/a.txt", "data.format=conversational"), global_batch=1, seq_len=32)
+  with pytest.raises(ConfigError, match=r"eval.path=val.csv: name .jsonl, .parquet, .txt or .md files"):
+    eval_config(_cfg("eval.path=val.csv"))

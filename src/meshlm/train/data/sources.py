@@ -330,6 +330,8 @@ def _parquet_rows(cfg: Config) -> _ParquetRows:
       if missing:
         raise ConfigError(f"data.path: {path} has no column {missing[0]!r} (data.format={fmt}); "
                           f"its columns: {', '.join(schema.names[:8])}")
+      if pf.metadata.num_rows == 0:
+        raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
       blocks += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
       continue
     if field not in schema.names:
