@@ -226,3 +226,24 @@ def test_a_format_for_plain_text_files_and_a_bad_eval_path_are_refused(tmp_path)
     make_dataset(_cfg(f"data.path={tmp_path}/a.txt", "data.format=conversational"), global_batch=1, seq_len=32)
   with pytest.raises(ConfigError, match=r"eval.path=val.csv: name .jsonl, .parquet, .txt or .md files"):
     eval_config(_cfg("eval.path=val.csv"))
+
+
+def test_rl_prompts_as_conversations_are_rendered_with_the_generation_prompt(tmp_path):
+  """meshlm rl's prompts in TRL's conversational form: the ids are the template's rendering with the generation
+  prompt, the rewards' prompt is that text and the row keeps its other columns; a plain prompt stays its own text
+  (negative control), and a conversation without a template names data.chat_template."""
+  from meshlm.rl.rollout import load_prompts
+  user = [{"role": "user", "content": "What is 2 + 3?"}]
+  path = _jsonl(tmp_path / "p.jsonl", [{"prompt": user, "answer": "5"}, {"prompt": "2 + 3 =", "answer": "5"}])
+  t = "llama3_training.jinja"
+  cfg = _cfg(f"rl.prompts={path}", f"data.chat_template={HERE}/{t}")
+  chat, plain = load_prompts(cfg, TOK)
+  text = ChatTemplate(open(os.path.join(HERE, t)).read(), t).render(user, add_generation_prompt=True)[0]
+  assert chat.text == text and chat.ids == TOK.encode_offsets(text)[0].tolist() and chat.row["answer"] == "5"
+  assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+  assert plain.text == "2 + 3 =" and plain.ids == TOK.encode("2 + 3 =").tolist()
+  with pytest.raises(ConfigError, match=r"data.format=conversational needs a chat template .* data.chat_template"):
+    load_prompts(_cfg(f"rl.prompts={path}"), TOK)
+  bad = _jsonl(tmp_path / "b.jsonl", [{"prompt": [{"role": "user"}]}])
+  with pytest.raises(ConfigError, match=r"b.jsonl: line 1: prompt: \[0\] must be an object with a string role"):
+    load_prompts(_cfg(f"rl.prompts={bad}", f"data.chat_template={HERE}/{t}"), TOK)

@@ -65,14 +65,21 @@ def test_masked_targets_are_not_in_the_gradient(files):
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(grad_of(one))))
 
 
-def test_fine_tune_learns_the_answers_and_validates_on_schedule_across_a_resume(files):
+@pytest.fixture(scope="module")
+def fine_tuned(files):
+  """stop_after=3, then the same command: (first TrainResult, second TrainResult, run_dir)."""
+  run_dir = str(files[2] / "run")
+  first = train(_cfg(files, f"run_dir={run_dir}", "train.stop_after=3"), show_progress=False)
+  second = train(_cfg(files, f"run_dir={run_dir}"), show_progress=False)
+  return first, second, run_dir
+
+
+def test_fine_tune_learns_the_answers_and_validates_on_schedule_across_a_resume(fine_tuned):
   """stop_after=3, then the same command: the loss on the assistant tokens falls, the validation loss is in
   metrics.jsonl after steps 2, 4 and 6 (eval.every=2, the last included) once each, and falls too; every record has
   the step's trained tokens, the assistant tokens only."""
-  run_dir = str(files[2] / "run")
-  first = train(_cfg(files, f"run_dir={run_dir}", "train.stop_after=3"), show_progress=False)
+  first, second, run_dir = fine_tuned
   assert first.stop_reason == "stop_after"
-  second = train(_cfg(files, f"run_dir={run_dir}"), show_progress=False)
   assert second.start_step == 3
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
@@ -124,3 +131,35 @@ def test_new_keys_are_in_train_help_and_a_bad_one_exits_2(capsys, files):
   assert main(["train", f"data.path={train_path}", f"data.tokenizer={FIX}/tokenizer.json", "model.vocab_size=512",
                "data.chat_template=/nonexistent.jinja", f"run_dir={files[2]}/refused"]) == 2
   assert "data.chat_template=/nonexistent.jinja: cannot read it" in capsys.readouterr().err
+
+
+def test_generate_chat_renders_the_conversation_with_the_template(fine_tuned, files, tmp_path, monkeypatch, capsys):
+  """meshlm generate RUN chat=true: the prompt the model sees is the template's rendering of one user message with the
+  generation prompt (messages=FILE: of those messages), and the reply is printed alone; without chat=true, the plain
+  text (negative control). The run directory carries the template beside its tokenizer."""
+  from meshlm.commands import generate as G
+  from meshlm.commands.train import carry_tokenizer
+  from meshlm.train.data.chat import load_chat_template
+  from meshlm.train.data.tokenizers import HFTokenizer
+  _, _, run_dir = fine_tuned
+  carry_tokenizer(_cfg(files, f"run_dir={run_dir}"))
+  with open(os.path.join(run_dir, "chat_template.jinja")) as f, open(f"{FIX}/llama3_training.jinja") as g:
+    assert f.read() == g.read()
+  seen = []
+  monkeypatch.setattr(G, "_completion", lambda cfg, params, ids, *a: seen.append(ids) or [])
+  tok = HFTokenizer(f"{FIX}/tokenizer.json")
+  template = load_chat_template(f"{FIX}/llama3_training.jinja", None)
+  user = [{"role": "user", "content": "What is 3 + 3?"}]
+  base = [run_dir, "cpu_devices=2"]
+  assert main(["generate", *base, "prompt=What is 3 + 3?", "chat=true"]) == 0
+  want = tok.encode_offsets(template.render(user, add_generation_prompt=True)[0])[0].tolist()
+  assert seen[-1] == want and want[-1] != tok.encode("What is 3 + 3?").tolist()[-1]
+  (tmp_path / "m.json").write_text(json.dumps({"messages": user + [{"role": "assistant", "content": "6."}] + user}))
+  assert main(["generate", *base, f"messages={tmp_path}/m.json"]) == 0
+  two = user + [{"role": "assistant", "content": "6."}] + user
+  assert seen[-1] == tok.encode_offsets(template.render(two, add_generation_prompt=True)[0])[0].tolist()
+  assert main(["generate", *base, "prompt=What is 3 + 3?"]) == 0
+  assert seen[-1] == tok.encode("What is 3 + 3?").tolist()
+  capsys.readouterr()
+  assert main(["generate", *base, "prompt_ids=1,2", "chat=true"]) == 2
+  assert "chat=true renders text with the chat template" in capsys.readouterr().err
