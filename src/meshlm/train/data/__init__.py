@@ -258,7 +258,9 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
   loss_mask (float32), each [len(rows), seq_len]: rows `rows` (default all) of each global batch.
 
   The global batches depend only on the data config, global_batch and seq_len. The training loop
-  passes batch_rows(mesh, ...), the rows this process's devices hold.
+  passes batch_rows(mesh, ...), the rows this process's devices hold. shuffle=False reads the documents in
+  storage order, repeated (the validation set). The SFT formats (formats.py) pack each row whole, first fit, and
+  AND their per-token mask into loss_mask.
 
   Validates eagerly (raising ConfigError): the tokenizer against model.vocab_size, that the glob
   matches non-empty files, Parquet footers (column, type, rows) and the first JSONL line of each file.
