@@ -226,6 +226,9 @@ def test_a_format_for_plain_text_files_and_a_bad_eval_path_are_refused(tmp_path)
     make_dataset(_cfg(f"data.path={tmp_path}/a.txt", "data.format=conversational"), global_batch=1, seq_len=32)
   with pytest.raises(ConfigError, match=r"eval.path=val.csv: name .jsonl, .parquet, .txt or .md files"):
     eval_config(_cfg("eval.path=val.csv"))
+  from meshlm.train.validation import eval_dataset
+  with pytest.raises(ConfigError, match=r"^eval.path=/nowhere/\*.jsonl: data.path='/nowhere/\*.jsonl' matches no files"):
+    eval_dataset(_cfg("eval.path=/nowhere/*.jsonl"), global_batch=1, seq_len=32)
 
 
 def test_rl_prompts_as_conversations_are_rendered_with_the_generation_prompt(tmp_path):

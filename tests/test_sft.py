@@ -98,11 +98,11 @@ def test_validation_batches_do_not_depend_on_the_process_rows(files):
   """The validation stream is global: the rows of two processes, each keeping half of every batch, are the rows of
   one process keeping all (what makes 2 x 2 devices report the validation loss of 1 x 4), and it starts over
   identically."""
-  from meshlm.train.validation import eval_config
-  cfg = eval_config(_cfg(files))
-  whole = make_dataset(cfg, global_batch=4, seq_len=48, shuffle=False)
-  halves = [make_dataset(cfg, global_batch=4, seq_len=48, shuffle=False, rows=np.array(r)) for r in ([0, 1], [2, 3])]
-  again = make_dataset(cfg, global_batch=4, seq_len=48, shuffle=False)
+  from meshlm.train.validation import eval_dataset
+  cfg = _cfg(files)
+  whole = eval_dataset(cfg, global_batch=4, seq_len=48)
+  halves = [eval_dataset(cfg, global_batch=4, seq_len=48, rows=np.array(r)) for r in ([0, 1], [2, 3])]
+  again = eval_dataset(cfg, global_batch=4, seq_len=48)
   for _ in range(2):
     w, a, b, w2 = next(whole), next(halves[0]), next(halves[1]), next(again)
     for k in w:

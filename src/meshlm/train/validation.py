@@ -32,6 +32,16 @@ def eval_config(cfg: Config) -> Config:
   return cfg.model_copy(update={"data": data})
 
 
+def eval_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows=None):
+  """The validation stream: eval.path in storage order, repeated; a refusal names eval.path."""
+  from meshlm.train.data import make_dataset
+  try:
+    return make_dataset(eval_config(cfg), global_batch=global_batch, seq_len=seq_len, rows=rows, shuffle=False)
+  except ConfigError as e:
+    msg = str(e)
+    raise ConfigError(msg if msg.startswith("eval.path") else f"eval.path={cfg.eval.path}: {msg}") from None
+
+
 def eval_due(cfg: Config, step: int) -> bool:
   """Whether the validation loss is measured after step `step` (0-based): every eval.every steps, and the last."""
   e = cfg.eval
@@ -52,12 +62,11 @@ class Validation:
   """Callable on a TrainState: {"val_loss", "val_ppl", "val_tokens"}."""
 
   def __init__(self, cfg: Config, step_fn, *, data=None):
-    from meshlm.train.data import batch_rows, make_dataset
+    from meshlm.train.data import batch_rows
     self.cfg, self.step_fn = cfg, step_fn
     if data is None:
       seq_len, gb = cfg.train.seq_len, step_fn.global_batch
-      data = make_dataset(eval_config(cfg), global_batch=gb, seq_len=seq_len, shuffle=False,
-                          rows=batch_rows(step_fn.mesh, gb, seq_len))
+      data = eval_dataset(cfg, global_batch=gb, seq_len=seq_len, rows=batch_rows(step_fn.mesh, gb, seq_len))
     host = [next(data) for _ in range(cfg.eval.batches)]
     if not sum(float(np.sum(b["loss_mask"])) for b in host):
       raise ConfigError(f"eval.path={cfg.eval.path}: its first {cfg.eval.batches} batches (eval.batches) have no "
