@@ -25,7 +25,7 @@ import pytest
 
 from meshlm import cli
 from meshlm.commands.resolve import load_config
-from meshlm.models import decoder
+from meshlm.models.params import split_state
 from meshlm.rl import rollout as R
 from meshlm.rl import step as RS
 from meshlm.rl import toy
@@ -253,7 +253,7 @@ def test_replay_off_reports_the_router_flips_of_a_perturbed_router(rollout):
   noisy = jax.tree.map(lambda a: a, params)
   r = noisy["layers"]["moe"]["moe"]["router"]
   noisy["layers"]["moe"]["moe"]["router"] = r + 0.5 * jax.random.normal(jax.random.key(1), r.shape) * jnp.std(r)
-  perturbed = tr.rollout(state._replace(params=decoder.split_state(tr.cfg, noisy)[0]), 1)
+  perturbed = tr.rollout(state._replace(params=split_state(tr.cfg, noisy)[0]), 1)
   with jax.set_mesh(tr.mesh):
     m = metrics(params, perturbed)
     same = metrics(params, batch)
