@@ -19,7 +19,8 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models.model import resolve
+from meshlm.models.params import merge_state
 
 
 def eval_config(cfg: Config) -> Config:
@@ -52,8 +53,8 @@ def _loss_sum(cfg: Config, loss_fn, params, model_state, batch: dict) -> tuple[j
   """(sum of the trained tokens' cross-entropy, their count) of one batch, through the train step's loss_fn."""
   n = jnp.sum(batch["loss_mask"])
   num = jnp.maximum(n, 1.0)
-  loss, metrics = loss_fn(cfg, decoder.merge_state(params, model_state), batch, num)
-  for name, (coef, _) in decoder.resolve(cfg).losses.items():
+  loss, metrics = loss_fn(cfg, merge_state(params, model_state), batch, num)
+  for name, (coef, _) in resolve(cfg).losses.items():
     loss = loss - coef * metrics[name]  # the parts' terms (each weighted by the batch's share, 1 here)
   return loss * num, n
 
