@@ -1,4 +1,4 @@
-"""Two processes x 2 CPU devices (jax.distributed, gloo collectives) train like one process x 4.
+"""Two processes x 2 CPU devices (jax.distributed, gloo collectives) train (and validate) like one process x 4.
 
 Every run here is the plain `meshlm train` (or its `train()`), with nothing test-only in the data:
 the sequence of global batches depends on the data config and the global batch only, and each process
@@ -28,7 +28,10 @@ STEPS = 10
 BASE = ["model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
         "model.mlp_dim=128", "model.num_layers=1", "train.per_device_batch_size=1", "train.seq_len=32",
         "train.sample_tokens=0", "mesh.fsdp=4", "data.source=synthetic", "train.compute_dtype=float32",
-        f"train.steps={STEPS}"]
+        f"train.steps={STEPS}",
+        # A validation set (plain text rows, bytes): its loss after every other step, compared like the loss.
+        f"eval.path={os.path.join(os.path.dirname(__file__), 'fixtures', 'validation.jsonl')}", "eval.every=2",
+        "eval.batches=2"]
 # The gloo all-reduce sums the processes' partial gradients in another order than one process does.
 ATOL = 1e-5
 
@@ -88,9 +91,9 @@ def _one_process(run_dir, *extra: str, data=None):
   return train(cfg, console=Console(file=open(os.devnull, "w")), show_progress=False, data=data)
 
 
-def _metrics(run_dir) -> dict[int, float]:
+def _metrics(run_dir, key: str = "loss") -> dict[int, float]:
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f))}
+    return {r["step"]: r[key] for r in map(json.loads, filter(str.strip, f)) if key in r}
 
 
 def _data_state(run_dir, step: int) -> dict:
@@ -141,6 +144,10 @@ def test_two_processes_train_and_resume_like_one_process(explicit_reference, tmp
     assert sorted(got) == list(range(STEPS)), run_dir  # process 0 alone writes the metrics
     np.testing.assert_allclose([got[s] for s in range(STEPS)], ref, rtol=0, atol=ATOL, err_msg=str(run_dir))
     assert _data_state(run_dir, STEPS) == _data_state(ref_dir, STEPS), run_dir
+    # The validation loss, measured by 2 processes x 2 devices at some steps and by 1 x 4 at the others.
+    val, ref_val = _metrics(run_dir, "val_loss"), _metrics(ref_dir, "val_loss")
+    assert sorted(val) == sorted(ref_val) == [1, 3, 5, 7, 9], (val, ref_val)
+    np.testing.assert_allclose([val[s] for s in ref_val], list(ref_val.values()), rtol=0, atol=ATOL)
     print(f"{run_dir.name}: max |loss difference| to 1x4 {max(abs(got[s] - ref[s]) for s in range(STEPS)):.3g}, "
           f"bit-identical: {[got[s] for s in range(STEPS)] == ref}")
   from meshlm.console import printable

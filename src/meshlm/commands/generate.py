@@ -6,11 +6,16 @@ import sys
 from meshlm.commands.resolve import load_config
 from meshlm.errors import ConfigError
 
-USAGE = ("meshlm generate PATH prompt=TEXT|prompt_ids=ID,ID [max_new_tokens=64] [temperature=0] [top_k=N] [top_p=1] "
-         "[seed=0] [stop=ID,ID] [key=value ...]")
+USAGE = ("meshlm generate PATH prompt=TEXT|prompt_ids=ID,ID|messages=FILE [chat=true] [max_new_tokens=64] "
+         "[temperature=0] [top_k=N] [top_p=1] [seed=0] [stop=ID,ID] [key=value ...]")
 OPTIONS = """  PATH              a run directory, a meshlm model directory or a Hugging Face model directory
   prompt=TEXT       the text to continue, tokenized with PATH's tokenizer.json (else data.tokenizer)
   prompt_ids=ID,ID  or the prompt as token ids: no tokenizer is needed, and the new token ids are printed
+  chat=true         prompt=TEXT is a user message, rendered with PATH's chat template and its generation prompt
+                    (chat_template.jinja or tokenizer_config.json beside the tokenizer, else data.chat_template);
+                    the assistant's reply is printed
+  messages=FILE     or the conversation so far: a JSON list of {role, content} messages (or an object with
+                    "messages"), rendered the same way
   max_new_tokens=N  tokens to sample after the prompt (default 64)
   temperature=T     0 is greedy (default 0)
   top_k=N, top_p=P  restrict the draw to the N likeliest tokens / the smallest set holding mass P
@@ -19,7 +24,7 @@ OPTIONS = """  PATH              a run directory, a meshlm model directory or a 
                     eos_token_id
   other key=value pairs are config overrides: cpu_devices, mesh.*, shard_mode, data.tokenizer"""
 SAMPLING_KEYS = {"prompt": str, "prompt_ids": str, "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-                 "seed": int, "stop": str}
+                 "seed": int, "stop": str, "chat": str, "messages": str}
 
 
 def _completion(cfg, params, ids: list[int], opts: dict, stop: list[int] | None, mesh) -> list[int]:
@@ -35,6 +40,39 @@ def _ids(key: str, text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
   except ValueError:
     raise ConfigError(f"{key}={text!r}: expected token ids separated by commas (e.g. {key}=1,2,3)") from None
+
+
+def _chat_ids(cfg, tok, opts: dict) -> list[int]:
+  """The prompt as the chat template renders it with the generation prompt: prompt=TEXT as one user message, or the
+  messages of messages=FILE. The same template and rules as training on conversations (train/data/chat.py)."""
+  import json
+  from meshlm.train.data import chat_template
+  from meshlm.train.data.formats import row_problem
+  if "messages" in opts:
+    try:
+      with open(opts["messages"], encoding="utf-8") as f:
+        messages = json.load(f)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"messages={opts['messages']}: cannot read a JSON list of messages ({e})") from None
+    messages = messages.get("messages") if isinstance(messages, dict) else messages
+    problem = row_problem({"messages": messages}, "conversational", "text")
+    if problem is not None:
+      raise ConfigError(f"messages={opts['messages']}: {problem}")
+  else:
+    messages = [{"role": "user", "content": opts["prompt"]}]
+  from meshlm.train.data.chat import TemplateError
+  try:
+    text, _ = chat_template(cfg, "conversational").render(messages, add_generation_prompt=True)
+  except TemplateError as e:
+    raise ConfigError(str(e)) from None
+  return [int(t) for t in tok.encode_offsets(text)[0]]
+
+
+def _chat_flag(opts: dict) -> bool:
+  value = opts.pop("chat", "false").lower()
+  if value not in ("true", "false"):
+    raise ConfigError(f"chat={value!r}: expected true or false")
+  return value == "true" or "messages" in opts
 
 
 def main(args: list[str]) -> int:
@@ -54,8 +92,12 @@ def main(args: list[str]) -> int:
         raise ConfigError(f"{key}={value!r}: expected {SAMPLING_KEYS[key].__name__}") from None
     else:
       overrides.append(item)
-  if ("prompt" in opts) == ("prompt_ids" in opts):
-    raise ConfigError(f"generate: give prompt=TEXT or prompt_ids=ID,ID (one of them); usage: {USAGE}")
+  chat = _chat_flag(opts)
+  if sum(k in opts for k in ("prompt", "prompt_ids", "messages")) != 1:
+    raise ConfigError(f"generate: give prompt=TEXT or prompt_ids=ID,ID (one of them), or messages=FILE (a "
+                      f"conversation); usage: {USAGE}")
+  if chat and "prompt_ids" in opts:
+    raise ConfigError("generate: chat=true renders text with the chat template; give prompt=TEXT or messages=FILE")
   if not path.startswith(("/", ".")) and "/" not in path:
     from meshlm.config import preset_names
     import os
@@ -74,13 +116,15 @@ def main(args: list[str]) -> int:
     tok, ids = None, _ids("prompt_ids", opts["prompt_ids"])
   else:
     tok = make_tokenizer(cfg, otherwise="or give the prompt as token ids (prompt_ids=ID,ID)")
-    ids = [int(t) for t in tok.encode(opts["prompt"])]
+    ids = _chat_ids(cfg, tok, opts) if chat else [int(t) for t in tok.encode(opts["prompt"])]
   stop = _ids("stop", opts["stop"])
   check_request(cfg, [ids], opts["max_new_tokens"], opts["temperature"], opts["top_k"], opts["top_p"])
   params = load_tree(cfg)
   new = _completion(cfg, params, ids, opts, stop or None, resolve_mesh(cfg, params))
   if tok is None:
     print(" ".join(str(t) for t in new))
+  elif chat:
+    print(printable(tok.decode(new)))  # the assistant's reply (the template's text is not the user's)
   else:
     # The prompt and the completion decoded together: a tokenizer that marks word starts (SentencePiece's "▁")
     # drops the completion's leading space when it is decoded alone.

@@ -1,5 +1,5 @@
-"""What `meshlm train` adds around train.loop.train: the run directory carries its tokenizer (copied once the
-loop returns, whatever its stop reason, so that a config the loop refuses leaves nothing behind)."""
+"""What `meshlm train` adds around train.loop.train: the run directory carries its tokenizer and chat template (copied
+once the loop returns, whatever its stop reason, so that a config the loop refuses leaves nothing behind)."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,15 @@ def carry_tokenizer(cfg: Config) -> None:
   dst = Path(cfg.run_dir) / "tokenizer.json"
   if src is None or jax.process_index() != 0 or src.resolve() == dst.resolve():
     return
-  text = src.read_text()
+  _write_once(dst, src.read_text())
+  from meshlm.train.data.chat import load_chat_template
+  template = load_chat_template(cfg.data.chat_template, str(src))
+  if template is not None:
+    # model=RUN_DIR finds it beside the tokenizer (meshlm generate chat=true renders with it).
+    _write_once(Path(cfg.run_dir) / "chat_template.jinja", template.source)
+
+
+def _write_once(dst: Path, text: str) -> None:
   if not (dst.is_file() and dst.read_text() == text):
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    os.makedirs(dst.parent, exist_ok=True)
     write_text(dst, text)

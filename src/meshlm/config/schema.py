@@ -250,6 +250,20 @@ class DataConfig(_Strict):
   field: str = Field(default="text", min_length=1, description="the JSONL key / Parquet column holding the text")
   tokenizer: str = Field(default="byte", min_length=1, description="byte, a Hugging Face tokenizer.json, or a directory holding one")
   seed: int = Field(default=0, description="seed of the data order")
+  format: Literal["auto", "language_modeling", "prompt_completion", "conversational",
+                  "conversational_prompt_completion"] = Field(
+      default="auto", description="TRL's dataset formats: text in data.field, prompt/completion strings, messages, "
+      "or prompt/completion message lists (auto: from the first row's fields)")
+  chat_template: Optional[str] = Field(
+      default=None, description="a Jinja chat template file for conversational data; null: data.tokenizer's "
+      "directory (chat_template.jinja, or tokenizer_config.json's chat_template)")
+  completion_only: bool = Field(default=True, description="prompt-completion data: the loss is on the completion "
+                                "only (TRL's completion_only_loss)")
+  assistant_only: bool = Field(default=False, description="conversational data: the loss is on the assistant's "
+                               "tokens only (TRL's assistant_only_loss)")
+  truncation: Literal["cut", "drop"] = Field(
+      default="cut", description="a prompt-completion or conversational row longer than train.seq_len + 1 tokens: "
+      "cut to that length, or dropped (counted either way)")
 
   # data.path with no data.source once trained on the stdlib corpus without a word: infer it instead.
   SUFFIX_SOURCES: ClassVar[dict[str, str]] = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -265,6 +279,22 @@ class DataConfig(_Strict):
                          ".jsonl or .parquet ending); set data.source=text|jsonl|parquet")
       data = {**data, "source": cls.SUFFIX_SOURCES[suffix]}
     return data
+
+
+class EvalConfig(_Strict):
+  """A validation set: its loss every eval.every steps and at the end (docs/data.md, "Validation")."""
+  path: Optional[str] = Field(default=None, description="glob of the validation files (.jsonl, .parquet, .txt), in any "
+                              "data.format; read with the data.* settings; null: no validation")
+  every: int = Field(default=0, ge=0, description="the validation loss after every N steps (and after the last); "
+                     "0: after the last only")
+  batches: int = Field(default=4, gt=0, description="global batches of the validation set per evaluation, the same "
+                       "ones each time")
+
+  @model_validator(mode="after")
+  def _needs_path(self):
+    if self.every and self.path is None:
+      raise ValueError(f"eval.every={self.every} needs a validation set: set eval.path=GLOB")
+    return self
 
 
 class CheckpointConfig(_Strict):
@@ -450,6 +480,7 @@ class Config(_Strict):
   train: TrainConfig = TrainConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  eval: EvalConfig = EvalConfig()
   distributed: DistributedConfig = DistributedConfig()
   rl: RLConfig = RLConfig()
   run_dir: Optional[str] = Field(default=None, description="where metrics.jsonl, config.yaml and checkpoints go; "

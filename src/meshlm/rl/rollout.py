@@ -56,9 +56,12 @@ def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl
         row = json.loads(line)
       except json.JSONDecodeError as e:
         raise ConfigError(f"{key}={path}: line {n} is not JSON ({e.msg})") from None
-      if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-        raise ConfigError(f"{key}={path}: line {n} has no non-empty string field `prompt`")
-      ids = [int(i) for i in tokenizer.encode(row["prompt"])]
+      if isinstance(row, dict) and isinstance(row.get("prompt"), list):
+        text, ids = _chat_prompt(cfg, tokenizer, row["prompt"], f"{key}={path}: line {n}")
+      elif not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+        raise ConfigError(f"{key}={path}: line {n} has no non-empty string field `prompt` (nor a list of messages)")
+      else:
+        text, ids = row["prompt"], [int(i) for i in tokenizer.encode(row["prompt"])]
       if len(ids) > room:
         raise ConfigError(f"{key}={path}: line {n}'s prompt is {len(ids)} tokens, longer than model.max_position"
                           f" - rl.max_new_tokens = {cfg.model.max_position} - {cfg.rl.max_new_tokens} = {room}")
@@ -66,10 +69,26 @@ def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl
       if bad:
         raise ConfigError(f"{key}={path}: line {n}: token id {bad[0]} is outside the model's vocabulary "
                           f"[0, {cfg.model.vocab_size})")
-      out.append(Prompt(row["prompt"], ids, row))
+      out.append(Prompt(text, ids, row))
   if not out:
     raise ConfigError(f"{key}={path}: empty; give at least one line with a `prompt` field")
   return out
+
+
+def _chat_prompt(cfg: Config, tokenizer, messages: list, where: str) -> tuple[str, list[int]]:
+  """A conversational prompt (TRL's: a list of {role, content} messages) as the chat template renders it with the
+  generation prompt (the template as training finds it: data.chat_template, else beside data.tokenizer), and its ids."""
+  from meshlm.train.data import chat_template
+  from meshlm.train.data.chat import TemplateError
+  from meshlm.train.data.formats import row_problem
+  problem = row_problem({"messages": messages}, "conversational", "text")
+  if problem is not None:
+    raise ConfigError(f"{where}: prompt: {problem.removeprefix('messages')}")
+  try:
+    text, _ = chat_template(cfg, "conversational").render(messages, add_generation_prompt=True)
+  except TemplateError as e:
+    raise ConfigError(f"{where}: {e}") from None
+  return text, [int(i) for i in tokenizer.encode_offsets(text)[0]]
 
 
 def eval_prompts(cfg: Config, tokenizer, prompts: list[Prompt]) -> list[Prompt]:

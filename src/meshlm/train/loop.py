@@ -237,6 +237,7 @@ class Loop:
   on_step: Callable[[int], None] | None = None
   queue_ahead: bool = True
   progress_extra: Callable[[dict], str] | None = None  # more of a step's metrics on the progress bar (RL: reward)
+  evaluate: Callable[[object], dict] | None = None  # the validation metrics of a state (train/validation.py)
 
   def run(self, state, start: int, rng, counters: dict, *, fetch: Callable[[int], dict],
           position: Callable[[], dict]) -> LoopOutcome:
@@ -258,6 +259,9 @@ class Loop:
             break
           p = r.inflight.popleft()
           f = self._finish(r, p)
+          if self._eval_due(p.step):
+            # No later step is dispatched yet (_may_run_past): r.state is the state right after step p.
+            f.metrics.update(self.evaluate(r.state))
           self._report(r, f, progress, task, plain)
           if self.on_step is not None:
             self.on_step(p.step)
@@ -298,8 +302,13 @@ class Loop:
     stop_after, no signal seen, and no non-finite stop even if step i turns out non-finite."""
     t, done = self.cfg.train, i + 1
     return (self.queue_ahead and done < t.steps and not r.preempt and not self.ckpt.should_save(done, t.steps)
+            and not self._eval_due(i)
             and not (t.stop_after is not None and done - r.start >= t.stop_after)
             and t.on_nonfinite == "skip" and r.counters["nonfinite_in_a_row"] + 1 < t.max_nonfinite_in_a_row)
+
+  def _eval_due(self, step: int) -> bool:
+    from meshlm.train.validation import eval_due
+    return self.evaluate is not None and eval_due(self.cfg, step)
 
   def _dispatch(self, r: _Running, fetch: Callable[[int], dict], position: Callable[[], dict]) -> None:
     # Keep one step queued behind the one being read, so the host's reading, logging and the
@@ -328,7 +337,8 @@ class Loop:
   def _report(self, r: _Running, f: _Finished, progress: Progress, task, plain: bool) -> None:
     """A finished step to metrics.jsonl (logged steps), the console (warnings, plain lines) and the bar."""
     t, tokens_per_step = self.cfg.train, self.tokens_per_step
-    if f.step % t.log_every == 0 or f.step == t.steps - 1 or f.nonfinite:
+    validated = "val_loss" in f.metrics
+    if f.step % t.log_every == 0 or f.step == t.steps - 1 or f.nonfinite or validated:
       # The loss's own metrics (aux losses, RL statistics) ride along under their names.
       extra = {k: float(v) for k, v in f.metrics.items() if k not in ("loss", "grad_norm", "nonfinite")}
       record = {"step": f.step, "loss": f.loss, "grad_norm": f.grad_norm, "step_time_s": f.dt,
@@ -340,8 +350,10 @@ class Loop:
       self.say(f"[yellow]warning:[/] step {f.step}: non-finite loss ({f.loss}) or grad norm ({f.grad_norm}); "
                f"update skipped ({r.counters['nonfinite_in_a_row']} in a row)")
     extra_text = "  " + self.progress_extra(f.metrics) if self.progress_extra is not None else ""
+    if validated:
+      extra_text += f"  val_loss {f.metrics['val_loss']:.4f} (ppl {f.metrics['val_ppl']:.2f})"
     progress.update(task, advance=1, loss=f.loss, tps=tokens_per_step / f.dt, dt=f.dt, extra=extra_text)
-    if plain and (f.step % t.log_every == 0 or f.step == t.steps - 1):
+    if plain and (f.step % t.log_every == 0 or f.step == t.steps - 1 or validated):
       self.console.print(f"step {f.step + 1}/{t.steps}  loss {f.loss:.4f}  {tokens_per_step / f.dt:,.0f} tok/s  "
                          f"{f.dt:.3f} s/step{extra_text}", markup=False, highlight=False)
 
@@ -432,6 +444,19 @@ def restore_or_init(cfg: Config, step_fn, ckpt, say, ignore: tuple[str, ...] = (
   return state, 0, rng, counters, None
 
 
+def _count_trained_tokens(step_fn) -> Callable:
+  """step_fn, with the batch's trained tokens (its loss-mask count) as the metric trained_tokens: with the SFT
+  formats' masks, tokens per step no longer says what trained."""
+  import jax.numpy as jnp
+  count = jax.jit(jnp.sum)
+
+  def step(state, batch):
+    state, metrics = step_fn(state, batch)
+    with jax.set_mesh(step_fn.mesh):
+      return state, {**metrics, "trained_tokens": count(batch["loss_mask"])}
+  return step
+
+
 def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
          on_step: Callable[[int], None] | None = None) -> TrainResult:
   from meshlm.train.data import ByteTokenizer
@@ -444,7 +469,13 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else _NullWriter()
-  loop = Loop(cfg, step_fn, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step)
+  evaluate = None
+  if cfg.eval.path is not None and start < t.steps:
+    from meshlm.train.validation import Validation
+    evaluate = Validation(cfg, step_fn)
+  step = _count_trained_tokens(step_fn) if getattr(data, "masked", False) else step_fn
+  loop = Loop(cfg, step, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step,
+              evaluate=evaluate)
   out = loop.run(state, start, rng, counters, fetch=lambda i: step_fn.put_batch(next(data)), position=data.get_state)
   state, losses, norms, first_step_s = out.state, out.losses, out.grad_norms, out.first_step_s
   stop_reason, saved, nonfinite_msg = out.stop_reason, out.saved, out.nonfinite_msg

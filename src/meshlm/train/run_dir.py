@@ -41,6 +41,8 @@ RESUMABLE = (
     "weight_grad_impl", "attention_impl", "scan_layers", "stack_rows", "loss_impl", "loss_block",
     # RL's evaluation: what it measures and how often, not what the run trains.
     "rl.eval_every", "rl.eval_prompts",
+    # The validation set: what it measures and how often, not what the run trains.
+    "eval.*",
 )
 # Checked against the checkpoint's own record (train/checkpoint.py), or the run's own address.
 _CHECKED_ELSEWHERE = ("model.*", "model_name", "data.source", "data.path", "run_dir")

@@ -35,8 +35,10 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.train.data.sources import Doc, _jsonl_lines, _parquet_rows, _ParquetRead, _TextFiles, data_files, stdlib_files
-from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, UTF8_STATS, decode_utf8,  # noqa: F401
-                                          make_tokenizer, replace_invalid_utf8)
+from meshlm.train.data.chat import ChatTemplate, TemplateError, load_chat_template
+from meshlm.train.data.formats import CONVERSATIONAL, encode_row, no_template_error
+from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, TRUNCATION_STATS, UTF8_STATS,  # noqa: F401
+                                          decode_utf8, make_tokenizer, replace_invalid_utf8, tokenizer_path)
 
 # Enough synthetic documents (~1M tokens an epoch) that a small model cannot memorize their order.
 SYNTHETIC_DOCS = 4096
@@ -84,6 +86,44 @@ class _Encode:
     return {"tokens": tokens}, (None if bad is None else (where, bad))
 
 
+class _EncodeRow:
+  """Doc of an SFT row -> ({"tokens", "mask"} of at most `length` tokens, or None when dropped; what happened:
+  "cut", "dropped" or None; invalid UTF-8 as _Encode reports it). formats.py holds the rules."""
+
+  def __init__(self, tok, fmt: str, template: ChatTemplate | None, data_cfg, length: int):
+    self.tok, self.fmt, self.template, self.length = tok, fmt, template, length
+    self.completion_only, self.assistant_only = data_cfg.completion_only, data_cfg.assistant_only
+    self.truncation = data_cfg.truncation
+
+  def __call__(self, doc: Doc):
+    try:
+      ids, mask = encode_row(doc.data, self.fmt, self.tok, self.template, self.completion_only,
+                             self.assistant_only and self.fmt in CONVERSATIONAL)
+    except TemplateError as e:
+      raise ConfigError(f"{doc.where}: {e}") from None
+    if self.assistant_only and self.fmt in CONVERSATIONAL and not mask.any():
+      raise ConfigError(f"{doc.where}: data.assistant_only=true and the conversation has no assistant tokens")
+    bad = None if doc.invalid_utf8_at is None else (str(doc.where), doc.invalid_utf8_at)
+    what = None
+    if len(ids) > self.length:
+      what = "cut" if self.truncation == "cut" else "dropped"
+      ids, mask = ids[:self.length], mask[:self.length]
+    example = None if what == "dropped" else {"tokens": ids.astype(np.int32), "mask": mask.astype(np.int32)}
+    return example, what, bad
+
+
+def _count_row(encoded) -> dict[str, np.ndarray] | None:
+  # In the consumer's thread, in stream order (see _count_invalid_utf8): counts the same on every run.
+  example, what, bad = encoded
+  if what is not None:
+    TRUNCATION_STATS.record(what)
+  return _count_invalid_utf8((example, bad))
+
+
+def _kept(example) -> bool:
+  return example is not None
+
+
 def _count_invalid_utf8(encoded: tuple[dict[str, np.ndarray], tuple[str, int] | None]) -> dict[str, np.ndarray]:
   # An IterDataset map runs in the consumer's thread, once per document in stream order: the count
   # is a function of the documents packed so far, whatever the prefetch threads read ahead.
@@ -98,6 +138,8 @@ def _to_example(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   tok, seg, pos = rows["tokens"], rows["tokens_segment_ids"], rows["tokens_positions"]  # each [..., T + 1]
   # A target counts only inside its input's document; padding (segment 0) never counts.
   same_doc = (seg[..., :-1] == seg[..., 1:]) & (seg[..., 1:] != 0)  # [..., T]
+  if "mask" in rows:  # the SFT formats: a target trains only where its row's mask says so
+    same_doc &= rows["mask"][..., 1:] != 0
   out = {"inputs": tok[..., :-1], "targets": tok[..., 1:], "segment_ids": seg[..., :-1], "positions": pos[..., :-1],
          "loss_mask": same_doc.astype(np.float32)}
   return {k: np.ascontiguousarray(v) for k, v in out.items()}  # views of [..., T + 1] -> own [..., T]
@@ -133,7 +175,8 @@ class DataIterator:
   """
 
   def __init__(self, it: grain.DatasetIterator, tokenizer: ByteTokenizer | HFTokenizer, num_documents: int,
-               rows: np.ndarray | slice):
+               rows: np.ndarray | slice, masked: bool = False):
+    self.masked = masked  # an SFT format's mask decides which targets train (formats.py)
     self._it = it
     self.tokenizer = tokenizer
     self.num_documents = num_documents  # in the corpus
@@ -163,36 +206,61 @@ def _lists_to_tuples(x: Any) -> Any:
   return x
 
 
-def _documents(cfg: Config) -> tuple[int, grain.MapDataset]:
-  """The corpus size, and its documents shuffled per epoch and repeated: Docs, or synthetic ids."""
+def _documents(cfg: Config, shuffle: bool = True) -> tuple[int, grain.MapDataset, str]:
+  """The corpus size, its documents shuffled per epoch (shuffle) and repeated: Docs, or synthetic ids, and the
+  data format (formats.py) of its rows."""
   source, seed = cfg.data.source, cfg.data.seed
+  fmt = "language_modeling"
   if source == "parquet":
     rows = _parquet_rows(cfg)
     n = len(rows)
+    if not shuffle:
+      return n, grain.MapDataset.source(rows).repeat(None), rows.fmt
     # Locality-preserving shuffle (see _ParquetRows); Grain's global shuffle would decode a row
     # group per row.
-    return n, grain.MapDataset.range(n).repeat(None).map_with_index(_ParquetRead(rows))
+    return n, grain.MapDataset.range(n).repeat(None).map_with_index(_ParquetRead(rows)), rows.fmt
   if source == "synthetic":
     docs = grain.MapDataset.range(SYNTHETIC_DOCS)
   elif source == "jsonl":
-    docs = grain.MapDataset.source(_jsonl_lines(cfg))
+    lines = _jsonl_lines(cfg)
+    docs, fmt = grain.MapDataset.source(lines), lines.fmt
   else:
+    if cfg.data.format not in ("auto", fmt):
+      raise ConfigError(f"data.format={cfg.data.format}: data.source={source} holds plain text (a file is a "
+                        "document); rows in that format come from data.source=jsonl|parquet")
     # A file is a document.
     paths = stdlib_files() if source == "stdlib" else data_files(cfg.data.path, "text")
     docs = grain.MapDataset.source(_TextFiles(paths))
   n = len(docs)
   if not n:
     raise ConfigError(f"data.path={cfg.data.path!r} (data.source={source}) has no documents")
+  if not shuffle:
+    return n, docs.repeat(None), fmt
   # shuffle then repeat: Grain folds the epoch into the seed, so each epoch has a new order.
-  return n, docs.shuffle(seed=seed).repeat(None)
+  return n, docs.shuffle(seed=seed).repeat(None), fmt
 
 
-def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarray | None = None) -> DataIterator:
+def chat_template(cfg: Config, fmt: str) -> ChatTemplate | None:
+  """The chat template a format needs (None for the plain-text ones); a conversational format without one is refused,
+  naming the key that gives one."""
+  if fmt not in CONVERSATIONAL:
+    return None
+  name = cfg.data.tokenizer
+  template = load_chat_template(cfg.data.chat_template, None if name == "byte" else tokenizer_path(name))
+  if template is None:
+    raise no_template_error(fmt, name)
+  return template
+
+
+def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarray | None = None,
+                 shuffle: bool = True) -> DataIterator:
   """This process's training stream: dicts of inputs, targets, segment_ids, positions (int32) and
   loss_mask (float32), each [len(rows), seq_len]: rows `rows` (default all) of each global batch.
 
   The global batches depend only on the data config, global_batch and seq_len. The training loop
-  passes batch_rows(mesh, ...), the rows this process's devices hold.
+  passes batch_rows(mesh, ...), the rows this process's devices hold. shuffle=False reads the documents in
+  storage order, repeated (the validation set). The SFT formats (formats.py) pack each row whole, first fit, and
+  AND their per-token mask into loss_mask.
 
   Validates eagerly (raising ConfigError): the tokenizer against model.vocab_size, that the glob
   matches non-empty files, Parquet footers (column, type, rows) and the first JSONL line of each file.
@@ -208,18 +276,28 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
                       f"use data.tokenizer=byte or a file source")
   # Synthetic ids fit the model's vocabulary themselves; the byte tokenizer only decodes samples.
   tok = ByteTokenizer() if cfg.data.source == "synthetic" else make_tokenizer(cfg)
-  num_docs, ds = _documents(cfg)
+  num_docs, ds, fmt = _documents(cfg, shuffle)
   # Documents are read on demand a few ahead; Grain's defaults (16 threads, 500 reads) would hog the CPU.
   read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
   # Partials and callables, not lambdas, so the tail of the pipeline stays picklable.
   if cfg.data.source == "synthetic":
     it_ds = ds.map(functools.partial(_synthetic_example, cfg.data.seed, cfg.model.vocab_size)).to_iter_dataset(read)
-  else:
+  elif fmt == "language_modeling":
     it_ds = ds.map(_Encode(tok)).to_iter_dataset(read).map(_count_invalid_utf8)
-  it_ds = grain.experimental.ConcatThenSplitIterDataset(it_ds, length_struct={"tokens": seq_len + 1})
+  if fmt == "language_modeling":
+    it_ds = grain.experimental.ConcatThenSplitIterDataset(it_ds, length_struct={"tokens": seq_len + 1})
+  else:
+    template = chat_template(cfg, fmt)
+    encode = _EncodeRow(tok, fmt, template, cfg.data, seq_len + 1)
+    it_ds = ds.map(encode).to_iter_dataset(read).map(_count_row).filter(_kept)
+    # A row stays whole in one packed row (first fit over as many open rows as the global batch), padded at the end
+    # (segment 0, never a target): a conversation cut across rows would train its second half without the first.
+    it_ds = grain.experimental.FirstFitPackIterDataset(
+        it_ds, length_struct={"tokens": seq_len + 1, "mask": seq_len + 1}, num_packing_bins=global_batch,
+        shuffle_bins=False)
   it_ds = it_ds.batch(global_batch, drop_remainder=True)
   if rows is None or np.array_equal(rows, np.arange(global_batch)):
     rows = slice(None)
   elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
     rows = slice(int(rows[0]), int(rows[0]) + len(rows))  # a view, not a copy
-  return DataIterator(iter(it_ds), tok, num_docs, rows)
+  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling")

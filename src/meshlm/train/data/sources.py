@@ -13,6 +13,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
+from meshlm.train.data.formats import FIELDS, infer_format, row_problem
 from meshlm.train.data.tokenizers import replace_invalid_utf8
 
 # Directories of the stdlib that are tests, tools or installed packages rather than library code.
@@ -116,11 +117,24 @@ def _scan_lines(path: str, size: int, lo: int, hi: int) -> tuple[np.ndarray, np.
   return starts[keep].astype(np.int64), ends[keep].astype(np.int64)
 
 
-class _JsonlLines:
-  """JSONL lines: one document per non-empty line, the text in data.field."""
+class LineRef:
+  """Where a row is, as `file:line` when printed; the line is counted only then (error paths)."""
 
-  def __init__(self, paths: list[str], file_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, field: str):
+  def __init__(self, path: str, start: int):
+    self.path, self.start = path, start
+
+  def __str__(self) -> str:
+    return f"{self.path}:{_line_number(self.path, self.start)}"
+
+
+class _JsonlLines:
+  """JSONL lines: one document per non-empty line: the text in data.field, or (the SFT formats) the whole row,
+  checked against data.format."""
+
+  def __init__(self, paths: list[str], file_ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, field: str,
+               fmt: str = "language_modeling"):
     self.paths, self.file_ids, self.starts, self.ends, self.field = paths, file_ids, starts, ends, field
+    self.fmt = fmt
 
   def __len__(self) -> int:
     return len(self.starts)
@@ -137,6 +151,11 @@ class _JsonlLines:
       obj = json.loads(text)
     except json.JSONDecodeError as e:
       raise ConfigError(f"{where()}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if self.fmt != "language_modeling":
+      problem = row_problem(obj, self.fmt, self.field)
+      if problem is not None:
+        raise ConfigError(f"{where()}: {problem}")
+      return Doc(obj, LineRef(path, start), None if bad is None else start + bad)
     if not isinstance(obj, dict):
       raise ConfigError(f"{where()}: expected a JSON object with a {self.field!r} field, got {type(obj).__name__}")
     if self.field not in obj:
@@ -162,10 +181,32 @@ def _jsonl_lines(cfg: Config) -> _JsonlLines:
     ends.append(e)
   cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
   lines = _JsonlLines(paths, cat(file_ids, np.int32), cat(starts, np.int64), cat(ends, np.int64), cfg.data.field)
+  if first_lines:
+    lines.fmt = _jsonl_format(cfg, lines, first_lines[0])
   # Parse each file's first line now: a wrong format or data.field fails before training.
   for i in first_lines:
     lines[i]
   return lines
+
+
+def _jsonl_format(cfg: Config, lines: _JsonlLines, first: int) -> str:
+  """data.format, or (auto) the format the first row's fields say; a first row that fits none is refused."""
+  if cfg.data.format != "auto":
+    return cfg.data.format
+  path, start, end = lines.paths[lines.file_ids[first]], int(lines.starts[first]), int(lines.ends[first])
+  with open(path, "rb") as f:
+    f.seek(start)
+    raw = f.read(end - start)
+  try:
+    row = json.loads(replace_invalid_utf8(raw)[0])
+  except json.JSONDecodeError:
+    return "language_modeling"  # reading the line reports it
+  fmt = infer_format(row, cfg.data.field) if isinstance(row, dict) else "language_modeling"
+  if fmt is None:
+    raise ConfigError(f"{path}:{_line_number(path, start)}: no field {cfg.data.field!r} (data.field); the line has "
+                      f"keys: {', '.join(list(row)[:8]) or 'none'}; nor messages, or prompt and completion (the "
+                      "other data.format values)")
+  return fmt
 
 
 class _ParquetRows:
@@ -176,9 +217,9 @@ class _ParquetRows:
   groups together. A small cache keeps the decoded groups of the current window.
   """
 
-  def __init__(self, blocks: list[tuple[str, int, int, int]], field: str, seed: int):
+  def __init__(self, blocks: list[tuple[str, int, int, int]], field: str, seed: int, fmt: str = "language_modeling"):
     # blocks: (path, row group, rows) in storage order.
-    self.blocks, self.field, self.seed = blocks, field, seed
+    self.blocks, self.field, self.seed, self.fmt = blocks, field, seed, fmt
     sizes = np.array([b[2] for b in blocks], np.int64)
     self.block_starts = np.concatenate([[0], np.cumsum(sizes)])  # [num_blocks + 1]
     self._init_cache()
@@ -238,6 +279,8 @@ class _ParquetRows:
     path, rg, _ = self.blocks[b]
     def make():
       import pyarrow.parquet as pq
+      if self.fmt != "language_modeling":  # whole rows, as dicts of the format's columns
+        return pq.ParquetFile(path).read_row_group(rg, columns=list(FIELDS[self.fmt])).to_pylist()
       return pq.ParquetFile(path).read_row_group(rg, columns=[self.field]).column(0).to_pylist()
     # Two windows' worth: prefetch threads straddle a window boundary for a few rows.
     return self._cached(("group", b), make, 2 * PARQUET_WINDOW_GROUPS)
@@ -247,6 +290,12 @@ class _ParquetRows:
     path, rg, _ = self.blocks[b]
     row = i - int(self.block_starts[b])  # in the row group
     value = self._group(b)[row]
+    if self.fmt != "language_modeling":
+      where = f"{path} (row group {rg}, row {row})"
+      problem = row_problem(value, self.fmt, self.field)
+      if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
+      return Doc(value, where)
     if value is None:
       raise ConfigError(f"{path}: row group {rg}, row {row}: column {self.field!r} (data.field) is null")
     return Doc(value, f"{path} (row group {rg}, row {row})")
@@ -266,7 +315,7 @@ def _parquet_rows(cfg: Config) -> _ParquetRows:
   """The rows of the data.path files, in storage order, from the footers alone (checked here)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
-  field = cfg.data.field
+  field, fmt = cfg.data.field, cfg.data.format
   blocks = []  # (path, row group, rows)
   for path in data_files(cfg.data.path, "parquet"):
     try:
@@ -274,6 +323,17 @@ def _parquet_rows(cfg: Config) -> _ParquetRows:
     except (pa.ArrowException, OSError) as e:
       raise ConfigError(f"data.path: {path} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
     schema = pf.schema_arrow
+    if fmt == "auto":
+      fmt = _parquet_format(schema, field)
+    if fmt != "language_modeling":
+      missing = [c for c in FIELDS[fmt] if c not in schema.names]
+      if missing:
+        raise ConfigError(f"data.path: {path} has no column {missing[0]!r} (data.format={fmt}); "
+                          f"its columns: {', '.join(schema.names[:8])}")
+      if pf.metadata.num_rows == 0:
+        raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
+      blocks += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
+      continue
     if field not in schema.names:
       raise ConfigError(f"data.path: {path} has no column {field!r} (data.field); "
                         f"its columns: {', '.join(schema.names[:8])}")
@@ -284,4 +344,19 @@ def _parquet_rows(cfg: Config) -> _ParquetRows:
     if pf.metadata.num_rows == 0:
       raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
     blocks += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
-  return _ParquetRows(blocks, field, cfg.data.seed)
+  return _ParquetRows(blocks, field, cfg.data.seed, fmt)
+
+
+def _parquet_format(schema, field: str) -> str:
+  """The format a Parquet file's columns say: data.field (language modeling, as before the formats), messages, or
+  prompt and completion (strings, or lists of messages)."""
+  import pyarrow as pa
+  names = schema.names
+  if field in names:
+    return "language_modeling"
+  if "messages" in names:
+    return "conversational"
+  if "prompt" in names and "completion" in names:
+    t = schema.field("prompt").type
+    return "conversational_prompt_completion" if pa.types.is_list(t) or pa.types.is_large_list(t) else "prompt_completion"
+  return "language_modeling"  # refused next, naming data.field

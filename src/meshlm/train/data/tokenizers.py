@@ -33,6 +33,12 @@ class ByteTokenizer:
       data = data.encode("utf-8")
     return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
+  def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, each token's first character, one past its last character): a byte belongs to its character."""
+    lengths = np.array([len(c.encode("utf-8")) for c in text], np.int64)  # [chars]
+    chars = np.repeat(np.arange(len(text)), lengths)  # [bytes]
+    return self.encode(text), chars, chars + 1
+
   def decode(self, ids) -> str:
     ids = np.asarray(ids).reshape(-1)
     # EOS and any id the model may sample past the bytes carry no text.
@@ -65,6 +71,12 @@ class HFTokenizer:
     if isinstance(text, bytes):
       text = decode_utf8(text, "HFTokenizer.encode")
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, each token's first character, one past its last character), without special tokens added."""
+    enc = self._tok.encode(text, add_special_tokens=False)
+    offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # [tokens, 2]
+    return np.asarray(enc.ids, np.int32), offsets[:, 0], offsets[:, 1]
 
   def decode(self, ids) -> str:
     ids = np.asarray(ids).reshape(-1)
@@ -165,6 +177,26 @@ class _Utf8Stats:
 
 
 UTF8_STATS = _Utf8Stats()
+
+
+class _TruncationStats:
+  """Counts the SFT rows longer than a packed row (train.seq_len + 1 tokens), cut or dropped by data.truncation;
+  warns for the first few, then at powers of 10 (as _Utf8Stats)."""
+
+  def __init__(self):
+    self.cut = self.dropped = 0
+    self._lock = threading.Lock()
+
+  def record(self, what: str) -> None:
+    with self._lock:
+      setattr(self, what, getattr(self, what) + 1)
+      n = self.cut + self.dropped
+    if n <= 10 or str(n).rstrip("0") == "1":
+      log.warning("a row longer than train.seq_len + 1 tokens was %s (data.truncation); %d cut and %d dropped so far",
+                  what, self.cut, self.dropped)
+
+
+TRUNCATION_STATS = _TruncationStats()
 
 
 def replace_invalid_utf8(data: bytes) -> tuple[str, int | None]:
