@@ -579,6 +579,10 @@ def test_made_rollout_clip_delta_k3_ratio_entropy_bnpo_equal_trls_rule(made_clip
   want = trl_loss(logp, ent, host, rl, 2)
   assert abs(got - want) <= LOSS_TOL * max(1, abs(want)), (got, want)
   assert float(m["entropy_kept_frac"]) == pytest.approx(0.5, abs=0.1)
+  # The extremes are the whole batch's over both micro-batches (not their sum: ratio_min 2 x 0.4 would pass no check).
+  gap = np.abs(logp - host["sampler_logp"])[host["loss_mask"] > 0]
+  for name, want_x in (("ratio_min", ratio.min()), ("ratio_max", ratio.max()), ("logp_gap_max", gap.max())):
+    assert float(m[name]) == pytest.approx(want_x, rel=1e-5), name
   wrong = {"bnpo as token_mean": (dict(loss_agg="token_mean"), host), "no entropy mask":
            (dict(top_entropy_quantile=1.0), host), "no delta": (dict(delta=None), host),
            "plain k3": (dict(kl_estimator="k3"), host),
