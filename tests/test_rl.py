@@ -439,10 +439,12 @@ LENGTHS, ENDS = [8, 3, 8, 5, 8, 2, 8, 6], [False, True, True, True, False, True,
 TRUNCATED = [0, 4, 6]
 
 
-def made_sampler(seed=0):
-  """A stand-in for rl/rollout.sample: completions of LENGTHS letters a-h (EOS last where ENDS), and sampler
+def made_sampler(seed=0, lengths=LENGTHS, ends=ENDS):
+  """A stand-in for rl/rollout.sample: completions of `lengths` letters a-h (EOS last where `ends`), and sampler
   log-probs drawn in [-6, -5] (the untrained model's are near log(1/257) = -5.55): the rollouts are fixed by
   construction, not by which tokens an ulp-level difference makes the sampler draw."""
+  LENGTHS, ENDS = lengths, ends  # noqa: N806
+
   def sample(cfg, params, prompt_ids, seeds, mesh, stops):
     B, N = len(prompt_ids) * cfg.rl.num_generations, cfg.rl.max_new_tokens
     rng = np.random.default_rng(seed)
@@ -685,6 +687,28 @@ def test_rewards_that_fail_through_the_trainer(made_cispo, reward_file):
     want[4 * g:4 * g + 4:2] = (v - v.mean()) / (v.std(ddof=1) + 1e-4)
   np.testing.assert_allclose(adv, want, atol=1e-6)
   assert tr.host_metrics[2]["rewards_excluded"] == 4 and tr.host_metrics[2]["reward_mean"] == pytest.approx(4.0)
+
+
+def test_a_step_that_trains_on_nothing_warns_and_writes_valid_json(prompts, reward_file, tmp_path, monkeypatch):
+  """Every completion cut at rl.max_new_tokens and masked (rl.mask_truncated_completions): the step trains on nothing
+  (loss 0, grad_norm 0), warns saying why, and metrics.jsonl stays JSON: the ratio and gap statistics of no token
+  are null, not Infinity (json.loads refuses a bare Infinity here, as strict readers do)."""
+  monkeypatch.setattr(R, "sample", made_sampler(0, [8] * 8, [False] * 8))
+  cfg = load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=1", f"rl.reward={reward_file}:spread",
+                    "rl.mask_truncated_completions=true", "train.steps=1", f"run_dir={tmp_path}/r")
+  with pytest.warns(TR.EmptyStepWarning, match=r"step 0: all 8 completions were cut at rl.max_new_tokens=8 and "
+                                                r"rl.mask_truncated_completions=true masks them, so this step trains on nothing"):
+    TR.run(cfg, show_progress=False)
+
+  def strict(c):
+    raise ValueError(f"not JSON: {c}")
+  lines = open(f"{tmp_path}/r/metrics.jsonl").read().splitlines()
+  (rec,) = [json.loads(ln, parse_constant=strict) for ln in lines]
+  assert rec["loss"] == 0.0 and rec["grad_norm"] == 0.0 and rec["truncated_frac"] == 1.0
+  assert rec["ratio_min"] is None and rec["ratio_max"] is None and rec["logp_gap_max"] == 0.0
+  # Control: the reader does refuse a bare Infinity.
+  with pytest.raises(ValueError, match="not JSON: Infinity"):
+    json.loads('{"ratio_min": Infinity}', parse_constant=strict)
 
 
 # --- rewards: from the user's files, TRL's batched form, failures ------------------------------------------------

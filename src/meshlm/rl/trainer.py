@@ -43,7 +43,11 @@ class ClipWindowWarning(UserWarning):
   """The first iteration's ratio is outside the clip window before any update (the train/sample gap)."""
 
 
-RewardWarning.__module__ = ClipWindowWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
+class EmptyStepWarning(UserWarning):
+  """No completion token of a step's rollout is in the loss: the step trains on nothing."""
+
+
+RewardWarning.__module__ = ClipWindowWarning.__module__ = EmptyStepWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
 
 # The train step's shapes that rl_config derives from the RL keys: a resume compares those keys, not these.
 DERIVED = ("train.seq_len", "train.per_device_batch_size", "train.sample_tokens")
@@ -157,6 +161,12 @@ class Trainer:
     cut = R.truncated(gen, self.stops)
     self.last = {"prompts": group, "texts": texts, "scored": scored, "truncated": cut}
     batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.stops)
+    if not np.any(batch["loss_mask"]):
+      why = (f"all {rows} completions were cut at rl.max_new_tokens={rl.max_new_tokens} and "
+             "rl.mask_truncated_completions=true masks them" if rl.mask_truncated_completions and np.all(cut) else
+             f"no completion has a token (lengths {sorted(set(int(n) for n in gen.lengths))})")
+      warnings.warn(f"step {i}: {why}, so this step trains on nothing (loss 0, grad_norm 0, the ratio and gap "
+                    "statistics null)", EmptyStepWarning)
     adv = L.advantages if np.all(np.isfinite(total)) else L.advantages_excluding_nan  # NaN: rl.failed_reward=exclude
     batch["advantages"] = np.asarray(adv(total.astype(np.float32), rl.num_generations, rl.scale_rewards), np.float32)
     dev = self.step.put_batch(batch)
@@ -310,6 +320,9 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
 
   class Recorder:
     def write(self, record):
+      # JSON has no NaN or Infinity: a value a step leaves undefined (the ratio_min of no token, the mean reward
+      # of none scored) is null.
+      record = {k: _json_value(v) for k, v in record.items()}
       records.append(record)
       writer.write(record)
 
