@@ -823,6 +823,24 @@ def test_nan_is_reported_as_nan_and_exclude_sums_what_scored():
       [1.0, 0.0, 0.0]
 
 
+def test_trls_spellings_are_taken_or_name_the_meshlm_key():
+  """TRL's values that mean the same are taken (scale_rewards true / false, top_k=0 for off); TRL's key names are
+  refused in one line naming meshlm's key and value. Controls: values that mean nothing still fail."""
+  from meshlm.errors import ConfigError
+  rl = lambda *a: load_config(*a).rl  # noqa: E731
+  assert rl("rl.scale_rewards=true").scale_rewards == "group" and rl("rl.scale_rewards=false").scale_rewards == "none"
+  assert rl("rl.top_k=0").top_k is None and rl("rl.top_k=5").top_k == 5
+  for arg, msg in (("rl.loss_type=dapo", "rl.loss_type=dapo: TRL's spelling; meshlm's is rl.loss_agg=token_mean"),
+                   ("rl.loss_type=dr_grpo", "rl.loss_type=dr_grpo: TRL's spelling; meshlm's is rl.loss_agg=constant"),
+                   ("rl.loss_type=ppo", "rl.loss_type: TRL's name; meshlm spells its values as dapo: rl.loss_agg="),
+                   ("rl.max_completion_length=64", "rl.max_completion_length: TRL's name; meshlm's key is "
+                                                    "rl.max_new_tokens"),
+                   ("rl.top_k=-1", "rl.top_k: Input should be greater than 0"),
+                   ("rl.scale_rewards=yes please", "rl.scale_rewards: Input should be 'group', 'batch' or 'none'")):
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+      load_config(arg)
+
+
 @pytest.mark.parametrize("arg, msg", [
     ("rl.failed_reward=drop", r"rl.failed_reward: Input should be 'zero' or 'exclude' \(got 'drop'\)"),
     ("rl.policy_loss=ppo", r"rl.policy_loss: Input should be 'clip' or 'cispo'"),
