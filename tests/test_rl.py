@@ -746,6 +746,23 @@ def test_a_step_that_trains_on_nothing_warns_and_writes_valid_json(prompts, rewa
     json.loads('{"ratio_min": Infinity}', parse_constant=strict)
 
 
+def test_a_run_whose_reward_fails_at_step_0_leaves_run_dir_as_found(prompts, reward_file, tmp_path, monkeypatch):
+  """A reward that raises on every call stops the run at its first rollout, before any step: the run leaves no
+  config.yaml, metrics.jsonl or tensorboard/ behind, and the directories it made are gone (the README's promise for a
+  run that fails before its first step). Control: a run_dir that existed (empty) before stays, empty."""
+  from meshlm.rl.rewards import RewardFailed
+  monkeypatch.setattr(R, "sample", made_sampler(0))
+  for run_dir, existed in ((tmp_path / "new" / "run", False), (tmp_path / "old", True)):
+    if existed:
+      run_dir.mkdir()
+    cfg = load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=1", f"rl.reward={reward_file}:raises",
+                      "train.steps=1", f"run_dir={run_dir}")
+    with pytest.raises(RewardFailed, match="failed on every one of the step's 8 completions"):
+      TR.run(cfg, show_progress=False)
+    assert run_dir.is_dir() == existed and (not existed or list(run_dir.iterdir()) == [])
+  assert list(tmp_path.iterdir()) == [tmp_path / "old"]
+
+
 # --- rewards: from the user's files, TRL's batched form, failures ------------------------------------------------
 
 def test_a_reward_imports_from_the_working_directory_or_a_file_path(tmp_path, monkeypatch):

@@ -310,11 +310,14 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
                                                         step.state_shardings().params, step.mesh))
     tr.ref = jax.tree.map(lambda a: a.copy(), tr.params_of(ref_state))
   os.makedirs(cfg.run_dir, exist_ok=True)
-  if start < cfg.train.steps:
-    LP.write_config(cfg)
   LP._trim_metrics(cfg.run_dir, start)
   if start < cfg.train.steps:  # the evaluations of steps run again are written again (a run at its end keeps its last)
     LP._trim_metrics(cfg.run_dir, start, COMPLETIONS)
+  # The first rollout comes before the run's records (config.yaml, metrics.jsonl, tensorboard/): a reward that fails
+  # on every completion stops the run here, and leave_as_found removes the directories it made, as before any step.
+  pending = {start: tr.rollout(state, start)} if start < cfg.train.steps else {}
+  if start < cfg.train.steps:
+    LP.write_config(cfg)
   records: list[dict] = []
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else LP._NullWriter()
 
@@ -347,7 +350,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
 
   loop = LP.Loop(cfg, step_fn, ckpt, console, say, Recorder(), step.global_batch * cfg.train.seq_len, show_progress,
                  t_start, on_step, queue_ahead=False, progress_extra=progress)
-  out = loop.run(state, start, rng, counters, fetch=lambda i: tr.rollout(holder["state"], i),
+  out = loop.run(state, start, rng, counters, fetch=lambda i: pending.pop(i, None) or tr.rollout(holder["state"], i),
                  position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors),
                                    "reward_nan": dict(tr.rewards.nans)})
   if out.nonfinite_msg:
