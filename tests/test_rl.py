@@ -71,6 +71,10 @@ def raises(prompt, completion, row):
 
 def half_nan(prompts, completions, **columns):
     return [float("nan") if i % 2 else 1.0 + i for i in range(len(completions))]
+
+def quarter_none(prompts, completions, **columns):
+    # TRL's "no reward for this one" on rows 0 and 4
+    return [None if i % 4 == 0 else (3 * i) % 5 / 4 for i in range(len(completions))]
 """
 
 
@@ -763,6 +767,34 @@ def test_a_run_whose_reward_fails_at_step_0_leaves_run_dir_as_found(prompts, rew
   assert list(tmp_path.iterdir()) == [tmp_path / "old"]
 
 
+def test_log_completions_writes_the_rollouts_rows_and_none_rewards_are_counted(prompts, reward_file, tmp_path,
+                                                                              monkeypatch):
+  """rl.log_completions=3: each step's first 3 rollout rows go to completions.jsonl (mode rollout) with their prompt,
+  decoded completion, rewards, advantage and truncation; a reward's None (TRL's "no reward") scores 0 under the
+  default rl.failed_reward=zero and is counted in reward_none, over the run. Control: rl.log_completions=0 (the
+  default) writes no file."""
+  monkeypatch.setattr(R, "sample", made_sampler(0))
+  for n in (3, 0):
+    run_dir = tmp_path / str(n)
+    run_dir.mkdir()
+    tr = TR.Trainer(load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=1", f"rl.log_completions={n}",
+                                f"rl.reward={reward_file}:quarter_none", f"run_dir={run_dir}"))
+    state = tr.step.init_state(jax.random.key(0))
+    batches = [tr.rollout(state, i) for i in range(2)]
+    path = run_dir / TR.COMPLETIONS
+    if n == 0:
+      assert not path.exists()
+      continue
+    lines = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [(r["step"], r["mode"]) for r in lines] == [(0, "rollout")] * 3 + [(1, "rollout")] * 3
+    texts, group = tr.last["texts"], tr.last["prompts"]  # step 1's
+    assert [r["completion"] for r in lines[3:]] == texts[:3] and [r["prompt"] for r in lines[3:]] == [p.text for p in group[:3]]
+    assert [r["truncated"] for r in lines[3:]] == [b in TRUNCATED for b in range(3)]
+    assert [r["reward"] for r in lines[3:]] == [0.0, 0.75, 0.25]  # row 0: None, scored 0
+    np.testing.assert_allclose([r["advantage"] for r in lines[3:]], np.asarray(batches[1]["advantages"])[:3], atol=1e-6)
+    assert tr.host_metrics[0]["reward_none"] == 2 and tr.host_metrics[1]["reward_none"] == 4  # over the run
+
+
 # --- rewards: from the user's files, TRL's batched form, failures ------------------------------------------------
 
 def test_a_reward_imports_from_the_working_directory_or_a_file_path(tmp_path, monkeypatch):
@@ -831,7 +863,8 @@ def test_nan_is_reported_as_nan_and_exclude_sums_what_scored():
     sc = rw(["p"] * 4, ["a", "b", "r", "zzz"], [{}] * 4)
     assert sc.total == want  # zero: the failures score 0; exclude: left out of the sum (the same totals here)
     assert rw.errors == {"flaky": 1, "two": 0} and rw.nans == {"flaky": 1, "two": 0}
-    assert sc.failures["flaky"].first == "returned inf"
+    assert rw.nones == {"flaky": 1, "two": 0}  # zzz: None, scored 0 under zero and counted, never a failure
+    assert sc.failures["flaky"].first == "returned inf" and sc.failures["flaky"].total == 2
   rw = RW.Rewards(["flaky"], [flaky], [1.0], failed="exclude")
   sc = rw(["p"] * 3, ["a", "b", "zzz"], [{}] * 3)  # b: inf (failure); zzz: None (no reward)
   assert sc.total[0] == 1.0 and np.isnan(sc.total[1]) and np.isnan(sc.total[2])

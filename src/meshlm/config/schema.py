@@ -384,6 +384,9 @@ class RLConfig(_Strict):
                           "reward on the eval prompts, and their completions in run_dir/completions.jsonl (0: never)")
   eval_prompts: int | str = Field(default=64, description="the eval prompts: N, the first N of rl.prompts, or PATH, "
                                   "a JSONL file of its own")
+  log_completions: int = Field(default=0, ge=0, description="every step, the first N of the rollout's completions "
+                               "(prompt, completion, rewards, advantage) into run_dir/completions.jsonl, mode rollout "
+                               "(TRL's log_completions); 0: none")
 
   @field_validator("scale_rewards", mode="before")
   @classmethod

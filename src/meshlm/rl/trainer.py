@@ -169,6 +169,8 @@ class Trainer:
                     "statistics null)", EmptyStepWarning)
     adv = L.advantages if np.all(np.isfinite(total)) else L.advantages_excluding_nan  # NaN: rl.failed_reward=exclude
     batch["advantages"] = np.asarray(adv(total.astype(np.float32), rl.num_generations, rl.scale_rewards), np.float32)
+    if rl.log_completions:
+      self.log_rollout(i, group, texts, scored, cut, batch["advantages"])
     dev = self.step.put_batch(batch)
     if self.score is not None:
       with jax.set_mesh(self.mesh):
@@ -191,6 +193,7 @@ class Trainer:
         m[f"reward/{n}_std"] = _nanstd(v)
     m["reward_errors"] = float(sum(self.rewards.errors.values()))
     m["reward_nan"] = float(sum(self.rewards.nans.values()))
+    m["reward_none"] = float(sum(self.rewards.nones.values()))
     bad = {n: f for n, f in scored.failures.items() if f.total}
     if bad:
       scored_as = "scored 0" if self.rewards.failed == "zero" else "left out (rl.failed_reward=exclude)"
@@ -225,14 +228,27 @@ class Trainer:
                       "reward": _json_value(float(sc.total[j])),
                       "rewards": {n: _json_value(float(v[j])) for n, v in sc.each.items()},
                       "truncated": bool(R.truncated(gen, self.stops)[j])})
-    if jax.process_index() == 0 and cfg.run_dir:
-      with open(os.path.join(cfg.run_dir, COMPLETIONS), "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+    self._append_completions(lines)
     for r in lines[:SHOW]:
       reward = "nan" if r["reward"] is None else f"{r['reward']:.3f}"
       self.say(f"eval step {step} ({r['mode']}): {printable(r['prompt'])!r} -> {printable(r['completion'])!r}  "
                f"reward {reward}", markup=False, highlight=False)
     return out
+
+  def _append_completions(self, lines: list[dict]) -> None:
+    if jax.process_index() == 0 and self.cfg.run_dir:
+      with open(os.path.join(self.cfg.run_dir, COMPLETIONS), "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+
+  def log_rollout(self, step: int, prompts: list[R.Prompt], texts: list[str], scored, cut, adv) -> None:
+    """The first rl.log_completions rows of step's rollout into run_dir/completions.jsonl (mode "rollout": TRL's
+    log_completions), with each row's rewards (null: none), advantage and whether it was truncated."""
+    n = min(self.cfg.rl.log_completions, len(texts))
+    self._append_completions([
+        {"step": step, "mode": "rollout", "prompt": prompts[j].text, "completion": texts[j],
+         "reward": _json_value(float(scored.total[j])),
+         "rewards": {k: _json_value(float(v[j])) for k, v in scored.each.items()}, "advantage": float(adv[j]),
+         "truncated": bool(cut[j])} for j in range(n)])
 
   def updates(self, state, batch, step: int | None = None):
     """rl.num_iterations updates on one batch: the ratio and gap statistics of the first (before any
@@ -301,6 +317,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
     tr.iterator.set_state(data_state["prompts"])
     tr.rewards.errors.update(data_state.get("reward_errors", {}))
     tr.rewards.nans.update(data_state.get("reward_nan", {}))
+    tr.rewards.nones.update(data_state.get("reward_none", {}))
   if cfg.rl.beta > 0:
     # The reference is the starting policy: the loaded (or initial) parameters, also on resume.
     ref_state = step.init_state(jax.random.key(cfg.train.seed)) if start else state
@@ -352,7 +369,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
                  t_start, on_step, queue_ahead=False, progress_extra=progress)
   out = loop.run(state, start, rng, counters, fetch=lambda i: pending.pop(i, None) or tr.rollout(holder["state"], i),
                  position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors),
-                                   "reward_nan": dict(tr.rewards.nans)})
+                                   "reward_nan": dict(tr.rewards.nans), "reward_none": dict(tr.rewards.nones)})
   if out.nonfinite_msg:
     ckpt.wait()
     raise LP.NonFiniteStop(out.nonfinite_msg)
