@@ -34,10 +34,11 @@ def child(model: str, batch: int, cache_len: int, steps: int) -> dict:
 
   import meshlm
   from meshlm.models import decoder
+  from meshlm.models.params import init_params
   from meshlm.parallel.mesh import make_mesh
   cfg = meshlm.load_config(f"model={model}", "train.compute_dtype=float32", "cpu_devices=1", "mesh.fsdp=1")
   mesh = make_mesh(cfg)
-  params = decoder.init_params(cfg, jax.random.key(0), mesh)
+  params = init_params(cfg, jax.random.key(0), mesh)
   block = np.ones((batch, 32), np.int32)
   lengths = np.full(batch, 32, np.int32)
 

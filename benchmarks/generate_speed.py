@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 
 import meshlm  # noqa: E402
 from meshlm.models import decoder  # noqa: E402
+from meshlm.models.params import init_params
 from meshlm.models import generate as G  # noqa: E402
 from meshlm.parallel.mesh import make_mesh  # noqa: E402
 
@@ -42,7 +43,7 @@ def main() -> None:
   args = ap.parse_args()
   cfg = meshlm.load_config(f"model={args.model}", "train.compute_dtype=float32", "cpu_devices=1", "mesh.fsdp=1")
   mesh = make_mesh(cfg)
-  params = decoder.init_params(cfg, jax.random.key(0), mesh)
+  params = init_params(cfg, jax.random.key(0), mesh)
   rng = np.random.default_rng(0)
   prompts = [[int(t) for t in rng.integers(0, cfg.model.vocab_size, args.prompt_len)] for _ in range(args.batch)]
   n_re = args.recompute_tokens or args.new

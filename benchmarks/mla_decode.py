@@ -32,6 +32,7 @@ def main() -> int:
 
   import meshlm
   from meshlm.models import decoder
+  from meshlm.models.params import init_model_state, init_params, merge_state
   from meshlm.parallel.mesh import make_mesh
 
   prompt = args.prompt or args.cache - args.steps
@@ -41,7 +42,7 @@ def main() -> int:
   cfg = cfgs["absorbed"]
   mesh = make_mesh(cfg)
   key = jax.random.key(0)
-  params = decoder.merge_state(decoder.init_params(cfg, key, mesh), decoder.init_model_state(cfg, key, mesh))
+  params = merge_state(init_params(cfg, key, mesh), init_model_state(cfg, key, mesh))
   rng = np.random.default_rng(0)
   B = args.batch
   block = rng.integers(0, cfg.model.vocab_size, (B, prompt)).astype(np.int32)

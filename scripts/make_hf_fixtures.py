@@ -575,13 +575,13 @@ tok.save(sys.argv[1])
 MESHLM_PRESET_EXPORT = """
 import sys, numpy as np, jax
 from meshlm import forward, hf, load_config
-from meshlm.models import decoder
+from meshlm.models.params import init_model_state, init_params, merge_state
 cfg = load_config("model=" + sys.argv[1], "train.compute_dtype=float32", "cpu_devices=1")
-params = decoder.init_params(cfg, jax.random.key(0))
+params = init_params(cfg, jax.random.key(0))
 # The whole model tree: a preset with model state (deepseek-v3's routing bias, drawn here so it matters) has it beside.
 state = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype),
-                     decoder.init_model_state(cfg, jax.random.key(1)))
-params = decoder.merge_state(params, state)
+                     init_model_state(cfg, jax.random.key(1)))
+params = merge_state(params, state)
 hf.save(cfg, params, sys.argv[2])
 ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 150)).astype(np.int32)
 np.savez(sys.argv[3], input_ids=ids, logits=np.asarray(jax.jit(lambda p, x: forward(cfg, p, x))(params, ids)))

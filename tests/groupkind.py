@@ -8,7 +8,7 @@ from meshlm.models.mixers.gqa import gqa
 
 
 def plan(m) -> LayerPlan:
-  return LayerPlan(kinds=("moe",) * m.num_layers, contexts=m.layer_contexts(), period=len(m.layer_types()))
+  return LayerPlan(kinds=("moe",) * m.num_layers, contexts=m.layer_contexts(), period=len(m.context_pattern()))
 
 
 FAMILY = Family("groupkind", kinds={"moe": Kind(gqa(), moe_ffn(shared=True, shared_gate=False, routing="group_sigmoid"))},

@@ -90,7 +90,7 @@ def test_a_mixer_that_reads_across_documents_fails_the_packed_check(example, mon
 
   def leaky(p, x_BTD, ctx, state=None):
     here = dataclasses.replace(ctx.here, segment_ids=None)
-    return mixer.apply(p, x_BTD, dataclasses.replace(ctx, inputs={**ctx.inputs, ctx.layer_type: here}), state)
+    return mixer.apply(p, x_BTD, dataclasses.replace(ctx, inputs={**ctx.inputs, ctx.context_name: here}), state)
   _patched(monkeypatch, cfg, leaky)
   try:
     with pytest.raises(AssertionError, match="a packed document's logits differ"):

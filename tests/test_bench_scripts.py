@@ -227,12 +227,12 @@ def test_flops_per_token_matches_meshlm_parameter_shapes():
   """The formula's matmul parameters are the model's: every rank >= 2 kernel of a llama config at the
   compute geometry's sizes (layer axis aside), minus the embedding table (a lookup, not a matmul)."""
   from meshlm.config import load_config
-  from meshlm.models import decoder
+  from meshlm.models.params import param_specs
   from meshlm import spec as S
   import jax
   g = mt.GEOMETRIES["compute"]
   cfg = load_config(*mt.meshlm_base(g))
-  specs = decoder.param_specs(cfg)
+  specs = param_specs(cfg)
   total = 0
   for path, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=S.is_spec)[0]:
     dims = [n for n, a in zip(s.shape, s.axes) if a != "layers"]

@@ -444,10 +444,10 @@ def test_an_error_after_the_header_leaves_no_directory(monkeypatch, capsys, tmp_
 
 def test_header_reports_trainable_and_frozen_parameter_counts(capsys, fake_train):
   from meshlm.config import load_config
-  from meshlm.models import decoder
+  from meshlm.models.params import param_specs
   from meshlm import spec as S
   run_dir, _ = fake_train
-  total = S.count(decoder.param_specs(load_config("model=llama2-tiny")))
+  total = S.count(param_specs(load_config("model=llama2-tiny")))
   frozen = 512 * 256  # llama2-tiny's embedding table, [vocab, embed]
   assert main(["train", "cpu_devices=2", "train.freeze=[embed]", f"run_dir={run_dir}"]) == 0
   banner = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("meshlm train")][0]

@@ -19,6 +19,8 @@ import pytest
 import meshlm
 from meshlm.config import load_config
 from meshlm.models import decoder
+from meshlm.models.params import init_model_state, merge_state
+from meshlm.models.model import resolve
 from meshlm.models import generate as G
 from meshlm.models.mixers import mla
 from meshlm.nn.rope import yarn_inv_frequencies
@@ -79,7 +81,7 @@ def reference(p: dict, x, positions, m, xp, *, mscale: bool = True, interleave: 
 def model_tree(cfg) -> dict:
   """The parameters with the model state (the MoE layers' router_bias) beside them, as forward reads them."""
   key = jax.random.key(0)
-  return decoder.merge_state(meshlm.init_params(cfg, key), decoder.init_model_state(cfg, key))
+  return merge_state(meshlm.init_params(cfg, key), init_model_state(cfg, key))
 
 
 def _case(q_lora: bool, interleave: bool):
@@ -200,7 +202,7 @@ def test_the_cache_holds_the_latent_per_token_per_layer():
   per_token = own.kv_lora_rank + own.qk_rope_head_dim
   B, C = 2, 64
   for i in range(m.num_layers):
-    spec = decoder.resolve(cfg).state_spec(i, B, C)
+    spec = resolve(cfg).state_spec(i, B, C)
     assert set(spec) == {"attn"}  # the MoE and GLU halves keep none
     assert sum(math.prod(leaf.shape) for leaf in spec["attn"].values()) == B * C * per_token
   # The compiled prefill's output: the whole cache, and nothing per head.

@@ -18,7 +18,7 @@ import pytest
 
 from meshlm.analysis.census import hlo_counts
 from meshlm.config import load_config
-from meshlm.models import decoder
+from meshlm.models.params import init_params, param_shardings
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.nn import short_conv
 from meshlm.parallel.mesh import make_mesh
@@ -64,7 +64,7 @@ def config(preset: str, *over: str):
 @functools.cache
 def params(preset: str):
   cfg = config(preset, "cpu_devices=1")
-  return jax.tree.map(np.asarray, decoder.init_params(cfg, jax.random.key(0), make_mesh(cfg)))
+  return jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), make_mesh(cfg)))
 
 
 @functools.cache
@@ -72,7 +72,7 @@ def run(preset: str, *over: str, halo: bool = True):
   """(loss, grads as numpy, compiled HLO text) of grads_and_loss on the mesh `over` names."""
   cfg = config(preset, *over)
   mesh = make_mesh(cfg)
-  p = jax.device_put(params(preset), decoder.param_shardings(cfg, mesh))
+  p = jax.device_put(params(preset), param_shardings(cfg, mesh))
   b = batch(cfg.model.vocab_size)
   with jax.set_mesh(mesh):
     put = placed_batch(mesh, b)

@@ -13,6 +13,7 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.hf.adapters import gemma, gemma2, gemma3
 from meshlm.models import decoder
+from meshlm.models.params import init_params, param_shardings, param_specs
 from meshlm import spec as S
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -35,14 +36,14 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_real_preset_parameter_counts(name):
   cfg = load_config(f"model={name}")
-  shapes = jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0))
+  shapes = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
   assert sum(math.prod(a.shape) for a in jax.tree.leaves(shapes)) == PUBLISHED[name]
   assert "lm_head" not in shapes  # tied heads
 
 
 def test_gemma3_4b_text_model_without_the_embedding():
   cfg = load_config("model=gemma3-4b")
-  specs = decoder.param_specs(cfg)
+  specs = param_specs(cfg)
   assert S.count(specs) - S.count(specs["embed"]) == 3_209_010_688
 
 
@@ -73,7 +74,7 @@ def _params(cfg, seed: int = 0):
   def draw(s: S.ParamSpec):
     std = 0.5 if s.init != "normal" else s.scale / math.sqrt(s.fan_in)
     return rng.normal(0.0, std, s.shape).astype(np.float32)
-  return S.map_specs(draw, decoder.param_specs(cfg))
+  return S.map_specs(draw, param_specs(cfg))
 
 
 def _ref_forward(m, params, ids):
@@ -95,13 +96,13 @@ def _ref_forward(m, params, ids):
     x1, x2 = x[..., :H // 2], x[..., H // 2:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-  types = m.layer_types()
+  pattern = m.context_pattern()
   scale = (m.query_pre_attn_scalar or H) ** -0.5
   x = P["embed"][ids] * np.sqrt(D)  # [B, T, D]
   hidden = []
   for i in range(m.num_layers):
     p = jax.tree.map(lambda a: a[i], P["layers"]["dense"])
-    local = types[i % len(types)] == "local"
+    local = pattern[i % len(pattern)] == "local"
     if local and m.rope_local_theta is not None:
       theta, factor = m.rope_local_theta, 1.0
     else:
@@ -189,7 +190,7 @@ def test_grouped_scan_matches_unrolled_layers_and_other_layout():
 
 def test_stored_stack_is_one_array_per_layer_parameter():
   cfg = load_config(*_small("gemma3"))
-  specs = decoder.param_specs(cfg)
+  specs = param_specs(cfg)
   L = cfg.model.num_layers
   for s in jax.tree.leaves(specs["layers"], is_leaf=S.is_spec):
     assert s.axes[0] == "layers" and s.shape[0] == L
@@ -213,11 +214,11 @@ def test_every_projection_goes_through_the_kernel_order_dense():
   from jax.sharding import NamedSharding, PartitionSpec
   from meshlm.parallel.mesh import make_mesh
   cfg = load_config("model=gemma3-tiny", "cpu_devices=4", "mesh.fsdp=4", "shard_mode=explicit")
-  assert cfg.model.num_layers == 8 and len(cfg.model.layer_types()) == 6
+  assert cfg.model.num_layers == 8 and len(cfg.model.context_pattern()) == 6
   mesh = make_mesh(cfg)
-  params = S.map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), decoder.param_specs(cfg))
+  params = S.map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_specs(cfg))
   params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params,
-                        decoder.param_shardings(cfg, mesh))
+                        param_shardings(cfg, mesh))
   ids = jax.ShapeDtypeStruct((4, 16), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
   with jax.set_mesh(mesh):
     text = str(jax.make_jaxpr(lambda p, t: decoder.forward(cfg, p, t))(params, ids))
@@ -231,7 +232,7 @@ def test_every_projection_goes_through_the_kernel_order_dense():
 def test_config_errors_name_the_key():
   with pytest.raises(ConfigError, match=r"layer_pattern: has local layers but sliding_window is null"):
     load_config("model=gemma2-tiny", "model.sliding_window=null")
-  with pytest.raises(ConfigError, match=r"layer_pattern: must name at least one layer type"):
+  with pytest.raises(ConfigError, match=r"layer_pattern: must name at least one attention context"):
     load_config("model=gemma2-tiny", "model.layer_pattern=[]")
   with pytest.raises(ConfigError, match=r"model.layer_pattern.0"):
     load_config("model=gemma2-tiny", "model.layer_pattern=[sliding]")
@@ -240,7 +241,7 @@ def test_config_errors_name_the_key():
   with pytest.raises(ConfigError, match=r"model.hidden_activation"):
     load_config("model=gemma-tiny", "model.hidden_activation=relu")
   with pytest.raises(ConfigError, match=r"model.family='gemma4': unknown"):
-    decoder.param_specs(load_config("model=gemma-tiny", "model.family=gemma4"))
+    param_specs(load_config("model=gemma-tiny", "model.family=gemma4"))
 
 
 # --- Hugging Face config maps ------------------------------------------------------------------
@@ -265,7 +266,7 @@ def test_gemma3_reads_the_published_config_json():
   m = load_config(base={"model": gemma3.from_hf_config(text_config)}).model
   preset = load_config("model=gemma3-4b").model
   assert m == preset
-  assert m.layer_types() == ("local",) * 5 + ("global",) and m.rope_local_theta == 10000.0
+  assert m.context_pattern() == ("local",) * 5 + ("global",) and m.rope_local_theta == 10000.0
 
 
 def test_gemma3_reads_transformers5_rope_parameters():

@@ -456,7 +456,7 @@ EXPORT_ONLY = ("rope_theta", "rope_scaling", "rope_local_base_freq", "num_expert
 
 def check_legacy_rope(ours: dict) -> None:
   rp = ours["rope_parameters"]
-  full = rp.get("full_attention", rp)  # gemma3: per layer type
+  full = rp.get("full_attention", rp)  # gemma3: per attention context
   assert ours["rope_theta"] == full["rope_theta"]
   if "rope_scaling" in ours:
     assert ours["rope_scaling"] == full and full["rope_type"] != "default"

@@ -266,13 +266,13 @@ def test_model_state_travels_with_the_parameters(statekind_hf, tmp_path, monkeyp
   before)."""
   from meshlm import cli, load_config
   from meshlm.commands.convert import load_meshlm
-  from meshlm.models import decoder
+  from meshlm.models.params import init_model_state, init_params, merge_state
   from meshlm.train.loop import train
   cfg = load_config(*STATEKIND)
-  params = decoder.init_params(cfg, jax.random.key(0))
+  params = init_params(cfg, jax.random.key(0))
   state = jax.tree.map(lambda a: a + jnp.arange(1, a.size + 1, dtype=a.dtype).reshape(a.shape) / 8,
-                       decoder.init_model_state(cfg, jax.random.key(1)))
-  whole = decoder.merge_state(params, state)
+                       init_model_state(cfg, jax.random.key(1)))
+  whole = merge_state(params, state)
   with pytest.raises(ConfigError, match=re.escape("parameter layers.dense.mlp.ema: not in the tree given")):
     hf.save(cfg, params, tmp_path / "no-state")
   src = hf.save(cfg, whole, tmp_path / "hf")
@@ -512,11 +512,11 @@ def test_preset_export_round_trips(tmp_path):
   the same model config. (scripts/make_hf_fixtures.py checks that transformers reproduces its logits: measured
   8.1e-7 from float64, transformers' own float32 8.4e-7.)"""
   from meshlm import load_config
-  from meshlm.models import decoder
+  from meshlm.models.params import init_model_state, init_params, merge_state
   cfg = load_config("model=deepseek-v3-tiny", "cpu_devices=1")
   state = jax.tree.map(lambda a: jax.random.normal(jax.random.key(1), a.shape, a.dtype),
-                       decoder.init_model_state(cfg, jax.random.key(1)))
-  whole = decoder.merge_state(decoder.init_params(cfg, jax.random.key(0)), state)
+                       init_model_state(cfg, jax.random.key(1)))
+  whole = merge_state(init_params(cfg, jax.random.key(0)), state)
   out = hf.save(cfg, whole, tmp_path / "export")
   written = json.loads((out / "config.json").read_text())
   assert (written["n_shared_experts"], written["num_nextn_predict_layers"]) == (1, 0)

@@ -353,9 +353,9 @@ def test_transformers_4_and_mrope_spellings_read_the_same_model(tmp_path):
 def test_preset_export_round_trips(preset, tmp_path):
   """A model initialized from a preset exports (config from full_attention_interval) and loads back bit for bit."""
   from meshlm import load_config
-  from meshlm.models import decoder
+  from meshlm.models.params import init_params
   cfg = load_config(f"model={preset}", "cpu_devices=1")
-  params = decoder.init_params(cfg, jax.random.key(0))
+  params = init_params(cfg, jax.random.key(0))
   out = hf.save(cfg, params, tmp_path / "export")
   written = json.loads((out / "config.json").read_text())
   assert written["layer_types"] == list(cfg.model.hybrid_types())

@@ -255,3 +255,52 @@ def test_the_size_check_sees_a_long_file_and_a_long_function():
   src = "class C:\n" + "".join("  " + ln + "\n" for ln in body.splitlines()) + "y = 2\n" * (601 - 82)
   assert oversized(src, "fake.py") == ["fake.py: 601 lines (at most 600)", "fake.py:long: 81 lines (at most 80)"]
   assert oversized("def f():\n  return 1\n", "fake.py") == []
+
+
+def reexported(module, homes) -> set[str]:
+  """The names `module` binds that one of `homes` defines (a function or class whose __module__ is that home):
+  a caller could reach them through `module` instead of where they live."""
+  defined = {n for home in homes for n, v in vars(home).items() if getattr(v, "__module__", None) == home.__name__}
+  return {n for n in vars(module) if n in defined}
+
+
+DECODER_USE = re.compile(r"\bdecoder\.([A-Za-z_]\w*)")
+
+
+def decoder_reach_through(text: str, own: set[str]) -> set[str]:
+  """The `decoder.NAME` uses in text (code or prose) whose NAME decoder does not define itself ("decoder.py" aside)."""
+  return set(DECODER_USE.findall(text)) - own - {"py"}
+
+
+def test_decoder_reexports_nothing_of_params_or_layers():
+  """models/decoder.py keeps only its own entry points: parameter trees come from models/params.py, the layer
+  loop from layers.py, and no caller reaches them through `decoder.`. Controls: a module that imports a
+  params function by name, and a call through decoder to init_params, are each reported."""
+  import types
+  from meshlm.models import decoder, layers, model, params
+  assert reexported(decoder, (params, layers)) == set()
+  assert all(getattr(decoder, n).__module__ == decoder.__name__ for n in decoder.__all__), decoder.__all__
+  roots = [SRC / "meshlm", SRC.parent / "tests", SRC.parent / "benchmarks", SRC.parent / "scripts"]
+  calls = {str(p): hit for r in roots for p in sorted(r.rglob("*.py"))
+           if p != Path(__file__).resolve() and (hit := decoder_reach_through(p.read_text(), set(decoder.__all__)))}
+  assert calls == {}, calls
+  fake = types.ModuleType("fake")
+  fake.init_params, fake.Model = params.init_params, model.Model
+  assert reexported(fake, (params, layers)) == {"init_params"}
+  assert decoder_reach_through("p = decoder.init_params(cfg, key)  # decoder.py", set(decoder.__all__)) == {"init_params"}
+
+
+# The attention context (global/local) is a "context" (ModelConfig.context_pattern, layer_contexts, Context.context_name,
+# ctx.as_context); "layer type" is the mixer kind (model.hybrid_layer_types, Hugging Face's layer_types).
+OLD_CONTEXT_NAMES = re.compile(r"\.layer_types\(\)|\bas_type\(|\blayer_type\b")
+
+
+def test_the_attention_context_has_one_name():
+  """Control: each old spelling is found."""
+  roots = [SRC / "meshlm", SRC.parent / "tests", SRC.parent / "benchmarks", SRC.parent / "scripts"]
+  found = {str(p): OLD_CONTEXT_NAMES.findall(p.read_text()) for r in roots for p in sorted(r.rglob("*.py"))
+           if p != Path(__file__).resolve() and OLD_CONTEXT_NAMES.search(p.read_text())}
+  assert found == {}, found
+  for old in ("m.layer_types()", "ctx.as_type(t)", "ctx.layer_type"):
+    assert OLD_CONTEXT_NAMES.search(old), old
+  assert not OLD_CONTEXT_NAMES.search("m.hybrid_layer_types, hf['layer_types'], ctx.as_context(c), ctx.context_name")

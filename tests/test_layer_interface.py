@@ -40,13 +40,13 @@ def _abstract(tree):
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), tree, is_leaf=S.is_spec)
 
 
-def _run(cfg, kind: Kind, part: Part, mode: str, layer_type: str):
+def _run(cfg, kind: Kind, part: Part, mode: str, context_name: str):
   """(y, update, side) of part.apply on one layer's abstract parameters (after its prepare)."""
   m = cfg.model
   specs = S.stack(part.spec(m), 1, 0)
   T_in = 1 if mode == "decode" else T
   x = jax.ShapeDtypeStruct((B, T_in, m.embed_dim), jnp.float32)
-  size = C if layer_type == "global" else min(C, m.sliding_window)
+  size = C if context_name == "global" else min(C, m.sliding_window)
   state = None
   if mode == "decode" and part.state_spec is not None:
     state = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in part.state_spec(m, B, size).items()}
@@ -61,7 +61,7 @@ def _run(cfg, kind: Kind, part: Part, mode: str, layer_type: str):
     kw = {} if mode == "train" else dict(cache_len=C)
     if mode == "prefill":
       kw["lengths_B"] = jnp.full((B,), T, jnp.int32)
-    ctx = decoder.context(cfg, pos, mode=mode, **kw).as_type(layer_type)
+    ctx = decoder.context(cfg, pos, mode=mode, **kw).as_context(context_name)
     return part.apply(p, x, ctx, state)
   return jax.eval_shape(f, _abstract(specs), x, state), size
 
@@ -89,13 +89,13 @@ def test_part_honours_its_declaration(fam_name, kind_name, part_name):
   assert set(part.replays) <= set(part.side_names) and set(part.replays.values()) <= set(part.layer_inputs)
   if part.after_step is not None:
     assert part.model_state is not None and part.side_names
-  types = sorted(set(registry.family(cfg).layer_plan(m).contexts))
-  for layer_type in types:
-    (y, update, side), size = _run(cfg, kind, part, "train", layer_type)
+  contexts = sorted(set(registry.family(cfg).layer_plan(m).contexts))
+  for context_name in contexts:
+    (y, update, side), size = _run(cfg, kind, part, "train", context_name)
     assert y.shape == (B, T, m.embed_dim) and update is None
     assert sorted(side) == sorted(part.side_names)
     for mode, rows in (("prefill", T), ("decode", 1)):
-      (y, update, side), size = _run(cfg, kind, part, mode, layer_type)
+      (y, update, side), size = _run(cfg, kind, part, mode, context_name)
       assert sorted(side) == sorted(part.side_names)
       if part.state_spec is None:
         assert update is None

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from meshlm.config import load_config
-from meshlm.models import decoder
+from meshlm.models.params import init_model_state, init_params, model_state_shardings, param_shardings
 from meshlm.models.mixers import mla as mla_mixer
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.step import grads_and_loss
@@ -49,10 +49,10 @@ def params():
   """(params, model state) as numpy; the routing bias (model state) drawn at random, so that it picks experts."""
   cfg = load_config("model=deepseek-v3-tiny", *SHRINK, "cpu_devices=1")
   mesh = make_mesh(cfg)
-  state = jax.tree.map(np.asarray, decoder.init_model_state(cfg, jax.random.key(1), mesh))
+  state = jax.tree.map(np.asarray, init_model_state(cfg, jax.random.key(1), mesh))
   rng = np.random.default_rng(1)
   state = jax.tree.map(lambda a: (0.1 * rng.standard_normal(a.shape)).astype(a.dtype), state)
-  return jax.tree.map(np.asarray, decoder.init_params(cfg, jax.random.key(0), mesh)), state
+  return jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0), mesh)), state
 
 
 @functools.cache
@@ -61,8 +61,8 @@ def run(*over: str, local_only: bool = False):
   cfg = load_config("model=deepseek-v3-tiny", *SHRINK, *over)
   mesh = make_mesh(cfg)
   p, state = params()
-  p = jax.device_put(p, decoder.param_shardings(cfg, mesh))
-  state = jax.device_put(state, decoder.model_state_shardings(cfg, mesh))
+  p = jax.device_put(p, param_shardings(cfg, mesh))
+  state = jax.device_put(state, model_state_shardings(cfg, mesh))
   b = batch(cfg.model.vocab_size)
   with jax.set_mesh(mesh):
     put = placed_batch(mesh, b)

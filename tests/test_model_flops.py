@@ -11,6 +11,7 @@ from meshlm import spec as S
 from meshlm.analysis.aot import model_flops_per_token
 from meshlm.config import load_config, preset_names
 from meshlm.models import decoder, registry
+from meshlm.models.params import param_specs
 from meshlm.models.ffns.moe import knobs as moe_knobs
 from meshlm.models.mixers.mla import knobs as mla_knobs
 
@@ -18,7 +19,7 @@ from meshlm.models.mixers.mla import knobs as mla_knobs
 def reference_flops_per_token(cfg) -> float:
   """The formula before the parts declared their widths and fractions: mixer names and the experts axis."""
   m = cfg.model
-  specs = decoder.param_specs(cfg)
+  specs = param_specs(cfg)
   flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=S.is_spec)[0]
   matmul = 0.0
   for path, s in flat:

@@ -11,6 +11,7 @@ import pytest
 import statekind
 from meshlm.config import load_config
 from meshlm.models import decoder, registry
+from meshlm.models.params import merge_state, model_state_specs
 from meshlm.train import step as ST
 
 from seams import random_batch
@@ -45,7 +46,7 @@ def stepped():
     with jax.set_mesh(step.mesh):
       _, side = jax.jit(lambda p, b: decoder.forward(cfg, p, b["inputs"], b["positions"], b["segment_ids"],
                                                      return_side=True))(
-          decoder.merge_state(state.params, state.model_state), batch)
+          merge_state(state.params, state.model_state), batch)
     side = np.asarray(side["mean_sq"])
     states = []
     for _ in range(3):
@@ -62,7 +63,7 @@ def _ema(state):
 
 def test_the_leaf_is_model_state_not_a_parameter(stepped):
   cfg, step, before, _, _ = stepped
-  assert decoder.model_state_specs(cfg)["layers"]["dense"]["mlp"]["ema"].shape == (cfg.model.num_layers, 1)
+  assert model_state_specs(cfg)["layers"]["dense"]["mlp"]["ema"].shape == (cfg.model.num_layers, 1)
   assert "ema" not in before.params["layers"]["dense"]["mlp"]
   assert not any("ema" in p for p in jax.tree.leaves(ST.param_paths(cfg)))  # the optimizer never sees it
   np.testing.assert_array_equal(_ema(before), 0.0)

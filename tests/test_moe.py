@@ -455,7 +455,7 @@ def test_sharded_equals_unsharded(uneven, unsharded_4_rows, mode):
 
 def _reference_on_fsdp4(impl: str, mode: str):
   """(loss, grads as numpy) of one batch through mixtral-tiny (shrunk) on fsdp=4 with model.moe_impl=impl."""
-  from meshlm.models import decoder
+  from meshlm.models.params import init_params
   from meshlm.train.step import BATCH_SPEC, grads_and_loss
   cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", f"shard_mode={mode}", f"model.parts.moe.impl={impl}",
                     "model.embed_dim=64", "model.parts.moe.mlp_dim=64", "model.head_dim=16", "model.num_layers=1",
@@ -468,7 +468,7 @@ def _reference_on_fsdp4(impl: str, mode: str):
            "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (4, 16)).copy(),
            "loss_mask": np.ones((4, 16), np.float32)}
   with jax.set_mesh(mesh):
-    params = decoder.init_params(cfg, jax.random.key(0), mesh)
+    params = init_params(cfg, jax.random.key(0), mesh)
     put = {k: jax.device_put(v, NamedSharding(mesh, logical_spec(BATCH_SPEC[k].axes(), v.shape, mesh)))
            for k, v in batch.items()}
     loss, grads = jax.jit(lambda p, b: grads_and_loss(cfg, p, b)[:2])(params, put)

@@ -25,6 +25,8 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.hf import io as hf_io
 from meshlm.models import decoder
+from meshlm.models.params import init_params
+from meshlm.models.model import Model
 from meshlm.models.ffns.moe import knobs
 from meshlm.models.plans import periodic_plan
 from meshlm.models.qwen3_moe import layer_kinds
@@ -142,7 +144,7 @@ def test_irregular_layout_scans_like_it_unrolls():
   scanned, unrolled = load_config(*base), load_config(*base, "scan_layers=false")
   lp = decoder.plan(scanned)
   assert "".join(k[0] for k in lp.kinds) == "dmdmmm" and (lp.prefix, lp.period) == (3, 1)
-  params = decoder.init_params(scanned, jax.random.key(1))
+  params = init_params(scanned, jax.random.key(1))
   ids = np.random.default_rng(0).integers(0, 64, (2, 11))
   a, ha = jax.jit(lambda p, x: forward(scanned, p, x, return_hidden=True))(params, ids)
   b, hb = jax.jit(lambda p, x: forward(unrolled, p, x, return_hidden=True))(params, ids)
@@ -165,7 +167,7 @@ def cached_generation(preset: str, *extra: str):
   import meshlm
   cfg = load_config(f"model={preset}", *F32, *SMALL, *(("model.sliding_window=4",) if preset == "mixtral-tiny" else ()),
                     *extra)
-  params = decoder.init_params(cfg, jax.random.key(2))
+  params = init_params(cfg, jax.random.key(2))
   tokens, logprobs = generation_rows(meshlm.generate(cfg, params, list(PROMPTS), max_new_tokens=NEW_TOKENS,
                                                      temperature=0))
   return cfg, params, tokens, logprobs
@@ -348,7 +350,7 @@ def test_router_losses_enter_the_loss():
   base = (*TINY_QWEN, *F32)
   plain = load_config(*base)
   coefs = load_config(*base, "model.parts.moe.router_aux_loss_coef=0.3", "model.parts.moe.router_z_loss_coef=0.02")
-  params = decoder.init_params(plain, jax.random.key(0))
+  params = init_params(plain, jax.random.key(0))
   batch = {k: jnp.asarray(v) for k, v in tiny_batch(64, 2, 9).items()}
   n = jnp.sum(batch["loss_mask"])
 
@@ -383,7 +385,7 @@ def test_micro_batches_weigh_router_losses_by_their_tokens():
   over = (*TINY_QWEN, "train.compute_dtype=float32", "model.parts.moe.router_aux_loss_coef=0.1",
           "model.parts.moe.router_z_loss_coef=0.01", "train.per_device_batch_size=4")
   cfg1, cfg2 = load_config(*over), load_config(*over, "train.micro_batches=2")
-  params = decoder.init_params(cfg1, jax.random.key(0))
+  params = init_params(cfg1, jax.random.key(0))
   batch = tiny_batch(64, 4, 9, seed=3)
   # Every leaf frozen: the metrics are the micro-batches' forwards, and no backward is compiled.
   none = jax.tree.map(lambda _: False, params)
@@ -433,6 +435,7 @@ def test_remat_keeps_the_sort_permutation(remat):
   names the moe part declares (Part.remat_save_names: the sort permutation), so forward + backward
   sorts once, not twice."""
   from meshlm.models import decoder
+  from meshlm.models.model import Model
   from moe_helpers import count_sorts
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", f"remat={remat}", "train.compute_dtype=float32",
                     "train.seq_len=16")
@@ -442,5 +445,5 @@ def test_remat_keeps_the_sort_permutation(remat):
   assert count_sorts(grad(), params) == 1  # the scanned MoE body's one sort
   nothing = property(lambda M: jax.checkpoint_policies.nothing_saveable)  # a policy that saves nothing: the control
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(decoder.Model, "remat_policy", nothing)
+    mp.setattr(Model, "remat_policy", nothing)
     assert count_sorts(grad(), params) == 2

@@ -23,7 +23,9 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from meshlm.analysis.census import hlo_counts
 from meshlm.config import load_config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder, registry
+from meshlm.models import registry
+from meshlm.models.params import param_shardings
+from meshlm.models.model import resolve
 from meshlm.models.ffns.moe import knobs
 from meshlm.nn import moe
 from meshlm.nn.moe import expert_parallel
@@ -184,13 +186,13 @@ def test_null_falls_back_to_embed_quietly():
 
 
 def test_the_model_stores_each_layout():
-  """The whole model (mixtral-tiny, stacked layers) through decoder.param_shardings on fsdp=4; null resolves
+  """The whole model (mixtral-tiny, stacked layers) through param_shardings on fsdp=4; null resolves
   by layout_for: experts at issue 19's geometry (1 row of 128 tokens per device, experts of width 512),
   embed for the preset's 8 rows per device."""
   def down(layout, *extra):
     cfg = load_config("model=mixtral-tiny", "cpu_devices=4", "mesh.fsdp=4", "model.parts.moe.num_experts=8", *extra,
                       *([] if layout is None else [f"model.parts.moe.kernel_fsdp={layout}"]))
-    sh = decoder.param_shardings(cfg, make_mesh(cfg))
+    sh = param_shardings(cfg, make_mesh(cfg))
     [moe_p] = [v for v in sh["layers"].values() if "moe" in v]
     return tuple(moe_p["moe"]["down"].spec), tuple(moe_p["moe"]["gate"].spec)
   few = ("train.per_device_batch_size=1", "model.parts.moe.mlp_dim=512")
@@ -213,7 +215,7 @@ def test_null_layout_compares_the_dispatch_rows_with_the_kernels():
   assert layout("model=mixtral-tiny") == "embed"  # mesh.fsdp=-1, no cpu_devices
   assert layout(*base, "train.per_device_batch_size=5", "model.parts.moe.kernel_fsdp=experts") == "experts"  # set
   assert knobs(load_config(*base, "train.per_device_batch_size=4").model).kernel_fsdp is None  # not yet resolved
-  assert knobs(decoder.resolve(load_config(*base, "train.per_device_batch_size=4")).m).kernel_fsdp == "experts"
+  assert knobs(resolve(load_config(*base, "train.per_device_batch_size=4")).m).kernel_fsdp == "experts"
 
 
 def test_experts_refused_where_it_cannot_shard():

@@ -16,6 +16,7 @@ import pytest
 from meshlm import spec as S
 from meshlm.config import load_config
 from meshlm.models import decoder, registry
+from meshlm.models.params import init_params, param_specs
 from meshlm.models.family import Family, Kind
 from meshlm.models.ffns.glu import glu
 from meshlm.models.mixers.gqa import gqa
@@ -35,7 +36,7 @@ def _path(path) -> str:
 
 
 def _inits(cfg) -> dict[str, str]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(decoder.param_specs(cfg), is_leaf=S.is_spec)
+  flat, _ = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=S.is_spec)
   return {_path(p): s.init for p, s in flat}
 
 
@@ -77,7 +78,7 @@ def test_the_switch_reaches_every_norm_it_flips(twins, preset):
   give other logits (the control: the switch is read at all)."""
   cfg_on, cfg_off = twins[preset]
   on_init, off_init = _inits(cfg_on), _inits(cfg_off)
-  params = decoder.init_params(cfg_on, jax.random.key(0))
+  params = init_params(cfg_on, jax.random.key(0))
   flat, tree = jax.tree_util.tree_flatten_with_path(params)
   keys = jax.random.split(jax.random.key(1), len(flat))
   # Random scales in the flipped norms, so that a norm reading the wrong flag changes the output.

@@ -238,8 +238,8 @@ def test_deepseek_v3_preset_parameter_count():
               "first_k_dense_replace", "tie_word_embeddings"))
   assert own.shared_expert_mlp_dim == c["n_shared_experts"] * c["moe_intermediate_size"]
   assert m.rope_scaling["factor"] == 40 and m.rope_scaling["mscale_all_dim"] == 1.0 and m.max_position == 163840
-  from meshlm.models import decoder
-  shapes = jax.eval_shape(lambda k: (init_params(cfg, k), decoder.init_model_state(cfg, k)), jax.random.key(0))
+  from meshlm.models.params import init_model_state
+  shapes = jax.eval_shape(lambda k: (init_params(cfg, k), init_model_state(cfg, k)), jax.random.key(0))
   params, state = shapes
   assert sum(math.prod(x.shape) for x in jax.tree.leaves(state)) == 58 * 256  # the routing bias
   assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == c["published"]

@@ -19,6 +19,7 @@ import meshlm
 from meshlm import spec as S
 from meshlm.config import load_config
 from meshlm.models import decoder
+from meshlm.models.params import param_specs
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.models.mixers.gated_gqa import partial_rope
 from meshlm.nn.rope import apply_rope, rope_angles, inv_frequencies
@@ -228,11 +229,11 @@ def test_without_the_rule_reset_the_second_document_reads_the_first(monkeypatch)
 def test_a_log_and_dt_bias_are_kept_out_of_weight_decay():
   from meshlm.train.optimizer import make_optimizer
   cfg, _ = setup("qwen3.5-tiny")
-  no_decay = S.no_decay_mask(decoder.param_specs(cfg))
+  no_decay = S.no_decay_mask(param_specs(cfg))
   skipped = sorted(jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_leaves_with_path(no_decay) if v)
   assert skipped == ["['layers']['linear_attn']['linear_attn']['A_log']",
                      "['layers']['linear_attn']['linear_attn']['dt_bias']"]
-  assert S.no_decay_mask(decoder.param_specs(load_config("model=llama2-tiny"))) is None  # others: no mask at all
+  assert S.no_decay_mask(param_specs(load_config("model=llama2-tiny"))) is None  # others: no mask at all
   # The optimizer on a small tree of the same kind: a zero gradient leaves only the decay in the update.
   params = {"gdn": {"A_log": jnp.ones(3), "dt_bias": jnp.ones(3), "out_proj": jnp.ones(3)}, "embed": jnp.ones(3)}
   mask = {"gdn": {"A_log": True, "dt_bias": True, "out_proj": False}, "embed": False}

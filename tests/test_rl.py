@@ -25,7 +25,7 @@ import pytest
 
 from meshlm import cli
 from meshlm.commands.resolve import load_config
-from meshlm.models import decoder
+from meshlm.models.params import split_state
 from meshlm.rl import rollout as R
 from meshlm.rl import step as RS
 from meshlm.rl import toy
@@ -264,7 +264,7 @@ def perturbed(rollout):
   noisy = jax.tree.map(lambda a: a, tr.params_of(state))
   r = noisy["layers"]["moe"]["moe"]["router"]
   noisy["layers"]["moe"]["moe"]["router"] = r + 0.5 * jax.random.normal(jax.random.key(1), r.shape) * jnp.std(r)
-  return tr.rollout(state._replace(params=decoder.split_state(tr.cfg, noisy)[0]), 1)
+  return tr.rollout(state._replace(params=split_state(tr.cfg, noisy)[0]), 1)
 
 
 def _loss_metrics(tr, cfg):

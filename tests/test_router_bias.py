@@ -14,6 +14,7 @@ import pytest
 
 from meshlm.config import load_config
 from meshlm.models import decoder, registry
+from meshlm.models.params import merge_state, model_state_specs, split_state
 from meshlm.train import step as ST
 
 RATE = 0.02
@@ -83,7 +84,7 @@ def run(tmp_path_factory):
   mp, cfg, step, state, batch = _setup(*FOUR, f"model.parts.moe.router_bias_update_rate={RATE}", *FROZEN,
                                        f"run_dir={tmp_path_factory.mktemp('bias')}")
   try:
-    fwd = jax.jit(lambda st, b: decoder.forward(cfg, decoder.merge_state(st.params, st.model_state), b["inputs"],
+    fwd = jax.jit(lambda st, b: decoder.forward(cfg, merge_state(st.params, st.model_state), b["inputs"],
                                                 b["positions"], b["segment_ids"], return_side=True)[1]["moe_expert_load"])
     start = _np(state)
     ckpt = Checkpointer(cfg, warn=lambda s: None)
@@ -116,7 +117,7 @@ def _cv(load_LE):
 
 def test_the_bias_is_model_state_not_a_parameter(run):
   cfg = run["cfg"]
-  assert decoder.model_state_specs(cfg)["layers"]["moe"]["moe"]["router_bias"].shape == (cfg.model.num_layers, 8)
+  assert model_state_specs(cfg)["layers"]["moe"]["moe"]["router_bias"].shape == (cfg.model.num_layers, 8)
   assert "router_bias" not in run["start"].params["layers"]["moe"]["moe"]
   assert not any("router_bias" in p for p in jax.tree.leaves(ST.param_paths(cfg)))  # not in the optimizer
   assert "shared_expert_gate" not in run["start"].params["layers"]["moe"]["moe"]  # shared experts without a gate
@@ -184,7 +185,7 @@ def test_replayed_ids_bypass_the_bias_in_the_model(run):
   tokens = jnp.asarray(np.asarray(batch["inputs"]))
   skew = {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(jnp.asarray(SKEW), (2, 8))}}}}
   zero = {"layers": {"moe": {"moe": {"router_bias": jnp.zeros((2, 8), jnp.float32)}}}}
-  fwd = jax.jit(lambda st, f: decoder.forward(cfg, decoder.merge_state(params, st), tokens, return_side=True,
+  fwd = jax.jit(lambda st, f: decoder.forward(cfg, merge_state(params, st), tokens, return_side=True,
                                               layer_inputs={"forced_expert_ids": f}))
   none = jnp.full((2, *tokens.shape, 2), -1, jnp.int32)
   want, side = fwd(zero, none)
@@ -203,7 +204,7 @@ def test_generate_reads_the_bias(run):
   from meshlm.models.generate import generate
   from meshlm.parallel.mesh import make_mesh
   cfg, start = run["cfg"], run["start"]
-  tree = {b: decoder.merge_state(start.params, {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(
+  tree = {b: merge_state(start.params, {"layers": {"moe": {"moe": {"router_bias": jnp.broadcast_to(
       jnp.asarray(v, jnp.float32), (2, 8))}}}}) for b, v in (("skew", SKEW), ("zero", 0.0))}
   prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
   mesh = make_mesh(load_config("cpu_devices=1"))
@@ -218,9 +219,9 @@ def test_load_params_from_carries_the_bias(run):
   from meshlm.train.checkpoint import load_params
   cfg, step = run["cfg"], run["step"]
   abstract, sh = step.abstract_state(), step.state_shardings()
-  tree = load_params(cfg, cfg.run_dir, decoder.merge_state(abstract.params, abstract.model_state),
-                     decoder.merge_state(sh.params, sh.model_state), step.mesh)
-  params, state = decoder.split_state(cfg, tree)
+  tree = load_params(cfg, cfg.run_dir, merge_state(abstract.params, abstract.model_state),
+                     merge_state(sh.params, sh.model_state), step.mesh)
+  params, state = split_state(cfg, tree)
   np.testing.assert_array_equal(np.asarray(state["layers"]["moe"]["moe"]["router_bias"]), run["biases"][2])
   assert not np.array_equal(run["biases"][2], np.broadcast_to(SKEW, (2, 8)))
   assert "router_bias" not in params["layers"]["moe"]["moe"]

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.params import init_params
 from meshlm.models.ffns.moe import knobs
 from meshlm.nn import moe
 from meshlm.nn import router_replay as rr
@@ -208,7 +209,7 @@ MB, MT = 4, 16
 @pytest.fixture(scope="module")
 def model():
   cfg = load_config("model=qwen3-moe-tiny", "cpu_devices=1", "train.compute_dtype=float32")
-  params = decoder.init_params(cfg, jax.random.key(0))
+  params = init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (MB, MT)), jnp.int32)
   c = jnp.cos(jnp.arange(MB * MT * cfg.model.vocab_size, dtype=jnp.float32)).reshape(MB, MT, -1)
 
@@ -300,7 +301,7 @@ def test_per_layer_inputs_reach_each_layer_through_scan_groups_and_remainder():
                     "remat=full", "train.compute_dtype=float32")
   lp = decoder.plan(cfg)
   assert (lp.kinds, lp.period, lp.groups, lp.rest) == (("moe", "moe", "dense") * 2 + ("moe",), 3, 2, 1)
-  params = decoder.init_params(cfg, jax.random.key(0))
+  params = init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 8)), jnp.int32)
   fwd = jax.jit(lambda p, f: decoder.forward(cfg, p, tokens, return_side=True, layer_inputs={"forced_expert_ids": f}))
   # Recorded with nothing forced (every row -1: each layer's own top-k), so one program serves the recording and
@@ -332,7 +333,7 @@ SMALL_MOE = ("model=qwen3-moe-tiny", "cpu_devices=1", "train.compute_dtype=float
 def long_model():
   assert LB * LT > rr.REPLAY_ROWS >= FITS
   cfg = load_config(*SMALL_MOE)
-  params = decoder.init_params(cfg, jax.random.key(0))
+  params = init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (LB, LT)), jnp.int32)
   logits, side = jax.jit(lambda p: decoder.forward(cfg, p, tokens, return_side=True))(params)
   return cfg, params, tokens, logits, np.asarray(side["moe_expert_ids"])  # ids [L_moe, B, T, k]

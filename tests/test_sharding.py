@@ -211,3 +211,22 @@ def test_odd_shapes_under_tensor_parallelism(tiny_params):
   with jax.set_mesh(mesh):
     logits = jax.jit(lambda p, t: forward(cfg, p, t))(params, jnp.asarray(toks))
   np.testing.assert_allclose(np.asarray(logits), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rule_derived_sets_follow_the_rules():
+  """gather_once's FSDP axes and expert parallelism's mesh axis are read from RULES: a new fsdp-sharded
+  logical axis, or the experts moved to another mesh axis, needs no second edit. Controls: an axis that FSDP
+  does not shard, and the hand copy the FSDP set once was, are not the derived set."""
+  from meshlm.nn import gather_once as GO
+  from meshlm.nn.moe import expert_parallel as EP
+  assert GO.FSDP_AXES == {"embed", "experts_fsdp", "mlp_fsdp"} == GO.fsdp_axes(RULES)
+  assert "batch" not in GO.FSDP_AXES  # an activation axis: never a gathered kernel's
+  assert GO.fsdp_axes(dict(RULES, rows_fsdp=("tensor", "fsdp"))) == GO.FSDP_AXES | {"rows_fsdp"}
+  assert GO.fsdp_axes(dict(RULES, rows=("tensor",))) == GO.FSDP_AXES  # control: not fsdp-sharded
+  assert GO.FSDP_AXES != {"embed"}  # control: the old hand copy
+  assert EP.EXPERT_AXIS == "expert" == EP.expert_axis(RULES)
+  assert EP.expert_axis(dict(RULES, experts=("data",))) == "data"
+  # gather_once leaves whole only what fsdp shards alone; a mixed axis would gather expert/tensor too.
+  assert GO.gathered_axes(("layers", "embed", "heads")) == ("layers", None, "heads")
+  with pytest.raises(ValueError, match="experts_fsdp"):
+    GO.gathered_axes(("layers", "experts_fsdp", "embed"))

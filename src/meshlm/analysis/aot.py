@@ -249,10 +249,11 @@ def model_flops_per_token(cfg) -> float:
   not attend). A recurrence's own work and the elementwise work are not counted."""
   import jax
   from meshlm import spec as S
-  from meshlm.models import decoder
-  M = decoder.resolve(cfg)
+  from meshlm.models.params import param_specs
+  from meshlm.models.model import resolve
+  M = resolve(cfg)
   m = M.m
-  flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(M), is_leaf=S.is_spec)[0]
+  flat = jax.tree_util.tree_flatten_with_path(param_specs(M), is_leaf=S.is_spec)[0]
   matmul = 0.0
   for path, s in flat:
     names = [str(getattr(k, "key", k)) for k in path]

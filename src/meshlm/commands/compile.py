@@ -109,12 +109,12 @@ def _sampler_inputs(cfg, mesh):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
-  from meshlm.models import decoder
+  from meshlm.models.params import model_shardings, model_specs
   from meshlm.models.generate import bucket
   m, t = cfg.model, cfg.train
-  shardings = decoder.model_shardings(cfg, mesh)
+  shardings = model_shardings(cfg, mesh)
   params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(t.param_dtype), sharding=sh),
-                        decoder.model_specs(cfg), shardings, is_leaf=lambda x: hasattr(x, "axes"))
+                        model_specs(cfg), shardings, is_leaf=lambda x: hasattr(x, "axes"))
   rows = t.per_device_batch_size * mesh.size
   rep = NamedSharding(mesh, PartitionSpec())
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)  # noqa: E731 (host arrays: replicated)

@@ -55,7 +55,7 @@ def load_meshlm(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Co
   """Reads a meshlm model directory (or a run's checkpoint step dir): each array restored straight
   onto its sharding; the whole model tree, the model state (a routing bias) with the parameters."""
   import jax
-  from meshlm.models.decoder import model_shardings, model_specs
+  from meshlm.models.params import model_shardings, model_specs
   from meshlm import spec as S
   from meshlm.parallel.mesh import make_mesh
   from meshlm.train.checkpoint import restore_params, saved_model

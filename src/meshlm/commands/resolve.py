@@ -83,13 +83,13 @@ def refuse_shape_overrides(value: str, tree: dict[str, Any], pairs: list[tuple[s
   apply to them, and is refused naming the key (norm_eps, rope or token ids may change)."""
   import jax
   from meshlm import spec as S
-  from meshlm.models import decoder  # lazy: jax, only once a directory is named
+  from meshlm.models.params import param_specs
 
   def shapes(t: dict) -> dict:
     # The model alone decides the shapes: a train.seq_len default beyond a small model.max_position must
     # not fail here (the real config, overrides applied, is validated on its own).
     t = dict(t, train={"seq_len": 1})
-    flat = jax.tree_util.tree_flatten_with_path(decoder.param_specs(loader.validate(t)), is_leaf=S.is_spec)[0]
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(loader.validate(t)), is_leaf=S.is_spec)[0]
     return {".".join(str(k.key) for k in p): s.shape for p, s in flat}
 
   before = shapes(tree)
@@ -123,12 +123,12 @@ def load_tree(cfg: Config, mesh=None) -> dict:
   import jax
   import jax.numpy as jnp
   from meshlm import spec as S
-  from meshlm.models import decoder
+  from meshlm.models.params import model_shardings, model_specs
   from meshlm.parallel.mesh import resolve_mesh, set_cpu_devices
   from meshlm.train.checkpoint import load_params
   set_cpu_devices(cfg.cpu_devices)
   mesh = resolve_mesh(cfg, None, mesh)
-  shardings = decoder.model_shardings(cfg, mesh)  # the model-state leaves included
+  shardings = model_shardings(cfg, mesh)  # the model-state leaves included
   abstract = jax.tree.map(lambda sh, s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shardings,
-                          decoder.model_specs(cfg), is_leaf=S.is_spec)
+                          model_specs(cfg), is_leaf=S.is_spec)
   return load_params(cfg, cfg.checkpoint.load_params_from, abstract, shardings, mesh)

@@ -12,8 +12,8 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
   """Shapes of a decoder. Field names are the words used in presets and on the CLI."""
-  family: str = Field(default="llama", description="model family: llama, mistral, qwen3, gemma, gemma2, gemma3, mixtral, "
-                      "qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe, deepseek_v3")
+  # The description's family list is written by models/registry.py from its FAMILIES (config/ sits below models/).
+  family: str = Field(default="llama", description="model family (models/registry.FAMILIES)")
   vocab_size: int = Field(gt=0, description="vocabulary size: rows of the embedding table and LM head")
   embed_dim: int = Field(gt=0, description="width of the residual stream (hidden size)")
   num_layers: int = Field(gt=0, description="number of decoder layers")
@@ -35,11 +35,11 @@ class ModelConfig(_Strict):
   sliding_window: Optional[int] = Field(default=None, gt=0, description="local layers attend to at most this many recent positions; null: full causal")
   # RMSNorm over head_dim on q and k before RoPE (qwen3, gemma3).
   qk_norm: bool = Field(default=False, description="RMSNorm over head_dim on q and k before RoPE (qwen3, gemma3)")
-  # Layer types repeat this pattern over the depth: "global" layers attend to the whole causal
+  # Layers' attention contexts repeat this pattern over the depth: "global" layers attend to the whole causal
   # prefix, "local" ones to the last sliding_window positions (gemma2: [local, global]; gemma3:
   # 5 local then 1 global). None: every layer local if sliding_window is set, else global.
   layer_pattern: Optional[list[Literal["global", "local"]]] = Field(
-      default=None, description="layer types repeated over the depth, e.g. [local,global]; null: all local if "
+      default=None, description="attention contexts (global, local) repeated over the depth, e.g. [local,global]; null: all local if "
       "sliding_window is set, else all global")
   # RoPE theta of local layers, which then take no rope_scaling (gemma3); None: as global layers.
   rope_local_theta: Optional[float] = Field(default=None, gt=0, description="RoPE theta of local layers (no rope_scaling there); null: as global layers")
@@ -139,7 +139,7 @@ class ModelConfig(_Strict):
       raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
     if self.layer_pattern is not None:
       if not self.layer_pattern:
-        raise ValueError("layer_pattern: must name at least one layer type (global or local), or be null")
+        raise ValueError("layer_pattern: must name at least one attention context (global or local), or be null")
       if "local" in self.layer_pattern and self.sliding_window is None:
         raise ValueError("layer_pattern: has local layers but sliding_window is null; set model.sliding_window")
     rot = self.rotary_dim()
@@ -172,16 +172,16 @@ class ModelConfig(_Strict):
     """The dims of each head that RoPE rotates: int(head_dim * partial_rotary_factor) (transformers' rule)."""
     return int((self.head_dim or 0) * self.partial_rotary_factor)
 
-  def layer_types(self) -> tuple[str, ...]:
-    """The repeating layer-type pattern (one period); layer i has type pattern[i % len(pattern)]."""
+  def context_pattern(self) -> tuple[str, ...]:
+    """The repeating pattern of attention contexts (one period); layer i's is pattern[i % len(pattern)]."""
     if self.layer_pattern is not None:
       return tuple(self.layer_pattern)
     return ("local",) if self.sliding_window is not None else ("global",)
 
   def layer_contexts(self) -> tuple[str, ...]:
-    """Each layer's attention context: layer_types() repeated over the num_layers layers."""
-    types = self.layer_types()
-    return tuple(types[i % len(types)] for i in range(self.num_layers))
+    """Each layer's attention context: context_pattern() repeated over the num_layers layers."""
+    pattern = self.context_pattern()
+    return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
 
 
 class MeshConfig(_Strict):

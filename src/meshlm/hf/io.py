@@ -12,9 +12,9 @@ stored either one per row or fused (`maps.Fused`). Tensors under a family's skip
 vision tower, multi-token prediction) are not read, and one line on stderr says how many were skipped; so
 are a family's layers past num_hidden_layers where it declares them multi-token prediction (DeepSeek-V3's).
 
-The model-state leaves the layer parts declare (decoder.model_state_specs, e.g. DeepSeek-V3's routing bias
+The model-state leaves the layer parts declare (params.model_state_specs, e.g. DeepSeek-V3's routing bias
 `e_score_correction_bias`) are read and written like parameters: load() returns, and save() takes, the whole model
-tree (decoder.merge_state), what forward and meshlm's checkpoints hold. fp8 block-quantized weights (hf/fp8.py) are
+tree (params.merge_state), what forward and meshlm's checkpoints hold. fp8 block-quantized weights (hf/fp8.py) are
 dequantized to the parameter dtype as they are read.
 """
 from __future__ import annotations
@@ -129,6 +129,7 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
   import jax
   from meshlm import spec as S
   from meshlm.models import decoder
+  from meshlm.models.params import model_specs
   fam = _family_of_cfg(cfg)
   m = cfg.model
   top = fam.top_map(m)
@@ -136,7 +137,7 @@ def entries(cfg: Config, wrapped: maps.Wrapped | None = None) -> list[Entry]:
   out = []
   lp = decoder.plan(cfg)
   rows = {k: [i for i, kind in enumerate(lp.kinds) if kind == k] for k in lp.kind_names()}
-  flat = jax.tree_util.tree_flatten_with_path(decoder.model_specs(cfg), is_leaf=S.is_spec)[0]
+  flat = jax.tree_util.tree_flatten_with_path(model_specs(cfg), is_leaf=S.is_spec)[0]
   for kpath, s in flat:
     path = tuple(k.key for k in kpath)
     ids: tuple[int, ...] = ()
@@ -415,7 +416,8 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   With no mesh, the enclosing jax.set_mesh's, else the config's (meshlm.parallel.resolve_mesh).
   """
   import jax
-  from meshlm.models import decoder, registry
+  from meshlm.models import registry
+  from meshlm.models.params import model_shardings
   from meshlm.parallel.mesh import resolve_mesh
   path = Path(path)
   base = {"model_name": path.name, "model": model_fields(path)}
@@ -425,7 +427,7 @@ def load(path: str | os.PathLike, *overrides: str, mesh=None) -> tuple[Config, d
   fam, _, wrapped = resolve(hf, str(path / "config.json"))
   ents = entries(cfg, wrapped)
   files = _tensor_files(path)
-  shardings = decoder.model_shardings(cfg, mesh)
+  shardings = model_shardings(cfg, mesh)
   dtype = np.dtype(cfg.train.param_dtype)
   skip = fam.skipped + (wrapped.skipped if wrapped else ())
   if fam.mtp_layers:
@@ -484,7 +486,7 @@ def hf_tensors(cfg: Config, params: dict) -> Iterator[tuple[str, np.ndarray]]:
       leaf = _get(params, e.path)
     except KeyError:
       raise ConfigError(f"parameter {'.'.join(e.path)}: not in the tree given; save() takes the whole model, the "
-                        "model state merged in (decoder.merge_state(params, model_state))") from None
+                        "model state merged in (meshlm.models.params.merge_state(params, model_state))") from None
     if tuple(leaf.shape) != e.shape:
       raise ConfigError(f"parameter {'.'.join(e.path)}: shape {list(leaf.shape)}, but the config implies "
                         f"{list(e.shape)}")

@@ -19,7 +19,9 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models import decoder, params as MP  # MP: this module's init_params is the public one, over MP's
+from meshlm.models.layers import split_layer_inputs
+from meshlm.models.model import clear_cache
 from meshlm.models.ffns.moe import FORCED_IDS
 from meshlm.parallel.mesh import resolve_mesh
 
@@ -53,9 +55,9 @@ class Generation:
 
 def init_params(cfg: Config, key: jax.Array, mesh=None) -> dict:
   """The whole model tree, drawn as the train step draws it: the parameters with the model-state leaves
-  merged in (DeepSeek-V3's routing bias; decoder.merge_state), what forward, generate and hf.save take.
+  merged in (DeepSeek-V3's routing bias; params.merge_state), what forward, generate and hf.save take.
   mesh: place every leaf onto its sharding there (default: each leaf on one device)."""
-  return decoder.merge_state(decoder.init_params(cfg, key, mesh), decoder.init_model_state(cfg, key, mesh))
+  return MP.merge_state(MP.init_params(cfg, key, mesh), MP.init_model_state(cfg, key, mesh))
 
 
 def _paths(tree) -> list[str]:
@@ -66,7 +68,7 @@ def _paths(tree) -> list[str]:
 def place(cfg: Config, tree: dict, mesh) -> dict:
   """The whole model tree on its shardings on `mesh` (arrays already there are not copied). A tree that is
   not the model's is refused in one line naming the first leaf missing or unexpected."""
-  shardings = decoder.model_shardings(cfg, mesh)
+  shardings = MP.model_shardings(cfg, mesh)
   if jax.tree.structure(tree) != jax.tree.structure(shardings):
     want, got = _paths(shardings), _paths(tree)
     missing = [p for p in want if p not in got]
@@ -127,7 +129,7 @@ def clear_programs() -> None:
   """Forget every cached program and resolved Model (a test that patches a layer or a registry entry
   resolves and traces anew)."""
   _PROGRAMS.clear()
-  decoder.clear_cache()
+  clear_cache()
 
 
 def _inputs(forced_LBTk) -> dict | None:
@@ -160,7 +162,7 @@ def forward(cfg: Config, params: dict, tokens_BT, positions_BT=None, segment_ids
       return decoder.forward(cfg, params, tokens_BT, positions_BT, segment_ids_BT, layer_inputs=_inputs(forced),
                              **kw)
   if forced is not None:
-    decoder.split_layer_inputs(cfg, _inputs(forced), np.shape(tokens_BT))  # one line, before compiling
+    split_layer_inputs(cfg, _inputs(forced), np.shape(tokens_BT))  # one line, before compiling
   mesh = resolve_mesh(cfg, params, mesh)
   params = place(cfg, params, mesh)
   host = lambda a: None if a is None else np.asarray(a)  # noqa: E731  (committed to no device: the jit places it)

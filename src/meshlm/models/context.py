@@ -5,7 +5,7 @@ dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, 
 The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
 positions, segment ids, RoPE tables, the attention mask and, when sampling, the KV-cache slots.
 A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
-this one layer (decoder.run_layers' layer_inputs: what its parts declare as Part.layer_inputs).
+this one layer (layers.run_layers' layer_inputs: what its parts declare as Part.layer_inputs).
 """
 from __future__ import annotations
 
@@ -40,17 +40,17 @@ class Context:
   dense: Callable[..., jax.Array]  # dense(x, kernel, eqn, out_axes), bound to the dense flags
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
-  layer_type: str = "global"
+  context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Part.layer_inputs); empty
   # when none are given.
   layer: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 
   @property
   def here(self) -> Inputs:
-    return self.inputs[self.layer_type]
+    return self.inputs[self.context_name]
 
-  def as_type(self, layer_type: str) -> "Context":
-    return self if layer_type == self.layer_type else dataclasses.replace(self, layer_type=layer_type)
+  def as_context(self, context_name: str) -> "Context":
+    return self if context_name == self.context_name else dataclasses.replace(self, context_name=context_name)
 
   def with_layer(self, inputs: Mapping[str, jax.Array]) -> "Context":
     return self if not inputs and not self.layer else dataclasses.replace(self, layer=dict(inputs))

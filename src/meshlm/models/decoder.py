@@ -3,8 +3,8 @@
 A family (models/family.py) gives the layer kinds and the plan; `models/model.py` resolves them once
 per config (every entry point here takes a Config or that Model). The trees (parameter and model-state
 specs, init, shardings) live in models/params.py and the layer loop (prefix unrolled, a scan over whole
-periods, the rest unrolled; the decode state) in models/layers.py; this module re-exports their public
-names, so `decoder.param_specs(cfg)` and the rest keep working.
+periods, the rest unrolled; the decode state) in models/layers.py: import those names from there (this
+module re-exports none of them; tests/test_imports.py holds that).
 
 Three entry points share one path: `forward` (training and scoring: logits for every position),
 `prefill` (a right-padded prompt block; returns the logits and a fresh cache) and `decode` (one new
@@ -18,20 +18,13 @@ import jax.numpy as jnp
 from meshlm.config import Config
 from meshlm.models import layers as L
 from meshlm.models.context import Context, make_context
-from meshlm.models.layers import Cache, run_layers, split_layer_inputs
-from meshlm.models.model import Model, clear_cache, resolve
-from meshlm.models.params import (after_step, after_step_side, init_model_state, init_params, merge_state,
-                                  model_shardings, model_specs, model_state_shardings, model_state_specs,
-                                  param_shardings, param_specs, split_state)
+from meshlm.models.model import Model, resolve
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
-__all__ = ["ACT", "LOGITS", "Cache", "Model", "after_step", "clear_cache", "after_step_side", "apply", "context", "decode", "forward",
-           "head", "init_model_state", "init_params", "input_readers", "merge_state", "model_shardings", "model_specs",
-           "model_state_shardings", "model_state_specs", "param_shardings", "param_specs", "plan", "prefill", "resolve",
-           "run_layers", "split_layer_inputs", "split_state"]
+__all__ = ["apply", "context", "decode", "forward", "head", "input_readers", "plan", "prefill"]
 
 
 def plan(cfg: Config | Model):

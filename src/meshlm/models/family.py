@@ -356,7 +356,7 @@ class Family:
   name: str
   kinds: Mapping[str, Kind]
   # The layer plan for a config; default: every layer of the first kind, contexts repeating
-  # ModelConfig.layer_types() with that pattern as the period.
+  # ModelConfig.context_pattern() with that pattern as the period.
   plan: Callable[[ModelConfig], LayerPlan] | None = None
   norm_plus_one: bool = False  # RMSNorms scale by (1 + w); the final norm starts at zero
   embed_scale: bool = False  # embeddings are multiplied by sqrt(D) in the compute dtype
@@ -371,4 +371,4 @@ class Family:
     if self.plan is not None:
       return self.plan(m)
     kind = next(iter(self.kinds))
-    return LayerPlan(kinds=(kind,) * m.num_layers, contexts=m.layer_contexts(), period=len(m.layer_types()))
+    return LayerPlan(kinds=(kind,) * m.num_layers, contexts=m.layer_contexts(), period=len(m.context_pattern()))

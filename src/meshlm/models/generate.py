@@ -35,6 +35,8 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.params import merge_state
+from meshlm.models.model import resolve
 from meshlm.models.api import Generation, cached, place
 from meshlm.parallel.mesh import resolve_mesh
 from meshlm.parallel.sharding import constrain
@@ -122,7 +124,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int 
 
 def recorded_inputs(cfg: Config) -> dict[str, str]:
   """{side output name: the per-layer input it replays} over the plan's parts (Part.replays)."""
-  return decoder.resolve(cfg).replays
+  return resolve(cfg).replays
 
 
 def _record(buf_BTn, side_nBt, start_B, real_B):
@@ -223,7 +225,7 @@ def generate(cfg: Config, params, prompts: Sequence[Sequence[int]], *, max_new_t
   A row stops after it samples a stop token (kept as its last token): stop_tokens, or by default the
   model's eos_token_id (model.eos_token_id; pass () to never stop early). seed: an int (row b draws
   with seed + b) or one seed per row. params: the whole model tree, the model-state leaves merged in
-  (decoder.merge_state; what checkpoints, meshlm.init_params and hf.load give). mesh: where to sample (default:
+  (params.merge_state; what checkpoints, meshlm.init_params and hf.load give). mesh: where to sample (default:
   parallel.resolve_mesh: the enclosing jax.set_mesh's, else the one params live on, else the config's); params not
   yet on it are placed onto their shardings.
   """

@@ -115,7 +115,7 @@ class _Run:
   def layer_fn(self, i: int):
     """Model layer i as f(p, x, state, inputs) -> (x, update, side), rematerialized per cfg.remat."""
     kind = self.M.kind(i)
-    here = self.ctx.as_type(self.M.plan.contexts[i])
+    here = self.ctx.as_context(self.M.plan.contexts[i])
 
     def f(p, x, state, inputs):
       x, update, side = kind.apply(p, x, here.with_layer(inputs), state)
@@ -177,7 +177,7 @@ def run_layers(cfg: Config | Model, layers: dict, x_BTD: jax.Array, ctx: Context
     if decode:
       updates[u] = update
     elif cache is not None:
-      states[u] = _commit(M.state_spec(i, B, cache.length), None, update, ctx.as_type(lp.contexts[i]), False)
+      states[u] = _commit(M.state_spec(i, B, cache.length), None, update, ctx.as_context(lp.contexts[i]), False)
     pieces.append(([i], {k: v[None] for k, v in side.items()}))
 
   for i in ids[:pre] if scan else ids:
@@ -205,13 +205,13 @@ def _commit_decode(M: Model, ctx: Context, cache: Cache, updates: list, scanned_
   B = x_BTD.shape[0]
   (updates, scanned_updates), _ = jax.lax.optimization_barrier(((updates, scanned_updates), x_BTD))
   lp = M.plan
-  states = [_commit(M.state_spec(i, B, cache.length), cache.unrolled[u], updates[u], ctx.as_type(lp.contexts[i]),
+  states = [_commit(M.state_spec(i, B, cache.length), cache.unrolled[u], updates[u], ctx.as_context(lp.contexts[i]),
                     False) for u, i in enumerate(M.unrolled_ids)]
   if scanned_updates is None:
     return states, None
   pre = lp.prefix
   scanned = [_commit(M.state_spec(pre + j, B, cache.length), cache.scanned[j], scanned_updates[j],
-                     ctx.as_type(lp.contexts[pre + j]), True) for j in range(lp.period)]
+                     ctx.as_context(lp.contexts[pre + j]), True) for j in range(lp.period)]
   return states, scanned
 
 
@@ -250,7 +250,7 @@ def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cac
         if ctx.mode == "prefill":
           # A prefill builds each layer's cache from its rows here; nothing exists yet to write into.
           spec = M.state_spec(pre + j, x.shape[0], cache.length)
-          update = _commit(spec, None, update, ctx.as_type(lp.contexts[pre + j]), False)
+          update = _commit(spec, None, update, ctx.as_context(lp.contexts[pre + j]), False)
         updates.append(update)
         sides.append(side)
     return x, (updates if cache is not None else None, sides)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 
 from meshlm.config import Config
+from meshlm.config.schema import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.models.family import CensusCounter, Part, check_needs, check_sections, section
 
@@ -24,6 +25,15 @@ FAMILIES = {
     "qwen3_5_moe": "meshlm.models.qwen3_5_moe",
     "deepseek_v3": "meshlm.models.deepseek_v3",
 }
+
+
+def family_description(families) -> str:
+  """The model.family key's description (`meshlm train --help`, docs/config.md), listing the families."""
+  return "model family: " + ", ".join(families)
+
+
+# config/schema.py sits below models/ and cannot import FAMILIES: its family key's description is written here.
+ModelConfig.model_fields["family"].description = family_description(FAMILIES)
 
 
 # The layer parts families compose (models/family.Part): name -> "module:factory". A new mixer or

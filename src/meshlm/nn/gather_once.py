@@ -13,13 +13,28 @@ import functools
 
 import jax
 
-from meshlm.parallel.sharding import constrain
+from meshlm.parallel.sharding import ACT, RULES, constrain
 
-FSDP_AXES = frozenset({"embed"})  # the parameter axes FSDP shards (parallel/sharding.RULES)
+
+def fsdp_axes(rules: dict[str, tuple[str, ...]]) -> frozenset[str]:
+  """The parameter axes FSDP shards: the logical axes whose rule names mesh.fsdp (activations' "batch" aside)."""
+  return frozenset(name for name, mesh_axes in rules.items() if "fsdp" in mesh_axes and name not in ACT)
+
+
+FSDP_AXES = fsdp_axes(RULES)  # {"embed", "experts_fsdp", "mlp_fsdp"}
 
 
 def gathered_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
-  """The axes of the gathered copy: the FSDP-sharded ones left whole, the rest (layers, tensor) kept."""
+  """The axes of the gathered copy: the FSDP-sharded ones left whole, the rest (layers, tensor) kept.
+
+  Only an axis FSDP shards alone (rule ("fsdp",): "embed") can be left whole: "experts_fsdp" and "mlp_fsdp"
+  shard over expert or tensor as well, and leaving them whole would gather those too (every expert on every
+  device). The kernels gathered once today (the query kernel, the router) carry "embed" only; a kernel with
+  another FSDP axis is refused here rather than gathered whole."""
+  mixed = [a for a in axes if a in FSDP_AXES and RULES[a] != ("fsdp",)]
+  if mixed:
+    raise ValueError(f"gather_once: axes {mixed} shard over {[RULES[a] for a in mixed]}, not fsdp alone; "
+                     "a gathered copy would gather their other mesh axes too")
   return tuple(None if a in FSDP_AXES else a for a in axes)
 
 

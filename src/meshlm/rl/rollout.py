@@ -22,7 +22,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models.model import resolve
 from meshlm.models import generate as G
 
 
@@ -113,7 +113,7 @@ def row_multiple(cfg: Config) -> int:
   """What the train step needs T to be a multiple of: the mesh.context shards' count, times what each shard's
   length must be a multiple of for the model's parts (Part.shard_multiple: whole chunks of a chunked recurrence)."""
   if cfg.mesh.context > 1:
-    return cfg.mesh.context * decoder.resolve(cfg).shard_multiple
+    return cfg.mesh.context * resolve(cfg).shard_multiple
   return cfg.mesh.context
 
 

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.params import merge_state, model_shardings
+from meshlm.models.model import resolve
 from meshlm.models.generate import truncate
 from meshlm.parallel.sharding import constrain
 from meshlm.rl import loss as L
@@ -49,12 +51,12 @@ def rl_fields(cfg: Config) -> dict[str, ST.BatchField]:
 
 def replays(cfg: Config) -> bool:
   """Whether some layer records choices that a replay can force (Part.replays)."""
-  return bool(decoder.resolve(cfg).replays)
+  return bool(resolve(cfg).replays)
 
 
 def flip_metrics(cfg: Config) -> tuple[str, ...]:
   """The metric prefixes of the replayed inputs' flips (LayerInput.flips)."""
-  M = decoder.resolve(cfg)
+  M = resolve(cfg)
   return tuple(f for f in (M.layer_input(n).flips for n in dict.fromkeys(M.replays.values())) if f)
 
 
@@ -79,7 +81,7 @@ def score(cfg: Config, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[ja
 def _forward(cfg: Config, params, batch: dict, replay: bool):
   """(logits, {replayed input: the trainer's own choices [n, B, T, k]}, {} without replays); with replay the
   batch's recorded choices are forced."""
-  M = decoder.resolve(cfg)
+  M = resolve(cfg)
   side = bool(M.replays)
   out = decoder.forward(M, params, batch["inputs"], batch["positions"], batch["segment_ids"], return_side=side,
                         layer_inputs=ST.layer_inputs_of(M, batch) if replay else None)
@@ -143,7 +145,7 @@ def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows
     cut = (isw != is_ratio).astype(jnp.float32)  # truncated to a bound, or masked to 0
     metrics[f"sampler_is_{'masked' if mode == 'mask' else 'clipped'}_frac"] = jnp.sum(cut * mask) / num_tokens
   for name, choices in live.items():
-    flips = decoder.resolve(cfg).layer_input(name).flips
+    flips = resolve(cfg).layer_input(name).flips
     if flips is None:
       continue
     per_layer, any_layer = choice_flips(choices, batch[name], batch["segment_ids"])
@@ -175,9 +177,9 @@ def build_rl_step(cfg: Config, mesh=None) -> ST.TrainStep:
 def scorer(cfg: Config, step: ST.TrainStep):
   """jit (params, batch) -> log q [B, T] of the batch's targets, with no gradient: the trainer's scoring of a
   rollout before any update (rl.sampler_is) and the reference policy's (rl.beta). params: the whole model tree,
-  the model-state leaves merged in (decoder.merge_state: DeepSeek-V3's routing bias), as the sampler takes it."""
+  the model-state leaves merged in (params.merge_state: DeepSeek-V3's routing bias), as the sampler takes it."""
   batch_sh = {k: step.batch_sharding(k) for k in step.batch_spec}
-  param_sh = decoder.model_shardings(cfg, step.mesh)
+  param_sh = model_shardings(cfg, step.mesh)
 
   def f(params, batch):
     logits, _ = _forward(cfg, params, batch, cfg.rl.router_replay)

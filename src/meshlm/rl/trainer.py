@@ -25,7 +25,7 @@ from meshlm.config import Config
 from meshlm.console import printable
 from meshlm.errors import ConfigError
 from meshlm.fsutil import write_text
-from meshlm.models import decoder
+from meshlm.models.params import merge_state
 from meshlm.parallel.mesh import make_mesh
 from meshlm.rl import loss as L
 from meshlm.rl import rollout as R
@@ -135,7 +135,7 @@ class Trainer:
     self.last = None  # the last rollout's host side: prompts, texts, rewards (Scored), truncated [B]
 
   def params_of(self, state):
-    return decoder.merge_state(state.params, state.model_state)
+    return merge_state(state.params, state.model_state)
 
   def _texts(self, gen) -> list[str]:
     return [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]

@@ -3,7 +3,7 @@
 
 Layout of one checkpoint, `<checkpoint.dir>/<step>/`:
   params/     the whole model tree (Orbax StandardSave: sharded arrays, restored onto any mesh): the
-              trainable parameters and the model-state leaves beside them (decoder.merge_state)
+              trainable parameters and the model-state leaves beside them (params.merge_state)
   opt_state/  the optimizer state pytree
   data/       JSON: the data-iterator state, {"state": ..., "process_count"}: the position in the
               sequence of global batches, the same on every process and for any process count
@@ -41,7 +41,8 @@ import pydantic
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models.decoder import merge_state, resolve, split_state
+from meshlm.models.params import merge_state, split_state
+from meshlm.models.model import resolve
 
 ITEMS = ("params", "opt_state", "data", "meta")
 
@@ -360,9 +361,9 @@ def load_params(cfg: Config, path: str, abstract_params, param_shardings, mesh) 
   """Parameters for a new run from `checkpoint.load_params_from`: a meshlm run_dir, checkpoints dir
   or step dir (the newest complete step), or a Hugging Face model directory.
 
-  For a model with model state (decoder.model_state_specs: DeepSeek-V3's routing bias), pass the whole model
-  tree's abstract arrays and shardings (decoder.merge_state of the parameters' and the state's): the state is
-  read with the parameters, and decoder.split_state separates them."""
+  For a model with model state (params.model_state_specs: DeepSeek-V3's routing bias), pass the whole model
+  tree's abstract arrays and shardings (params.merge_state of the parameters' and the state's): the state is
+  read with the parameters, and params.split_state separates them."""
   path = os.path.abspath(os.path.expanduser(path))
   key = f"checkpoint.load_params_from={path}"
   if not os.path.isdir(path):

@@ -31,7 +31,7 @@ from meshlm.config import Config, to_yaml
 from meshlm.errors import ConfigError
 from meshlm.console import make_console
 from meshlm.fsutil import write_text
-from meshlm.models.decoder import merge_state, split_state
+from meshlm.models.params import merge_state, split_state
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.step import TrainState, build_train_step, global_batch_size
@@ -83,10 +83,10 @@ def param_counts(cfg: Config) -> tuple[int, int]:
   that leaves nothing to train is refused: the run would spend its steps changing nothing."""
   import math
 
-  from meshlm.models import decoder
+  from meshlm.models.params import param_specs
   from meshlm import spec as S
   from meshlm.train.step import param_paths, trainable_mask
-  sizes = [math.prod(s.shape) for s in jax.tree.leaves(decoder.param_specs(cfg), is_leaf=S.is_spec)]
+  sizes = [math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=S.is_spec)]
   mask = trainable_mask(cfg)
   flags = [True] * len(sizes) if mask is None else jax.tree.leaves(mask)
   trainable = sum(n for n, t in zip(sizes, flags) if t)

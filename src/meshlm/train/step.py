@@ -23,6 +23,10 @@ import optax
 from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder
+from meshlm.models.params import (after_step, after_step_side, init_model_state, init_params, merge_state,
+                                  model_state_shardings, model_state_specs, param_shardings, param_specs)
+from meshlm.models.model import resolve
+from meshlm.parallel.sharding import LOGITS
 from meshlm.models.registry import check_mesh
 from meshlm import spec as S
 from meshlm.parallel.mesh import make_mesh
@@ -59,7 +63,7 @@ def layer_input_field(cfg: Config, name: str) -> BatchField:
   layers that read it, in model order), sharded like the tokens on batch and length (the trailing axes stay
   whole, so micro-batches split it as they split the tokens). The default loss passes it to
   decoder.forward as [n, B, T, *trailing]; put_batch refuses what the part's check refuses."""
-  M = decoder.resolve(cfg)
+  M = resolve(cfg)
   n, li = len(M.input_readers(name)), M.layer_input(name)
   trailing = (n, *li.trailing(M.m))
 
@@ -71,7 +75,7 @@ def layer_input_field(cfg: Config, name: str) -> BatchField:
 def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> dict[str, BatchField]:
   """base plus a field for each per-layer input that replays a part's recorded choices (Part.replays),
   laid out as layer_input_field says; ConfigError when no layer replays."""
-  M = decoder.resolve(cfg)
+  M = resolve(cfg)
   if not M.replays:
     raise ConfigError(f"replay: model family {M.m.family!r} here has no layer whose choices a replay forces")
   return dict(base, **{name: layer_input_field(M, name) for name in dict.fromkeys(M.replays.values())})
@@ -79,13 +83,13 @@ def replay_batch_spec(cfg: Config, base: dict[str, BatchField] = BATCH_SPEC) -> 
 
 def layer_inputs_of(cfg: Config, batch: dict) -> dict | None:
   """The batch's per-layer input fields as decoder.forward takes them ([n, B, T, ...]); None when none."""
-  got = {n: jnp.moveaxis(batch[n], 2, 0) for n in decoder.resolve(cfg).layer_input_names if n in batch}
+  got = {n: jnp.moveaxis(batch[n], 2, 0) for n in resolve(cfg).layer_input_names if n in batch}
   return got or None
 
 
 class TrainState(NamedTuple):
   """step: batches consumed; params: the trainable tree (what the optimizer sees); opt_state; and
-  model_state: the non-trainable leaves the layer parts declare (decoder.model_state_specs), changed
+  model_state: the non-trainable leaves the layer parts declare (params.model_state_specs), changed
   only by their after-step rules ({} for models without any)."""
   step: jax.Array
   params: Any
@@ -104,7 +108,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
     logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     # A one-hot contraction instead of take_along_axis: the gather is ambiguous on a vocab-sharded
     # operand under explicit sharding, while the product keeps the logits' sharding.
-    onehot = constrain(jax.nn.one_hot(targets_BT, logp.shape[-1], dtype=jnp.float32), decoder.LOGITS)
+    onehot = constrain(jax.nn.one_hot(targets_BT, logp.shape[-1], dtype=jnp.float32), LOGITS)
     token_loss = -jnp.sum(logp * onehot, axis=-1)
     return jnp.sum(token_loss * mask_BT), jnp.sum(mask_BT)
 
@@ -112,9 +116,9 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Arr
 def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> tuple[jax.Array, dict]:
   """The default loss: mean next-token cross-entropy over the loss mask, plus the parts' own loss terms
   that are on (Part.losses, each on when its coefficient is set; `part_losses`)."""
-  M = decoder.resolve(cfg)
+  M = resolve(cfg)
   aux = bool(M.losses)
-  state_side = decoder.after_step_side(M)
+  state_side = after_step_side(M)
   want_side = aux or bool(state_side)
   out = decoder.forward(M, params, batch["inputs"], batch["positions"], batch["segment_ids"],
                         return_side=want_side, layer_inputs=layer_inputs_of(M, batch))
@@ -139,7 +143,7 @@ def part_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array, 
   side outputs stacked over the layers (Part.losses: each part computes its terms; only those on are
   computed and logged)."""
   total, metrics = jnp.zeros((), jnp.float32), {}
-  for name, (coef, term) in decoder.resolve(cfg).losses.items():
+  for name, (coef, term) in resolve(cfg).losses.items():
     metrics[name] = weight * term(side)
     total = total + coef * metrics[name]
   return total, metrics
@@ -165,7 +169,7 @@ def _split_micro(x: jax.Array, m: int, axes) -> jax.Array:
 
 def param_paths(cfg: Config) -> Any:
   """Each parameter's dotted path ("layers.dense.attn.q", "embed"), in the parameter tree's structure."""
-  return jax.tree_util.tree_map_with_path(lambda p, _: ".".join(str(k.key) for k in p), decoder.param_specs(cfg),
+  return jax.tree_util.tree_map_with_path(lambda p, _: ".".join(str(k.key) for k in p), param_specs(cfg),
                                           is_leaf=S.is_spec)
 
 
@@ -205,7 +209,7 @@ def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
   num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
   fixed = jax.lax.stop_gradient(model_state or {})
   grad_fn = jax.value_and_grad(
-      lambda p, b: loss_fn(cfg, decoder.merge_state(frozen(p, trainable), fixed), b, num_tokens), has_aux=True)
+      lambda p, b: loss_fn(cfg, merge_state(frozen(p, trainable), fixed), b, num_tokens), has_aux=True)
   m = cfg.train.micro_batches
   if m == 1:
     (loss, metrics), grads = grad_fn(params, batch)
@@ -240,7 +244,7 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation, state: Trai
   if model_state and side is not None:
     # Each part's rule, from this step's side outputs; a skipped (non-finite) step changes nothing. A loss
     # that returns no side outputs (RL's) leaves the model state frozen.
-    new = decoder.after_step(cfg, model_state, side)
+    new = after_step(cfg, model_state, side)
     model_state = jax.tree.map(lambda a, b: jnp.where(metrics["nonfinite"], a, b), model_state, new)
   return TrainState(state.step + 1, params, opt_state, model_state), {**loss_metrics, **metrics}
 
@@ -292,9 +296,9 @@ class TrainStep:
     """Shardings of the whole state: parameters from their specs, optimizer moments like their parameter."""
     from jax.sharding import NamedSharding, PartitionSpec
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    param_sh = decoder.param_shardings(self.cfg, self.mesh)
+    param_sh = param_shardings(self.cfg, self.mesh)
     abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, self.cfg.train.param_dtype, sharding=sh),
-                                   decoder.param_specs(self.cfg), param_sh, is_leaf=S.is_spec)
+                                   param_specs(self.cfg), param_sh, is_leaf=S.is_spec)
     with jax.set_mesh(self.mesh):
       abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
     # Frozen leaves have no optimizer state: optax.masked leaves a MaskedNode (no leaves) in their place.
@@ -302,22 +306,22 @@ class TrainStep:
         lambda sh, t: sh if t else optax.MaskedNode(), param_sh, self.trainable)
     opt_sh = optax.tree_map_params(self.optimizer, lambda _, sh: sh, abstract_opt, param_like,
                                    transform_non_params=lambda _: replicated)
-    return TrainState(replicated, param_sh, opt_sh, decoder.model_state_shardings(self.cfg, self.mesh))
+    return TrainState(replicated, param_sh, opt_sh, model_state_shardings(self.cfg, self.mesh))
 
   def _init(self, key: jax.Array) -> TrainState:
     dtype = jnp.dtype(self.cfg.train.param_dtype)
-    params = S.init_tree(decoder.param_specs(self.cfg), key, dtype)
+    params = S.init_tree(param_specs(self.cfg), key, dtype)
     return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params),
-                      S.init_tree(decoder.model_state_specs(self.cfg), key, dtype))
+                      S.init_tree(model_state_specs(self.cfg), key, dtype))
 
   def init_state(self, key: jax.Array) -> TrainState:
     """A fresh state, every leaf created straight onto its sharding."""
     sh = self.state_shardings()
-    params = decoder.init_params(self.cfg, key, self.mesh)
+    params = init_params(self.cfg, key, self.mesh)
     with jax.set_mesh(self.mesh):
       opt_state = jax.jit(self.optimizer.init, out_shardings=sh.opt_state)(params)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), sh.step), params, opt_state,
-                      decoder.init_model_state(self.cfg, key, self.mesh))
+                      init_model_state(self.cfg, key, self.mesh))
 
   def abstract_state(self) -> TrainState:
     # The key is made inside the trace: a concrete one would be placed on the mesh's devices, which a
@@ -370,7 +374,7 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
   declares every batch field (default BATCH_SPEC; it must keep "loss_mask", which counts the tokens)."""
   mesh = make_mesh(cfg) if mesh is None else mesh
   # The family's checks first (cached), then what the model's parts ask of this mesh (Part.check_mesh, mesh_axes).
-  check_mesh(decoder.resolve(cfg).cfg, dict(mesh.shape))
+  check_mesh(resolve(cfg).cfg, dict(mesh.shape))
   batch_spec = dict(BATCH_SPEC if batch_spec is None else batch_spec)
   if "loss_mask" not in batch_spec:
     raise ConfigError("batch_spec: needs a loss_mask field (the token count that normalizes the loss)")
@@ -381,5 +385,5 @@ def build_train_step(cfg: Config, mesh=None, *, loss_fn=next_token_loss,
     raise ConfigError(f"train.micro_batches={m} must divide the global batch of {global_batch} rows "
                       f"(train.per_device_batch_size={cfg.train.per_device_batch_size} x {mesh.size} devices)")
   trainable = trainable_mask(cfg)
-  optimizer = make_optimizer(cfg.train, trainable, S.no_decay_mask(decoder.param_specs(cfg)))
+  optimizer = make_optimizer(cfg.train, trainable, S.no_decay_mask(param_specs(cfg)))
   return TrainStep(cfg, mesh, optimizer, global_batch, loss_fn, batch_spec, trainable)

@@ -50,7 +50,7 @@ def shared_to_hf(m: ModelConfig, act_key: str) -> dict:
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-  if m.layer_types() != ("global",) or m.qk_norm or m.rope_local_theta is not None:
+  if m.context_pattern() != ("global",) or m.qk_norm or m.rope_local_theta is not None:
     raise ConfigError("model.sliding_window / layer_pattern / qk_norm / rope_local_theta: GemmaForCausalLM has "
                       "none of these; use model.family=gemma2 or gemma3")
   if m.attn_logit_softcap is not None or m.final_logit_softcap is not None:

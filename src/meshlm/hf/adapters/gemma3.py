@@ -21,7 +21,7 @@ HF_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 
 def _ropes_from_hf(hf: dict) -> tuple[dict, float | None]:
   """(config.json view whose rope fields describe the global layers, local theta or None for "same").
 
-  transformers 5 writes rope_parameters per layer type; older files have rope_theta, rope_scaling
+  transformers 5 writes rope_parameters per attention context (its layer_types); older files have rope_theta, rope_scaling
   (global layers only) and rope_local_base_freq.
   """
   params = hf.get("rope_parameters")
@@ -61,9 +61,9 @@ def to_hf_config(m: ModelConfig) -> dict:
   out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
   # Older transformers read these instead.
   out["rope_local_base_freq"] = local["rope_theta"]
-  types = m.layer_types()
-  if types[-1] == "global" and all(t == "local" for t in types[:-1]):
-    out["sliding_window_pattern"] = len(types)
+  pattern = m.context_pattern()
+  if pattern[-1] == "global" and all(c == "local" for c in pattern[:-1]):
+    out["sliding_window_pattern"] = len(pattern)
   return out
 
 

@@ -16,8 +16,16 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.nn.moe.gmm import default_block_rows
+from meshlm.parallel.sharding import RULES
 
-EXPERT_AXIS = "expert"  # the mesh axis that shards the "experts" logical axis (parallel/sharding.RULES)
+
+def expert_axis(rules: dict[str, tuple[str, ...]]) -> str:
+  """The one mesh axis that shards the "experts" logical axis (parallel/sharding.RULES)."""
+  (axis,) = rules["experts"]
+  return axis
+
+
+EXPERT_AXIS = expert_axis(RULES)
 
 
 def _axes_of(spec) -> set[str]:
