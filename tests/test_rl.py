@@ -3,7 +3,8 @@
 - Replay is exact: with rl.router_replay=true the training forward's expert ids equal the sampler's for
   every fed token and MoE layer, bit for bit, and the first iteration's ratio is 1 within the train/sample
   log-prob gap (GAP_TOL) at every step, with top_p=0.9 and temperature 0.7 (the trainer scores under the
-  sampler's truncation); the negative control scoring without the truncation shows the kept-mass bias (mean ratio well below 1).
+  sampler's truncation); the negative control scoring without the truncation shows the kept-mass bias (mean
+  ratio well below 1).
 - With replay off, a perturbed router makes the trainer route otherwise and the step reports the flips;
   the unperturbed router reports none. With replay on, the RL loss's forward takes the sampler's routes: none flips.
 - 20 RL steps leave the frozen router bit-unchanged; the census of the RL step has no router weight-
@@ -735,8 +736,8 @@ def test_a_step_that_trains_on_nothing_warns_and_writes_valid_json(prompts, rewa
   monkeypatch.setattr(R, "sample", made_sampler(0, [8] * 8, [False] * 8))
   cfg = load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=1", f"rl.reward={reward_file}:spread",
                     "rl.mask_truncated_completions=true", "train.steps=1", f"run_dir={tmp_path}/r")
-  with pytest.warns(TR.EmptyStepWarning, match=r"step 0: all 8 completions were cut at rl.max_new_tokens=8 and "
-                                                r"rl.mask_truncated_completions=true masks them, so this step trains on nothing"):
+  with pytest.warns(TR.EmptyStepWarning, match=r"step 0: all 8 completions were cut at rl.max_new_tokens=8 and rl."
+                                                r"mask_truncated_completions=true masks them, so this step trains on"):
     TR.run(cfg, show_progress=False)
 
   def strict(c):
@@ -788,7 +789,8 @@ def test_log_completions_writes_the_rollouts_rows_and_none_rewards_are_counted(p
     lines = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert [(r["step"], r["mode"]) for r in lines] == [(0, "rollout")] * 3 + [(1, "rollout")] * 3
     texts, group = tr.last["texts"], tr.last["prompts"]  # step 1's
-    assert [r["completion"] for r in lines[3:]] == texts[:3] and [r["prompt"] for r in lines[3:]] == [p.text for p in group[:3]]
+    assert [r["completion"] for r in lines[3:]] == texts[:3]
+    assert [r["prompt"] for r in lines[3:]] == [p.text for p in group[:3]]
     assert [r["truncated"] for r in lines[3:]] == [b in TRUNCATED for b in range(3)]
     assert [r["reward"] for r in lines[3:]] == [0.0, 0.75, 0.25]  # row 0: None, scored 0
     np.testing.assert_allclose([r["advantage"] for r in lines[3:]], np.asarray(batches[1]["advantages"])[:3], atol=1e-6)

@@ -15,7 +15,8 @@ export writes them again.
 
 so `meshlm train model=DIR` starts from converted weights (as from an HF directory), and
 `meshlm convert meshlm-to-hf` also takes a run's step directory (`run_dir/checkpoints/<step>`, whose
-model comes from its meta, plus key=value overrides for the rest, and its tokenizer files from the run directory). Both directions write into a
+model comes from its meta, plus key=value overrides for the rest, and its tokenizer files from the run
+directory). Both directions write into a
 temporary sibling and rename, so a failed conversion leaves nothing at DST.
 """
 from __future__ import annotations

@@ -47,7 +47,8 @@ class EmptyStepWarning(UserWarning):
   """No completion token of a step's rollout is in the loss: the step trains on nothing."""
 
 
-RewardWarning.__module__ = ClipWindowWarning.__module__ = EmptyStepWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
+# The CLI prints meshlm's own warnings as one line.
+RewardWarning.__module__ = ClipWindowWarning.__module__ = EmptyStepWarning.__module__ = "meshlm.rl"
 
 # The train step's shapes that rl_config derives from the RL keys: a resume compares those keys, not these.
 DERIVED = ("train.seq_len", "train.per_device_batch_size", "train.sample_tokens")

@@ -224,8 +224,8 @@ def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
     return (c_loss + loss, jax.tree.map(jnp.add, c_grads, grads), acc), None
   first = {k: v[0] for k, v in micro.items()}
   metrics_shape = jax.eval_shape(lambda b: grad_fn(params, b)[0][1], first)
-  start = {k: jax.tree.map(lambda a, s=(metric_reduce(k)[1] if k != MODEL_SIDE else 0.0): jnp.full(a.shape, s, a.dtype), v)
-           for k, v in metrics_shape.items()}
+  start = {k: jax.tree.map(lambda a, s=(metric_reduce(k)[1] if k != MODEL_SIDE else 0.0):
+                           jnp.full(a.shape, s, a.dtype), v) for k, v in metrics_shape.items()}
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), start)
   (loss, grads, metrics), _ = jax.lax.scan(body, zeros, micro)
   return loss, grads, metrics
