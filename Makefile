@@ -38,9 +38,9 @@ test: $(STAMP) $(TPU_STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/startup_and_step.py
 
-# The explicit-vs-auto table for every tiny preset into docs/performance.md (about an hour; a quiet machine).
+# The explicit-vs-auto table for every tiny preset into docs/bench-table.md (about an hour; a quiet machine).
 bench-table: $(STAMP)
-	$(BIN)/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/performance.md
+	$(BIN)/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/bench-table.md
 
 # The RL demo (docs/rl.md): the toy reversal task's data, a supervised warm-start with `meshlm train`, then
 # GRPO with `meshlm rl` on the same MoE model (qwen3-moe-tiny at small widths), router replay on and the

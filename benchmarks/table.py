@@ -2,7 +2,7 @@
 deltas against auto, compiled memory and the blow-up detector, per preset and arm.
 
   .venv/bin/python benchmarks/table.py --smoke     # llama2-tiny, tiny shapes, 6 rounds: ~2 min
-  .venv/bin/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/performance.md
+  .venv/bin/python benchmarks/table.py --target-ci 0.015 --max-seconds 300 --docs docs/bench-table.md
   make bench-table                                 # the full run, as above: up to ~1 h for 9 presets
 
 Rows: every preset named `*-tiny` in the preset registry (`meshlm presets`), so new families join
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--timer", choices=("wall", "cpu"), default="wall")
   ap.add_argument("--out", default="runs/bench-table", help="folder for table.md, table.json, table.png")
-  ap.add_argument("--docs", help="a markdown file whose bench-table section is replaced (docs/performance.md)")
+  ap.add_argument("--docs", help="a markdown file whose bench-table section is replaced (docs/bench-table.md)")
   ap.add_argument("--smoke", action="store_true", help="llama2-tiny only, global batch 4, seq 32, 6 rounds of 1 step")
   ap.add_argument("overrides", nargs="*", help="key=value for every row, after the base "
                   f"({' '.join(BASE)})")

@@ -1,8 +1,8 @@
 """The checks every registered family passes, through the public API exactly as the README calls it
 (meshlm.init_params, forward, generate, hf.save, hf.load; no mesh argument, no jit of our own), as functions of
 a config. tests/test_conformance.py runs them over the registry (every family, every tiny preset, one HF fixture
-per family) in this process and in a process with 1 device; tests/test_architecture_example.py runs them on
-docs/architecture.md's worked example. A check raises AssertionError naming what differs.
+per family) in this process and in a process with 1 device; tests/test_adding_a_part.py runs them on
+docs/adding-a-part.md's worked example. A check raises AssertionError naming what differs.
 
 One forward program serves the generate, packed-document and round-trip checks: every forward here is a [3, T]
 block with explicit positions and segment ids (right-padded rows are segment 1, then padding 0).

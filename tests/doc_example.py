@@ -1,5 +1,5 @@
-"""docs/architecture.md's worked example as the tests run it: its fenced blocks read from the page, its mixer and
-family made modules and registered, its tiny preset loaded. tests/test_architecture_example.py holds it to the
+"""docs/adding-a-part.md's worked example as the tests run it: its fenced blocks read from the page, its mixer and
+family made modules and registered, its tiny preset loaded. tests/test_adding_a_part.py holds it to the
 conformance checks, tests/test_part_config.py its config section."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import yaml
 import meshlm
 from meshlm.models import api, registry
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-part.md"
 MIXER, FAMILY, REGISTRY, PRESET = ("models/mixers/mean.py", "models/mean_llama.py", "models/registry.py",
                                    "config/presets/mean-llama-tiny.yaml")
 
@@ -49,7 +49,7 @@ def config(*overrides: str):
 
 def _module(name: str, source: str) -> types.ModuleType:
   module = types.ModuleType(name)
-  exec(compile(source, f"docs/architecture.md ({name})", "exec"), module.__dict__)
+  exec(compile(source, f"docs/adding-a-part.md ({name})", "exec"), module.__dict__)
   return module
 
 

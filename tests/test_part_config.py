@@ -1,10 +1,10 @@
-"""A mixer's own config section, on docs/architecture.md's worked example (tests/doc_example.py registers it):
+"""A mixer's own config section, on docs/adding-a-part.md's worked example (tests/doc_example.py registers it):
 the part's knob is no schema field and changes the numbers; the family refuses a section none of its parts
 declares and the section a bad or unknown knob, each naming the key; another family refuses the section; a model
 without attention needs no head fields; a checkpoint compares the parts' knobs (but a COMPUTE one); a moved key
 still sets its part's knob (mla's absorb; gdn's chunk_size, impl and conv_kernel_dim, a checkpoint resuming under
 another chunk or rule but not another conv); the resolve cache follows the registry. Sampling from the mixer's
-decode state against recomputing, and its negative control, are tests/test_architecture_example.py's (run at the
+decode state against recomputing, and its negative control, are tests/test_adding_a_part.py's (run at the
 preset's knob)."""
 import dataclasses
 from pathlib import Path

@@ -69,7 +69,7 @@ def count_from_config(c: dict) -> int:
 # Gated DeltaNet hybrids (issue 20): config.json (text_config) fields of Qwen/Qwen3-Next-80B-A3B-Instruct,
 # Qwen/Qwen3.5-27B and Qwen/Qwen3.5-397B-A17B. Their model cards give rounded totals only (80B, 27B, 397B, which
 # also count the MTP head and, for Qwen3.5, the vision tower, neither of which meshlm builds); `count` is the text
-# model's exact count recomputed below from these fields, and docs/architecture.md lists both.
+# model's exact count recomputed below from these fields, and docs/gdn.md lists both.
 HYBRID = {
     "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
                                num_key_value_heads=2, head_dim=256, intermediate_size=5120, full_attention_interval=4,

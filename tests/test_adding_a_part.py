@@ -1,4 +1,4 @@
-"""docs/architecture.md's worked example, run as the page writes it: its mixer, family, registry lines and tiny
+"""docs/adding-a-part.md's worked example, run as the page writes it: its mixer, family, registry lines and tiny
 preset are read from the page's code blocks, registered (tests/doc_example.py), and held to tests/conformance.py's
 checks (cached sampling equals recomputing, packed documents, explicit equals auto with nothing blocked), so the
 page cannot drift from the code. Negative controls: the same mixer with a decode that drops its state (what
