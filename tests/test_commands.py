@@ -25,7 +25,8 @@ def test_generate_names_a_preset_as_a_preset(capsys, tmp_path, monkeypatch):
 
 def test_a_run_directory_carries_its_tokenizer_and_converts(tmp_path, capsys):
   """Rough edges 2 and 7: a run trained with a tokenizer.json holds a copy, so model=RUN_DIR (generate,
-  fine-tune) reads it; `convert meshlm-to-hf RUN_DIR` takes the newest checkpoint and copies it along.
+  fine-tune) reads it; `convert meshlm-to-hf RUN_DIR` takes the newest checkpoint and copies it along, and so does
+  `convert meshlm-to-hf RUN_DIR/checkpoints/N` (item 8). model=RUN_DIR carries the run's train.compute_dtype.
   Negative control: a byte-tokenizer run has no tokenizer.json and model=RUN_DIR stays on bytes."""
   import shutil
   from test_hf import FIXTURES, add_tokenizer
@@ -44,11 +45,21 @@ def test_a_run_directory_carries_its_tokenizer_and_converts(tmp_path, capsys):
                f"run_dir={run}"]) == 0
   assert (run / "tokenizer.json").read_text() == (tok / "tokenizer.json").read_text()
   assert load_config(f"model={run}").data.tokenizer == str(run / "tokenizer.json")
+  # model=RUN_DIR (or a step of it) computes as the run trained, in float32, not the schema's bfloat16; an override
+  # wins, and an HF directory (no meshlm record) keeps the default: the controls.
+  for where in (run, run / "checkpoints" / "2"):
+    assert load_config(f"model={where}").train.compute_dtype == "float32"
+  assert load_config(f"model={run}", "train.compute_dtype=bfloat16").train.compute_dtype == "bfloat16"
+  assert load_config(f"model={src}").train.compute_dtype == "bfloat16"
   out = tmp_path / "hf-out"
   capsys.readouterr()
   assert main(["convert", "meshlm-to-hf", str(run), str(out), "cpu_devices=1"]) == 0
   assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
   assert f"{run} -> {out}" in capsys.readouterr().out
+  # docs/hf.md's form, a step directory (which holds no tokenizer), writes the run's tokenizer too.
+  step_out = tmp_path / "hf-step-out"
+  assert main(["convert", "meshlm-to-hf", str(run / "checkpoints" / "2"), str(step_out), "cpu_devices=1"]) == 0
+  assert (step_out / "tokenizer.json").read_text() == (tok / "tokenizer.json").read_text()
   # Rough edge 1: an HF dir (vocab 151) with no tokenizer names the real fixes; synthetic data needs none.
   capsys.readouterr()
   assert main(["train", f"model={src}", *small, f"run_dir={tmp_path / 'refused'}"]) == 2

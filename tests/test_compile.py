@@ -114,6 +114,23 @@ def test_fit_finds_the_largest_batch_that_fits():
   assert report["programs"]["train"]["memory"]["fits"] and report["exit"] == 0
 
 
+def test_with_rl_the_sampler_compiles_the_rollouts_rows():
+  """--program rl,decode: the decode loop samples the rollout's rl.prompts_per_step x rl.num_generations rows (here 2 x
+  4 = 8 over 4 devices: 2 per device, its cache rows 2), as meshlm rl does; the header names no train batch. Control:
+  decode alone compiles for train.per_device_batch_size (8 per device)."""
+  args = ("model=llama2-tiny", "topology=cpu:4", "mesh.fsdp=4", "train.seq_len=48", "rl.max_new_tokens=16",
+          "rl.prompts_per_step=2", "rl.num_generations=4", "model.num_layers=1", "--no-census")
+  from meshlm.commands.compile import render
+  report = compile_json(*args, "--program", "rl,decode")
+  text = render(report)
+  assert "per_device_batch_size" not in text.splitlines()[0] and "[decode] 2 rows per device" in text, text
+  # The decode loop's cache, [B, K, C, H] for K and V per layer: 1 layer x 2 x rows per device x 4 kv heads x 64 x 32.
+  cache = lambda rows: 2 * rows * 4 * 64 * 32 * 4  # noqa: E731
+  assert report["programs"]["decode"]["memory"]["arguments_by_input"]["cache"] == cache(2)
+  alone = compile_json(*args, "--program", "decode")["programs"]["decode"]
+  assert alone["rows_per_device"] == 8 and alone["memory"]["arguments_by_input"]["cache"] == cache(8)
+
+
 def test_sampler_programs_cache_is_the_hand_count():
   """--program decode compiles the prefill and the decode loop; the decode loop's cache argument is
   [B, K, C, H] per layer for K and V, rows split over fsdp: 2 layers x 2 x (32 / 4 rows) x 4 kv heads x C x 32."""
@@ -146,13 +163,17 @@ def test_without_libtpu_a_tpu_topology_is_one_line(capsys, monkeypatch):
 @pytest.mark.parametrize("args, words", [
     (["model=llama2-tiny"], "topology=NAME is required"),
     (["model=llama2-tiny", "topology=v5p-7"], "no standard v5p slice"),
-    (["model=llama2-tiny", "topology=gpu"], "expected cpu:N"),
+    (["model=llama2-tiny", "topology=tpu"], "expected cpu:N"),
+    # A GPU is named as one (with libtpu installed, libtpu's own refusal read "unknown chip"; without, "install it").
+    (["model=llama2-tiny", "topology=gpu:8"], "topology=gpu:8: a GPU; meshlm compile compiles for TPU slices"),
+    (["model=llama2-tiny", "topology=h100:8"], "topology=h100:8: a GPU;"),
     (["model=llama2-tiny", "topology=cpu:4", "cpu_devices=4"], "drop cpu_devices"),
     (["model=llama2-tiny", "topology=cpu:4", "--fit"], "give hbm_gib"),
     (["model=llama2-tiny", "topology=cpu:4", "--fit=speed"], "--fit=speed"),
     (["model=llama2-tiny", "topology=cpu:4", "--program", "train,sample"], "--program sample"),
     (["model=llama2-tiny", "topology=cpu:4", "hbm_gib=lots"], "hbm_gib='lots'"),
-    (["model=llama2-tiny", "topology=cpu:3", "mesh.fsdp=4"], "mesh.fsdp=4 needs 4 devices"),
+    (["model=llama2-tiny", "topology=cpu:3", "mesh.fsdp=4"], "mesh.fsdp=4 needs 4 devices but 3 are in use (set "
+                                                             "topology= to a topology of that many devices"),
     (["model=llama2-tiny", "topology=cpu:4", "rl.prompts_per_step=3", "rl.num_generations=2", "--program", "rl"],
      "do not split over 4 devices"),
 ])

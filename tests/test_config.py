@@ -94,7 +94,7 @@ def test_yaml_round_trip_keeps_the_resolved_config():
 
 # --- errors: one line, naming the key ----------------------------------------------------------
 
-HELP_HINT = " (meshlm train --help lists every key)"
+HELP_HINT = " (docs/config.md lists every key)"
 
 
 @pytest.mark.parametrize("overrides, expected", [

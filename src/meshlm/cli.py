@@ -23,7 +23,8 @@ commands:
   generate  sample with a KV cache: meshlm generate PATH prompt="def f(" max_new_tokens=64
 
 Keys are dotted paths into the config; model=NAME picks a preset.
-`meshlm <command> --help` shows the command's usage and every key with its type, default and meaning."""
+`meshlm <command> --help` shows the command's usage and the keys it reads with their type, default and meaning
+(`meshlm train --help` the model's; every key: docs/config.md)."""
 
 # One-line summaries for `meshlm <command> --help`; each command's usage line comes from its module.
 SUMMARIES = {
@@ -70,18 +71,30 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
   return f"meshlm {cmd}", None
 
 
-# The config keys each command's --help lists: (only these, or None for all; not these). A key or a section ending
-# in '.'. generate and convert read a model directory's own config and take only where and how to run it.
+# What a run's loop reads and a compile-only command does not: the data, when to log, sample, stop and save.
+_LOOP = ("run_dir", "checkpoint.", "data.", "train.log_every", "train.sample_tokens", "train.sample_temperature",
+         "train.on_nonfinite", "train.max_nonfinite_in_a_row", "train.stop_after")
+# rl.* keys read on the host only (the prompts, rewards, evaluation and logs): in no compiled program.
+_RL_HOST = ("rl.prompts", "rl.reward", "rl.reward_weights", "rl.reward_regex", "rl.failed_reward", "rl.scale_rewards",
+            "rl.mask_truncated_completions", "rl.eval_every", "rl.eval_prompts", "rl.log_completions")
+# The config keys each command's --help lists, the ones it reads: (only these, or None for all; not these). A key
+# or a section ending in '.'. generate and convert read a model directory's own config and take only where and how
+# to run it. Every command but train lists model.* as one line (MODEL_POINTER): train's --help lists them all.
 HELP_KEYS = {
     "train": (None, ("rl.",)),
-    "rl": (None, ()),
-    "census": (None, ("rl.", "checkpoint.")),
-    "compare": (None, ("rl.", "checkpoint.")),
-    "bench": (None, ("rl.", "checkpoint.")),
-    "compile": (None, ("checkpoint.",)),  # --program rl reads the rl.* keys
+    # rl sets the row length and batch from its prompts and rl.* (rl/trainer.rl_config), and reads no data files.
+    "rl": (None, ("data.source", "data.path", "data.field", "train.seq_len", "train.per_device_batch_size",
+                  "train.sample_tokens", "train.sample_temperature")),
+    "census": (None, ("rl.", *_LOOP)),
+    "compare": (None, ("rl.", *_LOOP)),
+    "bench": (None, ("rl.", *_LOOP)),
+    "compile": (None, (*_LOOP, *_RL_HOST, "cpu_devices", "distributed.")),  # --program rl reads the step's rl.* keys
     "generate": (("cpu_devices", "mesh.", "shard_mode", "data.tokenizer", "distributed."), ()),
     "convert": (("cpu_devices", "mesh.", "distributed."), ()),
 }
+MODEL_POINTER = ("  model.*  the model's fields, set by model=NAME (a preset) or model=PATH and overridden one by one\n"
+                 "           (model.num_layers=2, model.parts.moe.num_experts=8): `meshlm train --help` lists them")
+KEYS_POINTER = "Keys this command does not read are not listed; every key: docs/config.md."
 PRESETS_HELP = """usage: meshlm presets
 
 Lists every model preset (src/meshlm/config/presets/), one line each: its name (what model=NAME takes), its
@@ -107,11 +120,15 @@ def command_help(cmd: str) -> str:
     return (f"usage: {usage}\n\n{SUMMARIES[cmd]}\n\n{own}The model and its settings come from PATH; these keys "
             f"set where and how it runs\n(a model.* key that keeps every parameter's shape may be given too).\n\n"
             f"config keys:\n{render_keys(only)}")
+  if cmd == "train":
+    table = render_keys(skip=skip, extra=_part_keys())
+  else:
+    table = f"{render_keys(skip=(*skip, 'model.'))}\n{MODEL_POINTER}"
   return (f"usage: {usage}\n\n{SUMMARIES[cmd]}\n\n{own}"
           "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
           "and the default column shows the schema's default where the preset says nothing.\n"
           "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"
-          f"config keys:\n{render_keys(skip=skip, extra=_part_keys())}")
+          f"config keys:\n{table}\n\n{KEYS_POINTER}")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

@@ -21,9 +21,9 @@ OPTIONS = """  topology=NAME     what to compile for (required): cpu:N (N fake h
                     (v5p-8, v6e-8, tpu7x-256); TPU needs libtpu: pip install 'meshlm[tpu]'
   hbm_gib=X         the device memory to fit into, in GiB (default: the TPU compiler's own limit; none on CPU)
   --program P[,P]   train (default), rl (the GRPO step: rl.prompts_per_step x rl.num_generations rows over the
-                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, prompts
-                    of train.seq_len tokens, rl.max_new_tokens new ones; decode compiles the prefill first,
-                    whose outputs it takes)
+                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, or with
+                    rl the rollout's rows, prompts of train.seq_len tokens, rl.max_new_tokens new ones; decode
+                    compiles the prefill first, whose outputs it takes)
   --fit[=batch]     search the largest train.per_device_batch_size whose train step fits (one compile per try)
   --fit=remat       the least recompute (remat none, dots, full) whose train step fits at the given batch
   --no-census       skip the census (the memory and roofline still come from the compiled program)
@@ -71,7 +71,9 @@ def _with_mesh_sizes(overrides: list[str], n: int) -> list[str]:
   kernel layout) sees the topology's devices rather than cpu_devices."""
   from meshlm.parallel.mesh import resolve_mesh_shape
   cfg = load_config(*overrides)
-  return overrides + [f"mesh.{k}={v}" for k, v in resolve_mesh_shape(cfg, n).items()]
+  # compile takes its devices from topology=, never cpu_devices (refused above): the error names that key.
+  sizes = resolve_mesh_shape(cfg, n, devices_key="topology= to a topology of that many devices (cpu:N, a TPU slice)")
+  return overrides + [f"mesh.{k}={v}" for k, v in sizes.items()]
 
 
 # --------------------------------------------------------------------------------------------- programs
@@ -202,17 +204,22 @@ def main(args: list[str]) -> int:
     if best is not None and not census:
       report["programs"]["train"] = best  # the search compiled it already, and there is no census to add
   mesh = make_mesh(cfg, devices)
+  # With rl, the sampler's programs are the rollouts' (meshlm rl samples prompts x generations rows), as the RL step.
+  rl_cfg = _rl_config(cfg, mesh.size) if "rl" in programs else None
   for name in programs:
     if name in report["programs"]:
       continue
     if name in ("train", "rl"):
-      c = _rl_config(cfg, mesh.size) if name == "rl" else cfg
+      c = rl_cfg if name == "rl" else cfg
       lowered, inputs, tokens = _train(c, mesh, rl=name == "rl")
       report["programs"][name] = report_of(lowered, inputs, tokens, cfg_=c)
+      report["programs"][name]["rows_per_device"] = c.train.per_device_batch_size
     elif name == "prefill" and "decode" in programs:
       continue  # compiled with the decode loop below
     else:
-      report["programs"] |= _sampler(cfg, mesh, name == "decode", report_of)
+      c = rl_cfg or cfg
+      sampled = _sampler(c, mesh, name == "decode", report_of)
+      report["programs"] |= {k: v | {"rows_per_device": c.train.per_device_batch_size} for k, v in sampled.items()}
   from meshlm.analysis.census import config_summary
   report["config"] = config_summary(cfg, topo.platform) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
   report["config"]["loss_path"] = _loss_path(cfg, mesh.size)
@@ -294,10 +301,12 @@ def _si(x, unit: str) -> str:
 def render(report: dict) -> str:
   c, chip, topo = report["config"], report["chip"], report["topology"]
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
+  # The train batch only where the train step is compiled: rl and the sampler have rows of their own (per program).
+  batch = f"per_device_batch_size={c['per_device_batch_size']}  " if "train" in report["programs"] else ""
   lines = [f"compile {c['model']}  topology={topo['name']} ({chip['devices']} x {chip['kind']}, "
            f"{chip['devices_per_chip']} per chip)  mesh {mesh}  shard_mode={c['shard_mode']}  remat={c['remat']}  "
            f"attention={c.get('attention_impl', '-')}  "
-           f"per_device_batch_size={c['per_device_batch_size']}  seq_len={c['seq_len']}"
+           f"{batch}seq_len={c['seq_len']}"
            + (f"  loss={c['loss_path']}" if "loss_path" in c else "")]
   fit = report.get("fit")
   if fit:
@@ -309,8 +318,8 @@ def render(report: dict) -> str:
     mem = p["memory"]
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no device memory known"}[mem["fits"]]
     hbm = f" of {_gib(mem['hbm_bytes'])} ({chip['hbm_source']})" if mem.get("hbm_bytes") else ""
-    lines.append(f"[{name}] compiled in {p['compile_s']:.1f} s; peak {_gib(mem['peak_bytes'])} per device{hbm}: "
-                 f"{verdict}")
+    lines.append(f"[{name}] {p['rows_per_device']} rows per device; compiled in {p['compile_s']:.1f} s; peak "
+                 f"{_gib(mem['peak_bytes'])} per device{hbm}: {verdict}")
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in mem["arguments_by_input"].items() if v)
     if mem.get("largest_buffers"):
       lines.append("  largest buffers: " + "; ".join(f"{_gib(b['bytes'])} {b['shapes']}" for b in mem["largest_buffers"][:3]))

@@ -15,7 +15,8 @@ export writes them again.
 
 so `meshlm train model=DIR` starts from converted weights (as from an HF directory), and
 `meshlm convert meshlm-to-hf` also takes a run's step directory (`run_dir/checkpoints/<step>`, whose
-model comes from its meta, plus key=value overrides for the rest). Both directions write into a
+model comes from its meta, plus key=value overrides for the rest, and its tokenizer files from the run
+directory). Both directions write into a
 temporary sibling and rename, so a failed conversion leaves nothing at DST.
 """
 from __future__ import annotations
@@ -36,7 +37,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_files(src: Path) -> list[Path]:
-  return [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+  """The tokenizer files of src; for a run's step directory (RUN/checkpoints/<step>, which holds none), the run's."""
+  src = Path(src)
+  found = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+  if not found and src.absolute().parent.name == "checkpoints":
+    return tokenizer_files(src.absolute().parent.parent)
+  return found
 
 
 def save_meshlm(cfg: Config, params: dict, path: str | os.PathLike, *, overwrite: bool = False,

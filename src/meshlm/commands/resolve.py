@@ -42,19 +42,26 @@ def model_dir_tree(value: str) -> dict[str, Any]:
     from pathlib import Path
     from meshlm.hf.io import model_fields  # lazy: safetensors and the family maps, only for an HF dir
     name, model = os.path.basename(path), model_fields(Path(path))
+    carried = {}
   else:
-    name, model = _meshlm_model(path, key)
-  tree: dict[str, Any] = {"model_name": name, "model": model, "checkpoint": {"load_params_from": path}}
+    name, model, carried = _meshlm_model(path, key)
+  tree: dict[str, Any] = {"model_name": name, "model": model, "checkpoint": {"load_params_from": path}, **carried}
   tokenizer = os.path.join(path, "tokenizer.json")
   if os.path.isfile(tokenizer):
     tree["data"] = {"tokenizer": tokenizer}
   return tree
 
 
-def _meshlm_model(path: str, key: str) -> tuple[str, dict]:
-  """(model_name, model) of a meshlm model dir, run dir or step dir: from the metadata of the step that
-  checkpoint.load_params_from will read, else from a config.yaml beside its params."""
-  from meshlm.train.checkpoint import _find_step_dir, saved_model  # lazy: orbax
+# The keys of a meshlm directory's config.yaml that model=PATH carries besides the model: how its parameters were
+# trained to compute (a float32 run goes on in float32, not in the schema's bfloat16 default). Overrides win.
+CARRIED = ("train.compute_dtype",)
+
+
+def _meshlm_model(path: str, key: str) -> tuple[str, dict, dict]:
+  """(model_name, model, the CARRIED keys as a tree) of a meshlm model dir, run dir or step dir: from the metadata
+  of the step that checkpoint.load_params_from will read, else from a config.yaml beside its params; the carried
+  keys from the config.yaml of the step, model or run directory."""
+  from meshlm.train.checkpoint import _find_step_dir, saved_config, saved_model  # lazy: orbax
   try:
     step = _find_step_dir(path, key)
   except ConfigError:
@@ -62,7 +69,12 @@ def _meshlm_model(path: str, key: str) -> tuple[str, dict]:
                       "directory (no params/, <step>/params or checkpoints/<step>/params)") from None
   saved = saved_model(step, key)
   if saved is not None:
-    return saved["model_name"], saved["model"]
+    record, carried = saved_config(step, key) or {}, {}
+    for dotted in CARRIED:
+      section, _, field = dotted.partition(".")
+      if field in (record.get(section) or {}):
+        carried.setdefault(section, {})[field] = record[section][field]
+    return saved["model_name"], saved["model"], carried
   raise ConfigError(f"{key}: {step} has params/ but no meta/metadata or config.yaml that says which model")
 
 

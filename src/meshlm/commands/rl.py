@@ -35,7 +35,8 @@ def main(args: list[str], start: float) -> int:
   console = make_console()
   rl = cfg.rl
   console.print(f"[bold]meshlm rl[/] {cfg.model_name}  prompts={rl.prompts}  G={rl.num_generations}  "
-                f"reward={','.join(rl.reward)}  router_replay={rl.router_replay}  trainable={trainable:,}  "
+                f"reward={','.join(rl.reward)}  router_replay={rl.router_replay}  compute={cfg.train.compute_dtype}  "
+                f"trainable={trainable:,}  "
                 f"frozen={frozen:,}")
   try:
     result = run(cfg, console=console, start_time=start)

@@ -108,6 +108,35 @@ def suggest(key: str) -> str | None:
   return near[0] if near else None
 
 
+# TRL's GRPOConfig names typed under rl. (docs/rl.md, "Coming from TRL"): the meshlm key of each, or per TRL value
+# the meshlm setting, for the one-line refusal of an unknown key.
+TRL_KEYS: dict[str, str | dict[str, str]] = {
+    "rl.loss_type": {"dapo": "rl.loss_agg=token_mean (the default)", "grpo": "rl.loss_agg=sequence_mean",
+                     "dr_grpo": "rl.loss_agg=constant", "bnpo": "rl.loss_agg=bnpo",
+                     "cispo": "rl.policy_loss=cispo (its cap: rl.cispo_cap)"},
+    "rl.max_completion_length": "rl.max_new_tokens",
+    "rl.importance_sampling_level": "rl.ratio_level",
+    "rl.use_bias_correction_kl": "rl.kl_estimator=k3_ratio (true) or k3 (false)",
+    "rl.vllm_importance_sampling_mode": "rl.sampler_is",
+    "rl.gradient_accumulation_steps": "train.micro_batches",
+    "rl.learning_rate": "train.learning_rate",
+    "rl.max_steps": "train.steps",
+}
+
+
+def trl_hint(key: str, value: Any) -> str | None:
+  """The refusal of TRL's name `key` (set to value): which meshlm key (and value) means the same; None for others."""
+  hint = TRL_KEYS.get(key)
+  if hint is None:
+    return None
+  if isinstance(hint, dict):
+    if isinstance(value, str) and value in hint:
+      return f"{key}={value}: TRL's spelling; meshlm's is {hint[value]} (docs/rl.md: coming from TRL)"
+    return (f"{key}: TRL's name; meshlm spells its values as " + ", ".join(f"{v}: {h}" for v, h in hint.items()) +
+            " (docs/rl.md: coming from TRL)")
+  return f"{key}: TRL's name; meshlm's key is {hint} (docs/rl.md: coming from TRL)"
+
+
 def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
   """name is one of prefixes, or under one that ends in '.' (mesh. covers mesh.fsdp)."""
   return any(name == p or (p.endswith(".") and name.startswith(p)) for p in prefixes)

@@ -70,10 +70,13 @@ def _format_error(err: pydantic.ValidationError) -> str:
   loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-"))
   msg = first["msg"]
   if first["type"] == "extra_forbidden":
-    from meshlm.config.keys import suggest
+    from meshlm.config.keys import suggest, trl_hint
+    trl = trl_hint(loc, first.get("input"))
+    if trl:
+      return trl
     near = suggest(loc)
-    msg = f"unknown key; did you mean {near}? (meshlm train --help lists every key)" if near else \
-        "unknown key (meshlm train --help lists every key)"
+    msg = f"unknown key; did you mean {near}? (docs/config.md lists every key)" if near else \
+        "unknown key (docs/config.md lists every key)"
   elif "input" in first and first["type"] not in ("missing",) and not isinstance(first["input"], dict):
     msg = f"{msg} (got {first['input']!r})"
   msg = msg.removeprefix("Value error, ")

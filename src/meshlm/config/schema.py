@@ -352,7 +352,8 @@ class RLConfig(_Strict):
                                "normalizes the rewards)")
   max_new_tokens: int = Field(default=32, gt=0, description="longest completion sampled")
   temperature: float = Field(default=1.0, gt=0, description="sampling temperature (> 0)")
-  top_k: Optional[int] = Field(default=None, gt=0, description="sample from the k most likely tokens; null: all")
+  top_k: Optional[int] = Field(default=None, gt=0, description="sample from the k most likely tokens; null (or 0, "
+                               "TRL's spelling): all")
   top_p: float = Field(default=1.0, gt=0, le=1, description="sample from the smallest set of tokens whose mass reaches "
                        "top_p")
   reward: list[str] = Field(default_factory=lambda: ["exact_match"], description="reward, or a list of them: exact_match, "
@@ -368,7 +369,7 @@ class RLConfig(_Strict):
       "TRL's rule for None). A reward that fails on every call of a step stops the run either way")
   scale_rewards: Literal["group", "batch", "none"] = Field(
       default="group", description="advantage = (reward - group mean) / std of the group | the batch | 1 (none: "
-      "Dr. GRPO)")
+      "Dr. GRPO); TRL's true / false are group / none")
   policy_loss: Literal["clip", "cispo"] = Field(
       default="clip", description="clip: PPO's clipped surrogate (GRPO); cispo: the capped ratio, gradient stopped, "
       "times A times logp on every token (MiniMax-M1; TRL loss_type=cispo)")
@@ -413,6 +414,19 @@ class RLConfig(_Strict):
                           "reward on the eval prompts, and their completions in run_dir/completions.jsonl (0: never)")
   eval_prompts: int | str = Field(default=64, description="the eval prompts: N, the first N of rl.prompts, or PATH, "
                                   "a JSONL file of its own")
+  log_completions: int = Field(default=0, ge=0, description="every step, the first N of the rollout's completions "
+                               "(prompt, completion, rewards, advantage) into run_dir/completions.jsonl, mode rollout "
+                               "(TRL's log_completions); 0: none")
+
+  @field_validator("scale_rewards", mode="before")
+  @classmethod
+  def _trl_scale_rewards(cls, v):
+    return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v  # TRL's true / false
+
+  @field_validator("top_k", mode="before")
+  @classmethod
+  def _trl_top_k(cls, v):
+    return None if v == 0 and not isinstance(v, bool) else v  # TRL's top_k=0: no top-k
 
   @field_validator("reward", mode="before")
   @classmethod

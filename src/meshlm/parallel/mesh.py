@@ -26,8 +26,9 @@ def set_cpu_devices(n: int | None) -> None:
     pass
 
 
-def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
-  """Mesh axis sizes with -1 filled; a clear ConfigError if they do not divide the devices."""
+def resolve_mesh_shape(cfg: Config, num_devices: int, devices_key: str = "cpu_devices=N") -> dict[str, int]:
+  """Mesh axis sizes with -1 filled; a clear ConfigError if they do not divide the devices. devices_key: how the
+  command sets its device count, named in the error (meshlm compile: topology=cpu:N)."""
   sizes = cfg.mesh.sizes()
   fixed = math.prod(s for s in sizes.values() if s != -1)
   if -1 in sizes.values():
@@ -37,7 +38,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     sizes = {k: (num_devices // fixed if s == -1 else s) for k, s in sizes.items()}
   elif fixed != num_devices:
     raise ConfigError(f"mesh: {_fmt(sizes)} needs {fixed} devices but {num_devices} are in use "
-                      "(set cpu_devices=N, or make one axis -1)")
+                      f"(set {devices_key}, or make one axis -1)")
   return sizes
 
 

@@ -30,6 +30,8 @@ SLICES = {"v4": ("v4", 2, _GRID3), "v5p": ("v5p", 2, _GRID3), "tpu7x": ("tpu7x",
 _GRID_NAME = re.compile(r"^([a-z0-9]+)[:=_]((\d+x)*\d+)$")
 _TYPE_NAME = re.compile(r"^([a-z0-9]+)-(\d+)$")
 _CPU_NAME = re.compile(r"^cpu[:\-](\d+)$")
+# What a GPU topology looks like (gpu:8, h100:8, a100-8, b200:4, mi300x:8): refused as one, not passed to libtpu.
+_GPU_NAME = re.compile(r"^(gpu|cuda|rocm|[abhl]\d+\w*|gb\d+\w*|mi\d+\w*|rtx\w*)([:\-_=]\d+(x\d+)*)?$")
 # What libtpu reads at start-up about the host it runs on. There is none (we only compile): saying so keeps
 # it from probing the metadata server and printing a warning per missing variable. Nor is there a TPU for two
 # processes to share, so the lock file libtpu takes against that (/tmp/libtpu_lockfile) would only keep a
@@ -51,6 +53,10 @@ class Topology:
 def parse(name: str) -> Topology:
   """The topology a name stands for; a ConfigError naming topology= for one that is not."""
   n = name.strip().lower()
+  if _GPU_NAME.match(n):
+    raise ConfigError(f"topology={name}: a GPU; meshlm compile compiles for TPU slices (libtpu's compile-only "
+                      "devices: v4, v5e, v5p, v6e, tpu7x) and fake CPU devices (cpu:N) only, as a GPU program needs "
+                      "its GPUs to compile; on the GPU machine, meshlm census and bench compile the same step")
   m = _CPU_NAME.match(n)
   if m:
     if int(m.group(1)) < 1:

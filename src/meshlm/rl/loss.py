@@ -184,7 +184,7 @@ def policy_loss(logp_BT: jax.Array, old_BT: jax.Array, adv_B: jax.Array, mask_BT
     per_token = per_token + beta * kl
   loss = jnp.sum(w_BT * per_token * mask)
   outside = ((ratio < 1.0 - epsilon) | (ratio > 1.0 + hi)).astype(jnp.float32)  # the clip window, either side
-  stats = {"ratio_sum": jnp.sum(ratio * mask), "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
+  stats = {"ratio_sum": jnp.sum(ratio * mask), "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
            "ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)), "clipped_sum": jnp.sum(was_clipped * mask),
            "kl_sum": jnp.sum(kl * mask), "outside_sum": jnp.sum(outside * mask)}
   return loss, stats

@@ -14,7 +14,8 @@ A user's function is called one of two ways, read from its signature:
 `module:function` imports from the installed packages or, after them, the working directory;
 `path/to/file.py:function` loads that file.
 
-Each call's value is a number, None (TRL's "no reward here": NaN, never a failure), or a failure: it raised, or it
+Each call's value is a number, None (TRL's "no reward here": NaN, never a failure; counted, `reward_none`), or a
+failure: it raised, or it
 returned NaN/inf or something that is not a number. rl.failed_reward decides what a failure scores: 0 (zero), or
 NaN (exclude: left out of the weighted sum, and the completion out of its group's statistics when every reward
 failed or gave None there, as TRL's rule for None). A reward that fails on every call of one step stops the run
@@ -146,6 +147,7 @@ class Failures:
   raised: int = 0
   nan: int = 0
   other: int = 0  # returned something that is not a number
+  none: int = 0  # returned None (TRL's "no reward here"): not a failure
   first: str | None = None  # the first failure, in words: "raised KeyError: 'answer'", "returned nan"
 
   def add(self, kind: str, what: str) -> None:
@@ -192,13 +194,15 @@ class Rewards:
   failed: str = "zero"
   errors: dict[str, int] = dataclasses.field(default_factory=dict)  # raised, so far (checkpointed)
   nans: dict[str, int] = dataclasses.field(default_factory=dict)  # returned NaN/inf or a non-number, so far
+  nones: dict[str, int] = dataclasses.field(default_factory=dict)  # returned None, so far
 
   @classmethod
   def from_config(cls, rl) -> "Rewards":
     fns = [resolve(n, regex=rl.reward_regex, max_new_tokens=rl.max_new_tokens) for n in rl.reward]
     names = short_names(rl.reward)
     weights = list(rl.reward_weights) if rl.reward_weights is not None else [1.0] * len(fns)
-    return cls(names, fns, weights, list(rl.reward), rl.failed_reward, {n: 0 for n in names}, {n: 0 for n in names})
+    return cls(names, fns, weights, list(rl.reward), rl.failed_reward, {n: 0 for n in names}, {n: 0 for n in names},
+               {n: 0 for n in names})
 
   def _call_batched(self, i: int, prompts, completions, rows, completion_ids) -> list:
     f, spec, n = self.fns[i], self.specs[i] if self.specs else self.names[i], len(completions)
@@ -243,11 +247,14 @@ class Rewards:
             x, kind, what = _value(v)
             if kind:
               fl.add(kind, what)
+            fl.none += v is None
             vals.append(x)
       else:
         for p, c, row in zip(prompts, completions, rows):
           try:
-            x, kind, what = _value(f(p, c, row))
+            v = f(p, c, row)
+            x, kind, what = _value(v)
+            fl.none += v is None
           except Exception as e:  # noqa: BLE001
             x, kind, what = math.nan, "raised", f"raised {type(e).__name__}: {e}"
           if kind:
@@ -261,6 +268,7 @@ class Rewards:
                                             if mixed else ""))
       self.errors[name] = self.errors.get(name, 0) + fl.raised
       self.nans[name] = self.nans.get(name, 0) + fl.nan + fl.other
+      self.nones[name] = self.nones.get(name, 0) + fl.none
       # What enters the sum: zero scores a failure (and None) 0; exclude keeps NaN, left out below.
       each[name] = vals if self.failed == "exclude" else [0.0 if math.isnan(v) else v for v in vals]
     total = []

@@ -140,7 +140,8 @@ def choice_flips(live_LBTk: jax.Array, recorded_BTLk: jax.Array, real_BT: jax.Ar
 
 def rl_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array, *, num_rows: int) -> tuple[jax.Array, dict]:
   """The train step's loss_fn: GRPO over one (micro-)batch. Metrics are sums that add up over
-  micro-batches to the batch's means (the max of the log-prob gap is exact with one micro-batch)."""
+  micro-batches to the batch's means, and *_max/*_min ones that the train step reduces by max/min over them
+(train/step.py: METRIC_REDUCE), so ratio_min/ratio_max/logp_gap_max are the whole batch's."""
   rl = cfg.rl
   logp, entropy, live = scores(cfg, params, batch, rl.router_replay)
   mask = batch["loss_mask"]

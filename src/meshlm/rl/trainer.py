@@ -43,7 +43,12 @@ class ClipWindowWarning(UserWarning):
   """The first iteration's ratio is outside the clip window before any update (the train/sample gap)."""
 
 
-RewardWarning.__module__ = ClipWindowWarning.__module__ = "meshlm.rl"  # the CLI prints meshlm's own warnings as one line
+class EmptyStepWarning(UserWarning):
+  """No completion token of a step's rollout is in the loss: the step trains on nothing."""
+
+
+# The CLI prints meshlm's own warnings as one line.
+RewardWarning.__module__ = ClipWindowWarning.__module__ = EmptyStepWarning.__module__ = "meshlm.rl"
 
 # The train step's shapes that rl_config derives from the RL keys: a resume compares those keys, not these.
 DERIVED = ("train.seq_len", "train.per_device_batch_size", "train.sample_tokens")
@@ -157,8 +162,16 @@ class Trainer:
     cut = R.truncated(gen, self.stops)
     self.last = {"prompts": group, "texts": texts, "scored": scored, "truncated": cut}
     batch = R.to_batch(cfg, [p.ids for p in prompts], gen, cfg.train.seq_len, self.stops)
+    if not np.any(batch["loss_mask"]):
+      why = (f"all {rows} completions were cut at rl.max_new_tokens={rl.max_new_tokens} and "
+             "rl.mask_truncated_completions=true masks them" if rl.mask_truncated_completions and np.all(cut) else
+             f"no completion has a token (lengths {sorted(set(int(n) for n in gen.lengths))})")
+      warnings.warn(f"step {i}: {why}, so this step trains on nothing (loss 0, grad_norm 0, the ratio and gap "
+                    "statistics null)", EmptyStepWarning)
     adv = L.advantages if np.all(np.isfinite(total)) else L.advantages_excluding_nan  # NaN: rl.failed_reward=exclude
     batch["advantages"] = np.asarray(adv(total.astype(np.float32), rl.num_generations, rl.scale_rewards), np.float32)
+    if rl.log_completions:
+      self.log_rollout(i, group, texts, scored, cut, batch["advantages"])
     dev = self.step.put_batch(batch)
     if self.score is not None:
       with jax.set_mesh(self.mesh):
@@ -181,6 +194,7 @@ class Trainer:
         m[f"reward/{n}_std"] = _nanstd(v)
     m["reward_errors"] = float(sum(self.rewards.errors.values()))
     m["reward_nan"] = float(sum(self.rewards.nans.values()))
+    m["reward_none"] = float(sum(self.rewards.nones.values()))
     bad = {n: f for n, f in scored.failures.items() if f.total}
     if bad:
       scored_as = "scored 0" if self.rewards.failed == "zero" else "left out (rl.failed_reward=exclude)"
@@ -215,14 +229,27 @@ class Trainer:
                       "reward": _json_value(float(sc.total[j])),
                       "rewards": {n: _json_value(float(v[j])) for n, v in sc.each.items()},
                       "truncated": bool(R.truncated(gen, self.stops)[j])})
-    if jax.process_index() == 0 and cfg.run_dir:
-      with open(os.path.join(cfg.run_dir, COMPLETIONS), "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+    self._append_completions(lines)
     for r in lines[:SHOW]:
       reward = "nan" if r["reward"] is None else f"{r['reward']:.3f}"
       self.say(f"eval step {step} ({r['mode']}): {printable(r['prompt'])!r} -> {printable(r['completion'])!r}  "
                f"reward {reward}", markup=False, highlight=False)
     return out
+
+  def _append_completions(self, lines: list[dict]) -> None:
+    if jax.process_index() == 0 and self.cfg.run_dir:
+      with open(os.path.join(self.cfg.run_dir, COMPLETIONS), "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+
+  def log_rollout(self, step: int, prompts: list[R.Prompt], texts: list[str], scored, cut, adv) -> None:
+    """The first rl.log_completions rows of step's rollout into run_dir/completions.jsonl (mode "rollout": TRL's
+    log_completions), with each row's rewards (null: none), advantage and whether it was truncated."""
+    n = min(self.cfg.rl.log_completions, len(texts))
+    self._append_completions([
+        {"step": step, "mode": "rollout", "prompt": prompts[j].text, "completion": texts[j],
+         "reward": _json_value(float(scored.total[j])),
+         "rewards": {k: _json_value(float(v[j])) for k, v in scored.each.items()}, "advantage": float(adv[j]),
+         "truncated": bool(cut[j])} for j in range(n)])
 
   def updates(self, state, batch, step: int | None = None):
     """rl.num_iterations updates on one batch: the ratio and gap statistics of the first (before any
@@ -291,6 +318,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
     tr.iterator.set_state(data_state["prompts"])
     tr.rewards.errors.update(data_state.get("reward_errors", {}))
     tr.rewards.nans.update(data_state.get("reward_nan", {}))
+    tr.rewards.nones.update(data_state.get("reward_none", {}))
   if cfg.rl.beta > 0:
     # The reference is the starting policy: the loaded (or initial) parameters, also on resume.
     ref_state = step.init_state(jax.random.key(cfg.train.seed)) if start else state
@@ -300,16 +328,22 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
                                                         step.state_shardings().params, step.mesh))
     tr.ref = jax.tree.map(lambda a: a.copy(), tr.params_of(ref_state))
   os.makedirs(cfg.run_dir, exist_ok=True)
-  if start < cfg.train.steps:
-    LP.write_config(cfg)
   LP._trim_metrics(cfg.run_dir, start)
   if start < cfg.train.steps:  # the evaluations of steps run again are written again (a run at its end keeps its last)
     LP._trim_metrics(cfg.run_dir, start, COMPLETIONS)
+  # The first rollout comes before the run's records (config.yaml, metrics.jsonl, tensorboard/): a reward that fails
+  # on every completion stops the run here, and leave_as_found removes the directories it made, as before any step.
+  pending = {start: tr.rollout(state, start)} if start < cfg.train.steps else {}
+  if start < cfg.train.steps:
+    LP.write_config(cfg)
   records: list[dict] = []
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else LP._NullWriter()
 
   class Recorder:
     def write(self, record):
+      # JSON has no NaN or Infinity: a value a step leaves undefined (the ratio_min of no token, the mean reward
+      # of none scored) is null.
+      record = {k: _json_value(v) for k, v in record.items()}
       records.append(record)
       writer.write(record)
 
@@ -334,9 +368,9 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
 
   loop = LP.Loop(cfg, step_fn, ckpt, console, say, Recorder(), step.global_batch * cfg.train.seq_len, show_progress,
                  t_start, on_step, queue_ahead=False, progress_extra=progress)
-  out = loop.run(state, start, rng, counters, fetch=lambda i: tr.rollout(holder["state"], i),
+  out = loop.run(state, start, rng, counters, fetch=lambda i: pending.pop(i, None) or tr.rollout(holder["state"], i),
                  position=lambda: {"prompts": tr.iterator.get_state(), "reward_errors": dict(tr.rewards.errors),
-                                   "reward_nan": dict(tr.rewards.nans)})
+                                   "reward_nan": dict(tr.rewards.nans), "reward_none": dict(tr.rewards.nones)})
   if out.nonfinite_msg:
     ckpt.wait()
     raise LP.NonFiniteStop(out.nonfinite_msg)

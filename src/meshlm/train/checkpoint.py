@@ -327,6 +327,22 @@ def saved_model(step_dir: str, key: str) -> dict | None:
   return None
 
 
+def saved_config(step_dir: str, key: str) -> dict | None:
+  """The config.yaml tree of a step or model directory (in it, or in the run directory above its checkpoints);
+  None when neither has one."""
+  import yaml
+  above = os.path.dirname(step_dir)
+  run_dir = os.path.dirname(above) if os.path.basename(above) == "checkpoints" else step_dir
+  for f in (os.path.join(step_dir, "config.yaml"), os.path.join(run_dir, "config.yaml")):
+    if os.path.isfile(f):
+      try:
+        data = yaml.safe_load(open(f).read()) or {}
+      except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot read {f} ({str(e).splitlines()[0]})") from None
+      return data if isinstance(data, dict) else None
+  return None
+
+
 def restore_params(cfg: Config, step_dir: str, abstract_params, key: str) -> Any:
   """step_dir/params restored onto abstract_params' shardings, after checking that the directory holds
   cfg's model; every failure is one line that starts with key."""

@@ -7,7 +7,8 @@ takes extra batch fields (advantages, old log-probs, a replay's per-layer inputs
     loss_fn(cfg, params, batch, num_tokens) -> (loss, metrics)
 
 num_tokens is the loss-mask count of the whole batch (so micro-batches sum to the big-batch loss);
-metrics is a dict of scalars, summed over micro-batches and logged next to the loss.
+metrics is a dict of scalars logged next to the loss, summed over micro-batches, except those named
+`*_max` and `*_min`, which take the max and the min over them (METRIC_REDUCE).
 """
 from __future__ import annotations
 
@@ -178,6 +179,16 @@ def part_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array, 
   return total, metrics
 
 
+# How a loss metric accumulates over micro-batches, by its name's suffix (the rest are sums), with the
+# reduction's identity as the accumulator's start: the batch's max of per-micro-batch maxes, not their sum.
+METRIC_REDUCE = {"_max": (jnp.maximum, -jnp.inf), "_min": (jnp.minimum, jnp.inf)}
+
+
+def metric_reduce(name: str):
+  """(how loss metric `name` accumulates over micro-batches, its start value): METRIC_REDUCE's by suffix, else a sum."""
+  return next((r for suffix, r in METRIC_REDUCE.items() if name.endswith(suffix)), (jnp.add, 0.0))
+
+
 def _split_micro(x: jax.Array, m: int, axes) -> jax.Array:
   """[M*b, ...] -> [M, b, ...] where micro-batch i takes rows i, M+i, ...: every shard stays local."""
   b = x.shape[0] // m
@@ -236,11 +247,16 @@ def grads_and_loss(cfg: Config, params, batch: dict, loss_fn=next_token_loss,
   micro = {k: _split_micro(v, m, batch_spec[k].axes()) for k, v in batch.items()}
   def body(carry, mb):
     (loss, metrics), grads = grad_fn(params, {k: constrain(v, batch_spec[k].axes()) for k, v in mb.items()})
-    return jax.tree.map(jnp.add, carry, (loss, grads, metrics)), None
+    c_loss, c_grads, c_metrics = carry
+    # The model-side tree (MODEL_SIDE) is a sum whatever its leaves are named.
+    acc = {k: jax.tree.map(metric_reduce(k)[0] if k != MODEL_SIDE else jnp.add, c_metrics[k], v)
+           for k, v in metrics.items()}
+    return (c_loss + loss, jax.tree.map(jnp.add, c_grads, grads), acc), None
   first = {k: v[0] for k, v in micro.items()}
   metrics_shape = jax.eval_shape(lambda b: grad_fn(params, b)[0][1], first)
-  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
-           jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), metrics_shape))
+  start = {k: jax.tree.map(lambda a, s=(metric_reduce(k)[1] if k != MODEL_SIDE else 0.0):
+                           jnp.full(a.shape, s, a.dtype), v) for k, v in metrics_shape.items()}
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), start)
   (loss, grads, metrics), _ = jax.lax.scan(body, zeros, micro)
   return loss, grads, metrics
 
