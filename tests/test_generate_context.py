@@ -16,7 +16,7 @@ import pytest
 
 import meshlm
 from meshlm.models import api, generate as G
-from meshlm.models.mixers import gqa as gqa_mixer
+from meshlm.nn import attention as A
 from seams import own_shard_only
 
 # mixtral-tiny narrower, two MoE layers; two prompts whose lengths bucket to 32 positions, so the longer one
@@ -69,14 +69,14 @@ def test_sampling_on_context_shards_equals_one_device(mesh):
 
 
 def test_a_prefill_that_attends_within_its_shard_only_fails_the_check():
-  real = gqa_mixer.gqa_attention
-  gqa_mixer.gqa_attention = own_shard_only(real, 2)
+  real = A.gqa_attention
+  A.gqa_attention = own_shard_only(real, 2)
   api.clear_programs()  # the jitted prefill of this config is traced anew with the broken attention
   try:
     broken = G.generate(meshlm.load_config(*SHRINK, *MESHES["context2_explicit"]), *params_and_prompts(),
                         max_new_tokens=NEW, stop_tokens=())
   finally:
-    gqa_mixer.gqa_attention = real
+    A.gqa_attention = real
     api.clear_programs()
   want = sample("cpu_devices=1")
   print(f"own shard only: max |log-prob diff| {_diff(broken, want):.3g}")

@@ -19,7 +19,7 @@ import pytest
 
 from meshlm.config import load_config
 from meshlm.models.params import init_model_state, init_params, model_state_shardings, param_shardings
-from meshlm.models.mixers import mla as mla_mixer
+from meshlm.nn import attention as A
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.step import grads_and_loss
 from seams import max_diffs, own_shard_only, packed_batch, placed_batch
@@ -66,14 +66,14 @@ def run(*over: str, local_only: bool = False):
   b = batch(cfg.model.vocab_size)
   with jax.set_mesh(mesh):
     put = placed_batch(mesh, b)
-    attention = mla_mixer.gqa_attention
+    attention = A.gqa_attention
     try:
       if local_only:
-        mla_mixer.gqa_attention = own_shard_only(attention, cfg.mesh.context)
+        A.gqa_attention = own_shard_only(attention, cfg.mesh.context)
       step = jax.jit(lambda p, s, b: grads_and_loss(cfg, p, b, model_state=s)[:2])
       compiled = step.lower(p, state, put).compile()
     finally:
-      mla_mixer.gqa_attention = attention
+      A.gqa_attention = attention
     loss, grads = compiled(p, state, put)
   return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -106,6 +106,6 @@ def test_attention_within_each_shard_only_fails_the_check():
   rng = np.random.default_rng(2)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 4)), jnp.float32) for _ in range(3))
   mask = jnp.tril(jnp.ones((8, 8), bool))[None, None, None]
-  plain = mla_mixer.gqa_attention(q, k, v, mask, scale=0.5)
-  np.testing.assert_array_equal(own_shard_only(mla_mixer.gqa_attention, 1)(q, k, v, mask, scale=0.5), plain)
-  assert np.max(np.abs(own_shard_only(mla_mixer.gqa_attention, 2)(q, k, v, mask, scale=0.5) - plain)) > LEAK
+  plain = A.gqa_attention(q, k, v, mask, scale=0.5)
+  np.testing.assert_array_equal(own_shard_only(A.gqa_attention, 1)(q, k, v, mask, scale=0.5), plain)
+  assert np.max(np.abs(own_shard_only(A.gqa_attention, 2)(q, k, v, mask, scale=0.5) - plain)) > LEAK
