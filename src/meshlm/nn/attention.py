@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from meshlm import spec as S
 from meshlm.nn.flash_attention import flash_attention
+from meshlm.nn.ring_attention import ring_attention
 from meshlm.parallel.sharding import ACT, axes
 
 # Parameter axes: the query kernel [D, N, H] (gather_once reads them), K/V [D, Kv, H], o [N, H, D].
@@ -66,6 +67,14 @@ def resolve_impl(impl: str, T: int, platform: str) -> str:
   return "flash" if platform != "cpu" or T >= CPU_FLASH_FROM else "xla"
 
 
+def resolve_context(impl: str, context_attention: str, shards: int, mode: str = "train") -> str:
+  """The core a program runs once the sequence's sharding is known: "ring" (nn/ring_attention.py, flash's blocks
+  passed around mesh.context) when training with the flash core on shards > 1 and context_attention=ring; impl
+  otherwise (gather: XLA's partitioner all-gathers K/V over the context axis). Prefill and decode keep impl."""
+  ring = mode == "train" and impl == "flash" and shards > 1 and context_attention == "ring"
+  return "ring" if ring else impl
+
+
 @dataclasses.dataclass(frozen=True)
 class Mask:
   """What a query of a training or prefill context sees, as a description: every key at or before it (causal),
@@ -80,10 +89,12 @@ class Mask:
 def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
   """(fn(q, k, v, operand) -> [B, T, K, G, Hv], operand): the attention core for impl and the one array it reads
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
-  mask; flash: the segment ids or None)."""
-  if impl == "flash":
+  mask; flash and ring: the segment ids or None)."""
+  if impl in ("flash", "ring"):
+    blockwise = flash_attention if impl == "flash" else ring_attention
+
     def flash(q, k, v, seg):
-      return flash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+      return blockwise(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
     return flash, mask.segment_ids
 
   def xla(q, k, v, dense):
