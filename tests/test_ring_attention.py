@@ -2,14 +2,15 @@
 around the ring and merged into flash's online softmax, zigzag-balanced.
 
 - The kernel alone against flash_attention on the whole sequence (forward and the three gradients, float32), on
-  context=4 (GQA groups, packed segments, the soft-cap, chunks that are not a whole number of blocks) and on
-  context=2 (a sliding window, MLA's unequal query/key and value head dims); negative controls: the zigzag offset
-  skipped (chunk positions read as contiguous), and K/V sent the wrong way round the ring.
-- Whole tiny models with their sequence sharded equal the same model unsharded (the xla core), logits and every
-  gradient: llama (full attention) on context=2 and 4 (explicit) and context=2 x fsdp=2 (auto); qwen3.5 (GDN
-  hybrid) on context=4 and context=2 x fsdp=2 (auto).
+  context=4: GQA groups, packed segments, the soft-cap, a sliding window that crosses chunk edges, value dims
+  unlike the query/key dims (MLA's), chunks that are not a whole number of blocks. Negative controls (forward):
+  the zigzag offset skipped (chunk positions read as contiguous), K/V sent the wrong way round the ring.
+- Whole tiny models with their sequence sharded equal the same model unsharded (the xla core): llama (full
+  attention) on context=4 (explicit), logits, loss and every gradient; qwen3.5 (GDN hybrid: GDN's own context
+  parallelism beside the ring) on context=2 x fsdp=2 (auto), loss and every gradient.
 - The compiled programs: no all-gather of K/V over the context axis is left in attention, the ring's
-  collective-permutes are there, each no larger than one chunk; the gather form (the control) has the gather.
+  collective-permutes are there, each no larger than one chunk; the gather form of the kernel (the control) has
+  the gather.
 - Causal balance: every device has the same visible block pairs at every ring step (contiguous chunks do not).
 
 Each program compiles once per module (functools.cache).
@@ -40,52 +41,64 @@ LEAK = 1e-2  # what a negative control must move some value by, at least
 # ------------------------------------------------------------------------------------------- the kernel
 
 T_K = 64
-KERNEL_CASES = {
-  # shards, (N, K, H, Hv), window, softcap, segments, block: c = 64 / 8 = 8 rows per chunk, blocks of 5 (padded)
-  "context4_gqa_segments_softcap": (4, (4, 2, 8, 8), None, 5.0, True, 5),
-  # c = 16, blocks of 4; MLA: every query head its own key (G = 1), value dims 6 against query/key dims 8
-  "context2_window_mla_dims": (2, (2, 2, 8, 6), 11, None, False, 4),
-}
+SHARDS = 4
+# (N, K, H, Hv): GQA groups of 2, value dims 6 against query/key dims 8; chunks of 64 / 8 = 8 rows, blocks of 5
+# (padded); the window crosses chunk edges; segments: documents across the edges.
+DIMS, WINDOW, SOFTCAP, BLOCK = (4, 2, 8, 6), 11, 5.0, 5
 
 
-def _kernel_inputs(case: str):
-  _, (N, K, H, Hv), _, _, segs, _ = KERNEL_CASES[case]
+def _kernel_inputs():
+  N, K, H, Hv = DIMS
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.normal(size=(2, T_K, N, H)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(2, T_K, K, H)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(2, T_K, K, Hv)), jnp.float32)
-  # Documents crossing the chunk edges; row 1 one document whole.
-  seg = jnp.asarray(np.stack([np.repeat([1, 2, 3, 4], [13, 30, 9, 12]), np.ones(T_K, int)])) if segs else None
+  # Row 0: documents crossing the chunk edges (every 8); row 1: one document.
+  seg = jnp.asarray(np.stack([np.repeat([1, 2, 3, 4], [13, 30, 9, 12]), np.ones(T_K, int)]))
   return q, k, v, seg
 
 
-def _kernel_run(case: str, attention):
-  """(out, dq, dk, dv) of `attention` (flash_attention's signature) on the case's inputs, one jit."""
-  shards, (N, K, H, Hv), window, softcap, _, block = KERNEL_CASES[case]
-  q, k, v, seg = _kernel_inputs(case)
-  fn = lambda q, k, v: attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap, window=window, block=block)  # noqa: E731
+def _kernel_run(attention, grads: bool = True, mesh=None):
+  """((out, dq, dk, dv) of `attention` (flash_attention's signature) on the inputs, one jit, or (out,) without
+  grads; the compiled HLO text). With a mesh: q, k, v sharded over its context axis."""
+  q, k, v, seg = _kernel_inputs()
+  if mesh is not None:
+    seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+    q, k, v = (jax.device_put(x, seq) for x in (q, k, v))
+  fn = lambda q, k, v: attention(q, k, v, seg, scale=DIMS[2] ** -0.5, softcap=SOFTCAP, window=WINDOW,  # noqa: E731
+                                 block=BLOCK)
 
   def value_and_grads(q, k, v):
+    if not grads:
+      return (fn(q, k, v),)
     out, vjp = jax.vjp(fn, q, k, v)
     return (out,) + vjp(jnp.cos(3.0 * out))
-  return [np.asarray(a) for a in jax.jit(value_and_grads)(q, k, v)]
+  compiled = jax.jit(value_and_grads).lower(q, k, v).compile()
+  return [np.asarray(a) for a in compiled(q, k, v)], compiled.as_text()
 
 
 @functools.cache
-def _flash(case: str):
-  return _kernel_run(case, FA.flash_attention)
+def _flash():
+  return _kernel_run(FA.flash_attention)[0]
 
 
-def _ring(case: str):
-  shards = KERNEL_CASES[case][0]
-  with jax.set_mesh(make_mesh(load_config(f"cpu_devices={shards}", f"mesh.context={shards}"))):
-    return _kernel_run(case, RA.ring_attention)
+def _context_mesh(shards: int = SHARDS, mode: str = "explicit"):
+  return make_mesh(load_config(f"cpu_devices={shards}", f"mesh.context={shards}", f"shard_mode={mode}"))
 
 
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_ring_equals_flash_on_the_whole_sequence(case):
-  errs = [float(np.max(np.abs(a - b))) for a, b in zip(_ring(case), _flash(case))]
-  print(f"{case}: max |ring - flash| out, dq, dk, dv = {errs}")
+def _ring(grads: bool = True):
+  """The ring's _kernel_run on mesh.context=SHARDS (explicit)."""
+  mesh = _context_mesh()
+  with jax.set_mesh(mesh):
+    return _kernel_run(RA.ring_attention, grads, mesh)
+
+
+_ring_once = functools.cache(_ring)
+
+
+def test_ring_equals_flash_on_the_whole_sequence():
+  errs = [float(np.max(np.abs(a - b))) for a, b in zip(_ring_once()[0], _flash())]
+  print(f"max |ring - flash| out, dq, dk, dv = {errs}")
   assert max(errs) < KERNEL_ATOL, errs
 
 
@@ -97,11 +110,10 @@ def test_ring_equals_flash_on_the_whole_sequence(case):
   ("ring_perm", lambda real: lambda C: [(i, (i - 1) % C) for i in range(C)]),
 ])
 def test_a_broken_ring_fails_the_comparison(monkeypatch, patch, wrong):
-  case = "context4_gqa_segments_softcap"
   monkeypatch.setattr(RA, patch, wrong(getattr(RA, patch)))
-  errs = [float(np.max(np.abs(a - b))) for a, b in zip(_ring(case), _flash(case))]
-  print(f"broken {patch}: max |ring - flash| out, dq, dk, dv = {errs}")
-  assert errs[0] > LEAK and max(errs[1:]) > LEAK, errs
+  err = float(np.max(np.abs(_ring(grads=False)[0][0] - _flash()[0])))
+  print(f"broken {patch}: max |ring - flash| out = {err}")
+  assert err > LEAK
 
 
 def _visible_pairs(chunks, C: int, n: int, b: int) -> list[list[int]]:
@@ -138,24 +150,25 @@ def test_zigzag_balances_causal_work_over_the_ring(C):
 # --------------------------------------------------------------------------------------------- the models
 
 LLAMA = ("model=llama2-tiny", "model.num_layers=1", "model.embed_dim=32", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.head_dim=8", "model.mlp_dim=64", "model.vocab_size=64", "train.seq_len=64")
+         "model.head_dim=8", "model.mlp_dim=64", "model.vocab_size=64")
 # qwen3.5-tiny shrunk as tests/test_gdn_context.py does: one linear-attention and one gated full-attention layer.
 QWEN = ("model=qwen3.5-tiny", "model.num_layers=2", "model.full_attention_interval=2", "model.embed_dim=32",
-    "model.mlp_dim=64", "model.vocab_size=64", "model.parts.gdn.chunk_size=16", "model.parts.gdn.key_head_dim=8",
-    "model.parts.gdn.value_head_dim=8", "model.head_dim=8", "train.seq_len=128")
+        "model.mlp_dim=64", "model.vocab_size=64", "model.parts.gdn.chunk_size=16", "model.parts.gdn.key_head_dim=8",
+        "model.parts.gdn.value_head_dim=8", "model.head_dim=8")
 MODELS = {"llama": LLAMA, "qwen3.5": QWEN}
-COMMON = ("train.compute_dtype=float32", "train.per_device_batch_size=1")
-UNSHARDED = ("cpu_devices=1",)  # attention_impl=auto: xla at these lengths on CPU, the reference
+T = 64
+COMMON = ("train.compute_dtype=float32", "train.per_device_batch_size=1", f"train.seq_len={T}")
+UNSHARDED = ("cpu_devices=1",)  # attention_impl=auto: xla at this length on CPU, the reference
 RING = ("attention_impl=flash", "context_attention=ring")
-MESHES = {"context2": ("cpu_devices=2", "mesh.context=2", "shard_mode=explicit"),
-          "context4": ("cpu_devices=4", "mesh.context=4", "shard_mode=explicit"),
+MESHES = {"context4": ("cpu_devices=4", "mesh.context=4", "shard_mode=explicit"),
           "context2_fsdp2_auto": ("cpu_devices=4", "mesh.context=2", "mesh.fsdp=2", "shard_mode=auto")}
+# The two sharded programs: mesh.context=4 under explicit, context=2 x fsdp=2 under auto.
+PROGRAMS = [("llama", "context4", 4), ("qwen3.5", "context2_fsdp2_auto", 2)]
 
 
-def _batch(model: str, vocab: int) -> dict:
-  """Two rows of packed documents spanning the chunk edges (T / 8 apart at context=4), one starting exactly on
-  one, and padding (segment 0, no loss)."""
-  T = 64 if model == "llama" else 128
+def _batch(vocab: int) -> dict:
+  """Two rows of packed documents spanning the chunk edges (every 8 positions at context=4), one starting exactly
+  on one (32), and padding (segment 0, no loss)."""
   return packed_batch(vocab, T, ((0, T // 3, T // 2, T), (0, 5 * T // 8 + 3, T - 6)))
 
 
@@ -167,35 +180,36 @@ def _params(model: str):
 
 @functools.cache
 def _model_run(model: str, *over: str):
-  """(logits, loss, grads) as numpy and the compiled HLO text: the model's forward and grads_and_loss, one jit."""
+  """(logits, loss, grads) as numpy and the compiled HLO text: the model's forward and grads_and_loss, one jit
+  (llama; qwen3.5's logits are None, the loss and gradients checked, a compile saved)."""
   cfg = load_config(*MODELS[model], *COMMON, *over)
   registry.validate(cfg)
   mesh = make_mesh(cfg)
   p = jax.device_put(_params(model), param_shardings(cfg, mesh))
-  b = _batch(model, cfg.model.vocab_size)
   with jax.set_mesh(mesh):
-    put = placed_batch(mesh, b)
+    put = placed_batch(mesh, _batch(cfg.model.vocab_size))
 
     def step(p, b):
-      logits = decoder.forward(cfg, p, b["inputs"], b["positions"], b["segment_ids"])
+      logits = decoder.forward(cfg, p, b["inputs"], b["positions"], b["segment_ids"]) if model == "llama" else None
       return (logits,) + grads_and_loss(cfg, p, b)[:2]
     compiled = jax.jit(step).lower(p, put).compile()
     logits, loss, grads = compiled(p, put)
-  return np.asarray(logits), float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
+  return None if logits is None else np.asarray(logits), float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
 
 
 def _errors(got, want) -> dict[str, float]:
-  real = _batch("llama" if got[0].shape[1] == 64 else "qwen3.5", 2)["segment_ids"] > 0  # padding's logits are free
+  """Max |diff| of the real positions' logits, the loss and each gradient leaf (by its path)."""
+  real = _batch(2)["segment_ids"] > 0  # padding's logits are free
   errs = max_diffs(got[1:3], want[1:3])
-  errs["logits"] = float(np.max(np.abs(got[0] - want[0])[real]))
+  if got[0] is not None:
+    errs["logits"] = float(np.max(np.abs(got[0] - want[0])[real]))
   return errs
 
 
-@pytest.mark.parametrize("model, mesh", [("llama", "context2"), ("llama", "context4"), ("llama", "context2_fsdp2_auto"),
-                                         ("qwen3.5", "context4"), ("qwen3.5", "context2_fsdp2_auto")])
-def test_ring_model_equals_unsharded(model, mesh):
+@pytest.mark.parametrize("model, mesh, shards", PROGRAMS)
+def test_ring_model_equals_unsharded(model, mesh, shards):
   errs = _errors(_model_run(model, *RING, *MESHES[mesh]), _model_run(model, *UNSHARDED))
-  print(f"{model} {mesh}: max |diff| {max(errs.values()):.3g} (logits {errs['logits']:.3g})")
+  print(f"{model} {mesh}: max |diff| {max(errs.values()):.3g} (logits {errs.get('logits')})")
   assert len(errs) > 10  # logits, loss and every parameter's gradient
   assert max(errs.values()) < MODEL_ATOL, {k: v for k, v in errs.items() if v >= MODEL_ATOL}
 
@@ -206,20 +220,19 @@ def _collectives(hlo: str, scope: str) -> dict[str, list[dict]]:
 
 
 def _has_length(shape: str, T: int) -> bool:
-  dims = shape.split("[")[1].split("]")[0].split(",")
-  return str(T) in dims
+  """A collective's result shape (e.g. f32[2,64,2,8]{...}) has a dimension of T or more (T padded: XLA pads
+  flash's block-padded length to a multiple of the shards)."""
+  return any(int(d) >= T for d in shape.split("[")[1].split("]")[0].split(",") if d)
 
 
-@pytest.mark.parametrize("model, mesh, shards", [("llama", "context4", 4), ("qwen3.5", "context2_fsdp2_auto", 2)])
+@pytest.mark.parametrize("model, mesh, shards", PROGRAMS)
 def test_ring_program_gathers_no_keys_or_values(model, mesh, shards):
   """In the compiled ring programs, attention's collectives never carry the whole sequence: no all-gather (or
   any collective) of T rows in the attention layers, and the ring's collective-permutes are there, each one
   chunk (T / 2C rows) of one array, no more."""
-  cfg = load_config(*MODELS[model], *COMMON)
-  T, m = cfg.train.seq_len, cfg.model
+  m = load_config(*MODELS[model], *COMMON).model
   hlo = _model_run(model, *RING, *MESHES[mesh])[3]
-  attn = "full_attn" if model == "qwen3.5" else "attn"
-  calls = _collectives(hlo, attn)
+  calls = _collectives(hlo, "full_attn" if model == "qwen3.5" else "attn")
   whole = [(kind, c["shape"], c["scope"]) for kind, cs in calls.items() for c in cs if _has_length(c["shape"], T)]
   assert not whole, whole
   ring = [c for c in calls["collective-permute"] if "ring_attention" in c["scope"]]
@@ -228,14 +241,17 @@ def test_ring_program_gathers_no_keys_or_values(model, mesh, shards):
   assert all(c["bytes_per_call"] <= chunk for c in ring), [(c["shape"], c["bytes_per_call"]) for c in ring]
 
 
-def test_gather_program_gathers_keys_and_values():
-  """The control of the check above: context_attention=gather (XLA's partitioning of the same flash core) on
-  context=2 all-gathers K/V with their whole T in the attention layer, and no ring permutes are there."""
-  T = 64
-  hlo = _model_run("llama", "attention_impl=flash", "context_attention=gather", *MESHES["context2"])[3]
-  calls = _collectives(hlo, "attn")
-  assert [c for c in calls["all-gather"] if _has_length(c["shape"], T)], calls["all-gather"]
-  assert not [c for c in calls["collective-permute"] if "ring_attention" in c["scope"]]
+def test_the_gather_form_gathers_keys_and_values():
+  """The control of the check above: flash_attention left to XLA's partitioner with the sequence sharded over
+  context (what context_attention=gather compiles; forward only) all-gathers rows of the whole T (padded); the
+  ring kernel's program (forward and backward) moves chunks only."""
+  mesh = _context_mesh(mode="auto")
+  with jax.set_mesh(mesh):
+    texts = {"gather": _kernel_run(FA.flash_attention, False, mesh)[1], "ring": _ring_once()[1]}
+  whole = {name: [c["shape"] for cs in _collectives(hlo, "").values() for c in cs if _has_length(c["shape"], T_K)]
+           for name, hlo in texts.items()}
+  assert whole["gather"] and not whole["ring"], whole
+  assert _collectives(texts["ring"], "ring_attention")["collective-permute"]
 
 
 def test_the_key_resolves_and_reports():
@@ -243,13 +259,13 @@ def test_the_key_resolves_and_reports():
   2 x mesh.context chunks (one ConfigError line naming the keys)."""
   assert attention_impl(load_config(*LLAMA, *RING, "mesh.context=2"), "cpu") == "ring"
   assert attention_impl(load_config(*LLAMA, "attention_impl=flash", "mesh.context=2", "context_attention=gather"),
-                          "cpu") == "flash"
+                        "cpu") == "flash"
   assert attention_impl(load_config(*LLAMA, *RING), "cpu") == "flash"  # one shard: nothing to pass around
   assert attention_impl(load_config(*LLAMA, "mesh.context=2"), "cpu") == "xla"  # the materialized reference gathers
   assert load_config().context_attention == "ring"
   with pytest.raises(ConfigError, match=r"^context_attention=ring: train.seq_len=68 .*multiple of 8"):
     registry.validate(load_config(*LLAMA, "train.seq_len=68", "mesh.context=4", "cpu_devices=4"))
   registry.validate(load_config(*LLAMA, "train.seq_len=68", "mesh.context=4", "cpu_devices=4",
-                                  "context_attention=gather"))
+                                "context_attention=gather"))
   with pytest.raises(ConfigError, match=r"^context_attention: .*'ring' or 'gather'"):
     load_config("context_attention=allgather")

@@ -118,66 +118,81 @@ def _from_zigzag(y, C: int, axis: str):
 
 
 def _halves(x, cp: int):
-  """[B, 2c, ...] -> its two chunks, each padded to cp rows."""
+  """[B, 2c, ...] -> its two chunks, each padded to cp rows, stacked: [2, B, cp, ...] (None stays None)."""
+  if x is None:
+    return None
   c = x.shape[1] // 2
   pad = ((0, 0), (0, cp - c)) + ((0, 0),) * (x.ndim - 2)
-  return tuple(jnp.pad(h, pad) if cp > c else h for h in (x[:, :c], x[:, c:]))
+  return jnp.stack([jnp.pad(h, pad) if cp > c else h for h in (x[:, :c], x[:, c:])])
+
+
+def _rows(x_2B, c: int):
+  """_halves' inverse: [2, B, cp, ...] -> [B, 2c, ...]."""
+  return jnp.concatenate([x_2B[0, :, :c], x_2B[1, :, :c]], axis=1)
 
 
 def _deltas(ring: _Ring, step):
-  """{(query half, key half): first query position - first key position} at ring step `step` (the keys then come
-  from device r - step)."""
+  """[2, 2] int: (query half a, key half e) -> first query position - first key position at ring step `step` (the
+  keys then come from device r - step)."""
   C, c = ring.size, ring.flash.length
   r = lax.axis_index(ring.axis)
   mine, theirs = chunk_ids(r, C), chunk_ids((r - step) % C, C)
-  return {(a, e): (mine[a] - theirs[e]) * c for a in (0, 1) for e in (0, 1)}
+  return jnp.stack([jnp.stack([(mine[a] - theirs[e]) * c for e in (0, 1)]) for a in (0, 1)])
 
 
-def _send(ring: _Ring, *xs):
-  return tuple(lax.ppermute(x, ring.axis, ring_perm(ring.size)) for x in xs)
+def _send(ring: _Ring, tree):
+  """tree's arrays to the next device on the ring (ring_perm)."""
+  return jax.tree.map(lambda x: lax.ppermute(x, ring.axis, ring_perm(ring.size)), tree)
+
+
+def _blocks(ring: _Ring, cp: int) -> tuple[int, int]:
+  """(block, blocks per chunk)."""
+  return ring.flash.block, cp // ring.flash.block
+
+
+def _pad_len(ring: _Ring) -> int:
+  b, c = ring.flash.block, ring.flash.length
+  return -(-c // b) * b
 
 
 def _forward(ring: _Ring, q, k, v, seg):
-  """(out [B, 2c, K, G, Hv], lse halves [B, K, G, cp] x 2) of this device's zigzag rows."""
-  st = ring.flash
-  b, c = st.block, st.length
-  cp = -(-c // b) * b
-  n = cp // b
-  qh, kh, vh = _halves(q, cp), _halves(k, cp), _halves(v, cp)
-  sh = _halves(seg, cp) if st.segments else (None, None)
-  B, _, K, G, _ = qh[0].shape
-  Hv = v.shape[-1]
-  rows = FA.empty_rows(B, K, G, b, Hv)
-  # [n, B, K, G, bq(, Hv)] per query half, varying over the ring as the blocks merged into it do.
-  state = tuple(tuple(lax.pcast(jnp.broadcast_to(x, (n,) + x.shape), (ring.axis,), to="varying") for x in rows)
-                for _ in (0, 1))
+  """(out [B, 2c, K, G, Hv], lse [2, B, K, G, cp]) of this device's zigzag rows (two chunks, padded to cp)."""
+  st, cp = ring.flash, _pad_len(ring)
+  b, n = _blocks(ring, cp)
+  qs, sq = _halves(q, cp), _halves(seg, cp)
+  _, B, _, K, G, _ = qs.shape
+  # [2, n, B, K, G, bq(, Hv)]: each query half's blocks' running softmax, varying over the ring as what merges in.
+  state = tuple(lax.pcast(jnp.broadcast_to(x, (2, n) + x.shape), (ring.axis,), to="varying")
+                for x in FA.empty_rows(B, K, G, b, v.shape[-1]))
 
   def merge(state, kv, step):
-    kh, vh, sk = kv
+    """Every (query half, key half) pair of this step merged into the running softmax (one loop, one trace)."""
+    ks, vs, sk = kv
     deltas = _deltas(ring, step)
-    out = []
-    for a in (0, 1):
-      def query_block(args, a=a):
+
+    def pair(p, state):
+      a, e = p // 2, p % 2
+      d = deltas[a, e]
+
+      def query_block(args):
         i, carry = args
-        q_i = lax.dynamic_slice_in_dim(qh[a], i * b, b, axis=1)
-        for e in (0, 1):
-          d = deltas[a, e]
-          carry = FA.merge_keys(st, q_i, i, kh[e], vh[e], sh[a], carry, FA._key_blocks(st, i, d, n), sk[e], d)
-        return carry
-      out.append(lax.map(query_block, (jnp.arange(n), state[a])))
-    return tuple(out)
+        q_i = lax.dynamic_slice_in_dim(qs[a], i * b, b, axis=1)  # [B, bq, K, G, H]
+        return FA.merge_keys(st, q_i, i, ks[e], vs[e], None if sq is None else sq[a], carry,
+                             FA._key_blocks(st, i, d, n), None if sk is None else sk[e], d)
+      new = lax.map(query_block, (jnp.arange(n), tuple(x[a] for x in state)))
+      return tuple(x.at[a].set(y) for x, y in zip(state, new))
+    return lax.fori_loop(0, 4, pair, state)
 
   def hop(carry, step):
     state, kv = carry
-    nxt = _send(ring, *jax.tree.leaves(kv))  # in flight while this step's blocks merge
-    return (merge(state, kv, step), jax.tree.unflatten(jax.tree.structure(kv), nxt)), None
+    nxt = _send(ring, kv)  # in flight while this step's blocks merge
+    return (merge(state, kv, step), nxt), None
 
-  kv = (kh, vh, sh)
+  kv = (_halves(k, cp), _halves(v, cp), _halves(seg, cp))
   (state, kv), _ = lax.scan(hop, (state, kv), jnp.arange(ring.size - 1))
   state = merge(state, kv, ring.size - 1)
-  outs, lses = zip(*(FA.blocks_to_rows(*FA.finish_rows(*s, v.dtype)) for s in state))
-  out = jnp.concatenate([o[:, :c] for o in outs], axis=1)
-  return out, lses
+  out, lse = jax.vmap(lambda *s: FA.blocks_to_rows(*FA.finish_rows(*s, v.dtype)))(*state)  # [2, B, cp, K, G, Hv]
+  return _rows(out, st.length), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -186,59 +201,53 @@ def _ring_attention(ring: _Ring, q, k, v, seg):
 
 
 def _ring_fwd(ring: _Ring, q, k, v, seg):
-  out, lses = _forward(ring, q, k, v, seg)
-  return out, (q, k, v, seg, out, lses)
+  out, lse = _forward(ring, q, k, v, seg)
+  return out, (q, k, v, seg, out, lse)
 
 
 def _ring_bwd(ring: _Ring, res, d_out):
-  """K/V go around the ring again, their float32 gradients beside them; per step, each of this device's key
-  blocks against the query blocks that see it (flash's key_block_grads); a last hop brings dk, dv home."""
-  q, k, v, seg, out, lses = res
-  st = ring.flash
-  b, c = st.block, st.length
-  cp = -(-c // b) * b
-  n = cp // b
-  qh, doh, oh = _halves(q, cp), _halves(d_out, cp), _halves(out, cp)
-  sh = _halves(seg, cp) if st.segments else (None, None)
-  d_rows = tuple(FA.row_term(d, o) for d, o in zip(doh, oh))  # [B, K, G, cp] per half
-  kv = (_halves(k, cp), _halves(v, cp), sh)
+  """K/V go around the ring again, their float32 gradients beside them; per step, each key half's blocks against
+  the query blocks of each query half that see them (flash's key_block_grads); a last hop brings dk, dv home."""
+  q, k, v, seg, out, lse = res
+  st, cp = ring.flash, _pad_len(ring)
+  b, n = _blocks(ring, cp)
+  qs, dos, sq = _halves(q, cp), _halves(d_out, cp), _halves(seg, cp)
+  d_rows = jax.vmap(FA.row_term)(dos, _halves(out, cp))  # [2, B, K, G, cp]
   zeros = lambda x: lax.pcast(jnp.zeros(x.shape, _F32), (ring.axis,), to="varying")  # noqa: E731
-  dq = tuple(zeros(x) for x in qh)
-  dkv = (tuple(zeros(x) for x in kv[0]), tuple(zeros(x) for x in kv[1]))
+  kv = (_halves(k, cp), _halves(v, cp), _halves(seg, cp))
+  dq, dkv = zeros(qs), (zeros(kv[0]), zeros(kv[1]))
 
   def grads(dq, kv, dkv, step):
-    (kh, vh, sk), (dk, dv) = kv, dkv
+    ks, vs, sk = kv
     deltas = _deltas(ring, step)
-    dq, dk, dv = list(dq), list(dk), list(dv)
-    for e in (0, 1):
-      def key_block(dq, j, e=e):
-        k_j = lax.dynamic_slice_in_dim(kh[e], j * b, b, axis=1)
-        v_j = lax.dynamic_slice_in_dim(vh[e], j * b, b, axis=1)
-        dk_j = lax.dynamic_slice_in_dim(dk[e], j * b, b, axis=1)
-        dv_j = lax.dynamic_slice_in_dim(dv[e], j * b, b, axis=1)
-        dq = list(dq)
-        for a in (0, 1):
-          d = deltas[a, e]
-          dq[a], dk_j, dv_j = FA.key_block_grads(st, j, k_j, v_j, qh[a], doh[a], lses[a], d_rows[a], sh[a],
-                                                 (dq[a], dk_j, dv_j), FA._query_blocks(st, j, n, d), sk[e], d)
-        return tuple(dq), (dk_j, dv_j)
-      dq, (dk_e, dv_e) = lax.scan(key_block, tuple(dq), jnp.arange(n))  # [n, B, bk, K, H]
-      dk[e] = jnp.reshape(jnp.moveaxis(dk_e, 0, 1), kh[e].shape)
-      dv[e] = jnp.reshape(jnp.moveaxis(dv_e, 0, 1), vh[e].shape)
-    return tuple(dq), (tuple(dk), tuple(dv))
+
+    def pair(p, carry):
+      dq, dk, dv = carry
+      e, a = p // 2, p % 2
+      d = deltas[a, e]
+
+      def key_block(dq_a, j):
+        k_j, v_j, dk_j, dv_j = (lax.dynamic_slice_in_dim(x[e], j * b, b, axis=1) for x in (ks, vs, dk, dv))
+        dq_a, dk_j, dv_j = FA.key_block_grads(st, j, k_j, v_j, qs[a], dos[a], lse[a], d_rows[a],
+                                              None if sq is None else sq[a], (dq_a, dk_j, dv_j),
+                                              FA._query_blocks(st, j, n, d), None if sk is None else sk[e], d)
+        return dq_a, (dk_j, dv_j)
+      dq_a, (dk_e, dv_e) = lax.scan(key_block, dq[a], jnp.arange(n))  # [n, B, bk, K, H]
+      whole = lambda x: jnp.reshape(jnp.moveaxis(x, 0, 1), x.shape[1:2] + (cp,) + x.shape[3:])  # noqa: E731
+      return dq.at[a].set(dq_a), dk.at[e].set(whole(dk_e)), dv.at[e].set(whole(dv_e))
+    dq, dk, dv = lax.fori_loop(0, 4, pair, (dq,) + dkv)
+    return dq, (dk, dv)
 
   def hop(carry, step):
     dq, kv, dkv = carry
     dq, dkv = grads(dq, kv, dkv, step)
-    leaves = jax.tree.leaves((kv, dkv))
-    moved = jax.tree.unflatten(jax.tree.structure((kv, dkv)), _send(ring, *leaves))
-    return (dq,) + moved, None
+    return (dq,) + _send(ring, (kv, dkv)), None
 
   (dq, kv, dkv), _ = lax.scan(hop, (dq, kv, dkv), jnp.arange(ring.size - 1))
   dq, dkv = grads(dq, kv, dkv, ring.size - 1)
-  dk, dv = (tuple(_send(ring, *h)) for h in dkv)  # home: the blocks held now are device r + 1's
-  whole = lambda hs, like: jnp.concatenate([h[:, :c] for h in hs], axis=1).astype(like.dtype)  # noqa: E731
-  return whole(dq, q), whole(dk, k), whole(dv, v), None
+  dk, dv = _send(ring, dkv)  # home: the blocks held now are device r + 1's
+  c = st.length
+  return _rows(dq, c).astype(q.dtype), _rows(dk, c).astype(k.dtype), _rows(dv, c).astype(v.dtype), None
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
