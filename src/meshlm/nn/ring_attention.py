@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.nn import flash_attention as FA
-from meshlm.parallel.sharding import context_size
 
 _F32 = jnp.float32
 
@@ -55,7 +54,8 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
   """flash_attention's contract ([B, T, K, G, Hv] back) with T sharded over mesh axis `axis` (the current mesh's;
   without it, or at size 1, flash_attention itself). T must divide by 2C. A shard_map manual over `axis` only:
   the batch and head axes keep the sharding the caller's region gives them."""
-  C = context_size() if axis == "context" else dict(jax.sharding.get_abstract_mesh().shape).get(axis, 1)
+  mesh = jax.sharding.get_abstract_mesh()
+  C = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
   kw = dict(scale=scale, softcap=softcap, window=window, block=block)
   if C == 1:
     return FA.flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, **kw)
@@ -77,9 +77,10 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
   P = jax.sharding.PartitionSpec
   seq = P(None, axis)
   args = (q, k_BSKH, v_BSKH, *segs)
-  if set(jax.sharding.get_abstract_mesh().axis_types) == {jax.sharding.AxisType.Explicit}:
-    # Outside an auto-axes region (the mixers call it inside one): T onto `axis`, the other dims as they are.
-    args = tuple(jax.sharding.reshard(x, P(*(jax.typeof(x).sharding.spec[:1] + (axis,)))) for x in args)
+  if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:
+    # Outside an auto-axes region (the mixers call it inside one): T onto `axis`, the rows as they are.
+    rows = lambda x: (tuple(jax.typeof(x).sharding.spec) + (None,))[0]  # noqa: E731
+    args = tuple(jax.sharding.reshard(x, P(rows(x), axis)) for x in args)
   with jax.named_scope("ring_attention"):
     return jax.shard_map(local, in_specs=(seq,) * len(args), out_specs=seq, axis_names=frozenset({axis}))(*args)
 
