@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshlm.analysis.census import attention_impl, hlo_counts
+from meshlm.analysis.census import attention_impl, hlo_counts, stablehlo_counts
 from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.models import decoder, registry
@@ -180,7 +180,7 @@ def _params(model: str):
 
 @functools.cache
 def _model_run(model: str, *over: str):
-  """(logits, loss, grads) as numpy and the compiled HLO text: the model's forward and grads_and_loss, one jit
+  """(logits, loss, grads) as numpy, the compiled HLO and the StableHLO text: the model's forward and grads_and_loss, one jit
   (llama; qwen3.5's logits are None, the loss and gradients checked, a compile saved)."""
   cfg = load_config(*MODELS[model], *COMMON, *over)
   registry.validate(cfg)
@@ -192,9 +192,11 @@ def _model_run(model: str, *over: str):
     def step(p, b):
       logits = decoder.forward(cfg, p, b["inputs"], b["positions"], b["segment_ids"]) if model == "llama" else None
       return (logits,) + grads_and_loss(cfg, p, b)[:2]
-    compiled = jax.jit(step).lower(p, put).compile()
+    lowered = jax.jit(step).lower(p, put)
+    compiled = lowered.compile()
     logits, loss, grads = compiled(p, put)
-  return None if logits is None else np.asarray(logits), float(loss), jax.tree.map(np.asarray, grads), compiled.as_text()
+  return (None if logits is None else np.asarray(logits), float(loss), jax.tree.map(np.asarray, grads),
+          compiled.as_text(), lowered.as_text(debug_info=True))
 
 
 def _errors(got, want) -> dict[str, float]:
@@ -229,7 +231,9 @@ def _has_length(shape: str, T: int) -> bool:
 def test_ring_program_gathers_no_keys_or_values(model, mesh, shards):
   """In the compiled ring programs, attention's collectives never carry the whole sequence: no all-gather (or
   any collective) of T rows in the attention layers, and the ring's collective-permutes are there, each at most a
-  device's own rows (two chunks, T / C) of one of q, K, V or their gradients."""
+  device's own rows (two chunks, T / C) of one of q, K, V or their gradients. The explicit-sharding promise holds:
+  no blocked transpose-of-dot pair (a shard_map manual over `context` alone put an open sharding constraint after
+  every op inside it: 24 blocked pairs on llama2-tiny, context=2)."""
   m = load_config(*MODELS[model], *COMMON).model
   hlo = _model_run(model, *RING, *MESHES[mesh])[3]
   calls = _collectives(hlo, "full_attn" if model == "qwen3.5" else "attn")
@@ -239,6 +243,8 @@ def test_ring_program_gathers_no_keys_or_values(model, mesh, shards):
   assert ring, calls["collective-permute"]
   own = 2 * (T // shards) * m.num_heads * m.head_dim * 4  # B = 2 rows of T / C positions, q's width, float32
   assert all(c["bytes_per_call"] <= own for c in ring), [(c["shape"], c["bytes_per_call"]) for c in ring]
+  shlo = stablehlo_counts(_model_run(model, *RING, *MESHES[mesh])[4], ())[0]
+  assert shlo["transpose_of_dot"]["blocked"] == 0 < shlo["transpose_of_dot"]["adjacent"], shlo["transpose_of_dot"]
 
 
 def test_the_gather_form_gathers_keys_and_values():

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshlm.nn import flash_attention as FA
+from meshlm.parallel.sharding import logical_spec
 
 _F32 = jnp.float32
 
@@ -36,6 +37,7 @@ class _Ring:
   flash: FA._Static  # its length: the real chunk length c (the chunks are padded to a multiple of the block)
   axis: str
   size: int  # C, the devices on the ring
+  vary: tuple[str, ...] = ()  # the mesh axes q, K and V are split over (rows, `axis`, kv heads)
 
 
 def chunk_ids(r, C: int):
@@ -52,8 +54,10 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
                    *, scale: float, softcap: float | None = None, window: int | None = None, axis: str = "context",
                    block: int = FA.BLOCK) -> jax.Array:
   """flash_attention's contract ([B, T, K, G, Hv] back) with T sharded over mesh axis `axis` (the current mesh's;
-  without it, or at size 1, flash_attention itself). T must divide by 2C. A shard_map manual over `axis` only:
-  the batch and head axes keep the sharding the caller's region gives them."""
+  without it, or at size 1, flash_attention itself). T must divide by 2C. A shard_map manual over every mesh axis:
+  the rows split as the batch's logical axis says, the kv heads over what shards them when it divides them (a
+  shard_map left partly auto marks every op inside with an open sharding constraint, which the census counts as
+  blocking each transpose-of-dot)."""
   mesh = jax.sharding.get_abstract_mesh()
   C = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
   kw = dict(scale=scale, softcap=softcap, window=window, block=block)
@@ -66,7 +70,6 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
   c = T // (2 * C)
   b = min(block, c)
   segs = () if segment_ids_BT is None else (segment_ids_BT.astype(jnp.int32),)
-  ring = _Ring(FA._Static(float(scale), softcap, window, b, c, bool(segs)), axis, C)
   q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
 
   def local(q, k, v, *seg):
@@ -75,14 +78,16 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
     return _from_zigzag(out, C, axis)
 
   P = jax.sharding.PartitionSpec
-  seq = P(None, axis)
+  rows = logical_spec(("batch",), (B,))[0]
+  heads = logical_spec(("kv_heads",), (K,))[0]
+  specs = (P(rows, axis, heads), P(rows, axis, heads), P(rows, axis, heads), P(rows, axis))[:3 + len(segs)]
+  names = lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)  # noqa: E731
+  ring = _Ring(FA._Static(float(scale), softcap, window, b, c, bool(segs)), axis, C, names(rows) + (axis,) + names(heads))
   args = (q, k_BSKH, v_BSKH, *segs)
-  if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:
-    # Outside an auto-axes region (the mixers call it inside one): T onto `axis`, the rows as they are.
-    rows = lambda x: (tuple(jax.typeof(x).sharding.spec) + (None,))[0]  # noqa: E731
-    args = tuple(jax.sharding.reshard(x, P(rows(x), axis)) for x in args)
+  if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:  # outside an auto-axes region (the mixers' is one)
+    args = tuple(jax.sharding.reshard(x, s) for x, s in zip(args, specs))
   with jax.named_scope("ring_attention"):
-    return jax.shard_map(local, in_specs=(seq,) * len(args), out_specs=seq, axis_names=frozenset({axis}))(*args)
+    return jax.shard_map(local, in_specs=specs, out_specs=specs[0])(*args)
 
 
 # ----------------------------------------------------------------------------------------------- the layout
@@ -141,6 +146,11 @@ def _deltas(ring: _Ring, step):
   return jnp.stack([jnp.stack([(mine[a] - theirs[e]) * c for e in (0, 1)]) for a in (0, 1)])
 
 
+def _varying(ring: _Ring, x):
+  """x (built from constants) varying over the shard_map axes q, K and V vary over, as loop carries must be."""
+  return lax.pcast(x, ring.vary, to="varying")
+
+
 def _send(ring: _Ring, tree):
   """tree's arrays to the next device on the ring (ring_perm)."""
   return jax.tree.map(lambda x: lax.ppermute(x, ring.axis, ring_perm(ring.size)), tree)
@@ -163,8 +173,7 @@ def _forward(ring: _Ring, q, k, v, seg):
   qs, sq = _halves(q, cp), _halves(seg, cp)
   _, B, _, K, G, _ = qs.shape
   # [2, n, B, K, G, bq(, Hv)]: each query half's blocks' running softmax, varying over the ring as what merges in.
-  state = tuple(lax.pcast(jnp.broadcast_to(x, (2, n) + x.shape), (ring.axis,), to="varying")
-                for x in FA.empty_rows(B, K, G, b, v.shape[-1]))
+  state = tuple(_varying(ring, jnp.broadcast_to(x, (2, n) + x.shape)) for x in FA.empty_rows(B, K, G, b, v.shape[-1]))
 
   def merge(state, kv, step):
     """Every (query half, key half) pair of this step merged into the running softmax (one loop, one trace)."""
@@ -214,7 +223,7 @@ def _ring_bwd(ring: _Ring, res, d_out):
   b, n = _blocks(ring, cp)
   qs, dos, sq = _halves(q, cp), _halves(d_out, cp), _halves(seg, cp)
   d_rows = jax.vmap(FA.row_term)(dos, _halves(out, cp))  # [2, B, K, G, cp]
-  zeros = lambda x: lax.pcast(jnp.zeros(x.shape, _F32), (ring.axis,), to="varying")  # noqa: E731
+  zeros = lambda x: _varying(ring, jnp.zeros(x.shape, _F32))  # noqa: E731
   kv = (_halves(k, cp), _halves(v, cp), _halves(seg, cp))
   dq, dkv = zeros(qs), (zeros(kv[0]), zeros(kv[1]))
 
