@@ -28,6 +28,7 @@ from meshlm.errors import ConfigError
 from meshlm.models import decoder, registry
 from meshlm.models.params import init_params, param_shardings
 from meshlm.nn import flash_attention as FA, ring_attention as RA
+from meshlm.nn.attention import resolve_context
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.step import grads_and_loss
 from seams import max_diffs, packed_batch, placed_batch
@@ -269,6 +270,9 @@ def test_the_key_resolves_and_reports():
   assert attention_impl(load_config(*LLAMA, *RING), "cpu") == "flash"  # one shard: nothing to pass around
   assert attention_impl(load_config(*LLAMA, "mesh.context=2"), "cpu") == "xla"  # the materialized reference gathers
   assert load_config().context_attention == "ring"
+  # A length that does not split into 2 x shards chunks (meshlm.forward on any prompt) runs the gather.
+  assert resolve_context("flash", "ring", 2, 68) == "ring" and resolve_context("flash", "ring", 4, 68) == "flash"
+  assert resolve_context("flash", "ring", 2, 64, mode="prefill") == "flash"
   with pytest.raises(ConfigError, match=r"^context_attention=ring: train.seq_len=68 .*multiple of 8"):
     registry.validate(load_config(*LLAMA, "train.seq_len=68", "mesh.context=4", "cpu_devices=4"))
   registry.validate(load_config(*LLAMA, "train.seq_len=68", "mesh.context=4", "cpu_devices=4",

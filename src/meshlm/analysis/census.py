@@ -421,7 +421,7 @@ def attention_impl(cfg, platform: str | None = None) -> str:
   import jax
   from meshlm.nn.attention import resolve_context, resolve_impl
   impl = resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend())
-  return resolve_context(impl, cfg.context_attention, cfg.mesh.context)
+  return resolve_context(impl, cfg.context_attention, cfg.mesh.context, cfg.train.seq_len)
 
 
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   m = cfg.model
   T = positions_BT.shape[1]
   impl = resolve_impl(cfg.attention_impl, T, platform()) if mode != "decode" else "xla"
-  impl = resolve_context(impl, cfg.context_attention, context_size(), mode)
+  impl = resolve_context(impl, cfg.context_attention, context_size(), T, mode)
   ropes = {"global": {d: freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling) for d in rotary_dims}}
   if "local" in contexts and m.rope_local_theta is not None:
     ropes["local"] = {d: rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)) for d in rotary_dims}

@@ -67,11 +67,13 @@ def resolve_impl(impl: str, T: int, platform: str) -> str:
   return "flash" if platform != "cpu" or T >= CPU_FLASH_FROM else "xla"
 
 
-def resolve_context(impl: str, context_attention: str, shards: int, mode: str = "train") -> str:
-  """The core a program runs once the sequence's sharding is known: "ring" (nn/ring_attention.py, flash's blocks
-  passed around mesh.context) when training with the flash core on shards > 1 and context_attention=ring; impl
-  otherwise (gather: XLA's partitioner all-gathers K/V over the context axis). Prefill and decode keep impl."""
-  ring = mode == "train" and impl == "flash" and shards > 1 and context_attention == "ring"
+def resolve_context(impl: str, context_attention: str, shards: int, T: int, mode: str = "train") -> str:
+  """The core a program of length T runs once the sequence's sharding is known: "ring" (nn/ring_attention.py,
+  flash's blocks passed around mesh.context) when training with the flash core on shards > 1, context_attention=ring
+  and T in 2 x shards whole chunks (the train step's T always is: registry.check_shards; a meshlm.forward call of
+  another length gathers); impl otherwise (gather: XLA's partitioner all-gathers over the context axis). Prefill
+  and decode keep impl."""
+  ring = mode == "train" and impl == "flash" and shards > 1 and context_attention == "ring" and T % (2 * shards) == 0
   return "ring" if ring else impl
 
 
