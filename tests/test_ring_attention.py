@@ -181,8 +181,8 @@ def _params(model: str):
 
 @functools.cache
 def _model_run(model: str, *over: str):
-  """(logits, loss, grads) as numpy, the compiled HLO and the StableHLO text: the model's forward and grads_and_loss, one jit
-  (llama; qwen3.5's logits are None, the loss and gradients checked, a compile saved)."""
+  """(logits, loss, grads) as numpy, the compiled HLO and the StableHLO text: the model's forward and
+  grads_and_loss, one jit (llama; qwen3.5's logits are None, its loss and gradients checked, a compile saved)."""
   cfg = load_config(*MODELS[model], *COMMON, *over)
   registry.validate(cfg)
   mesh = make_mesh(cfg)

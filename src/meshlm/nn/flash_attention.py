@@ -114,7 +114,8 @@ def _query_blocks(st: _Static, j, n: int, delta=0):
   if isinstance(delta, int) and delta == 0:
     hi = n if st.window is None else jnp.minimum((j * b + b - 1 + st.window - 1) // b + 1, n)
     return j, hi
-  lo = jnp.clip(-((delta - j * b + b - 1) // b), 0, n)  # ceil((j b - delta - b + 1) / b): the first query at or after the key
+  # ceil((j b - delta - b + 1) / b): the first block with a query at or after the key block's first key
+  lo = jnp.clip(-((delta - j * b + b - 1) // b), 0, n)
   hi = n if st.window is None else jnp.clip((j * b + b - 2 + st.window - delta) // b + 1, 0, n)
   return lo, jnp.maximum(hi, lo)
 

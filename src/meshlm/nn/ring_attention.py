@@ -4,7 +4,7 @@ With T sharded over the C devices of mesh axis `context`, each device keeps its 
 their segment ids) around the ring with `ppermute`, C - 1 hops; every incoming block is merged into the running
 online softmax of the flash kernel (nn/flash_attention.py: merge_keys, its masks and tiles), so causal, sliding
 window, packed segments, the soft-cap, GQA groups and MLA's unequal head dims work as there. No device ever holds
-more than two chunks of K/V (its own and the one in flight). The backward is FlashAttention-2's, as a custom
+more than two of the C shards of K/V (the one it merges and the one in flight), never the whole sequence's. The backward is FlashAttention-2's, as a custom
 VJP: K/V go around the ring again with their gradients travelling beside them (one more hop brings each dk, dv
 home), dq accumulating in place; nothing but the inputs, the output and the row log-sum-exp is saved.
 
@@ -82,7 +82,8 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
   heads = logical_spec(("kv_heads",), (K,))[0]
   specs = (P(rows, axis, heads), P(rows, axis, heads), P(rows, axis, heads), P(rows, axis))[:3 + len(segs)]
   names = lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)  # noqa: E731
-  ring = _Ring(FA._Static(float(scale), softcap, window, b, c, bool(segs)), axis, C, names(rows) + (axis,) + names(heads))
+  st = FA._Static(float(scale), softcap, window, b, c, bool(segs))
+  ring = _Ring(st, axis, C, names(rows) + (axis,) + names(heads))
   args = (q, k_BSKH, v_BSKH, *segs)
   if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:  # outside an auto-axes region (the mixers' is one)
     args = tuple(jax.sharding.reshard(x, s) for x, s in zip(args, specs))
