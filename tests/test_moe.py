@@ -132,7 +132,9 @@ def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
   x, p, refs = uneven
   y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, impl="reference"))
   np.testing.assert_allclose(y, refs[True][0][1], rtol=1e-6, atol=1e-6)
-  assert set(side) == {"moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", "moe_expert_ids"}
+  assert set(side) == {"moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", "moe_expert_ids",
+                       "moe_dropped"}
+  assert float(side["moe_dropped"]) == 0.0  # only the compact expert-parallel dispatch drops
   with pytest.raises(ValueError, match="impl='capacity'"):
     moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, impl="capacity"))
 

@@ -92,7 +92,9 @@ def before_the_moves(model: dict) -> dict:
   old = {(part, knob): key for key, (part, knob, _) in ModelConfig.MOVED.items()}
   out = {k: v for k, v in model.items() if k != "parts"}
   out.update({key: default for key, (_, _, default) in ModelConfig.MOVED.items()})
-  out.update({old[part, knob]: v for part, knobs in model.get("parts", {}).items() for knob, v in knobs.items()})
+  # Knobs added after the moves (moe's ep_impl, ep_buffer_factor) have no old key: such a config never held them.
+  out.update({old[part, knob]: v for part, knobs in model.get("parts", {}).items() for knob, v in knobs.items()
+              if (part, knob) in old})
   return out
 
 
@@ -248,14 +250,15 @@ def test_an_old_saved_moe_config_loads_and_resumes():
 
 
 def test_a_checkpoint_resumes_under_another_moe_layout_but_not_other_experts():
-  """impl, grouped_matmul and kernel_fsdp are the section's COMPUTE knobs; the experts' count and width are
-  parameters' shapes."""
+  """impl, grouped_matmul, kernel_fsdp, ep_impl and ep_buffer_factor are the section's COMPUTE knobs; the experts'
+  count and width are parameters' shapes."""
   from meshlm.models.ffns.moe import MoEConfig
-  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp")
+  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor")
   cfg = load_config("model=mixtral-tiny")
   saved = cfg.model.model_dump(mode="json")
   moe = saved["parts"]["moe"]
-  other = dict(moe, impl="reference", grouped_matmul="ragged", kernel_fsdp="experts")
+  other = dict(moe, impl="reference", grouped_matmul="ragged", kernel_fsdp="experts", ep_impl="compact",
+               ep_buffer_factor=2.0)
   assert _model_mismatch(dict(saved, parts={"moe": other}), cfg) is None
   assert _model_mismatch(dict(saved, parts={"moe": dict(moe, mlp_dim=128)}), cfg) == (
       "model.parts.moe.mlp_dim is 256 here but 128 in the checkpoint")

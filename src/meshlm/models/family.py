@@ -214,6 +214,9 @@ class Part:
   - losses(m) -> {metric: (coef, fn(side) -> scalar)}: the part's own loss terms (MoE: the router's
     load-balancing and z losses), {} when none is on; the train step adds coef x the token-weighted value to the
     loss and logs the weighted value under the metric's name.
+  - metrics(m) -> {metric: fn(side) -> scalar}: statistics logged beside the loss and never added to it (MoE: the
+    compact dispatch's dropped slots), {} when none is on; token-weighted over micro-batches like the losses, except
+    names ending in _max or _min, which take the max or min over them (train/step.py METRIC_REDUCE).
 
   The opt-in records, each a frozen dataclass documented in its own docstring; a part without the concern leaves
   its default, which declares nothing:
@@ -234,6 +237,7 @@ class Part:
   rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
   side_names: tuple[str, ...] = ()
   losses: Callable[[ModelConfig], Mapping[str, tuple[float, Callable[[dict], jax.Array]]]] = lambda m: {}
+  metrics: Callable[[ModelConfig], Mapping[str, Callable[[dict], jax.Array]]] = lambda m: {}
   compute: Compute = dataclasses.field(default_factory=Compute)
   replay: Replay = dataclasses.field(default_factory=Replay)
   model_state: ModelState | None = None

@@ -73,6 +73,16 @@ class Model:
     return out
 
   @functools.cached_property
+  def metrics(self) -> dict:
+    """{metric: fn(side)}: the statistics the parts log beside the loss (Part.metrics), each part once."""
+    out: dict = {}
+    for p in self.unique_parts:
+      for name, term in p.metrics(self.m).items():
+        assert name not in out and name not in self.losses, f"two parts log the metric {name!r}"
+        out[name] = term
+    return out
+
+  @functools.cached_property
   def scans(self) -> bool:
     return self.cfg.scan_layers and self.plan.groups > 0
 

@@ -373,6 +373,15 @@ class Loop:
     return "done"
 
 
+def part_metrics_text(cfg: Config) -> Callable[[dict], str] | None:
+  """The parts' logged statistics (Part.metrics) for the progress line, or None when the model logs none."""
+  from meshlm.models.model import resolve
+  names = tuple(resolve(cfg).metrics)
+  if not names:
+    return None
+  return lambda m: "  ".join(f"{n} {float(m[n]):.4g}" for n in names if n in m)
+
+
 def train(cfg: Config, *, console: Console | None = None, show_progress: bool = True,
           start_time: float | None = None, data=None,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
@@ -475,7 +484,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     evaluate = Validation(cfg, step_fn)
   step = _count_trained_tokens(step_fn) if getattr(data, "masked", False) else step_fn
   loop = Loop(cfg, step, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step,
-              evaluate=evaluate)
+              evaluate=evaluate, progress_extra=part_metrics_text(cfg))
   out = loop.run(state, start, rng, counters, fetch=lambda i: step_fn.put_batch(next(data)), position=data.get_state)
   state, losses, norms, first_step_s = out.state, out.losses, out.grad_norms, out.first_step_s
   stop_reason, saved, nonfinite_msg = out.stop_reason, out.saved, out.nonfinite_msg

@@ -143,7 +143,7 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
   that are on (Part.losses, each on when its coefficient is set; `part_losses`). The head and the
   cross-entropy are materialized or blockwise (cfg.loss_impl, `blockwise_loss`)."""
   M = resolve(cfg)
-  aux = bool(M.losses)
+  aux = bool(M.losses) or bool(M.metrics)
   state_side = after_step_side(M)
   want_side = aux or bool(state_side)
   args = (M, params, batch["inputs"], batch["positions"], batch["segment_ids"])
@@ -171,11 +171,16 @@ def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> 
 def part_losses(cfg: Config, side: dict, weight: jax.Array) -> tuple[jax.Array, dict]:
   """(sum of coef * weight * term over the parts' loss terms that are on, {metric: weight * term}), from the
   side outputs stacked over the layers (Part.losses: each part computes its terms; only those on are
-  computed and logged)."""
+  computed and logged), and the parts' logged statistics (Part.metrics: weight * value, or the value itself
+  for a *_max or *_min one, which METRIC_REDUCE reduces over micro-batches as it is)."""
+  M = resolve(cfg)
   total, metrics = jnp.zeros((), jnp.float32), {}
-  for name, (coef, term) in resolve(cfg).losses.items():
+  for name, (coef, term) in M.losses.items():
     metrics[name] = weight * term(side)
     total = total + coef * metrics[name]
+  for name, term in M.metrics.items():
+    value = jax.lax.stop_gradient(term(side)).astype(jnp.float32)
+    metrics[name] = value if name.endswith(tuple(METRIC_REDUCE)) else weight * value
   return total, metrics
 
 

@@ -54,7 +54,8 @@ from meshlm.nn.router_replay import check_forced_ids
 
 FORCED_IDS = "forced_expert_ids"  # the per-layer input (ctx.layer) and batch field holding [B, T, k] forced ids
 ROUTED_IDS = "moe_expert_ids"  # the side output holding the routed ids [B, T, k]
-SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", ROUTED_IDS)
+SIDE_NAMES = ("moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", ROUTED_IDS,
+              moe.DROPPED)
 LOAD = "moe_expert_load"  # group_sigmoid's side output: routed pairs per expert [E], what after_step balances
 ROUTER_BIAS = "router_bias"  # group_sigmoid's model-state leaf [E] float32
 KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in unrolled layers (MeshRules.stack_rows)
@@ -66,7 +67,7 @@ class MoEConfig(pydantic.BaseModel):
   """The moe part's own knobs: model.parts.moe.<knob> (their old flat keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor")
   num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -95,6 +96,18 @@ class MoEConfig(pydantic.BaseModel):
       "(expert x fsdp) whole experts and the tokens travel to them), embed (the embed dim; kernels gathered per "
       "layer) or mlp (as embed, but down on its mlp dim); null: experts where moving the tokens costs less than "
       "gathering the kernels, else embed (the run's mesh and batch decide)")
+  # How expert parallelism (the experts dim sharded over mesh.expert and/or mesh.fsdp) moves the tokens
+  # (nn/moe/expert_parallel.py): "gather" all-gathers the expert group's tokens onto every device of it; "compact"
+  # sends each device only the rows routed to its experts, at most ceil(ep_buffer_factor x slots / ep) per peer.
+  ep_impl: Literal["gather", "compact"] = Field(
+      default="gather", description="how expert parallelism moves the tokens: gather (every device of an expert "
+      "group all-gathers the group's tokens and reduce-scatters its outputs back) or compact (each device sends "
+      "each peer only the (token, slot) rows routed to that peer's experts, with all-to-all, in a buffer of "
+      "ep_buffer_factor rows per slot / ep; rows past it are dropped and counted in moe_dropped)")
+  ep_buffer_factor: Optional[float] = Field(
+      default=None, gt=0, description="ep_impl=compact: each device sends each peer of its expert group at most "
+      "ceil(factor x its routed slots / ep) rows (1.0: a perfectly balanced routing; the RL seed uses 2.75); "
+      "null: ep, the worst case, where nothing can drop (dropless)")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(
@@ -117,6 +130,15 @@ class MoEConfig(pydantic.BaseModel):
       default="zero", description="sigmoid routing: what the experts of dropped groups score in the final top-k: "
       "zero (DeepSeek's published modeling_deepseek.py) or -inf (transformers 5's DeepseekV3TopkRouter); they "
       "differ only where a kept expert's biased score is negative")
+
+  @pydantic.field_validator("ep_buffer_factor")
+  @classmethod
+  def _buffer_needs_compact(cls, factor: float | None, info) -> float | None:
+    impl = info.data.get("ep_impl")  # validated before it (field order)
+    if factor is not None and impl != "compact":
+      raise ValueError(f"{factor}: only ep_impl=compact reads it (ep_impl={impl}); set model.parts.moe.ep_impl="
+                       "compact or leave it null")
+    return factor
 
   @pydantic.field_validator("num_experts_per_tok")
   @classmethod
@@ -209,6 +231,16 @@ def router_losses(m: ModelConfig) -> dict:
   return out
 
 
+def drop_metrics(m: ModelConfig) -> dict:
+  """ep_impl=compact's logged statistics (Part.metrics): the fraction of the routed (token, slot) pairs its
+  bounded buffers dropped, the mean over the MoE layers ("moe_dropped") and the largest layer's
+  ("moe_dropped_max"), from the side output moe_dropped [L_moe]; 0 when dropless. {} under ep_impl=gather."""
+  if knobs(m).ep_impl != "compact":
+    return {}
+  return {"moe_dropped": lambda side: jnp.mean(side[moe.DROPPED]),
+          "moe_dropped_max": lambda side: jnp.max(side[moe.DROPPED])}
+
+
 def moe_spec(m: ModelConfig) -> dict:
   """The routed experts' parameters (nn/moe/layer.py moe_spec) at the section's sizes and kernel layout."""
   own = knobs(m)
@@ -226,7 +258,8 @@ def settings(m: ModelConfig, *, norm_topk: bool | None = None, routing: str = "s
                          norm_topk=own.norm_topk_prob if norm_topk is None else norm_topk,
                          activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(own.router_dtype),
                          impl=own.impl, grouped_matmul=own.grouped_matmul,
-                         experts_axis=moe.experts_axis(own.kernel_fsdp),
+                         experts_axis=moe.experts_axis(own.kernel_fsdp), ep_impl=own.ep_impl,
+                         ep_buffer_factor=own.ep_buffer_factor,
                          kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS), **group)
 
 
@@ -347,6 +380,7 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
               apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
                                       routing=routing),
               config=MoEConfig, side_names=SIDE_NAMES + ((LOAD,) if group else ()), losses=router_losses,
+              metrics=drop_metrics,
               compute=Compute(prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES),
               replay=Replay(layer_inputs={FORCED_IDS: FORCED}, replays={ROUTED_IDS: FORCED_IDS}),
               model_state=state,

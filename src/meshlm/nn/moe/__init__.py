@@ -13,7 +13,8 @@ The files, by concern:
 - routing.py: the router's top-k (softmax, DeepSeek-V3's group-limited sigmoid), the bias rule, aux losses.
 - gmm.py: the grouped matmul (loop, blocks, ragged) and its custom backwards.
 - dropless.py: dispatch (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
-- expert_parallel.py: the dispatch with the experts sharded over ep devices.
+- expert_parallel.py: the dispatch with the experts sharded over ep devices (the group's tokens gathered, or compact:
+  only the routed rows moved by all-to-all in bounded buffers, the overflow dropped and counted).
 - layer.py: moe_spec, MoESettings and moe_mlp, the layer (routing, then the dispatch under shard_map).
 The reference beside it (nn/moe_reference.py) runs every expert on every token and masks.
 
@@ -23,21 +24,25 @@ gradient); top-k runs over at most `replay_rows` gathered tokens that are neithe
 with a lax.cond fallback to the full top-k, bit-identical to `replay_impl="full"`. The side outputs
 always carry the routed ids ("moe_expert_ids"), which is what a rollout records for replay.
 """
-from meshlm.nn.moe.dropless import (REMAT_SAVE_NAMES, UNSORTS, dispatch, expert_grad_barrier, fused_glu,
-                                    gather_router_once, inverse_permutation, split_glu, unsort)
-from meshlm.nn.moe.expert_parallel import EXPERT_AXIS, ep_mesh_axes, local_expert_offset
+from meshlm.nn.moe.dropless import (REMAT_SAVE_NAMES, UNSORTS, combine, dispatch, expert_grad_barrier, expert_rows,
+                                    fused_glu, gather_router_once, inverse_permutation, sort_slots, split_glu, unsort,
+                                    unsort_rows)
+from meshlm.nn.moe.expert_parallel import (EP_IMPLS, EXPERT_AXIS, capacity, ep_mesh_axes, local_expert_offset,
+                                           send_layout)
 from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
                                grouped_matmul, loop_block_rows, rest_block_sizes)
-from meshlm.nn.moe.layer import EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp, moe_spec
+from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp,
+                                 moe_spec)
 from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats,
                                    bias_update, expert_load, group_limited_topk, group_route, load_balancing_loss,
                                    route, sigmoid_weights)
 
 __all__ = [
-    "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS", "REMAT_SAVE_NAMES",
-    "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "MoESettings", "aux_stats",
-    "bias_update", "block_layout", "default_block_rows", "default_grouped_matmul", "dispatch", "ep_mesh_axes",
-    "expert_grad_barrier", "expert_load", "experts_axis", "fused_glu", "gather_router_once", "group_limited_topk",
-    "group_route", "grouped_matmul", "inverse_permutation", "load_balancing_loss", "local_expert_offset",
-    "loop_block_rows", "moe_mlp", "moe_spec", "rest_block_sizes", "route", "sigmoid_weights", "split_glu", "unsort",
+    "DROPPED", "EP_IMPLS", "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS",
+    "REMAT_SAVE_NAMES", "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "MoESettings",
+    "aux_stats", "bias_update", "block_layout", "capacity", "combine", "default_block_rows", "default_grouped_matmul",
+    "dispatch", "ep_mesh_axes", "expert_grad_barrier", "expert_load", "expert_rows", "experts_axis", "fused_glu",
+    "gather_router_once", "group_limited_topk", "group_route", "grouped_matmul", "inverse_permutation",
+    "load_balancing_loss", "local_expert_offset", "loop_block_rows", "moe_mlp", "moe_spec", "rest_block_sizes", "route",
+    "send_layout", "sigmoid_weights", "sort_slots", "split_glu", "unsort", "unsort_rows",
 ]

@@ -134,6 +134,8 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
              expert_offset: jax.Array | None = None, grad_barrier: bool = True):
   """Dropless expert computation on local tokens: y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
 
+  The dense parts (sort_slots, the gather, unsort_rows, combine) around the per-row expert work (expert_rows);
+  the compact expert-parallel dispatch (expert_parallel.py) composes the same pieces around an all-to-all.
   fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
   grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
   optimization barrier over their cotangents in the backward).
@@ -143,14 +145,23 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
   """
   if unsort_impl not in UNSORTS:
     raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
-  M, D = x_MD.shape
   k = ids_Mk.shape[1]
-  E = down_EFD.shape[0]
-  dt = x_MD.dtype
-  gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
+  perm, sizes, local = sort_slots(ids_Mk.reshape(-1), down_EFD.shape[0], expert_offset)  # slot j: token j // k
+  with jax.named_scope("gather"):
+    xs = x_MD[perm // k]  # [A, D]
+  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, fused_gate_up=fused_gate_up, activation=activation,
+                   grouped_matmul_impl=grouped_matmul_impl, block_rows=block_rows, grad_barrier=grad_barrier)
+  return combine(unsort_rows(ys, perm, unsort_impl, local), w_Mk)
+
+
+def sort_slots(flat_A: jax.Array, E: int, expert_offset: jax.Array | None = None):
+  """(perm [A] int32, sizes [E] int32, local [A] bool or None): the stable sort of the routed rows by expert
+  id (the one sort; its permutation saved under remat as "moe_perm") and each expert's row count.
+
+  expert_offset: the kernels hold experts [offset, offset + E); ids outside become E, sort last and are
+  counted in no group (local marks the others)."""
   with jax.named_scope("sort"):
-    flat = ids_Mk.reshape(-1)  # [A], slot j belongs to token j // k
-    local = None
+    flat, local = flat_A, None
     if expert_offset is not None:
       # Local expert ids; every other expert becomes E, which sorts last and is counted in no group.
       flat = flat - expert_offset
@@ -158,8 +169,16 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
       flat = jnp.where(local, flat, E)
     perm = checkpoint_name(jnp.argsort(flat, stable=True).astype(jnp.int32), "moe_perm")
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
-  with jax.named_scope("gather"):
-    xs = x_MD[perm // k]  # [A, D]
+  return perm, sizes, local
+
+
+def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, *, fused_gate_up: bool = True,
+                activation=jax.nn.silu, grouped_matmul_impl: str = "auto", block_rows: int | None = None,
+                grad_barrier: bool = True) -> jax.Array:
+  """The per-row expert work: ys [A, D] = glu_{e_j}(xs[j]) over rows sorted by expert (sizes_E rows each; rows
+  past the groups are not computed), with the expert grad barrier on the rows and the kernels."""
+  dt = xs_AD.dtype
+  gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
   if (default_grouped_matmul() if grouped_matmul_impl == "auto" else grouped_matmul_impl) != "loop":
     # Only the expert loop reads a StackRow in place; the others take the row sliced out.
     gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))
@@ -171,33 +190,46 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
     # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
     # shard_map the kernels are made varying first (as the grouped matmul would), so the barrier's
     # cotangents have its inputs' types; the cast's transpose (the cross-shard sum) stays outside.
-    kernels = tuple(_vary_like(w, xs) for w in (gate_EDF, up_EDF, down_EFD))
-    xs, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs, kernels)
+    kernels = tuple(_vary_like(w, xs_AD) for w in (gate_EDF, up_EDF, down_EFD))
+    xs_AD, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs_AD, kernels)
   # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
   with jax.named_scope("experts"):
     if fused_gate_up:
       with jax.named_scope("gate_up"):
-        h = gmm(xs, (_as(gate_EDF, dt), _as(up_EDF, dt)), sizes)  # [A, 2F]
+        h = gmm(xs_AD, (_as(gate_EDF, dt), _as(up_EDF, dt)), sizes_E)  # [A, 2F]
       a = fused_glu(activation, h)
     else:
       with jax.named_scope("gate"):
-        g = checkpoint_name(gmm(xs, _as(gate_EDF, dt), sizes), "moe_gate")
+        g = checkpoint_name(gmm(xs_AD, _as(gate_EDF, dt), sizes_E), "moe_gate")
       with jax.named_scope("up"):
-        u = checkpoint_name(gmm(xs, _as(up_EDF, dt), sizes), "moe_up")
+        u = checkpoint_name(gmm(xs_AD, _as(up_EDF, dt), sizes_E), "moe_up")
       a = activation(g) * u
     with jax.named_scope("down"):
-      ys = gmm(a, _as(down_EFD, dt), sizes)  # [A, D]
+      return gmm(a, _as(down_EFD, dt), sizes_E)  # [A, D]
+
+
+def unsort_rows(ys_AD: jax.Array, perm: jax.Array, unsort_impl: str = "perm",
+                local: jax.Array | None = None) -> jax.Array:
+  """The rows back from expert order to slot order [A, D] ("perm": by the sort's own permutation); rows not
+  local (sort_slots) are zeros."""
   with jax.named_scope("unsort"):
     if unsort_impl == "perm":
-      y_flat = unsort(ys, perm, inverse_permutation(perm))
+      y_flat = unsort(ys_AD, perm, inverse_permutation(perm))
     else:
-      y_flat = ys[jnp.argsort(perm)]
+      y_flat = ys_AD[jnp.argsort(perm)]
     if local is not None:
       # The rows past the local groups are not computed (zeros, or a clamped gather in "blocks").
       y_flat = jnp.where(local[:, None], y_flat, jnp.zeros_like(y_flat))
+  return y_flat
+
+
+def combine(y_flat_AD: jax.Array, w_Mk: jax.Array) -> jax.Array:
+  """y [M, D] = sum_k w[n, k] * y_flat[n * k + k'] (float32 sums, in y_flat's dtype)."""
+  M, k = w_Mk.shape
+  D = y_flat_AD.shape[-1]
   with jax.named_scope("combine"):
-    y = jnp.einsum("nkd,nk->nd", y_flat.reshape(M, k, D).astype(jnp.float32), w_Mk.astype(jnp.float32))
-  return y.astype(dt)
+    y = jnp.einsum("nkd,nk->nd", y_flat_AD.reshape(M, k, D).astype(jnp.float32), w_Mk.astype(jnp.float32))
+  return y.astype(y_flat_AD.dtype)
 
 
 def _as(w, dt):

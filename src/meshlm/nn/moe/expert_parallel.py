@@ -1,4 +1,5 @@
-"""Expert parallelism: the dispatch with the kernels' experts dim sharded over ep devices.
+"""Expert parallelism: the dispatch with the kernels' experts dim sharded over ep devices (ep_impl "gather" or
+"compact").
 
 The kernels stay sharded on their experts dim (on mesh.expert, mesh.fsdp or both: `ep_mesh_axes`), each
 device holding E / ep experts. The tokens of the ep devices of an expert group are all-gathered over those
@@ -7,14 +8,25 @@ sort last and get no grouped-matmul rows: `dispatch(expert_offset=)`), computes 
 token's weighted sum, and a reduce-scatter over the same axes returns each device its own tokens' sums.
 The kernels' gradients stay local to their experts. (Over an axis the batch does not split on, the tokens
 are already shared by the group: no gather, and a psum adds the parts.) All-gather in and reduce-scatter
-out was chosen over all-to-all: dropless routing has no static per-peer row count, so an all-to-all would
-need worst-case buffers of the same size, plus a second sort.
+out is ep_impl="gather" (the default): dropless routing has no static per-peer row count, so an all-to-all
+needs worst-case buffers of the same size, plus a second sort.
+
+ep_impl="compact" (`_dispatch_compact`) moves only the routed rows: each device sorts its own tokens' (token,
+slot) pairs by expert id (so by destination device, id // E_l), sends each peer of the group at most C rows with
+`jax.lax.all_to_all` (C = capacity(): ceil(factor x its slots / ep); rows past it are dropped and counted; factor
+None is the worst case, nothing drops), the peer runs its experts over the received rows (dropless.py's sort,
+expert_rows and unsort_rows), the reverse all_to_all returns them and the sender combines. Over ep axes the batch
+is not split on, the group's copies of the tokens are split between them first and the outputs all-gathered.
+(`jax.lax.ragged_all_to_all` would send exactly the routed rows, but XLA:CPU does not implement it.)
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
+from meshlm.nn.moe import dropless
 from meshlm.nn.moe.gmm import default_block_rows
 from meshlm.parallel.sharding import RULES
 
@@ -77,3 +89,102 @@ def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[st
   if gathered:
     y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
   return y
+
+
+# --- compact: only the routed rows move, in a buffer of bounded size per peer --------------------------------
+
+EP_IMPLS = ("gather", "compact")
+
+
+def capacity(slots: int, ep: int, factor: float | None) -> int:
+  """Rows a device sends each peer: ceil(factor x slots / ep), at most slots (every slot to one peer, the worst
+  case); factor None: slots (nothing can drop)."""
+  if factor is None:
+    return slots
+  return max(1, min(slots, math.ceil(factor * slots / ep)))
+
+
+def send_layout(ids_A: jax.Array, E_l: int, ep: int, C: int):
+  """Where each of a sender's routed slots goes: (perm [A], slot [A], src [ep * C], valid [ep * C], dropped).
+
+  The slots sorted by expert id (stable) are sorted by destination d = id // E_l too (an id of E, the padding's,
+  goes nowhere). Slot a takes buffer row d * C + its rank among d's slots when the rank is below C, else
+  slot[a] = ep * C (dropped, or padding). Buffer row (d, c) holds the sorted slot src = start_d + c when valid
+  (c < d's count). dropped: the slots past C (an int32 count)."""
+  A = ids_A.shape[0]
+  with jax.named_scope("sort"):
+    perm = jax.ad_checkpoint.checkpoint_name(jnp.argsort(ids_A, stable=True).astype(jnp.int32), "moe_perm")
+    dest = ids_A // E_l  # [A]
+    count = jnp.zeros((ep,), jnp.int32).at[dest].add(1, mode="drop")  # [ep]
+    start = jnp.cumsum(count) - count  # [ep]
+    rank = dropless.inverse_permutation(perm) - start[jnp.minimum(dest, ep - 1)]  # [A]
+    routed = dest < ep
+    keep = routed & (rank < C)
+    slot = jnp.where(keep, dest * C + rank, ep * C)  # [A]
+    d, c = jnp.divmod(jnp.arange(ep * C, dtype=jnp.int32), C)  # [ep * C]
+    valid = c < count[d]
+    src = jnp.minimum(start[d] + c, A - 1)
+    dropped = jnp.sum(routed & ~keep, dtype=jnp.int32)
+  return perm, slot, src, valid, dropped
+
+
+def _split_shared(a, shared: tuple[str, ...], parts: int, fill):
+  """This device's 1 / parts of a's rows [M, ...] (the rows equal over the `shared` axes), padded with fill."""
+  M = a.shape[0]
+  n = -(-M // parts)
+  a = jax.lax.pcast(a, shared, to="varying")
+  a = jnp.concatenate([a, jnp.full((n * parts - M,) + a.shape[1:], fill, a.dtype)]) if n * parts > M else a
+  return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(shared) * n, n)
+
+
+def _dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...], shared: tuple[str, ...],
+                      num_experts: int, buffer_factor: float | None, block_rows=None, unsort_impl: str = "perm",
+                      **expert_kw):
+  """Inside shard_map: (y [B, T, D], dropped [1, 1]) with only the rows routed to each device's experts moved.
+
+  ep_axes: the mesh axes that shard the experts dim (major first); shared: those of them the batch is not split
+  on, whose devices hold the same tokens: each takes 1 / |shared| of them here and the outputs are all-gathered.
+  The sender's slots go out in an [ep, C, D] buffer (C = capacity(slots, ep, buffer_factor)) with their local
+  expert ids ([ep, C], E_l where empty); the receiver sorts the ep x C rows by local expert, runs expert_rows,
+  unsorts; the reverse all_to_all brings them back to their slots, and the sender combines them with its weights.
+  dropped: the slots past C of this device's tokens (summed over shared), int32.
+  """
+  B, T, D = x_BTD.shape
+  k = ids_BTk.shape[-1]
+  E_l = down.shape[0]
+  ep = num_experts // E_l
+  x_MD, ids_Mk, w_Mk = x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k)
+  if shared:
+    parts = math.prod(jax.lax.axis_size(a) for a in shared)
+    # Padding rows route to expert id E (no device) with zero weights.
+    x_MD, ids_Mk, w_Mk = (_split_shared(a, shared, parts, f) for a, f in ((x_MD, 0), (ids_Mk, num_experts),
+                                                                          (w_Mk, 0)))
+  M = x_MD.shape[0]
+  C = capacity(M * k, ep, buffer_factor)
+  ids_A = ids_Mk.reshape(-1)
+  perm, slot, src, valid, dropped = send_layout(ids_A, E_l, ep, C)
+  with jax.named_scope("gather"):
+    a = perm[src]  # [ep * C]: the slot each buffer row carries
+    x_send = jnp.where(valid[:, None], x_MD[a // k], jnp.zeros((), x_MD.dtype))  # [ep * C, D]
+    d = jnp.arange(ep * C, dtype=jnp.int32) // C
+    lid_send = jnp.where(valid, ids_A[a] - d * E_l, E_l)  # [ep * C] local expert ids at the destination
+  with jax.named_scope("all_to_all"):
+    x_recv, lid_recv = (jax.lax.all_to_all(v.reshape(ep, C, *v.shape[1:]), ep_axes, 0, 0, tiled=True)
+                        .reshape(ep * C, *v.shape[1:]) for v in (x_send, lid_send))
+  # The receiver: its experts over the rows it was sent (those of id E_l, empty buffer rows, get none).
+  perm_r, sizes, local = dropless.sort_slots(lid_recv, E_l, jnp.int32(0))
+  with jax.named_scope("gather"):
+    xs = x_recv[perm_r]  # [ep * C, D]
+  # About M * k rows are real when the routing is balanced: size the blocks from that, not from the buffer.
+  b = block_rows or default_block_rows(M * k, E_l)
+  ys = dropless.expert_rows(xs, sizes, gate, up, down, block_rows=b, **expert_kw)
+  y_recv = dropless.unsort_rows(ys, perm_r, unsort_impl, local)  # [ep * C, D]
+  with jax.named_scope("all_to_all"):
+    y_back = jax.lax.all_to_all(y_recv.reshape(ep, C, D), ep_axes, 0, 0, tiled=True).reshape(ep * C, D)
+  with jax.named_scope("unsort"):
+    y_flat = jnp.take(y_back, slot, axis=0, mode="fill", fill_value=0)  # [A, D]; dropped slots give zeros
+  y_MD = dropless.combine(y_flat, w_Mk)
+  if shared:
+    y_MD = jax.lax.all_gather(y_MD, shared, axis=0, tiled=True, to="invarying")[:B * T]
+    dropped = jax.lax.psum(dropped, shared)
+  return y_MD.reshape(B, T, D), dropped.reshape(1, 1)

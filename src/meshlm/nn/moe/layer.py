@@ -7,7 +7,8 @@ knob model.parts.moe.kernel_fsdp, picks the logical axis names in moe_spec; para
 - no mesh axis shards the experts (mesh.expert = 1 with kernel_fsdp embed or mlp): per batch (and
   length) shard; tokens stay on their device, the expert kernels are gathered whole.
 - the experts dim is sharded over ep devices, on mesh.expert, mesh.fsdp or both: expert parallelism
-  (expert_parallel.py); with kernel_fsdp embed or mlp FSDP still gathers the kernels' other dim.
+  (expert_parallel.py: ep_impl "gather" or "compact"); with kernel_fsdp embed or mlp FSDP still gathers the kernels'
+  other dim.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.moe.dropless import dispatch
-from meshlm.nn.moe.expert_parallel import _axes_of, _dispatch_ep, ep_mesh_axes
+from meshlm.nn.moe.expert_parallel import EP_IMPLS, _axes_of, _dispatch_compact, _dispatch_ep, ep_mesh_axes
 from meshlm.nn.moe.gmm import _leaf
 from meshlm.nn.moe.routing import (ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats, expert_load,
                                    group_limited_topk, group_route, route, sigmoid_weights)
@@ -35,6 +36,7 @@ TOKENS = ("batch", "length", None)
 # experts or null, "experts_fsdp" (over mesh.expert and mesh.fsdp). The HF adapters' per-expert tensors declare
 # these as the axes their {e} indexes (hf/maps.Tensor.inner_axes).
 EXPERTS_AXES = ("experts", "experts_fsdp")
+DROPPED = "moe_dropped"  # the side output: the fraction of the layer's routed slots the compact dispatch dropped
 SCOPE = "moe"  # the layer's named scope, its shard_map included (the census counts its gathers and scatters)
 KERNEL_FSDP = ("experts", "embed", "mlp")  # kernel_fsdp's values (null: "experts", falling back to embed)
 
@@ -81,6 +83,8 @@ class MoESettings:
   unrolled layer's row left in its stack, nn/stack_row.py): under a mesh a StackRow is read in place only
   where its stack is stored as the dispatch needs it (whole, or sharded on the experts dim alone under
   expert parallelism); elsewhere, or without kernel_axes, its row is sliced out first.
+  ep_impl: how expert parallelism moves the tokens, "gather" (the group's tokens to every device) or "compact"
+  (only the routed rows, at most ceil(ep_buffer_factor x slots / ep) per peer; None: the worst case, dropless).
   """
   num_experts: int
   k: int
@@ -102,13 +106,16 @@ class MoESettings:
   dropped_score: float = 0.0
   experts_axis: str = "experts"
   kernel_axes: tuple | None = None
+  ep_impl: str = "gather"
+  ep_buffer_factor: float | None = None
 
 
 def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask_BT: jax.Array | None = None,
             forced_ids_BTk: jax.Array | None = None, router_full: jax.Array | None = None,
             router_bias: jax.Array | None = None):
   """The MoE feed-forward layer: (y [B, T, D], side) with side = aux_stats(...) (float32) plus
-  "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces); with sigmoid
+  "moe_expert_ids", the routed ids [B, T, k] int32 (what router replay records and forces), "moe_dropped" (the
+  fraction of the routed slots the compact expert-parallel dispatch dropped, float32; 0 elsewhere); with sigmoid
   scoring also "moe_expert_load" [E] (expert_load: routed pairs per expert, padding excluded), and the aux
   statistics' "prob" is then the mean sigmoid score.
 
@@ -131,11 +138,15 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask
     side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
     if settings.scoring == "sigmoid":
       side["moe_expert_load"] = expert_load(ids, E, token_mask_BT)
+    side[DROPPED] = jnp.zeros((), jnp.float32)
     if settings.impl == "reference":
       return _experts_reference(p, x_BTD, ids, w, settings.activation), side
     if settings.impl != "dropless":
       raise ValueError(f"impl={settings.impl!r}: expected dropless or reference")
-    return _experts_dropless(p, x_BTD, ids, w, settings), side
+    y, dropped = _experts_dropless(p, x_BTD, ids, w, settings)
+    if dropped is not None:
+      side[DROPPED] = jnp.sum(dropped).astype(jnp.float32) / ids.size
+    return y, side
 
 
 def _route(p, x_BTD, dense, s: MoESettings, token_mask_BT, forced_ids_BTk, router_full, router_bias):
@@ -176,16 +187,19 @@ def _experts_reference(p, x_BTD, ids_BTk, w_BTk, activation):
 
 
 def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
-  """The dropless dispatch of the routed tokens: on local tokens without a mesh, else inside shard_map, per
-  batch (and length) shard or expert-parallel (expert_parallel.py)."""
+  """(y, dropped): the dropless dispatch of the routed tokens: on local tokens without a mesh, else inside
+  shard_map, per batch (and length) shard or expert-parallel (expert_parallel.py). dropped: None, or under the
+  compact dispatch the slots it dropped per token shard (int32 [batch shards, length shards])."""
   E, experts_axis, kernel_axes = s.num_experts, s.experts_axis, s.kernel_axes
+  if s.ep_impl not in EP_IMPLS:
+    raise ValueError(f"ep_impl={s.ep_impl!r}: expected one of {EP_IMPLS}")
   fn = functools.partial(_dispatch_BT, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
                          block_rows=s.block_rows, unsort_impl=s.unsort_impl, fused_gate_up=s.fused_gate_up,
                          grad_barrier=s.grad_barrier)
   kernels = (p["gate"], p["up"], p["down"])
   mesh = current_mesh()
   if mesh.empty:
-    return fn(x_BTD, ids, w, *kernels)
+    return fn(x_BTD, ids, w, *kernels), None
   spec = _batch_spec(x_BTD.shape)
   kspec = logical_spec((experts_axis,), kernels[-1].shape[:1])
   ep_axes = ep_mesh_axes(kspec)
@@ -198,17 +212,27 @@ def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
   kspecs = tuple(jax.sharding.PartitionSpec(None, *kspec) if is_row(a) else kspec if ep_axes else
                  jax.sharding.PartitionSpec() for a in kernels)
   x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
+  rows = tuple(a.index if is_row(a) else None for a in kernels)
+  batch_axes = _axes_of(spec[:1])
+  gathered = tuple(a for a in ep_axes if a in batch_axes)
+  if ep_axes and s.ep_impl == "compact":
+    # Only the routed rows move, in a bounded buffer per peer; each token shard counts the slots it dropped.
+    body = functools.partial(_dispatch_compact, ep_axes=ep_axes, shared=tuple(a for a in ep_axes if a not in gathered),
+                             num_experts=E, buffer_factor=s.ep_buffer_factor, block_rows=s.block_rows,
+                             unsort_impl=s.unsort_impl, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
+                             fused_gate_up=s.fused_gate_up, grad_barrier=s.grad_barrier)
+    count_spec = jax.sharding.PartitionSpec(*spec[:2])
+    return jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
+                         out_specs=(spec, count_spec))(x_BTD, ids, w, *(_leaf(a) for a in kernels))
   if not ep_axes:
     # One dispatch per batch (and length) shard: tokens stay on their device.
     body = fn
   else:
     # Expert parallelism: each device computes its experts for every token of its expert group (_dispatch_ep).
-    batch_axes = _axes_of(spec[:1])
-    body = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes, gathered=tuple(a for a in ep_axes if a in batch_axes),
-                             block_rows=s.block_rows, num_experts=E)
-  rows = tuple(a.index if is_row(a) else None for a in kernels)
+    body = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes, gathered=gathered, block_rows=s.block_rows,
+                             num_experts=E)
   return jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
-                       out_specs=spec)(x_BTD, ids, w, *(_leaf(a) for a in kernels))
+                       out_specs=spec)(x_BTD, ids, w, *(_leaf(a) for a in kernels)), None
 
 
 def _in_place(w, want: tuple, axes: tuple | None):
