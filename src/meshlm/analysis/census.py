@@ -417,10 +417,11 @@ def census(cfg, mesh=None) -> dict[str, Any]:
 
 def attention_impl(cfg, platform: str | None = None) -> str:
   """The attention core the train step runs (attention_impl resolved at train.seq_len on platform, by default
-  JAX's backend): what the reports print."""
+  JAX's backend, and mesh.context; -1 there, the devices left, counts as more than one): what the reports print."""
   import jax
   from meshlm.nn.attention import resolve_impl
-  return resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend())
+  context = cfg.mesh.context if cfg.mesh.context > 0 else 2
+  return resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend(), context)
 
 
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
