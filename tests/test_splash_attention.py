@@ -12,6 +12,7 @@ kernel's own window in the wrapper.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from meshlm.analysis.golden import shrink
 from meshlm.errors import ConfigError
 from meshlm.nn import splash_attention as SP
 from meshlm.nn.attention import attention_mask, gqa_attention, resolve_impl
+from meshlm.parallel.sharding import ShardingWarning
 
 import conformance as C
 from test_flash_attention import _trained
@@ -118,20 +120,34 @@ def test_block_divides_the_padded_length():
   assert SP.block_for(640, 512) == 128 and SP.block_for(1536, 512) == 512 and SP.block_for(1280, 512) == 256
 
 
-def test_under_a_mesh_rows_and_heads_are_split():
-  """On fsdp=2 x tensor=2 the shard_map splits the rows over fsdp and the 2 KV heads over tensor (one row and one
-  KV head with its 2 query heads per device): the forward equals the reference."""
+def _mesh():
   from jax.sharding import AxisType
-  case = "causal_gqa"
-  _, _, H, _, _, _, _ = CASES[case]
-  q, k, v, _ = _inputs(case)
-  mesh = jax.make_mesh((1, 2, 2, 1, 1), ("data", "fsdp", "tensor", "expert", "context"),
+  return jax.make_mesh((1, 2, 2, 1, 1), ("data", "fsdp", "tensor", "expert", "context"),
                        axis_types=(AxisType.Auto,) * 5, devices=jax.devices()[:4])
-  with jax.set_mesh(mesh):
-    fn = jax.jit(lambda q, k, v: SP.splash_attention(q, k, v, scale=H ** -0.5))
+
+
+def test_row_spec_splits_rows_and_the_heads_tensor_divides():
+  from jax.sharding import PartitionSpec as P
+  mesh = _mesh()
+  assert SP.row_spec(mesh, 2, 2) == P("fsdp", "tensor", None, None)
+  with warnings.catch_warnings():  # the ShardingWarning the mixers' own K/V projections already give
+    warnings.simplefilter("ignore", ShardingWarning)
+    assert SP.row_spec(mesh, 2, 1) == P("fsdp", None, None, None)  # one KV head: every head on each tensor device
+  assert SP.row_spec(mesh, 1, 4) == P(None, "tensor", None, None)  # a row the batch axes do not divide stays whole
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_under_a_mesh_equals_the_reference(case):
+  """On fsdp=2 x tensor=2, in the shard_map: one row per fsdp device; causal_gqa's 2 KV heads split over tensor,
+  the MQA case's one KV head whole (its 4 query heads with it), with its segment ids split as the rows."""
+  _, _, H, _, window, softcap, segs = CASES[case]
+  seg = jnp.asarray(SEGMENTS) if segs else None
+  q, k, v, _ = _inputs(case)
+  with jax.set_mesh(_mesh()):
+    fn = jax.jit(lambda q, k, v: SP.splash_attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap, window=window))
     text = fn.lower(q, k, v).as_text()
     out = fn(q, k, v)
-  assert "sdy.manual_computation" in text or "shard_map" in text
+  assert "sdy.manual_computation" in text
   err = float(jnp.max(jnp.abs(out - _reference(case)[0])))
   assert err < ATOL, err
 

@@ -98,16 +98,21 @@ def _rows(q, k, v, seg, kernel_args: dict):
   return jax.vmap(lambda q, k, v, s: kernel(q, k, v, SA.SegmentIds(s, s)))(q, k, v, seg)
 
 
+def row_spec(mesh, B: int, K: int) -> P:
+  """How the shard_map splits q, k, v and the output ([B, heads, Tp, h]): rows over the batch's mesh axes, heads over
+  tensor when tensor divides the K KV heads (then the query heads too, K x G), else whole."""
+  rows = logical_spec(("batch",), (B,), mesh)[0]
+  heads = logical_spec(("kv_heads",), (K,), mesh)[0]
+  return P(rows, heads, None, None)
+
+
 def _sharded(q, k, v, seg, kernel_args: dict):
-  """_rows in a shard_map over the current mesh: rows over the batch's mesh axes, heads over tensor when tensor
-  divides the KV heads; unsplit everywhere else. With no mesh (or one device), _rows itself."""
+  """_rows in a shard_map over the current mesh (row_spec); with no mesh (or one device), _rows itself."""
   mesh = current_mesh()
   if mesh.empty or math.prod(mesh.axis_sizes) == 1:
     return _rows(q, k, v, seg, kernel_args)
-  rows = logical_spec(("batch",), q.shape[:1], mesh)[0]
-  heads = logical_spec(("kv_heads",), k.shape[1:2], mesh)[0]
-  qkv = P(rows, heads, None, None)
-  specs = (qkv, qkv, qkv) + (() if seg is None else (P(rows, None),))
+  qkv = row_spec(mesh, q.shape[0], k.shape[1])
+  specs = (qkv, qkv, qkv) + (() if seg is None else (P(qkv[0], None),))
   body = lambda *args: _rows(*args[:3], args[3] if len(args) > 3 else None, kernel_args)  # noqa: E731
   fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qkv, check_vma=False)
   return fn(q, k, v, *(() if seg is None else (seg,)))
