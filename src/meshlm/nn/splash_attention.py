@@ -70,10 +70,8 @@ def splash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, se
   kernel_args = dict(window=window, softcap=softcap, block=b, interpret=interpret)
   with jax.named_scope("splash_attention"):
     out = _sharded(q, k, v, seg, kernel_args)  # [B, N, Tp, Hv]
-  # Grouped while heads-first, then one transpose: in the backward the output projection's gradient dot meets that
-  # transpose with no reshape between, so XLA can fold it (a reshape after the transpose would block it).
-  out = jnp.reshape(out[:, :, :T], (B, K, N // K, T, out.shape[-1]))
-  return jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, T, K, G, Hv]
+  out = jnp.swapaxes(out[:, :, :T], 1, 2)  # [B, T, N, Hv]
+  return jnp.reshape(out, (B, T, K, N // K, out.shape[-1]))
 
 
 def _mask(length: int, window: int | None):
