@@ -342,10 +342,6 @@ def injected_sharding_bug_fails_the_parity_check(monkeypatch):
     C.assert_parity(broken, auto)
 
 
-if DEVICES >= 4:
-  test_an_injected_sharding_bug_fails_the_parity_check = injected_sharding_bug_fails_the_parity_check
-
-
 # --- negative controls of the public-API checks ----------------------------------------------------------
 
 @TINY_PRESET
@@ -378,3 +374,9 @@ def test_other_expert_ids_forced_change_the_logits():
   other, _ = C.logits_of(cfg, params, block, forced_expert_ids=shifted)
   real = block[2] > 0
   assert np.abs(other - free)[real].max() > 1e-3
+
+
+# Last in the file: its jax.clear_caches() drops every program compiled in this process, which the tests after it
+# would compile again (the controls above reuse the tiny presets' forward programs).
+if DEVICES >= 4:
+  test_an_injected_sharding_bug_fails_the_parity_check = injected_sharding_bug_fails_the_parity_check

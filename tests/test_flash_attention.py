@@ -225,4 +225,6 @@ def _grads(preset: str, impl: str):
   col = np.arange(C.PARITY_SEQ)[None]
   seg, pos = jnp.asarray(np.where(col < cut, 1, 2)), jnp.asarray(np.where(col < cut, col, col - cut))
   ct = jax.random.normal(jax.random.key(2), (2, C.PARITY_SEQ, cfg.model.vocab_size))
-  return jax.grad(lambda p: jnp.sum(meshlm.forward(cfg, p, toks, pos, seg) * ct))(params)
+  # One jitted program (the forward traced inside it): differentiated op by op, each primitive of the forward and
+  # backward compiled on its own (the four presets' rows 40.9 -> 35.6 s of CPU).
+  return jax.jit(jax.grad(lambda p: jnp.sum(meshlm.forward(cfg, p, toks, pos, seg) * ct)))(params)
