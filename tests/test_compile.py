@@ -124,6 +124,13 @@ def test_with_rl_the_sampler_compiles_the_rollouts_rows():
   report = compile_json(*args, "--program", "rl,decode")
   text = render(report)
   assert "per_device_batch_size" not in text.splitlines()[0] and "[decode] 2 rows per device" in text, text
+  # The decode loop's trip count is a runtime value: its body counts once, and the report says so (the train-step
+  # programs above name none).
+  programs = report["programs"]
+  assert [u["runs"] for u in programs["decode"]["roofline"]["unread_loops"]] == [1]
+  assert programs["rl"]["roofline"]["unread_loops"] == [] and programs["prefill"]["roofline"]["unread_loops"] == []
+  assert text.count("loops counted once per start (trip count not read): hlo 1 (") == 1, text
+  assert text.count("collective instructions in the text") == 3
   # The decode loop's cache, [B, K, C, H] for K and V per layer: 1 layer x 2 x rows per device x 4 kv heads x 64 x 32.
   cache = lambda rows: 2 * rows * 4 * 64 * 32 * 4  # noqa: E731
   assert report["programs"]["decode"]["memory"]["arguments_by_input"]["cache"] == cache(2)

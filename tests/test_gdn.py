@@ -261,6 +261,22 @@ def test_inverse_matches_float64(W):
   assert dropped > 100 * INVERSE_ATOL, dropped
 
 
+def test_right_looking_is_a_rolled_loop_with_the_unrolled_chains_numbers():
+  """The default inverse runs its W - 1 column updates as a loop of INVERSE_UNROLL columns per trip: bit for bit
+  the unrolled chain (the same multiply and subtract per element), in a program a fraction of its size (unrolled,
+  it was 64% of the qwen3.5-397b period's HLO)."""
+  def unrolled(a):  # the reference: the chain as written out
+    x = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    for j in range(a.shape[-1] - 1):
+      x = x - a[..., :, j:j + 1] * x[..., j:j + 1, :]
+    return x
+  a = jnp.asarray(wy_matrix(64, M=3, seed=7))
+  ours, ref = jax.jit(gdn._inverse_right_looking).lower(a).compile(), jax.jit(unrolled).lower(a).compile()
+  assert np.array_equal(np.asarray(ours(a)), np.asarray(ref(a)))
+  subtracts = lambda c: len(re.findall(r" subtract\(", c.as_text()))  # noqa: E731
+  assert "while(" in ours.as_text() and subtracts(ours) <= 2 * gdn.INVERSE_UNROLL + 1 < 63 <= subtracts(ref)
+
+
 def adversarial_errors():
   a = wy_matrix(64, M=4, seed=11, aligned=8.0)
   norm = float(np.max(np.sum(np.abs(a), axis=-1)))

@@ -23,7 +23,7 @@ from typing import Any
 
 from meshlm.analysis import cost as C
 from meshlm.analysis import hlo as H
-from meshlm.analysis.census import census_of, lowered_of
+from meshlm.analysis.census import census_of, hlo_unread_loops, lowered_of
 
 GiB = 1 << 30
 
@@ -189,7 +189,8 @@ def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | Non
   # how the seed counts its 397B program's collectives; the census counts them per step.
   kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
   instructions = {k: sum(i.opcode in (k, f"{k}-start") for i in mod.instrs()) for k in kinds}
-  out = {"flops": flops, "bytes": traffic, "collective_instructions": instructions,
+  # The loops whose trip count is not read count once per start in flops and bytes: named, never silent.
+  out = {"flops": flops, "bytes": traffic, "collective_instructions": instructions, "unread_loops": hlo_unread_loops(mod),
          "xla_cost_analysis": xla_cost, "model_flops": model_flops,
          "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth}
   if chip.peak_flops and chip.hbm_bandwidth:

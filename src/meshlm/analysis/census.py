@@ -124,8 +124,9 @@ def executed(mod: SH.Module, entry: str = "main"):
 
   Walks the call graph from the entry: an op in a function called from k sites is met k times, each
   with its call site's path (a function JAX lowered once may run in the forward and in the backward),
-  and an op in a while body runs the loop's trip count times (1 when the count is not a constant).
-  Ops inside a shard_map (sdy.manual_computation) name their scopes from the shard_map's own.
+  and an op in a while body runs the loop's trip count times (1 when the count is not a constant: such a
+  loop is one of `unread_loops`, which the census reports). Ops inside a shard_map (sdy.manual_computation)
+  name their scopes from the shard_map's own.
   """
   stack: list[str] = []
 
@@ -151,6 +152,19 @@ def executed(mod: SH.Module, entry: str = "main"):
     stack.pop()
 
   yield from walk(entry, "", 1)
+
+
+def unread_loops(mod: SH.Module) -> list[dict]:
+  """The `while` loops whose trip count the StableHLO does not give (a bound read from the loop's state: a
+  lax.while_loop, a fori_loop over traced bounds), as the step meets them: [{"scope", "runs"}] per scope (the
+  layer, analysis/scopes.attribute), runs = how many times per step such loops start. The per-step counts
+  (executed) count these bodies once per start; [] when every loop's count was read."""
+  index = {id(op): k for k, op in enumerate(mod.ops)}
+  runs: collections.Counter = collections.Counter()
+  for op, path, n in executed(mod):
+    if op.name == "stablehlo.while" and mod.trip_counts.get(index[id(op)]) is None:
+      runs[attribute(path)] += n
+  return [{"scope": k, "runs": v} for k, v in sorted(runs.items())]
 
 
 def _param_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
@@ -293,6 +307,7 @@ def stablehlo_counts(text: str, counters: tuple[CensusCounter, ...] | None = Non
       "op_counts": dict(sorted(kinds.items())),
       "optimization_barriers": optimization_barriers(mod),
       **executed_counts(mod, counters),
+      "unread_loops": unread_loops(mod),
   }
   return counts, pairs, mod
 
@@ -368,8 +383,34 @@ def hlo_counts(text: str) -> tuple[dict[str, Any], H.HloModule]:
       "collectives": collectives,
       "while_loops": [{"trip_count": i.trip_count, "scope": attribute(i.op_name)} for i in mod.instrs()
                       if i.opcode == "while"],
+      "unread_loops": hlo_unread_loops(mod),
   }
   return counts, mod
+
+
+def hlo_unread_loops(mod: H.HloModule) -> list[dict]:
+  """The `while` loops of the optimized HLO whose trip count neither the backend config nor the condition gives
+  (analysis/hlo.py), reached from the entry: [{"scope", "runs"}] per scope, runs = how many times per step such
+  loops start. The per-step counts (collectives, the roofline's FLOPs and bytes) count their bodies once per start."""
+  runs: collections.Counter = collections.Counter()
+  for ins in mod.unread_loops():
+    runs[attribute(ins.op_name)] += mod.multipliers[ins.comp]
+  return [{"scope": k, "runs": v} for k, v in sorted(runs.items())]
+
+
+def unread_loops_line(unread: dict[str, list[dict]], top: int = 4) -> str | None:
+  """One report line naming the loops whose trip count was not read ({"stablehlo": [...], "hlo": [...]}: the
+  lists above; the `top` scopes of each that start most, then how many more), or None when there are none."""
+  parts = []
+  for where, items in unread.items():
+    if items:
+      ranked = sorted(items, key=lambda u: (-u["runs"], u["scope"]))
+      scopes = "; ".join(f"{u['scope']} x{u['runs']}" for u in ranked[:top])
+      more = f"; {len(ranked) - top} more scopes" if len(ranked) > top else ""
+      parts.append(f"{where} {sum(u['runs'] for u in items)} ({scopes}{more})")
+  if not parts:
+    return None
+  return "loops counted once per start (trip count not read): " + ", ".join(parts)
 
 
 def scan_layout_flags(mod: H.HloModule) -> list[dict]:
@@ -417,11 +458,13 @@ def census(cfg, mesh=None) -> dict[str, Any]:
 
 def attention_impl(cfg, platform: str | None = None) -> str:
   """The attention core the train step runs (attention_impl resolved at train.seq_len on platform, by default
-  JAX's backend, and mesh.context; -1 there, the devices left, counts as more than one): what the reports print."""
+  JAX's backend, and mesh.context; -1 there, the devices left, counts as more than one; then context_attention on
+  mesh.context): what the reports print."""
   import jax
-  from meshlm.nn.attention import resolve_impl
+  from meshlm.nn.attention import resolve_context, resolve_impl
   context = cfg.mesh.context if cfg.mesh.context > 0 else 2
-  return resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend(), context)
+  impl = resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend(), context)
+  return resolve_context(impl, cfg.context_attention, cfg.mesh.context, cfg.train.seq_len)
 
 
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
@@ -509,6 +552,10 @@ def render(result: dict) -> str:
       lines.append(f"{title}:")
       for b in items:
         lines.append("  " + "  ".join(f"{k}={v}" for k, v in b.items() if k != "line"))
+  unread = unread_loops_line({"stablehlo": result["stablehlo"].get("unread_loops", []),
+                               "hlo": result["hlo"].get("unread_loops", [])})
+  if unread:
+    lines.append(unread)
   for kind, col in result["hlo"]["collectives"].items():
     for call in col["calls"]:
       lines.append(f"  {kind:<18} x{call['count']:<4} {call['shape']:<28} {call['bytes_per_call']:>10,} B/call  {call['scope']}")

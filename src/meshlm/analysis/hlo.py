@@ -3,7 +3,8 @@
 Each instruction keeps its opcode, result shape and layout, operands, the computations it calls
 and its metadata op_name (the named-scope path that survives compilation). `multipliers` says how
 many times each computation runs per step: a `while` body counts its trip count (the backend config's
-known_trip_count, or on XLA:TPU, which prints none, the count its condition and start value give).
+known_trip_count, or on XLA:TPU, which prints none, the count its condition and start value give), or once
+per start where neither gives one (`unread_loops` names those).
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class HloModule:
     for comp, items in self.comps.items():
       for ins in items:
         yield ins
+
+  def unread_loops(self) -> list[Instr]:
+    """The `while`s the entry reaches whose trip count was not read (multipliers counts their bodies once)."""
+    return [i for i in self.instrs() if i.opcode == "while" and i.trip_count is None and i.comp in self.multipliers]
 
 
 def _arrays(text: str) -> list[Array]:
@@ -155,40 +160,48 @@ def _through_copies(local: dict[str, Instr], name: str) -> Instr | None:
   return ins
 
 
+def _root(items: list[Instr]) -> Instr | None:
+  return next((i for i in items if i.text.startswith("ROOT ")), None)
+
+
+def _resolved(comps: dict[str, list[Instr]], local: dict[str, Instr], ins: Instr) -> tuple[Instr, list]:
+  """(the instruction that computes ins, its operands): ins and its operands in `local`, or for a fusion (XLA:CPU
+  wraps a loop's compare and add in one each) its fused root, whose parameters stand for the fusion's operands
+  (an operand computed inside the fusion is that inner instruction). An operand not found is None."""
+  if ins.opcode != "fusion":
+    return ins, [local.get(o) for o in ins.operands]
+  fused = comps.get((ins.called.get("calls") or [""])[0]) or []
+  froot = _root(fused)
+  if froot is None:
+    return ins, []
+  inner = {i.name: i for i in fused}
+  operands = []
+  for o in froot.operands:
+    f = inner.get(o)
+    m = re.search(r"parameter\((\d+)\)", f.text) if f is not None and f.opcode == "parameter" else None
+    operands.append(local.get(ins.operands[int(m.group(1))]) if m and int(m.group(1)) < len(ins.operands) else f)
+  return froot, operands
+
+
 def _step(comps: dict[str, list[Instr]], loop: Instr, k: int) -> int | None:
   """How much the body adds to tuple element k per trip: its root's element k is `element k + S` for a constant
   S (through copies, or as a fusion whose root is that add). None for any other update."""
   items = comps.get((loop.called.get("body") or [""])[0]) or []
   local = {i.name: i for i in items}
-  root = next((i for i in items if i.text.startswith("ROOT ")), None)
+  root = _root(items)
   if root is None or root.opcode != "tuple" or k >= len(root.operands):
     return None
   upd = _through_copies(local, root.operands[k])
   if upd is None:
     return None
-  operands, inner = [local.get(o) for o in upd.operands], local
-  if upd.opcode == "fusion":  # add(parameter(i), constant) inside: operand i of the fusion is the counter
-    fused = comps.get((upd.called.get("calls") or [""])[0]) or []
-    froot = next((i for i in fused if i.text.startswith("ROOT ")), None)
-    if froot is None or froot.opcode != "add":
-      return None
-    inner = {i.name: i for i in fused}
-    operands = []
-    for o in froot.operands:
-      f = inner.get(o)
-      m = re.search(r"parameter\((\d+)\)", f.text) if f is not None and f.opcode == "parameter" else None
-      operands.append(local.get(upd.operands[int(m.group(1))]) if m and int(m.group(1)) < len(upd.operands) else f)
-  elif upd.opcode != "add":
-    return None
-  if len(operands) != 2 or any(o is None for o in operands):
+  upd, operands = _resolved(comps, local, upd)
+  if upd.opcode != "add" or len(operands) != 2 or any(o is None for o in operands):
     return None
   const = [o for o in operands if o.opcode == "constant"]
   other = [o for o in operands if o.opcode != "constant"]
   if len(const) != 1 or len(other) != 1:
     return None
-  src = other[0]
-  while src is not None and src.opcode in ("copy", "bitcast") and src.operands:
-    src = local.get(src.operands[0])
+  src = _through_copies(local, other[0].name) if other[0].name in local else other[0]
   index = _INDEX.search(src.text) if src is not None and src.opcode == "get-tuple-element" else None
   value = _CONSTANT.search(const[0].text)
   if index is None or int(index.group(1)) != k or value is None or int(value.group(1)) <= 0:
@@ -198,16 +211,19 @@ def _step(comps: dict[str, list[Instr]], loop: Instr, k: int) -> int | None:
 
 def _counted_trips(comps: dict[str, list[Instr]], loop: Instr) -> int | None:
   """A while's trip count when its backend config does not say it (XLA:TPU prints none): the condition is
-  `counter < N` for a constant N, the counter is element k of the loop's tuple, the loop starts it at a
-  constant C (through copies) and the body adds a constant S to it, so it runs ceil((N - C) / S) times (a
-  scan's S is 1; XLA:TPU's windowed-einsum loops step by 2). None otherwise (a bound read from the state: a
-  while_loop's, or an update that is not a constant step)."""
+  `counter < N` for a constant N (the compare itself or a fusion of it), the counter is element k of the loop's
+  tuple, the loop starts it at a constant C (through copies) and the body adds a constant S to it, so it runs
+  ceil((N - C) / S) times (a scan's S is 1; XLA:TPU's windowed-einsum loops step by 2). None otherwise (a bound
+  read from the state: a while_loop's, or an update that is not a constant step)."""
   cond = comps.get((loop.called.get("condition") or [""])[0]) or []
   local = {i.name: i for i in cond}
-  root = next((i for i in cond if i.text.startswith("ROOT ")), None)
-  if root is None or root.opcode != "compare" or "direction=LT" not in root.text or len(root.operands) != 2:
+  root = _root(cond)
+  if root is None:
     return None
-  counter, bound = (local.get(o) for o in root.operands)
+  root, operands = _resolved(comps, local, root)
+  if root.opcode != "compare" or "direction=LT" not in root.text or len(operands) != 2:
+    return None
+  counter, bound = operands
   if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
     return None
   k, n = _INDEX.search(counter.text), _CONSTANT.search(bound.text)
@@ -215,9 +231,7 @@ def _counted_trips(comps: dict[str, list[Instr]], loop: Instr) -> int | None:
   init = outer.get(loop.operands[0]) if loop.operands else None
   if k is None or n is None or init is None or init.opcode != "tuple" or int(k.group(1)) >= len(init.operands):
     return None
-  start = outer.get(init.operands[int(k.group(1))])
-  while start is not None and start.opcode == "copy" and start.operands:
-    start = outer.get(start.operands[0])
+  start = _through_copies(outer, init.operands[int(k.group(1))])
   c = _CONSTANT.search(start.text) if start is not None and start.opcode == "constant" else None
   step = _step(comps, loop, int(k.group(1))) if c else None
   return max(0, -(-(int(n.group(1)) - int(c.group(1))) // step)) if step else None

@@ -205,7 +205,8 @@ class _Reader:
     while self.regions and self.depth < self.regions[-1].depth:
       region = self.regions.pop()
       loc = _LOC_REF.search(line)
-      if region.kind == "region" and loc and not self.ops[region.op].close_scope:
+      # A while's location closes its `do` region: its scope, by which the census names a loop it cannot count.
+      if region.kind in ("region", "do") and loc and not self.ops[region.op].close_scope:
         self.ops[region.op].close_scope = self.locs.get(loc.group(1), "")
 
   def _note_trip_count(self, op: Op, line: str) -> None:

@@ -299,6 +299,7 @@ def _si(x, unit: str) -> str:
 
 
 def render(report: dict) -> str:
+  from meshlm.analysis.census import unread_loops_line
   c, chip, topo = report["config"], report["chip"], report["topology"]
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
   # The train batch only where the train step is compiled: rl and the sampler have rows of their own (per program).
@@ -340,6 +341,13 @@ def render(report: dict) -> str:
                    f"{r['memory_s'] * 1e3:,.1f} ms at {_si(r['hbm_bandwidth'], 'B/s')}: step >= "
                    f"{r['bound_s'] * 1e3:,.1f} ms ({r['bound_by']}-bound){mfu}")
     cen = p.get("census")
+    unread = unread_loops_line({"stablehlo": cen["stablehlo"]["unread_loops"]} if cen else {}
+                               | {"hlo": r["unread_loops"]})
+    if unread:
+      lines.append("  " + unread)
+    kinds = ", ".join(f"{k} {v}" for k, v in p["collective_instructions"].items() if v)
+    lines.append(f"  collective instructions in the text {sum(p['collective_instructions'].values())}: "
+                 f"{kinds or 'none'}")
     if cen:
       cols = cen["hlo"]["collectives"]
       total = sum(v["count"] for v in cols.values())

@@ -190,7 +190,7 @@ class MeshConfig(_Strict):
   fsdp: int = Field(default=-1, description="FSDP size: shards parameters along embed (-1: the devices left)")
   tensor: int = Field(default=1, description="tensor-parallel size: shards heads, mlp and vocab (-1: the devices left)")
   expert: int = Field(default=1, description="expert-parallel size: shards the MoE experts (must divide model.parts.moe.num_experts)")
-  context: int = Field(default=1, description="context-parallel size: training shards the sequence over it (GDN layers per shard, attention gathers K/V)")
+  context: int = Field(default=1, description="context-parallel size: training shards the sequence over it (GDN layers per shard, attention as context_attention says)")
 
   @model_validator(mode="after")
   def _sizes(self):
@@ -478,6 +478,10 @@ class Config(_Strict):
       default="auto", description="the attention core: xla (materialized scores, the reference), flash (blockwise, "
       "pure JAX), splash (the TPU Pallas kernel; Pallas interpret mode off TPU, slow); auto: splash on TPU (flash "
       "with mesh.context > 1), flash on GPU and on CPU from a measured length up, else xla")
+  context_attention: Literal["ring", "gather"] = Field(
+      default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
+      "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "
+      "(XLA's partitioner all-gathers K/V over the context axis)")
   loss_impl: Literal["auto", "materialized", "blockwise"] = Field(
       default="auto", description="the LM head and loss: materialized [B, T, V] logits (the reference), blockwise "
       "(head and log-softmax per block of loss_block positions at most, custom VJP; never [B, T, V]), or auto: blockwise "

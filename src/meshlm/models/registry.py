@@ -140,6 +140,9 @@ def check_shards(cfg: Config, parts: list[Part]) -> None:
       raise ConfigError(f"mesh.context={n}: train.seq_len={T} does not split into {n} shards whose lengths are "
                         f"multiples of {k}, as the {part.name} layers need; make train.seq_len a multiple of "
                         f"{n * k} or lower mesh.context")
+  if n > 1 and cfg.context_attention == "ring" and T % (2 * n):
+    raise ConfigError(f"context_attention=ring: train.seq_len={T} does not split into 2 x mesh.context={n} chunks "
+                      f"(the zigzag ring's); make train.seq_len a multiple of {2 * n}, or set context_attention=gather")
 
 
 def validate(cfg: Config) -> Config:

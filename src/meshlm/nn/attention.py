@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from meshlm import spec as S
 from meshlm.errors import ConfigError
 from meshlm.nn.flash_attention import flash_attention
+from meshlm.nn.ring_attention import ring_attention
 from meshlm.parallel.sharding import ACT, axes
 
 # Parameter axes: the query kernel [D, N, H] (gather_once reads them), K/V [D, Kv, H], o [N, H, D].
@@ -74,6 +75,16 @@ def resolve_impl(impl: str, T: int, platform: str, context: int = 1) -> str:
   return "flash" if platform != "cpu" or T >= CPU_FLASH_FROM else "xla"
 
 
+def resolve_context(impl: str, context_attention: str, shards: int, T: int, mode: str = "train") -> str:
+  """The core a program of length T runs once the sequence's sharding is known: "ring" (nn/ring_attention.py,
+  flash's blocks passed around mesh.context) when training with the flash core on shards > 1, context_attention=ring
+  and T in 2 x shards whole chunks (the train step's T always is: registry.check_shards; a meshlm.forward call of
+  another length gathers); impl otherwise (gather: XLA's partitioner all-gathers over the context axis). Prefill
+  and decode keep impl."""
+  ring = mode == "train" and impl == "flash" and shards > 1 and context_attention == "ring" and T % (2 * shards) == 0
+  return "ring" if ring else impl
+
+
 @dataclasses.dataclass(frozen=True)
 class Mask:
   """What a query of a training or prefill context sees, as a description: every key at or before it (causal),
@@ -88,10 +99,12 @@ class Mask:
 def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
   """(fn(q, k, v, operand) -> [B, T, K, G, Hv], operand): the attention core for impl and the one array it reads
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
-  mask; flash and splash: the segment ids or None)."""
-  if impl == "flash":
+  mask; flash, ring and splash: the segment ids or None)."""
+  if impl in ("flash", "ring"):
+    blockwise = flash_attention if impl == "flash" else ring_attention
+
     def flash(q, k, v, seg):
-      return flash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+      return blockwise(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
     return flash, mask.segment_ids
   if impl == "splash":
     # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs splash.

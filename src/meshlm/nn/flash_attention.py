@@ -64,19 +64,20 @@ def _key_offset(j, b: int):
   return j * b
 
 
-def _tile_mask(st: _Static, i, j, seg):
+def _tile_mask(st: _Static, i, j, seg, seg_k=None, delta=0):
   """[B or 1, 1, 1, bq, bk]: what query block i sees of key block j (causal, inside the window, a real key,
-  the same segment)."""
+  the same segment). delta: the query array's first position minus the key array's (ring attention's chunk
+  pairs; 0 when both are the one sequence); seg_k: the key array's segment ids when they are another array's."""
   b = st.block
-  qp = i * b + jnp.arange(b)[:, None]
-  kp = _key_offset(j, b) + jnp.arange(b)[None, :]
-  mask = (kp <= qp) & (kp < st.length)
+  qp = delta + i * b + jnp.arange(b)[:, None]
+  kl = _key_offset(j, b) + jnp.arange(b)[None, :]  # the key's index in its array
+  mask = (kl <= qp) & (kl < st.length)
   if st.window is not None:
-    mask &= qp - kp < st.window
+    mask &= qp - kl < st.window
   mask = mask[None, None, None]
   if st.segments:
     sq = lax.dynamic_slice_in_dim(seg, i * b, b, axis=1)  # [B, bq]
-    sk = lax.dynamic_slice_in_dim(seg, j * b, b, axis=1)
+    sk = lax.dynamic_slice_in_dim(seg if seg_k is None else seg_k, j * b, b, axis=1)
     mask = mask & _same_segment(sq, sk)[:, None, None]
   return mask
 
@@ -95,18 +96,65 @@ def _scores(st: _Static, q_i, k_j):
   return st.softcap * t, t
 
 
-def _key_blocks(st: _Static, i):
-  """[lo, hi): the key blocks query block i can see."""
+def _key_blocks(st: _Static, i, delta=0, n: int | None = None):
+  """[lo, hi): the key blocks (of n, by default all up to the diagonal) query block i can see; delta as in
+  _tile_mask (a chunk pair whose keys all come after its queries gets an empty range)."""
   b = st.block
-  lo = 0 if st.window is None else jnp.maximum(i * b - st.window + 1, 0) // b
-  return lo, i + 1
+  if isinstance(delta, int) and delta == 0 and n is None:
+    lo = 0 if st.window is None else jnp.maximum(i * b - st.window + 1, 0) // b
+    return lo, i + 1
+  hi = jnp.clip((delta + (i + 1) * b - 1) // b + 1, 0, n)  # the block of the last key the last query sees
+  lo = 0 if st.window is None else jnp.clip((delta + i * b - st.window + 1) // b, 0, n)
+  return lo, jnp.maximum(hi, lo)
 
 
-def _query_blocks(st: _Static, j, n: int):
-  """[lo, hi): the query blocks that can see key block j."""
+def _query_blocks(st: _Static, j, n: int, delta=0):
+  """[lo, hi): the query blocks that can see key block j; delta as in _tile_mask."""
   b = st.block
-  hi = n if st.window is None else jnp.minimum((j * b + b - 1 + st.window - 1) // b + 1, n)
-  return j, hi
+  if isinstance(delta, int) and delta == 0:
+    hi = n if st.window is None else jnp.minimum((j * b + b - 1 + st.window - 1) // b + 1, n)
+    return j, hi
+  # ceil((j b - delta - b + 1) / b): the first block with a query at or after the key block's first key
+  lo = jnp.clip(-((delta - j * b + b - 1) // b), 0, n)
+  hi = n if st.window is None else jnp.clip((j * b + b - 2 + st.window - delta) // b + 1, 0, n)
+  return lo, jnp.maximum(hi, lo)
+
+
+def empty_rows(B: int, K: int, G: int, b: int, Hv: int):
+  """The running softmax of a query block that has seen nothing yet: (max, sum, output) [B, K, G, bq] (twice)
+  and [B, K, G, bq, Hv], float32."""
+  return jnp.full((B, K, G, b), _MIN, _F32), jnp.zeros((B, K, G, b), _F32), jnp.zeros((B, K, G, b, Hv), _F32)
+
+
+def merge_keys(st: _Static, q_i, i, k, v, seg, carry, bounds, seg_k=None, delta=0):
+  """The running softmax (max, sum, output) of query block i (q_i [B, bq, K, G, H]) with the key blocks
+  [lo, hi) = bounds of k [B, S, K, H], v [B, S, K, Hv] merged in, one [B, K, G, bq, bk] tile at a time.
+  seg_k, delta: as _tile_mask's (ring attention's chunk pairs)."""
+  b = st.block
+
+  def key_block(j, carry):
+    m, l, acc = carry  # [B, K, G, bq], the same, [B, K, G, bq, Hv]
+    k_j = lax.dynamic_slice_in_dim(k, _key_offset(j, b), b, axis=1)
+    v_j = lax.dynamic_slice_in_dim(v, _key_offset(j, b), b, axis=1)
+    mask = _tile_mask(st, i, j, seg, seg_k, delta)
+    s, _ = _scores(st, q_i, k_j)
+    s = jnp.where(mask, s, _MIN)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_j, preferred_element_type=_F32)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+  return lax.fori_loop(*bounds, key_block, carry)
+
+
+def finish_rows(m, l, acc, dtype):
+  """(out [..., bq, Hv] in dtype, lse [..., bq] float32) of a running softmax; a row that saw nothing (a pad
+  row) gets out 0 and lse +inf, so the backward's exp(s - lse) is 0 there."""
+  seen = l > 0
+  out = acc / jnp.where(seen, l, 1.0)[..., None]
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+  return out.astype(dtype), lse
 
 
 def _forward(st: _Static, q, k, v, seg):
@@ -116,31 +164,18 @@ def _forward(st: _Static, q, k, v, seg):
 
   def query_block(i):
     q_i = lax.dynamic_slice_in_dim(q, i * b, b, axis=1)  # [B, bq, K, G, H]
-
-    def key_block(j, carry):
-      m, l, acc = carry  # [B, K, G, bq], the same, [B, K, G, bq, Hv]
-      k_j = lax.dynamic_slice_in_dim(k, _key_offset(j, b), b, axis=1)
-      v_j = lax.dynamic_slice_in_dim(v, _key_offset(j, b), b, axis=1)
-      mask = _tile_mask(st, i, j, seg)
-      s, _ = _scores(st, q_i, k_j)
-      s = jnp.where(mask, s, _MIN)
-      m_new = jnp.maximum(m, s.max(-1))
-      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-      corr = jnp.exp(m - m_new)
-      pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_j, preferred_element_type=_F32)
-      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
-
-    init = (jnp.full((B, K, G, b), _MIN, _F32), jnp.zeros((B, K, G, b), _F32), jnp.zeros((B, K, G, b, Hv), _F32))
-    lo, hi = _key_blocks(st, i)
-    m, l, acc = lax.fori_loop(lo, hi, key_block, init)
-    seen = l > 0  # a pad row may see nothing
-    out = acc / jnp.where(seen, l, 1.0)[..., None]
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-    return out.astype(v.dtype), lse
+    carry = merge_keys(st, q_i, i, k, v, seg, empty_rows(B, K, G, b, Hv), _key_blocks(st, i))
+    return finish_rows(*carry, v.dtype)
 
   out, lse = lax.map(query_block, jnp.arange(Tp // b))  # [n, B, K, G, bq, Hv], [n, B, K, G, bq]
-  out = jnp.reshape(jnp.moveaxis(out, 0, 3), (B, K, G, Tp, Hv))
-  lse = jnp.reshape(jnp.moveaxis(lse, 0, 3), (B, K, G, Tp))
+  return blocks_to_rows(out, lse)
+
+
+def blocks_to_rows(out, lse):
+  """Per-query-block out [n, B, K, G, bq, Hv] and lse [n, B, K, G, bq] as rows: [B, n bq, K, G, Hv], [B, K, G, n bq]."""
+  n, B, K, G, b, Hv = out.shape
+  out = jnp.reshape(jnp.moveaxis(out, 0, 3), (B, K, G, n * b, Hv))
+  lse = jnp.reshape(jnp.moveaxis(lse, 0, 3), (B, K, G, n * b))
   return jnp.transpose(out, (0, 3, 1, 2, 4)), lse
 
 
@@ -154,41 +189,52 @@ def _flash_fwd(st: _Static, q, k, v, seg):
   return out, (q, k, v, seg, out, lse)
 
 
+def row_term(d_out, out):
+  """D_i = sum_h dO_i o_i: the softmax's row term, [B, K, G, Tp] float32 (of [B, Tp, K, G, Hv] each)."""
+  return jnp.einsum("btkgh,btkgh->bkgt", d_out.astype(_F32), out.astype(_F32))
+
+
+def key_block_grads(st: _Static, j, k_j, v_j, q, d_out, lse, d_row, seg, grads, bounds, seg_k=None, delta=0):
+  """(dq, dk_j, dv_j): key block j (k_j [B, bk, K, H], v_j [B, bk, K, Hv]) against the query blocks [lo, hi) =
+  bounds of q [B, Tp, K, G, H], recomputing each tile's probabilities from the saved lse; dq [B, Tp, K, G, H]
+  accumulates in place, dk_j and dv_j (float32) from `grads` = (dq, dk_j, dv_j). seg_k, delta: as _tile_mask's."""
+  b = st.block
+
+  def query_block(i, carry):
+    dq, dk, dv = carry
+    q_i = lax.dynamic_slice_in_dim(q, i * b, b, axis=1)  # [B, bq, K, G, H]
+    do_i = lax.dynamic_slice_in_dim(d_out, i * b, b, axis=1)
+    lse_i = lax.dynamic_slice_in_dim(lse, i * b, b, axis=3)  # [B, K, G, bq]
+    d_i = lax.dynamic_slice_in_dim(d_row, i * b, b, axis=3)
+    s, t = _scores(st, q_i, k_j)
+    p = jnp.where(_tile_mask(st, i, j, seg, seg_k, delta), jnp.exp(s - lse_i[..., None]), 0.0)  # [B, K, G, bq, bk]
+    dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(d_out.dtype), do_i, preferred_element_type=_F32)
+    dp = jnp.einsum("bqkgh,bskh->bkgqs", do_i, v_j, preferred_element_type=_F32)
+    ds = p * (dp - d_i[..., None])
+    if t is not None:
+      ds = ds * (1.0 - t * t)  # d(cap tanh(s / cap)) / ds
+    # In the inputs' dtype (bf16 compute: bf16 dots accumulating in float32), as the forward's p @ v.
+    ds = (ds * st.scale).astype(q.dtype)
+    dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j, preferred_element_type=_F32)
+    dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * b, b, axis=1) + dq_i, i * b, axis=1)
+    dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i, preferred_element_type=_F32)
+    return dq, dk, dv
+
+  return lax.fori_loop(*bounds, query_block, grads)
+
+
 def _flash_bwd(st: _Static, res, d_out):
   """FlashAttention-2's backward: per key block, the query blocks that see it; dq accumulates in place."""
   q, k, v, seg, out, lse = res
   B, Tp, K, G, H = q.shape
   b, n = st.block, Tp // st.block
-  # D_i = sum_h dO_i o_i: the softmax's row term, [B, K, G, Tp].
-  d_row = jnp.einsum("btkgh,btkgh->bkgt", d_out.astype(_F32), out.astype(_F32))
+  d_row = row_term(d_out, out)
 
   def key_block(dq, j):
     k_j = lax.dynamic_slice_in_dim(k, _key_offset(j, b), b, axis=1)  # [B, bk, K, H]
     v_j = lax.dynamic_slice_in_dim(v, _key_offset(j, b), b, axis=1)
-
-    def query_block(i, carry):
-      dq, dk, dv = carry
-      q_i = lax.dynamic_slice_in_dim(q, i * b, b, axis=1)  # [B, bq, K, G, H]
-      do_i = lax.dynamic_slice_in_dim(d_out, i * b, b, axis=1)
-      lse_i = lax.dynamic_slice_in_dim(lse, i * b, b, axis=3)  # [B, K, G, bq]
-      d_i = lax.dynamic_slice_in_dim(d_row, i * b, b, axis=3)
-      s, t = _scores(st, q_i, k_j)
-      p = jnp.where(_tile_mask(st, i, j, seg), jnp.exp(s - lse_i[..., None]), 0.0)  # [B, K, G, bq, bk]
-      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(d_out.dtype), do_i, preferred_element_type=_F32)
-      dp = jnp.einsum("bqkgh,bskh->bkgqs", do_i, v_j, preferred_element_type=_F32)
-      ds = p * (dp - d_i[..., None])
-      if t is not None:
-        ds = ds * (1.0 - t * t)  # d(cap tanh(s / cap)) / ds
-      # In the inputs' dtype (bf16 compute: bf16 dots accumulating in float32), as the forward's p @ v.
-      ds = (ds * st.scale).astype(q.dtype)
-      dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j, preferred_element_type=_F32)
-      dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * b, b, axis=1) + dq_i, i * b, axis=1)
-      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i, preferred_element_type=_F32)
-      return dq, dk, dv
-
-    lo, hi = _query_blocks(st, j, n)
-    init = (dq, jnp.zeros(k_j.shape, _F32), jnp.zeros(v_j.shape, _F32))
-    dq, dk, dv = lax.fori_loop(lo, hi, query_block, init)
+    grads = (dq, jnp.zeros(k_j.shape, _F32), jnp.zeros(v_j.shape, _F32))
+    dq, dk, dv = key_block_grads(st, j, k_j, v_j, q, d_out, lse, d_row, seg, grads, _query_blocks(st, j, n))
     return dq, (dk, dv)
 
   dq, (dk, dv) = lax.scan(key_block, jnp.zeros(q.shape, _F32), jnp.arange(n))  # dk [n, B, bk, K, H]

@@ -103,7 +103,10 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 INVERSES = ("right_looking", "solve_triangular", "blocked", "doubling")
 DEFAULT_INVERSE = "right_looking"
-# The chunked rule's named scope: its chunk scans, forward and backward (the census counts the dead work around them).
+# Columns of the right-looking inverse per loop trip (its loop: _inverse_right_looking).
+INVERSE_UNROLL = 8
+# The chunked rule's named scope: its chunk scans, forward and backward, and the terms after them (the census counts
+# the dead work around the scope's loops; the per-chunk terms before the scan, with the inverse's loop, are outside).
 CHUNK_SCOPE = "gdn_chunked"
 _HI = jax.lax.Precision.HIGHEST  # float32 matmuls on every backend (TPU's default would round to bf16)
 
@@ -123,15 +126,22 @@ def _inverse_right_looking(a_XWW, *, skip_column=None):
   """Right-looking: once row j is final, subtract a[i, j] * x_j from every later row (a loop over columns).
   skip_column drops one column's update: the negative control of the tests, never used otherwise."""
   W = a_XWW.shape[-1]
-  x = jnp.broadcast_to(jnp.eye(W, dtype=a_XWW.dtype), a_XWW.shape)
-  for j in range(W - 1):
-    if j == skip_column:
-      continue
-    # a[i, j] is zero for i <= j, so rows up to j (already final) are untouched. Whole-row updates: XLA
-    # fuses the unrolled chain of elementwise steps into one loop (restricting each step to the rows below
-    # j and columns up to j with .at[].set measured 5.7x slower on CPU: 27.8 vs 4.9 ms at [256, 64, 64]).
-    x = x - a_XWW[..., :, j:j + 1] * x[..., j:j + 1, :]
-  return x
+  eye_XWW = jnp.broadcast_to(jnp.eye(W, dtype=a_XWW.dtype), a_XWW.shape)
+
+  def column(j, x_XWW):
+    # a[i, j] is zero for i <= j, so rows up to j (already final) are untouched: whole-row updates.
+    update = x_XWW - jax.lax.dynamic_slice_in_dim(a_XWW, j, 1, -1) * jax.lax.dynamic_slice_in_dim(x_XWW, j, 1, -2)
+    return update if skip_column is None else jnp.where(j == skip_column, x_XWW, update)
+
+  if W == 1:
+    return eye_XWW
+  # Column 0 outside the loop: its result has a's type (its sharding under explicit), the loop's carry type.
+  x_XWW = column(0, eye_XWW)
+  # A loop of INVERSE_UNROLL columns per trip, not W - 1 unrolled steps: fully unrolled, the inverse was 64% of
+  # the qwen3.5-397b period's optimized HLO at context=2 (XLA:TPU took tens of minutes over it); one column per
+  # trip measured ~10x slower on XLA:CPU than the unrolled chain, which XLA fuses. The same multiply and subtract
+  # per element either way, so the same numbers.
+  return jax.lax.fori_loop(1, W - 1, column, x_XWW, unroll=min(INVERSE_UNROLL, max(W - 2, 1)))
 
 
 def _inverse_solve_triangular(a_XWW):
@@ -301,9 +311,11 @@ def gated_delta_rule_chunked(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment
     raise ValueError(f"inverse={inverse!r}: expected one of {INVERSES}")
   B, T, N, J = v_BTNJ.shape
   H = q_BTKH.shape[-1]
+  # The per-chunk terms before the scope: the inverse's column loop is no chunk scan (the census counts the
+  # scope's loops).
+  c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_starts(segment_ids_BT, T), chunk_size, inverse)
+  U, W = c.shape[4:]
   with jax.named_scope(CHUNK_SCOPE):
-    c = _Chunks(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_starts(segment_ids_BT, T), chunk_size, inverse)
-    U, W = c.shape[4:]
     S = jnp.zeros((B, N, H, J), jnp.float32) if initial_state_BNHJ is None else initial_state_BNHJ.astype(jnp.float32)
     # Only the state recurrence is sequential; the scan emits the chunk states (which its backward needs
     # anyway) and the outputs are one batched product after it.

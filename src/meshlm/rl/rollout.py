@@ -131,9 +131,9 @@ class PromptIterator:
 def row_multiple(cfg: Config) -> int:
   """What the train step needs T to be a multiple of: the mesh.context shards' count, times what each shard's
   length must be a multiple of for the model's parts (MeshRules.shard_multiple: whole chunks of a chunked
-  recurrence)."""
+  recurrence), and of 2 for context_attention=ring (each shard two zigzag chunks)."""
   if cfg.mesh.context > 1:
-    return cfg.mesh.context * resolve(cfg).shard_multiple
+    return cfg.mesh.context * math.lcm(resolve(cfg).shard_multiple, 2 if cfg.context_attention == "ring" else 1)
   return cfg.mesh.context
 
 

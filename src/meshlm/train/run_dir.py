@@ -38,7 +38,7 @@ RESUMABLE = (
     "cpu_devices", "mesh.*", "distributed.*",
     # How the step is compiled, not what it computes; the stored parameters are the same.
     "shard_mode", "remat", "lm_head_weight_grad_in_kernel_order", "dense_weight_grad_in_kernel_order",
-    "weight_grad_impl", "attention_impl", "scan_layers", "stack_rows", "loss_impl", "loss_block",
+    "weight_grad_impl", "attention_impl", "context_attention", "scan_layers", "stack_rows", "loss_impl", "loss_block",
     # RL's evaluation and rollout log: what it measures and records, not what the run trains.
     "rl.eval_every", "rl.eval_prompts", "rl.log_completions",
     # The validation set: what it measures and how often, not what the run trains.
