@@ -365,12 +365,33 @@ def test_tpu_convolution_flops_match_xla_counted_alike(tpu_run, monkeypatch):
 @tpu
 @pytest.mark.ci_must_run
 def test_tpu_flash_attention(tpu_report):
-  """attention_impl=auto compiles the flash core for TPU (the report says which core each program used), with
+  """attention_impl=flash compiles the flash core for TPU (the report says which core each program used), with
   nothing blocked under explicit; the xla run above says xla."""
-  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")
+  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1", "attention_impl=flash")
   assert report["config"]["attention_impl"] == "flash" and tpu_report["config"]["attention_impl"] == "xla"
   assert report["exit"] == 0 and report["programs"]["train"]["memory"]["fits"] is True
   assert report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]["blocked"] == 0
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_tpu_splash_attention(tpu_run, monkeypatch):
+  """attention_impl=auto compiles the splash kernel for TPU: the report says splash and the executable holds the
+  Mosaic kernel's custom calls (forward, dq and dkv per layer); the xla program above holds none."""
+  from meshlm.analysis import aot
+  seen = []
+  real = aot.lowered_of
+  def keep(lowered, compiled):
+    seen.append(compiled.as_text())
+    return real(lowered, compiled)
+  monkeypatch.setattr(aot, "lowered_of", keep)
+  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1", "--no-census")
+  assert report["config"]["attention_impl"] == "splash" and report["exit"] == 0
+  assert report["programs"]["train"]["memory"]["fits"] is True
+  (hlo,) = seen
+  kernels = hlo.count('custom_call_target="tpu_custom_call"')
+  assert kernels >= 3, kernels
+  assert 'custom_call_target="tpu_custom_call"' not in tpu_run[1]
 
 
 def test_the_tpu_extra_and_make_tests_lock_pin_the_same_libtpu():

@@ -458,10 +458,12 @@ def census(cfg, mesh=None) -> dict[str, Any]:
 
 def attention_impl(cfg, platform: str | None = None) -> str:
   """The attention core the train step runs (attention_impl resolved at train.seq_len on platform, by default
-  JAX's backend, then context_attention on mesh.context): what the reports print."""
+  JAX's backend, and mesh.context; -1 there, the devices left, counts as more than one; then context_attention on
+  mesh.context): what the reports print."""
   import jax
   from meshlm.nn.attention import resolve_context, resolve_impl
-  impl = resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend())
+  context = cfg.mesh.context if cfg.mesh.context > 0 else 2
+  impl = resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend(), context)
   return resolve_context(impl, cfg.context_attention, cfg.mesh.context, cfg.train.seq_len)
 
 

@@ -476,7 +476,8 @@ class Config(_Strict):
       default="custom_vjp", description="how the kernel-order weight gradient is produced")
   attention_impl: Literal["auto", "xla", "flash", "splash"] = Field(
       default="auto", description="the attention core: xla (materialized scores, the reference), flash (blockwise, "
-      "pure JAX), splash (not built yet); auto: flash on GPU/TPU and on CPU from a measured length up, else xla")
+      "pure JAX), splash (the TPU Pallas kernel; Pallas interpret mode off TPU, slow); auto: splash on TPU (flash "
+      "with mesh.context > 1), flash on GPU and on CPU from a measured length up, else xla")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "
@@ -510,8 +511,9 @@ class Config(_Strict):
       raise ValueError(
           "lm_head_weight_grad_in_kernel_order=true needs an untied LM head, but model.tie_embeddings "
           "is true (the tied head is an einsum over the embedding table); leave the flag unset or false")
-    if self.attention_impl == "splash":
-      raise ValueError("attention_impl=splash: the TPU splash kernel is not built yet; use auto, xla or flash")
+    if self.attention_impl == "splash" and self.mesh.context > 1:
+      raise ValueError(f"attention_impl=splash with mesh.context={self.mesh.context}: the splash kernel does not split "
+                       "the sequence over mesh.context; use attention_impl=flash (or auto)")
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "

@@ -41,7 +41,7 @@ class Context:
   dense: Callable[..., jax.Array]  # dense(x, kernel, eqn, out_axes), bound to the dense flags
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
-  attention_impl: str = "xla"  # the core of train and prefill: xla | flash | ring (attention_impl, context_attention resolved)
+  attention_impl: str = "xla"  # the core of train and prefill: xla | flash | splash | ring (both keys resolved)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -92,7 +92,7 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   """
   m = cfg.model
   T = positions_BT.shape[1]
-  impl = resolve_impl(cfg.attention_impl, T, platform()) if mode != "decode" else "xla"
+  impl = resolve_impl(cfg.attention_impl, T, platform(), context_size()) if mode != "decode" else "xla"
   impl = resolve_context(impl, cfg.context_attention, context_size(), T, mode)
   ropes = {"global": {d: freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling) for d in rotary_dims}}
   if "local" in contexts and m.rope_local_theta is not None:

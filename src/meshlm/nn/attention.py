@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
+from meshlm.errors import ConfigError
 from meshlm.nn.flash_attention import flash_attention
 from meshlm.nn.ring_attention import ring_attention
 from meshlm.parallel.sharding import ACT, axes
@@ -55,15 +56,22 @@ def with_new_slot(mask_B111C: jax.Array) -> jax.Array:
 # On CPU, `attention_impl=auto` runs flash from this length up and xla below it: the crossover that
 # benchmarks/attention_crossover.py measured (docs/performance.md, "Attention: flash vs xla on CPU").
 CPU_FLASH_FROM = 1024
-IMPLS = ("xla", "flash")
+IMPLS = ("xla", "flash", "splash")
 
 
-def resolve_impl(impl: str, T: int, platform: str) -> str:
-  """The attention core a program of length T runs on platform ("cpu", "gpu", "tpu"): impl unless it is auto."""
+def resolve_impl(impl: str, T: int, platform: str, context: int = 1) -> str:
+  """The attention core a program of length T runs on platform ("cpu", "gpu", "tpu") over a mesh.context of
+  `context` shards: impl unless it is auto. auto: splash on TPU (flash with the sequence split: the splash wrapper
+  keeps each device's sequence whole), flash on GPU, and on CPU flash from CPU_FLASH_FROM up, xla below."""
   if impl != "auto":
     if impl not in IMPLS:
-      raise ValueError(f"attention_impl={impl!r}: expected auto, xla or flash")
+      raise ValueError(f"attention_impl={impl!r}: expected auto, xla, flash or splash")
+    if impl == "splash" and context > 1:
+      raise ConfigError(f"attention_impl=splash with mesh.context={context}: the splash kernel does not split the "
+                        "sequence over mesh.context; use attention_impl=flash (or auto)")
     return impl
+  if platform == "tpu":
+    return "splash" if context == 1 else "flash"
   return "flash" if platform != "cpu" or T >= CPU_FLASH_FROM else "xla"
 
 
@@ -82,7 +90,7 @@ class Mask:
   """What a query of a training or prefill context sees, as a description: every key at or before it (causal),
   inside `window` positions when one is given, and of its own document when segment ids are given. `dense` is
   the materialized [B or 1, 1, 1, T, T] array, which only the xla core reads (models/context builds it once per
-  step for that core alone); flash reads the description. Decode reads its cache slots' mask instead."""
+  step for that core alone); flash and splash read the description. Decode reads its cache slots' mask instead."""
   window: int | None = None
   segment_ids: jax.Array | None = None  # [B, T]
   dense: jax.Array | None = None
@@ -91,13 +99,20 @@ class Mask:
 def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
   """(fn(q, k, v, operand) -> [B, T, K, G, Hv], operand): the attention core for impl and the one array it reads
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
-  mask; flash and ring: the segment ids or None)."""
+  mask; flash, ring and splash: the segment ids or None)."""
   if impl in ("flash", "ring"):
     blockwise = flash_attention if impl == "flash" else ring_attention
 
     def flash(q, k, v, seg):
       return blockwise(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
     return flash, mask.segment_ids
+  if impl == "splash":
+    # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs splash.
+    from meshlm.nn.splash_attention import splash_attention
+
+    def splash(q, k, v, seg):
+      return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+    return splash, mask.segment_ids
 
   def xla(q, k, v, dense):
     return gqa_attention(q, k, v, dense, scale=scale, softcap=softcap)

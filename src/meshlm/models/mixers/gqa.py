@@ -121,7 +121,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
     mask = A.decode_mask(here.cache.read_mask, here.cache.write)
     return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
-  # The core ctx.attention_impl names (xla: the materialized mask; flash: blockwise, the segment ids).
+  # The core ctx.attention_impl names (xla: the materialized mask; flash, splash: the segment ids).
   core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap)
 
   def attend_and_project(q, k, v, operand, w_o, *gate):

@@ -162,7 +162,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
     v = ctx.dense(c, w["v_b"], "btr,rnh->btnh", A.HEADS)
   scale = softmax_scale(m)
 
-  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale)  # xla or flash (gqa.attend)
+  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale)  # xla, flash or splash (gqa.attend)
 
   # The attention core and the output projection in one auto-axes region (gqa.attend says why).
   def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, operand, w_o):

@@ -1,0 +1,118 @@
+"""The TPU Pallas splash kernel (`jax.experimental.pallas.ops.tpu.splash_attention`): the `attention_impl=splash`
+core, with flash's signature and its [B, T, K, G, Hv] output (nn/flash_attention.py; the `xla` core,
+nn/attention.gqa_attention, is the reference both are tested against).
+
+The kernel is a Mosaic custom call, which XLA cannot partition: it runs inside a `jax.shard_map` over the current
+mesh, each device calling it on its own rows, the batch split as the activations' "batch" axis is and the heads over
+mesh.tensor when tensor divides the KV heads (else the heads stay whole on every tensor device, computed alike). The
+sequence is never split: a mesh.context > 1 is refused (nn/attention.resolve_impl; flash runs there). Per batch row
+the kernel is its multi-head form with fewer KV heads than query heads, which is GQA (MLA passes every head its own
+key, G = 1).
+
+What it does the way the other cores do:
+  - the scale: q is scaled before the kernel (it computes q k^T unscaled);
+  - causal (`CausalMask`) or a sliding window of `window` positions, the query's own included (`LocalMask` with
+    (window - 1, 0) sides, which is causal too);
+  - packed segments: `SegmentIds(q, kv)`, the same ids on both sides;
+  - the logit soft-cap: the kernel's `attn_logits_soft_cap`, cap * tanh(s / cap) on the scaled scores;
+  - query/key and value head dims that differ (MLA's 192 and 128): the kernel reads v's own width;
+  - any length: the sequence is padded to a multiple of the kernel's 128-wide lanes. The pad sits after every real
+    position, so causality hides it from the real queries, and the pad queries' outputs are cut off (their
+    cotangent is zero, so they add nothing to dk and dv).
+
+Off TPU the kernel runs in Pallas interpret mode (slow: tests and CPU toys); on TPU it compiles the Mosaic kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as SA
+from jax.sharding import PartitionSpec as P
+
+from meshlm.parallel.sharding import current_mesh, logical_spec, platform
+
+LANES = 128  # the kernel's block lengths are multiples of the TPU's 128 lanes
+BLOCK = 512  # every block length (forward, dq, dkv) on TPU: MaxText's sa_block_* defaults
+INTERPRET_BLOCK = LANES  # the smallest block the kernel takes: the least work per tile in interpret mode
+
+
+def block_for(length: int, block: int) -> int:
+  """The kernel's block over a length padded to LANES: `block` if it divides the length, else the largest multiple
+  of LANES that divides both (a length of one block or less is one block)."""
+  return length if length <= block else math.gcd(length, block)
+
+
+def splash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array | None = None,
+                     *, scale: float, softcap: float | None = None, window: int | None = None,
+                     block: int | None = None, interpret: bool | None = None) -> jax.Array:
+  """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), by the kernel.
+
+  q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (the same T: training and prefill); returns [B, T, K, G, Hv].
+  block: the kernel's block length (default BLOCK on TPU, INTERPRET_BLOCK elsewhere); interpret: Pallas interpret
+  mode (default: off TPU).
+  """
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  assert k_BSKH.shape[1] == T == v_BSKH.shape[1], (q_BTNH.shape, k_BSKH.shape, v_BSKH.shape)
+  on_tpu = platform() == "tpu"
+  interpret = not on_tpu if interpret is None else interpret
+  pad = -T % LANES
+  Tp = T + pad
+  b = block_for(Tp, block or (BLOCK if on_tpu else INTERPRET_BLOCK))
+
+  def heads_first(x):  # [B, T, heads, h] -> [B, heads, Tp, h]
+    return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
+  q = heads_first(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
+  k, v = heads_first(k_BSKH), heads_first(v_BSKH)
+  seg = None if segment_ids_BT is None else jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, pad)))
+  kernel_args = dict(window=window, softcap=softcap, block=b, interpret=interpret)
+  with jax.named_scope("splash_attention"):
+    out = _sharded(q, k, v, seg, kernel_args)  # [B, N, Tp, Hv]
+  out = jnp.swapaxes(out[:, :, :T], 1, 2)  # [B, T, N, Hv]
+  return jnp.reshape(out, (B, T, K, N // K, out.shape[-1]))
+
+
+def _mask(length: int, window: int | None):
+  """One head's static mask over [length, length]: causal, or the window (which is causal too)."""
+  if window is None:
+    return SA.CausalMask((length, length))
+  return SA.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
+
+
+def _kernel(heads: int, length: int, *, window, softcap, block: int, interpret: bool):
+  """The kernel for one batch row of `heads` query heads: fn(q [N, Tp, H], k [K, Tp, H], v [K, Tp, Hv], seg)."""
+  sizes = SA.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  mask = SA.MultiHeadMask([_mask(length, window)] * heads)
+  return SA.make_splash_mha(mask, block_sizes=sizes, attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
+                            interpret=interpret)
+
+
+def _rows(q, k, v, seg, kernel_args: dict):
+  """The kernel over this device's rows: q [b, n, Tp, H], k [b, k, Tp, H], v [b, k, Tp, Hv], seg [b, Tp] or None."""
+  kernel = _kernel(q.shape[1], q.shape[2], **kernel_args)
+  if seg is None:
+    return jax.vmap(lambda q, k, v: kernel(q, k, v))(q, k, v)
+  return jax.vmap(lambda q, k, v, s: kernel(q, k, v, SA.SegmentIds(s, s)))(q, k, v, seg)
+
+
+def row_spec(mesh, B: int, K: int) -> P:
+  """How the shard_map splits q, k, v and the output ([B, heads, Tp, h]): rows over the batch's mesh axes, heads over
+  tensor when tensor divides the K KV heads (then the query heads too, K x G), else whole."""
+  rows = logical_spec(("batch",), (B,), mesh)[0]
+  heads = logical_spec(("kv_heads",), (K,), mesh)[0]
+  return P(rows, heads, None, None)
+
+
+def _sharded(q, k, v, seg, kernel_args: dict):
+  """_rows in a shard_map over the current mesh (row_spec); with no mesh (or one device), _rows itself."""
+  mesh = current_mesh()
+  if mesh.empty or math.prod(mesh.axis_sizes) == 1:
+    return _rows(q, k, v, seg, kernel_args)
+  qkv = row_spec(mesh, q.shape[0], k.shape[1])
+  specs = (qkv, qkv, qkv) + (() if seg is None else (P(qkv[0], None),))
+  body = lambda *args: _rows(*args[:3], args[3] if len(args) > 3 else None, kernel_args)  # noqa: E731
+  fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qkv, check_vma=False)
+  return fn(q, k, v, *(() if seg is None else (seg,)))

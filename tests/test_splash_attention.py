@@ -1,0 +1,187 @@
+"""attention_impl=splash: the TPU Pallas splash kernel (nn/splash_attention.py), run here in Pallas interpret mode,
+against the xla reference (nn/attention.gqa_attention with attention_mask), forward and every gradient, each mask
+kind with a negative control; its shard_map over a mesh; the key's resolution and errors; and a tiny preset
+training to the xla losses. The kernel compiled for TPU (the Mosaic custom call) is tests/test_compile.py's.
+
+Interpret mode is slow (seconds per program): two kernel programs carry every feature between them, each compiled
+once. Their negative controls compare the same kernel outputs against the reference with one feature wrong (a
+window one wider, no segment ids, no soft-cap, the KV heads' grouping reversed): the kernel getting that feature
+wrong would produce exactly that reference, and each is far outside the tolerance. One control breaks the
+kernel's own window in the wrapper.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshlm
+from meshlm.analysis.golden import shrink
+from meshlm.errors import ConfigError
+from meshlm.nn import splash_attention as SP
+from meshlm.nn.attention import attention_mask, gqa_attention, resolve_impl
+from meshlm.parallel.sharding import ShardingWarning
+
+import conformance as C
+from test_flash_attention import _trained
+
+# Float32: the kernel sums in another order (128-wide blocks, an online softmax) and scales q before its dot.
+# Measured at most 2.2e-6 (values of order 1); a wrong window, segment, soft-cap or grouping moves them by 0.1 or more.
+ATOL = 1e-5
+T = 150  # padded to 256 inside: two 128-blocks, the second ragged
+SEGMENTS = np.array([[0] * 40 + [1] * 80 + [2] * 30, [0] * 3 + [1] * 147])  # documents across the block boundary
+# name: (N, K, H, Hv, window, softcap, segments)
+CASES = {
+    "causal_gqa": (4, 2, 8, 8, None, None, False),
+    "window_segments_softcap": (4, 1, 8, 6, 9, 2.0, True),  # MQA, and v narrower than q/k (as MLA's)
+}
+
+
+def _inputs(case: str):
+  N, K, H, Hv, _, _, _ = CASES[case]
+  ks = jax.random.split(jax.random.key(len(case)), 4)
+  q = jax.random.normal(ks[0], (2, T, N, H))
+  k = jax.random.normal(ks[1], (2, T, K, H))
+  v = jax.random.normal(ks[2], (2, T, K, Hv))
+  ct = jax.random.normal(ks[3], (2, T, K, N // K, Hv))  # the output's cotangent
+  return q, k, v, ct
+
+
+def _value_and_grads(fn, q, k, v, ct):
+  out, vjp = jax.vjp(fn, q, k, v)
+  return (out,) + vjp(ct)
+
+
+def _reference(case: str, *, window=None, segments=None, softcap=None, regroup=False):
+  """(out, dq, dk, dv) of the xla core with the case's features, any of them replaced by the keywords given."""
+  _, _, H, _, w, cap, segs = CASES[case]
+  window = w if window is None else window
+  softcap = cap if softcap is None else softcap or None
+  seg = jnp.asarray(SEGMENTS) if (segs if segments is None else segments) else None
+  def fn(q, k, v):
+    if regroup:  # query group g reads KV head K - 1 - g's keys and values
+      k, v = k[:, :, ::-1], v[:, :, ::-1]
+    return gqa_attention(q, k, v, attention_mask(seg, T, window), scale=H ** -0.5, softcap=softcap)
+  return _value_and_grads(fn, *_inputs(case))
+
+
+@functools.cache
+def _splash(case: str):
+  """(out, dq, dk, dv) of the splash core in interpret mode, one jit per case."""
+  _, _, H, _, window, softcap, segs = CASES[case]
+  seg = jnp.asarray(SEGMENTS) if segs else None
+  fn = lambda q, k, v: SP.splash_attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap,  # noqa: E731
+                                           window=window)
+  return jax.jit(functools.partial(_value_and_grads, fn))(*_inputs(case))
+
+
+def _errors(got, want) -> list[float]:
+  return [float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_splash_equals_xla_forward_and_gradients(case):
+  errs = _errors(_splash(case), _reference(case))
+  print(f"{case}: max |splash - xla| out, dq, dk, dv = {errs}")
+  assert max(errs) < ATOL, errs
+
+
+@pytest.mark.parametrize("case, wrong", [
+    ("window_segments_softcap", dict(window=10)),  # the window one position wider
+    ("window_segments_softcap", dict(segments=False)),  # the segment ids dropped: documents see each other
+    ("window_segments_softcap", dict(softcap=0.0)),  # no soft-cap
+    ("causal_gqa", dict(regroup=True)),  # the query groups read the wrong KV heads
+])
+def test_a_wrong_feature_fails_the_comparison(case, wrong):
+  errs = _errors(_splash(case), _reference(case, **wrong))
+  print(f"{case} against the reference with {wrong}: max |splash - xla| out, dq, dk, dv = {errs}")
+  assert max(errs) > 100 * ATOL, errs
+
+
+def test_a_wrong_window_in_the_kernel_fails(monkeypatch):
+  """The wrapper's LocalMask sides shifted by one (window sides (window, 0): one key too many) fail the forward."""
+  real = SP._mask
+  monkeypatch.setattr(SP, "_mask", lambda length, window: real(length, window and window + 1))
+  case = "window_segments_softcap"
+  _, _, H, _, window, softcap, _ = CASES[case]
+  q, k, v, _ = _inputs(case)
+  out = jax.jit(lambda q, k, v: SP.splash_attention(q, k, v, jnp.asarray(SEGMENTS), scale=H ** -0.5,
+                                                    softcap=softcap, window=window))(q, k, v)
+  err = float(jnp.max(jnp.abs(out - _reference(case)[0])))
+  assert err > 100 * ATOL, err
+
+
+def test_block_divides_the_padded_length():
+  assert SP.block_for(256, 512) == 256 and SP.block_for(8192, 512) == 512
+  assert SP.block_for(640, 512) == 128 and SP.block_for(1536, 512) == 512 and SP.block_for(1280, 512) == 256
+
+
+def _mesh():
+  from jax.sharding import AxisType
+  return jax.make_mesh((1, 2, 2, 1, 1), ("data", "fsdp", "tensor", "expert", "context"),
+                       axis_types=(AxisType.Auto,) * 5, devices=jax.devices()[:4])
+
+
+def test_row_spec_splits_rows_and_the_heads_tensor_divides():
+  from jax.sharding import PartitionSpec as P
+  mesh = _mesh()
+  assert SP.row_spec(mesh, 2, 2) == P("fsdp", "tensor", None, None)
+  with warnings.catch_warnings():  # the ShardingWarning the mixers' own K/V projections already give
+    warnings.simplefilter("ignore", ShardingWarning)
+    assert SP.row_spec(mesh, 2, 1) == P("fsdp", None, None, None)  # one KV head: every head on each tensor device
+  assert SP.row_spec(mesh, 1, 4) == P(None, "tensor", None, None)  # a row the batch axes do not divide stays whole
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_under_a_mesh_equals_the_reference(case):
+  """On fsdp=2 x tensor=2, in the shard_map: one row per fsdp device; causal_gqa's 2 KV heads split over tensor,
+  the MQA case's one KV head whole (its 4 query heads with it), with its segment ids split as the rows."""
+  _, _, H, _, window, softcap, segs = CASES[case]
+  seg = jnp.asarray(SEGMENTS) if segs else None
+  q, k, v, _ = _inputs(case)
+  with jax.set_mesh(_mesh()):
+    fn = jax.jit(lambda q, k, v: SP.splash_attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap, window=window))
+    text = fn.lower(q, k, v).as_text()
+    out = fn(q, k, v)
+  assert "sdy.manual_computation" in text
+  err = float(jnp.max(jnp.abs(out - _reference(case)[0])))
+  assert err < ATOL, err
+
+
+def test_auto_resolves_to_splash_on_tpu_and_context_is_refused():
+  assert resolve_impl("auto", 128, "tpu") == "splash" and resolve_impl("auto", 1 << 16, "tpu") == "splash"
+  assert resolve_impl("auto", 128, "tpu", context=2) == "flash"  # the splash wrapper keeps the sequence whole
+  assert resolve_impl("auto", 128, "gpu") == "flash" and resolve_impl("auto", 128, "cpu") == "xla"
+  assert resolve_impl("splash", 128, "cpu") == "splash"  # allowed off TPU: interpret mode
+  with pytest.raises(ConfigError, match=r"^attention_impl=splash with mesh.context=2: .*attention_impl=flash"):
+    resolve_impl("splash", 128, "tpu", context=2)
+  with pytest.raises(ConfigError, match=r"^attention_impl=splash with mesh.context=2: .*attention_impl=flash"):
+    meshlm.load_config("attention_impl=splash", "mesh.context=2")
+  assert meshlm.load_config("attention_impl=splash").attention_impl == "splash"
+
+
+def test_the_reports_name_splash():
+  from meshlm.analysis.census import config_summary
+  cfg = meshlm.load_config("model=llama2-tiny")
+  assert config_summary(cfg, "tpu")["attention_impl"] == "splash"
+  # With the sequence split, auto is flash on TPU, which runs as ring attention (context_attention=ring).
+  assert config_summary(meshlm.load_config("model=llama2-tiny", "mesh.context=2"), "tpu")["attention_impl"] == "ring"
+  assert config_summary(meshlm.load_config("attention_impl=splash"), "cpu")["attention_impl"] == "splash"
+
+
+# gemma2's soft-cap, sliding window (48, under the 96 positions trained) and query scalar, on fsdp=4 (the
+# shard_map splits the rows), packed rows of two documents: the xla arm is tests/test_flash_attention.py's (the same
+# config, trained once per process).
+PRESET = "gemma2-tiny"
+
+
+def test_splash_trains_to_the_xla_losses():
+  splash, _ = C.train_losses((f"model={PRESET}", *shrink(PRESET), "attention_impl=splash"), "explicit")
+  xla, _ = _trained(PRESET, "xla", "explicit")  # cached when this process ran tests/test_flash_attention.py
+  print(f"{PRESET}: splash vs xla, explicit, fsdp=4: max |loss diff| {np.max(np.abs(splash - xla)):.3g}")
+  C.assert_parity(splash, xla)
+  assert len(set(splash.tolist())) == C.PARITY_STEPS, f"the losses do not move: {splash.tolist()}"
