@@ -36,14 +36,20 @@ CASES = {
 }
 
 
-def _inputs(case: str):
-  N, K, H, Hv, _, _, _ = CASES[case]
+def attention_inputs(case: str, N: int, K: int, H: int, Hv: int, T: int):
+  """q [2, T, N, H], k [2, T, K, H], v [2, T, K, Hv] and the output's cotangent, seeded by the case's name
+  (test_splash_attention's cases draw theirs here too)."""
   ks = jax.random.split(jax.random.key(len(case)), 4)
   q = jax.random.normal(ks[0], (2, T, N, H))
   k = jax.random.normal(ks[1], (2, T, K, H))
   v = jax.random.normal(ks[2], (2, T, K, Hv))
   ct = jax.random.normal(ks[3], (2, T, K, N // K, Hv))  # the output's cotangent
   return q, k, v, ct
+
+
+def _inputs(case: str):
+  N, K, H, Hv, _, _, _ = CASES[case]
+  return attention_inputs(case, N, K, H, Hv, T)
 
 
 def _value_and_grads(fn, q, k, v, ct):

@@ -27,7 +27,7 @@ from meshlm.nn.attention import attention_mask, gqa_attention, resolve_impl
 from meshlm.parallel.sharding import ShardingWarning
 
 import conformance as C
-from test_flash_attention import _trained
+from test_flash_attention import _trained, _value_and_grads, attention_inputs
 
 # Float32: the kernel sums in another order (128-wide blocks, an online softmax) and scales q before its dot.
 # Measured at most 2.2e-6 (values of order 1); a wrong window, segment, soft-cap or grouping moves them by 0.1 or more.
@@ -43,17 +43,7 @@ CASES = {
 
 def _inputs(case: str):
   N, K, H, Hv, _, _, _ = CASES[case]
-  ks = jax.random.split(jax.random.key(len(case)), 4)
-  q = jax.random.normal(ks[0], (2, T, N, H))
-  k = jax.random.normal(ks[1], (2, T, K, H))
-  v = jax.random.normal(ks[2], (2, T, K, Hv))
-  ct = jax.random.normal(ks[3], (2, T, K, N // K, Hv))  # the output's cotangent
-  return q, k, v, ct
-
-
-def _value_and_grads(fn, q, k, v, ct):
-  out, vjp = jax.vjp(fn, q, k, v)
-  return (out,) + vjp(ct)
+  return attention_inputs(case, N, K, H, Hv, T)
 
 
 def _reference(case: str, *, window=None, segments=None, softcap=None, regroup=False):
