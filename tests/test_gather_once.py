@@ -14,7 +14,7 @@ from meshlm.nn import gather_once as GO
 # qwen3-moe-tiny: a dense layer, then 3 MoE layers in a scan; router [3, 256, 8] sharded on fsdp.
 from seams import compiled_grads
 
-BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
+BASE = ("model=qwen3-moe-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=bfloat16", "train.seq_len=32",
         "train.per_device_batch_size=1")
 L, D, E = 3, 256, 8
 Q = (D, 8, 48)  # the query kernel [D, N, H]; its stacks: one dense layer, then 3 MoE layers
@@ -26,7 +26,7 @@ def _run(mode: str, gather_once: bool):
   mp = pytest.MonkeyPatch()
   if not gather_once:
     # The plain path: no gathered copy, each layer's kernel slice goes to its projection as stored.
-    mp.setattr(GO, "gather_stack", lambda stack, axes, scope: None)
+    mp.setattr(GO, "gather_stack", lambda *a, **k: None)
     mp.setattr(GO, "gathered", lambda kernel, full, axes: kernel)
   try:
     loss, grads, compiled = compiled_grads(load_config(*BASE, f"shard_mode={mode}"))
@@ -40,13 +40,18 @@ def _run(mode: str, gather_once: bool):
   # gather after the nested jit whose result it reshards (".../while/body/jit"), not the router.
   gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers if ins.out.shape[-2:] == (D, E)]
   q_gathers = [(ins.out.shape, ins.comp in in_loop) for ins in all_gathers if ins.out.shape[-3:] == Q]
+  # The gathered stacks as the layers read them (XLA:CPU widens a bf16 all-gather to f32 and narrows it after,
+  # its float normalization; XLA:TPU gathers bf16): the dtypes of the q_gather_once scope's stack-shaped values.
+  q_copies = {(ins.out.shape, ins.out.dtype) for ins in mod.instrs()
+              if "q_gather_once" in ins.op_name and ins.out is not None and ins.out.shape[-3:] == Q
+              and ins.opcode != "all-gather"}
   # Router-gradient reductions: arrays of a router's shape (a layer's or the stack's, whole or an fsdp
   # shard, any dim order) in reducing collectives (XLA combines several into one tuple).
   router_shapes = {tuple(sorted(s)) for s in ((D, E), (D // 4, E), (L, D, E), (L, D // 4, E))}
   reductions = [(tuple(a.shape), ins.comp in in_loop) for ins in mod.instrs()
                 if ins.opcode in ("all-reduce", "all-reduce-start", "reduce-scatter", "reduce-scatter-start")
                 for a in ins.result if tuple(sorted(d for d in a.shape if d != 1)) in router_shapes]
-  return np.asarray(loss), jax.tree.map(np.asarray, grads), gathers, reductions, q_gathers
+  return np.asarray(loss), jax.tree.map(np.asarray, grads), gathers, reductions, (q_gathers, q_copies)
 
 
 @pytest.fixture(scope="module", params=["explicit", "auto"])
@@ -64,14 +69,18 @@ def test_one_router_gather_before_the_scan_none_inside(arms):
 
 
 def test_one_query_gather_per_stack_before_the_scan_none_inside(arms):
-  *_, q_gathers = arms[True]
+  *_, (q_gathers, q_copies) = arms[True]
   # The dense layer's stack [1, D, N, H] and the MoE layers' [3, D, N, H], each gathered once, outside
   # every loop.
   assert sorted(q_gathers) == [((1,) + Q, False), ((L,) + Q, False)], q_gathers
+  # Cast to the compute dtype before the gather: the gathered copies, alive through the forward and the
+  # backward, are bf16 (half the float32 parameters' bytes); the gradient still reaches the float32 kernel
+  # (bit-identical to the plain path: the test below).
+  assert ((L,) + Q, "bf16") in q_copies and ((1,) + Q, "bf16") in q_copies, q_copies
   # Control: without it the scan's body gathers each MoE layer's [D, N, H] slice (forward and backward).
-  *_, plain = arms[False]
+  *_, (plain, plain_copies) = arms[False]
   assert any(shape == Q and looped for shape, looped in plain), plain
-  assert not any(shape == (L,) + Q for shape, _ in plain)
+  assert not any(shape == (L,) + Q for shape, _ in plain) and not plain_copies
 
 
 def test_router_gradient_stays_per_layer(arms):

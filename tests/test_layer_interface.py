@@ -57,7 +57,7 @@ def _run(cfg, kind: Kind, part: Part, mode: str, context_name: str):
 
   def f(p, x, state):
     if part.compute.prepare is not None:
-      p = part.compute.prepare(p, specs)
+      p = part.compute.prepare(p, specs, jnp.float32)
     p = jax.tree.map(lambda a: a[0], p)
     if part.model_state is not None:
       p = dict(p, **jax.tree.map(lambda s: jnp.zeros(s.shape), part.model_state.spec(m), is_leaf=S.is_spec))

@@ -95,15 +95,15 @@ SIDE_SUMS = ("mean", "sum")  # how the train step adds an after-step side output
 class Compute:
   """How the decoder runs a part, beyond apply (gqa, gated_gqa and moe set it).
 
-  - prepare(stack, specs) -> stack: runs once before the layer scan on the part's stacked parameters (a "layers"
-    axis leading or at param_scan_axis): gather-once transforms live here.
+  - prepare(stack, specs, dtype) -> stack: runs once before the layer scan on the part's stacked parameters (a
+    "layers" axis leading or at param_scan_axis; dtype: the compute dtype): gather-once transforms live here.
   - remat_save_names: names (jax.ad_checkpoint.checkpoint_name) a remat policy must save.
   - with_plus_one(part, on) -> Part: `part` (this part, or a copy with other fields replaced) with its own
     RMSNorms (gqa's q/k norms) scaling by (1 + w) (on) or plainly, every other field kept. The Family calls it
     with its `norm_plus_one`, the one switch for every RMSNorm of the model; None for a part whose norms do not
     follow it (gdn's gated norm and mla's norms are plain, gated_gqa's q/k norms are always (1 + w), as in
     Hugging Face)."""
-  prepare: Callable[[dict, dict], dict] | None = None
+  prepare: Callable[[dict, dict, Any], dict] | None = None
   remat_save_names: tuple[str, ...] = ()
   with_plus_one: Callable[["Part", bool], "Part"] | None = None
 

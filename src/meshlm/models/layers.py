@@ -266,12 +266,13 @@ def prepare(M: Model, layers: dict) -> dict:
   fam = M.family
   specs = M.param_specs["layers"]
   axis = M.cfg.param_scan_axis
+  dt = jnp.dtype(M.cfg.train.compute_dtype)
   out = {}
   for kind, stack in layers.items():
     stack = dict(stack)
     for part in fam.kinds[kind].parts:
       if part.compute.prepare is not None:
-        stack[part.key] = part.compute.prepare(stack[part.key], specs[kind][part.key])
+        stack[part.key] = part.compute.prepare(stack[part.key], specs[kind][part.key], dt)
     if axis != 0:
       stack = jax.tree.map(lambda a: jnp.moveaxis(a, min(axis, a.ndim - 1), 0), stack)
     out[kind] = stack

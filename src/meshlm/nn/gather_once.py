@@ -4,14 +4,17 @@ Under FSDP a stacked kernel [L, ...] is sharded on its embed dim, so every layer
 slice on the critical path, and the backward gathers it again. `gather_stack` gathers the whole
 stack once, before the scan (stop_gradient'ed), and `gathered` gives each layer that slice with a
 backward that pins the layer's gradient to the stored kernel's sharding: a per-layer reduce-scatter
-into the sharded stack, not a full-size reduction of the stack after the backward. Numerically the
-identity.
+into the sharded stack, not a full-size reduction of the stack after the backward. A stack its layers
+read in the compute dtype is cast before the gather (`gather_stack(dtype=)`): the gathered copy, which
+lives through the forward and the backward, and the all-gather are half the size of float32 ones, and
+the gradient reaches the stored kernel in its own dtype. Numerically the identity.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from meshlm.parallel.sharding import ACT, PARAM_STORAGE, RULES, constrain
 
@@ -39,28 +42,37 @@ def gathered_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
   return tuple(None if a in FSDP_AXES else a for a in axes)
 
 
-def gather_stack(stack: jax.Array, axes: tuple[str | None, ...], scope: str) -> jax.Array:
-  """The stacked kernel (logical axes `axes`, "layers" among them) gathered once, stop_gradient'ed:
-  its gradient reaches the stored stack through `gathered`, per layer."""
+def gather_stack(stack: jax.Array, axes: tuple[str | None, ...], scope: str, dtype=None) -> jax.Array:
+  """The stacked kernel (logical axes `axes`, "layers" among them) gathered once, stop_gradient'ed,
+  cast to dtype first when given (the dtype its layers compute in): its gradient reaches the stored
+  stack through `gathered`, per layer."""
   with jax.named_scope(scope):
+    if dtype is not None:
+      stack = stack.astype(dtype)
     return jax.lax.stop_gradient(constrain(stack, gathered_axes(axes)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def gathered(kernel: jax.Array, full: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-  """full (this layer's slice of the gathered stack), with its gradient sent to kernel (the slice of
-  the stored stack, logical axes `axes`) pinned to the kernel's sharding. The slice is pinned whole
-  (under auto, XLA would otherwise keep the stack sharded into the loop and gather each slice there)."""
+  """full (this layer's slice of the gathered stack, in its dtype), with its gradient sent to kernel
+  (the slice of the stored stack, logical axes `axes`) in kernel's dtype, pinned to the kernel's
+  sharding. The slice is pinned whole (under auto, XLA would otherwise keep the stack sharded into
+  the loop and gather each slice there)."""
+  return _gathered(kernel, full, axes, jnp.dtype(kernel.dtype).name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gathered(kernel: jax.Array, full: jax.Array, axes: tuple[str | None, ...], kernel_dtype: str) -> jax.Array:
   del kernel
   return constrain(full, gathered_axes(axes))
 
 
-def _gathered_fwd(kernel, full, axes):
-  return gathered(kernel, full, axes), None
+def _gathered_fwd(kernel, full, axes, kernel_dtype):
+  return _gathered(kernel, full, axes, kernel_dtype), None
 
 
-def _gathered_bwd(axes, _, g):
-  return constrain(g, axes), None
+def _gathered_bwd(axes, kernel_dtype, _, g):
+  # The cast first, as the float32 copy's `astype(compute dtype)` transposed: the same values reduced.
+  return constrain(g.astype(kernel_dtype), axes), None
 
 
-gathered.defvjp(_gathered_fwd, _gathered_bwd)
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)

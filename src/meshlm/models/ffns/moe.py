@@ -196,7 +196,8 @@ def check_mesh(m: ModelConfig, sizes: dict[str, int]) -> None:
                       "falls back to it)")
 
 
-def prepare(p: dict, specs: dict) -> dict:
+def prepare(p: dict, specs: dict, dtype) -> dict:
+  del dtype  # the router computes in model.parts.moe.router_dtype, from the stored kernel's values
   return dict(p, router_full=moe.gather_router_once(p["router"], specs["router"].axes))
 
 

@@ -3,8 +3,8 @@ and cache), optional per-head q/k RMSNorm before RoPE (`model.qk_norm`: qwen3, g
 scale `model.query_pre_attn_scalar` (default head_dim) and attention soft-capping
 (`model.attn_logit_softcap`). Its decode state is K/V rows at the context's cache slots.
 
-Under FSDP the query kernel is gathered once before the layer scan (`prepare`), as the router is:
-each layer reads its slice of the gathered stack and its gradient is pinned back to the kernel's
+Under FSDP the query kernel is gathered once before the layer scan (`prepare`), in the compute dtype, as
+the router is: each layer reads its slice of the gathered stack and its gradient is pinned back to the kernel's
 sharding per layer (nn/gather_once.py).
 """
 from __future__ import annotations
@@ -46,9 +46,10 @@ def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
   return {"k": StateLeaf(shape, CACHE_AXES, slot_axis=2), "v": StateLeaf(shape, CACHE_AXES, slot_axis=2)}
 
 
-def prepare(p: dict, specs: dict) -> dict:
-  """The query kernel stack gathered once (all but its layer and tensor-sharded axes), "q_full"."""
-  return dict(p, q_full=gather_once.gather_stack(p["q"], specs["q"].axes, "q_gather_once"))
+def prepare(p: dict, specs: dict, dtype) -> dict:
+  """The query kernel stack gathered once (all but its layer and tensor-sharded axes) in the compute dtype,
+  "q_full"."""
+  return dict(p, q_full=gather_once.gather_stack(p["q"], specs["q"].axes, "q_gather_once", dtype))
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one: bool = False):
