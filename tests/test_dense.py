@@ -182,6 +182,7 @@ def test_an_output_in_another_order_keeps_its_transpose_beside_the_dot(monkeypat
   dot and its transpose (blocked)."""
   DN = sys.modules["meshlm.nn.dense"]  # the module (meshlm.nn.dense is also the function's name)
   assert DN.dot_order("btd,dnh->bnth") == "btnh" and DN.dot_order("btd,dnh->btnh") == "btnh"
+  assert DN.dot_order("ced,edf->ecf") == "ecf"  # a batch dim shared with the kernel comes first
   mesh = _explicit_mesh("fsdp4")
   counts = _transpose_of_dot(mesh, "attn_q_heads_first")
   assert (counts["adjacent"], counts["blocked"]) == (1, 0), counts

@@ -34,9 +34,12 @@ def _parse(eqn: str) -> tuple[str, str, str]:
 
 
 def dot_order(eqn: str) -> str:
-  """The output dims in the order dot_general emits them for eqn: x's free dims, then the kernel's."""
+  """The output dims in the order dot_general emits them for eqn: the batch dims (in x, the kernel and the
+  output), x's free dims, then the kernel's."""
   x_sub, k_sub, out_sub = _parse(eqn)
-  return "".join(c for c in x_sub if c in out_sub) + "".join(c for c in k_sub if c in out_sub and c not in x_sub)
+  batch = "".join(c for c in x_sub if c in k_sub and c in out_sub)
+  return batch + "".join(c for c in x_sub if c in out_sub and c not in batch) + "".join(
+      c for c in k_sub if c in out_sub and c not in x_sub)
 
 
 def dense(x: jax.Array, kernel: jax.Array, eqn: str, out_axes: Axes, *, kernel_order: bool = False,
