@@ -10,9 +10,10 @@ only the rows routed to a device's experts move, by all_to_all, in a buffer of C
   dispatch with exactly those slots' weights zeroed, and differs from the dropless y.
 - Gradients when slots drop: on expert=2 (two rows per device, the routing given), with a buffer two rows under the
   second-hottest (sender, destination) count, so both senders drop and each cut falls inside one expert's slots
-  (the stable order within an expert decides which drop), the dispatch's output and its gradients w.r.t. x, the routing weights and the three kernels equal the
-  unsharded dispatch with the dropped slots' weights zeroed (the set from NumPy: per sender, per destination, the
-  slots past C in stable expert order; float32, within TOL); the dropped weights get exactly zero gradient.
+  (the stable order within an expert decides which drop), the dispatch's output and its gradients w.r.t. x, the
+  routing weights and the three kernels equal the unsharded dispatch with the dropped slots' weights zeroed (the
+  set from NumPy: per sender, per destination, the slots past C in stable expert order; float32, within TOL); the
+  dropped weights get exactly zero gradient.
   Control: a mask dropping one different slot (the last kept neighbour instead) fails every leaf by > 100 x TOL.
 - The compiled program moves no group tokens: no all-gather or reduce-scatter of token rows, all-to-alls instead
   (the gather dispatch's compile has them: control).
