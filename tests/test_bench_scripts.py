@@ -1,6 +1,6 @@
-"""The pure parts of benchmarks/table.py, depth.py and maxtext_vs_meshlm.py: formatting, the docs
-section replacement, the verdict column, the depth ratio and the MFU arithmetic. Nothing here times
-or compiles anything."""
+"""The pure parts of benchmarks/table.py, depth.py, maxtext_vs_meshlm.py and ep_collectives.py: formatting, the docs
+section replacement, the verdict column, the depth ratio, the MFU arithmetic and the collectives read from HLO text.
+Nothing here times or compiles anything."""
 from __future__ import annotations
 
 import math
@@ -306,3 +306,45 @@ def test_moe_layer_arm_specs():
   assert moe_vs_dense.parse_arm("plain=") == ("plain", {})
   # Control: a value that is not a bool, int or float stays a string ("False" is not "false").
   assert moe_vs_dense.parse_arm("x=grad_barrier:False") == ("x", {"grad_barrier": "False"})
+
+
+# A hand-written optimized-HLO module: an all-to-all in a 3-trip loop, a ragged-all-to-all and an async all-gather pair.
+EP_HLO = """HloModule m, entry_computation_layout={()->f32[]}
+
+%body (p: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {
+  %p = (s32[], bf16[8,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8,4]{1,0} get-tuple-element(%p), index=1
+  %a = bf16[8,4]{1,0} all-to-all(%x), dimensions={0}
+  ROOT %t = (s32[], bf16[8,4]{1,0}) tuple(%i, %a)
+}
+
+%cond (p: (s32[], bf16[8,4])) -> pred[] {
+  %p = (s32[], bf16[8,4]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: bf16[8,4], z: bf16[16,4], o: s32[2]) -> f32[] {
+  %x = bf16[8,4]{1,0} parameter(0)
+  %z = bf16[16,4]{1,0} parameter(1)
+  %o = s32[2]{0} parameter(2)
+  %r = bf16[16,4]{1,0} ragged-all-to-all(%x, %z, %o, %o, %o, %o), replica_groups={{0,1}}
+  %ags = (bf16[8,4]{1,0}, bf16[16,4]{1,0}) all-gather-start(%x), dimensions={0}
+  %agd = bf16[16,4]{1,0} all-gather-done(%ags)
+  %init = (s32[], bf16[8,4]{1,0}) tuple(%o, %x)
+  %w = (s32[], bf16[8,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %c = f32[] constant(0)
+}
+"""
+
+
+def test_ep_collectives_counts_ragged_all_to_all_and_loops():
+  """benchmarks/ep_collectives.py's collectives(): per kind the instructions per step (a loop body times its trips, an
+  async pair once) and the bytes of each result's largest array (a ragged-all-to-all's: its receive buffer)."""
+  import ep_collectives
+  got = ep_collectives.collectives(EP_HLO)
+  assert {k: (v["count"], v["bytes"]) for k, v in got.items()} == {
+      "all-to-all": (3, 3 * 8 * 4 * 2), "ragged-all-to-all": (1, 16 * 4 * 2), "all-gather": (1, 16 * 4 * 2)}
+  assert got["ragged-all-to-all"]["shapes"] == ["bf16[16,4]{1,0}"]
+  # Control: without the loop's trip count the body counts once.
+  assert ep_collectives.collectives(EP_HLO.replace('"n":"3"', '"n":"1"'))["all-to-all"]["count"] == 1

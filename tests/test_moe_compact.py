@@ -8,6 +8,13 @@ only the rows routed to a device's experts move, by all_to_all, in a buffer of C
   fraction equals a NumPy count of the slots past C per (device, destination) (C from factor 1.0: many drop);
   one row short of the largest count (negative control) exactly one slot drops per fullest pair, y equals the
   dispatch with exactly those slots' weights zeroed, and differs from the dropless y.
+- Gradients when slots drop: on expert=2 (two rows per device, the routing given), with a buffer two rows under the
+  second-hottest (sender, destination) count, so both senders drop and each cut falls inside one expert's slots
+  (the stable order within an expert decides which drop), the dispatch's output and its gradients w.r.t. x, the
+  routing weights and the three kernels equal the unsharded dispatch with the dropped slots' weights zeroed (the
+  set from NumPy: per sender, per destination, the slots past C in stable expert order; float32, within TOL); the
+  dropped weights get exactly zero gradient.
+  Control: a mask dropping one different slot (the last kept neighbour instead) fails every leaf by > 100 x TOL.
 - The compiled program moves no group tokens: no all-gather or reduce-scatter of token rows, all-to-alls instead
   (the gather dispatch's compile has them: control).
 - The drop metrics (Part.metrics): on only under compact, token-weighted mean and unweighted max over
@@ -26,6 +33,7 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.models.model import resolve
 from meshlm.nn import moe
+from meshlm.nn.moe import layer
 from meshlm.parallel.sharding import logical_spec
 from meshlm.train.loop import part_metrics_text
 from meshlm.train.step import part_losses
@@ -108,9 +116,10 @@ E_L = E // EP
 SLOTS = T * K  # routed slots per device
 
 
-def _factor(c: int) -> float:
-  """An ep_buffer_factor whose capacity is exactly c rows (ceil((c - 0.5) x SLOTS / EP / SLOTS x EP) = c)."""
-  return (c - 0.5) * EP / SLOTS
+def _factor(c: int, ep: int = EP) -> float:
+  """An ep_buffer_factor whose capacity is exactly c rows of a device's SLOTS x EP / ep slots over ep peers
+  (ceil((c - 0.5) x ep / slots x slots / ep) = c)."""
+  return (c - 0.5) * ep / (SLOTS * EP // ep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,16 +134,15 @@ def forward(factor: float):
   return np.asarray(y), float(side[moe.DROPPED]), np.asarray(side["moe_expert_ids"])
 
 
-def numpy_drops(ids_BTk: np.ndarray, C: int) -> list[tuple[int, int]]:
-  """The (row, flat slot) pairs the compact dispatch drops: each device (one row) sorts its slots by expert id
-  (stable), and each destination d = id // E_l keeps its first C."""
+def numpy_drops(ids_BTk: np.ndarray, C: int, ep: int = EP) -> list[tuple[int, int]]:
+  """The (sender, flat slot) pairs the compact dispatch drops: the batch split over ep devices, each sorts its
+  slots ([B / ep, T, k] flattened) by expert id (stable), and each destination d = id // E_l keeps its first C."""
   out = []
-  for b in range(ids_BTk.shape[0]):
-    flat = ids_BTk[b].reshape(-1)
+  for s, flat in enumerate(ids_BTk.reshape(ep, -1)):
     order = np.argsort(flat, kind="stable")
-    for d in range(EP):
-      mine = [a for a in order if flat[a] // E_L == d]
-      out += [(b, a) for a in mine[C:]]
+    for d in range(ep):
+      mine = [a for a in order if flat[a] // (E // ep) == d]
+      out += [(s, a) for a in mine[C:]]
   return out
 
 
@@ -177,6 +185,90 @@ def test_drop_count_equals_numpy_and_one_row_short_drops_exactly_the_last_rows(u
   _, dropped, _ = forward(1.0)
   assert len(numpy_drops(ids, C)) == np.maximum(counts - C, 0).sum() > 0.1 * ids.size
   assert dropped == np.float32(np.maximum(counts - C, 0).sum() / ids.size)
+
+
+# --- drops with gradients: expert=2, the batch split over it (2 rows per device), E_l = 4 experts each -------------
+
+EP2 = 2
+NAMES = ("loss", "y", "d_x", "d_w", "d_gate", "d_up", "d_down")
+
+
+def _weighted(y):
+  return jnp.sum(jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape) * y) / y.shape[0]
+
+
+def _grads(f):
+  """value_and_grad of f(x, w, gate, up, down, *rest) -> (loss, aux) w.r.t. x, the routing weights and the kernels."""
+  return jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True)
+
+
+@jax.jit
+@_grads
+def masked_dispatch(x, w, gate, up, down, ids, mask):
+  """The unsharded dropless dispatch with the routing weights times mask (0 at the slots to drop)."""
+  y = moe.dispatch(x.reshape(-1, D), ids.reshape(-1, K), (w * mask).reshape(-1, K), gate, up, down).reshape(x.shape)
+  return _weighted(y), y
+
+
+def compact_on_expert2(c: int, x, w, ids, p):
+  """((loss, (y, dropped)), grads) of the layer's compact dispatch (layer._experts_dropless, routing given) on
+  expert=2 with a buffer of c rows per peer."""
+  s = _settings(ep_impl="compact", ep_buffer_factor=_factor(c, EP2))
+
+  def f(x, w, gate, up, down, ids):
+    y, dropped = layer._experts_dropless({"gate": gate, "up": up, "down": down}, x, ids, w, s)
+    return _weighted(y), (y, dropped)
+  mesh = _mesh({"expert": EP2}, "explicit")
+  with jax.set_mesh(mesh):
+    put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
+    args = [put(x, ("batch", "length", "act_embed")), put(w, moe.TOKENS)]
+    args += [put(p[n], SPEC[n].axes) for n in ("gate", "up", "down")] + [put(ids, moe.TOKENS)]
+    return jax.device_get(jax.jit(_grads(f))(*args))
+
+
+def _leaf_diffs(out, ref) -> dict:
+  """max |diff| / max(1, max |ref|) per leaf, as test_moe_ep's _rel_diffs."""
+  (loss, (y, _)), grads = out
+  (rloss, ry), rgrads = ref
+  return {n: float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(1.0, float(np.max(np.abs(b)))))
+          for n, a, b in zip(NAMES, (loss, y, *grads), (rloss, ry, *rgrads))}
+
+
+def test_compact_drops_equal_the_dispatch_without_the_dropped_slots_forward_and_gradients():
+  x, p = _inputs()
+  _, w, ids = moe.route(x @ p["router"], K, True)  # [B, T, k] each
+  ids_np = np.asarray(ids)
+  counts = np.stack([np.bincount(f // (E // EP2), minlength=EP2) for f in ids_np.reshape(EP2, -1)])
+  # Two below the second-hottest pair's count: both senders drop, and each cut falls inside one expert's slots
+  # (ranks C - 1 and C of the hot destination's sorted slots share an expert), so the stable order decides which.
+  C = int(np.sort(counts, axis=None)[-2]) - 2
+  assert (counts.max(axis=1) > C).all(), (counts, C)
+  hot = [np.sort(f[f // (E // EP2) == d]) for f, d in zip(ids_np.reshape(EP2, -1), counts.argmax(axis=1))]
+  assert all(h[C - 1] == h[C] for h in hot), (hot, C)
+  out = compact_on_expert2(C, x, w, ids, p)
+  lost = numpy_drops(ids_np, C, EP2)
+  assert int(out[0][1][1].sum()) == len(lost) == int(np.maximum(counts - C, 0).sum())
+
+  def mask_of(drops):
+    m = np.ones((EP2, B * T * K // EP2), np.float32)
+    for s_, a in drops:
+      m[s_, a] = 0.0
+    return jnp.asarray(m.reshape(w.shape))
+  ref = masked_dispatch(x, w, p["gate"], p["up"], p["down"], ids, mask_of(lost))
+  diffs = _leaf_diffs(out, ref)
+  print(C, counts.tolist(), len(lost), diffs)
+  assert max(diffs.values()) <= TOL, diffs
+  d_w = np.asarray(out[1][1]).reshape(EP2, -1)
+  assert all(d_w[s_, a] == 0.0 for s_, a in lost)  # a dropped slot's weight gets no gradient
+  # Control: one different slot dropped (the last kept slot of a pair that drops instead of its first dropped
+  # one, the neighbour in expert order) fails the same check.
+  s0, a0 = lost[0]
+  flat = ids_np.reshape(EP2, -1)[s0]
+  kept = [a for a in np.argsort(flat, kind="stable") if flat[a] // (E // EP2) == flat[a0] // (E // EP2)][C - 1]
+  wrong = [(s0, kept)] + lost[1:]
+  bad = _leaf_diffs(out, masked_dispatch(x, w, p["gate"], p["up"], p["down"], ids, mask_of(wrong)))
+  print(bad)
+  assert min(bad[n] for n in ("y", "d_x", "d_w", "d_gate", "d_up", "d_down")) > 100 * TOL, bad
 
 
 # --- the census: no group tokens gathered, only all-to-alls -------------------------------------------------------

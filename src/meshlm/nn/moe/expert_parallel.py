@@ -17,7 +17,8 @@ slot) pairs by expert id (so by destination device, id // E_l), sends each peer 
 None is the worst case, nothing drops), the peer runs its experts over the received rows (dropless.py's sort,
 expert_rows and unsort_rows), the reverse all_to_all returns them and the sender combines. Over ep axes the batch
 is not split on, the group's copies of the tokens are split between them first and the outputs all-gathered.
-(`jax.lax.ragged_all_to_all` would send exactly the routed rows, but XLA:CPU does not implement it.)
+(`jax.lax.ragged_all_to_all` would send exactly the routed rows, but XLA:CPU does not implement it, and on TPU it
+needs more memory at the same receive rows: docs/moe.md, benchmarks/ep_collectives.py.)
 """
 from __future__ import annotations
 
