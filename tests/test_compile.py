@@ -377,21 +377,29 @@ def test_tpu_flash_attention(tpu_report):
 @pytest.mark.ci_must_run
 def test_tpu_splash_attention(tpu_run, monkeypatch):
   """attention_impl=auto compiles the splash kernel for TPU: the report says splash and the executable holds the
-  Mosaic kernel's custom calls (forward, dq and dkv per layer); the xla program above holds none."""
+  Mosaic kernel's custom calls (forward, dq and dkv per layer); the xla program above holds none. gqa projects q, k
+  and v heads-first, the kernel's own rows, so nothing is blocked under explicit (issue 44, item 7). Control: the
+  old layout (projections [B, T, N, H], transposed to the kernel and back) leaves 2 blocked pairs per layer program:
+  v's transpose after its projection, and the output's cotangent before the kernel's backward."""
   from meshlm.analysis import aot
+  from meshlm.nn import attention as A
   seen = []
   real = aot.lowered_of
   def keep(lowered, compiled):
     seen.append(compiled.as_text())
     return real(lowered, compiled)
   monkeypatch.setattr(aot, "lowered_of", keep)
-  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1", "--no-census")
+  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")
   assert report["config"]["attention_impl"] == "splash" and report["exit"] == 0
   assert report["programs"]["train"]["memory"]["fits"] is True
   (hlo,) = seen
   kernels = hlo.count('custom_call_target="tpu_custom_call"')
   assert kernels >= 3, kernels
   assert 'custom_call_target="tpu_custom_call"' not in tpu_run[1]
+  assert report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]["blocked"] == 0
+  monkeypatch.setattr(A, "reads_heads_first", lambda impl: False)
+  old = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")["programs"]["train"]["census"]["stablehlo"]
+  assert old["transpose_of_dot"]["blocked"] == 2, old["transpose_of_dot"]
 
 
 def test_the_tpu_extra_and_make_tests_lock_pin_the_same_libtpu():

@@ -4,6 +4,7 @@ Every projection shape the llama decoder uses goes through `dense` on an explici
 impl="auto_axes" forward, dX and dW must be bit-identical to kernel_order=False; with
 impl="custom_vjp" they may differ only by float32 reassociation of the dW / dX sums.
 """
+import sys
 import zlib
 
 import jax
@@ -21,6 +22,7 @@ B, T, D, V, F, N, H = 8, 16, 32, 64, 48, 4, 8
 BTD = ("batch", "length", "act_embed")
 BTF = ("batch", "length", "mlp")
 BTNH = ("batch", "length", "heads", "head_dim")
+BNTH = ("batch", "heads", "length", "head_dim")
 
 # name: (eqn, x shape, x axes, kernel shape, kernel axes, out axes)
 CASES = {
@@ -29,6 +31,8 @@ CASES = {
     "mlp_down": ("btf,fd->btd", (B, T, F), BTF, (F, D), ("mlp", "embed"), BTD),
     "attn_q": ("btd,dnh->btnh", (B, T, D), BTD, (D, N, H), ("embed", "heads", "head_dim"), BTNH),
     "attn_o": ("btnh,nhd->btd", (B, T, N, H), BTNH, (N, H, D), ("heads", "head_dim", "embed"), BTD),
+    # gqa's heads-first rows for the splash core: the output in another order than the dot's (dense.dot_order).
+    "attn_q_heads_first": ("btd,dnh->bnth", (B, T, D), BTD, (D, N, H), ("embed", "heads", "head_dim"), BNTH),
 }
 MESHES = {"fsdp4": ("mesh.fsdp=4",), "fsdp2_tensor2": ("mesh.fsdp=2", "mesh.tensor=2")}
 # float32 reassociation bounds for custom_vjp vs the plain gradient. A reordered sum of n O(1) terms
@@ -157,6 +161,34 @@ def test_custom_vjp_lowers_without_transposes(mesh_name, name):
   assert _transposes(mesh, name, True, "custom_vjp") == 0
   # auto_axes changes the placement of the barrier, not the StableHLO: XLA folds the transpose later.
   assert _transposes(mesh, name, True, "auto_axes") == plain
+
+
+def _transpose_of_dot(mesh, name: str) -> dict:
+  """The census' transpose-of-dot counts of the lowered custom-VJP value and gradient of sum(dense(x, k) * w)."""
+  from meshlm.analysis.census import stablehlo_counts
+  _, _, x_axes, _, k_axes, out_axes = CASES[name]
+  x, k, w = _inputs(name)
+  with jax.set_mesh(mesh):
+    x, k, w = _put(mesh, x, x_axes), _put(mesh, k, k_axes), _put(mesh, w, out_axes)
+    loss = lambda x, k: jnp.sum(dense(x, k, CASES[name][0], out_axes, kernel_order=True) * w)  # noqa: E731
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, k).as_text()
+  return stablehlo_counts(text, ())[0]["transpose_of_dot"]
+
+
+def test_an_output_in_another_order_keeps_its_transpose_beside_the_dot(monkeypatch):
+  """"btd,dnh->bnth" is the dot (emitting b, t, n, h) and a transpose. The custom VJP's forward transposes inside
+  auto_axes, so no sharding op sits between the two (adjacent: XLA folds it), and the backward's dots emit dX and
+  dW in their own order. Control: the forward as the plain einsum with out_sharding puts the sharding between the
+  dot and its transpose (blocked)."""
+  DN = sys.modules["meshlm.nn.dense"]  # the module (meshlm.nn.dense is also the function's name)
+  assert DN.dot_order("btd,dnh->bnth") == "btnh" and DN.dot_order("btd,dnh->btnh") == "btnh"
+  assert DN.dot_order("ced,edf->ecf") == "ecf"  # a batch dim shared with the kernel comes first
+  mesh = _explicit_mesh("fsdp4")
+  counts = _transpose_of_dot(mesh, "attn_q_heads_first")
+  assert (counts["adjacent"], counts["blocked"]) == (1, 0), counts
+  monkeypatch.setattr(DN, "_forward", lambda eqn, spec, x, k: jnp.einsum(eqn, x, k, out_sharding=spec))
+  counts = _transpose_of_dot(mesh, "attn_q_heads_first")
+  assert (counts["adjacent"], counts["blocked"]) == (0, 1), counts
 
 
 def _jaxpr(name: str, kernel_order: bool, impl: str) -> str:

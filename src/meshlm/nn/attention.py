@@ -25,6 +25,9 @@ O_AXES = axes("heads", "head_dim", "embed")
 HEADS = axes("batch", "length", "heads", "head_dim")
 KV = axes("batch", "length", "kv_heads", "head_dim")
 OUT = ACT
+# The same rows heads-first, [B, N, T, H] and [B, Kv, T, H]: the order the splash kernel reads (reads_heads_first).
+HEADS_FIRST = axes("batch", "heads", "length", "head_dim")
+KV_FIRST = axes("batch", "kv_heads", "length", "head_dim")
 
 
 def q_spec(D: int, N: int, H: int) -> S.ParamSpec:
@@ -96,10 +99,19 @@ class Mask:
   dense: jax.Array | None = None
 
 
-def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
+def reads_heads_first(impl: str) -> bool:
+  """Whether the core impl reads heads-first rows (q [B, N, T, H], k/v [B, Kv, T, H]): the splash kernel does. A
+  caller that projects straight into them (gqa) leaves no transpose between its projections' dots and the kernel,
+  nor between the output projection's gradient dot and the kernel's backward."""
+  return impl == "splash"
+
+
+def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None, heads_first: bool = False):
   """(fn(q, k, v, operand) -> [B, T, K, G, Hv], operand): the attention core for impl and the one array it reads
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
-  mask; flash, ring and splash: the segment ids or None)."""
+  mask; flash, ring and splash: the segment ids or None). heads_first (only where reads_heads_first(impl)): fn reads
+  q [B, N, T, H], k/v [B, Kv, T, H] and returns [B, N, T, Hv]."""
+  assert not heads_first or reads_heads_first(impl), impl
   if impl in ("flash", "ring"):
     blockwise = flash_attention if impl == "flash" else ring_attention
 
@@ -108,10 +120,11 @@ def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
     return flash, mask.segment_ids
   if impl == "splash":
     # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs splash.
-    from meshlm.nn.splash_attention import splash_attention
+    from meshlm.nn.splash_attention import splash_attention, splash_heads_first
+    kernel = splash_heads_first if heads_first else splash_attention
 
     def splash(q, k, v, seg):
-      return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+      return kernel(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
     return splash, mask.segment_ids
 
   def xla(q, k, v, dense):

@@ -11,6 +11,11 @@ produced in the kernel's own order instead, by one of two implementations:
   (`einsum(x, dy) -> kernel`), so there is no transpose to fold. Equal up to reassociation.
 
 The kernel itself (shape, sharding, init) never depends on either choice.
+
+An output in another order than the dot's own ((x's free dims, the kernel's free dims): gqa's heads-first rows
+"btd,dnh->bnth" for the splash kernel) is the dot plus a transpose. With the custom VJP its forward einsum then runs
+inside `auto_axes`, so the sharding lands after the transpose and none sits between the dot and it (the backward's
+dots emit dx and dW in their own order already).
 """
 from __future__ import annotations
 
@@ -26,6 +31,15 @@ def _parse(eqn: str) -> tuple[str, str, str]:
   ins, out = eqn.replace(" ", "").split("->")
   x_sub, k_sub = ins.split(",")
   return x_sub, k_sub, out
+
+
+def dot_order(eqn: str) -> str:
+  """The output dims in the order dot_general emits them for eqn: the batch dims (in x, the kernel and the
+  output), x's free dims, then the kernel's."""
+  x_sub, k_sub, out_sub = _parse(eqn)
+  batch = "".join(c for c in x_sub if c in k_sub and c in out_sub)
+  return batch + "".join(c for c in x_sub if c in out_sub and c not in batch) + "".join(
+      c for c in k_sub if c in out_sub and c not in x_sub)
 
 
 def dense(x: jax.Array, kernel: jax.Array, eqn: str, out_axes: Axes, *, kernel_order: bool = False,
@@ -53,11 +67,19 @@ def dense(x: jax.Array, kernel: jax.Array, eqn: str, out_axes: Axes, *, kernel_o
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _einsum_kernel_order(eqn, spec, x, kernel):
-  return jnp.einsum(eqn, x, kernel, out_sharding=spec)
+  return _forward(eqn, spec, x, kernel)
+
+
+def _forward(eqn, spec, x, kernel):
+  """einsum(eqn, x, kernel) sharded as spec; an output in another order than the dot's (dot_order) is
+  transposed inside auto_axes, with no sharding op between the dot and its transpose."""
+  if _parse(eqn)[2] == dot_order(eqn):
+    return jnp.einsum(eqn, x, kernel, out_sharding=spec)
+  return jax.sharding.auto_axes(functools.partial(jnp.einsum, eqn), out_sharding=spec)(x, kernel)
 
 
 def _kernel_order_fwd(eqn, spec, x, kernel):
-  return jnp.einsum(eqn, x, kernel, out_sharding=spec), (x, kernel)
+  return _forward(eqn, spec, x, kernel), (x, kernel)
 
 
 def _kernel_order_bwd(eqn, spec, res, dy):

@@ -35,12 +35,17 @@ def rope_angles(positions_BT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array, *, heads_first: bool = False) -> jax.Array:
+  """x [B, T, N, H], or [B, N, T, H] with heads_first (the splash kernel's rows, gqa's with it)."""
   with jax.named_scope("rope"):
     half = x_BTNH.shape[-1] // 2
     xf = x_BTNH.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    y = xf * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
+    if heads_first:
+      cos, sin = cos_BTH[:, None], sin_BTH[:, None]  # [B, 1, T, H]
+    else:
+      cos, sin = cos_BTH[:, :, None, :], sin_BTH[:, :, None, :]  # [B, T, 1, H]
+    y = xf * cos + rotated * sin
     return y.astype(x_BTNH.dtype)
 
 

@@ -1,6 +1,8 @@
 """The TPU Pallas splash kernel (`jax.experimental.pallas.ops.tpu.splash_attention`): the `attention_impl=splash`
-core, with flash's signature and its [B, T, K, G, Hv] output (nn/flash_attention.py; the `xla` core,
-nn/attention.gqa_attention, is the reference both are tested against).
+core. `splash_heads_first` takes and returns the kernel's own heads-first rows ([B, heads, T, h]: gqa projects
+straight into them, so no transpose sits between a projection's dot and the kernel); `splash_attention` is the same
+with flash's signature and its [B, T, K, G, Hv] output (nn/flash_attention.py), the rows transposed in and out
+(MLA's path; the `xla` core, nn/attention.gqa_attention, is the reference both are tested against).
 
 The kernel is a Mosaic custom call, which XLA cannot partition: it runs inside a `jax.shard_map` over the current
 mesh, each device calling it on its own rows, the batch split as the activations' "batch" axis is and the heads over
@@ -50,28 +52,43 @@ def splash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, se
   """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), by the kernel.
 
   q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (the same T: training and prefill); returns [B, T, K, G, Hv].
+  The rows are transposed to the kernel's heads-first order and back: a caller that can project heads-first
+  rows (gqa) calls splash_heads_first itself, with no transpose between its projections and the kernel.
+  """
+  B, T, N, _ = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTNH, k_BSKH, v_BSKH))  # [B, heads, T, h]
+  out = splash_heads_first(q, k, v, segment_ids_BT, scale=scale, softcap=softcap, window=window, block=block,
+                           interpret=interpret)  # [B, N, T, Hv]
+  out = jnp.swapaxes(out, 1, 2)  # [B, T, N, Hv]
+  return jnp.reshape(out, (B, T, K, N // K, out.shape[-1]))
+
+
+def splash_heads_first(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
+                       segment_ids_BT: jax.Array | None = None, *, scale: float, softcap: float | None = None,
+                       window: int | None = None, block: int | None = None,
+                       interpret: bool | None = None) -> jax.Array:
+  """splash_attention on heads-first rows, the kernel's own order: q [B, N, T, H], k [B, K, T, H], v [B, K, T, Hv];
+  returns [B, N, T, Hv] (query head n = k * G + g reads KV head k, as gqa_attention's grouping).
   block: the kernel's block length (default BLOCK on TPU, INTERPRET_BLOCK elsewhere); interpret: Pallas interpret
   mode (default: off TPU).
   """
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  assert k_BSKH.shape[1] == T == v_BSKH.shape[1], (q_BTNH.shape, k_BSKH.shape, v_BSKH.shape)
+  T = q_BNTH.shape[2]
+  assert k_BKSH.shape[2] == T == v_BKSH.shape[2], (q_BNTH.shape, k_BKSH.shape, v_BKSH.shape)
   on_tpu = platform() == "tpu"
   interpret = not on_tpu if interpret is None else interpret
   pad = -T % LANES
-  Tp = T + pad
-  b = block_for(Tp, block or (BLOCK if on_tpu else INTERPRET_BLOCK))
+  b = block_for(T + pad, block or (BLOCK if on_tpu else INTERPRET_BLOCK))
 
-  def heads_first(x):  # [B, T, heads, h] -> [B, heads, Tp, h]
-    return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
-  q = heads_first(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
-  k, v = heads_first(k_BSKH), heads_first(v_BSKH)
+  def padded(x):  # [B, heads, T, h] -> [B, heads, Tp, h]
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  q = padded(q_BNTH * jnp.asarray(scale, q_BNTH.dtype))
+  k, v = padded(k_BKSH), padded(v_BKSH)
   seg = None if segment_ids_BT is None else jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, pad)))
   kernel_args = dict(window=window, softcap=softcap, block=b, interpret=interpret)
   with jax.named_scope("splash_attention"):
     out = _sharded(q, k, v, seg, kernel_args)  # [B, N, Tp, Hv]
-  out = jnp.swapaxes(out[:, :, :T], 1, 2)  # [B, T, N, Hv]
-  return jnp.reshape(out, (B, T, K, N // K, out.shape[-1]))
+  return out[:, :, :T]
 
 
 def _mask(length: int, window: int | None):
