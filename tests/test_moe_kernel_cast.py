@@ -51,6 +51,15 @@ def test_cast_bits_is_astype_bit_for_bit_and_so_is_its_gradient():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_the_moe_layer_casts_by_bits_by_default():
+  import dataclasses
+  import inspect
+  from meshlm.nn.moe.layer import MoESettings
+  for fn in (dropless.dispatch, dropless.expert_rows):
+    assert inspect.signature(fn).parameters["kernel_cast"].default == "bits"
+  assert {f.name: f.default for f in dataclasses.fields(MoESettings)}["kernel_cast"] == "bits"
+
+
 def test_an_unknown_kernel_cast_is_refused():
   z = jnp.zeros((2, 4, 4), jnp.float32)
   with pytest.raises(ValueError, match="kernel_cast='round'"):
