@@ -67,7 +67,8 @@ class MoEConfig(pydantic.BaseModel):
   """The moe part's own knobs: model.parts.moe.<knob> (their old flat keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
+                                         "kernel_cast")
   num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -108,6 +109,13 @@ class MoEConfig(pydantic.BaseModel):
       default=None, gt=0, description="ep_impl=compact: each device sends each peer of its expert group at most "
       "ceil(factor x its routed slots / ep) rows (1.0: a perfectly balanced routing; the RL seed uses 2.75); "
       "null: ep, the worst case, where nothing can drop (dropless)")
+  # How the float32 expert kernels reach the bf16 compute dtype (nn/moe/dropless.py cast_bits): bit-identical either
+  # way; what XLA:TPU keeps in memory differs (docs/moe.md, "The kernels' cast to the compute dtype").
+  kernel_cast: Literal["convert", "bits"] = Field(
+      default="convert", description="the expert kernels' cast to a bf16 compute dtype: convert (astype; XLA:TPU "
+      "converts each whole kernel stack once before the layer loop) or bits (integer rounding, bit-identical, kept "
+      "per layer in the loop: no whole-stack bf16 copies; fits mixtral-8x7b on v5p-16, but where the kernels are "
+      "gathered per layer it gathers them in float32)")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(
@@ -260,7 +268,7 @@ def settings(m: ModelConfig, *, norm_topk: bool | None = None, routing: str = "s
                          activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(own.router_dtype),
                          impl=own.impl, grouped_matmul=own.grouped_matmul,
                          experts_axis=moe.experts_axis(own.kernel_fsdp), ep_impl=own.ep_impl,
-                         ep_buffer_factor=own.ep_buffer_factor,
+                         ep_buffer_factor=own.ep_buffer_factor, kernel_cast=own.kernel_cast,
                          kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS), **group)
 
 

@@ -26,6 +26,7 @@ from meshlm.nn.stack_row import is_row, materialize
 # save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
 REMAT_SAVE_NAMES = ("moe_perm",)
 UNSORTS = ("perm", "argsort")
+KERNEL_CASTS = ("convert", "bits")  # astype (the default, the reference) or cast_bits
 
 
 # --- the speedups: unsort with the sort's permutation, fused GLU -----------------------------------
@@ -131,7 +132,7 @@ def gather_router_once(router_stack: jax.Array, axes: tuple[str | None, ...]) ->
 def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
              down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
              grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
-             expert_offset: jax.Array | None = None, grad_barrier: bool = True):
+             expert_offset: jax.Array | None = None, grad_barrier: bool = True, kernel_cast: str = "convert"):
   """Dropless expert computation on local tokens: y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
 
   The dense parts (sort_slots, the gather, unsort_rows, combine) around the per-row expert work (expert_rows);
@@ -139,6 +140,8 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
   fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
   grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
   optimization barrier over their cotangents in the backward).
+  kernel_cast: how the kernels reach the rows' dtype, "convert" (astype) or "bits" (cast_bits, kept per layer
+  in a layer loop); bit-identical.
   expert_offset (expert parallelism): the kernels hold experts [offset, offset + E) of all experts;
   only the slots routed to those run, the rest sort to the end, get no rows in the grouped matmul
   and give zeros (y is this shard's part of the sum over k).
@@ -150,7 +153,8 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
   with jax.named_scope("gather"):
     xs = x_MD[perm // k]  # [A, D]
   ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, fused_gate_up=fused_gate_up, activation=activation,
-                   grouped_matmul_impl=grouped_matmul_impl, block_rows=block_rows, grad_barrier=grad_barrier)
+                   grouped_matmul_impl=grouped_matmul_impl, block_rows=block_rows, grad_barrier=grad_barrier,
+                   kernel_cast=kernel_cast)
   return combine(unsort_rows(ys, perm, unsort_impl, local), w_Mk)
 
 
@@ -174,10 +178,14 @@ def sort_slots(flat_A: jax.Array, E: int, expert_offset: jax.Array | None = None
 
 def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, *, fused_gate_up: bool = True,
                 activation=jax.nn.silu, grouped_matmul_impl: str = "auto", block_rows: int | None = None,
-                grad_barrier: bool = True) -> jax.Array:
+                grad_barrier: bool = True, kernel_cast: str = "convert") -> jax.Array:
   """The per-row expert work: ys [A, D] = glu_{e_j}(xs[j]) over rows sorted by expert (sizes_E rows each; rows
-  past the groups are not computed), with the expert grad barrier on the rows and the kernels."""
+  past the groups are not computed), with the expert grad barrier on the rows and the kernels; kernel_cast:
+  dispatch's."""
+  if kernel_cast not in KERNEL_CASTS:
+    raise ValueError(f"kernel_cast={kernel_cast!r}: expected one of {KERNEL_CASTS}")
   dt = xs_AD.dtype
+  cast = functools.partial(_as, dt=dt, kernel_cast=kernel_cast)
   gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
   if (default_grouped_matmul() if grouped_matmul_impl == "auto" else grouped_matmul_impl) != "loop":
     # Only the expert loop reads a StackRow in place; the others take the row sliced out.
@@ -196,16 +204,16 @@ def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD
   with jax.named_scope("experts"):
     if fused_gate_up:
       with jax.named_scope("gate_up"):
-        h = gmm(xs_AD, (_as(gate_EDF, dt), _as(up_EDF, dt)), sizes_E)  # [A, 2F]
+        h = gmm(xs_AD, (cast(gate_EDF), cast(up_EDF)), sizes_E)  # [A, 2F]
       a = fused_glu(activation, h)
     else:
       with jax.named_scope("gate"):
-        g = checkpoint_name(gmm(xs_AD, _as(gate_EDF, dt), sizes_E), "moe_gate")
+        g = checkpoint_name(gmm(xs_AD, cast(gate_EDF), sizes_E), "moe_gate")
       with jax.named_scope("up"):
-        u = checkpoint_name(gmm(xs_AD, _as(up_EDF, dt), sizes_E), "moe_up")
+        u = checkpoint_name(gmm(xs_AD, cast(up_EDF), sizes_E), "moe_up")
       a = activation(g) * u
     with jax.named_scope("down"):
-      return gmm(a, _as(down_EFD, dt), sizes_E)  # [A, D]
+      return gmm(a, cast(down_EFD), sizes_E)  # [A, D]
 
 
 def unsort_rows(ys_AD: jax.Array, perm: jax.Array, unsort_impl: str = "perm",
@@ -232,6 +240,32 @@ def combine(y_flat_AD: jax.Array, w_Mk: jax.Array) -> jax.Array:
   return y.astype(y_flat_AD.dtype)
 
 
-def _as(w, dt):
-  """w.astype(dt); a StackRow of that dtype stays in its stack (a cast would copy its row anyway)."""
-  return w if is_row(w) and w.dtype == dt else materialize(w).astype(dt)
+def _as(w, dt, kernel_cast: str = "convert"):
+  """w in dtype dt: "convert" w.astype(dt), "bits" cast_bits where it applies (float32 to bfloat16); a StackRow of
+  that dtype stays in its stack (a cast would copy its row anyway)."""
+  if is_row(w) and w.dtype == dt:
+    return w
+  w = materialize(w)
+  if kernel_cast == "bits" and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
+    return cast_bits(w)
+  return w.astype(dt)
+
+
+# --- the kernels' cast to the compute dtype, kept in the layer loop ----------------------------------
+
+@jax.custom_vjp
+def cast_bits(w: jax.Array) -> jax.Array:
+  """w (float32) rounded to bfloat16 by integer ops on its bits: round to nearest even, as astype rounds (the
+  reference; NaN stays NaN). XLA:TPU's bfloat16-propagation pass turns a loop-carried float32 stack whose only
+  use in the loop is (slice, convert to bfloat16) into a bfloat16 stack converted before the loop: the layer
+  scan's forward and its backward each hold a whole-stack bfloat16 copy of every expert kernel
+  (docs/compile.md, issue 45's MoE table). Integer ops have no bfloat16 form, so the cast stays per layer. The
+  gradient is astype's: the cotangent in float32."""
+  u = jax.lax.bitcast_convert_type(w, jnp.uint32)
+  # Add half an ulp of bfloat16 (less one, plus the kept bit's lowest: ties to even), keep the high 16 bits.
+  r = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) >> 16
+  b = jax.lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
+  return jnp.where(jnp.isnan(w), jnp.array(jnp.nan, jnp.bfloat16), b)
+
+
+cast_bits.defvjp(lambda w: (cast_bits(w), None), lambda _, g: (g.astype(jnp.float32),))

@@ -74,7 +74,7 @@ class MoESettings:
   group-limited selection of scores + router_bias [E] with n_group / topk_group and dropped groups scoring
   dropped_score, weights from the unbiased scores times routed_scaling).
   impl: "dropless" or "reference" (every expert on every token). grouped_matmul, block_rows: gmm.py.
-  fused_gate_up, unsort_impl, grad_barrier: dropless.py's dispatch. replay_rows, replay_impl: router replay
+  fused_gate_up, unsort_impl, grad_barrier, kernel_cast: dropless.py's dispatch. replay_rows, replay_impl: router replay
   (nn/router_replay.py): top-k over at most replay_rows of the unforced rows ("compact") or over all rows
   ("full"), bit-identical either way.
   experts_axis: the logical name of the kernels' experts dim (one of EXPERTS_AXES, as moe_spec named it):
@@ -99,6 +99,7 @@ class MoESettings:
   replay_rows: int = REPLAY_ROWS
   replay_impl: str = "compact"
   grad_barrier: bool = True
+  kernel_cast: str = "convert"
   scoring: str = "softmax"
   n_group: int = 1
   topk_group: int = 1
@@ -195,7 +196,7 @@ def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
     raise ValueError(f"ep_impl={s.ep_impl!r}: expected one of {EP_IMPLS}")
   fn = functools.partial(_dispatch_BT, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
                          block_rows=s.block_rows, unsort_impl=s.unsort_impl, fused_gate_up=s.fused_gate_up,
-                         grad_barrier=s.grad_barrier)
+                         grad_barrier=s.grad_barrier, kernel_cast=s.kernel_cast)
   kernels = (p["gate"], p["up"], p["down"])
   mesh = current_mesh()
   if mesh.empty:
@@ -220,7 +221,7 @@ def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
     body = functools.partial(_dispatch_compact, ep_axes=ep_axes, shared=tuple(a for a in ep_axes if a not in gathered),
                              num_experts=E, buffer_factor=s.ep_buffer_factor, block_rows=s.block_rows,
                              unsort_impl=s.unsort_impl, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
-                             fused_gate_up=s.fused_gate_up, grad_barrier=s.grad_barrier)
+                             fused_gate_up=s.fused_gate_up, grad_barrier=s.grad_barrier, kernel_cast=s.kernel_cast)
     count_spec = jax.sharding.PartitionSpec(*spec[:2])
     return jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
                          out_specs=(spec, count_spec))(x_BTD, ids, w, *(_leaf(a) for a in kernels))
