@@ -68,7 +68,7 @@ class MoEConfig(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
   COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
-                                         "kernel_cast")
+                                         "kernel_cast", "grad_reduce_barrier")
   num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -116,6 +116,12 @@ class MoEConfig(pydantic.BaseModel):
       "converts each whole kernel stack once before the layer loop) or bits (integer rounding, bit-identical, kept "
       "per layer in the loop: no whole-stack bf16 copies; fits mixtral-8x7b on v5p-16, but where the kernels are "
       "gathered per layer it gathers them in float32)")
+  # nn/moe/layer.py reduce_barrier: bit-identical; what XLA keeps live in the backward differs (docs/moe.md).
+  grad_reduce_barrier: bool = Field(
+      default=False, description="in the backward, hold each MoE layer's input gradient until its expert kernels' "
+      "gradients are reduced to their parameter sharding (an optimization barrier): at most one layer's float32 "
+      "kernel gradients whole over fsdp are live, at the cost of overlapping their reduce-scatters with the layer "
+      "before; bit-identical")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(
@@ -269,6 +275,7 @@ def settings(m: ModelConfig, *, norm_topk: bool | None = None, routing: str = "s
                          impl=own.impl, grouped_matmul=own.grouped_matmul,
                          experts_axis=moe.experts_axis(own.kernel_fsdp), ep_impl=own.ep_impl,
                          ep_buffer_factor=own.ep_buffer_factor, kernel_cast=own.kernel_cast,
+                         grad_reduce_barrier=own.grad_reduce_barrier,
                          kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS), **group)
 
 

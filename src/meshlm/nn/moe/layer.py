@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
-from meshlm.nn.moe.dropless import dispatch
+from meshlm.nn.moe.dropless import dispatch, expert_grad_barrier
 from meshlm.nn.moe.expert_parallel import EP_IMPLS, _axes_of, _dispatch_compact, _dispatch_ep, ep_mesh_axes
 from meshlm.nn.moe.gmm import _leaf
 from meshlm.nn.moe.routing import (ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats, expert_load,
@@ -85,6 +85,8 @@ class MoESettings:
   expert parallelism); elsewhere, or without kernel_axes, its row is sliced out first.
   ep_impl: how expert parallelism moves the tokens, "gather" (the group's tokens to every device) or "compact"
   (only the routed rows, at most ceil(ep_buffer_factor x slots / ep) per peer; None: the worst case, dropless).
+  grad_reduce_barrier: reduce_barrier on the layer's input and its expert kernels in their parameter layout
+  (identity; in the backward the input's gradient waits for the kernels' reduced gradients).
   """
   num_experts: int
   k: int
@@ -109,6 +111,7 @@ class MoESettings:
   kernel_axes: tuple | None = None
   ep_impl: str = "gather"
   ep_buffer_factor: float | None = None
+  grad_reduce_barrier: bool = False
 
 
 def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask_BT: jax.Array | None = None,
@@ -132,6 +135,8 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask
   if not 1 <= k <= E:
     raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
   dense = dense_primitive if ctx is None else ctx.dense
+  if settings.grad_reduce_barrier:
+    p, x_BTD = reduce_barrier(p, x_BTD, settings.kernel_axes)
   with jax.named_scope(SCOPE):
     with jax.named_scope("router"):
       logits, probs, w, ids = _route(p, x_BTD, dense, settings, token_mask_BT, forced_ids_BTk, router_full,
@@ -148,6 +153,24 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask
     if dropped is not None:
       side[DROPPED] = jnp.sum(dropped).astype(jnp.float32) / ids.size
     return y, side
+
+
+def reduce_barrier(p: dict, x_BTD: jax.Array, kernel_axes: tuple | None = None) -> tuple[dict, jax.Array]:
+  """(p, x) unchanged in value, with x and the expert kernels gate, up, down passed through expert_grad_barrier,
+  then the kernels pinned to their parameter layout (kernel_axes: their logical axes, moe_spec's; None: not
+  pinned). In the backward that pin's transpose reduces each kernel's gradient to its parameter sharding (under
+  kernel_fsdp embed or mlp: the reduce-scatter over fsdp of the gradient the layer computed whole, in float32), and
+  the barrier hands x's gradient on only with those reduced gradients: the layer before cannot start its backward
+  while this layer's whole-over-fsdp kernel gradients are in flight, so at most one layer's are live (XLA's
+  scheduler otherwise leaves their reduce-scatters open over the following layers' backward). Bit-identical.
+  Kernels left in their stacks (StackRow) are not barred (expert_rows: their cotangents are stack-shaped pads)."""
+  names = ("gate", "up", "down")
+  if any(is_row(p[n]) for n in names):
+    return p, x_BTD
+  x_BTD, kernels = expert_grad_barrier(x_BTD, tuple(p[n] for n in names))
+  if kernel_axes is not None:
+    kernels = tuple(constrain(a, ax) for a, ax in zip(kernels, kernel_axes))
+  return dict(p, **dict(zip(names, kernels))), x_BTD
 
 
 def _route(p, x_BTD, dense, s: MoESettings, token_mask_BT, forced_ids_BTk, router_full, router_bias):
