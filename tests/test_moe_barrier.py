@@ -5,6 +5,8 @@ The barrier sat on x itself first: there it kept XLA from folding the router's g
 the gather's scatter-add, and x's gradient moved by 1 ulp (test_bit_identical_under_a_mesh failed,
 max |diff| 1.2e-7); on the gathered rows the fold stays and every value is bit-identical."""
 import functools
+import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +86,28 @@ def test_the_barrier_function_is_identity_with_the_same_gradient():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# The arms of the mesh test: (grad_barrier, grad_reduce_barrier).
+ARMS = ((True, False), (False, False), (True, True))
+
+
+def _layer_barrier(text: str, x_shape: str) -> list[str]:
+  """The operands' sharding constraints of the lowered program's barriers over the layer input's cotangent."""
+  lines = text.splitlines()
+  out = []
+  for line in lines:
+    if "stablehlo.optimization_barrier" in line and f"tensor<{x_shape}xf32>" in line.split(" : ", 1)[1]:
+      for op in line.split("=", 1)[1].split(" : ")[0].replace("stablehlo.optimization_barrier", "").split(","):
+        defs = [d for d in lines if d.strip().startswith(op.strip() + " = ")]
+        out.append(re.search(r"<@mesh, (\[.*?\])>", defs[0]).group(1) if "sharding_constraint" in defs[0] else "?")
+  return out
+
+
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 def test_bit_identical_under_a_mesh(mode):
   """Inside the shard_map dispatch (fsdp=2, both shard modes): the layer's loss and every gradient
-  are bit-identical with and without the barrier, and the barrier is in the backward."""
+  are bit-identical with and without the barrier and with grad_reduce_barrier (reduce_barrier), the expert
+  barrier is in the backward, and reduce_barrier's ties the layer input's cotangent to the kernels' cotangents in
+  their parameter layout (gate/up embed over fsdp, down its embed)."""
   from jax.sharding import NamedSharding
 
   from meshlm.config import load_config
@@ -97,22 +117,87 @@ def test_bit_identical_under_a_mesh(mode):
   x, _, _, gate, up, down = _inputs()
   p = {"router": 0.3 * jax.random.normal(jax.random.key(1), (D, E)), "gate": gate, "up": up, "down": down}
   mesh = make_mesh(load_config("cpu_devices=2", "mesh.fsdp=2", f"shard_mode={mode}"))
+  kernel_axes = tuple(spec[n].axes for n in ("gate", "up", "down"))
 
-  def loss(barrier, p, x):
+  def loss(arm, p, x):
     y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, block_rows=16,
-                                                          grad_barrier=barrier))
+                                                      grad_barrier=arm[0], grad_reduce_barrier=arm[1],
+                                                      kernel_axes=kernel_axes))
     return jnp.sum(jnp.sin(y)) + side["moe_load_balance_loss"]
   got, texts = {}, {}
   with jax.set_mesh(mesh):
     put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
     ps = {k: put(v, spec[k].axes) for k, v in p.items()}
     xs = put(x.reshape(4, N // 4, D), ("batch", "length", "act_embed"))
-    for barrier in (True, False):
-      fn = jax.jit(jax.value_and_grad(functools.partial(loss, barrier), argnums=(0, 1)))
-      texts[barrier] = fn.lower(ps, xs).as_text()
-      got[barrier] = fn(ps, xs)
-  assert "optimization_barrier" in texts[True] and "optimization_barrier" not in texts[False]
-  leaves_on, leaves_off = jax.tree.leaves(got[True]), jax.tree.leaves(got[False])
-  assert len(leaves_on) == 6
-  for a, b in zip(leaves_on, leaves_off):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for arm in ARMS:
+      fn = jax.jit(jax.value_and_grad(functools.partial(loss, arm), argnums=(0, 1)))
+      texts[arm] = fn.lower(ps, xs).as_text()
+      got[arm] = fn(ps, xs)
+  assert "optimization_barrier" in texts[True, False] and "optimization_barrier" not in texts[False, False]
+  x_shape = f"4x{N // 4}x{D}"
+  # The layer input's cotangent [4, N / 4, D] (router's and dispatch's parts summed) and the three kernels' in
+  # their parameter layout, pinned. Control: no such barrier without the key.
+  assert _layer_barrier(texts[True, True], x_shape)[1:] == ['[{}, {"fsdp"}, {}]'] * 2 + ['[{}, {}, {"fsdp"}]']
+  assert _layer_barrier(texts[True, False], x_shape) == []
+  ref = jax.tree.leaves(got[True, False])
+  assert len(ref) == 6
+  for arm in ARMS[1:]:
+    for a, b in zip(jax.tree.leaves(got[arm]), ref):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kernels_left_in_their_stacks_are_not_barred():
+  """reduce_barrier skips a layer whose kernels are StackRow (an unrolled layer's row read in place; the expert
+  barrier skips them too): no barrier at all; the same layer with sliced kernels has both."""
+  from meshlm.nn.stack_row import StackRow
+  x, _, _, gate, up, down = _inputs()
+  p = {"router": 0.3 * jax.random.normal(jax.random.key(1), (D, E)), "gate": gate, "up": up, "down": down}
+  stacks = {n: jnp.stack([p[n], p[n]]) for n in ("gate", "up", "down")}
+  rows = dict(p, **{n: StackRow(a, 1) for n, a in stacks.items()})
+  settings = moe.MoESettings(num_experts=E, k=K, norm_topk=True, grouped_matmul="loop", grad_reduce_barrier=True)
+
+  def barriers(params: dict) -> int:
+    f = jax.grad(lambda x: jnp.sum(moe.moe_mlp(params, x, None, settings)[0]))
+    return jax.jit(f).lower(x.reshape(2, N // 2, D)).as_text().count("stablehlo.optimization_barrier")
+  assert barriers(rows) == 0
+  assert barriers(p) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install 'meshlm[tpu]'; make test installs it)")
+def test_tpu_each_layers_kernel_gradients_are_reduced_apart():
+  """Two MoE layers compiled for two v5p chips (fsdp=2, kernels' embed on fsdp, gradients out in the parameter
+  layout). Without grad_reduce_barrier XLA:TPU waits and reduces both layers' whole float32 gate and up gradients
+  in one collective (the later layer's held live over the earlier layer's backward); with it, no gradient
+  collective holds more than one layer's kernels."""
+  from jax.sharding import NamedSharding
+
+  from meshlm.config import load_config
+  from meshlm.parallel import topology as TP
+  from meshlm.parallel.mesh import make_mesh
+  from meshlm.parallel.sharding import logical_spec
+  Lt, Tt, Dt, Ft = 2, 128, 128, 256  # the TPU's (8, 128) tiles
+  spec = moe.moe_spec(Dt, E, Ft, kernel_fsdp="embed")
+  mesh = make_mesh(load_config("mesh.fsdp=2"), devices=TP.devices(TP.parse("v5p:2x1x1")))
+  axes = tuple(spec[n].axes for n in ("gate", "up", "down"))
+
+  def loss(barrier, ps, x):
+    for p in ps:
+      x = x + moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, grouped_matmul="ragged",
+                                                      grad_reduce_barrier=barrier, kernel_axes=axes))[0]
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+  most = {}
+  with jax.set_mesh(mesh):
+    S = lambda shape, axes, dt=jnp.float32: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dt, sharding=NamedSharding(mesh, logical_spec(axes, shape, mesh)))
+    ps = [{n: S(spec[n].shape, spec[n].axes) for n in spec} for _ in range(Lt)]
+    x = S((2, Tt, Dt), ("batch", "length", "act_embed"), jnp.bfloat16)
+    for barrier in (False, True):
+      fn = jax.jit(jax.grad(functools.partial(loss, barrier)), out_shardings=[{n: a.sharding for n, a in p.items()}
+                                                                           for p in ps])
+      hlo = fn.lower(ps, x).compile().as_text()
+      ops = [line.split(" = ", 1)[1] for line in hlo.splitlines()
+             if re.search(r" (all-reduce|reduce-scatter)(-start)?\(", line)]
+      # The most gate/up-shaped float32 gradients ([E, D, F]) one collective reduces.
+      most[barrier] = max(op.split(" all-")[0].split(" reduce-")[0].count(f"f32[{E},{Dt},{Ft}]") for op in ops)
+  assert most == {False: 2 * Lt, True: 2}
