@@ -201,3 +201,15 @@ def test_tpu_each_layers_kernel_gradients_are_reduced_apart():
       # The most gate/up-shaped float32 gradients ([E, D, F]) one collective reduces.
       most[barrier] = max(op.split(" all-")[0].split(" reduce-")[0].count(f"f32[{E},{Dt},{Ft}]") for op in ops)
   assert most == {False: 2 * Lt, True: 2}
+
+
+def test_the_key_reaches_the_layer_and_is_off_by_default():
+  from meshlm.config import load_config
+  from meshlm.errors import ConfigError
+  from meshlm.models.ffns import moe as F
+  from meshlm.models.model import resolve
+  assert F.settings(resolve(load_config("model=mixtral-tiny")).m).grad_reduce_barrier is False
+  on = load_config("model=mixtral-tiny", "model.parts.moe.grad_reduce_barrier=true")
+  assert F.settings(resolve(on).m).grad_reduce_barrier is True
+  with pytest.raises(ConfigError, match=r"^model\.parts\.moe\.grad_reduce_barrier: "):
+    resolve(load_config("model=mixtral-tiny", "model.parts.moe.grad_reduce_barrier=maybe"))

@@ -35,6 +35,7 @@ first_k_dense_replace), not a knob of the part.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import ClassVar, Literal, Optional
 
@@ -288,7 +289,13 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None 
     seg = ctx.here.segment_ids
     # Padding (segment 0) is not counted.
     kw = dict(router_bias=p[ROUTER_BIAS], token_mask_BT=None if seg is None else (seg > 0))
-  y, side = moe.moe_mlp(p, x_BTD, ctx, settings(ctx.model, norm_topk=norm_topk, routing=routing),
+  s = settings(ctx.model, norm_topk=norm_topk, routing=routing)
+  if s.grad_reduce_barrier:
+    # Here, over every use of x (the shared expert's too), so that x's gradient sums its parts in the same order
+    # as without the barrier (inside moe_mlp the shared expert's part was added after it: 1 ulp off).
+    p, x_BTD = moe.reduce_barrier(p, x_BTD, s.kernel_axes)
+    s = dataclasses.replace(s, grad_reduce_barrier=False)
+  y, side = moe.moe_mlp(p, x_BTD, ctx, s,
                         forced_ids_BTk=ctx.layer.get(FORCED_IDS), router_full=p["router_full"], **kw)
   if shared:
     y = y + shared_expert(p, x_BTD, ctx, gated=shared_gate)

@@ -32,7 +32,7 @@ from meshlm.nn.moe.expert_parallel import (EP_IMPLS, EXPERT_AXIS, capacity, ep_m
 from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
                                grouped_matmul, loop_block_rows, rest_block_sizes)
 from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp,
-                                 moe_spec)
+                                 moe_spec, reduce_barrier)
 from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats,
                                    bias_update, expert_load, group_limited_topk, group_route, load_balancing_loss,
                                    route, sigmoid_weights)
@@ -43,6 +43,6 @@ __all__ = [
     "aux_stats", "bias_update", "block_layout", "capacity", "combine", "default_block_rows", "default_grouped_matmul",
     "dispatch", "ep_mesh_axes", "expert_grad_barrier", "expert_load", "expert_rows", "experts_axis", "fused_glu",
     "gather_router_once", "group_limited_topk", "group_route", "grouped_matmul", "inverse_permutation",
-    "load_balancing_loss", "local_expert_offset", "loop_block_rows", "moe_mlp", "moe_spec", "rest_block_sizes", "route",
-    "send_layout", "sigmoid_weights", "sort_slots", "split_glu", "unsort", "unsort_rows",
+    "load_balancing_loss", "local_expert_offset", "loop_block_rows", "moe_mlp", "moe_spec", "reduce_barrier",
+    "rest_block_sizes", "route", "send_layout", "sigmoid_weights", "sort_slots", "split_glu", "unsort", "unsort_rows",
 ]
