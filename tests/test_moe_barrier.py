@@ -4,6 +4,7 @@ optimization_barrier over the input rows' cotangent and the expert kernels' cota
 The barrier sat on x itself first: there it kept XLA from folding the router's gradient of x into
 the gather's scatter-add, and x's gradient moved by 1 ulp (test_bit_identical_under_a_mesh failed,
 max |diff| 1.2e-7); on the gathered rows the fold stays and every value is bit-identical."""
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -213,3 +214,37 @@ def test_the_key_reaches_the_layer_and_is_off_by_default():
   assert F.settings(resolve(on).m).grad_reduce_barrier is True
   with pytest.raises(ConfigError, match=r"^model\.parts\.moe\.grad_reduce_barrier: "):
     resolve(load_config("model=mixtral-tiny", "model.parts.moe.grad_reduce_barrier=maybe"))
+
+
+def test_the_part_bars_the_shared_experts_use_of_x_too():
+  """The moe part applies reduce_barrier before the router and the shared expert, so x's gradient sums the
+  router's, dispatch's and shared expert's parts in the order it does without the barrier: bit-identical
+  (control: the barrier inside moe_mlp, the shared expert's part added after it, moves x's gradient)."""
+  import types
+
+  from meshlm.config import load_config
+  from meshlm.models.ffns import moe as part
+  from meshlm.models.model import resolve
+  from meshlm.nn.dense import dense
+  models = {on: resolve(load_config("model=qwen3.5-moe-tiny", f"model.parts.moe.grad_reduce_barrier={on}")).m
+            for on in ("false", "true")}
+  m = models["false"]
+  spec = part.spec_with_shared(m)
+  keys = jax.random.split(jax.random.key(2), len(spec) + 1)
+  p = {n: 0.3 * jax.random.normal(k, s.shape) for k, (n, s) in zip(keys, spec.items())}
+  x = jax.random.normal(keys[-1], (2, 16, m.embed_dim))
+
+  def grad_x(on: bool, inside: bool = False):
+    ctx = types.SimpleNamespace(model=models["true" if on and not inside else "false"], dense=dense, layer={})
+
+    def f(x):
+      if inside:  # the control: moe_mlp's own barrier, the shared expert outside it
+        s = dataclasses.replace(part.settings(ctx.model), grad_reduce_barrier=True)
+        y = moe.moe_mlp(p, x, ctx, s, router_full=None)[0] + part.shared_expert(p, x, ctx)
+      else:
+        y = part.apply(dict(p, router_full=None), x, ctx, shared=True)[0]
+      return jnp.sum(jnp.sin(y))
+    return np.asarray(jax.jit(jax.grad(f))(x))
+  off = grad_x(False)
+  np.testing.assert_array_equal(grad_x(True), off)
+  assert np.any(grad_x(True, inside=True) != off)
