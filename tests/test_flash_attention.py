@@ -53,8 +53,8 @@ def _inputs(case: str):
 
 
 def _value_and_grads(fn, q, k, v, ct):
-  """(out, dq, dk, dv) of fn, one jitted program (traced now: a monkeypatched helper takes effect). Run op by op,
-  each primitive of the forward and the backward compiled on its own: 60 compiles for one case."""
+  """(out, dq, dk, dv) of fn, one jitted program (traced now: a monkeypatched helper takes effect). Unjitted, each
+  primitive of the forward and the backward compiled on its own: up to 60 compiles for one case."""
   def value_and_grads(q, k, v, ct):
     out, vjp = jax.vjp(fn, q, k, v)
     return (out,) + vjp(ct)
