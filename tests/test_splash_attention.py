@@ -179,15 +179,17 @@ def test_splash_trains_to_the_xla_losses():
 
 # deepseek-v3-tiny on its one dense layer, narrower: MLA's q (q_lora), k_nope, v and interleaved YaRN RoPE on the
 # kernel's heads-first rows, every head its own key (G = 1), qk 24 wide against v 16; two packed documents a row.
+# "q": a plain query projection (q_lora_rank null, DeepSeek-V2-Lite's), the other einsum heads-first.
 MLA_KEYS = ("model=deepseek-v3-tiny", "model.num_layers=1", "model.first_k_dense_replace=1", "model.embed_dim=64",
             "model.vocab_size=128", "train.compute_dtype=float32")
+MLA_QUERY = {"q_b": (), "q": ("model.parts.mla.q_lora_rank=null",)}
 
 
 @functools.cache
-def _mla_program(impl: str):
+def _mla_program(impl: str, query: str):
   """(cfg, jit(params -> (logits, d params))): meshlm.forward over packed rows and its VJP against a fixed
   cotangent; params are an argument, so one compile serves any values."""
-  cfg = meshlm.load_config(*MLA_KEYS, f"attention_impl={impl}")
+  cfg = meshlm.load_config(*MLA_KEYS, *MLA_QUERY[query], f"attention_impl={impl}")
   T = C.PARITY_SEQ
   toks = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.model.vocab_size)
   col, cut = np.arange(T)[None], np.array([[40], [70]])
@@ -206,16 +208,17 @@ def _relative(got, want) -> float:
              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
-def test_mla_under_splash_equals_xla_forward_and_gradients():
+@pytest.mark.parametrize("query", list(MLA_QUERY))
+def test_mla_under_splash_equals_xla_forward_and_gradients(query):
   """deepseek-v3-tiny's MLA under splash (q_b, k_b, v_b projected heads-first, o reading the kernel's rows as they
   are) equals the xla core's logits and every parameter's gradient within ATOL of each leaf's largest entry.
   Control: the xla model with k_b's heads reversed (query head n scoring key head N - 1 - n: what a head-order slip
   between the heads-first rows would compute) is far outside it; same program, other values, no compile."""
-  cfg, xla = _mla_program("xla")
+  cfg, xla = _mla_program("xla", query)
   params = jax.tree.map(np.asarray, meshlm.init_params(cfg, jax.random.key(0)))
-  want, got = xla(params), _mla_program("splash")[1](params)
+  want, got = xla(params), _mla_program("splash", query)[1](params)
   errs = _relative(got[0], want[0]), _relative(got[1], want[1])
-  print(f"deepseek-v3-tiny MLA: splash vs xla, max relative |diff| logits {errs[0]:.3g}, gradients {errs[1]:.3g}")
+  print(f"deepseek-v3-tiny MLA ({query}): splash vs xla, max relative |diff| logits {errs[0]:.3g}, gradients {errs[1]:.3g}")
   assert max(errs) < ATOL, errs
   attn = params["layers"]["dense"]["attn"]
   wrong = params | {"layers": {"dense": params["layers"]["dense"] | {"attn": attn | {"k_b": attn["k_b"][:, :, ::-1]}}}}
