@@ -1,7 +1,7 @@
 """attention_impl=splash: the TPU Pallas splash kernel (nn/splash_attention.py), run here in Pallas interpret mode,
 against the xla reference (nn/attention.gqa_attention with attention_mask), forward and every gradient, each mask
-kind with a negative control; its shard_map over a mesh; the key's resolution and errors; and a tiny preset
-training to the xla losses. The kernel compiled for TPU (the Mosaic custom call) is tests/test_compile.py's.
+kind with a negative control; its shard_map over a mesh; the key's resolution and errors; MLA's heads-first rows
+(deepseek-v3-tiny's logits and gradients); and a tiny preset training to the xla losses. The kernel compiled for TPU (the Mosaic custom call) is tests/test_compile.py's.
 
 Interpret mode is slow (seconds per program): two kernel programs carry every feature between them, each compiled
 once. Their negative controls compare the same kernel outputs against the reference with one feature wrong (a
