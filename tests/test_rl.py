@@ -229,12 +229,22 @@ def rollout(prompts):
   return tr, state, batch
 
 
-def test_trainer_expert_ids_equal_the_samplers_bit_for_bit(rollout):
+@pytest.fixture(scope="module")
+def replayed(rollout):
+  """(logits, the trainer's expert ids [L, B, T, k]) of the training forward over the rollout, its recorded ids
+  forced: one program for the two tests that read it (each jitted its own: a forward compile more)."""
   tr, state, batch = rollout
-  ids = lambda replay: jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, replay)[1]["forced_expert_ids"])  # noqa: E731
   with jax.set_mesh(tr.mesh):
-    live = np.asarray(ids(True)(tr.params_of(state), batch))  # [L, B, T, k]
-    free = np.asarray(ids(False)(tr.params_of(state), batch))
+    logits, side = jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, True))(tr.params_of(state), batch)
+  return logits, np.asarray(side["forced_expert_ids"])
+
+
+def test_trainer_expert_ids_equal_the_samplers_bit_for_bit(rollout, replayed):
+  tr, state, batch = rollout
+  with jax.set_mesh(tr.mesh):
+    live = replayed[1]  # [L, B, T, k]
+    free = np.asarray(jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, False)[1]["forced_expert_ids"])(
+        tr.params_of(state), batch))
   rec = np.moveaxis(np.asarray(batch["forced_expert_ids"]), 2, 0)
   fed = rec[..., 0] >= 0
   assert fed.sum() > 100 and fed[..., 0].all()
@@ -243,12 +253,11 @@ def test_trainer_expert_ids_equal_the_samplers_bit_for_bit(rollout):
   np.testing.assert_array_equal(free[fed], rec[fed])
 
 
-def test_untruncated_scoring_shows_the_kept_mass_bias(rollout):
+def test_untruncated_scoring_shows_the_kept_mass_bias(rollout, replayed):
   """The control: the trainer scores with the temperature only (rl.score_truncated=false), so each ratio
   is the kept mass of top-p (< 1), while the truncated scoring gives 1."""
   tr, state, batch = rollout
-  with jax.set_mesh(tr.mesh):
-    logits = jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, True)[0])(tr.params_of(state), batch)
+  logits = replayed[0]
   mask = np.asarray(batch["loss_mask"]) > 0
   samp = np.asarray(batch["sampler_logp"])
   ratio = lambda c: np.exp(np.asarray(RS.score(c, logits, batch["targets"])[0]) - samp)[mask]  # noqa: E731
