@@ -5,6 +5,10 @@ collectives and the census' layout counts.
 
   .venv/bin/python benchmarks/compile_rows.py OUT_DIR            # compile every row into OUT_DIR/<row>.json
   .venv/bin/python benchmarks/compile_rows.py OUT_DIR --table    # the table from the JSON already there
+  .venv/bin/python benchmarks/compile_rows.py OUT_DIR --rows a,b  # compile only these rows (names as in ROWS)
+
+The compile runs this interpreter's meshlm (`python -m meshlm.cli`), so PYTHONPATH picks the source tree. Each
+row's wall seconds and the load average before and after go to OUT_DIR/<row>.run.json beside its report.
 
 Needs libtpu (pip install 'meshlm[tpu]'). Nothing runs on a TPU: every figure is the compiled executable's.
 """
@@ -63,15 +67,16 @@ def row(name: str, report: dict) -> str:
     layout = f"{c['stablehlo']['transpose_of_dot']['blocked']} / {c['hlo']['copies']} / {len(c['scan_layout'])}"
   else:
     total, layout = "-", "-"
-  return (f"| {name} | {report['topology']['name']} | {mesh} | {cfg['shard_mode']} | {cfg['seq_len']} | "
+  return (f"| {name} | {report['topology']['name']} | {mesh} | {cfg['shard_mode']} | "
+          f"{cfg.get('attention_impl', '-')} | {cfg['seq_len']} | "
           f"{p['compile_s']:.0f} | {gib(m['peak_bytes'])} / {gib(m['hbm_bytes'])} | {fits} | "
           f"{gib(m.get('temp_bytes'))} | {bound} | {mfu} | {total} | {layout} |")
 
 
 def table(out_dir: str) -> str:
-  lines = ["| row | topology | mesh | mode | seq | compile (s) | peak / HBM per device (GiB) | fits | temporaries "
+  lines = ["| row | topology | mesh | mode | attention | seq | compile (s) | peak / HBM per device (GiB) | fits | temporaries "
            "(GiB) | step >= (ms) | MFU at bound | collectives per step (in the text) | blocked / copies / scan flags |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name in ROWS:
     path = os.path.join(out_dir, f"{name}.json")
     if os.path.exists(path) and os.path.getsize(path):
@@ -79,20 +84,38 @@ def table(out_dir: str) -> str:
   return "\n".join(lines)
 
 
+def selected(argv: list[str]) -> list[str]:
+  """The rows `--rows a,b` names (all of ROWS without it); an unknown name is a one-line error."""
+  if "--rows" not in argv:
+    return list(ROWS)
+  i = argv.index("--rows")
+  names = argv[i + 1].split(",") if i + 1 < len(argv) else []
+  unknown = [n for n in names if n not in ROWS]
+  if not names or unknown:
+    print(f"compile_rows: --rows {','.join(unknown) or '(none)'}: not a row; rows: {', '.join(ROWS)}", file=sys.stderr)
+    raise SystemExit(2)
+  return names
+
+
+def run(out_dir: str, name: str) -> None:
+  load0, start = os.getloadavg(), time.perf_counter()
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    code = subprocess.run([sys.executable, "-m", "meshlm.cli", "compile", *ROWS[name], "--json"], stdout=f).returncode
+  wall = time.perf_counter() - start
+  with open(os.path.join(out_dir, f"{name}.run.json"), "w") as f:
+    json.dump({"exit": code, "wall_s": round(wall, 1), "load_before": load0, "load_after": os.getloadavg()}, f)
+  print(f"{name}: exit {code} in {wall:.0f} s", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
   if not argv or argv[0].startswith("-"):
     print(__doc__)
     return 2
-  out_dir = argv[0]
+  out_dir, names = argv[0], selected(argv)
   if "--table" not in argv:
     os.makedirs(out_dir, exist_ok=True)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    meshlm = os.path.join(here, ".venv", "bin", "meshlm")
-    for name, args in ROWS.items():
-      start = time.perf_counter()
-      with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        code = subprocess.run([meshlm, "compile", *args, "--json"], stdout=f).returncode
-      print(f"{name}: exit {code} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    for name in names:
+      run(out_dir, name)
   print(table(out_dir))
   return 0
 

@@ -1,8 +1,9 @@
-"""The pure parts of benchmarks/table.py, depth.py, maxtext_vs_meshlm.py and ep_collectives.py: formatting, the docs
-section replacement, the verdict column, the depth ratio, the MFU arithmetic and the collectives read from HLO text.
-Nothing here times or compiles anything."""
+"""The pure parts of benchmarks/table.py, depth.py, maxtext_vs_meshlm.py, ep_collectives.py and compile_rows.py:
+formatting, the docs section replacement, the verdict column, the depth ratio, the MFU arithmetic, the collectives
+read from HLO text and the compile rows' selection and table. Nothing here times or compiles anything."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import compile_rows  # noqa: E402
 import depth  # noqa: E402
 import maxtext_vs_meshlm as mt  # noqa: E402
 import table  # noqa: E402
@@ -348,3 +350,31 @@ def test_ep_collectives_counts_ragged_all_to_all_and_loops():
   assert got["ragged-all-to-all"]["shapes"] == ["bf16[16,4]{1,0}"]
   # Control: without the loop's trip count the body counts once.
   assert ep_collectives.collectives(EP_HLO.replace('"n":"3"', '"n":"1"'))["all-to-all"]["count"] == 1
+
+
+def compile_report(attention: str, peak_gib: float) -> dict:
+  """A `meshlm compile --json` report with the fields compile_rows.row reads (no census: its columns are "-")."""
+  g = 1 << 30
+  return {"topology": {"name": "v5p-8"},
+          "config": {"mesh": {"fsdp": 4, "tensor": 1}, "shard_mode": "explicit", "attention_impl": attention,
+                     "seq_len": 8192},
+          "programs": {"train": {"compile_s": 69.4, "memory": {"peak_bytes": peak_gib * g, "hbm_bytes": 95.73 * g,
+                                                               "fits": True, "temp_bytes": 18.06 * g},
+                                 "roofline": {"bound_s": 1.0044, "bound_by": "compute", "mfu_at_bound": 0.9146}}}}
+
+
+def test_compile_rows_selection_and_table(tmp_path, capsys):
+  """--rows picks rows in the order given, an unknown name exits 2 in one line naming it, and --table writes one
+  line per row with a report (the attention core among its cells), none for a row without one."""
+  assert compile_rows.selected(["out"]) == list(compile_rows.ROWS)
+  assert compile_rows.selected(["out", "--rows", "qwen3_v5p8_auto,dsv3_v5p512"]) == ["qwen3_v5p8_auto", "dsv3_v5p512"]
+  with pytest.raises(SystemExit) as e:
+    compile_rows.selected(["out", "--rows", "dsv3_v5p512,nope"])
+  assert e.value.code == 2 and capsys.readouterr().err.strip().startswith("compile_rows: --rows nope: not a row")
+  (tmp_path / "llama3_v5p8_explicit.json").write_text(json.dumps(compile_report("splash", 36.91)))
+  (tmp_path / "qwen3_v5p8_auto.json").write_text("")
+  lines = compile_rows.table(str(tmp_path)).splitlines()
+  assert len(lines) == 3 and lines[0].count("|") == lines[2].count("|") == 15, lines
+  assert lines[2] == ("| llama3_v5p8_explicit | v5p-8 | fsdp=4 | explicit | splash | 8192 | 69 | 36.91 / 95.73 | yes "
+                      "| 18.06 | 1,004 (com) | 91% | - | - |")
+  assert compile_rows.row("x", compile_report("xla", 36.91)).split(" | ")[4] == "xla"

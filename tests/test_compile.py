@@ -402,6 +402,30 @@ def test_tpu_splash_attention(tpu_run, monkeypatch):
   assert old["transpose_of_dot"]["blocked"] == 2, old["transpose_of_dot"]
 
 
+# deepseek-v3-tiny on its one dense layer (MLA, then a dense MLP): one layer program, compiled in about 4 s.
+MLA_SPLASH = ["model=deepseek-v3-tiny", "model.num_layers=1", "model.first_k_dense_replace=1",
+              "train.per_device_batch_size=1", "mesh.fsdp=4", "topology=v5p:2x2x1"]
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_tpu_splash_mla_has_nothing_blocked(monkeypatch):
+  """MLA under splash (auto on TPU) projects q (q_b), k_nope (k_b) and v (v_b) heads-first, the kernel's own rows,
+  and its output projection contracts the kernel's [B, N, T, Hv] as they are: nothing blocked under explicit (issue
+  44, item 7). Control: the old layout (rows [B, T, N, H], transposed to the kernel and back) leaves 2 blocked pairs
+  in the layer program: v's transpose after v_b's dot, and the output's cotangent before the kernel's backward."""
+  from meshlm.nn import attention as A
+  report = compile_json(*MLA_SPLASH)
+  assert report["config"]["attention_impl"] == "splash" and report["exit"] == 0
+  tod = report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]
+  assert tod["blocked"] == 0, tod["pairs"]
+  monkeypatch.setattr(A, "reads_heads_first", lambda impl: False)
+  old = compile_json(*MLA_SPLASH)["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]
+  assert old["blocked"] == 2, old["pairs"]
+  assert {p["scope"] for p in old["pairs"] if p["kind"] == "blocked"} == {"layer_0/attn forward",
+                                                                          "layer_0/attn backward"}
+
+
 def test_the_tpu_extra_and_make_tests_lock_pin_the_same_libtpu():
   import pathlib
   import re

@@ -1,7 +1,7 @@
 """attention_impl=splash: the TPU Pallas splash kernel (nn/splash_attention.py), run here in Pallas interpret mode,
 against the xla reference (nn/attention.gqa_attention with attention_mask), forward and every gradient, each mask
-kind with a negative control; its shard_map over a mesh; the key's resolution and errors; and a tiny preset
-training to the xla losses. The kernel compiled for TPU (the Mosaic custom call) is tests/test_compile.py's.
+kind with a negative control; its shard_map over a mesh; the key's resolution and errors; MLA's heads-first rows
+(deepseek-v3-tiny's logits and gradients); and a tiny preset training to the xla losses. The kernel compiled for TPU (the Mosaic custom call) is tests/test_compile.py's.
 
 Interpret mode is slow (seconds per program): two kernel programs carry every feature between them, each compiled
 once. Their negative controls compare the same kernel outputs against the reference with one feature wrong (a
@@ -175,6 +175,56 @@ def test_splash_trains_to_the_xla_losses():
   print(f"{PRESET}: splash vs xla, explicit, fsdp=4: max |loss diff| {np.max(np.abs(splash - xla)):.3g}")
   C.assert_parity(splash, xla)
   assert len(set(splash.tolist())) == C.PARITY_STEPS, f"the losses do not move: {splash.tolist()}"
+
+
+# deepseek-v3-tiny on its one dense layer, narrower: MLA's q (q_lora), k_nope, v and interleaved YaRN RoPE on the
+# kernel's heads-first rows, every head its own key (G = 1), qk 24 wide against v 16; two packed documents a row.
+# "q": a plain query projection (q_lora_rank null, DeepSeek-V2-Lite's), the other einsum heads-first.
+MLA_KEYS = ("model=deepseek-v3-tiny", "model.num_layers=1", "model.first_k_dense_replace=1", "model.embed_dim=64",
+            "model.vocab_size=128", "train.compute_dtype=float32")
+MLA_QUERY = {"q_b": (), "q": ("model.parts.mla.q_lora_rank=null",)}
+
+
+@functools.cache
+def _mla_program(impl: str, query: str):
+  """(cfg, jit(params -> (logits, d params))): meshlm.forward over packed rows and its VJP against a fixed
+  cotangent; params are an argument, so one compile serves any values."""
+  cfg = meshlm.load_config(*MLA_KEYS, *MLA_QUERY[query], f"attention_impl={impl}")
+  T = C.PARITY_SEQ
+  toks = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.model.vocab_size)
+  col, cut = np.arange(T)[None], np.array([[40], [70]])
+  seg, pos = jnp.asarray(np.where(col < cut, 1, 2)), jnp.asarray(np.where(col < cut, col, col - cut))
+  ct = jax.random.normal(jax.random.key(2), (2, T, cfg.model.vocab_size))
+
+  def value_and_grads(p):
+    out, vjp = jax.vjp(lambda p: meshlm.forward(cfg, p, toks, pos, seg), p)
+    return out, vjp(ct)[0]
+  return cfg, jax.jit(value_and_grads)
+
+
+def _relative(got, want) -> float:
+  """max over leaves of |got - want| relative to the leaf's largest |want|."""
+  return max(float(jnp.max(jnp.abs(a - b))) / (float(jnp.max(jnp.abs(b))) or 1.0)
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+@pytest.mark.parametrize("query", list(MLA_QUERY))
+def test_mla_under_splash_equals_xla_forward_and_gradients(query):
+  """deepseek-v3-tiny's MLA under splash (q_b, k_b, v_b projected heads-first, o reading the kernel's rows as they
+  are) equals the xla core's logits and every parameter's gradient within ATOL of each leaf's largest entry.
+  Control: the xla model with k_b's heads reversed (query head n scoring key head N - 1 - n: what a head-order slip
+  between the heads-first rows would compute) is far outside it; same program, other values, no compile."""
+  cfg, xla = _mla_program("xla", query)
+  params = jax.tree.map(np.asarray, meshlm.init_params(cfg, jax.random.key(0)))
+  want, got = xla(params), _mla_program("splash", query)[1](params)
+  errs = _relative(got[0], want[0]), _relative(got[1], want[1])
+  print(f"deepseek-v3-tiny MLA ({query}): splash vs xla, max relative |diff| logits {errs[0]:.3g}, gradients {errs[1]:.3g}")
+  assert max(errs) < ATOL, errs
+  attn = params["layers"]["dense"]["attn"]
+  wrong = params | {"layers": {"dense": params["layers"]["dense"] | {"attn": attn | {"k_b": attn["k_b"][:, :, ::-1]}}}}
+  bad = xla(wrong)
+  errs = _relative(got[0], bad[0]), _relative(got[1], bad[1])
+  assert min(errs) > 100 * ATOL, errs
 
 
 def test_generate_with_a_splash_prefill_equals_the_xla_forward(monkeypatch):

@@ -101,8 +101,8 @@ class Mask:
 
 def reads_heads_first(impl: str) -> bool:
   """Whether the core impl reads heads-first rows (q [B, N, T, H], k/v [B, Kv, T, H]): the splash kernel does. A
-  caller that projects straight into them (gqa) leaves no transpose between its projections' dots and the kernel,
-  nor between the output projection's gradient dot and the kernel's backward."""
+  caller that projects straight into them (gqa, gated_gqa, mla) leaves no transpose between its projections' dots
+  and the kernel, nor between the output projection's gradient dot and the kernel's backward."""
   return impl == "splash"
 
 

@@ -49,14 +49,18 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array, *, hea
     return y.astype(x_BTNH.dtype)
 
 
-def apply_rope_interleave(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+def apply_rope_interleave(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array, *,
+                          heads_first: bool = False) -> jax.Array:
   """RoPE on adjacent pairs (x0, x1), (x2, x3), ... (transformers' apply_rotary_pos_emb_interleave): pair i
   turns by the angle of cos[..., i] (the first half of the rotate-half layout), and the output is laid out
   de-interleaved, [x_even', x_odd']. Queries and keys are both laid out so, which leaves their dot products
-  those of the interleaved rotation."""
+  those of the interleaved rotation. x [B, T, N, H], or [B, N, T, H] with heads_first (MLA's splash rows)."""
   with jax.named_scope("rope"):
     half = x_BTNH.shape[-1] // 2
-    cos, sin = cos_BTH[:, :, None, :half], sin_BTH[:, :, None, :half]
+    if heads_first:
+      cos, sin = cos_BTH[:, None, :, :half], sin_BTH[:, None, :, :half]  # [B, 1, T, H/2]
+    else:
+      cos, sin = cos_BTH[:, :, None, :half], sin_BTH[:, :, None, :half]  # [B, T, 1, H/2]
     xf = x_BTNH.astype(jnp.float32)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -2,7 +2,8 @@
 core. `splash_heads_first` takes and returns the kernel's own heads-first rows ([B, heads, T, h]: gqa projects
 straight into them, so no transpose sits between a projection's dot and the kernel); `splash_attention` is the same
 with flash's signature and its [B, T, K, G, Hv] output (nn/flash_attention.py), the rows transposed in and out
-(MLA's path; the `xla` core, nn/attention.gqa_attention, is the reference both are tested against).
+(the kernel's tests; the mixers, gqa, gated_gqa and mla, project heads-first; the `xla` core,
+nn/attention.gqa_attention, is the reference both are tested against).
 
 The kernel is a Mosaic custom call, which XLA cannot partition: it runs inside a `jax.shard_map` over the current
 mesh, each device calling it on its own rows, the batch split as the activations' "batch" axis is and the heads over
@@ -53,7 +54,7 @@ def splash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, se
 
   q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (the same T: training and prefill); returns [B, T, K, G, Hv].
   The rows are transposed to the kernel's heads-first order and back: a caller that can project heads-first
-  rows (gqa) calls splash_heads_first itself, with no transpose between its projections and the kernel.
+  rows (gqa, gated_gqa, mla) calls splash_heads_first itself, with no transpose between its projections and the kernel.
   """
   B, T, N, _ = q_BTNH.shape
   K = k_BSKH.shape[2]
