@@ -35,16 +35,18 @@ def rope_angles(positions_BT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array
   return jnp.cos(ang), jnp.sin(ang)
 
 
+def over_heads(c_BTH: jax.Array, heads_first: bool) -> jax.Array:
+  """cos or sin [B, T, H] broadcast over the heads: [B, T, 1, H], or [B, 1, T, H] for heads-first rows."""
+  return c_BTH[:, None] if heads_first else c_BTH[:, :, None]
+
+
 def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array, *, heads_first: bool = False) -> jax.Array:
   """x [B, T, N, H], or [B, N, T, H] with heads_first (the splash kernel's rows, gqa's with it)."""
   with jax.named_scope("rope"):
     half = x_BTNH.shape[-1] // 2
     xf = x_BTNH.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    if heads_first:
-      cos, sin = cos_BTH[:, None], sin_BTH[:, None]  # [B, 1, T, H]
-    else:
-      cos, sin = cos_BTH[:, :, None, :], sin_BTH[:, :, None, :]  # [B, T, 1, H]
+    cos, sin = over_heads(cos_BTH, heads_first), over_heads(sin_BTH, heads_first)
     y = xf * cos + rotated * sin
     return y.astype(x_BTNH.dtype)
 
@@ -57,10 +59,7 @@ def apply_rope_interleave(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Ar
   those of the interleaved rotation. x [B, T, N, H], or [B, N, T, H] with heads_first (MLA's splash rows)."""
   with jax.named_scope("rope"):
     half = x_BTNH.shape[-1] // 2
-    if heads_first:
-      cos, sin = cos_BTH[:, None, :, :half], sin_BTH[:, None, :, :half]  # [B, 1, T, H/2]
-    else:
-      cos, sin = cos_BTH[:, :, None, :half], sin_BTH[:, :, None, :half]  # [B, T, 1, H/2]
+    cos, sin = over_heads(cos_BTH[..., :half], heads_first), over_heads(sin_BTH[..., :half], heads_first)
     xf = x_BTNH.astype(jnp.float32)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
