@@ -438,3 +438,59 @@ def test_bench_end_to_end(capsys, tmp_path):
   assert explicit["rounds"] == 6 and len(explicit["ratio_ci"]) == 2
   assert explicit["ratio_ci"][0] <= explicit["ratio"] <= explicit["ratio_ci"][1]
   assert report["ratios"]["auto"] == 1.0 and png.exists()
+
+
+# --- parking the idle arms' states (park) ---------------------------------------------------------
+
+class _Parkable(_Fake):
+  """A fake runner that knows whether its state is on the device, and the set of arms whose states are."""
+
+  def __init__(self, name, order, on_device: set, peak: list):
+    super().__init__(name, order, [])
+    self.on_device, self.peak = on_device, peak
+    on_device.add(name)  # prepare leaves the state on the device
+
+  def park(self):
+    self.on_device.discard(self.name)
+
+  def unpark(self):
+    self.on_device.add(self.name)
+
+  def step(self, n=1):
+    assert self.name in self.on_device, f"{self.name} stepped with its state parked"
+    self.peak.append(len(self.on_device))
+    return super().step(n)
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_park_keeps_one_arm_state_on_the_device(park):
+  order, on_device, peak = [], set(), []
+  fakes = {n: _Parkable(n, order, on_device, peak) for n in ("A", "B", "C")}
+  report = _run(fakes, reps=6, warmup=1, park=park)
+  assert report["park"] is park and report["rounds"] == 6
+  if park:
+    assert set(peak) == {1} and on_device == set()  # one state on the device at a time, none left after
+  else:  # the control: every arm's state stays on the device throughout
+    assert set(peak) == {3} and on_device == {"A", "B", "C"}
+
+
+def test_parked_state_comes_back_the_same():
+  # The real runner: park moves the state to numpy, unpark back onto its shardings; the steps after are unchanged.
+  import jax
+  import numpy as np
+  from meshlm import load_config
+  from meshlm.bench.harness import compile_arm
+  cfg = load_config("model=llama2-tiny", "train.seq_len=16", "train.per_device_batch_size=1", "mesh.fsdp=2",
+                    "mesh.data=-1")
+  runners = [compile_arm(Arm("x", [], cfg)).runner for _ in range(2)]
+  plain, parked = runners
+  plain.step(2)
+  parked.step(1)
+  shardings = jax.tree.map(lambda a: a.sharding, parked.state)
+  parked.park()
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(parked.state))
+  parked.unpark()
+  assert jax.tree.map(lambda a: a.sharding, parked.state) == shardings
+  parked.step(1)
+  for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(parked.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

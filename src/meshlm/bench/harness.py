@@ -55,6 +55,18 @@ class _Runner:
   state: Any
   batch: Any
   timer: Callable[[], float] = time.perf_counter
+  parked: Any = None  # the state's shardings while the state waits in host memory (park)
+
+  def park(self) -> None:
+    """Moves the state (parameters and optimizer moments) to host memory, so that another arm's fits on the device."""
+    import jax
+    self.parked = jax.tree.map(lambda a: a.sharding, self.state)
+    self.state = jax.device_get(self.state)
+
+  def unpark(self) -> None:
+    import jax
+    if self.parked is not None:
+      self.state, self.parked = jax.device_put(self.state, self.parked), None
 
   def step(self, n: int = 1) -> float:
     """Seconds per step on self.timer, averaged over n back-to-back steps (one visit)."""
@@ -136,26 +148,42 @@ class _Live:
     self.log(f"bench: arm {name} failed{when}: {self.errors[name]}")
 
 
-def _prepare_all(arms: list[Arm], prepare, warmup: int, log: Callable[[str], None]) -> _Live:
-  """Every arm's runner, compiled and then warmed up; an arm that fails is reported and the others still run."""
+def _prepare_all(arms: list[Arm], prepare, warmup: int, log: Callable[[str], None], park: bool = False) -> _Live:
+  """Every arm's runner, compiled and then warmed up; an arm that fails is reported and the others still run. With
+  park, each arm's state waits in host memory whenever the arm is not running (_visit)."""
   live = _Live({}, {}, log)
   for arm in arms:
     log(f"bench: compiling {arm.name}")
     try:
       live.runners[arm.name] = prepare(arm)
+      if park:
+        live.runners[arm.name].park()
     except Exception as e:  # report the arm and the reason; the other arms still run
       live.fail(arm.name, e, "")
   # Warm up after every arm has compiled, so no arm's first timed round follows a long compile.
   for name in list(live.runners):
     try:
       for _ in range(warmup):
-        live.runners[name].step()
+        _visit(live.runners[name], 1, park)
     except Exception as e:
       live.fail(name, e, " during warm-up")
   return live
 
 
-def _time_round(live: _Live, times: dict[str, list[float]], rounds: int, steps_per_rep: int) -> None:
+def _visit(runner, steps: int, park: bool) -> float:
+  """runner.step(steps); with park, the state comes to the device before and goes back to the host after (neither
+  move is timed)."""
+  if not park:
+    return runner.step(steps)
+  runner.unpark()
+  try:
+    return runner.step(steps)
+  finally:
+    runner.park()
+
+
+def _time_round(live: _Live, times: dict[str, list[float]], rounds: int, steps_per_rep: int,
+                park: bool = False) -> None:
   """One round: every live arm visited forward then backward; appends each arm's mean visit to times."""
   # Rotate the starting arm from round to round, so that every arm takes the round's ends (the
   # visits next to the harness's own work between rounds) equally often, not only the baseline.
@@ -166,7 +194,7 @@ def _time_round(live: _Live, times: dict[str, list[float]], rounds: int, steps_p
     if name not in live.runners:
       continue
     try:
-      visits[name].append(live.runners[name].step(steps_per_rep))
+      visits[name].append(_visit(live.runners[name], steps_per_rep, park))
     except Exception as e:
       live.fail(name, e, f" during round {rounds}")
       times.pop(name)
@@ -191,25 +219,28 @@ def _arm_results(arms: list[Arm], times: dict[str, list[float]], errors: dict[st
 
 def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1,
         target_ci: float | None = None, max_seconds: float | None = None,
-        clock: Callable[[], float] = time.perf_counter, level: float = LEVEL, timer: str = "wall") -> dict[str, Any]:
+        clock: Callable[[], float] = time.perf_counter, level: float = LEVEL, timer: str = "wall",
+        park: bool | None = None) -> dict[str, Any]:
   """The report: {"arms", "ratios", "verdict", "rounds", "stop", "level", "ci_method", "timer"}.
 
   arms.NAME is {"median_s", "spread", "reps"} (reps: the per-round times), plus for every arm after
   the first {"ratio", "ratio_ci", "half_width", "rounds", "round_ratios"}; a failed arm has "error".
-  prepare(arm) -> runner with .step(n) -> seconds per step; the default compiles the arm's train
-  step, timed on TIMERS[timer]. Every visit times steps_per_rep back-to-back steps. At least `reps` rounds run; with
+  prepare(arm) -> runner with .step(n) -> seconds per step (and .park() / .unpark() when park); the default compiles
+  the arm's train step, timed on TIMERS[timer]. park (default: default_park): every arm's state waits in host memory
+  while the other arms run, and is moved back untimed before its own visit. Every visit times steps_per_rep back-to-back steps. At least `reps` rounds run; with
   target_ci, rounds are then added until every arm's half-width is <= target_ci or max_seconds
   (counted from the first timed round on `clock`) have passed. stop.reason says which: "rounds",
   "target", "time" or "failed".
   """
   log = log or (lambda msg: print(msg, file=sys.stderr))
   prepare = prepare or (lambda arm: prepare_arm(arm, TIMERS[timer]))
-  live = _prepare_all(arms, prepare, warmup, log)
+  park = default_park(len(arms)) if park is None else park
+  live = _prepare_all(arms, prepare, warmup, log, park)
   times: dict[str, list[float]] = {n: [] for n in live.runners}
   rounds, reason, widest = 0, "failed", None
   t0 = clock()
   while live.runners:
-    _time_round(live, times, rounds, steps_per_rep)
+    _time_round(live, times, rounds, steps_per_rep, park)
     rounds += 1
     if not live.runners:
       break
@@ -235,7 +266,15 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, ste
   stop = {"reason": reason, "rounds": rounds, "elapsed_s": elapsed, "target_ci": target_ci,
           "max_seconds": max_seconds, "half_width": widest}
   return {"arms": results, "ratios": ratios(results), "verdict": verdict(results, level), "rounds": rounds,
-          "stop": stop, "level": level, "ci_method": CI_METHOD, "timer": timer}
+          "stop": stop, "level": level, "ci_method": CI_METHOD, "timer": timer, "park": park}
+
+
+def default_park(arms: int) -> bool:
+  """Park the idle arms' states in host memory when several arms share an accelerator in one process: each arm holds
+  its own parameters and optimizer moments, and two of a model that fits once need not fit together (on a 16 GiB
+  TPU v5e two qwen3-0.6b AdamW states do not). On CPU devices the host is the device: nothing to gain."""
+  import jax
+  return arms > 1 and jax.process_count() == 1 and jax.devices()[0].platform != "cpu"
 
 
 def stop_line(report: dict[str, Any]) -> str:

@@ -49,7 +49,8 @@ def cmd_bench(args: list[str], start: float) -> int:
   from meshlm.bench.harness import plot, render, run
   overrides, opts = split_args(args, {"--json": False, "--arm": True, "--reps": True, "--warmup": True,
                                       "--plot": True, "--steps-per-rep": True, "--target-ci": True,
-                                      "--max-seconds": True, "--timer": True})
+                                      "--max-seconds": True, "--timer": True,
+                                      "--park": True})
   # --reps: the number of rounds, or the fewest rounds before --target-ci may stop.
   reps = _int_opt(opts, "--reps", 7, 1)
   target_ci = _float_opt(opts, "--target-ci", 0.0, 1.0)
@@ -61,6 +62,9 @@ def cmd_bench(args: list[str], start: float) -> int:
   timer = opts.get("--timer", ["wall"])[-1]
   if timer not in ("wall", "cpu"):
     raise ConfigError(f"--timer: expected wall or cpu, got {timer!r}")
+  park = {"auto": None, "on": True, "off": False}.get(opts.get("--park", ["auto"])[-1], "bad")
+  if park == "bad":
+    raise ConfigError(f"--park: expected auto, on or off, got {opts['--park'][-1]!r}")
   warmup = _int_opt(opts, "--warmup", 2, 0)
   steps_per_rep = _int_opt(opts, "--steps-per-rep", 1, 1)
   arms = build_arms(overrides, opts.get("--arm", []), min_arms=1, load=load_config)
@@ -77,7 +81,7 @@ def cmd_bench(args: list[str], start: float) -> int:
       raise ConfigError(f"--plot {plot_path}: folder {folder} does not exist")
   prepare_devices(arms)
   report = run(arms, reps, warmup, steps_per_rep=steps_per_rep, target_ci=target_ci, max_seconds=max_seconds,
-               timer=timer)
+               timer=timer, park=park)
   if plot_path is not None:
     plot(report, plot_path)
   print(dumps(report) if "--json" in opts else render(report))

@@ -37,7 +37,12 @@ from jax.sharding import PartitionSpec as P
 from meshlm.parallel.sharding import current_mesh, logical_spec, platform
 
 LANES = 128  # the kernel's block lengths are multiples of the TPU's 128 lanes
-BLOCK = 512  # every block length (forward, dq, dkv) on TPU: MaxText's sa_block_* defaults
+# Every block length (forward and backward) on TPU, and the kernel's one-pass backward (dq with dk/dv; off: a dq and
+# a dkv kernel). Measured on a TPU v5e (docs/performance.md "On a TPU v5e chip", qwen3-0.6b at seq 2048, batch 8,
+# remat=full): 512 and two backward kernels 975.8 ms a step; 1024 933.8; 1024 fused 891.3; 256 1,299; 2048 does not
+# fit the kernel's VMEM.
+BLOCK = 1024
+FUSED_BWD = True
 INTERPRET_BLOCK = LANES  # the smallest block the kernel takes: the least work per tile in interpret mode
 
 
@@ -101,8 +106,10 @@ def _mask(length: int, window: int | None):
 
 def _kernel(heads: int, length: int, *, window, softcap, block: int, interpret: bool):
   """The kernel for one batch row of `heads` query heads: fn(q [N, Tp, H], k [K, Tp, H], v [K, Tp, Hv], seg)."""
+  dq = None if FUSED_BWD else block
   sizes = SA.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+                        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=dq, block_kv_dq=dq,
+                        use_fused_bwd_kernel=FUSED_BWD)
   mask = SA.MultiHeadMask([_mask(length, window)] * heads)
   return SA.make_splash_mha(mask, block_sizes=sizes, attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
                             interpret=interpret)
