@@ -239,3 +239,18 @@ def test_a_bad_validation_file_ends_the_process_on_its_one_line(tmp_path):
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr
   assert re.search(BAD_DATA["eval"][2], lines[0]) and "Traceback" not in proc.stderr
   assert not (tmp_path / "runs").exists()
+
+
+def test_a_first_step_that_trained_no_token_is_summed_up_without_dividing_by_it(files, monkeypatch, capsys):
+  """A fine-tune whose first batch had no trained token (warned, EmptyBatchWarning) has a first loss of 0: the end line
+  leaves out the share of the first step's loss instead of dividing by 0 (cli.py raised ZeroDivisionError, exit 1).
+  Control: a nonzero first loss keeps its share."""
+  import meshlm.commands.train as CT
+  import meshlm.train.loop as LP
+  for losses, want in (([0.0, 1.5], "loss 0.0000 -> 1.5000 in 2 steps"),
+                       ([2.0, 1.0], "loss 2.0000 -> 1.0000 (50% of the first step) in 2 steps")):
+    monkeypatch.setattr(LP, "train", lambda cfg, **kw: LP.TrainResult(losses, [1.0, 1.0], None, None, 0.1,
+                                                                        run_dir=cfg.run_dir))
+    monkeypatch.setattr(CT, "carry_tokenizer", lambda cfg: None)
+    assert main(["train", "cpu_devices=2", f"run_dir={files[2]}/summed"]) == 0
+    assert want in capsys.readouterr().err  # the console is on stderr

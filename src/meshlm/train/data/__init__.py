@@ -316,8 +316,9 @@ def warn_untrained_eos(template: ChatTemplate, tok) -> bool:
   if not eos.any() or spans_mask(starts, ends, spans)[eos].any():
     return False
   name = getattr(tok, "eos_token", str(tok.eos_id))
+  after = " (after {% endgeneration %})" if template.has_generation else ""
   warnings.warn(f"data.assistant_only=true: the chat template ({template.where}) renders the tokenizer's EOS {name} "
-                "outside the assistant's tokens (after {% endgeneration %}), so the model never learns to end its turn; "
+                f"outside the assistant's tokens{after}, so the model never learns to end its turn; "
                 "put the EOS inside {% generation %} ... {% endgeneration %} (as TRL's *_training.jinja templates do) "
                 "with data.chat_template=FILE", EndOfTurnWarning)
   return True
