@@ -232,7 +232,8 @@ class DataIterator:
       if not self.trained_tokens:
         warnings.warn(f"{self.where}: a batch of {len(batch['tokens'])} rows has no trained token (data.truncation=cut "
                       f"cut their completions or assistant turns away at train.seq_len + 1 = "
-                      f"{batch['tokens'].shape[-1]} tokens): its step trains on nothing", EmptyBatchWarning)
+                      f"{batch['tokens'].shape[-1]} tokens): nothing in it counts in the loss (a training step on it trains on "
+                      "nothing)", EmptyBatchWarning)
     return _to_example({k: v[self.rows] for k, v in batch.items()})
 
   def get_state(self) -> dict[str, Any]:
