@@ -14,6 +14,7 @@ from meshlm.train.data import make_dataset
 from meshlm.train.data.chat import ChatTemplate, TemplateError, load_chat_template
 from meshlm.train.data.formats import encode_row, infer_format, spans_mask
 from meshlm.train.data.tokenizers import HFTokenizer
+from deadline import deadline
 
 HERE = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")
 with open(os.path.join(HERE, "reference.json")) as f:
@@ -227,29 +228,45 @@ def test_a_format_for_plain_text_files_and_a_bad_eval_path_are_refused(tmp_path)
   with pytest.raises(ConfigError, match=r"eval.path=val.csv: name .jsonl, .parquet, .txt or .md files"):
     eval_config(_cfg("eval.path=val.csv"))
   from meshlm.train.validation import eval_dataset
-  with pytest.raises(ConfigError, match=r"^eval.path=/nowhere/\*.jsonl: data.path='/nowhere/\*.jsonl' matches no files"):
+  with pytest.raises(ConfigError, match=r"^eval.path='/nowhere/\*.jsonl' matches no files"):  # the key, not data.path
     eval_dataset(_cfg("eval.path=/nowhere/*.jsonl"), global_batch=1, seq_len=32)
 
 
 def test_rl_prompts_as_conversations_are_rendered_with_the_generation_prompt(tmp_path):
   """meshlm rl's prompts in TRL's conversational form: the ids are the template's rendering with the generation
-  prompt, the rewards' prompt is that text and the row keeps its other columns; a plain prompt stays its own text
-  (negative control), and a conversation without a template names data.chat_template."""
-  from meshlm.rl.rollout import load_prompts
+  prompt, the rewards' prompt is that text, the messages ride along and the row keeps its other columns; a plain prompt
+  stays its own text (negative control), and a conversation without a template names data.chat_template. A file holds
+  one form: a string among message lists (or the reverse, or an rl.eval_prompts file of the other form) is refused,
+  naming both lines."""
+  from meshlm.rl.rollout import eval_prompts, load_prompts
   user = [{"role": "user", "content": "What is 2 + 3?"}]
-  path = _jsonl(tmp_path / "p.jsonl", [{"prompt": user, "answer": "5"}, {"prompt": "2 + 3 =", "answer": "5"}])
+  path = _jsonl(tmp_path / "p.jsonl", [{"prompt": user, "answer": "5"}])
+  plain_path = _jsonl(tmp_path / "plain.jsonl", [{"prompt": "2 + 3 =", "answer": "5"}])
   t = "llama3_training.jinja"
   cfg = _cfg(f"rl.prompts={path}", f"data.chat_template={HERE}/{t}")
-  chat, plain = load_prompts(cfg, TOK)
+  (chat,) = load_prompts(cfg, TOK)
+  (plain,) = load_prompts(_cfg(f"rl.prompts={plain_path}"), TOK)
   text = ChatTemplate(open(os.path.join(HERE, t)).read(), t).render(user, add_generation_prompt=True)[0]
   assert chat.text == text and chat.ids == TOK.encode_offsets(text)[0].tolist() and chat.row["answer"] == "5"
+  assert chat.messages == user and plain.messages is None
   assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
   assert plain.text == "2 + 3 =" and plain.ids == TOK.encode("2 + 3 =").tolist()
   with pytest.raises(ConfigError, match=r"data.format=conversational needs a chat template .* data.chat_template"):
     load_prompts(_cfg(f"rl.prompts={path}"), TOK)
   bad = _jsonl(tmp_path / "b.jsonl", [{"prompt": [{"role": "user"}]}])
-  with pytest.raises(ConfigError, match=r"b.jsonl: line 1: prompt: \[0\] must be an object with a string role"):
+  with pytest.raises(ConfigError, match=r"b.jsonl: line 1: prompt\[0\] must be an object with a string role"):
     load_prompts(_cfg(f"rl.prompts={bad}", f"data.chat_template={HERE}/{t}"), TOK)
+  for rows, msg in (([{"prompt": user}, {"prompt": "2 + 3 ="}], "line 2's prompt is a string but line 1's is a list "
+                                                                  "of messages"),
+                    ([{"prompt": "2 + 3 ="}, {"prompt": user}], "line 2's prompt is a list of messages but line 1's "
+                                                                  "is a string")):
+    mixed = _jsonl(tmp_path / "m.jsonl", rows)
+    with pytest.raises(ConfigError, match=rf"m.jsonl: {msg}; give every prompt of a file in one form"):
+      load_prompts(_cfg(f"rl.prompts={mixed}", f"data.chat_template={HERE}/{t}"), TOK)
+  with pytest.raises(ConfigError, match=r"rl.eval_prompts=.*plain.jsonl: its prompts are strings but rl.prompts' are "
+                                        r"lists of messages"):
+    eval_prompts(_cfg(f"rl.eval_prompts={plain_path}", f"data.chat_template={HERE}/{t}"), TOK, [chat])
+  assert eval_prompts(_cfg(f"rl.eval_prompts={path}", f"data.chat_template={HERE}/{t}"), TOK, [chat])[0].text == text
 
 
 def test_packed_sft_stream_resumes_exactly_from_its_state(tmp_path):
@@ -269,3 +286,127 @@ def test_packed_sft_stream_resumes_exactly_from_its_state(tmp_path):
     assert all(np.array_equal(w[k], got[k]) for k in w)
   fresh = next(make_dataset(cfg, global_batch=2, seq_len=32))  # negative control: no state, another batch
   assert not all(np.array_equal(want[0][k], fresh[k]) for k in fresh)
+
+
+# One row per SFT format and the text its trained targets decode to (special tokens written out). The prompt-completion
+# forms run with no data.* flag: their defaults (completion_only on) are what is checked.
+TRAINED = [
+    ("prompt_completion", {"prompt": "What is 2 + 2?", "completion": " It is 4."}, (),
+     " It is 4.<|endoftext|>"),  # the completion and the EOS (this tokenizer's: no tokenizer_config.json beside it)
+    # The generation prompt alone ends in one merged "\n\n" token, the whole rendering in two "\n": TRL's common prefix
+    # stops there, so the completion's tokens start with them.
+    ("conversational_prompt_completion", {"prompt": [{"role": "user", "content": "What is 3 + 3?"}],
+                                          "completion": [{"role": "assistant", "content": "It is 6."}]}, (),
+     "\n\nIt is 6.<|eot_id|>"),
+    ("conversational", {"messages": [{"role": "user", "content": "What is 1 + 1?"},
+                                     {"role": "assistant", "content": "It is 2."}]}, ("data.assistant_only=true",),
+     "It is 2.<|eot_id|>"),  # the generation block: the reply and its end of turn
+]
+
+
+@pytest.mark.parametrize("fmt, row, flags, want", TRAINED, ids=[t[0] for t in TRAINED])
+def test_the_trained_targets_of_one_row_per_format_decode_to_the_expected_text(tmp_path, fmt, row, flags, want):
+  """What trains, read off the batch make_dataset gives (targets where loss_mask is on, in the row's first segment),
+  against the literal text: catches a loss mask aligned to the inputs instead of the targets (it trains "t is 4." and
+  the next row's first token) and data.completion_only defaulting to false (the prompt would train too). Control: the
+  whole segment's targets decode to more than the trained part."""
+  path = _jsonl(tmp_path / f"{fmt}.jsonl", [row])
+  b = next(make_dataset(_cfg(f"data.path={path}", f"data.chat_template={HERE}/llama3_training.jinja", *flags),
+                        global_batch=1, seq_len=64))
+  assert infer_format(row, "text") == fmt
+  seg = b["segment_ids"][0]
+  segment = (seg == 1) & (np.append(seg[1:], 0) == 1)  # the targets of the first row that are its own tokens
+  decode = lambda ids: TOK._tok.decode(ids.tolist(), skip_special_tokens=False)  # noqa: E731
+  assert decode(b["targets"][0][segment & (b["loss_mask"][0] > 0)]) == want
+  assert decode(b["targets"][0][segment]).endswith(want) and decode(b["targets"][0][segment]) != want
+
+
+def test_a_pass_that_leaves_nothing_to_train_is_refused_naming_the_file(tmp_path):
+  """data.truncation=drop with every row too long, and data.assistant_only=true with every assistant turn cut away:
+  the stream refuses once a whole pass yielded nothing to train, naming the file, instead of waiting forever for a
+  row (drop) or training at loss 0; a batch with no trained token warns first (EmptyBatchWarning). Control: one
+  row that fits keeps the stream going."""
+  from meshlm.train.data import EmptyBatchWarning
+  long = {"prompt": "one, two, " * 20, "completion": "three"}
+  path = _jsonl(tmp_path / "long.jsonl", [long] * 3)
+  with deadline(60), pytest.raises(ConfigError, match=r"^data.path=.*long.jsonl: data.truncation=drop dropped every "
+                                                        r"one of its 3 rows, each longer than train.seq_len \+ 1 = 33"):
+    next(make_dataset(_cfg(f"data.path={path}", "data.truncation=drop"), global_batch=1, seq_len=32))
+  conv = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "yes"}]}
+  cut = _jsonl(tmp_path / "cut.jsonl", [conv] * 3)
+  it = make_dataset(_cfg(f"data.path={cut}", f"data.chat_template={HERE}/llama3_training.jinja",
+                         "data.assistant_only=true"), global_batch=1, seq_len=32)
+  with deadline(60), pytest.warns(EmptyBatchWarning, match=r"cut.jsonl: a batch of 1 rows has no trained token"):
+    with pytest.raises(ConfigError, match=r"^data.path=.*cut.jsonl: none of its 3 rows has a trained token within its "
+                                          r"first train.seq_len \+ 1 = 33 tokens"):
+      for _ in range(10):
+        next(it)
+  fits = _jsonl(tmp_path / "fits.jsonl", [long, long, {"prompt": "one", "completion": ", two"}])
+  it = make_dataset(_cfg(f"data.path={fits}", "data.truncation=drop"), global_batch=1, seq_len=32)
+  with deadline(60):
+    assert all(next(it)["loss_mask"].sum() > 0 for _ in range(4))
+
+
+def test_messages_name_the_row_and_where_the_format_came_from(tmp_path, caplog, monkeypatch):
+  """A cut row's warning names its file:line; a row of another format names the line that set the format (auto);
+  JSON errors read as one phrase ("starting at: column 5", not "at at")."""
+  conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+  rows = [conv] * 15 + [{"prompt": "a", "completion": "b"}]
+  path = _jsonl(tmp_path / "mixed.jsonl", rows)
+  it = make_dataset(_cfg(f"data.path={path}", f"data.chat_template={HERE}/llama3_training.jinja"), global_batch=1,
+                    seq_len=32, shuffle=False)
+  with pytest.raises(ConfigError, match=r"mixed.jsonl:16: no field 'messages'.*; data.format=auto took conversational "
+                                        r"from .*mixed.jsonl:1 \(data.format=NAME sets one\)"):
+    for _ in range(20):
+      next(it)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps(conv) + '\n{"messages": "unterminated\n')
+  it = make_dataset(_cfg(f"data.path={bad}", f"data.chat_template={HERE}/llama3_training.jinja"), global_batch=1,
+                    seq_len=32, shuffle=False)
+  with pytest.raises(ConfigError, match=r"bad.jsonl:2: not valid JSON \(Unterminated string starting at: column 14\)"):
+    for _ in range(5):
+      next(it)
+  long = _jsonl(tmp_path / "long.jsonl", [{"prompt": "x", "completion": "one, two, " * 20}])
+  from meshlm.train.data import TRUNCATION_STATS
+  for what in ("cut", "dropped"):  # the counts are the process's: start from 0, where every row warns
+    monkeypatch.setattr(TRUNCATION_STATS, what, 0)
+  with caplog.at_level("WARNING", logger="meshlm.data"):
+    next(make_dataset(_cfg(f"data.path={long}"), global_batch=1, seq_len=32))
+  assert any(re.search(r"long.jsonl:1: longer than train.seq_len \+ 1 tokens, cut", r.getMessage()) for r in caplog.records)
+
+
+def _chatml(eos_inside: bool) -> str:
+  end = "<|im_end|>\n"
+  reply = ("{% generation %}{{ m.content }}" + end + "{% endgeneration %}" if eos_inside else
+           "{% generation %}{{ m.content }}{% endgeneration %}" + end)
+  return ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}" + reply +
+          "{% else %}{{ m.content }}" + end + "{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("eos_inside, assistant_only, warns", [(False, True, True), (True, True, False),
+                                                               (False, False, False)])
+def test_assistant_only_warns_when_the_eos_never_trains(tmp_path, eos_inside, assistant_only, warns):
+  """A ChatML template that closes the reply's {% generation %} block before <|im_end|> (the tokenizer's EOS here)
+  would train a model that never stops: make_dataset warns, naming the EOS and the fix. Controls: the EOS inside the
+  block, and data.assistant_only=false (every token trains), do not warn."""
+  import shutil
+  import warnings
+  from meshlm.train.data import EndOfTurnWarning
+  shutil.copy(os.path.join(HERE, "tokenizer.json"), tmp_path / "tokenizer.json")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  (tmp_path / "chat_template.jinja").write_text(_chatml(eos_inside))
+  conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+  path = _jsonl(tmp_path / "c.jsonl", [conv])
+  cfg = load_config("model=llama2-tiny", "model.vocab_size=512", f"data.tokenizer={tmp_path}", f"data.path={path}",
+                    f"data.assistant_only={str(assistant_only).lower()}")
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    b = next(make_dataset(cfg, global_batch=1, seq_len=32))
+  ours = [str(w.message) for w in seen if issubclass(w.category, EndOfTurnWarning)]
+  assert len(ours) == warns
+  if warns:
+    assert re.search(r"renders the tokenizer's EOS <\|im_end\|> outside the assistant's tokens.*put the EOS inside "
+                     r"\{% generation %\}", ours[0])
+  trained = b["targets"][0][b["loss_mask"][0] > 0]
+  assert (HFTokenizer(str(tmp_path / "tokenizer.json")).eos_id in trained) == (not warns)  # what the warning means

@@ -720,7 +720,8 @@ def test_rewards_that_fail_through_the_trainer(made_cispo, reward_file):
   try:
     tr.rewards = Rewards.from_config(_rl(tr, reward=[f"{reward_file}:raises"]))
     with pytest.raises(RewardFailed, match=r"user_rewards.py:raises failed on every one of the step's 8 completions; "
-                                           r"the first raised KeyError: 'no_such_field'$"):
+                                           r"the first raised KeyError: 'no_such_field'; it was called with f\(prompt: str, "
+                                           r"completion: str, row: dict\), once per completion$"):
       tr.rollout(state, 1)
     tr.rewards = Rewards.from_config(_rl(tr, reward=[f"{reward_file}:half_nan"], failed_reward="exclude"))
     with pytest.warns(TR.RewardWarning, match="half_nan: 4 of 8 returned nan; left out"):
@@ -859,6 +860,55 @@ def test_trls_batched_signature_is_called_once_with_the_columns(reward_file):
       rw(["p", "q"], ["c", "d"], [{}, {}])
 
 
+# TRL's documented conversational reward (docs/source/grpo_trainer.md, "Example 2: Reward completions with a specific
+# format"), unchanged.
+def format_reward_func(completions, **kwargs):
+  """Reward function that checks if the completion has a specific format."""
+  pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+  completion_contents = [completion[0]["content"] for completion in completions]
+  matches = [re.match(pattern, content) for content in completion_contents]
+  return [1.0 if match else 0.0 for match in matches]
+
+
+def test_a_trl_reward_for_conversational_prompts_runs_unchanged(made_cispo):
+  """Conversational prompts give the per-step form TRL's shapes: prompts as their messages (copies: a reward may edit
+  them), completions as [{"role": "assistant", "content": text}]; TRL's own example reward scores TRL's example
+  completions [1.0, 0.0] through the trainer's scoring. The per-completion form keeps strings (the rendered prompt).
+  Negative control: on plain-text prompts the same reward fails on every completion, and the message says which
+  shapes it got."""
+  import types
+  from meshlm.rl import rewards as RW
+  tr, _, _ = made_cispo
+  user = [{"role": "user", "content": "What is the result of (1 + 2) * 4?"}]
+  texts = ["<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think><answer>(1 + 2) * 4 = 12</answer>",
+           "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."]
+  chat = [R.Prompt("<rendered>", [1, 2], {"prompt": user, "answer": "12"}, user)] * 2
+  gen = types.SimpleNamespace(lengths=np.array([3, 4]), token_lists=lambda: [[5, 6, 7], [5, 6, 7, 8]])
+  seen, per = {}, []
+
+  def spy(prompts, completions, **kw):
+    prompts[0].append({"role": "assistant", "content": "edited"})  # TRL's trainer pops; ours must not see it
+    seen.update(prompts=prompts, completions=completions)
+    return [0.0] * len(completions)
+  saved = tr.rewards
+  try:
+    tr.rewards = RW.Rewards(["format_reward_func", "spy", "per"], [format_reward_func, spy,
+                            lambda p, c, row: per.append((p, c, row["prompt"])) or 0.0], [1.0, 1.0, 1.0])
+    sc = tr._score(chat, gen, texts)
+    assert sc.each["format_reward_func"] == [1.0, 0.0] and sc.total == [1.0, 0.0]
+    assert seen["completions"] == [[{"role": "assistant", "content": t}] for t in texts]
+    assert seen["prompts"][1] == user and chat[0].messages == user and len(seen["prompts"][0]) == 2
+    assert per == [("<rendered>", t, user) for t in texts]  # the per-completion form: strings, messages in the row
+    plain = [R.Prompt("What is (1 + 2) * 4?", [1, 2], {"prompt": "What is (1 + 2) * 4?"})] * 2
+    tr.rewards = RW.Rewards(["format_reward_func"], [format_reward_func], [1.0])
+    with pytest.raises(RW.RewardFailed, match=r"format_reward_func failed on every one of the step's 2 completions; "
+                                              r"the first raised TypeError: string indices must be integers.*; it was "
+                                              r"called with TRL's standard shapes: prompts and completions as strings"):
+      tr._score(plain, gen, texts)
+  finally:
+    tr.rewards = saved
+
+
 def test_nan_is_reported_as_nan_and_exclude_sums_what_scored():
   """A reward returning NaN on every completion stops the run saying it returned nan (not "raised"); a reward
   failing on some scores 0 (zero) or is left out of the weighted sum (exclude, TRL's nansum), and a completion that
@@ -866,7 +916,7 @@ def test_nan_is_reported_as_nan_and_exclude_sums_what_scored():
   from meshlm.rl import rewards as RW
   nan = lambda p, c, row: float("nan")  # noqa: E731
   with pytest.raises(RW.RewardFailed, match=r"rl.reward=nan failed on every one of the step's 2 completions; the "
-                                            r"first returned nan$"):
+                                            r"first returned nan; it was called with f\(prompt: str"):
     RW.Rewards(["nan"], [nan], [1.0])(["p", "q"], ["c", "d"], [{}, {}])
   flaky = lambda p, c, row: {"a": 1.0, "b": float("inf")}.get(c) if c != "r" else row["x"]  # noqa: E731
   for failed, want in (("zero", [3.0, 2.0, 2.0, 2.0]), ("exclude", [3.0, 2.0, 2.0, 2.0])):

@@ -2,6 +2,7 @@
 Llama 3's generation-marked template, a conversational JSONL, data.assistant_only=true and a validation set. Float32,
 one train step compiled for the module (the gradient test builds its own step once)."""
 import json
+import re
 import os
 
 import jax
@@ -163,3 +164,93 @@ def test_generate_chat_renders_the_conversation_with_the_template(fine_tuned, fi
   capsys.readouterr()
   assert main(["generate", *base, "prompt_ids=1,2", "chat=true"]) == 2
   assert "chat=true renders text with the chat template" in capsys.readouterr().err
+
+
+def _conv(user, reply=None):
+  return {"messages": [{"role": "user", "content": user}] + ([{"role": "assistant", "content": reply}] if reply else [])}
+
+
+GOOD = _conv("What is 1 + 1?", "It is 2.")
+# Each case: (the file's rows, a raw line in their place where it is no JSON, extra keys, what the one error line says).
+BAD_DATA = {
+    "drop": ([{"prompt": "one, two, " * 20, "completion": "three"}] * 3, ["data.truncation=drop"],
+             r"data.path=\S*drop.jsonl: data.truncation=drop dropped every one of its 3 rows"),
+    "cut": ([_conv("word " * 40, "yes")] * 3, ["data.assistant_only=true"],
+            r"data.path=\S*cut.jsonl: none of its 3 rows has a trained token within its first train.seq_len \+ 1"),
+    "json": ([GOOD, '{"messages": [}'], [], r"\S*json.jsonl:2: not valid JSON"),
+    "role": ([GOOD, {"messages": [{"role": 5, "content": "x"}]}], [],
+             r"\S*role.jsonl:2: messages\[0\] must be an object with a string role"),
+    "no_assistant": ([GOOD, _conv("Hi")], ["data.assistant_only=true"],
+                     r"\S*no_assistant.jsonl:2: data.assistant_only=true and the conversation has no assistant tokens"),
+    "template": ([GOOD, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+                 [f"data.chat_template={FIX}/gemma3.jinja"],
+                 r"\S*template.jsonl:2: the chat template \(.*gemma3.jinja\) refused the conversation: Conversation "
+                 r"roles must alternate"),
+    "mixed": ([GOOD, {"prompt": "a", "completion": "b"}], [],
+              r"\S*mixed.jsonl:2: no field 'messages'.*; data.format=auto took conversational from \S*mixed.jsonl:1 "),
+    "eval": ([GOOD] * 4, [], r"\S*eval.jsonl:2: messages\[0\] must be an object with a string role"),
+    "eval_cut": ([GOOD] * 4, [], r"eval.path=\S*eval_cut.jsonl: none of its 3 rows has a trained token"),
+}
+
+
+def _bad_data_args(tmp_path, case):
+  rows, extra, _ = BAD_DATA[case]
+  path = tmp_path / f"{case}.jsonl"
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+  if case.startswith("eval"):  # good training rows; the validation file has a bad role on line 2, or its rows cut
+    bad = [GOOD, BAD_DATA["role"][0][1]] if case == "eval" else BAD_DATA["cut"][0]
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    extra = [f"eval.path={path}", "data.assistant_only=true"]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return ["train", "model=llama2-tiny", "model.vocab_size=512", "cpu_devices=2", "train.seq_len=32",
+          "train.per_device_batch_size=1", "train.steps=2", "train.sample_tokens=0", f"data.path={path}",
+          f"data.tokenizer={FIX}/tokenizer.json", f"data.chat_template={FIX}/llama3_training.jinja", *extra,
+          f"run_dir={tmp_path}/runs/run"]
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_stops_the_run_in_one_line_with_nothing_left_behind(tmp_path, capsys, case):
+  """Each data problem meshlm train meets in the first batch or the validation set: exit 2, one error line naming the
+  file (and line), no hang, and nothing left behind: the run directory it created (no config.yaml, metrics.jsonl or
+  tensorboard/) is gone again, as for a data.path that matches nothing. (The module's fine-tune is the control: the
+  same keys on good rows train and write their records.)"""
+  from deadline import deadline
+  with deadline(120):
+    code = main(_bad_data_args(tmp_path, case))
+  err = capsys.readouterr().err
+  errors = [ln for ln in err.splitlines() if ln.startswith("meshlm: error:")]
+  assert code == 2 and len(errors) == 1, err
+  assert re.search(BAD_DATA[case][2], errors[0]), errors[0]
+  assert not (tmp_path / "runs").exists()
+
+
+def test_a_bad_validation_file_ends_the_process_on_its_one_line(tmp_path):
+  """The one process of this module: an eval-file error is the process's last word (exit 2, one line, naming
+  eval.path's file) and no TensorBoard writer thread left open prints a traceback at interpreter shutdown (the
+  validation set is read before metrics.jsonl and tensorboard/ are made)."""
+  import subprocess
+  import sys
+  src = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "src")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, "-m", "meshlm.cli", *_bad_data_args(tmp_path, "eval")], env=env,
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("meshlm train ")]  # but the banner
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+  assert re.search(BAD_DATA["eval"][2], lines[0]) and "Traceback" not in proc.stderr
+  assert not (tmp_path / "runs").exists()
+
+
+def test_a_first_step_that_trained_no_token_is_summed_up_without_dividing_by_it(files, monkeypatch, capsys):
+  """A fine-tune whose first batch had no trained token (warned, EmptyBatchWarning) has a first loss of 0: the end line
+  leaves out the share of the first step's loss instead of dividing by 0 (cli.py raised ZeroDivisionError, exit 1).
+  Control: a nonzero first loss keeps its share."""
+  import meshlm.commands.train as CT
+  import meshlm.train.loop as LP
+  for losses, want in (([0.0, 1.5], "loss 0.0000 -> 1.5000 in 2 steps"),
+                       ([2.0, 1.0], "loss 2.0000 -> 1.0000 (50% of the first step) in 2 steps")):
+    monkeypatch.setattr(LP, "train", lambda cfg, **kw: LP.TrainResult(losses, [1.0, 1.0], None, None, 0.1,
+                                                                        run_dir=cfg.run_dir))
+    monkeypatch.setattr(CT, "carry_tokenizer", lambda cfg: None)
+    assert main(["train", "cpu_devices=2", f"run_dir={files[2]}/summed"]) == 0
+    assert want in capsys.readouterr().err  # the console is on stderr

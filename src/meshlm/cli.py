@@ -185,7 +185,8 @@ def cmd_train(args: list[str], start: float) -> int:
     console.print(f"nothing to do: {cfg.run_dir} is already at step {result.start_step} of {cfg.train.steps}")
     return 0
   first, last = result.losses[0], result.losses[-1]
-  console.print(f"loss {first:.4f} -> {last:.4f} ({last / first:.0%} of the first step) in {len(result.losses)} steps; "
+  share = f" ({last / first:.0%} of the first step)" if first else ""  # 0: a first step that trained no token
+  console.print(f"loss {first:.4f} -> {last:.4f}{share} in {len(result.losses)} steps; "
                 f"first step finished {result.first_step_s:.1f} s after start")
   if result.sample is not None:
     t = cfg.train

@@ -11,6 +11,10 @@ A user's function is called one of two ways, read from its signature:
   per step (TRL)  f(prompts, completions, completion_ids, **columns) -> list of float | None, one per completion,
                   when it has a parameter named `completions`; columns are the JSONL fields but `prompt`, each a
                   list over the completions (a function without **kwargs gets only the ones it names).
+The per-step form gets TRL's shapes: with plain-text prompts, prompts and completions are strings; with conversational
+prompts (lists of messages), each prompt is its messages and each completion [{"role": "assistant", "content": text}],
+so a reward written for TRL's GRPOTrainer (`completion[0]["content"]`) runs unchanged. The per-completion form always
+gets the rendered prompt and the completion as strings (the messages are in row["prompt"]).
 `module:function` imports from the installed packages or, after them, the working directory;
 `path/to/file.py:function` loads that file.
 
@@ -19,10 +23,12 @@ failure: it raised, or it
 returned NaN/inf or something that is not a number. rl.failed_reward decides what a failure scores: 0 (zero), or
 NaN (exclude: left out of the weighted sum, and the completion out of its group's statistics when every reward
 failed or gave None there, as TRL's rule for None). A reward that fails on every call of one step stops the run
-(RewardFailed, a ConfigError: exit 2) with its first exception's type and message, or with what it returned.
+(RewardFailed, a ConfigError: exit 2) with its first exception's type and message, or with what it returned, and the
+shapes it was called with.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -131,6 +137,16 @@ def is_batched(fn: Callable) -> bool:
     return False
 
 
+def called_with(batched: bool, chat: bool) -> str:
+  """The shapes a reward was called with, in words (for its failure message)."""
+  if not batched:
+    return "f(prompt: str, completion: str, row: dict), once per completion"
+  if chat:
+    return ("TRL's conversational shapes: prompts as lists of messages, each completion as "
+            "[{'role': 'assistant', 'content': str}]")
+  return "TRL's standard shapes: prompts and completions as strings (the prompts are plain text)"
+
+
 def short_names(specs: Sequence[str]) -> list[str]:
   """Each reward's metric name: a built-in's own, else the function's name; the whole entry where two collide."""
   short = [s.rpartition(":")[2] if ":" in s else s for s in specs]
@@ -204,10 +220,13 @@ class Rewards:
     return cls(names, fns, weights, list(rl.reward), rl.failed_reward, {n: 0 for n in names}, {n: 0 for n in names},
                {n: 0 for n in names})
 
-  def _call_batched(self, i: int, prompts, completions, rows, completion_ids) -> list:
+  def _call_batched(self, i: int, prompts, completions, rows, completion_ids, messages) -> list:
     f, spec, n = self.fns[i], self.specs[i] if self.specs else self.names[i], len(completions)
     cols = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)
             if k != "prompt" and not k.startswith("_")}
+    if messages is not None:  # TRL's conversational shapes; copies, since a reward may edit them (TRL's pop)
+      prompts = [copy.deepcopy(m) for m in messages]  # each its own, though a group shares one prompt
+      completions = [[{"role": "assistant", "content": c}] for c in completions]
     kw = {"prompts": list(prompts), "completions": list(completions),
           "completion_ids": [list(c) for c in completion_ids] if completion_ids is not None else None, **cols}
     params = inspect.signature(f).parameters
@@ -225,7 +244,10 @@ class Rewards:
     return out
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], rows: Sequence[dict],
-               completion_ids: Sequence[Sequence[int]] | None = None) -> Scored:
+               completion_ids: Sequence[Sequence[int]] | None = None,
+               messages: Sequence[list[dict]] | None = None) -> Scored:
+    """Scores each completion. prompts: the rendered prompts; messages: each prompt's messages when the prompts are
+    conversational (the per-step form then gets TRL's conversational shapes), else None."""
     n = len(completions)
     each: dict[str, list[float]] = {}
     fails: dict[str, Failures] = {}
@@ -234,7 +256,7 @@ class Rewards:
       vals = []
       if is_batched(f):
         try:
-          raw = self._call_batched(i, prompts, completions, rows, completion_ids)
+          raw = self._call_batched(i, prompts, completions, rows, completion_ids, messages)
         except RewardFailed:
           raise
         except Exception as e:  # noqa: BLE001 -- a user's reward must not kill the run unless it always fails
@@ -265,7 +287,8 @@ class Rewards:
         mixed = n not in (fl.raised, fl.nan, fl.other)
         raise RewardFailed(f"rl.reward={spec} failed on every one of the step's {n} completions; the first "
                            f"{fl.first}" + (f" ({fl.raised} raised, {fl.nan} returned nan or inf, {fl.other} no number)"
-                                            if mixed else ""))
+                                            if mixed else "") +
+                           f"; it was called with {called_with(is_batched(f), messages is not None)}")
       self.errors[name] = self.errors.get(name, 0) + fl.raised
       self.nans[name] = self.nans.get(name, 0) + fl.nan + fl.other
       self.nones[name] = self.nones.get(name, 0) + fl.none

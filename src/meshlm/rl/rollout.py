@@ -31,6 +31,7 @@ class Prompt:
   text: str
   ids: list[int]
   row: dict  # the JSONL object: the fields the rewards read
+  messages: list[dict] | None = None  # a conversational prompt's messages (TRL's form), else None
 
 
 def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl.prompts") -> list[Prompt]:
@@ -47,7 +48,7 @@ def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl
     raise ConfigError(f"rl.max_new_tokens={cfg.rl.max_new_tokens} leaves no room for a prompt within "
                       f"model.max_position={cfg.model.max_position}; lower rl.max_new_tokens below "
                       f"{cfg.model.max_position}")
-  out = []
+  out, first = [], 0  # first: the line of the first prompt, whose form (string or messages) every line keeps
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
@@ -55,8 +56,9 @@ def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ConfigError(f"{key}={path}: line {n} is not JSON ({e.msg})") from None
-      if isinstance(row, dict) and isinstance(row.get("prompt"), list):
+        raise ConfigError(f"{key}={path}: line {n} is not JSON ({e.msg}: column {e.colno})") from None
+      chat = isinstance(row, dict) and isinstance(row.get("prompt"), list)
+      if chat:
         text, ids = _chat_prompt(cfg, tokenizer, row["prompt"], f"{key}={path}: line {n}")
       elif not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
         raise ConfigError(f"{key}={path}: line {n} has no non-empty string field `prompt` (nor a list of messages)")
@@ -69,7 +71,12 @@ def load_prompts(cfg: Config, tokenizer, path: str | None = None, key: str = "rl
       if bad:
         raise ConfigError(f"{key}={path}: line {n}: token id {bad[0]} is outside the model's vocabulary "
                           f"[0, {cfg.model.vocab_size})")
-      out.append(Prompt(text, ids, row))
+      if out and chat != (out[0].messages is not None):
+        form = {True: "a list of messages", False: "a string"}
+        raise ConfigError(f"{key}={path}: line {n}'s prompt is {form[chat]} but line {first}'s is {form[not chat]}; "
+                          "give every prompt of a file in one form (the rewards get one shape)")
+      first = first if out else n
+      out.append(Prompt(text, ids, row, row["prompt"] if chat else None))
   if not out:
     raise ConfigError(f"{key}={path}: empty; give at least one line with a `prompt` field")
   return out
@@ -83,7 +90,7 @@ def _chat_prompt(cfg: Config, tokenizer, messages: list, where: str) -> tuple[st
   from meshlm.train.data.formats import row_problem
   problem = row_problem({"messages": messages}, "conversational", "text")
   if problem is not None:
-    raise ConfigError(f"{where}: prompt: {problem.removeprefix('messages')}")
+    raise ConfigError(f"{where}: prompt{problem.removeprefix('messages')}")
   try:
     text, _ = chat_template(cfg, "conversational").render(messages, add_generation_prompt=True)
   except TemplateError as e:
@@ -96,7 +103,12 @@ def eval_prompts(cfg: Config, tokenizer, prompts: list[Prompt]) -> list[Prompt]:
   ev = cfg.rl.eval_prompts
   if isinstance(ev, int):
     return prompts[:ev]
-  return load_prompts(cfg, tokenizer, ev, "rl.eval_prompts")
+  out = load_prompts(cfg, tokenizer, ev, "rl.eval_prompts")
+  if (out[0].messages is None) != (prompts[0].messages is None):
+    form = {True: "strings", False: "lists of messages"}
+    raise ConfigError(f"rl.eval_prompts={ev}: its prompts are {form[out[0].messages is None]} but rl.prompts' are "
+                      f"{form[prompts[0].messages is None]}; give both in one form (the rewards get one shape)")
+  return out
 
 
 class PromptIterator:

@@ -143,7 +143,9 @@ class Trainer:
 
   def _score(self, prompts: list[R.Prompt], gen, texts: list[str]):
     rows_in = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(prompts, gen.lengths)]
-    return self.rewards([p.text for p in prompts], texts, rows_in, gen.token_lists())
+    chat = prompts[0].messages is not None  # one form per file (load_prompts)
+    return self.rewards([p.text for p in prompts], texts, rows_in, gen.token_lists(),
+                        [p.messages for p in prompts] if chat else None)
 
   def rollout(self, state, i: int) -> dict:
     """The device batch of step i, from the current parameters; its host metrics into host_metrics[i]."""

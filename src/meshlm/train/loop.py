@@ -405,15 +405,18 @@ starts leaves no directory it created behind.
   with leave_as_found(cfg) as cfg:
     prepare_run_dir(cfg)
     mesh = make_mesh(cfg)
+    first = None
     if data is None:
-      # Data first: a bad glob or file fails in one line before anything is traced or compiled.
+      # Data first: a bad glob or file fails in one line before anything is traced or compiled, and so does a bad
+      # row of the first batch (a resume reads its own first batch after restoring the data position).
       global_batch = global_batch_size(cfg, mesh.size)
       data = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len,
                           rows=batch_rows(mesh, global_batch, cfg.train.seq_len))
+      first = first_batch(cfg, data, global_batch)
     step_fn = build_train_step(cfg, mesh)
     ckpt = Checkpointer(cfg, warn=lambda m: console.print(f"[yellow]warning:[/] {m}"))
     try:
-      return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step)
+      return _run(cfg, step_fn, data, ckpt, console, say, show_progress, t_start, on_step, first)
     finally:
       ckpt.close()  # waits for an async save in flight: a returned train() has its checkpoint on disk
 
@@ -466,26 +469,50 @@ def _count_trained_tokens(step_fn) -> Callable:
   return step
 
 
+def first_batch(cfg: Config, data, global_batch: int) -> dict:
+  """data's next batch, read before the run writes anything, so that a bad row in it (or a file of which a whole pass
+  leaves nothing to train) stops the run with nothing left behind. When that global batch has no trained token (its
+  rows' trained tokens all cut away), a second stream from the same config reads on until a batch has one, or a whole
+  pass of the file has none and is refused (make_dataset's _CountRows): a run that would only ever train at loss 0
+  fails at the start, not after its steps."""
+  batch = next(data)
+  if getattr(data, "trained_tokens", None) == 0:
+    from meshlm.train.data import make_dataset
+    probe = make_dataset(cfg, global_batch=global_batch, seq_len=cfg.train.seq_len, rows=np.arange(1))
+    while next(probe) is not None and probe.trained_tokens == 0:
+      pass
+  return batch
+
+
 def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress: bool, t_start: float,
-         on_step: Callable[[int], None] | None = None) -> TrainResult:
+         on_step: Callable[[int], None] | None = None, first: dict | None = None) -> TrainResult:
   from meshlm.train.data import ByteTokenizer
   t = cfg.train
   state, start, rng, counters, data_state = restore_or_init(cfg, step_fn, ckpt, say)
   if data_state is not None:
     data.set_state(data_state)
+    first = None  # read from the run's own data position
+  evaluate = None
+  if start < t.steps:
+    # Before the run's records (config.yaml, metrics.jsonl, tensorboard/): an error in the first batch's rows or in
+    # the validation set stops the run here, and leave_as_found removes the directories it made.
+    if first is None:
+      first = first_batch(cfg, data, step_fn.global_batch)
+    if cfg.eval.path is not None:
+      from meshlm.train.validation import Validation
+      evaluate = Validation(cfg, step_fn)
   os.makedirs(cfg.run_dir, exist_ok=True)  # the run starts: a checkpoint.dir elsewhere did not make it
   if start < t.steps:  # "nothing to do" leaves the record as it is
     write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else _NullWriter()
-  evaluate = None
-  if cfg.eval.path is not None and start < t.steps:
-    from meshlm.train.validation import Validation
-    evaluate = Validation(cfg, step_fn)
   step = _count_trained_tokens(step_fn) if getattr(data, "masked", False) else step_fn
   loop = Loop(cfg, step, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step,
               evaluate=evaluate, progress_extra=part_metrics_text(cfg))
-  out = loop.run(state, start, rng, counters, fetch=lambda i: step_fn.put_batch(next(data)), position=data.get_state)
+  pending = {start: first} if first is not None else {}
+  out = loop.run(state, start, rng, counters, fetch=lambda i: step_fn.put_batch(pending.pop(i) if i in pending else
+                                                                                next(data)),
+                 position=data.get_state)
   state, losses, norms, first_step_s = out.state, out.losses, out.grad_norms, out.first_step_s
   stop_reason, saved, nonfinite_msg = out.stop_reason, out.saved, out.nonfinite_msg
   if nonfinite_msg:

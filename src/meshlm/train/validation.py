@@ -37,7 +37,8 @@ def eval_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows=None):
   """The validation stream: eval.path in storage order, repeated; a refusal names eval.path."""
   from meshlm.train.data import make_dataset
   try:
-    return make_dataset(eval_config(cfg), global_batch=global_batch, seq_len=seq_len, rows=rows, shuffle=False)
+    return make_dataset(eval_config(cfg), global_batch=global_batch, seq_len=seq_len, rows=rows, shuffle=False,
+                        key="eval.path")
   except ConfigError as e:
     msg = str(e)
     raise ConfigError(msg if msg.startswith("eval.path") else f"eval.path={cfg.eval.path}: {msg}") from None

@@ -27,6 +27,7 @@ docs/data.md is the user-facing description of sources, tokenizers and errors.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Iterator
 
 import grain
@@ -36,9 +37,17 @@ from meshlm.config import Config
 from meshlm.errors import ConfigError
 from meshlm.train.data.sources import Doc, _jsonl_lines, _parquet_rows, _ParquetRead, _TextFiles, data_files, stdlib_files
 from meshlm.train.data.chat import ChatTemplate, TemplateError, load_chat_template
-from meshlm.train.data.formats import CONVERSATIONAL, encode_row, no_template_error
+from meshlm.train.data.formats import CONVERSATIONAL, encode_row, no_template_error, spans_mask
 from meshlm.train.data.tokenizers import (ByteTokenizer, HFTokenizer, TRUNCATION_STATS, UTF8_STATS,  # noqa: F401
                                           decode_utf8, make_tokenizer, replace_invalid_utf8, tokenizer_path)
+
+class EmptyBatchWarning(UserWarning):
+  """A global batch of an SFT format has no trained token: its step trains on nothing."""
+
+
+class EndOfTurnWarning(UserWarning):
+  """data.assistant_only=true and the chat template leaves the tokenizer's EOS out of the assistant's tokens."""
+
 
 # Enough synthetic documents (~1M tokens an epoch) that a small model cannot memorize their order.
 SYNTHETIC_DOCS = 4096
@@ -87,15 +96,16 @@ class _Encode:
 
 
 class _EncodeRow:
-  """Doc of an SFT row -> ({"tokens", "mask"} of at most `length` tokens, or None when dropped; what happened:
-  "cut", "dropped" or None; invalid UTF-8 as _Encode reports it). formats.py holds the rules."""
+  """(position in the repeated stream, Doc of an SFT row) -> ({"tokens", "mask"} of at most `length` tokens, or None
+  when dropped; what happened: "cut", "dropped" or None; where the row is; invalid UTF-8 as _Encode reports it; the
+  position). formats.py holds the rules."""
 
   def __init__(self, tok, fmt: str, template: ChatTemplate | None, data_cfg, length: int):
     self.tok, self.fmt, self.template, self.length = tok, fmt, template, length
     self.completion_only, self.assistant_only = data_cfg.completion_only, data_cfg.assistant_only
     self.truncation = data_cfg.truncation
 
-  def __call__(self, doc: Doc):
+  def __call__(self, index: int, doc: Doc):
     try:
       ids, mask = encode_row(doc.data, self.fmt, self.tok, self.template, self.completion_only,
                              self.assistant_only and self.fmt in CONVERSATIONAL)
@@ -109,15 +119,43 @@ class _EncodeRow:
       what = "cut" if self.truncation == "cut" else "dropped"
       ids, mask = ids[:self.length], mask[:self.length]
     example = None if what == "dropped" else {"tokens": ids.astype(np.int32), "mask": mask.astype(np.int32)}
-    return example, what, bad
+    return example, what, doc.where, bad, index
 
 
-def _count_row(encoded) -> dict[str, np.ndarray] | None:
-  # In the consumer's thread, in stream order (see _count_invalid_utf8): counts the same on every run.
-  example, what, bad = encoded
-  if what is not None:
-    TRUNCATION_STATS.record(what)
-  return _count_invalid_utf8((example, bad))
+class _CountRows:
+  """In the consumer's thread, in stream order (see _count_invalid_utf8): counts cut and dropped rows (the same on
+  every run), and refuses a file of which a whole pass, each row once, left nothing to train: every row dropped
+  (data.truncation=drop), or every kept row's trained tokens cut away. Without it the packer would wait forever for
+  a row, or the run would train at loss 0. Only a pass watched from its first row counts (a resumed stream starts
+  mid-pass)."""
+
+  def __init__(self, num_rows: int, key: str, path: str, length: int):
+    self.num_rows, self.key, self.path, self.length = num_rows, key, path, length
+    self.pass_index, self.kept, self.trained = -1, 0, 0
+
+  def __call__(self, encoded) -> dict[str, np.ndarray] | None:
+    example, what, where, bad, index = encoded
+    if what is not None:
+      TRUNCATION_STATS.record(what, where)
+    pass_index, position = divmod(index, self.num_rows)
+    if position == 0:
+      self.pass_index, self.kept, self.trained = pass_index, 0, 0
+    if example is not None:
+      self.kept += 1
+      self.trained += int(example["mask"][1:].any())  # the first token is never a target
+    if position == self.num_rows - 1 and pass_index == self.pass_index:
+      self._check()
+    return _count_invalid_utf8((example, bad))
+
+  def _check(self) -> None:
+    n, where, room = self.num_rows, f"{self.key}={self.path}", f"train.seq_len + 1 = {self.length} tokens"
+    if not self.kept:
+      raise ConfigError(f"{where}: data.truncation=drop dropped every one of its {n} rows, each longer than {room}; "
+                        "raise train.seq_len, or data.truncation=cut keeps their start")
+    if not self.trained:
+      raise ConfigError(f"{where}: none of its {n} rows has a trained token within its first {room} (data.truncation="
+                        "cut cuts the completion or the assistant's turns away); raise train.seq_len or shorten the "
+                        "prompts")
 
 
 def _kept(example) -> bool:
@@ -175,18 +213,27 @@ class DataIterator:
   """
 
   def __init__(self, it: grain.DatasetIterator, tokenizer: ByteTokenizer | HFTokenizer, num_documents: int,
-               rows: np.ndarray | slice, masked: bool = False):
+               rows: np.ndarray | slice, masked: bool = False, where: str = "data.path"):
     self.masked = masked  # an SFT format's mask decides which targets train (formats.py)
     self._it = it
     self.tokenizer = tokenizer
     self.num_documents = num_documents  # in the corpus
     self.rows = rows
+    self.where = where  # the files, as errors and warnings name them: data.path=GLOB
+    self.trained_tokens = None  # the last global batch's trained targets (the masked formats), the same on each process
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
     batch = next(self._it)  # [global_batch, seq_len + 1] each
+    if self.masked:
+      self.trained_tokens = int(_to_example(batch)["loss_mask"].sum())
+      if not self.trained_tokens:
+        warnings.warn(f"{self.where}: a batch of {len(batch['tokens'])} rows has no trained token (data.truncation=cut "
+                      f"cut their completions or assistant turns away at train.seq_len + 1 = "
+                      f"{batch['tokens'].shape[-1]} tokens): nothing in it counts in the loss (a training step on it trains on "
+                      "nothing)", EmptyBatchWarning)
     return _to_example({k: v[self.rows] for k, v in batch.items()})
 
   def get_state(self) -> dict[str, Any]:
@@ -206,13 +253,13 @@ def _lists_to_tuples(x: Any) -> Any:
   return x
 
 
-def _documents(cfg: Config, shuffle: bool = True) -> tuple[int, grain.MapDataset, str]:
+def _documents(cfg: Config, shuffle: bool = True, key: str = "data.path") -> tuple[int, grain.MapDataset, str]:
   """The corpus size, its documents shuffled per epoch (shuffle) and repeated: Docs, or synthetic ids, and the
-  data format (formats.py) of its rows."""
+  data format (formats.py) of its rows. Errors name the files' glob as `key`."""
   source, seed = cfg.data.source, cfg.data.seed
   fmt = "language_modeling"
   if source == "parquet":
-    rows = _parquet_rows(cfg)
+    rows = _parquet_rows(cfg, key)
     n = len(rows)
     if not shuffle:
       return n, grain.MapDataset.source(rows).repeat(None), rows.fmt
@@ -222,18 +269,18 @@ def _documents(cfg: Config, shuffle: bool = True) -> tuple[int, grain.MapDataset
   if source == "synthetic":
     docs = grain.MapDataset.range(SYNTHETIC_DOCS)
   elif source == "jsonl":
-    lines = _jsonl_lines(cfg)
+    lines = _jsonl_lines(cfg, key)
     docs, fmt = grain.MapDataset.source(lines), lines.fmt
   else:
     if cfg.data.format not in ("auto", fmt):
       raise ConfigError(f"data.format={cfg.data.format}: data.source={source} holds plain text (a file is a "
                         "document); rows in that format come from data.source=jsonl|parquet")
     # A file is a document.
-    paths = stdlib_files() if source == "stdlib" else data_files(cfg.data.path, "text")
+    paths = stdlib_files() if source == "stdlib" else data_files(cfg.data.path, "text", key)
     docs = grain.MapDataset.source(_TextFiles(paths))
   n = len(docs)
   if not n:
-    raise ConfigError(f"data.path={cfg.data.path!r} (data.source={source}) has no documents")
+    raise ConfigError(f"{key}={cfg.data.path!r} (data.source={source}) has no documents")
   if not shuffle:
     return n, docs.repeat(None), fmt
   # shuffle then repeat: Grain folds the epoch into the seed, so each epoch has a new order.
@@ -252,8 +299,34 @@ def chat_template(cfg: Config, fmt: str) -> ChatTemplate | None:
   return template
 
 
+# The conversation warn_untrained_eos renders: one user turn, one assistant turn.
+_PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"})
+
+
+def warn_untrained_eos(template: ChatTemplate, tok) -> bool:
+  """Warns (EndOfTurnWarning) and returns True when data.assistant_only=true would never train the tokenizer's EOS:
+  the template renders it (closing a turn, as ChatML's <|im_end|>) but outside every assistant span, e.g. after
+  {% endgeneration %}. The model would then never learn to stop. A template that renders no EOS at all (its turns end
+  with another token) or refuses the probe conversation is left to the rows."""
+  try:
+    text, spans = template.assistant_spans([dict(m) for m in _PROBE])
+  except TemplateError:
+    return False
+  ids, starts, ends = tok.encode_offsets(text)
+  eos = ids == tok.eos_id
+  if not eos.any() or spans_mask(starts, ends, spans)[eos].any():
+    return False
+  name = getattr(tok, "eos_token", str(tok.eos_id))
+  after = " (after {% endgeneration %})" if template.has_generation else ""
+  warnings.warn(f"data.assistant_only=true: the chat template ({template.where}) renders the tokenizer's EOS {name} "
+                f"outside the assistant's tokens{after}, so the model never learns to end its turn; "
+                "put the EOS inside {% generation %} ... {% endgeneration %} (as TRL's *_training.jinja templates do) "
+                "with data.chat_template=FILE", EndOfTurnWarning)
+  return True
+
+
 def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarray | None = None,
-                 shuffle: bool = True) -> DataIterator:
+                 shuffle: bool = True, key: str = "data.path") -> DataIterator:
   """This process's training stream: dicts of inputs, targets, segment_ids, positions (int32) and
   loss_mask (float32), each [len(rows), seq_len]: rows `rows` (default all) of each global batch.
 
@@ -265,7 +338,8 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
   Validates eagerly (raising ConfigError): the tokenizer against model.vocab_size, that the glob
   matches non-empty files, Parquet footers (column, type, rows) and the first JSONL line of each file.
   Later JSONL lines are parsed as they are read: a bad one raises ConfigError, naming file:line, from
-  the next() that reaches it.
+  the next() that reaches it, as does a whole pass of an SFT file that left nothing to train (_CountRows). `key`:
+  the name errors give data.path (eval.path for the validation set).
   """
   if not 0 <= cfg.data.seed < 2**32:
     raise ConfigError(f"data.seed={cfg.data.seed} must be in [0, 2**32) (it seeds Grain's shuffle)")
@@ -276,7 +350,7 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
                       f"use data.tokenizer=byte or a file source")
   # Synthetic ids fit the model's vocabulary themselves; the byte tokenizer only decodes samples.
   tok = ByteTokenizer() if cfg.data.source == "synthetic" else make_tokenizer(cfg)
-  num_docs, ds, fmt = _documents(cfg, shuffle)
+  num_docs, ds, fmt = _documents(cfg, shuffle, key)
   # Documents are read on demand a few ahead; Grain's defaults (16 threads, 500 reads) would hog the CPU.
   read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
   # Partials and callables, not lambdas, so the tail of the pipeline stays picklable.
@@ -288,8 +362,11 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
     it_ds = grain.experimental.ConcatThenSplitIterDataset(it_ds, length_struct={"tokens": seq_len + 1})
   else:
     template = chat_template(cfg, fmt)
+    if cfg.data.assistant_only and fmt in CONVERSATIONAL:
+      warn_untrained_eos(template, tok)
     encode = _EncodeRow(tok, fmt, template, cfg.data, seq_len + 1)
-    it_ds = ds.map(encode).to_iter_dataset(read).map(_count_row).filter(_kept)
+    count = _CountRows(num_docs, key, cfg.data.path, seq_len + 1)
+    it_ds = ds.map_with_index(encode).to_iter_dataset(read).map(count).filter(_kept)
     # A row stays whole in one packed row (first fit over as many open rows as the global batch), padded at the end
     # (segment 0, never a target): a conversation cut across rows would train its second half without the first.
     it_ds = grain.experimental.FirstFitPackIterDataset(
@@ -300,4 +377,4 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
     rows = slice(None)
   elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
     rows = slice(int(rows[0]), int(rows[0]) + len(rows))  # a view, not a copy
-  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling")
+  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling", f"{key}={cfg.data.path}")

@@ -44,18 +44,19 @@ def stdlib_files() -> list[str]:
   return sorted(p for p in paths if os.path.getsize(p) > 0)
 
 
-def data_files(pattern: str | None, source: str = "text") -> list[str]:
-  """Files matching the data.path glob (`**` recurses), sorted; each must be non-empty."""
+def data_files(pattern: str | None, source: str = "text", key: str = "data.path") -> list[str]:
+  """Files matching the glob `key` gives (data.path, or eval.path for the validation set; `**` recurses), sorted;
+  each must be non-empty."""
   if not pattern:
     example = {"text": "corpus/**/*.txt", "jsonl": "corpus/*.jsonl", "parquet": "corpus/*.parquet"}[source]
-    raise ConfigError(f"data.path is required when data.source={source}: set it to a glob, e.g. "
-                      f"data.path='{example}'")
+    raise ConfigError(f"{key} is required when data.source={source}: set it to a glob, e.g. "
+                      f"{key}='{example}'")
   paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
   if not paths:
-    raise ConfigError(f"data.path={pattern!r} matches no files; check the glob (use ** to recurse)")
+    raise ConfigError(f"{key}={pattern!r} matches no files; check the glob (use ** to recurse)")
   for p in paths:
     if os.path.getsize(p) == 0:
-      raise ConfigError(f"data.path={pattern!r}: file {p} is empty; remove it or narrow the glob")
+      raise ConfigError(f"{key}={pattern!r}: file {p} is empty; remove it or narrow the glob")
   return paths
 
 
@@ -135,6 +136,7 @@ class _JsonlLines:
                fmt: str = "language_modeling"):
     self.paths, self.file_ids, self.starts, self.ends, self.field = paths, file_ids, starts, ends, field
     self.fmt = fmt
+    self.fmt_from: str | None = None  # `file:line` whose fields data.format=auto read the format from
 
   def __len__(self) -> int:
     return len(self.starts)
@@ -150,11 +152,14 @@ class _JsonlLines:
     try:
       obj = json.loads(text)
     except json.JSONDecodeError as e:
-      raise ConfigError(f"{where()}: not valid JSON ({e.msg} at column {e.colno})") from None
+      raise ConfigError(f"{where()}: not valid JSON ({e.msg}: column {e.colno})") from None
     if self.fmt != "language_modeling":
       problem = row_problem(obj, self.fmt, self.field)
       if problem is not None:
-        raise ConfigError(f"{where()}: {problem}")
+        # A row of another format: say which row set the format (auto), not only the row that differs.
+        origin = f"; data.format=auto took {self.fmt} from {self.fmt_from} (data.format=NAME sets one)" \
+            if problem.startswith("no field") and self.fmt_from not in (None, where()) else ""
+        raise ConfigError(f"{where()}: {problem}{origin}")
       return Doc(obj, LineRef(path, start), None if bad is None else start + bad)
     if not isinstance(obj, dict):
       raise ConfigError(f"{where()}: expected a JSON object with a {self.field!r} field, got {type(obj).__name__}")
@@ -167,9 +172,10 @@ class _JsonlLines:
     return Doc(value, path, None if bad is None else start + bad)
 
 
-def _jsonl_lines(cfg: Config) -> _JsonlLines:
-  """The non-empty lines of the data.path files, in storage order, indexed by a scan for newlines."""
-  paths = data_files(cfg.data.path, "jsonl")
+def _jsonl_lines(cfg: Config, key: str = "data.path") -> _JsonlLines:
+  """The non-empty lines of the data.path files (named `key` in errors), in storage order, indexed by a scan for
+  newlines."""
+  paths = data_files(cfg.data.path, "jsonl", key)
   file_ids, starts, ends, first_lines = [], [], [], []
   for fid, path in enumerate(paths):
     size = os.path.getsize(path)
@@ -183,6 +189,9 @@ def _jsonl_lines(cfg: Config) -> _JsonlLines:
   lines = _JsonlLines(paths, cat(file_ids, np.int32), cat(starts, np.int64), cat(ends, np.int64), cfg.data.field)
   if first_lines:
     lines.fmt = _jsonl_format(cfg, lines, first_lines[0])
+    if cfg.data.format == "auto":
+      path, start = lines.paths[lines.file_ids[first_lines[0]]], int(lines.starts[first_lines[0]])
+      lines.fmt_from = f"{path}:{_line_number(path, start)}"
   # Parse each file's first line now: a wrong format or data.field fails before training.
   for i in first_lines:
     lines[i]
@@ -311,38 +320,39 @@ class _ParquetRead:
     return self.rows[self.rows.storage_index(index)]
 
 
-def _parquet_rows(cfg: Config) -> _ParquetRows:
-  """The rows of the data.path files, in storage order, from the footers alone (checked here)."""
+def _parquet_rows(cfg: Config, key: str = "data.path") -> _ParquetRows:
+  """The rows of the data.path files (named `key` in errors), in storage order, from the footers alone (checked
+  here)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
   field, fmt = cfg.data.field, cfg.data.format
   blocks = []  # (path, row group, rows)
-  for path in data_files(cfg.data.path, "parquet"):
+  for path in data_files(cfg.data.path, "parquet", key):
     try:
       pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-      raise ConfigError(f"data.path: {path} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
+      raise ConfigError(f"{key}: {path} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
     schema = pf.schema_arrow
     if fmt == "auto":
       fmt = _parquet_format(schema, field)
     if fmt != "language_modeling":
       missing = [c for c in FIELDS[fmt] if c not in schema.names]
       if missing:
-        raise ConfigError(f"data.path: {path} has no column {missing[0]!r} (data.format={fmt}); "
+        raise ConfigError(f"{key}: {path} has no column {missing[0]!r} (data.format={fmt}); "
                           f"its columns: {', '.join(schema.names[:8])}")
       if pf.metadata.num_rows == 0:
-        raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
+        raise ConfigError(f"{key}: {path} has no rows; remove it or narrow the glob")
       blocks += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
       continue
     if field not in schema.names:
-      raise ConfigError(f"data.path: {path} has no column {field!r} (data.field); "
+      raise ConfigError(f"{key}: {path} has no column {field!r} (data.field); "
                         f"its columns: {', '.join(schema.names[:8])}")
     t = schema.field(field).type
     if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
             or pa.types.is_large_binary(t) or pa.types.is_string_view(t) or pa.types.is_binary_view(t)):
-      raise ConfigError(f"data.path: {path} column {field!r} (data.field) is {t}, expected string or binary")
+      raise ConfigError(f"{key}: {path} column {field!r} (data.field) is {t}, expected string or binary")
     if pf.metadata.num_rows == 0:
-      raise ConfigError(f"data.path: {path} has no rows; remove it or narrow the glob")
+      raise ConfigError(f"{key}: {path} has no rows; remove it or narrow the glob")
     blocks += [(path, g, pf.metadata.row_group(g).num_rows) for g in range(pf.metadata.num_row_groups)]
   return _ParquetRows(blocks, field, cfg.data.seed, fmt)
 

@@ -67,6 +67,10 @@ class HFTokenizer:
   def __setstate__(self, state):
     self.__init__(state["path"])
 
+  @property
+  def eos_token(self) -> str:
+    return self._tok.id_to_token(self.eos_id)
+
   def encode(self, text: str | bytes) -> np.ndarray:
     if isinstance(text, bytes):
       text = decode_utf8(text, "HFTokenizer.encode")
@@ -187,13 +191,14 @@ class _TruncationStats:
     self.cut = self.dropped = 0
     self._lock = threading.Lock()
 
-  def record(self, what: str) -> None:
+  def record(self, what: str, where="a row") -> None:
+    """`where`: the row's file:line (or Parquet row), printed only when it warns."""
     with self._lock:
       setattr(self, what, getattr(self, what) + 1)
       n = self.cut + self.dropped
     if n <= 10 or str(n).rstrip("0") == "1":
-      log.warning("a row longer than train.seq_len + 1 tokens was %s (data.truncation); %d cut and %d dropped so far",
-                  what, self.cut, self.dropped)
+      log.warning("%s: longer than train.seq_len + 1 tokens, %s (data.truncation); %d cut and %d dropped so far",
+                  where, what, self.cut, self.dropped)
 
 
 TRUNCATION_STATS = _TruncationStats()
