@@ -224,6 +224,9 @@ class TrainConfig(_Strict):
   grad_clip: float = Field(default=1.0, gt=0, description="clip the gradients to this global norm")
   param_dtype: Literal["float32"] = Field(default="float32", description="dtype of the stored parameters")
   compute_dtype: DType = Field(default="bfloat16", description="dtype of the forward and backward computation")
+  matmul_precision: Literal["default", "high", "highest"] = Field(
+      default="default", description="precision of the step's float32 matmuls (jax.default_matmul_precision): default "
+      "(on TPU one bf16 pass), high (3 passes), highest (float32, as on CPU: float32 parity with a CPU run)")
   seed: int = Field(default=0, description="seed of parameter init and training randomness")
   log_every: int = Field(default=1, gt=0, description="write metrics every N steps")
   sample_tokens: int = Field(default=96, ge=0, description="length of the sample printed at the end (0: none)")

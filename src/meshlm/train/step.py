@@ -324,7 +324,12 @@ class TrainStep:
     # donated buffers are reused and the step compiles once.
     state_sh = self.state_shardings()
     batch_sh = {k: self.batch_sharding(k) for k in self.batch_spec}
-    step = lambda s, b: train_step(self.cfg, self.optimizer, s, b, self.loss_fn, self.batch_spec, self.trainable)
+    precision = self.cfg.train.matmul_precision
+
+    def step(s, b):
+      # Traced under the key's precision: every dot of the step (forward, loss, custom VJPs) records it.
+      with jax.default_matmul_precision(None if precision == "default" else precision):
+        return train_step(self.cfg, self.optimizer, s, b, self.loss_fn, self.batch_spec, self.trainable)
     self.fn = jax.jit(step, donate_argnums=(0,), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
 
   def state_shardings(self) -> TrainState:
