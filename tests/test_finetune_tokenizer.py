@@ -1,0 +1,127 @@
+"""Fine-tuning a model whose tokenizer_config.json names its special tokens (issue 56): a tiny Hugging Face llama
+directory with Llama 3's tokenizer files (bos <|begin_of_text|>, eos <|eot_id|>, Llama 3.1's template, which starts
+with {{- bos_token }}, and a post-processor that puts the BOS before a text). The run directory and its export keep
+those files, so a chat prompt renders as from the model directory, a fine-tune of the run ends completions with
+<|eot_id|>, and transformers reads the export with the same tokens. One `meshlm train` (2 steps) for the module."""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import meshlm
+from meshlm import hf
+from meshlm.cli import main
+from meshlm.train.data import make_dataset
+from meshlm.train.data.chat import ChatTemplate, load_chat_template
+from meshlm.train.data.tokenizers import HFTokenizer
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "chat_templates")
+BOS, EOT, FALLBACK_EOS = 5, 8, 0  # <|begin_of_text|>, <|eot_id|>, <|endoftext|> (the first EOS_CANDIDATES it has)
+USER = [{"role": "user", "content": "What is 3 + 3?"}]
+SMALL = ["cpu_devices=1", "train.seq_len=128", "train.per_device_batch_size=2", "train.compute_dtype=float32",
+         "train.warmup_steps=0"]
+
+
+def llama3_tokenizer(folder) -> None:
+  """The chat fixtures' tokenizer.json with Llama 3's post-processor (BOS before a text), and Llama 3's
+  tokenizer_config.json: its bos/eos tokens and Llama 3.1's chat template."""
+  from tokenizers import Tokenizer, processors
+  tok = Tokenizer.from_file(os.path.join(FIX, "tokenizer.json"))
+  tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                     special_tokens=[("<|begin_of_text|>", BOS)])
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  with open(os.path.join(FIX, "llama3_1.jinja")) as f:
+    template = f.read()
+  config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template,
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """A tiny HF llama directory with Llama 3's tokenizer files, fine-tuned 2 steps on conversations by
+  `meshlm train model=DIR`, then exported by `meshlm convert meshlm-to-hf RUN`."""
+  tmp = tmp_path_factory.mktemp("llama3")
+  cfg = meshlm.load_config("model=llama2-tiny", "model.vocab_size=384", "model.embed_dim=32", "model.num_heads=2",
+                           "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=64", "model.num_layers=1",
+                           f"model.bos_token_id={BOS}", f"model.eos_token_id={EOT}", "cpu_devices=1")
+  model = tmp / "model"
+  hf.save(cfg, meshlm.init_params(cfg, jax.random.key(0)), model)
+  llama3_tokenizer(model)
+  rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                        {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(8)]
+  (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  run, export = tmp / "run", tmp / "export"
+  rc = main(["train", f"model={model}", "train.steps=2", "train.sample_tokens=0", *SMALL,
+             f"data.path={tmp}/chat.jsonl", f"run_dir={run}"])
+  rc_export = main(["convert", "meshlm-to-hf", str(run), str(export), "cpu_devices=1"])
+  return dict(tmp=tmp, model=model, run=run, export=export, rc=rc, rc_export=rc_export)
+
+
+def _chat_ids(folder) -> list[int]:
+  template = load_chat_template(None, os.path.join(folder, "tokenizer.json"))
+  return HFTokenizer(os.path.join(folder, "tokenizer.json")).encode_offsets(
+      template.render(USER, add_generation_prompt=True)[0])[0].tolist()
+
+
+def test_the_run_dir_renders_the_chat_prompt_as_the_model_dir(runs):
+  """The run directory's chat rendering is the model directory's, BOS first; the same template without the
+  tokenizer_config.json's special tokens (what the run directory held before it carried the file) drops the BOS."""
+  assert runs["rc"] == 0
+  want = _chat_ids(runs["model"])
+  assert want[0] == BOS and _chat_ids(runs["run"]) == want
+  assert json.loads((runs["run"] / "tokenizer_config.json").read_text()) == \
+      json.loads((runs["model"] / "tokenizer_config.json").read_text())
+  bare = ChatTemplate((runs["run"] / "chat_template.jinja").read_text(), "bare", {})
+  tok = HFTokenizer(str(runs["run"] / "tokenizer.json"))
+  assert tok.encode_offsets(bare.render(USER, add_generation_prompt=True)[0])[0].tolist() == want[1:]
+
+
+def test_a_fine_tune_of_the_run_ends_completions_with_its_eos(runs, tmp_path):
+  """`meshlm train model=RUN` on prompt-completion rows: every completion's trained tokens end with <|eot_id|>;
+  from a copy of the run without tokenizer_config.json (the control) they would end with <|endoftext|>."""
+  rows = [{"prompt": f"w{i} plus", "completion": f" w{i}"} for i in range(6)]
+  (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  def trained_eos(run) -> tuple[int, int, int]:
+    """(the tokenizer's eos id, how many trained targets are <|eot_id|>, how many rows the batch holds)"""
+    cfg = meshlm.load_config(f"model={run}", *SMALL, f"data.path={tmp_path}/pc.jsonl", "train.seq_len=32")
+    b = next(make_dataset(cfg, global_batch=2, seq_len=32))
+    trained = b["targets"][b["loss_mask"] > 0]
+    seg = b["segment_ids"]
+    docs = len({(r, seg[r, c]) for r, c in zip(*np.nonzero(seg))})
+    return HFTokenizer(cfg.data.tokenizer).eos_id, int(np.sum(trained == EOT)), docs
+
+  eos, ends, docs = trained_eos(runs["run"])
+  assert eos == EOT and ends == docs > 0
+  bare = tmp_path / "bare"
+  shutil.copytree(runs["run"], bare)
+  os.remove(bare / "tokenizer_config.json")
+  eos, ends, _ = trained_eos(bare)
+  assert eos == FALLBACK_EOS and ends == 0
+
+
+def test_the_export_keeps_the_tokenizer_config(runs):
+  """The export has the model directory's tokenizer_config.json (the same bos/eos) and renders the chat prompt as
+  the model directory does, without transformers."""
+  assert runs["rc_export"] == 0
+  ours = json.loads((runs["export"] / "tokenizer_config.json").read_text())
+  theirs = json.loads((runs["model"] / "tokenizer_config.json").read_text())
+  assert (ours["bos_token"], ours["eos_token"]) == (theirs["bos_token"], theirs["eos_token"]) == \
+      ("<|begin_of_text|>", "<|eot_id|>")
+  assert _chat_ids(runs["export"]) == _chat_ids(runs["model"])
+
+
+def test_transformers_reads_the_export_with_the_model_dirs_tokens(runs):
+  """Where transformers is installed: AutoTokenizer on the export has the model directory's bos/eos and renders the
+  chat prompt to the ids meshlm renders (BOS first)."""
+  transformers = pytest.importorskip("transformers")
+  tok = transformers.AutoTokenizer.from_pretrained(str(runs["export"]))
+  assert (tok.bos_token, tok.eos_token) == ("<|begin_of_text|>", "<|eot_id|>")
+  ids = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)
+  ids = ids["input_ids"] if isinstance(ids, dict) else ids
+  assert list(ids) == _chat_ids(runs["model"])
