@@ -151,6 +151,14 @@ HELP_SCOPE = {
     "rl": lambda k: _no_model(k) and not _under("data.source", "data.path", "data.field", "train.seq_len",
                                                 "train.per_device_batch_size", "train.sample_tokens",
                                                 "train.sample_temperature")(k),
+    # eval: the step's shapes, the parameters to load and the data.* rules of the validation set; no optimizer, loop
+    # or run directory key.
+    "eval": lambda k: _no_model(k) and not _under(
+        "rl.", "run_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.dir", "data.source", "data.path",
+        "data.seed", "eval.every", "train.learning_rate", "train.warmup_steps", "train.min_lr_ratio",
+        "train.weight_decay", "train.b1", "train.b2", "train.grad_clip", "train.steps", "train.micro_batches",
+        "train.log_every", "train.sample_tokens", "train.sample_temperature", "train.on_nonfinite",
+        "train.max_nonfinite_in_a_row", "train.stop_after", "train.freeze")(k),
     "census": lambda k: _no_model(k) and not _under("rl.", *LOOP)(k),
     "compare": lambda k: _no_model(k) and not _under("rl.", *LOOP)(k),
     "bench": lambda k: _no_model(k) and not _under("rl.", *LOOP)(k),

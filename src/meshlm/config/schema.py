@@ -282,13 +282,14 @@ class DataConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-  """A validation set: its loss every eval.every steps and at the end (docs/data.md, "Validation")."""
+  """A validation set: its loss every eval.every steps and at the end, or alone with `meshlm eval` (docs/data.md,
+  "Validation")."""
   path: Optional[str] = Field(default=None, description="glob of the validation files (.jsonl, .parquet, .txt), in any "
                               "data.format; read with the data.* settings; null: no validation")
   every: int = Field(default=0, ge=0, description="the validation loss after every N steps (and after the last); "
                      "0: after the last only")
-  batches: int = Field(default=4, gt=0, description="global batches of the validation set per evaluation, the same "
-                       "ones each time")
+  batches: Optional[int] = Field(default=None, gt=0, description="cap each evaluation at the first N global batches "
+                                 "of the validation set (the same ones each time); null: the whole set, each row once")
 
   @model_validator(mode="after")
   def _needs_path(self):

@@ -351,7 +351,9 @@ class Loop:
                f"update skipped ({r.counters['nonfinite_in_a_row']} in a row)")
     extra_text = "  " + self.progress_extra(f.metrics) if self.progress_extra is not None else ""
     if validated:
-      extra_text += f"  val_loss {f.metrics['val_loss']:.4f} (ppl {f.metrics['val_ppl']:.2f})"
+      m = f.metrics
+      extra_text += (f"  val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}; {int(m['val_rows'])} rows, "
+                     f"{int(m['val_tokens']):,} tokens)")
     progress.update(task, advance=1, loss=f.loss, tps=tokens_per_step / f.dt, dt=f.dt, extra=extra_text)
     if plain and (f.step % t.log_every == 0 or f.step == t.steps - 1 or validated):
       self.console.print(f"step {f.step + 1}/{t.steps}  loss {f.loss:.4f}  {tokens_per_step / f.dt:,.0f} tok/s  "
@@ -482,6 +484,7 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
   if cfg.eval.path is not None and start < t.steps:
     from meshlm.train.validation import Validation
     evaluate = Validation(cfg, step_fn)
+    say(f"validation: {evaluate.describe()}", markup=False, highlight=False)
   step = _count_trained_tokens(step_fn) if getattr(data, "masked", False) else step_fn
   loop = Loop(cfg, step, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step,
               evaluate=evaluate, progress_extra=part_metrics_text(cfg))
