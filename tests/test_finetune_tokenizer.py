@@ -3,6 +3,8 @@ directory with Llama 3's tokenizer files (bos <|begin_of_text|>, eos <|eot_id|>,
 with {{- bos_token }}, and a post-processor that puts the BOS before a text). The run directory and its export keep
 those files, so a chat prompt renders as from the model directory, a fine-tune of the run ends completions with
 <|eot_id|>, and transformers reads the export with the same tokens. One `meshlm train` (2 steps) for the module."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -56,10 +58,12 @@ def runs(tmp_path_factory):
                         {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(8)]
   (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   run, export = tmp / "run", tmp / "export"
-  rc = main(["train", f"model={model}", "train.steps=2", "train.sample_tokens=0", *SMALL,
-             f"data.path={tmp}/chat.jsonl", f"run_dir={run}"])
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    rc = main(["train", f"model={model}", "train.steps=2", "train.sample_tokens=4", "train.sample_temperature=0",
+               *SMALL, f"data.path={tmp}/chat.jsonl", f"run_dir={run}"])
   rc_export = main(["convert", "meshlm-to-hf", str(run), str(export), "cpu_devices=1"])
-  return dict(tmp=tmp, model=model, run=run, export=export, rc=rc, rc_export=rc_export)
+  return dict(tmp=tmp, model=model, run=run, export=export, rc=rc, rc_export=rc_export, out=out.getvalue())
 
 
 def _chat_ids(folder) -> list[int]:
@@ -125,3 +129,52 @@ def test_transformers_reads_the_export_with_the_model_dirs_tokens(runs):
   ids = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)
   ids = ids["input_ids"] if isinstance(ids, dict) else ids
   assert list(ids) == _chat_ids(runs["model"])
+
+
+def test_the_end_of_run_sample_of_a_chat_fine_tune_is_a_user_turn(runs):
+  """The run's closing sample prompts with a row's user turn rendered by the chat template (BOS, headers, the
+  generation prompt), not with "The "; a plain-text run (the control) still starts from "The "."""
+  from meshlm.train.loop import sample_prompt
+  assert runs["rc"] == 0
+  shown = runs["out"][runs["out"].index("sample (greedy):"):]
+  assert "[user] What is " in shown and "\n[assistant] " in shown and "The " not in shown
+  cfg = meshlm.load_config(f"model={runs['model']}", *SMALL, f"data.path={runs['tmp']}/chat.jsonl")
+  data = make_dataset(cfg, global_batch=2, seq_len=128)
+  ids, text, stops = sample_prompt(cfg, data, data.tokenizer)
+  user = [m for m in data.example().data["messages"] if m["role"] == "user"]
+  template = load_chat_template(None, cfg.data.tokenizer)
+  want = data.tokenizer.encode_offsets(template.render(user, add_generation_prompt=True)[0])[0].tolist()
+  assert ids == want and ids[0] == BOS and text == f"[user] {user[0]['content']}\n[assistant] " and EOT in stops
+  (runs["tmp"] / "plain.jsonl").write_text(json.dumps({"text": "w1 w2"}) + "\n")
+  plain = make_dataset(cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": f"{runs['tmp']}/plain.jsonl"})}),
+                       global_batch=2, seq_len=128)
+  ids, text, stops = sample_prompt(cfg, plain, plain.tokenizer)
+  assert text == "The " and ids == [BOS] + plain.tokenizer.encode("The ").tolist() and stops is None
+
+
+@pytest.mark.parametrize("fmt", ["language_modeling", "prompt_completion"])
+def test_plain_text_rows_start_with_the_post_processors_bos(runs, tmp_path, fmt):
+  """Plain-text and prompt-completion rows are the tokenizer's own encoding with its special tokens (its
+  post-processor's BOS first, as TRL tokenizes them) and EOS; the chat fixtures' tokenizer, which has no
+  post-processor (the control), puts nothing before the text."""
+  from tokenizers import Tokenizer
+  texts = ["w1 w2 w3", "w4 plus w5"]
+  rows = ([{"text": t} for t in texts] if fmt == "language_modeling" else
+          [{"prompt": t, "completion": " w6"} for t in texts])
+  (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  def first_tokens(tokenizer: str) -> tuple[list[int], list[int]]:
+    """(the packed row's tokens, what the tokenizer itself makes of the rows: encode with special tokens + EOS)"""
+    cfg = meshlm.load_config("model=llama2-tiny", f"data.tokenizer={tokenizer}", f"data.path={tmp_path}/rows.jsonl",
+                             "data.seed=0")
+    b = next(make_dataset(cfg, global_batch=1, seq_len=64, shuffle=False))
+    row = np.concatenate([b["inputs"][0], b["targets"][0, -1:]]).tolist()
+    tok = Tokenizer.from_file(tokenizer)
+    eos = HFTokenizer(tokenizer).eos_id
+    whole = [t + (r["completion"] if fmt == "prompt_completion" else "") for t, r in zip(texts, rows)]
+    return row, sum((tok.encode(w).ids + [eos] for w in whole), [])
+
+  row, want = first_tokens(str(runs["model"] / "tokenizer.json"))
+  assert row[:len(want)] == want and want[0] == BOS and want.count(BOS) == 2
+  row, want = first_tokens(os.path.join(FIX, "tokenizer.json"))
+  assert row[:len(want)] == want and BOS not in want

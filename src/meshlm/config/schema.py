@@ -226,7 +226,8 @@ class TrainConfig(_Strict):
   compute_dtype: DType = Field(default="bfloat16", description="dtype of the forward and backward computation")
   seed: int = Field(default=0, description="seed of parameter init and training randomness")
   log_every: int = Field(default=1, gt=0, description="write metrics every N steps")
-  sample_tokens: int = Field(default=96, ge=0, description="length of the sample printed at the end (0: none)")
+  sample_tokens: int = Field(default=96, ge=0, description="length of the sample printed at the end (0: none); it "
+                             "continues 'The ', or a chat fine-tune's first user turn (prompt-completion: its prompt)")
   sample_temperature: float = Field(default=0.7, ge=0, description="temperature of the sample printed at the end, "
                                     "drawn with train.seed (0: greedy, which a tiny model ends in repeats)")
   # A NaN/Inf loss or gradient norm: skip the update (params and optimizer state unchanged), or

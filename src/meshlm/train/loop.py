@@ -455,6 +455,35 @@ def restore_or_init(cfg: Config, step_fn, ckpt, say, ignore: tuple[str, ...] = (
   return state, 0, rng, counters, None
 
 
+def sample_prompt(cfg: Config, data, tok) -> tuple[list[int], str, tuple[int, ...] | None]:
+  """The end-of-run sample's prompt as the run's rows begin: (ids, the text printed before the sample, the stop
+  tokens or None for the model's own). A chat fine-tune: the first row's turns before its first assistant turn (its
+  prompt, in the prompt-completion form), rendered by the chat template with the generation prompt, stopping at the
+  tokenizer's EOS (the end of a turn); prompt-completion rows: the first row's prompt; plain text: "The " ("def "
+  for the stdlib corpus). The tokenizer's BOS first wherever the run's rows have it (train/data/formats.py)."""
+  from meshlm.train.data import chat_template
+  from meshlm.train.data.formats import CONVERSATIONAL
+  fmt = getattr(data, "format", "language_modeling")
+  doc = data.example() if fmt != "language_modeling" else None
+  stops = None
+  if doc is not None and fmt in CONVERSATIONAL:
+    row = doc.data
+    turns = row["prompt"] if fmt != "conversational" else row["messages"]
+    turns = turns[:next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))]
+    text, _ = chat_template(cfg, fmt).render(turns, add_generation_prompt=True)
+    user = next((m["content"] for m in reversed(turns) if m["role"] == "user"), "")
+    ids, shown = [int(i) for i in tok.encode_offsets(text)[0]], f"[user] {user}\n[assistant] "
+    stops = (tok.eos_id,)
+  else:
+    shown = doc.data["prompt"] if doc is not None else ("def " if cfg.data.source == "stdlib" else "The ")
+    ids = [int(i) for i in tok.bos_ids] + [int(i) for i in tok.encode(shown.encode())]
+    stops = None if doc is None else (tok.eos_id,)
+  if stops is not None and cfg.model.eos_token_id is not None:
+    eos = cfg.model.eos_token_id
+    stops = tuple(dict.fromkeys((*stops, *(eos if isinstance(eos, list) else [eos]))))
+  return ids, shown, stops
+
+
 def _count_trained_tokens(step_fn) -> Callable:
   """step_fn, with the batch's trained tokens (its loss-mask count) as the metric trained_tokens: with the SFT
   formats' masks, tokens per step no longer says what trained."""
@@ -498,12 +527,11 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
   if stop_reason == "done" and t.sample_tokens:  # every process samples (generate gathers the tokens onto each)
     from meshlm.models.generate import generate
     tok = getattr(data, "tokenizer", None) or ByteTokenizer()
-    text = "def " if cfg.data.source == "stdlib" else "The "
-    prompt = [int(i) for i in tok.encode(text.encode())]
+    prompt, shown, stops = sample_prompt(cfg, data, tok)
     room = cfg.model.max_position - len(prompt)
     if room > 0:
       gen = generate(cfg, merge_state(state.params, state.model_state), [prompt],
                      max_new_tokens=min(t.sample_tokens, room), temperature=t.sample_temperature, seed=t.seed,
-                     mesh=step_fn.mesh)
-      sample = text + tok.decode(gen.token_lists()[0])
+                     stop_tokens=stops, mesh=step_fn.mesh)
+      sample = shown + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)

@@ -4,7 +4,7 @@ The pipeline is Grain throughout:
 
   documents (files, JSONL lines, Parquet rows or synthetic ids), all of them
   -> shuffle(data.seed), new order each epoch -> repeat
-  -> read + tokenize (+EOS), lazily in a small thread pool
+  -> read + tokenize (the post-processor's BOS, the text, EOS), lazily in a small thread pool
   -> count invalid UTF-8, in order (in the consumer thread, so the count does not depend on prefetch)
   -> ConcatThenSplit into rows of seq_len + 1 tokens -> global batch -> this process's rows
   -> inputs/targets/masks
@@ -80,8 +80,10 @@ class _Encode:
     if isinstance(data, bytes) and not self.tok.byte_level:
       data, bad = replace_invalid_utf8(data)
     ids = self.tok.encode(data)
-    tokens = np.empty(len(ids) + 1, np.int32)  # [n + 1]
-    tokens[:-1] = ids
+    bos = self.tok.bos_ids  # what the tokenizer's post-processor puts first (Llama 3's BOS), or nothing
+    tokens = np.empty(len(bos) + len(ids) + 1, np.int32)  # [b + n + 1]
+    tokens[:len(bos)] = bos
+    tokens[len(bos):-1] = ids
     tokens[-1] = self.tok.eos_id
     return {"tokens": tokens}, (None if bad is None else (where, bad))
 
@@ -189,8 +191,10 @@ class DataIterator:
 
   def __init__(self, it: grain.DatasetIterator, tokenizer: ByteTokenizer | HFTokenizer, num_documents: int,
                rows: np.ndarray | slice, masked: bool = False, global_batch: int | None = None,
-               counter: _CountDocuments | None = None):
+               counter: _CountDocuments | None = None, fmt: str = "language_modeling", example=None):
     self.masked = masked  # an SFT format's mask decides which targets train (formats.py)
+    self.format = fmt  # the rows' data format (formats.py)
+    self._example = example
     self.global_batch, self._counter = global_batch, counter
     self._it = it
     self.tokenizer = tokenizer
@@ -206,6 +210,10 @@ class DataIterator:
     if short > 0:  # rows of padding: segment 0, so no target counts
       batch = {k: np.concatenate([v, np.zeros((short, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
     return _to_example({k: v[self.rows] for k, v in batch.items()})
+
+  def example(self):
+    """One document of the stream (its first), for the end-of-run sample's prompt: a Doc, or None (synthetic)."""
+    return None if self._example is None else self._example()
 
   @property
   def documents_read(self) -> int:
@@ -328,4 +336,6 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
     rows = slice(None)
   elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
     rows = slice(int(rows[0]), int(rows[0]) + len(rows))  # a view, not a copy
-  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling", global_batch, counter)
+  example = None if cfg.data.source == "synthetic" else functools.partial(ds.__getitem__, 0)
+  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling", global_batch, counter, fmt,
+                      example)
