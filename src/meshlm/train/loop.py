@@ -105,15 +105,16 @@ def write_config(cfg: Config) -> None:
     write_text(os.path.join(cfg.run_dir, "config.yaml"), to_yaml(cfg))
 
 
-def _trim_metrics(run_dir: str, start_step: int, name: str = "metrics.jsonl") -> None:
-  """Drops metrics.jsonl records (or another JSONL file's, each with a `step`) of steps >= start_step: steps run
-  after the checkpoint we resume from are run again, and each step should appear once."""
+def _trim_metrics(run_dir: str, start_step: int, name: str = "metrics.jsonl", counts_from: int = 1) -> None:
+  """Drops the records of steps run after the checkpoint at start_step (they are run again, and each step should
+  appear once): metrics.jsonl's, whose `step` counts from 1 (record n: after n updates), from start_step + 1 on;
+  another JSONL file's with counts_from=0 (a `step` of updates done before it: RL's completions) from start_step on."""
   path = os.path.join(run_dir, name)
   if jax.process_index() != 0 or not os.path.exists(path):
     return
   with open(path) as f:
     lines = [ln for ln in f if ln.strip()]
-  keep = [ln for ln in lines if json.loads(ln).get("step", -1) < start_step]
+  keep = [ln for ln in lines if json.loads(ln).get("step", -1) < start_step + counts_from]
   if len(keep) != len(lines):
     write_text(path, "".join(keep))
 
@@ -341,13 +342,14 @@ class Loop:
     if f.step % t.log_every == 0 or f.step == t.steps - 1 or f.nonfinite or validated:
       # The loss's own metrics (aux losses, RL statistics) ride along under their names.
       extra = {k: float(v) for k, v in f.metrics.items() if k not in ("loss", "grad_norm", "nonfinite")}
-      record = {"step": f.step, "loss": f.loss, "grad_norm": f.grad_norm, "step_time_s": f.dt,
+      # "step" counts the updates done, from 1, as the console's lines and TRL's logs (the step after the update).
+      record = {"step": f.step + 1, "loss": f.loss, "grad_norm": f.grad_norm, "step_time_s": f.dt,
                 "tokens_per_s": tokens_per_step / f.dt, "nonfinite": f.nonfinite, **extra, **r.counters}
       if f.step == r.start:
         record["time_to_first_step_s"] = r.first_step_s
       self.writer.write(record)
     if f.nonfinite:
-      self.say(f"[yellow]warning:[/] step {f.step}: non-finite loss ({f.loss}) or grad norm ({f.grad_norm}); "
+      self.say(f"[yellow]warning:[/] step {f.step + 1}: non-finite loss ({f.loss}) or grad norm ({f.grad_norm}); "
                f"update skipped ({r.counters['nonfinite_in_a_row']} in a row)")
     extra_text = "  " + self.progress_extra(f.metrics) if self.progress_extra is not None else ""
     if validated:
@@ -365,7 +367,7 @@ class Loop:
     if f.nonfinite and (t.on_nonfinite == "stop" or r.counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
       why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
              f"{r.counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
-      r.nonfinite_msg = (f"stopped at step {f.step}: non-finite loss or gradient norm, {why}; the last good state is "
+      r.nonfinite_msg = (f"stopped at step {done}: non-finite loss or gradient norm, {why}; the last good state is "
                          f"saved as checkpoint {self.ckpt.dir}/{done}. Lower train.learning_rate or check the data")
       return "nonfinite"
     if r.preempt:
