@@ -54,13 +54,14 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def _loss_sum(cfg: Config, loss_fn, params, model_state, batch: dict) -> tuple[jax.Array, jax.Array]:
-  """(sum of the trained tokens' cross-entropy, their count) of one batch, through the train step's loss_fn."""
+  """(mean of the trained tokens' cross-entropy, their count) of one batch, through the train step's loss_fn; the
+  caller weights the means by the counts in float64 (a float32 product would round once more)."""
   n = jnp.sum(batch["loss_mask"])
   num = jnp.maximum(n, 1.0)
   loss, metrics = loss_fn(cfg, merge_state(params, model_state), batch, num)
   for name, (coef, _) in resolve(cfg).losses.items():
     loss = loss - coef * metrics[name]  # the parts' terms (each weighted by the batch's share, 1 here)
-  return loss * num, n
+  return loss, n
 
 
 class Validation:
@@ -103,8 +104,8 @@ class Validation:
     total, tokens = 0.0, 0.0
     with jax.set_mesh(self.step_fn.mesh):
       outs = [self._fn(state.params, state.model_state, self.step_fn.put_batch(b)) for b in self.batches]
-    for loss_sum, n in jax.device_get(outs):
-      total, tokens = total + float(loss_sum), tokens + float(n)
+    for loss, n in jax.device_get(outs):
+      total, tokens = total + float(loss) * float(n), tokens + float(n)
     loss = total / max(tokens, 1.0)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": tokens, "val_rows": self.rows}
 
