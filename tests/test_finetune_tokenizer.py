@@ -178,3 +178,16 @@ def test_plain_text_rows_start_with_the_post_processors_bos(runs, tmp_path, fmt)
   assert row[:len(want)] == want and want[0] == BOS and want.count(BOS) == 2
   row, want = first_tokens(os.path.join(FIX, "tokenizer.json"))
   assert row[:len(want)] == want and BOS not in want
+
+
+def test_generate_starts_a_plain_prompt_as_a_plain_text_row(runs, monkeypatch):
+  """`meshlm generate RUN prompt=TEXT` samples after the post-processor's BOS and the text, the ids a plain-text row
+  starts with; chat=true after the template's rendering alone (its own BOS, not a second one)."""
+  from meshlm.commands import generate as G
+  seen = []
+  monkeypatch.setattr(G, "_completion", lambda cfg, params, ids, *a: seen.append(ids) or [])
+  assert main(["generate", str(runs["run"]), "cpu_devices=1", "prompt=w1 w2"]) == 0
+  tok = HFTokenizer(str(runs["run"] / "tokenizer.json"))
+  assert seen[-1] == [BOS] + tok.encode("w1 w2").tolist()
+  assert main(["generate", str(runs["run"]), "cpu_devices=1", "prompt=What is 3 + 3?", "chat=true"]) == 0
+  assert seen[-1] == _chat_ids(runs["run"]) and seen[-1].count(BOS) == 1
