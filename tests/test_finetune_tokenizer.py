@@ -191,3 +191,15 @@ def test_generate_starts_a_plain_prompt_as_a_plain_text_row(runs, monkeypatch):
   assert seen[-1] == [BOS] + tok.encode("w1 w2").tolist()
   assert main(["generate", str(runs["run"]), "cpu_devices=1", "prompt=What is 3 + 3?", "chat=true"]) == 0
   assert seen[-1] == _chat_ids(runs["run"]) and seen[-1].count(BOS) == 1
+
+
+def test_meshlm_eval_reads_a_run_dir(runs, capsys):
+  """`meshlm eval model=RUN` on the conversations: the run's latest checkpoint, its tokenizer and template; every row
+  once. A wrong path is refused in one line (exit 2)."""
+  assert main(["eval", f"model={runs['run']}", *SMALL, f"eval.path={runs['tmp']}/chat.jsonl", "--json"]) == 0
+  got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert got["val_rows"] == 8 and got["val_tokens"] > 0 and np.isfinite(got["val_loss"])
+  assert got["params"] == str(runs["run"])
+  assert main(["eval", f"model={runs['run']}", *SMALL, "eval.path=/nowhere/*.jsonl"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "eval.path=/nowhere/*.jsonl" in err[0]

@@ -66,7 +66,8 @@ def _loss_sum(cfg: Config, loss_fn, params, model_state, batch: dict) -> tuple[j
 
 class Validation:
   """Callable on a TrainState (or anything with its params and model_state): {"val_loss", "val_ppl", "val_tokens",
-  "val_rows"}. `rows` and `tokens`: the rows (documents) and trained targets it covers; `describe()` says so."""
+  "val_rows"}. `rows` and `tokens`: the rows (documents) and trained targets it covers; `describe()` says so.
+  data (tests): the host batches to use instead of eval.path's pass; a stream that never ends needs eval.batches."""
 
   def __init__(self, cfg: Config, step_fn, *, data=None):
     from meshlm.train.data import batch_rows
