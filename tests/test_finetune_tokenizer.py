@@ -203,3 +203,31 @@ def test_meshlm_eval_reads_a_run_dir(runs, capsys):
   assert main(["eval", f"model={runs['run']}", *SMALL, "eval.path=/nowhere/*.jsonl"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "eval.path=/nowhere/*.jsonl" in err[0]
+
+
+def test_a_tokenizer_without_a_config_gets_one_naming_the_runs_eos(tmp_path):
+  """A tokenizer.json alone (no tokenizer_config.json beside it): the run directory gets one naming the EOS the run
+  ended its rows with (the EOS rule's <|endoftext|>; the BOS where the post-processor adds one), which model=RUN_DIR
+  then reads back to the same ids; a tokenizer that has its own config keeps it, copied unchanged (the control)."""
+  from meshlm.commands.train import carry_tokenizer
+  for post_processor in (False, True):
+    src = tmp_path / f"tok{int(post_processor)}"
+    src.mkdir()
+    if post_processor:
+      llama3_tokenizer(src)
+      os.remove(src / "tokenizer_config.json")
+    else:
+      shutil.copy(os.path.join(FIX, "tokenizer.json"), src)
+    run = tmp_path / f"run{int(post_processor)}"
+    carry_tokenizer(meshlm.load_config("model=llama2-tiny", f"data.tokenizer={src}/tokenizer.json", f"run_dir={run}"))
+    config = json.loads((run / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|endoftext|>" and config.get("bos_token") == (
+        "<|begin_of_text|>" if post_processor else None)
+    assert HFTokenizer(str(run / "tokenizer.json")).eos_id == HFTokenizer(str(src / "tokenizer.json")).eos_id
+  run = tmp_path / "run-with-config"
+  carry_tokenizer(meshlm.load_config("model=llama2-tiny", f"data.tokenizer={tmp_path}/tok1/tokenizer.json",
+                                     f"run_dir={run}"))
+  llama3_tokenizer(tmp_path / "tok1")
+  carry_tokenizer(meshlm.load_config("model=llama2-tiny", f"data.tokenizer={tmp_path}/tok1/tokenizer.json",
+                                     f"run_dir={run}"))
+  assert json.loads((run / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"

@@ -82,6 +82,10 @@ class HFTokenizer:
     offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # [tokens, 2]
     return np.asarray(enc.ids, np.int32), offsets[:, 0], offsets[:, 1]
 
+  def token(self, i: int) -> str:
+    """The token (its vocabulary string) of id i."""
+    return self._tok.id_to_token(int(i))
+
   def decode(self, ids) -> str:
     ids = np.asarray(ids).reshape(-1)
     ids = ids[(ids >= 0) & (ids < self.vocab_size) & (ids != self.eos_id)]
