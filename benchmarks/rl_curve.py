@@ -20,10 +20,17 @@ def load(run_dir: str) -> list[dict]:
     return [json.loads(ln) for ln in f if ln.strip()]
 
 
-def summary(records: list[dict], final_eval: float | None = None) -> dict:
-  evals = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
+def evaluations(records: list[dict], final_eval: float | None = None) -> list[tuple[int, float]]:
+  """(updates done, greedy eval reward): a record's `step` counts its update (from 1) and its eval_reward was
+  measured before it, after step - 1 updates; the final evaluation comes after the last record's update."""
+  evals = [(r["step"] - 1, r["eval_reward"]) for r in records if "eval_reward" in r]
   if final_eval is not None:
-    evals.append((records[-1]["step"] + 1, final_eval))
+    evals.append((records[-1]["step"], final_eval))
+  return evals
+
+
+def summary(records: list[dict], final_eval: float | None = None) -> dict:
+  evals = evaluations(records, final_eval)
   later = records[1:] or records
   return {"steps": len(records), "evals": evals,
           "reward_first10": statistics.mean(r["reward_mean"] for r in records[:10]),
@@ -44,9 +51,7 @@ def plot(records: list[dict], png: str, title: str, final_eval: float | None = N
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(steps, rew, color="0.75", lw=1, label="rollout reward (mean of the step's samples)")
   ax.plot(steps, run, color="C0", lw=2, label="10-step running mean")
-  ev = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
-  if final_eval is not None:
-    ev.append((steps[-1] + 1, final_eval))
+  ev = evaluations(records, final_eval)
   if ev:
     ax.plot([s for s, _ in ev], [v for _, v in ev], "o-", color="C3", label="greedy eval reward")
   ax.set_xlabel("RL step")
@@ -72,7 +77,7 @@ def main() -> int:
   if a.final_eval is None and os.path.exists(ev_path):
     ev = json.load(open(ev_path))
     last = max(int(k) for k in ev)
-    a.final_eval = ev[str(last)] if last > records[-1]["step"] else None
+    a.final_eval = ev[str(last)] if last >= records[-1]["step"] else None  # eval.json's keys count updates
   s = summary(records, a.final_eval)
   print(json.dumps(s, indent=1))
   if a.png:

@@ -75,7 +75,7 @@ def metrics(run_dir) -> list[dict]:
 
 def losses(run_dir) -> list[float]:
   recs = metrics(run_dir)
-  assert [r["step"] for r in recs] == list(range(len(recs))), "each step must appear once, in order"
+  assert [r["step"] for r in recs] == list(range(1, len(recs) + 1)), "each step must appear once, in order"
   return [r["loss"] for r in recs]
 
 
@@ -196,13 +196,13 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(reference, tmp_pat
   p = run(tmp_path, "train.max_nonfinite_in_a_row=10", env=env, check=False,
           seams=["--nan-at=" + ",".join(map(str, range(10, 20)))])
   assert p.returncode == 2, p.stderr[-3000:]
-  assert "step 10: non-finite loss" in " ".join(p.stderr.split())
+  assert "step 11: non-finite loss" in " ".join(p.stderr.split())  # the 11th step: steps count from 1
   last = p.stderr.strip().splitlines()[-1]
-  assert last.startswith("meshlm: error: stopped at step 19: non-finite loss or gradient norm, 10 non-finite "
+  assert last.startswith("meshlm: error: stopped at step 20: non-finite loss or gradient norm, 10 non-finite "
                          "steps in a row (train.max_nonfinite_in_a_row)"), last
   assert "Traceback" not in p.stderr
   recs = metrics(tmp_path)
-  assert [r["step"] for r in recs] == list(range(20))
+  assert [r["step"] for r in recs] == list(range(1, 21))
   assert [r["loss"] for r in recs[:10]] == ref_losses[:10]
   assert all(np.isnan(r["loss"]) for r in recs[10:])
   assert [r["nonfinite"] for r in recs] == [False] * 10 + [True] * 10
@@ -216,7 +216,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(reference, tmp_pat
   p = run(tmp_path / "stop", "train.on_nonfinite=stop", env=env, check=False, seams=["--nan-at=2"])
   assert p.returncode == 2
   assert p.stderr.strip().splitlines()[-1].startswith(
-      "meshlm: error: stopped at step 2: non-finite loss or gradient norm, train.on_nonfinite=stop")
+      "meshlm: error: stopped at step 3: non-finite loss or gradient norm, train.on_nonfinite=stop")
   assert [r["nonfinite"] for r in metrics(tmp_path / "stop")] == [False, False, True]
 
 
@@ -357,7 +357,7 @@ def test_checkpoint_dir_that_becomes_unwritable_stops_the_run(tmp_path, env):
       f"meshlm: error: checkpoint.dir={ckpts}: cannot save checkpoint 2 (Not a directory); the run stopped. "
       "Make it writable (or set checkpoint.dir) and run the same command to continue from the last checkpoint")
   assert "Traceback" not in p.stderr and "ERROR" not in p.stderr
-  assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]  # stopped at once, not trained on
+  assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]  # stopped at once, not trained on
   assert (tmp_path / "holder").is_file()  # the seam ran: the block is still there
 
 

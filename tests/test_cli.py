@@ -151,6 +151,14 @@ HELP_SCOPE = {
     "rl": lambda k: _no_model(k) and not _under("data.source", "data.path", "data.field", "train.seq_len",
                                                 "train.per_device_batch_size", "train.sample_tokens",
                                                 "train.sample_temperature")(k),
+    # eval: the step's shapes, the parameters to load and the data.* rules of the validation set; no optimizer, loop
+    # or run directory key.
+    "eval": lambda k: _no_model(k) and not _under(
+        "rl.", "run_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.dir", "data.source", "data.path",
+        "data.seed", "eval.every", "train.learning_rate", "train.warmup_steps", "train.min_lr_ratio",
+        "train.weight_decay", "train.b1", "train.b2", "train.grad_clip", "train.steps", "train.micro_batches",
+        "train.log_every", "train.sample_tokens", "train.sample_temperature", "train.on_nonfinite",
+        "train.max_nonfinite_in_a_row", "train.stop_after", "train.freeze")(k),
     "census": lambda k: _no_model(k) and not _under("rl.", *LOOP)(k),
     "compare": lambda k: _no_model(k) and not _under("rl.", *LOOP)(k),
     "bench": lambda k: _no_model(k) and not _under("rl.", *LOOP)(k),
@@ -344,7 +352,7 @@ def test_train_writes_metrics(tiny_run):
   _, run_dir = tiny_run
   with open(run_dir / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
-  assert [r["step"] for r in records] == list(range(STEPS))
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # the updates done, as the console counts
   for r in records:
     assert {"step", "loss", "step_time_s", "tokens_per_s", "grad_norm"} <= set(r)
     assert r["loss"] > 0 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["grad_norm"] > 0

@@ -276,11 +276,11 @@ def test_tensorboard_holds_the_metrics_of_every_step(loop_run):
   scalars = read_scalars(run_dir)
   assert {"loss", "grad_norm", "step_time_s", "tokens_per_s"} <= set(scalars)
   for key in ("loss", "grad_norm", "tokens_per_s"):
-    assert sorted(scalars[key]) == [r["step"] for r in records] == list(range(5)), key
+    assert sorted(scalars[key]) == [r["step"] for r in records] == list(range(1, 6)), key
     for r in records:  # TensorBoard keeps float32
       assert scalars[key][r["step"]] == np.float32(r[key]), (key, r["step"])
   # Negative control: the reader tells different values apart.
-  assert scalars["loss"][0] != scalars["loss"][4]
+  assert scalars["loss"][1] != scalars["loss"][5]
 
 
 # --- the loop core, shared by trainers (meshlm.train.loop.Loop) ----------------------------------
@@ -306,7 +306,7 @@ def _core_run(queue_ahead: bool, steps: int = 5, every: int = 3):
 
   class Writer:
     def write(self, r):
-      events.append(("R", r["step"]))
+      events.append(("R", r["step"] - 1))  # the step's index (records count the updates done, from 1)
       records.append(r)
 
     def close(self):

@@ -417,7 +417,7 @@ def test_tiny_moe_presets_train(preset, mesh, tmp_path):
                "model.parts.moe.router_aux_loss_coef=0.01", "model.parts.moe.router_z_loss_coef=0.001",
                f"run_dir={run}"]) == 0
   records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == list(range(steps))
+  assert [r["step"] for r in records] == list(range(1, steps + 1))
   losses = [r["loss"] for r in records]
   assert all(np.isfinite(losses))
   # Byte-level, untrained: about ln(512) = 6.2; a few dozen steps on Python source take it well below.

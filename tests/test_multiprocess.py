@@ -93,7 +93,8 @@ def _one_process(run_dir, *extra: str, data=None):
 
 def _metrics(run_dir, key: str = "loss") -> dict[int, float]:
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return {r["step"]: r[key] for r in map(json.loads, filter(str.strip, f)) if key in r}
+    # Keyed by the step's index: a record's `step` counts the updates done, from 1.
+    return {r["step"] - 1: r[key] for r in map(json.loads, filter(str.strip, f)) if key in r}
 
 
 def _data_state(run_dir, step: int) -> dict:

@@ -42,8 +42,8 @@ def runs(tmp_path_factory):
 
 
 def at_step_2(whole_dir, run_dir):
-  """A copy of the uninterrupted run as it stood after step 2: its checkpoint 4 removed (metrics.jsonl's steps 2
-  and 3 are dropped by the resume, as after any stop)."""
+  """A copy of the uninterrupted run as it stood after step 2: its checkpoint 4 removed (metrics.jsonl's steps 3
+  and 4 are dropped by the resume, as after any stop)."""
   shutil.copytree(whole_dir, run_dir)
   shutil.rmtree(run_dir / "checkpoints" / "4")
 

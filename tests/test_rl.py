@@ -161,7 +161,7 @@ def test_frozen_router_is_bit_unchanged_after_20_steps(runs, prompts):
 def test_sigterm_saves_and_ten_plus_ten_steps_equal_twenty(runs):
   straight, (first, resumed), records = runs
   assert first.stop_reason == "preempted" and first.signal == signal.SIGTERM and first.checkpoint.endswith("/10")
-  assert resumed.start_step == 10 and [r["step"] for r in records] == list(range(20))
+  assert resumed.start_step == 10 and [r["step"] for r in records] == list(range(1, 21))
   assert [r["reward_mean"] for r in records] == straight.rewards
   assert [r["loss"] for r in records] == [r["loss"] for r in straight.records]
   assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in straight.records]
@@ -203,7 +203,7 @@ def test_evaluations_write_their_completions_and_resume_exactly(runs, eval_file)
   at = {(r["step"], r["mode"]): [] for r in lines}
   for r in lines:
     at[r["step"], r["mode"]].append(r["reward"])
-  rec = {r["step"]: r for r in straight.records}
+  rec = {r["step"] - 1: r for r in straight.records}  # a record's evaluation comes before its update
   for s in (0, 10):
     assert rec[s]["eval_reward"] == pytest.approx(np.mean(at[s, "greedy"]), abs=1e-12)
     assert rec[s]["eval_reward_sampled"] == pytest.approx(np.mean(at[s, "sampled"]), abs=1e-12)

@@ -84,9 +84,9 @@ def test_fine_tune_learns_the_answers_and_validates_on_schedule_across_a_resume(
   assert second.start_step == 3
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  assert [r["step"] for r in records] == list(range(STEPS))
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # the updates done, as the console counts
   validated = [r["step"] for r in records if "val_loss" in r]
-  assert validated == [EVERY - 1, 2 * EVERY - 1, STEPS - 1]
+  assert validated == [EVERY, 2 * EVERY, STEPS]
   val = [r["val_loss"] for r in records if "val_loss" in r]
   assert val[-1] < val[0] and all(np.isclose(np.exp(r["val_loss"]), r["val_ppl"]) for r in records if "val_loss" in r)
   assert len({r["val_tokens"] for r in records if "val_tokens" in r}) == 1  # the same batches each time

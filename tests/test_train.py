@@ -105,7 +105,7 @@ def test_metrics_jsonl(run):
   result, run_dir = run("shard_mode=explicit", *MESHES["fsdp4"])
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  assert [r["step"] for r in records] == list(range(STEPS))
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # the updates done, as the console counts
   for r, loss, norm in zip(records, result.losses, result.grad_norms):
     assert {"step", "loss", "step_time_s", "tokens_per_s", "grad_norm"} <= set(r)
     assert r["loss"] == loss and r["grad_norm"] == norm and r["grad_norm"] > 0
@@ -235,7 +235,7 @@ def _loop_events(tmp_path, monkeypatch, *overrides):
     events.append(("D", sum(e[0] == "D" for e in events)))
     return call(self, state, batch)
   def read(self, record):
-    events.append(("R", record["step"]))
+    events.append(("R", record["step"] - 1))  # the step's index (records count the updates done, from 1)
     return write(self, record)
   monkeypatch.setattr(TrainStep, "__call__", dispatch)
   monkeypatch.setattr(L.MetricsWriter, "write", read)
@@ -267,5 +267,5 @@ def test_loop_does_not_run_past_a_step_that_may_stop_the_run(tmp_path, monkeypat
   events = _loop_events(tmp_path, monkeypatch, "train.max_nonfinite_in_a_row=2")
   D, R = (lambda n: ("D", n)), (lambda n: ("R", n))
   assert events[:-1] == [D(0), D(1), R(0), D(2), R(1), D(3), R(2), R(3)]
-  assert events[-1][0] == "stop" and "stopped at step 3" in events[-1][1]
+  assert events[-1][0] == "stop" and "stopped at step 4" in events[-1][1]  # the 4th step, index 3
   assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [4]

@@ -1,4 +1,4 @@
-"""meshlm <command> [key=value ...]: train | rl | census | compare | compile | bench | convert | generate."""
+"""meshlm <command> [key=value ...]: train | eval | rl | census | compare | compile | bench | convert | generate."""
 from __future__ import annotations
 
 import signal
@@ -12,6 +12,7 @@ USAGE = """usage: meshlm <command> [key=value ...]
 
 commands:
   train     train a model: meshlm train model=llama2-tiny train.steps=100
+  eval      the validation loss of a model, no training: meshlm eval model=RUN_DIR eval.path=val.jsonl
   rl        GRPO with rewards: meshlm rl model=RUN_DIR rl.prompts=prompts.jsonl rl.reward=exact_match
   presets   list the model presets
   convert   Hugging Face <-> meshlm: meshlm convert hf-to-meshlm SRC DST | meshlm-to-hf SRC DST
@@ -29,6 +30,8 @@ Keys are dotted paths into the config; model=NAME picks a preset.
 # One-line summaries for `meshlm <command> --help`; each command's usage line comes from its module.
 SUMMARIES = {
     "train": "Train a model; the same command with the same run_dir resumes from its latest checkpoint.",
+    "eval": ("The validation loss and perplexity of a model's parameters over eval.path (the whole file, each row "
+             "once; eval.batches caps it), as a train run measures it, with no training; writes nothing."),
     "rl": "Reinforcement learning (GRPO) on prompts with rewards; the same command with the same run_dir resumes.",
     "census": "HLO census of the train step `meshlm train` would compile (nothing runs).",
     "compile": ("The train step (or the RL step, the sampler's prefill and decode) compiled for a topology's devices "
@@ -53,6 +56,9 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
   if cmd == "rl":
     from meshlm.commands.rl import USAGE
     return USAGE, None
+  if cmd == "eval":
+    from meshlm.commands.eval import OPTIONS, USAGE
+    return USAGE, OPTIONS
   if cmd in ("census", "compare"):
     from meshlm.commands import census as c
     return (c.CENSUS_USAGE, c.CENSUS_OPTIONS) if cmd == "census" else (c.COMPARE_USAGE, c.COMPARE_OPTIONS)
@@ -74,6 +80,9 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
 # What a run's loop reads and a compile-only command does not: the data, when to log, sample, stop and save.
 _LOOP = ("run_dir", "checkpoint.", "data.", "train.log_every", "train.sample_tokens", "train.sample_temperature",
          "train.on_nonfinite", "train.max_nonfinite_in_a_row", "train.stop_after")
+# The optimizer's keys: what only an update reads.
+_OPTIMIZER = ("train.learning_rate", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
+              "train.b2", "train.grad_clip")
 # rl.* keys read on the host only (the prompts, rewards, evaluation and logs): in no compiled program.
 _RL_HOST = ("rl.prompts", "rl.reward", "rl.reward_weights", "rl.reward_regex", "rl.failed_reward", "rl.scale_rewards",
             "rl.mask_truncated_completions", "rl.eval_every", "rl.eval_prompts", "rl.log_completions")
@@ -85,6 +94,12 @@ HELP_KEYS = {
     # rl sets the row length and batch from its prompts and rl.* (rl/trainer.rl_config), and reads no data files.
     "rl": (None, ("data.source", "data.path", "data.field", "train.seq_len", "train.per_device_batch_size",
                   "train.sample_tokens", "train.sample_temperature")),
+    # eval reads the step's shapes and dtypes, the parameters to load and the data.* rules the validation set is read
+    # with (eval.path, not data.path); nothing of the optimizer, the loop or the run directory.
+    "eval": (None, ("rl.", "run_dir", "checkpoint.every", "checkpoint.keep", "checkpoint.dir", "data.source", "data.path",
+                    "data.seed", "eval.every", *_OPTIMIZER, "train.steps", "train.micro_batches", "train.log_every",
+                    "train.sample_tokens", "train.sample_temperature", "train.on_nonfinite",
+                    "train.max_nonfinite_in_a_row", "train.stop_after", "train.freeze")),
     "census": (None, ("rl.", *_LOOP)),
     "compare": (None, ("rl.", *_LOOP)),
     "bench": (None, ("rl.", *_LOOP)),
@@ -196,6 +211,11 @@ def cmd_train(args: list[str], start: float) -> int:
   return 0
 
 
+def cmd_eval(args: list[str], start: float) -> int:
+  from meshlm.commands.eval import main as eval_main
+  return eval_main(args, start)
+
+
 def cmd_rl(args: list[str], start: float) -> int:
   from meshlm.commands.rl import main as rl_main
   return rl_main(args, start)
@@ -242,7 +262,7 @@ def cmd_generate(args: list[str], start: float) -> int:
   return generate_main(args)
 
 
-COMMANDS = {"generate": cmd_generate, "train": cmd_train, "rl": cmd_rl, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
+COMMANDS = {"generate": cmd_generate, "train": cmd_train, "eval": cmd_eval, "rl": cmd_rl, "presets": cmd_presets, "convert": cmd_convert, "census": cmd_census,
             "compare": cmd_compare, "compile": cmd_compile, "bench": cmd_bench}
 
 

@@ -9,7 +9,8 @@ from meshlm.errors import ConfigError
 USAGE = ("meshlm generate PATH prompt=TEXT|prompt_ids=ID,ID|messages=FILE [chat=true] [max_new_tokens=64] "
          "[temperature=0] [top_k=N] [top_p=1] [seed=0] [stop=ID,ID] [key=value ...]")
 OPTIONS = """  PATH              a run directory, a meshlm model directory or a Hugging Face model directory
-  prompt=TEXT       the text to continue, tokenized with PATH's tokenizer.json (else data.tokenizer)
+  prompt=TEXT       the text to continue, tokenized with PATH's tokenizer.json (else data.tokenizer), after the
+                    BOS its post-processor puts before a text (Llama 3's), as plain-text training rows
   prompt_ids=ID,ID  or the prompt as token ids: no tokenizer is needed, and the new token ids are printed
   chat=true         prompt=TEXT is a user message, rendered with PATH's chat template and its generation prompt
                     (chat_template.jinja or tokenizer_config.json beside the tokenizer, else data.chat_template);
@@ -116,7 +117,8 @@ def main(args: list[str]) -> int:
     tok, ids = None, _ids("prompt_ids", opts["prompt_ids"])
   else:
     tok = make_tokenizer(cfg, otherwise="or give the prompt as token ids (prompt_ids=ID,ID)")
-    ids = _chat_ids(cfg, tok, opts) if chat else [int(t) for t in tok.encode(opts["prompt"])]
+    # A plain prompt starts as a plain-text training row does: the tokenizer's post-processor BOS (Llama 3's), if any.
+    ids = _chat_ids(cfg, tok, opts) if chat else [int(t) for t in (*tok.bos_ids, *tok.encode(opts["prompt"]))]
   stop = _ids("stop", opts["stop"])
   check_request(cfg, [ids], opts["max_new_tokens"], opts["temperature"], opts["top_k"], opts["top_p"])
   params = load_tree(cfg)

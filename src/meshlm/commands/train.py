@@ -1,12 +1,13 @@
-"""What `meshlm train` adds around train.loop.train: the run directory carries its tokenizer and chat template (copied
-once the loop returns, whatever its stop reason, so that a config the loop refuses leaves nothing behind)."""
+"""What `meshlm train` adds around train.loop.train: the run directory carries its tokenizer (tokenizer.json and the
+files beside it that say how to read it: tokenizer_config.json with its special tokens, special_tokens_map.json, ...)
+and chat template, copied once the loop returns, whatever its stop reason, so that a config the loop refuses leaves
+nothing behind."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 from meshlm.config import Config
-from meshlm.fsutil import write_text
 
 
 def tokenizer_file(cfg: Config) -> Path | None:
@@ -20,22 +21,51 @@ def tokenizer_file(cfg: Config) -> Path | None:
 
 
 def carry_tokenizer(cfg: Config) -> None:
-  """Copies the run's tokenizer.json into run_dir, so that model=RUN_DIR (generate, a fine-tune, convert)
-  reads text with the tokenizer the run trained with, as it does from a model directory. Process 0 only."""
+  """Copies the run's tokenizer into run_dir, so that model=RUN_DIR (generate, a fine-tune, rl, convert) reads text
+  as the run did, as it does from a model directory: tokenizer.json, the tokenizer files beside it (convert's
+  TOKENIZER_FILES: tokenizer_config.json names the bos/eos/pad tokens that the chat template renders and the EOS rule
+  reads; one naming the run's EOS and BOS when the tokenizer came without it) and the chat template as
+  chat_template.jinja (data.chat_template's, else the directory's). Process 0 only."""
   import jax
+  from meshlm.commands.convert import TOKENIZER_FILES
   src = tokenizer_file(cfg)
   dst = Path(cfg.run_dir) / "tokenizer.json"
   if src is None or jax.process_index() != 0 or src.resolve() == dst.resolve():
     return
-  _write_once(dst, src.read_text())
+  _write_once(dst, src.read_bytes())
+  for name in TOKENIZER_FILES:
+    side = src.parent / name
+    # chat_template.json is replaced by the one template the run used, as chat_template.jinja
+    if name not in ("tokenizer.json", "chat_template.jinja", "chat_template.json") and side.is_file():
+      _write_once(Path(cfg.run_dir) / name, side.read_bytes())
+  if not (src.parent / "tokenizer_config.json").is_file():
+    _write_once(Path(cfg.run_dir) / "tokenizer_config.json", _tokenizer_config(src))
   from meshlm.train.data.chat import load_chat_template
   template = load_chat_template(cfg.data.chat_template, str(src))
   if template is not None:
-    # model=RUN_DIR finds it beside the tokenizer (meshlm generate chat=true renders with it).
+    # model=RUN_DIR finds it beside the tokenizer (meshlm generate chat=true renders with it); it wins over a
+    # chat_template in tokenizer_config.json, for meshlm as for transformers.
     _write_once(Path(cfg.run_dir) / "chat_template.jinja", template.source)
 
 
-def _write_once(dst: Path, text: str) -> None:
-  if not (dst.is_file() and dst.read_text() == text):
-    os.makedirs(dst.parent, exist_ok=True)
-    write_text(dst, text)
+def _tokenizer_config(src: Path) -> str:
+  """A tokenizer_config.json for a tokenizer.json that came without one: the EOS the run ended its rows with (the EOS
+  rule's choice) and the BOS its post-processor adds, so that transformers' AutoTokenizer and model=RUN_DIR read
+  the tokens the run trained with."""
+  import json
+  from meshlm.train.data.tokenizers import HFTokenizer
+  tok = HFTokenizer(str(src))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.token(tok.eos_id)}
+  if len(tok.bos_ids):
+    config["bos_token"] = tok.token(tok.bos_ids[0])
+  return json.dumps(config, indent=2) + "\n"
+
+
+def _write_once(dst: Path, data: str | bytes) -> None:
+  raw = data.encode() if isinstance(data, str) else data  # tokenizer.model is binary
+  if dst.is_file() and dst.read_bytes() == raw:
+    return
+  os.makedirs(dst.parent, exist_ok=True)
+  tmp = dst.with_name(dst.name + ".tmp")
+  tmp.write_bytes(raw)
+  os.replace(tmp, dst)  # readers see the old file or the new, never half

@@ -229,7 +229,8 @@ class TrainConfig(_Strict):
       "(on TPU one bf16 pass), high (3 passes), highest (float32, as on CPU: float32 parity with a CPU run)")
   seed: int = Field(default=0, description="seed of parameter init and training randomness")
   log_every: int = Field(default=1, gt=0, description="write metrics every N steps")
-  sample_tokens: int = Field(default=96, ge=0, description="length of the sample printed at the end (0: none)")
+  sample_tokens: int = Field(default=96, ge=0, description="length of the sample printed at the end (0: none); it "
+                             "continues 'The ', or a chat fine-tune's first user turn (prompt-completion: its prompt)")
   sample_temperature: float = Field(default=0.7, ge=0, description="temperature of the sample printed at the end, "
                                     "drawn with train.seed (0: greedy, which a tiny model ends in repeats)")
   # A NaN/Inf loss or gradient norm: skip the update (params and optimizer state unchanged), or
@@ -285,13 +286,14 @@ class DataConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-  """A validation set: its loss every eval.every steps and at the end (docs/data.md, "Validation")."""
+  """A validation set: its loss every eval.every steps and at the end, or alone with `meshlm eval` (docs/data.md,
+  "Validation")."""
   path: Optional[str] = Field(default=None, description="glob of the validation files (.jsonl, .parquet, .txt), in any "
                               "data.format; read with the data.* settings; null: no validation")
   every: int = Field(default=0, ge=0, description="the validation loss after every N steps (and after the last); "
                      "0: after the last only")
-  batches: int = Field(default=4, gt=0, description="global batches of the validation set per evaluation, the same "
-                       "ones each time")
+  batches: Optional[int] = Field(default=None, gt=0, description="cap each evaluation at the first N global batches "
+                                 "of the validation set (the same ones each time); null: the whole set, each row once")
 
   @model_validator(mode="after")
   def _needs_path(self):

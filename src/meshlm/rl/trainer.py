@@ -332,7 +332,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   os.makedirs(cfg.run_dir, exist_ok=True)
   LP._trim_metrics(cfg.run_dir, start)
   if start < cfg.train.steps:  # the evaluations of steps run again are written again (a run at its end keeps its last)
-    LP._trim_metrics(cfg.run_dir, start, COMPLETIONS)
+    LP._trim_metrics(cfg.run_dir, start, COMPLETIONS, counts_from=0)
   # The first rollout comes before the run's records (config.yaml, metrics.jsonl, tensorboard/): a reward that fails
   # on every completion stops the run here, and leave_as_found removes the directories it made, as before any step.
   pending = {start: tr.rollout(state, start)} if start < cfg.train.steps else {}
@@ -376,7 +376,8 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   if out.nonfinite_msg:
     ckpt.wait()
     raise LP.NonFiniteStop(out.nonfinite_msg)
-  evals = {r["step"]: r["eval_reward"] for r in records if "eval_reward" in r}
+  # A record's eval_reward was measured before its update: after step - 1 updates (eval.json's keys count updates).
+  evals = {r["step"] - 1: r["eval_reward"] for r in records if "eval_reward" in r}
   if out.stop_reason == "done" and cfg.rl.eval_every and records:
     evals[cfg.train.steps] = tr.evaluate(out.state, cfg.train.steps)["eval_reward"]
     if jax.process_index() == 0:

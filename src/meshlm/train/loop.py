@@ -105,15 +105,16 @@ def write_config(cfg: Config) -> None:
     write_text(os.path.join(cfg.run_dir, "config.yaml"), to_yaml(cfg))
 
 
-def _trim_metrics(run_dir: str, start_step: int, name: str = "metrics.jsonl") -> None:
-  """Drops metrics.jsonl records (or another JSONL file's, each with a `step`) of steps >= start_step: steps run
-  after the checkpoint we resume from are run again, and each step should appear once."""
+def _trim_metrics(run_dir: str, start_step: int, name: str = "metrics.jsonl", counts_from: int = 1) -> None:
+  """Drops the records of steps run after the checkpoint at start_step (they are run again, and each step should
+  appear once): metrics.jsonl's, whose `step` counts from 1 (record n: after n updates), from start_step + 1 on;
+  another JSONL file's with counts_from=0 (a `step` of updates done before it: RL's completions) from start_step on."""
   path = os.path.join(run_dir, name)
   if jax.process_index() != 0 or not os.path.exists(path):
     return
   with open(path) as f:
     lines = [ln for ln in f if ln.strip()]
-  keep = [ln for ln in lines if json.loads(ln).get("step", -1) < start_step]
+  keep = [ln for ln in lines if json.loads(ln).get("step", -1) < start_step + counts_from]
   if len(keep) != len(lines):
     write_text(path, "".join(keep))
 
@@ -341,17 +342,20 @@ class Loop:
     if f.step % t.log_every == 0 or f.step == t.steps - 1 or f.nonfinite or validated:
       # The loss's own metrics (aux losses, RL statistics) ride along under their names.
       extra = {k: float(v) for k, v in f.metrics.items() if k not in ("loss", "grad_norm", "nonfinite")}
-      record = {"step": f.step, "loss": f.loss, "grad_norm": f.grad_norm, "step_time_s": f.dt,
+      # "step" counts the updates done, from 1, as the console's lines and TRL's logs (the step after the update).
+      record = {"step": f.step + 1, "loss": f.loss, "grad_norm": f.grad_norm, "step_time_s": f.dt,
                 "tokens_per_s": tokens_per_step / f.dt, "nonfinite": f.nonfinite, **extra, **r.counters}
       if f.step == r.start:
         record["time_to_first_step_s"] = r.first_step_s
       self.writer.write(record)
     if f.nonfinite:
-      self.say(f"[yellow]warning:[/] step {f.step}: non-finite loss ({f.loss}) or grad norm ({f.grad_norm}); "
+      self.say(f"[yellow]warning:[/] step {f.step + 1}: non-finite loss ({f.loss}) or grad norm ({f.grad_norm}); "
                f"update skipped ({r.counters['nonfinite_in_a_row']} in a row)")
     extra_text = "  " + self.progress_extra(f.metrics) if self.progress_extra is not None else ""
     if validated:
-      extra_text += f"  val_loss {f.metrics['val_loss']:.4f} (ppl {f.metrics['val_ppl']:.2f})"
+      m = f.metrics
+      extra_text += (f"  val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}; {int(m['val_rows'])} rows, "
+                     f"{int(m['val_tokens']):,} tokens)")
     progress.update(task, advance=1, loss=f.loss, tps=tokens_per_step / f.dt, dt=f.dt, extra=extra_text)
     if plain and (f.step % t.log_every == 0 or f.step == t.steps - 1 or validated):
       self.console.print(f"step {f.step + 1}/{t.steps}  loss {f.loss:.4f}  {tokens_per_step / f.dt:,.0f} tok/s  "
@@ -363,7 +367,7 @@ class Loop:
     if f.nonfinite and (t.on_nonfinite == "stop" or r.counters["nonfinite_in_a_row"] >= t.max_nonfinite_in_a_row):
       why = ("train.on_nonfinite=stop" if t.on_nonfinite == "stop" else
              f"{r.counters['nonfinite_in_a_row']} non-finite steps in a row (train.max_nonfinite_in_a_row)")
-      r.nonfinite_msg = (f"stopped at step {f.step}: non-finite loss or gradient norm, {why}; the last good state is "
+      r.nonfinite_msg = (f"stopped at step {done}: non-finite loss or gradient norm, {why}; the last good state is "
                          f"saved as checkpoint {self.ckpt.dir}/{done}. Lower train.learning_rate or check the data")
       return "nonfinite"
     if r.preempt:
@@ -456,6 +460,35 @@ def restore_or_init(cfg: Config, step_fn, ckpt, say, ignore: tuple[str, ...] = (
   return state, 0, rng, counters, None
 
 
+def sample_prompt(cfg: Config, data, tok) -> tuple[list[int], str, tuple[int, ...] | None]:
+  """The end-of-run sample's prompt as the run's rows begin: (ids, the text printed before the sample, the stop
+  tokens or None for the model's own). A chat fine-tune: the first row's turns before its first assistant turn (its
+  prompt, in the prompt-completion form), rendered by the chat template with the generation prompt, stopping at the
+  tokenizer's EOS (the end of a turn); prompt-completion rows: the first row's prompt; plain text: "The " ("def "
+  for the stdlib corpus). The tokenizer's BOS first wherever the run's rows have it (train/data/formats.py)."""
+  from meshlm.train.data import chat_template
+  from meshlm.train.data.formats import CONVERSATIONAL
+  fmt = getattr(data, "format", "language_modeling")
+  doc = data.example() if fmt != "language_modeling" else None
+  stops = None
+  if doc is not None and fmt in CONVERSATIONAL:
+    row = doc.data
+    turns = row["prompt"] if fmt != "conversational" else row["messages"]
+    turns = turns[:next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))]
+    text, _ = chat_template(cfg, fmt).render(turns, add_generation_prompt=True)
+    user = next((m["content"] for m in reversed(turns) if m["role"] == "user"), "")
+    ids, shown = [int(i) for i in tok.encode_offsets(text)[0]], f"[user] {user}\n[assistant] "
+    stops = (tok.eos_id,)
+  else:
+    shown = doc.data["prompt"] if doc is not None else ("def " if cfg.data.source == "stdlib" else "The ")
+    ids = [int(i) for i in tok.bos_ids] + [int(i) for i in tok.encode(shown.encode())]
+    stops = None if doc is None else (tok.eos_id,)
+  if stops is not None and cfg.model.eos_token_id is not None:
+    eos = cfg.model.eos_token_id
+    stops = tuple(dict.fromkeys((*stops, *(eos if isinstance(eos, list) else [eos]))))
+  return ids, shown, stops
+
+
 def _count_trained_tokens(step_fn) -> Callable:
   """step_fn, with the batch's trained tokens (its loss-mask count) as the metric trained_tokens: with the SFT
   formats' masks, tokens per step no longer says what trained."""
@@ -506,6 +539,8 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
     write_config(cfg)
   _trim_metrics(cfg.run_dir, start)
   writer = MetricsWriter(cfg.run_dir) if jax.process_index() == 0 else _NullWriter()
+  if evaluate is not None:
+    say(f"validation: {evaluate.describe()}", markup=False, highlight=False)
   step = _count_trained_tokens(step_fn) if getattr(data, "masked", False) else step_fn
   loop = Loop(cfg, step, ckpt, console, say, writer, step_fn.global_batch * t.seq_len, show_progress, t_start, on_step,
               evaluate=evaluate, progress_extra=part_metrics_text(cfg))
@@ -522,12 +557,11 @@ def _run(cfg: Config, step_fn, data, ckpt, console: Console, say, show_progress:
   if stop_reason == "done" and t.sample_tokens:  # every process samples (generate gathers the tokens onto each)
     from meshlm.models.generate import generate
     tok = getattr(data, "tokenizer", None) or ByteTokenizer()
-    text = "def " if cfg.data.source == "stdlib" else "The "
-    prompt = [int(i) for i in tok.encode(text.encode())]
+    prompt, shown, stops = sample_prompt(cfg, data, tok)
     room = cfg.model.max_position - len(prompt)
     if room > 0:
       gen = generate(cfg, merge_state(state.params, state.model_state), [prompt],
                      max_new_tokens=min(t.sample_tokens, room), temperature=t.sample_temperature, seed=t.seed,
-                     mesh=step_fn.mesh)
-      sample = text + tok.decode(gen.token_lists()[0])
+                     stop_tokens=stops, mesh=step_fn.mesh)
+      sample = shown + tok.decode(gen.token_lists()[0])
   return TrainResult(losses, norms, state, sample, first_step_s, start, stop_reason, saved, out.signal, cfg.run_dir)

@@ -4,7 +4,7 @@ The pipeline is Grain throughout:
 
   documents (files, JSONL lines, Parquet rows or synthetic ids), all of them
   -> shuffle(data.seed), new order each epoch -> repeat
-  -> read + tokenize (+EOS), lazily in a small thread pool
+  -> read + tokenize (the post-processor's BOS, the text, EOS), lazily in a small thread pool
   -> count invalid UTF-8, in order (in the consumer thread, so the count does not depend on prefetch)
   -> ConcatThenSplit into rows of seq_len + 1 tokens -> global batch -> this process's rows
   -> inputs/targets/masks
@@ -89,8 +89,10 @@ class _Encode:
     if isinstance(data, bytes) and not self.tok.byte_level:
       data, bad = replace_invalid_utf8(data)
     ids = self.tok.encode(data)
-    tokens = np.empty(len(ids) + 1, np.int32)  # [n + 1]
-    tokens[:-1] = ids
+    bos = self.tok.bos_ids  # what the tokenizer's post-processor puts first (Llama 3's BOS), or nothing
+    tokens = np.empty(len(bos) + len(ids) + 1, np.int32)  # [b + n + 1]
+    tokens[:len(bos)] = bos
+    tokens[len(bos):-1] = ids
     tokens[-1] = self.tok.eos_id
     return {"tokens": tokens}, (None if bad is None else (where, bad))
 
@@ -162,6 +164,18 @@ def _kept(example) -> bool:
   return example is not None
 
 
+class _CountDocuments:
+  """Counts the documents the packer takes (a map in the consumer's thread, in stream order): after a whole pass of
+  the validation set, every document once."""
+
+  def __init__(self):
+    self.n = 0
+
+  def __call__(self, example):
+    self.n += 1
+    return example
+
+
 def _count_invalid_utf8(encoded: tuple[dict[str, np.ndarray], tuple[str, int] | None]) -> dict[str, np.ndarray]:
   # An IterDataset map runs in the consumer's thread, once per document in stream order: the count
   # is a function of the documents packed so far, whatever the prefetch threads read ahead.
@@ -205,7 +219,8 @@ def batch_rows(mesh, global_batch: int, seq_len: int) -> np.ndarray:
 
 
 class DataIterator:
-  """Infinite iterator of this process's rows of each global batch, each value [len(rows), seq_len].
+  """Iterator of this process's rows of each global batch, each value [len(rows), seq_len]: infinite, or one pass
+  (make_dataset's once=True), whose last batch is padded to the global batch with empty rows (segment 0, no target).
 
   A thin wrapper over a Grain DatasetIterator of global batches: get_state() is a small dict (indices
   and offsets, no data), the same on every process, that set_state() on a fresh iterator from the same
@@ -213,8 +228,13 @@ class DataIterator:
   """
 
   def __init__(self, it: grain.DatasetIterator, tokenizer: ByteTokenizer | HFTokenizer, num_documents: int,
-               rows: np.ndarray | slice, masked: bool = False, where: str = "data.path"):
+               rows: np.ndarray | slice, masked: bool = False, where: str = "data.path",
+               global_batch: int | None = None, counter: _CountDocuments | None = None, fmt: str = "language_modeling",
+               example=None):
     self.masked = masked  # an SFT format's mask decides which targets train (formats.py)
+    self.format = fmt  # the rows' data format (formats.py)
+    self._example = example
+    self.global_batch, self._counter = global_batch, counter
     self._it = it
     self.tokenizer = tokenizer
     self.num_documents = num_documents  # in the corpus
@@ -226,7 +246,10 @@ class DataIterator:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    batch = next(self._it)  # [global_batch, seq_len + 1] each
+    batch = next(self._it)  # [global_batch, seq_len + 1] each; one pass's last batch may hold fewer rows
+    short = self.global_batch - len(batch["tokens"]) if self.global_batch else 0
+    if short > 0:  # rows of padding: segment 0, so no target counts
+      batch = {k: np.concatenate([v, np.zeros((short, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
     if self.masked:
       self.trained_tokens = int(_to_example(batch)["loss_mask"].sum())
       if not self.trained_tokens:
@@ -235,6 +258,15 @@ class DataIterator:
                       f"{batch['tokens'].shape[-1]} tokens): nothing in it counts in the loss (a training step on it trains on "
                       "nothing)", EmptyBatchWarning)
     return _to_example({k: v[self.rows] for k, v in batch.items()})
+
+  def example(self):
+    """One document of the stream (its first), for the end-of-run sample's prompt: a Doc, or None (synthetic)."""
+    return None if self._example is None else self._example()
+
+  @property
+  def documents_read(self) -> int:
+    """How many documents (rows of a file) the packer has taken so far: after a whole pass, all of them."""
+    return self._counter.n
 
   def get_state(self) -> dict[str, Any]:
     return self._it.get_state()
@@ -253,16 +285,18 @@ def _lists_to_tuples(x: Any) -> Any:
   return x
 
 
-def _documents(cfg: Config, shuffle: bool = True, key: str = "data.path") -> tuple[int, grain.MapDataset, str]:
-  """The corpus size, its documents shuffled per epoch (shuffle) and repeated: Docs, or synthetic ids, and the
-  data format (formats.py) of its rows. Errors name the files' glob as `key`."""
+def _documents(cfg: Config, shuffle: bool = True, key: str = "data.path",
+               once: bool = False) -> tuple[int, grain.MapDataset, str]:
+  """The corpus size, its documents shuffled per epoch (shuffle) and repeated (or read once: once, in storage order):
+  Docs, or synthetic ids, and the data format (formats.py) of its rows. Errors name the files' glob as `key`."""
+  repeat = 1 if once else None
   source, seed = cfg.data.source, cfg.data.seed
   fmt = "language_modeling"
   if source == "parquet":
     rows = _parquet_rows(cfg, key)
     n = len(rows)
     if not shuffle:
-      return n, grain.MapDataset.source(rows).repeat(None), rows.fmt
+      return n, grain.MapDataset.source(rows).repeat(repeat), rows.fmt
     # Locality-preserving shuffle (see _ParquetRows); Grain's global shuffle would decode a row
     # group per row.
     return n, grain.MapDataset.range(n).repeat(None).map_with_index(_ParquetRead(rows)), rows.fmt
@@ -282,7 +316,7 @@ def _documents(cfg: Config, shuffle: bool = True, key: str = "data.path") -> tup
   if not n:
     raise ConfigError(f"{key}={cfg.data.path!r} (data.source={source}) has no documents")
   if not shuffle:
-    return n, docs.repeat(None), fmt
+    return n, docs.repeat(repeat), fmt
   # shuffle then repeat: Grain folds the epoch into the seed, so each epoch has a new order.
   return n, docs.shuffle(seed=seed).repeat(None), fmt
 
@@ -326,13 +360,14 @@ def warn_untrained_eos(template: ChatTemplate, tok) -> bool:
 
 
 def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarray | None = None,
-                 shuffle: bool = True, key: str = "data.path") -> DataIterator:
+                 shuffle: bool = True, key: str = "data.path", once: bool = False) -> DataIterator:
   """This process's training stream: dicts of inputs, targets, segment_ids, positions (int32) and
   loss_mask (float32), each [len(rows), seq_len]: rows `rows` (default all) of each global batch.
 
   The global batches depend only on the data config, global_batch and seq_len. The training loop
   passes batch_rows(mesh, ...), the rows this process's devices hold. shuffle=False reads the documents in
-  storage order, repeated (the validation set). The SFT formats (formats.py) pack each row whole, first fit, and
+  storage order, repeated; once=True (with shuffle=False: the validation set) reads them once, the last batch padded
+  to global_batch rows with empty ones, then stops. The SFT formats (formats.py) pack each row whole, first fit, and
   AND their per-token mask into loss_mask.
 
   Validates eagerly (raising ConfigError): the tokenizer against model.vocab_size, that the glob
@@ -350,14 +385,17 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
                       f"use data.tokenizer=byte or a file source")
   # Synthetic ids fit the model's vocabulary themselves; the byte tokenizer only decodes samples.
   tok = ByteTokenizer() if cfg.data.source == "synthetic" else make_tokenizer(cfg)
-  num_docs, ds, fmt = _documents(cfg, shuffle, key)
+  if once and shuffle:
+    raise ValueError("once=True reads the documents in storage order: pass shuffle=False")
+  num_docs, ds, fmt = _documents(cfg, shuffle, key, once)
+  counter = _CountDocuments()
   # Documents are read on demand a few ahead; Grain's defaults (16 threads, 500 reads) would hog the CPU.
   read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
   # Partials and callables, not lambdas, so the tail of the pipeline stays picklable.
   if cfg.data.source == "synthetic":
     it_ds = ds.map(functools.partial(_synthetic_example, cfg.data.seed, cfg.model.vocab_size)).to_iter_dataset(read)
   elif fmt == "language_modeling":
-    it_ds = ds.map(_Encode(tok)).to_iter_dataset(read).map(_count_invalid_utf8)
+    it_ds = ds.map(_Encode(tok)).to_iter_dataset(read).map(_count_invalid_utf8).map(counter)
   if fmt == "language_modeling":
     it_ds = grain.experimental.ConcatThenSplitIterDataset(it_ds, length_struct={"tokens": seq_len + 1})
   else:
@@ -366,15 +404,17 @@ def make_dataset(cfg: Config, *, global_batch: int, seq_len: int, rows: np.ndarr
       warn_untrained_eos(template, tok)
     encode = _EncodeRow(tok, fmt, template, cfg.data, seq_len + 1)
     count = _CountRows(num_docs, key, cfg.data.path, seq_len + 1)
-    it_ds = ds.map_with_index(encode).to_iter_dataset(read).map(count).filter(_kept)
+    it_ds = ds.map_with_index(encode).to_iter_dataset(read).map(count).filter(_kept).map(counter)
     # A row stays whole in one packed row (first fit over as many open rows as the global batch), padded at the end
     # (segment 0, never a target): a conversation cut across rows would train its second half without the first.
     it_ds = grain.experimental.FirstFitPackIterDataset(
         it_ds, length_struct={"tokens": seq_len + 1, "mask": seq_len + 1}, num_packing_bins=global_batch,
         shuffle_bins=False)
-  it_ds = it_ds.batch(global_batch, drop_remainder=True)
+  it_ds = it_ds.batch(global_batch, drop_remainder=not once)
   if rows is None or np.array_equal(rows, np.arange(global_batch)):
     rows = slice(None)
   elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
     rows = slice(int(rows[0]), int(rows[0]) + len(rows))  # a view, not a copy
-  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling", f"{key}={cfg.data.path}")
+  example = None if cfg.data.source == "synthetic" else functools.partial(ds.__getitem__, 0)
+  return DataIterator(iter(it_ds), tok, num_docs, rows, fmt != "language_modeling", f"{key}={cfg.data.path}",
+                      global_batch, counter, fmt, example)

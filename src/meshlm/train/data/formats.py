@@ -9,7 +9,8 @@ data.format=auto infers the format from the first row of the first file (TRL rea
 then fit it, or is refused naming its file and line (row), never skipped.
 
 The rules, TRL's SFTTrainer's (transcribed from trl 1.16's sft_trainer.py; docs/data.md "Coming from TRL"):
-  - prompt_completion: ids(prompt + completion) + [EOS]; the completion starts where ids(prompt) and
+  - prompt_completion: [BOS] + ids(prompt + completion) + [EOS], the BOS where the tokenizer's post-processor puts one
+    (TRL tokenizes these rows with the tokenizer's special tokens); the completion starts where ids(prompt) and
     ids(prompt + completion) first differ (TRL's common_prefix_length). data.completion_only (default on, as TRL's
     completion_only_loss) trains only the completion and the EOS.
   - conversational: the chat template's rendering, tokenized as one text without the tokenizer's own special tokens
@@ -101,8 +102,8 @@ def encode_row(row: dict, fmt: str, tok, template, completion_only: bool, assist
                ) -> tuple[np.ndarray, np.ndarray]:
   """(token ids, 1 where the token is trained as a target) of one SFT row, by the module docstring's rules."""
   if fmt == "prompt_completion":
-    prompt_ids = tok.encode(row["prompt"])
-    ids = np.concatenate([tok.encode(row["prompt"] + row["completion"]), [tok.eos_id]]).astype(np.int32)
+    prompt_ids = np.concatenate([tok.bos_ids, tok.encode(row["prompt"])])
+    ids = np.concatenate([tok.bos_ids, tok.encode(row["prompt"] + row["completion"]), [tok.eos_id]]).astype(np.int32)
     mask = np.ones(len(ids), np.int32)
     if completion_only:
       mask[:common_prefix_length(prompt_ids, ids)] = 0

@@ -23,6 +23,7 @@ class ByteTokenizer:
   """One token per byte (ids 0..255) plus EOS = 256, which closes every document."""
   eos_id = 256
   byte_level = True
+  bos_ids = np.zeros(0, np.int32)  # no BOS
 
   @property
   def vocab_size(self) -> int:
@@ -48,8 +49,10 @@ class ByteTokenizer:
 class HFTokenizer:
   """A Hugging Face tokenizer.json through the `tokenizers` library.
 
-  vocab_size is the largest id + 1 (added tokens included). eos_id follows EOS_CANDIDATES' rule.
-  Documents are encoded without the tokenizer's own special tokens (no BOS); EOS closes each one.
+  vocab_size is the largest id + 1 (added tokens included). eos_id follows EOS_CANDIDATES' rule. bos_ids: the special
+  tokens its post-processor puts before a text (Llama 3's <|begin_of_text|>; none for GPT-2/Qwen's byte-level one),
+  which a plain-text document and a prompt-completion row start with (TRL tokenizes those with the tokenizer's
+  special tokens). encode itself adds no special token: chat templates write their own, and EOS closes each document.
   """
   byte_level = False
 
@@ -59,6 +62,7 @@ class HFTokenizer:
     vocab = self._tok.get_vocab(with_added_tokens=True)
     self.vocab_size = max(vocab.values()) + 1
     self.eos_id = _hf_eos_id(path, vocab)
+    self.bos_ids = _leading_special_ids(self._tok)
 
   # The Rust tokenizer is rebuilt from its file when Grain or a checkpoint pickles us.
   def __getstate__(self):
@@ -82,10 +86,23 @@ class HFTokenizer:
     offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # [tokens, 2]
     return np.asarray(enc.ids, np.int32), offsets[:, 0], offsets[:, 1]
 
+  def token(self, i: int) -> str:
+    """The token (its vocabulary string) of id i."""
+    return self._tok.id_to_token(int(i))
+
   def decode(self, ids) -> str:
     ids = np.asarray(ids).reshape(-1)
     ids = ids[(ids >= 0) & (ids < self.vocab_size) & (ids != self.eos_id)]
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _leading_special_ids(tok) -> np.ndarray:
+  """The ids the post-processor puts before a text: encode a probe with and without special tokens and take what
+  comes before the plain ids (the ones after them, such as an EOS some processors append, are left to the EOS rule)."""
+  plain = tok.encode("a", add_special_tokens=False).ids
+  full = tok.encode("a", add_special_tokens=True).ids
+  start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+  return np.asarray(full[:start], np.int32)
 
 
 def tokenizer_path(name: str) -> str:
