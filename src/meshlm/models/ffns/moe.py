@@ -32,7 +32,8 @@ kernel_fsdp say how the layer computes and lays out the same parameters (COMPUTE
 other values). kernel_fsdp null is decided for the run (`run_knobs`, by `layout_for`), and the part checks the
 mesh: mesh.expert shards whole experts (`check_mesh`), and only a model with this part may set it above 1
 (MeshRules.axes). Which layers are MoE is the family's plan (model.decoder_sparse_step, mlp_only_layers,
-first_k_dense_replace), not a knob of the part.
+first_k_dense_replace), not a knob of the part. The layer (nn/moe moe_mlp) reads the knobs it needs by their own
+names in one record, `settings` (MoESettings.of); grad_reduce_barrier is applied here, in `apply`, alone.
 """
 from __future__ import annotations
 
