@@ -12,7 +12,7 @@ sends the results back to their slots and combines them with the weights: y [M, 
 VJP for a cotangent of y, w.r.t. x and the weights (the transposes of the collectives included).
 - all_to_all: expert_parallel.send_layout's [ep * C, D] send buffer, C = capacity(A, ep, factor) rows per peer
   (rows past C dropped), the local expert ids beside it in an [ep * C] buffer; the same all_to_all pair as
-  `_dispatch_compact`, whose receive buffer is also ep * C rows.
+  `dispatch_compact`, whose receive buffer is also ep * C rows.
 - ragged R: the sorted [A, D] rows are the send buffer; each destination receives into R rows, its senders' rows
   packed in sender order (offsets from an all_gather of the [ep] per-destination counts, rows past R dropped);
   the ids travel the same way; the reverse ragged_all_to_all returns the rows into an [A, D] buffer at their

@@ -36,6 +36,7 @@ to the --base arm (default dense): the median of the per-round ratios with its 9
    `glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:glibc.malloc.arena_max=1`).
 """
 import argparse
+import dataclasses
 import importlib.util
 import os
 import platform
@@ -94,11 +95,14 @@ def load_ref(rev: str):
   return importlib.import_module(name)
 
 
-def moe_layer(mod, p, x, **kw):
-  """mod's moe_mlp (nn/moe as of some commit): with MoESettings where it has them, else keywords."""
+def moe_layer(mod, p, x, *, k: int, norm_topk: bool, **kw):
+  """mod's moe_mlp (nn/moe as of some commit): with MoESettings where it has them (their top-k fields named as the
+  part's knobs since issue 53, k and norm_topk before), else keywords."""
   if hasattr(mod, "MoESettings"):
-    return mod.moe_mlp(p, x, None, mod.MoESettings(**kw))
-  return mod.moe_mlp(p, x, **kw)
+    knob_names = "num_experts_per_tok" in {f.name for f in dataclasses.fields(mod.MoESettings)}
+    top = dict(num_experts_per_tok=k, norm_topk_prob=norm_topk) if knob_names else dict(k=k, norm_topk=norm_topk)
+    return mod.moe_mlp(p, x, None, mod.MoESettings(**top, **kw))
+  return mod.moe_mlp(p, x, k=k, norm_topk=norm_topk, **kw)
 
 
 def layer_arms(tokens: int, dim: int, width: int, experts: int, k: int, extra: dict[str, dict], floor: bool = False,

@@ -200,7 +200,7 @@ def test_sharded_replay_gives_the_unsharded_routing(inputs):
 
 
 def test_the_moe_layer_routes_by_groups_and_counts_real_tokens(inputs):
-  """moe_mlp(scoring="sigmoid"): dropless equals the every-expert reference with the same routing, its
+  """moe_mlp(router_scoring="sigmoid"): dropless equals the every-expert reference with the same routing, its
   ids are group_route's, and moe_expert_load counts each expert's (token, slot) pairs of the real tokens."""
   _, bias = inputs
   D, F, B, T = 16, 8, 2, 12
@@ -213,8 +213,8 @@ def test_the_moe_layer_routes_by_groups_and_counts_real_tokens(inputs):
   mask = np.ones((B, T), bool)
   mask[1, 7:] = False  # a padded tail
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
-  s = moe.MoESettings(num_experts=E, k=K, norm_topk=True, scoring="sigmoid", n_group=G, topk_group=KG,
-                      routed_scaling=SCALE)
+  s = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, router_scoring="sigmoid", n_group=G,
+                      topk_group=KG, routed_scaling_factor=SCALE)
   kw = dict(router_bias=jnp.asarray(bias), token_mask_BT=jnp.asarray(mask))
   y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, s, **kw))(p, x)
   y_ref, _ = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, dataclasses.replace(s, impl="reference"), **kw))(p, x)

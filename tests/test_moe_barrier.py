@@ -4,7 +4,6 @@ optimization_barrier over the input rows' cotangent and the expert kernels' cota
 The barrier sat on x itself first: there it kept XLA from folding the router's gradient of x into
 the gather's scatter-add, and x's gradient moved by 1 ulp (test_bit_identical_under_a_mesh failed,
 max |diff| 1.2e-7); on the gathered rows the fold stays and every value is bit-identical."""
-import dataclasses
 import functools
 import importlib.util
 import re
@@ -121,9 +120,10 @@ def test_bit_identical_under_a_mesh(mode):
   kernel_axes = tuple(spec[n].axes for n in ("gate", "up", "down"))
 
   def loss(arm, p, x):
-    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, block_rows=16,
-                                                      grad_barrier=arm[0], grad_reduce_barrier=arm[1],
-                                                      kernel_axes=kernel_axes))
+    if arm[1]:  # what the moe part does with grad_reduce_barrier
+      p, x = moe.reduce_barrier(p, x, kernel_axes)
+    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+                                                      block_rows=16, grad_barrier=arm[0], kernel_axes=kernel_axes))
     return jnp.sum(jnp.sin(y)) + side["moe_load_balance_loss"]
   got, texts = {}, {}
   with jax.set_mesh(mesh):
@@ -155,10 +155,10 @@ def test_kernels_left_in_their_stacks_are_not_barred():
   p = {"router": 0.3 * jax.random.normal(jax.random.key(1), (D, E)), "gate": gate, "up": up, "down": down}
   stacks = {n: jnp.stack([p[n], p[n]]) for n in ("gate", "up", "down")}
   rows = dict(p, **{n: StackRow(a, 1) for n, a in stacks.items()})
-  settings = moe.MoESettings(num_experts=E, k=K, norm_topk=True, grouped_matmul="loop", grad_reduce_barrier=True)
+  settings = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, grouped_matmul="loop")
 
   def barriers(params: dict) -> int:
-    f = jax.grad(lambda x: jnp.sum(moe.moe_mlp(params, x, None, settings)[0]))
+    f = jax.grad(lambda x: jnp.sum(moe.moe_mlp(*moe.reduce_barrier(params, x), None, settings)[0]))
     return jax.jit(f).lower(x.reshape(2, N // 2, D)).as_text().count("stablehlo.optimization_barrier")
   assert barriers(rows) == 0
   assert barriers(p) == 2
@@ -184,8 +184,9 @@ def test_tpu_each_layers_kernel_gradients_are_reduced_apart():
 
   def loss(barrier, ps, x):
     for p in ps:
-      x = x + moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, k=K, norm_topk=True, grouped_matmul="ragged",
-                                                      grad_reduce_barrier=barrier, kernel_axes=axes))[0]
+      pb, xb = moe.reduce_barrier(p, x, axes) if barrier else (p, x)
+      x = x + moe.moe_mlp(pb, xb, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+                                                        grouped_matmul="ragged", kernel_axes=axes))[0]
     return jnp.sum(x.astype(jnp.float32) ** 2)
   most = {}
   with jax.set_mesh(mesh):
@@ -205,13 +206,25 @@ def test_tpu_each_layers_kernel_gradients_are_reduced_apart():
 
 
 def test_the_key_reaches_the_layer_and_is_off_by_default():
+  """model.parts.moe.grad_reduce_barrier is off by default; on, the part's backward holds reduce_barrier's
+  optimization barrier beside the expert barrier (control: one barrier without the key); a bad value is refused."""
+  import types
+
   from meshlm.config import load_config
   from meshlm.errors import ConfigError
-  from meshlm.models.ffns import moe as F
+  from meshlm.models.ffns import moe as part
   from meshlm.models.model import resolve
-  assert F.settings(resolve(load_config("model=mixtral-tiny")).m).grad_reduce_barrier is False
-  on = load_config("model=mixtral-tiny", "model.parts.moe.grad_reduce_barrier=true")
-  assert F.settings(resolve(on).m).grad_reduce_barrier is True
+  from meshlm.nn.dense import dense
+
+  def barriers(*overrides) -> int:
+    m = resolve(load_config("model=mixtral-tiny", *overrides)).m
+    p = {n: jnp.zeros(s.shape) for n, s in part.moe_spec(m).items()}
+    ctx = types.SimpleNamespace(model=m, dense=dense, layer={})
+    f = jax.grad(lambda x: jnp.sum(part.apply(dict(p, router_full=None), x, ctx)[0]))
+    return jax.jit(f).lower(jnp.ones((2, 8, m.embed_dim))).as_text().count("stablehlo.optimization_barrier")
+  assert part.knobs(resolve(load_config("model=mixtral-tiny")).m).grad_reduce_barrier is False
+  assert barriers() == 1
+  assert barriers("model.parts.moe.grad_reduce_barrier=true") == 2
   with pytest.raises(ConfigError, match=r"^model\.parts\.moe\.grad_reduce_barrier: "):
     resolve(load_config("model=mixtral-tiny", "model.parts.moe.grad_reduce_barrier=maybe"))
 
@@ -238,9 +251,10 @@ def test_the_part_bars_the_shared_experts_use_of_x_too():
     ctx = types.SimpleNamespace(model=models["true" if on and not inside else "false"], dense=dense, layer={})
 
     def f(x):
-      if inside:  # the control: moe_mlp's own barrier, the shared expert outside it
-        s = dataclasses.replace(part.settings(ctx.model), grad_reduce_barrier=True)
-        y = moe.moe_mlp(p, x, ctx, s, router_full=None)[0] + part.shared_expert(p, x, ctx)
+      if inside:  # the control: the barrier around the routed experts' layer only, the shared expert outside it
+        s = part.settings(ctx.model)
+        y = moe.moe_mlp(*moe.reduce_barrier(p, x, s.kernel_axes), ctx, s, router_full=None)[0] + part.shared_expert(
+            p, x, ctx)
       else:
         y = part.apply(dict(p, router_full=None), x, ctx, shared=True)[0]
       return jnp.sum(jnp.sin(y))

@@ -1,4 +1,4 @@
-"""The compact expert-parallel dispatch (model.parts.moe.ep_impl=compact, expert_parallel.py `_dispatch_compact`):
+"""The compact expert-parallel dispatch (model.parts.moe.ep_impl=compact, expert_parallel.py `dispatch_compact`):
 only the rows routed to a device's experts move, by all_to_all, in a buffer of C rows per peer.
 
 - Dropless (ep_buffer_factor null) it equals the unsharded dispatch (forward and every gradient, float32, within
@@ -43,7 +43,7 @@ COMPACT = dict(ep_impl="compact")
 
 
 def _settings(**kw):
-  return moe.MoESettings(num_experts=E, k=K, norm_topk=True, **kw)
+  return moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, **kw)
 
 
 def _grad_fn(**kw):

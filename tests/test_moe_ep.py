@@ -1,4 +1,4 @@
-"""Expert parallelism (nn/moe/expert_parallel.py's `_dispatch_ep`): the MoE layer with its experts sharded over mesh.expert.
+"""Expert parallelism (nn/moe/expert_parallel.py's `dispatch_gather`): the MoE layer with its experts sharded over mesh.expert.
 
 - The layer under EP equals the unsharded layer (forward and every gradient, float32, within 1e-6) on
   expert=2 x fsdp=2 and data=2 x expert=2 under both shard modes, with the batch split over the expert
@@ -67,7 +67,7 @@ def _loss(y, side):
 
 def _layer(**kw):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, k=K, norm_topk=True, **kw))
+    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, **kw))
     return _loss(y, side), y
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
 

@@ -200,7 +200,7 @@ def test_a_decode_routing_bug_is_caught(monkeypatch):
 
   def decode_routes_wrongly(p, x_BTD, ctx, settings, **kw):
     if x_BTD.shape[1] == 1:
-      settings = dataclasses.replace(settings, norm_topk=not settings.norm_topk)
+      settings = dataclasses.replace(settings, norm_topk_prob=not settings.norm_topk_prob)
     return real(p, x_BTD, ctx, settings, **kw)
   monkeypatch.setattr(moe, "moe_mlp", decode_routes_wrongly)
   api.clear_programs()

@@ -1,4 +1,4 @@
-"""model.parts.moe.kernel_fsdp: what mesh.fsdp shards in the expert kernels (nn/moe/ moe_spec, _dispatch_ep).
+"""model.parts.moe.kernel_fsdp: what mesh.fsdp shards in the expert kernels (nn/moe/ moe_spec, dispatch_gather).
 
 - On fsdp=4 under explicit and auto, the MoE layer's loss, output and every gradient (float32) with
   `experts` (the experts dim on fsdp: the tokens travel, expert-parallel dispatch over fsdp), `embed`
@@ -38,10 +38,9 @@ LAYOUTS = ("experts", "embed", "mlp")
 
 
 def _layer(layout):
-  axis = moe.experts_axis(layout)
-
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, k=K, norm_topk=True, experts_axis=axis))
+    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+                                                     kernel_fsdp=layout))
     return _loss(y, side), y
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
 

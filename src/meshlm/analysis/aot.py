@@ -7,9 +7,11 @@ from libtpu, or fake CPU devices), runs nothing, and reports
   shapes, against the device's HBM: fits or does not fit. XLA:TPU refuses to compile a program that does
   not fit; the report then carries the compiler's own figures from its error (required, available);
 - the census of the compiled program (analysis/census.py), on the texts of this very executable;
-- a roofline: matmul FLOPs and estimated HBM bytes of the step (analysis/cost.py, every loop counted its
-  trip count; XLA's cost_analysis, which counts a loop body once, beside them) over the chip's published
-  peak and bandwidth: a lower bound on the step time, and the MFU that bound implies for the model FLOPs;
+- a roofline: matmul FLOPs (the dots', and the splash kernel's custom calls' from their shapes) and estimated HBM
+  bytes of the step (analysis/cost.py, every loop counted its trip count; XLA's cost_analysis, which counts a loop
+  body once and sees no FLOPs in a custom call, beside them) over the chip's published peak and bandwidth: a lower
+  bound on the step time, and the MFU that bound implies for the model FLOPs; `estimated` names the parts that are
+  estimates;
 - the compile time.
 """
 from __future__ import annotations
@@ -181,17 +183,25 @@ def _memory(compiled, inputs: dict[str, Any], hbm: int | None, platform: str) ->
   return out
 
 
-def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | None) -> dict:
-  """Step-time lower bound max(FLOPs / peak, bytes / bandwidth) per device, and the MFU it implies."""
+def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | None, recompute: float = 0.0) -> dict:
+  """Step-time lower bound max(FLOPs / peak, bytes / bandwidth) per device, and the MFU it implies. recompute: the
+  share of model_flops the program runs again (remat_recompute): `model_flops_run` = model_flops x (1 + recompute)
+  is what the HLO's count should come to, `hlo_over_model` the ratio."""
   mod = H.parse(hlo_text)
-  flops, traffic = C.flops(mod), C.traffic_bytes(mod)
+  dots, traffic = C.flops(mod), C.traffic_bytes(mod)
+  custom, guessed = C.custom_call_flops(mod)
+  flops = dots + custom
+  unread = hlo_unread_loops(mod)
   # Collective instructions as the program text holds them, each once (a loop body's once, however many trips):
   # how the seed counts its 397B program's collectives; the census counts them per step.
   kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
   instructions = {k: sum(i.opcode in (k, f"{k}-start") for i in mod.instrs()) for k in kinds}
   # The loops whose trip count is not read count once per start in flops and bytes: named, never silent.
-  out = {"flops": flops, "bytes": traffic, "collective_instructions": instructions, "unread_loops": hlo_unread_loops(mod),
-         "xla_cost_analysis": xla_cost, "model_flops": model_flops,
+  out = {"flops": flops, "dot_flops": dots, "custom_call_flops": custom, "bytes": traffic,
+         "estimated": estimated_parts(guessed, unread), "collective_instructions": instructions,
+         "unread_loops": unread, "xla_cost_analysis": xla_cost, "model_flops": model_flops,
+         "model_flops_run": model_flops * (1 + recompute) if model_flops else None,
+         "hlo_over_model": flops / (model_flops * (1 + recompute)) if model_flops else None,
          "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth}
   if chip.peak_flops and chip.hbm_bandwidth:
     compute_s, memory_s = flops / chip.peak_flops, traffic / chip.hbm_bandwidth
@@ -202,8 +212,21 @@ def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | Non
   return out
 
 
+def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
+  """What in the roofline is an estimate rather than a count, one line each: the HBM bytes (always), the custom
+  calls whose FLOPs rest on an assumed mask (cost.custom_call_flops), the loops whose trip count was not read."""
+  out = ["bytes: each instruction's operands and result, without on-chip reuse across instructions"]
+  if guessed_calls:
+    out.append(f"custom calls: {len(guessed_calls)} splash kernels' skipped blocks taken as the causal triangle (their "
+               "block mask too large for the HLO text to print)")
+  if unread:
+    out.append(f"loops: {sum(u['runs'] for u in unread)} loop starts per step whose trip count was not read count "
+               "their body once (unread_loops)")
+  return out
+
+
 def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: float | None = None,
-                   census: bool = True, keep: bool = False) -> dict:
+                   census: bool = True, keep: bool = False, recompute: float = 0.0) -> dict:
   """Compiles one lowered program and reports on it (module docstring). A program XLA:TPU refuses for
   memory gives {"fits": False, "oom": the compiler's figures} and no census; other errors propagate.
   keep: the report also holds the executable under "_compiled" (None when refused), for a caller that needs
@@ -227,7 +250,7 @@ def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: flo
   low = lowered_of(lowered, compiled)
   out = {"compile_s": seconds, "memory": _memory(compiled, inputs, chip.hbm_bytes, chip.platform)
          | {"largest_buffers": biggest},
-         "roofline": roofline(low.hlo, low.cost, chip, model_flops)}
+         "roofline": roofline(low.hlo, low.cost, chip, model_flops, recompute)}
   out["collective_instructions"] = out["roofline"].pop("collective_instructions")
   if census:
     out["census"] = census_of(low)
@@ -237,6 +260,13 @@ def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: flo
 
 
 # ------------------------------------------------------------------------------------------- model FLOPs
+
+def remat_recompute(cfg) -> float:
+  """The share of the training FLOPs (model_flops_per_token) a step runs again under its remat policy: remat=full
+  recomputes the forward in the backward, a third of the 6x count (the blockwise loss recomputes the head's logits
+  too); none and dots recompute no matmul."""
+  return 1 / 3 if cfg.remat == "full" else 0.0
+
 
 def model_flops_per_token(cfg) -> float:
   """Training FLOPs of one token (forward + backward): 6 x the matmul parameters it meets, plus causal

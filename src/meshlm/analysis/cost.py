@@ -9,6 +9,13 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   ragged dot, wherever it sits (inside fusions too). A convolution counts only the (output, window) pairs that
   read a real input element, as HloCostAnalysis does, so the padded windows XLA uses to express a batched
   dot are not counted. Elementwise work is not counted: a lower bound for the roofline.
+- `custom_call_flops`: the custom calls it knows, which XLA's count cannot see into: the splash attention kernel's
+  (a Mosaic `tpu_custom_call` named splash_{mha,mqa}_{fwd,dq,dkv}...), from its operands' shapes. Per head and
+  query row against S keys: the forward's q k^T and p v, 2 S (H + Hv); dq's recomputed scores, dp = do v^T and
+  dq = ds k, 2 S (2H + Hv); dkv's scores, dv, dp and dk, 2 S (2H + 2Hv), and dq too when it is the fused backward
+  (three outputs), 2 S (3H + 2Hv). The kernel skips the key blocks its block mask marks empty (the causal mask's
+  upper triangle): the count is times the share of nonzero blocks, read from the mask's constant where XLA prints
+  it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`.
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result; a
   fusion that only slices an operand (a layer's row of a stacked kernel) reads the slices, and one whose
   root updates a buffer in place (a scan writing a layer's row) writes and reads only the update. An
@@ -102,6 +109,71 @@ def flops(mod: H.HloModule) -> float:
     elif ins.opcode == "convolution":
       total += times * _conv_flops(mod, ins)
   return total
+
+
+# The splash kernel's custom calls (jax.experimental.pallas.ops.tpu.splash_attention get_kernel_name) and the
+# FLOPs of each, per (head, query row, key) pair, as multiples of (H, Hv): the matmuls of the forward, dq and dkv
+# kernels (dkv with dq: the fused backward, which has three outputs).
+_SPLASH = re.compile(r"^splash_(mha|mqa)_(fwd|dq|dkv)")
+_SPLASH_MATMULS = {"fwd": (1, 1), "dq": (2, 1), "dkv": (2, 2), "dkv_fused": (3, 2)}
+_FLOAT = ("bf16", "f16", "f32", "f64", "f8e4m3fn", "f8e5m2")
+_LITERAL = re.compile(r"\bconstant\((\{.*\})\)")
+
+
+def _mask_literal(mod: H.HloModule, ins: H.Instr, name: str) -> list[int] | None:
+  """The values of the constant behind operand `name` of ins (through copies and async copies), None where XLA
+  printed no literal (it elides large ones as {...})."""
+  local = _local(mod, ins.comp)
+  src = local.get(name)
+  while src is not None and src.opcode in ("copy", "copy-done", "copy-start", "bitcast") and src.operands:
+    src = local.get(src.operands[0])
+  m = _LITERAL.search(src.text) if src is not None and src.opcode == "constant" else None
+  if m is None or "..." in m.group(1):
+    return None
+  return [int(v) for v in re.findall(r"-?\d+", m.group(1))]
+
+
+def splash_flops(mod: H.HloModule, ins: H.Instr) -> tuple[float, bool] | None:
+  """(FLOPs of one run of a splash kernel's custom call, whether its block-mask share is estimated), or None for
+  any other instruction (module docstring)."""
+  kind = _SPLASH.match(ins.name)
+  if ins.opcode != "custom-call" or kind is None:
+    return None
+  ops = _operand_arrays(mod, ins)
+  floats = [a for a in ops if a is not None and a.dtype in _FLOAT and len(a.shape) >= 2]
+  if len(floats) < 3:
+    return None
+  q, k, v = floats[:3]  # the kernel's operands after its scalar prefetch (the block tables): q, k, v first
+  units, T, H = math.prod(q.shape[:-2]), q.shape[-2], q.shape[-1]
+  S, Hv = k.shape[-2], v.shape[-1]
+  phase = kind.group(2) + ("_fused" if kind.group(2) == "dkv" and len(ins.result) == 3 else "")
+  a, b = _SPLASH_MATMULS[phase]
+  # The block mask: an int8 [heads or 1, query blocks, key blocks] table, 0 where a block is skipped.
+  tables = [(n, o) for n, o in zip(ins.operands, ops) if o is not None and o.dtype == "s8" and len(o.shape) == 3]
+  named = [n for n, _ in tables if "block_mask" in n] or [n for n, _ in tables[1:2]]
+  values = _mask_literal(mod, ins, named[0]) if named else None
+  if values:
+    share, estimated = sum(x != 0 for x in values) / len(values), False
+  else:
+    n = tables[0][1].shape[-1] if tables else 1
+    share, estimated = (n + 1) / (2 * n), True  # the causal triangle of n x n blocks, the diagonal's included
+  return 2.0 * units * T * S * share * (a * H + b * Hv), estimated
+
+
+def custom_call_flops(mod: H.HloModule) -> tuple[float, list[str]]:
+  """(FLOPs of the custom calls it knows, one step: splash_flops times each computation's runs; the calls
+  whose count is estimated, by name)."""
+  total, estimated = 0.0, []
+  for ins in mod.instrs():
+    times = mod.multipliers.get(ins.comp)
+    if not times or ins.opcode != "custom-call":
+      continue
+    got = splash_flops(mod, ins)
+    if got is not None:
+      total += times * got[0]
+      if got[1]:
+        estimated.append(ins.name)
+  return total, estimated
 
 
 def _fused_reads(mod: H.HloModule, fusion: H.Instr) -> tuple[dict[int, int], int | None]:

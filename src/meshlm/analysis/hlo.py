@@ -3,14 +3,18 @@
 Each instruction keeps its opcode, result shape and layout, operands, the computations it calls
 and its metadata op_name (the named-scope path that survives compilation). `multipliers` says how
 many times each computation runs per step: a `while` body counts its trip count (the backend config's
-known_trip_count, or on XLA:TPU, which prints none, the count its condition and start value give), or once
-per start where neither gives one (`unread_loops` names those).
+known_trip_count, or on XLA:TPU, which prints none, the count its condition and start value give; where the
+start or the bound is computed from an enclosing loop's counter, as a causal block loop's is, the trips of each
+of that loop's iterations, evaluated and averaged: `mean_trips`), or once per start where none of these gives one
+(`unread_loops` names those).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+
+import numpy as np
 
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.-]+)\s*(\(.*\))?\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.-]+)\s*=\s*(.*)$")
@@ -55,6 +59,9 @@ class Instr:
   op_name: str
   trip_count: int | None
   text: str
+  # A loop whose trip count differs between starts but follows from the enclosing loop's counter (a causal
+  # block loop: i + 1 key blocks for query block i): its trips per start, averaged over the enclosing loop's.
+  mean_trips: float | None = None
 
   @property
   def out(self) -> Array | None:
@@ -75,7 +82,8 @@ class HloModule:
 
   def unread_loops(self) -> list[Instr]:
     """The `while`s the entry reaches whose trip count was not read (multipliers counts their bodies once)."""
-    return [i for i in self.instrs() if i.opcode == "while" and i.trip_count is None and i.comp in self.multipliers]
+    return [i for i in self.instrs() if i.opcode == "while" and i.trip_count is None and i.mean_trips is None
+            and i.comp in self.multipliers]
 
 
 def _arrays(text: str) -> list[Array]:
@@ -146,6 +154,12 @@ def parse(text: str) -> HloModule:
   for ins in by_name.values():
     if ins.opcode == "while" and ins.trip_count is None:
       ins.trip_count = _counted_trips(comps, ins)
+  unread = [i for i in by_name.values() if i.opcode == "while" and i.trip_count is None]
+  if unread:
+    ev = _Evaluator(comps)
+    runs = {(i.called.get("body") or [""])[0]: i for i in by_name.values() if i.opcode == "while" and i.trip_count}
+    for ins in unread:
+      ins.mean_trips = _trips_over_enclosing_loop(ev, runs.get(ins.comp), ins)
   return HloModule(comps, entry, by_name, _multipliers(comps, entry))
 
 
@@ -237,8 +251,9 @@ def _counted_trips(comps: dict[str, list[Instr]], loop: Instr) -> int | None:
   return max(0, -(-(int(n.group(1)) - int(c.group(1))) // step)) if step else None
 
 
-def _multipliers(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
-  """Times each computation runs per execution of the entry: while bodies count their trip count."""
+def _multipliers(comps: dict[str, list[Instr]], entry: str) -> dict[str, float]:
+  """Times each computation runs per execution of the entry: while bodies count their trip count (or their mean
+  trips per start, mean_trips)."""
   mult: dict[str, int] = {entry: 1}
   order = [entry]
   seen = {entry}
@@ -246,7 +261,8 @@ def _multipliers(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
     comp = order.pop(0)
     for ins in comps.get(comp, []):
       for key, callees in ins.called.items():
-        factor = ins.trip_count if (ins.opcode == "while" and key in ("body", "condition") and ins.trip_count) else 1
+        trips = (ins.trip_count or ins.mean_trips) if ins.opcode == "while" else None
+        factor = trips if (key in ("body", "condition") and trips is not None) else 1
         for c in callees:
           if c not in comps:
             continue
@@ -255,3 +271,174 @@ def _multipliers(comps: dict[str, list[Instr]], entry: str) -> dict[str, int]:
             seen.add(c)
             order.append(c)
   return mult
+
+
+# --- trip counts that follow from an enclosing loop's counter ---------------------------------------------------
+
+_DIRECTION = re.compile(r"direction=(\w+)")
+_COMPARE = {"LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal, "EQ": np.equal,
+            "NE": np.not_equal}
+_BINARY = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "minimum": np.minimum,
+           "maximum": np.maximum, "and": np.bitwise_and, "or": np.bitwise_or,
+           # HLO's integer division rounds toward zero, its remainder takes the dividend's sign
+           "divide": lambda a, b: np.trunc(a / b).astype(np.result_type(a, b)),
+           "remainder": np.fmod, "xor": np.bitwise_xor, "shift-left": np.left_shift,
+           "shift-right-arithmetic": np.right_shift,
+           # on the value's own width (32-bit indices): the sign bit shifts in as a zero
+           "shift-right-logical": lambda a, b: (a & 0xFFFFFFFF) >> b}
+_UNARY = {"negate": np.negative, "sign": np.sign, "abs": np.abs, "not": np.invert}
+_PASS = ("copy", "bitcast", "reshape", "convert")
+_MAX_ELEMENTS = 1 << 16  # only small integer arrays (block indices, iotas) are evaluated
+
+
+class _Unknown(Exception):
+  """A value the evaluator does not follow (data read at run time, an op it does not know)."""
+
+
+def _literal(ins: Instr) -> np.ndarray:
+  m = re.search(r"\bconstant\((.*)\)", ins.text)
+  if m is None or "..." in m.group(1) or ins.out is None or not ins.out.dtype.startswith(("s", "u", "pred")):
+    raise _Unknown(ins.name)
+  vals = [v == "true" if v in ("true", "false") else int(v) for v in re.findall(r"true|false|-?\d+", m.group(1))]
+  return np.array(vals, dtype=np.int64).reshape(ins.out.shape)
+
+
+def _dims(ins: Instr, key: str) -> list[int]:
+  m = re.search(key + r"=\{([\d,]*)\}", ins.text)
+  return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+class _Evaluator:
+  """Integer values of HLO instructions, where they follow from constants, iotas and the enclosing loops' counters:
+  env maps (computation, tuple index) of a loop body's parameter to its value in one iteration."""
+
+  def __init__(self, comps: dict[str, list[Instr]]):
+    self.comps = comps
+    self.local = {c: {i.name: i for i in items} for c, items in comps.items()}
+
+  def value(self, comp: str, name: str, env: dict, args: dict | None = None) -> np.ndarray:
+    ins = self.local[comp].get(name)
+    if ins is None or ins.out is None or ins.out.elements > _MAX_ELEMENTS or ins.out.dtype.startswith(("f", "bf")):
+      raise _Unknown(name)
+    op = lambda k: self.value(comp, ins.operands[k], env, args)  # noqa: E731
+    code = ins.opcode
+    if code == "parameter":
+      k = int(re.search(r"parameter\((\d+)\)", ins.text).group(1))
+      if args is None or k not in args:
+        raise _Unknown(name)
+      return args[k]
+    if code == "get-tuple-element":
+      k = int(_INDEX.search(ins.text).group(1))
+      src = self.local[comp].get(ins.operands[0])
+      if src is not None and src.opcode == "parameter" and (comp, k) in env:
+        return env[comp, k]
+      if src is not None and src.opcode == "tuple":
+        return self.value(comp, src.operands[k], env, args)
+      raise _Unknown(name)
+    if code == "constant":
+      return _literal(ins)
+    if code in _PASS:
+      return op(0).reshape(ins.out.shape).astype(bool if ins.out.dtype == "pred" else np.int64)
+    if code == "iota":
+      d, shape = int(re.search(r"iota_dimension=(\d+)", ins.text).group(1)), ins.out.shape
+      return np.broadcast_to(np.arange(shape[d]).reshape([-1 if i == d else 1 for i in range(len(shape))]),
+                             shape).copy()
+    if code == "broadcast":
+      x, shape, dims = op(0), ins.out.shape, _dims(ins, "dimensions")
+      return np.broadcast_to(x.reshape([shape[i] if i in dims else 1 for i in range(len(shape))]), shape).copy()
+    if code == "dynamic-slice":
+      x = op(0)
+      sizes = _dims(ins, "dynamic_slice_sizes")
+      starts = [int(op(1 + i)) for i in range(x.ndim)]
+      starts = [min(max(s, 0), n - z) for s, n, z in zip(starts, x.shape, sizes)]  # XLA clamps the starts
+      return x[tuple(slice(s, s + z) for s, z in zip(starts, sizes))]
+    if code in _BINARY:
+      return _BINARY[code](op(0), op(1))
+    if code == "compare":
+      return _COMPARE[_DIRECTION.search(ins.text).group(1)](op(0), op(1))
+    if code == "select":
+      return np.where(op(0), op(1), op(2))
+    if code == "clamp":
+      return np.minimum(np.maximum(op(1), op(0)), op(2))
+    if code in _UNARY:
+      return _UNARY[code](op(0))
+    if code == "fusion":
+      fused = (ins.called.get("calls") or [""])[0]
+      root = _root(self.comps.get(fused, []))
+      if root is None:
+        raise _Unknown(name)
+      return self.value(fused, root.name, env, {k: op(k) for k in range(len(ins.operands))})
+    raise _Unknown(name)
+
+
+def _loop_bounds(comps: dict[str, list[Instr]], loop: Instr) -> tuple[int, int, str | int] | None:
+  """(the counter's tuple index, its constant step per trip, the bound) of a `counter < bound` loop: the bound is a
+  constant, or the instruction of the loop's start tuple whose element the body leaves unchanged. None otherwise."""
+  cond = comps.get((loop.called.get("condition") or [""])[0]) or []
+  root = _root(cond)
+  if root is None:
+    return None
+  root, operands = _resolved(comps, {i.name: i for i in cond}, root)
+  if root.opcode != "compare" or "direction=LT" not in root.text or len(operands) != 2 or None in operands:
+    return None
+  counter, bound = operands
+  outer = {i.name: i for i in comps.get(loop.comp, [])}
+  init = outer.get(loop.operands[0]) if loop.operands else None
+  if counter.opcode != "get-tuple-element" or init is None or init.opcode != "tuple":
+    return None
+  k = int(_INDEX.search(counter.text).group(1))
+  step = _step(comps, loop, k)
+  if step is None or k >= len(init.operands):
+    return None
+  if bound.opcode == "constant" and _CONSTANT.search(bound.text):
+    return k, step, int(_CONSTANT.search(bound.text).group(1))
+  if bound.opcode != "get-tuple-element":
+    return None
+  kb = int(_INDEX.search(bound.text).group(1))
+  return (k, step, init.operands[kb]) if kb < len(init.operands) and _kept(comps, loop, kb) else None
+
+
+def _kept(comps: dict[str, list[Instr]], loop: Instr, j: int) -> bool:
+  """Whether the loop's body passes tuple element j on unchanged."""
+  body = comps.get((loop.called.get("body") or [""])[0]) or []
+  root = _root(body)
+  if root is None or root.opcode != "tuple" or j >= len(root.operands):
+    return False
+  kept = _through_copies({i.name: i for i in body}, root.operands[j])
+  return kept is not None and kept.opcode == "get-tuple-element" and int(_INDEX.search(kept.text).group(1)) == j
+
+
+def _trips_over_enclosing_loop(ev: _Evaluator, parent: Instr | None, loop: Instr) -> float | None:
+  """The mean trips per start of a `counter < bound` loop whose start or bound is computed, in the body of an
+  enclosing loop with a read trip count (`parent`, which runs loop.comp), from that loop's counter (and constants,
+  iotas, its unchanged tuple elements): each of the enclosing loop's iterations evaluated (a causal flash loop: i + 1
+  key blocks for query block i). None where the values are not followed that far (read from data at run time: a
+  grouped matmul's row counts)."""
+  comps = ev.comps
+  mine = _loop_bounds(comps, loop)
+  theirs = _loop_bounds(comps, parent) if parent is not None and parent.trip_count <= _MAX_ELEMENTS else None
+  if mine is None or theirs is None:
+    return None
+  (k, step, bound), (ko, so, _) = mine, theirs
+  init = ev.local[loop.comp][loop.operands[0]]
+  parent_init = ev.local[parent.comp][parent.operands[0]]
+  try:
+    # The enclosing loop's tuple elements its body passes on unchanged keep their start values (those the
+    # evaluator follows); its counter takes each iteration's.
+    fixed = {}
+    for j, name in enumerate(parent_init.operands):
+      if j != ko and _kept(comps, parent, j):
+        try:
+          fixed[loop.comp, j] = ev.value(parent.comp, name, {})
+        except _Unknown:
+          pass
+    c0 = int(ev.value(parent.comp, parent_init.operands[ko], {}))
+    total = 0
+    for t in range(parent.trip_count):
+      env = {**fixed, (loop.comp, ko): np.array(c0 + t * so)}
+      lo = int(ev.value(loop.comp, init.operands[k], env))
+      hi = bound if isinstance(bound, int) else int(ev.value(loop.comp, bound, env))
+      total += max(0, -(-(hi - lo) // step))
+  except (_Unknown, KeyError, ValueError, IndexError, AttributeError, TypeError):
+    return None
+  return total / parent.trip_count

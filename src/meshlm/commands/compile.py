@@ -192,7 +192,8 @@ def main(args: list[str]) -> int:
   def report_of(lowered, inputs, tokens_per_device, keep=False, with_census=census, cfg_=None, forward=False):
     # The model FLOPs the program does per device: the training count, or its forward third for the sampler.
     flops = aot.model_flops_per_token(cfg_ or cfg) * tokens_per_device / (3 if forward else 1)
-    return aot.compile_report(lowered, inputs, chip, flops, census=with_census, keep=keep)
+    return aot.compile_report(lowered, inputs, chip, flops, census=with_census, keep=keep,
+                              recompute=0.0 if forward else aot.remat_recompute(cfg_ or cfg))
 
   def train_report(c, with_census=census):
     mesh = make_mesh(c, devices)
@@ -332,8 +333,11 @@ def render(report: dict) -> str:
                  f"aliased {_gib(mem.get('alias_bytes'))}; temporaries {_gib(mem.get('temp_bytes'))}")
     r = p["roofline"]
     xla = r["xla_cost_analysis"]
-    lines.append(f"  FLOPs {_si(r['flops'], 'FLOP')} (model {_si(r['model_flops'], 'FLOP')}; XLA cost_analysis, each "
-                 f"loop once: {_si(xla.get('flops'), 'FLOP')}), HBM traffic ~{_si(r['bytes'], 'B')} "
+    custom = f", of which custom calls {_si(r['custom_call_flops'], 'FLOP')}" if r.get("custom_call_flops") else ""
+    run = (f", with remat's recompute {_si(r['model_flops_run'], 'FLOP')}: HLO / model {r['hlo_over_model']:.3f}"
+           if r.get("hlo_over_model") else "")
+    lines.append(f"  FLOPs {_si(r['flops'], 'FLOP')}{custom} (model {_si(r['model_flops'], 'FLOP')}{run}; XLA "
+                 f"cost_analysis, each loop once: {_si(xla.get('flops'), 'FLOP')}), HBM traffic ~{_si(r['bytes'], 'B')} "
                  f"(XLA: {_si(xla.get('bytes_accessed'), 'B')})")
     if "bound_s" in r:
       mfu = f", MFU at that bound {100 * r['mfu_at_bound']:.1f}%" if r.get("mfu_at_bound") else ""
@@ -345,6 +349,8 @@ def render(report: dict) -> str:
                                | {"hlo": r["unread_loops"]})
     if unread:
       lines.append("  " + unread)
+    for part in r.get("estimated", []):
+      lines.append(f"  estimated: {part}")
     kinds = ", ".join(f"{k} {v}" for k, v in p["collective_instructions"].items() if v)
     lines.append(f"  collective instructions in the text {sum(p['collective_instructions'].values())}: "
                  f"{kinds or 'none'}")

@@ -19,4 +19,4 @@ def plan(m) -> LayerPlan:
   return LayerPlan(kinds=("moe",) * m.num_layers, contexts=m.layer_contexts(), period=len(m.context_pattern()))
 
 
-FAMILY = Family("mixtral", kinds={"moe": Kind(gqa(), moe_ffn(norm_topk=True))}, plan=plan, validate=validate)
+FAMILY = Family("mixtral", kinds={"moe": Kind(gqa(), moe_ffn())}, plan=plan, validate=validate)

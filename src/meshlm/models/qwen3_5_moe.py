@@ -19,6 +19,6 @@ def validate(m) -> None:
 
 FAMILY = Family(
     "qwen3_5_moe",
-    kinds={"linear_attn": Kind(gdn(fused=False), moe_ffn(norm_topk=True, shared=True)),
-           "full_attn": Kind(gated_gqa(), moe_ffn(norm_topk=True, shared=True))},
+    kinds={"linear_attn": Kind(gdn(fused=False), moe_ffn(shared=True)),
+           "full_attn": Kind(gated_gqa(), moe_ffn(shared=True))},
     plan=hybrid_plan, norm_plus_one=True, validate=validate)

@@ -55,3 +55,8 @@ def materialize(a):
 
 def is_row(a) -> bool:
   return isinstance(a, StackRow)
+
+
+def array_of(a):
+  """The array that holds a: a StackRow's whole stack, anything else itself (what shard_map is handed)."""
+  return a.stack if isinstance(a, StackRow) else a

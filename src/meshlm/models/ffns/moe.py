@@ -1,4 +1,5 @@
-"""The `moe` feed-forward (mixtral, qwen3_moe): a float32 router, top-k and dropless experts (nn/moe/).
+"""The `moe` feed-forward (mixtral, qwen3_moe, ...): a float32 router, top-k and the experts' sorted dispatch
+(nn/moe/: dropless, except that ep_impl=compact with an ep_buffer_factor drops the rows past its buffers).
 
 Side outputs: the router statistics (`moe_load_balance_loss`, `moe_z_loss`, the per-expert fractions
 and probabilities) and the routed expert ids (`moe_expert_ids` [B, T, k]); the decoder stacks them over
@@ -31,11 +32,11 @@ kernel_fsdp say how the layer computes and lays out the same parameters (COMPUTE
 other values). kernel_fsdp null is decided for the run (`run_knobs`, by `layout_for`), and the part checks the
 mesh: mesh.expert shards whole experts (`check_mesh`), and only a model with this part may set it above 1
 (MeshRules.axes). Which layers are MoE is the family's plan (model.decoder_sparse_step, mlp_only_layers,
-first_k_dense_replace), not a knob of the part.
+first_k_dense_replace), not a knob of the part. The layer (nn/moe moe_mlp) reads the knobs it needs by their own
+names in one record, `settings` (MoESettings.of); grad_reduce_barrier is applied here, in `apply`, alone.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import ClassVar, Literal, Optional
 
@@ -82,10 +83,11 @@ class MoEConfig(pydantic.BaseModel):
                                       "added to the training loss (0: off)")
   router_z_loss_coef: float = Field(default=0.0, ge=0, description="weight of the router z-loss (mean squared "
                                     "logsumexp of the router logits) added to the training loss (0: off)")
-  # A capacity-factor dispatch (dropped tokens) is not built: nn/moe/ has only these two.
+  # The sorted dispatch drops no routed (token, slot) row, except under ep_impl=compact with an ep_buffer_factor:
+  # there the rows past a peer's buffer drop (counted in moe_dropped).
   impl: Literal["dropless", "reference"] = Field(
-      default="dropless", description="dispatch: dropless (sorted, grouped matmuls) or reference (every expert on "
-      "every token, masked)")
+      default="dropless", description="dispatch: dropless (sorted, grouped matmuls; under ep_impl=compact with "
+      "ep_buffer_factor set, the rows past its buffers drop) or reference (every expert on every token, masked)")
   grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
       default="auto", description="the experts' grouped matmul (nn/moe/gmm.py): loop (a scan over the experts, rows "
       "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
@@ -263,38 +265,29 @@ def moe_spec(m: ModelConfig) -> dict:
   return moe.moe_spec(m.embed_dim, own.num_experts, own.mlp_dim, own.kernel_fsdp)
 
 
-def settings(m: ModelConfig, *, norm_topk: bool | None = None, routing: str = "softmax") -> moe.MoESettings:
-  """The MoE layer's settings from the part's knobs. norm_topk: None reads norm_topk_prob. routing
-  "group_sigmoid": DeepSeek-V3's group-limited sigmoid scoring with the section's groups."""
-  own, group = knobs(m), {}
-  if routing == "group_sigmoid":
-    group = dict(scoring="sigmoid", n_group=own.n_group, topk_group=own.topk_group,
-                 routed_scaling=own.routed_scaling_factor, dropped_score=moe.GROUP_MASKS[own.router_group_mask])
-  return moe.MoESettings(num_experts=own.num_experts, k=own.num_experts_per_tok,
-                         norm_topk=own.norm_topk_prob if norm_topk is None else norm_topk,
-                         activation=ACTIVATIONS[m.hidden_activation], router_dtype=jnp.dtype(own.router_dtype),
-                         impl=own.impl, grouped_matmul=own.grouped_matmul,
-                         experts_axis=moe.experts_axis(own.kernel_fsdp), ep_impl=own.ep_impl,
-                         ep_buffer_factor=own.ep_buffer_factor, kernel_cast=own.kernel_cast,
-                         grad_reduce_barrier=own.grad_reduce_barrier,
-                         kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS), **group)
+def settings(m: ModelConfig) -> moe.MoESettings:
+  """The MoE layer's settings: the section's knobs (MoESettings.of) and what the layer needs of the model. (A family
+  that always renormalizes, mixtral and qwen3_5_moe, refuses norm_topk_prob=false in its checks.)"""
+  return moe.MoESettings.of(knobs(m), activation=ACTIVATIONS[m.hidden_activation],
+                            kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS))
 
 
-def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, norm_topk: bool | None = None, shared: bool = False,
-          shared_gate: bool = True, routing: str = "softmax"):
-  """norm_topk: renormalize the top-k weights (mixtral: always); None reads the knob norm_topk_prob.
-  shared: add the shared expert (sigmoid-gated when shared_gate). routing: "softmax" or "group_sigmoid"."""
+def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, shared: bool = False, shared_gate: bool = True,
+          routing: str = "softmax"):
+  """shared: add the shared expert (sigmoid-gated when shared_gate). routing: "softmax" or "group_sigmoid" (the
+  router bias and the padding mask; the scoring itself is the knob router_scoring, which the family's checks
+  hold to its routing)."""
   kw = {}
   if routing == "group_sigmoid":
     seg = ctx.here.segment_ids
     # Padding (segment 0) is not counted.
     kw = dict(router_bias=p[ROUTER_BIAS], token_mask_BT=None if seg is None else (seg > 0))
-  s = settings(ctx.model, norm_topk=norm_topk, routing=routing)
-  if s.grad_reduce_barrier:
-    # Here, over every use of x (the shared expert's too), so that x's gradient sums its parts in the same order
-    # as without the barrier (inside moe_mlp the shared expert's part was added after it: 1 ulp off).
+  s = settings(ctx.model)
+  if knobs(ctx.model).grad_reduce_barrier:
+    # The one place it is applied: over every use of x (the shared expert's too), so that x's gradient sums its
+    # parts in the same order as without the barrier (inside moe_mlp, with the shared expert's part added after
+    # it, x's gradient was 1 ulp off).
     p, x_BTD = moe.reduce_barrier(p, x_BTD, s.kernel_axes)
-    s = dataclasses.replace(s, grad_reduce_barrier=False)
   y, side = moe.moe_mlp(p, x_BTD, ctx, s,
                         forced_ids_BTk=ctx.layer.get(FORCED_IDS), router_full=p["router_full"], **kw)
   if shared:
@@ -388,8 +381,7 @@ def validate_softmax_routing(m: ModelConfig) -> None:
 ROUTINGS = ("softmax", "group_sigmoid")
 
 
-def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate: bool = True,
-            routing: str = "softmax") -> Part:
+def moe_ffn(*, shared: bool = False, shared_gate: bool = True, routing: str = "softmax") -> Part:
   """shared: a shared expert beside the routed ones (shared_expert_mlp_dim wide), scaled by
   sigmoid(shared_expert_gate(x)) when shared_gate. routing: "softmax" (top-k of the softmax) or
   "group_sigmoid" (DeepSeek-V3's group-limited sigmoid routing, the router_bias model state and its
@@ -400,8 +392,7 @@ def moe_ffn(*, norm_topk: bool | None = None, shared: bool = False, shared_gate:
   group = routing == "group_sigmoid"
   state = ModelState(spec=router_bias_state, after_step=update_router_bias, side={LOAD: "sum"}) if group else None
   return Part(name="moe", key="moe", spec=spec, position_wise=True,
-              apply=functools.partial(apply, norm_topk=norm_topk, shared=shared, shared_gate=shared_gate,
-                                      routing=routing),
+              apply=functools.partial(apply, shared=shared, shared_gate=shared_gate, routing=routing),
               config=MoEConfig, side_names=SIDE_NAMES + ((LOAD,) if group else ()), losses=router_losses,
               metrics=drop_metrics,
               compute=Compute(prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES),

@@ -1,7 +1,9 @@
-"""The mixture-of-experts feed-forward layer: a float32 router, top-k, dropless dispatch.
+"""The mixture-of-experts feed-forward layer: a float32 router, top-k, the experts' sorted dispatch.
 
 Per token the router picks k of E experts; each picked expert runs a GLU MLP on the token and the
-k outputs are summed with the routing weights. Dropless dispatch never drops a token:
+k outputs are summed with the routing weights. The sorted dispatch drops no token (it is dropless),
+except the compact expert-parallel form with a bounded buffer (ep_buffer_factor: expert_parallel.py), which
+drops the rows past it and counts them:
 
   route:     logits = x @ router (float32, through the dense primitive) -> softmax -> top-k
   sort:      perm = argsort(expert id of each of the M*k (token, slot) pairs)      # the only sort
@@ -12,10 +14,11 @@ k outputs are summed with the routing weights. Dropless dispatch never drops a t
 The files, by concern:
 - routing.py: the router's top-k (softmax, DeepSeek-V3's group-limited sigmoid), the bias rule, aux losses.
 - gmm.py: the grouped matmul (loop, blocks, ragged) and its custom backwards.
-- dropless.py: dispatch (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
+- dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
 - expert_parallel.py: the dispatch with the experts sharded over ep devices (the group's tokens gathered, or compact:
   only the routed rows moved by all-to-all in bounded buffers, the overflow dropped and counted).
-- layer.py: moe_spec, MoESettings and moe_mlp, the layer (routing, then the dispatch under shard_map).
+- layer.py: moe_spec, MoESettings (the part's knobs in one record) and moe_mlp, the layer (routing, then the dispatch
+  under shard_map); reduce_barrier, which the part applies around every use of the layer's input.
 The reference beside it (nn/moe_reference.py) runs every expert on every token and masks.
 
 Router replay (`forced_ids_BTk` [B, T, k], -1 = not forced; nn/router_replay.py): forced tokens take
@@ -27,8 +30,8 @@ always carry the routed ids ("moe_expert_ids"), which is what a rollout records 
 from meshlm.nn.moe.dropless import (REMAT_SAVE_NAMES, UNSORTS, combine, dispatch, expert_grad_barrier, expert_rows,
                                     fused_glu, gather_router_once, inverse_permutation, sort_slots, split_glu, unsort,
                                     unsort_rows)
-from meshlm.nn.moe.expert_parallel import (EP_IMPLS, EXPERT_AXIS, capacity, ep_mesh_axes, local_expert_offset,
-                                           send_layout)
+from meshlm.nn.moe.expert_parallel import (EP_IMPLS, EXPERT_AXIS, capacity, dispatch_compact, dispatch_gather,
+                                           ep_mesh_axes, local_expert_offset, send_layout)
 from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
                                grouped_matmul, loop_block_rows, rest_block_sizes)
 from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp,
@@ -41,7 +44,7 @@ __all__ = [
     "DROPPED", "EP_IMPLS", "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS",
     "REMAT_SAVE_NAMES", "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "MoESettings",
     "aux_stats", "bias_update", "block_layout", "capacity", "combine", "default_block_rows", "default_grouped_matmul",
-    "dispatch", "ep_mesh_axes", "expert_grad_barrier", "expert_load", "expert_rows", "experts_axis", "fused_glu",
+    "dispatch", "dispatch_compact", "dispatch_gather", "ep_mesh_axes", "expert_grad_barrier", "expert_load", "expert_rows", "experts_axis", "fused_glu",
     "gather_router_once", "group_limited_topk", "group_route", "grouped_matmul", "inverse_permutation",
     "load_balancing_loss", "local_expert_offset", "loop_block_rows", "moe_mlp", "moe_spec", "reduce_barrier",
     "rest_block_sizes", "route", "send_layout", "sigmoid_weights", "sort_slots", "split_glu", "unsort", "unsort_rows",

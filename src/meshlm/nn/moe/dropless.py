@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.nn import gather_once
-from meshlm.nn.moe.gmm import _vary_like, default_grouped_matmul, grouped_matmul
+from meshlm.nn.moe.gmm import default_grouped_matmul, grouped_matmul, vary_like
 from meshlm.nn.stack_row import is_row, materialize
 
 # Values a remat policy should save so that the backward replays no sort: the sort's permutation.
@@ -198,7 +198,7 @@ def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD
     # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
     # shard_map the kernels are made varying first (as the grouped matmul would), so the barrier's
     # cotangents have its inputs' types; the cast's transpose (the cross-shard sum) stays outside.
-    kernels = tuple(_vary_like(w, xs_AD) for w in (gate_EDF, up_EDF, down_EFD))
+    kernels = tuple(vary_like(w, xs_AD) for w in (gate_EDF, up_EDF, down_EFD))
     xs_AD, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs_AD, kernels)
   # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
   with jax.named_scope("experts"):

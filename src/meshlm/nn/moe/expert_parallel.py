@@ -8,10 +8,10 @@ sort last and get no grouped-matmul rows: `dispatch(expert_offset=)`), computes 
 token's weighted sum, and a reduce-scatter over the same axes returns each device its own tokens' sums.
 The kernels' gradients stay local to their experts. (Over an axis the batch does not split on, the tokens
 are already shared by the group: no gather, and a psum adds the parts.) All-gather in and reduce-scatter
-out is ep_impl="gather" (the default): dropless routing has no static per-peer row count, so an all-to-all
+out is ep_impl="gather" (the default, `dispatch_gather`): dropless routing has no static per-peer row count, so an all-to-all
 needs worst-case buffers of the same size, plus a second sort.
 
-ep_impl="compact" (`_dispatch_compact`) moves only the routed rows: each device sorts its own tokens' (token,
+ep_impl="compact" (`dispatch_compact`) moves only the routed rows: each device sorts its own tokens' (token,
 slot) pairs by expert id (so by destination device, id // E_l), sends each peer of the group at most C rows with
 `jax.lax.all_to_all` (C = capacity(): ceil(factor x its slots / ep); rows past it are dropped and counted; factor
 None is the worst case, nothing drops), the peer runs its experts over the received rows (dropless.py's sort,
@@ -41,14 +41,6 @@ def expert_axis(rules: dict[str, tuple[str, ...]]) -> str:
 EXPERT_AXIS = expert_axis(RULES)
 
 
-def _axes_of(spec) -> set[str]:
-  """The mesh axes a PartitionSpec (or a slice of one) names."""
-  out = set()
-  for part in spec:
-    out.update((part,) if isinstance(part, str) else (part or ()))
-  return out
-
-
 def ep_mesh_axes(kspec) -> tuple[str, ...]:
   """The mesh axes that shard a kernel's experts dim, in the PartitionSpec's order (major first): kspec
   is the experts dim's one-entry PartitionSpec. () when the experts dim is whole."""
@@ -62,15 +54,16 @@ def local_expert_offset(num_local: int, axes: tuple[str, ...] = (EXPERT_AXIS,)) 
   return jax.lax.axis_index(axes).astype(jnp.int32) * num_local
 
 
-def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...],
-                 gathered: tuple[str, ...], block_rows, num_experts: int):
-  """Inside shard_map: this device's E_l = E / ep experts on all tokens of its expert group.
+def dispatch_gather(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...], gathered: tuple[str, ...],
+                    num_experts: int, block_rows: int | None = None, **expert_kw):
+  """Inside shard_map: this device's E_l = E / ep experts on all tokens of its expert group (ep_impl="gather").
 
   ep_axes: the mesh axes that shard the experts dim (expert, fsdp or both, major first). gathered: those of
   them that also shard the batch: all-gather the group's tokens over them in [|gathered| * B, T, D],
   compute the local experts' part of every token's sum over k, reduce-scatter the parts back over them, so
   each device gets its own tokens' full sums. Over the other ep axes the tokens are already the group's,
   and a psum adds the parts. The kernels are never gathered over ep_axes; their gradient stays local.
+  expert_kw: dropless.dispatch's options (dispatch_compact takes the same).
   """
   E_l = down.shape[0]
   ep = num_experts // E_l
@@ -82,9 +75,11 @@ def _dispatch_ep(fn, x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[st
     # (left invariant, x's gradient through the gather by the varying perm misses the other shards').
     x_BTD, w_BTk = (jax.lax.pcast(a, shared, to="varying") for a in (x_BTD, w_BTk))
   B, T, k = ids_BTk.shape
+  D = x_BTD.shape[-1]
   # About 1 / ep of the group's slots are local: size the blocks from that, not from all slots.
   b = block_rows or default_block_rows(B * T * k // ep, E_l)
-  y = fn(x_BTD, ids_BTk, w_BTk, gate, up, down, block_rows=b, expert_offset=local_expert_offset(E_l, ep_axes))
+  y = dropless.dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), gate, up, down,
+                        block_rows=b, expert_offset=local_expert_offset(E_l, ep_axes), **expert_kw).reshape(B, T, D)
   if shared:
     y = jax.lax.psum(y, shared)
   if gathered:
@@ -138,13 +133,15 @@ def _split_shared(a, shared: tuple[str, ...], parts: int, fill):
   return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(shared) * n, n)
 
 
-def _dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...], shared: tuple[str, ...],
-                      num_experts: int, buffer_factor: float | None, block_rows=None, unsort_impl: str = "perm",
-                      **expert_kw):
-  """Inside shard_map: (y [B, T, D], dropped [1, 1]) with only the rows routed to each device's experts moved.
+def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...], gathered: tuple[str, ...],
+                     num_experts: int, buffer_factor: float | None, block_rows: int | None = None,
+                     unsort_impl: str = "perm", **expert_kw):
+  """Inside shard_map: (y [B, T, D], dropped [1, 1]) with only the rows routed to each device's experts moved
+  (ep_impl="compact"; the arguments are dispatch_gather's, and buffer_factor).
 
-  ep_axes: the mesh axes that shard the experts dim (major first); shared: those of them the batch is not split
-  on, whose devices hold the same tokens: each takes 1 / |shared| of them here and the outputs are all-gathered.
+  ep_axes: the mesh axes that shard the experts dim (major first); gathered: those of them that also shard the
+  batch. Over the others (shared) the devices hold the same tokens: each takes 1 / |shared| of them here and the
+  outputs are all-gathered.
   The sender's slots go out in an [ep, C, D] buffer (C = capacity(slots, ep, buffer_factor)) with their local
   expert ids ([ep, C], E_l where empty); the receiver sorts the ep x C rows by local expert, runs expert_rows,
   unsorts; the reverse all_to_all brings them back to their slots, and the sender combines them with its weights.
@@ -154,6 +151,7 @@ def _dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[s
   k = ids_BTk.shape[-1]
   E_l = down.shape[0]
   ep = num_experts // E_l
+  shared = tuple(a for a in ep_axes if a not in gathered)
   x_MD, ids_Mk, w_Mk = x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k)
   if shared:
     parts = math.prod(jax.lax.axis_size(a) for a in shared)

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshlm.nn.stack_row import StackRow, is_row, materialize
+from meshlm.nn.stack_row import StackRow, array_of, is_row, materialize
 
 GROUPED_MATMULS = ("auto", "blocks", "loop", "ragged")
 
@@ -60,7 +60,7 @@ def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "
     big, small = loop_block_rows(xs_AD.shape[0], ws[0].shape[0])
     if block_rows:
       big, small = block_rows, max(1, block_rows // 4)
-    x = _vary_like(xs_AD, _leaf(ws[0]))
+    x = vary_like(xs_AD, array_of(ws[0]))
     return _loop_matmul(x, tuple(_vary_row(w, x) for w in ws), sizes_E, big, small)
   raise ValueError(f"grouped_matmul={impl!r}: expected one of {GROUPED_MATMULS}")
 
@@ -99,7 +99,7 @@ def _gmm_blocks(xs_AD, ws, sizes_E, b):
   xp = jnp.take(xs_AD, src, axis=0, mode="fill", fill_value=0).reshape(nb, b, D)
   # Inside shard_map the kernel is invariant and the rows vary: make the kernel varying here, so the
   # custom backward's dW may vary too and autodiff of this cast does the cross-shard sum.
-  yp = _blocks_matmul(xp, tuple(_vary_like(w, xp) for w in ws), block_expert, live)  # [nb, b, F]
+  yp = _blocks_matmul(xp, tuple(vary_like(w, xp) for w in ws), block_expert, live)  # [nb, b, F]
   return yp.reshape(nb * b, -1)[dst]
 
 
@@ -110,20 +110,15 @@ def _varying(a):
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def _vary_like(a, like):
+def vary_like(a, like):
   """a, marked as varying over the shard_map axes `like` varies over (a no-op outside shard_map)."""
   axes = tuple(sorted(_varying(like) - _varying(a)))
   return jax.lax.pcast(a, axes, to="varying") if axes else a
 
 
-def _leaf(w):
-  """A kernel's array: a StackRow's stack."""
-  return w.stack if is_row(w) else w
-
-
 def _vary_row(w, like):
-  """_vary_like for a kernel or a StackRow (its stack marked)."""
-  return StackRow(_vary_like(w.stack, like), w.index) if is_row(w) else _vary_like(w, like)
+  """vary_like for a kernel or a StackRow (its stack marked)."""
+  return StackRow(vary_like(w.stack, like), w.index) if is_row(w) else vary_like(w, like)
 
 
 def _expert_kernel(w, e):
@@ -133,7 +128,7 @@ def _expert_kernel(w, e):
 
 def _zeros(shape, like, dtype=None):
   """Zeros that vary over the same shard_map axes as `like` (cond branches and scan carries must agree)."""
-  return _vary_like(jnp.zeros(shape, dtype or like.dtype), like)
+  return vary_like(jnp.zeros(shape, dtype or like.dtype), like)
 
 
 def _cat(parts):

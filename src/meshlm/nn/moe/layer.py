@@ -1,5 +1,7 @@
 """The MoE layer: its parameters (moe_spec), its settings (MoESettings) and moe_mlp, which routes, then
-runs the experts dropless (dropless.py) or, for tests, every expert on every token (nn/moe_reference.py).
+runs the experts through the sorted dispatch (impl "dropless": dropless.py, and expert_parallel.py under expert
+parallelism, whose compact form drops the rows past its buffers) or, for tests, every expert on every token
+(impl "reference": nn/moe_reference.py).
 
 Under a mesh, the dispatch runs inside `shard_map`, the same code under explicit and auto sharding.
 Which mesh axes shard the kernels' experts dim is sharding data (the kernel_fsdp layout, the moe part's
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +25,11 @@ from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.moe.dropless import dispatch, expert_grad_barrier
-from meshlm.nn.moe.expert_parallel import EP_IMPLS, _axes_of, _dispatch_compact, _dispatch_ep, ep_mesh_axes
-from meshlm.nn.moe.gmm import _leaf
-from meshlm.nn.moe.routing import (ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats, expert_load,
+from meshlm.nn.moe.expert_parallel import EP_IMPLS, dispatch_compact, dispatch_gather, ep_mesh_axes
+from meshlm.nn.moe.routing import (GROUP_MASKS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats, expert_load,
                                    group_limited_topk, group_route, route, sigmoid_weights)
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
-from meshlm.nn.stack_row import StackRow, is_row, materialize
+from meshlm.nn.stack_row import StackRow, array_of, is_row, materialize
 from meshlm.parallel.sharding import auto_region, constrain, current_mesh, logical_spec
 
 TOKENS = ("batch", "length", None)
@@ -67,51 +68,58 @@ def moe_spec(embed_dim: int, num_experts: int, mlp_dim: int, kernel_fsdp: str | 
 
 @dataclasses.dataclass(frozen=True)
 class MoESettings:
-  """The static knobs of one MoE layer, built once from the moe part's (models/ffns/moe.py settings), so
-  the layer's call names only its arrays.
+  """The static knobs of one MoE layer, so that the layer's call names only its arrays.
 
-  scoring "softmax" (route: softmax, top-k) or "sigmoid" (group_route, DeepSeek-V3: sigmoid scores,
-  group-limited selection of scores + router_bias [E] with n_group / topk_group and dropped groups scoring
-  dropped_score, weights from the unbiased scores times routed_scaling).
-  impl: "dropless" or "reference" (every expert on every token). grouped_matmul, block_rows: gmm.py.
-  fused_gate_up, unsort_impl, grad_barrier, kernel_cast: dropless.py's dispatch. replay_rows, replay_impl: router replay
-  (nn/router_replay.py): top-k over at most replay_rows of the unforced rows ("compact") or over all rows
-  ("full"), bit-identical either way.
-  experts_axis: the logical name of the kernels' experts dim (one of EXPERTS_AXES, as moe_spec named it):
-  the mesh axes it maps to are the ones the dispatch runs expert-parallel over.
+  The fields named in KNOBS are the moe part's own knobs, by the same names (models/ffns/moe.py MoEConfig,
+  model.parts.moe.<knob>: their meaning is documented there once); `of` builds the record from the part's
+  section in one step. The others are the layer's:
+  activation: the experts' GLU activation (the model's hidden_activation).
+  block_rows: gmm.py. fused_gate_up, unsort_impl, grad_barrier: dropless.py's dispatch.
+  replay_rows, replay_impl: router replay (nn/router_replay.py): top-k over at most replay_rows of the unforced
+  rows ("compact") or over all rows ("full"), bit-identical either way.
   kernel_axes: the logical axes of gate, up and down (moe_spec's), for kernels given as StackRow (an
   unrolled layer's row left in its stack, nn/stack_row.py): under a mesh a StackRow is read in place only
   where its stack is stored as the dispatch needs it (whole, or sharded on the experts dim alone under
   expert parallelism); elsewhere, or without kernel_axes, its row is sliced out first.
-  ep_impl: how expert parallelism moves the tokens, "gather" (the group's tokens to every device) or "compact"
-  (only the routed rows, at most ceil(ep_buffer_factor x slots / ep) per peer; None: the worst case, dropless).
-  grad_reduce_barrier: reduce_barrier on the layer's input and its expert kernels in their parameter layout
-  (identity; in the backward the input's gradient waits for the kernels' reduced gradients).
+  kernel_fsdp picks the kernels' experts dim's logical name (experts_axis: one of EXPERTS_AXES, as moe_spec
+  named it); the mesh axes it maps to are the ones the dispatch runs expert-parallel over.
   """
+  KNOBS: ClassVar[tuple[str, ...]] = (
+      "num_experts", "num_experts_per_tok", "norm_topk_prob", "router_dtype", "impl", "grouped_matmul", "kernel_fsdp",
+      "ep_impl", "ep_buffer_factor", "kernel_cast", "router_scoring", "n_group", "topk_group", "routed_scaling_factor",
+      "router_group_mask")
   num_experts: int
-  k: int
-  norm_topk: bool
-  activation: Callable = jax.nn.silu
-  router_dtype: object = jnp.float32
+  num_experts_per_tok: int
+  norm_topk_prob: bool
+  router_dtype: str = "float32"
   impl: str = "dropless"
   grouped_matmul: str = "auto"
+  kernel_fsdp: str | None = "embed"
+  ep_impl: str = "gather"
+  ep_buffer_factor: float | None = None
+  kernel_cast: str = "convert"
+  router_scoring: str = "softmax"
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  router_group_mask: str = "zero"
+  activation: Callable = jax.nn.silu
   block_rows: int | None = None
   fused_gate_up: bool = True
   unsort_impl: str = "perm"
   replay_rows: int = REPLAY_ROWS
   replay_impl: str = "compact"
   grad_barrier: bool = True
-  kernel_cast: str = "convert"
-  scoring: str = "softmax"
-  n_group: int = 1
-  topk_group: int = 1
-  routed_scaling: float = 1.0
-  dropped_score: float = 0.0
-  experts_axis: str = "experts"
   kernel_axes: tuple | None = None
-  ep_impl: str = "gather"
-  ep_buffer_factor: float | None = None
-  grad_reduce_barrier: bool = False
+
+  @classmethod
+  def of(cls, knobs, **layer) -> "MoESettings":
+    """The record from any object with the KNOBS as attributes (the part's section), and the layer's fields."""
+    return cls(**{n: getattr(knobs, n) for n in cls.KNOBS}, **layer)
+
+  @property
+  def experts_axis(self) -> str:
+    return experts_axis(self.kernel_fsdp)
 
 
 def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask_BT: jax.Array | None = None,
@@ -131,18 +139,16 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, settings: MoESettings, *, token_mask
   use these ids with weights from the live router probabilities. router_bias [E]: sigmoid scoring's
   selection bias (zeros when None).
   """
-  E, k = settings.num_experts, settings.k
+  E, k = settings.num_experts, settings.num_experts_per_tok
   if not 1 <= k <= E:
     raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}")
   dense = dense_primitive if ctx is None else ctx.dense
-  if settings.grad_reduce_barrier:
-    p, x_BTD = reduce_barrier(p, x_BTD, settings.kernel_axes)
   with jax.named_scope(SCOPE):
     with jax.named_scope("router"):
       logits, probs, w, ids = _route(p, x_BTD, dense, settings, token_mask_BT, forced_ids_BTk, router_full,
                                      router_bias)
     side = dict(aux_stats(logits, probs, ids, E, token_mask_BT), moe_expert_ids=ids)
-    if settings.scoring == "sigmoid":
+    if settings.router_scoring == "sigmoid":
       side["moe_expert_load"] = expert_load(ids, E, token_mask_BT)
     side[DROPPED] = jnp.zeros((), jnp.float32)
     if settings.impl == "reference":
@@ -175,29 +181,29 @@ def reduce_barrier(p: dict, x_BTD: jax.Array, kernel_axes: tuple | None = None) 
 
 def _route(p, x_BTD, dense, s: MoESettings, token_mask_BT, forced_ids_BTk, router_full, router_bias):
   """(logits [B, T, E], probs [B, T, E], weights [B, T, k], ids [B, T, k]): the router's logits in
-  s.router_dtype and s.scoring's top-k, or router replay's with forced ids."""
-  E, k = s.num_experts, s.k
+  s.router_dtype and s.router_scoring's top-k, or router replay's with forced ids."""
+  E, k = s.num_experts, s.num_experts_per_tok
   rdt = jnp.dtype(s.router_dtype)
   router = p["router"] if router_full is None else gather_once.gathered(p["router"], router_full, ROUTER_AXES)
   logits = dense(x_BTD.astype(rdt), router.astype(rdt), "btd,de->bte", ROUTER_LOGITS)  # [B, T, E]
   if forced_ids_BTk is not None:
     check_forced_ids(forced_ids_BTk, (*x_BTD.shape[:2], k), E)
   replay = dict(rows=s.replay_rows, impl=s.replay_impl)
-  if s.scoring == "softmax":
+  norm = s.norm_topk_prob
+  if s.router_scoring == "softmax":
     if forced_ids_BTk is None:
-      return (logits, *route(logits, k, s.norm_topk))
-    return (logits, *replay_route(logits, forced_ids_BTk, k, s.norm_topk, token_mask_BT, **replay))
-  if s.scoring == "sigmoid":
+      return (logits, *route(logits, k, norm))
+    return (logits, *replay_route(logits, forced_ids_BTk, k, norm, token_mask_BT, **replay))
+  if s.router_scoring == "sigmoid":
     bias = jnp.zeros((E,), jnp.float32) if router_bias is None else router_bias.astype(jnp.float32)
-    groups = dict(n_group=s.n_group, topk_group=s.topk_group)
+    groups = dict(n_group=s.n_group, topk_group=s.topk_group, dropped=GROUP_MASKS[s.router_group_mask])
     if forced_ids_BTk is None:
-      return (logits, *group_route(logits, bias, k, norm_topk=s.norm_topk, scaling=s.routed_scaling,
-                                   dropped=s.dropped_score, **groups))
-    select = functools.partial(group_limited_topk, dropped=s.dropped_score, **groups)
-    weigh = functools.partial(sigmoid_weights, norm_topk=s.norm_topk, scaling=s.routed_scaling)
-    return (logits, *replay_route(logits, forced_ids_BTk, k, s.norm_topk, token_mask_BT, **replay,
+      return (logits, *group_route(logits, bias, k, norm_topk=norm, scaling=s.routed_scaling_factor, **groups))
+    select = functools.partial(group_limited_topk, **groups)
+    weigh = functools.partial(sigmoid_weights, norm_topk=norm, scaling=s.routed_scaling_factor)
+    return (logits, *replay_route(logits, forced_ids_BTk, k, norm, token_mask_BT, **replay,
                                   scoring="sigmoid", select=select, select_args=(bias,), weigh=weigh))
-  raise ValueError(f"router scoring={s.scoring!r}: expected one of {ROUTER_SCORINGS}")
+  raise ValueError(f"router scoring={s.router_scoring!r}: expected one of {ROUTER_SCORINGS}")
 
 
 def _experts_reference(p, x_BTD, ids_BTk, w_BTk, activation):
@@ -211,19 +217,20 @@ def _experts_reference(p, x_BTD, ids_BTk, w_BTk, activation):
 
 
 def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
-  """(y, dropped): the dropless dispatch of the routed tokens: on local tokens without a mesh, else inside
+  """(y, dropped): the sorted dispatch of the routed tokens: on local tokens without a mesh, else inside
   shard_map, per batch (and length) shard or expert-parallel (expert_parallel.py). dropped: None, or under the
   compact dispatch the slots it dropped per token shard (int32 [batch shards, length shards])."""
   E, experts_axis, kernel_axes = s.num_experts, s.experts_axis, s.kernel_axes
   if s.ep_impl not in EP_IMPLS:
     raise ValueError(f"ep_impl={s.ep_impl!r}: expected one of {EP_IMPLS}")
-  fn = functools.partial(_dispatch_BT, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
-                         block_rows=s.block_rows, unsort_impl=s.unsort_impl, fused_gate_up=s.fused_gate_up,
-                         grad_barrier=s.grad_barrier, kernel_cast=s.kernel_cast)
+  # The expert work's options (dropless.dispatch's), bound once for every dispatch below.
+  expert_kw = dict(activation=s.activation, grouped_matmul_impl=s.grouped_matmul, block_rows=s.block_rows,
+                   unsort_impl=s.unsort_impl, fused_gate_up=s.fused_gate_up, grad_barrier=s.grad_barrier,
+                   kernel_cast=s.kernel_cast)
   kernels = (p["gate"], p["up"], p["down"])
   mesh = current_mesh()
   if mesh.empty:
-    return fn(x_BTD, ids, w, *kernels), None
+    return _dispatch_BT(x_BTD, ids, w, *kernels, **expert_kw), None
   spec = _batch_spec(x_BTD.shape)
   kspec = logical_spec((experts_axis,), kernels[-1].shape[:1])
   ep_axes = ep_mesh_axes(kspec)
@@ -237,26 +244,30 @@ def _experts_dropless(p, x_BTD, ids, w, s: MoESettings):
                  jax.sharding.PartitionSpec() for a in kernels)
   x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
   rows = tuple(a.index if is_row(a) else None for a in kernels)
-  batch_axes = _axes_of(spec[:1])
-  gathered = tuple(a for a in ep_axes if a in batch_axes)
-  if ep_axes and s.ep_impl == "compact":
-    # Only the routed rows move, in a bounded buffer per peer; each token shard counts the slots it dropped.
-    body = functools.partial(_dispatch_compact, ep_axes=ep_axes, shared=tuple(a for a in ep_axes if a not in gathered),
-                             num_experts=E, buffer_factor=s.ep_buffer_factor, block_rows=s.block_rows,
-                             unsort_impl=s.unsort_impl, activation=s.activation, grouped_matmul_impl=s.grouped_matmul,
-                             fused_gate_up=s.fused_gate_up, grad_barrier=s.grad_barrier, kernel_cast=s.kernel_cast)
-    count_spec = jax.sharding.PartitionSpec(*spec[:2])
-    return jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
-                         out_specs=(spec, count_spec))(x_BTD, ids, w, *(_leaf(a) for a in kernels))
+  compact = bool(ep_axes) and s.ep_impl == "compact"
   if not ep_axes:
     # One dispatch per batch (and length) shard: tokens stay on their device.
-    body = fn
+    body = functools.partial(_dispatch_BT, **expert_kw)
   else:
-    # Expert parallelism: each device computes its experts for every token of its expert group (_dispatch_ep).
-    body = functools.partial(_dispatch_ep, fn, ep_axes=ep_axes, gathered=gathered, block_rows=s.block_rows,
-                             num_experts=E)
-  return jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
-                       out_specs=spec)(x_BTD, ids, w, *(_leaf(a) for a in kernels)), None
+    # Expert parallelism: each device computes its experts for the tokens of its expert group, gathered whole
+    # ("gather") or only the rows routed to it, in a bounded buffer per peer ("compact": each token shard counts
+    # the slots it dropped).
+    ep = dict(ep_axes=ep_axes, gathered=tuple(a for a in ep_axes if a in _axes_of(spec[:1])), num_experts=E,
+              **expert_kw)
+    body = (functools.partial(dispatch_compact, buffer_factor=s.ep_buffer_factor, **ep) if compact else
+            functools.partial(dispatch_gather, **ep))
+  out_specs = (spec, jax.sharding.PartitionSpec(*spec[:2])) if compact else spec
+  out = jax.shard_map(functools.partial(_with_rows, body, rows), in_specs=(spec, spec, spec) + kspecs,
+                      out_specs=out_specs)(x_BTD, ids, w, *(array_of(a) for a in kernels))
+  return out if compact else (out, None)
+
+
+def _axes_of(spec) -> set[str]:
+  """The mesh axes a PartitionSpec (or a slice of one) names."""
+  out = set()
+  for part in spec:
+    out.update((part,) if isinstance(part, str) else (part or ()))
+  return out
 
 
 def _in_place(w, want: tuple, axes: tuple | None):

@@ -1,0 +1,167 @@
+"""analysis/cost.py's counts beyond the dots: the splash kernel's custom calls (counted from their shapes, the
+skipped blocks left out) and loops whose trip count is read from where their bound comes from.
+
+The splash rows compile a tiny attention gradient for one v5p chip through libtpu (nothing runs); the loop rows
+compile small programs for the CPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from meshlm.analysis import cost as C
+from meshlm.analysis import hlo as H
+
+tpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                         reason="libtpu is not installed (pip install 'meshlm[tpu]'; make test installs it)")
+
+# q [B, N, T, H], k and v [B, K, T, H]: GQA, two 512-row blocks per sequence (the causal mask skips 1 of 4).
+B, N, K, T, HD = 2, 4, 2, 1024, 128
+
+
+@pytest.fixture(scope="module")
+def splash_program():
+  """(the HLO text, XLA's cost_analysis) of the splash core's forward and backward compiled for one v5p chip."""
+  import jax
+  import jax.numpy as jnp
+
+  from meshlm.nn.splash_attention import splash_heads_first
+  from meshlm.parallel import topology as TP
+  mesh = jax.sharding.Mesh(TP.devices(TP.parse("v5p:1x1x1"))[:1], ("x",))
+
+  def loss(q, k, v):
+    return jnp.sum(splash_heads_first(q, k, v, scale=HD ** -0.5, interpret=False).astype(jnp.float32))
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(  # noqa: E731
+      mesh, jax.sharding.PartitionSpec()))
+  with jax.set_mesh(mesh):
+    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(S(B, N, T, HD), S(B, K, T, HD), S(B, K, T, HD)).compile()
+  return c.as_text(), c.cost_analysis()
+
+
+def _analytic(share: float) -> dict[str, float]:
+  """The kernels' matmul FLOPs by hand: per (head, query, key) pair the forward's q k^T and p v (2 x 2H), dq's
+  scores, dp and dq (3 x 2H), dkv's scores, dv, dp and dk (4 x 2H), over the share of key blocks computed."""
+  pairs = B * N * T * T * share
+  return {"fwd": 2 * pairs * 2 * HD, "dq": 2 * pairs * 3 * HD, "dkv": 2 * pairs * 4 * HD}
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_splash_custom_calls_are_counted_from_their_shapes(splash_program):
+  """Each of the three kernels (forward, dq, dkv) counts its matmuls over the 3 of 4 blocks the causal mask keeps,
+  read from the block mask XLA prints (exact). Controls: the dots alone (the count before custom calls were read)
+  see none of it, XLA's cost_analysis neither, and every block (no skipping) is 4/3 of it."""
+  text, xla = splash_program
+  mod = H.parse(text)
+  calls = {i.name.split("_")[2]: C.splash_flops(mod, i) for i in mod.instrs() if i.opcode == "custom-call"}
+  want = _analytic(3 / 4)
+  assert calls == {k: (v, False) for k, v in want.items()}
+  total, estimated = C.custom_call_flops(mod)
+  assert total == sum(want.values()) and estimated == []
+  assert C.flops(mod) < 0.01 * total and xla["flops"] < 0.01 * total
+  assert sum(_analytic(1.0).values()) == pytest.approx(4 / 3 * total)
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_a_mask_too_large_to_print_is_estimated_and_named(splash_program, monkeypatch):
+  """Where XLA prints the block mask as {...} (a long sequence's), the share is the causal triangle of the mask's
+  n x n blocks, (n + 1) / 2n, and the call is named as estimated (here n = 2: the same 3/4); the roofline lists it."""
+  from meshlm.analysis import aot
+  text, xla = splash_program
+  elided = text.replace("constant({ { { 1, 0 }, { 2, 1 } } })", "constant({...})")
+  assert elided != text
+  mod = H.parse(elided)
+  total, estimated = C.custom_call_flops(mod)
+  assert total == sum(_analytic(3 / 4).values())
+  assert len(estimated) == 3 and all(n.startswith("splash_mha_") for n in estimated)
+  chip = aot.Chip(kind="TPU v5", platform="tpu", devices=1, devices_per_chip=1, hbm_bytes=None, hbm_source=None,
+                  peak_flops=459e12, hbm_bandwidth=2765e9)
+  r = aot.roofline(elided, xla, chip, model_flops=None)
+  assert r["custom_call_flops"] == total and r["flops"] == r["dot_flops"] + total
+  assert any(line.startswith("custom calls: 3 splash kernels") for line in r["estimated"])
+  assert not any(line.startswith("custom calls") for line in aot.roofline(text, xla, chip, None)["estimated"])
+
+
+# --------------------------------------------------------------------------------- loops bounded by an outer loop
+
+def _flash_program(window: int | None = None):
+  """The flash core's forward and backward (nn/flash_attention.py) compiled for the CPU: 8 query blocks of 64, each
+  running an inner loop over the key blocks it sees (and the backward over the query blocks that see each key
+  block), whose bounds follow from the outer block index."""
+  import jax
+  import jax.numpy as jnp
+
+  from meshlm.nn.flash_attention import flash_attention
+
+  def loss(q, k, v):
+    return jnp.sum(flash_attention(q, k, v, scale=0.1, block=FB, window=window))
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(S(1, FT, FN, FH), S(1, FT, 1, FH), S(1, FT, 1, FH)).compile()
+
+
+FT, FN, FH, FB = 512, 2, 64, 64  # 8 blocks
+
+
+def test_a_causal_block_loop_counts_each_of_its_outer_loops_iterations():
+  """Query block i runs i + 1 key-block tiles: the inner loops' trips are read from the outer loop's counter, 36 of
+  8 x 8 tiles (4.5 per start). The compiled program (XLA:CPU at the locked JAX) holds 6 tile-sized matmuls in the
+  inner loops' bodies and 1 in the backward's outer scan (the key block against a broadcast constant, left outside
+  the inner loop): (36 x 6 + 8) [64 x 64] x [64 x 128] matmuls. Control: counted once per start, as before, 8 of
+  the 36 tiles."""
+  mod = H.parse(_flash_program().as_text())
+  inner = [i for i in mod.instrs() if i.opcode == "while" and i.trip_count is None]
+  assert [i.mean_trips for i in inner] == [4.5, 4.5] and mod.unread_loops() == []
+  tile = 2 * FB * FB * FN * FH
+  assert C.flops(mod) == (36 * 6 + 8) * tile
+  for i in inner:
+    i.mean_trips = None
+  mod.multipliers = H._multipliers(mod.comps, mod.entry)
+  assert C.flops(mod) == (8 * 6 + 8) * tile and len(mod.unread_loops()) == 2
+
+
+def test_a_windowed_block_loop_counts_the_tiles_of_its_band():
+  """Under a 150-position window query block i sees key blocks max(64 i - 149, 0) // 64 .. i: 26 tiles in all (3.25
+  per start), in both the forward's and the backward's inner loop."""
+  mod = H.parse(_flash_program(window=150).as_text())
+  tiles = sum(i + 1 - max(i * FB - 150 + 1, 0) // FB for i in range(FT // FB))
+  assert tiles == 26
+  assert sorted(i.mean_trips for i in mod.instrs() if i.opcode == "while" and i.trip_count is None) == [3.25, 3.25]
+
+
+def test_a_bound_read_from_data_stays_unread():
+  """A loop whose bound is an input's value (a grouped matmul's row count) is not given a count: it stays in
+  unread_loops, its body counted once per start."""
+  import jax
+  import jax.numpy as jnp
+
+  def f(x, n):
+    def outer(h, i):
+      return jax.lax.fori_loop(0, n[i], lambda j, a: jnp.tanh(a @ a), h), None
+    return jax.lax.scan(outer, x, jnp.arange(4))[0]
+  c = jax.jit(f).lower(jax.ShapeDtypeStruct((32, 32), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32)).compile()
+  mod = H.parse(c.as_text())
+  (loop,) = mod.unread_loops()
+  assert loop.mean_trips is None and C.flops(mod) == 4 * 2 * 32 ** 3
+
+
+# --------------------------------------------------------------------------------- the report: HLO against model
+
+def test_the_hlo_count_meets_the_model_count_with_remats_recompute():
+  """A 2-layer llama2-tiny train step under the flash core (its causal block loops read as above) compiled for 4
+  CPU devices: the HLO's FLOPs are within 5% of the model's (6 x parameters + causal attention), and under
+  remat=full of the model's plus the recomputed forward (a third more; the loss's head is not recomputed, 4% under).
+  Control: remat=full against the model count alone is 25% over."""
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).parent))
+  from test_compile import compile_json
+  got = {}
+  for remat in ("none", "full"):
+    r = compile_json("model=llama2-tiny", "model.num_layers=2", "topology=cpu:4", "mesh.fsdp=4", "hbm_gib=1",
+                     f"remat={remat}", "attention_impl=flash", "--no-census")["programs"]["train"]["roofline"]
+    assert r["unread_loops"] == [] and r["model_flops_run"] == r["model_flops"] * (1 + (remat == "full") / 3)
+    got[remat] = r
+  assert abs(got["none"]["hlo_over_model"] - 1) < 0.05 and abs(got["full"]["hlo_over_model"] - 1) < 0.05
+  assert got["full"]["flops"] / got["full"]["model_flops"] > 1.25
