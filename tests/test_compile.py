@@ -58,7 +58,7 @@ def test_cpu_topology_arguments_are_the_hand_count(cpu_report):
   mem = cpu_report["programs"]["train"]["memory"]
   hand = hand_count_llama(512, 256, 2, 8, 4, 32, 768, fsdp=4, batch_rows=32, seq=128)
   assert mem["argument_bytes"] == sum(hand.values())
-  # loss_impl=auto at 32 x 128 x 512 logits: the materialized head (train/step.blockwise_loss)
+  # loss_impl=auto at 32 x 128 x 512 logits: the materialized head (models/logprobs.loss_path)
   assert cpu_report["config"]["loss_impl"] == "auto" and cpu_report["config"]["loss_path"] == "materialized"
   assert {k: v for k, v in mem["arguments_by_input"].items() if v} == hand
   assert cpu_report["config"]["attention_impl"] == "xla"  # auto on CPU below the crossover (128 < 1024)

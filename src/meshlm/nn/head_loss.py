@@ -1,6 +1,10 @@
-"""The LM head and the per-token log-probs computed together over blocks of the sequence: no [B, T, V] logits.
+"""The targets' log-probs from the LM head: materialized from [B, T, V] logits (the reference), or blockwise, the
+head and the log-softmax computed together over blocks of the sequence (no [B, T, V] logits).
 
+    logp_BT, entropy_BT = materialized_logprobs(logits_BTV, targets_BT, temperature=..., keep_fn=..., entropy=...)
     logp_BT, entropy_BT = blockwise_logprobs(x_BTD, kernel, targets_BT, tied=..., cap=..., block=...)
+
+models/logprobs.py decides which one a loss runs (loss_impl); every loss reads it there.
 
 x_BTD is the final-normed hidden state; kernel the untied head [D, V] (tied=False) or the embedding table [V, D]
 (tied=True). Per block of Tb positions the logits [B, Tb, V] are formed in float32, soft-capped
@@ -16,7 +20,7 @@ T is split into the fewest such blocks, evened out.
 Blocks are strided, as train/step._split_micro splits micro-batches: block j holds positions j, nb + j, 2 nb + j,
 ..., so a sequence sharded over mesh.context stays on its devices. T is padded up to nb x Tb with positions
 whose cotangent is zero. The reference is the materialized path: models/decoder.head, then
-train/step.cross_entropy (or rl/step.score); tests/test_blockwise_loss.py holds the two equal.
+materialized_logprobs; tests/test_blockwise_loss.py holds the two equal.
 """
 from __future__ import annotations
 
@@ -30,6 +34,35 @@ import jax.numpy as jnp
 from meshlm.parallel.sharding import LOGITS, axes, constrain, einsum, is_explicit
 
 TOKENS_V = axes("batch", "length", None)  # the vocab whole: a keep_fn's sort and top-k are then local
+
+
+def materialized_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, *, temperature: float = 1.0,
+                          keep_fn: Callable | None = None,
+                          entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """(log q(target) [B, T], entropy of q [B, T] or None), float32, from the logits [B, T, V]: q is the softmax of the
+  logits over the temperature, restricted to the kept set (keep_fn(z) -> bool [B, T, V], z without gradient, plus the
+  target itself, so a kept boundary token is never -inf). The reference of blockwise_logprobs."""
+  with jax.named_scope("loss"):
+    z = logits_BTV.astype(jnp.float32)
+    V = z.shape[-1]
+    if keep_fn is None:
+      if temperature != 1.0:
+        z = z / temperature
+      logq = jax.nn.log_softmax(z, axis=-1)
+      # A one-hot contraction instead of take_along_axis: the gather is ambiguous on a vocab-sharded
+      # operand under explicit sharding, while the product keeps the logits' sharding.
+      onehot = constrain(jax.nn.one_hot(targets_BT, V, dtype=jnp.float32), LOGITS)
+      logp = jnp.sum(logq * onehot, axis=-1)
+      return logp, (-jnp.sum(jnp.exp(logq) * logq, axis=-1) if entropy else None)
+    z = constrain(z, TOKENS_V) / temperature
+    onehot = constrain(jax.nn.one_hot(targets_BT, V, dtype=jnp.bool_), TOKENS_V)
+    keep = keep_fn(jax.lax.stop_gradient(z)) | onehot
+    logq = jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+    logp = jnp.sum(jnp.where(onehot, logq, 0.0), axis=-1)
+    if not entropy:
+      return logp, None
+    # The inner where keeps -inf (off the kept set) out of the product, whose gradient would be NaN there.
+    return logp, -jnp.sum(jnp.where(keep, jnp.exp(logq) * jnp.where(keep, logq, 0.0), 0.0), axis=-1)
 
 
 def blockwise_logprobs(x_BTD: jax.Array, kernel: jax.Array, targets_BT: jax.Array, *, tied: bool,
