@@ -282,11 +282,11 @@ def test_the_head_weight_gradient_comes_out_in_kernel_order(tied, monkeypatch):
   assert counts["transpose_of_dot"]["blocked"] == 0 and counts["transpose_of_dot"]["adjacent"] == 0
   from jax.sharding import reshard
 
-  def flipped(opts, x, dz, k_sh):
-    eqn = "btd,btv->dv" if opts.tied else "btv,btd->vd"
-    pair = (x, dz) if opts.tied else (dz, x)
-    other = jax.sharding.PartitionSpec(*reversed(k_sh))
-    return reshard(jnp.einsum(eqn, *pair, out_sharding=other, preferred_element_type=jnp.float32).T, k_sh)
+  def flipped(opts, x5, dz5, acc_spec):
+    eqn = "abctd,abctv->acdv" if opts.tied else "abctv,abctd->acvd"
+    pair = (x5, dz5) if opts.tied else (dz5, x5)
+    other = jax.sharding.PartitionSpec(acc_spec[0], acc_spec[1], acc_spec[3], acc_spec[2])
+    return reshard(jnp.swapaxes(jnp.einsum(eqn, *pair, out_sharding=other), 2, 3), acc_spec)
   monkeypatch.setattr(head_loss, "_weight_grad", flipped)
   assert _head_census(tied)["transpose_of_dot"]["blocked"] >= 1
 
