@@ -152,7 +152,7 @@ def _kept(opts: _Opts, z: jax.Array, onehot: jax.Array) -> jax.Array | None:
 
 
 def _onehot(opts: _Opts, targets_Bt: jax.Array, V: int) -> jax.Array:
-  # A one-hot contraction, as train/step.cross_entropy: a gather on vocab-sharded logits is ambiguous under explicit.
+  # A one-hot contraction, as materialized_logprobs: a gather on vocab-sharded logits is ambiguous under explicit.
   return constrain(jax.nn.one_hot(targets_Bt, V, dtype=jnp.float32), TOKENS_V if opts.keep_fn else LOGITS)
 
 

@@ -5,7 +5,8 @@ masked by the same data.* rules as training (formats, chat template, completion_
 batches at every evaluation and on any number of processes (every process reads the same global stream and keeps
 its rows, as training does). They are read once, at start-up, and stay on the devices.
 
-The loss is the train step's loss function, forward only (one jit; no second model path): the mean next-token
+The loss is the train step's loss function, forward only (one jit; no second model path: its log-probs are
+models/logprobs.target_logprobs's, materialized or blockwise as the step's): the mean next-token
 cross-entropy over every trained token of all the batches (each batch's mean weighted by its token count), without
 the parts' auxiliary loss terms, which are training objectives. Perplexity is exp of it.
 """
