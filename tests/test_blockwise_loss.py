@@ -1,5 +1,6 @@
 """loss_impl=blockwise (nn/head_loss.py: the head and the log-softmax per block, a custom VJP) against the
-materialized reference (decoder.head, then train/step.cross_entropy or rl/step.score): the loss, the RL
+materialized reference (decoder.head, then head_loss.materialized_logprobs), both through models/logprobs.py's
+head_logprobs, the one place that picks: the loss, the RL
 log-probs and entropy, and their gradients w.r.t. the head's input and its kernel, in float32, each with a
 negative control; then a few tiny presets trained 3 steps both ways, and the compiled step's buffers."""
 import re
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm.models import decoder
+from meshlm.models import logprobs as LP
 from meshlm.nn import head_loss
 from meshlm.rl import step as RS
 from meshlm.train import step as ST
@@ -38,11 +39,11 @@ def _data(seed=0, V=V):
 
 
 def _reference_loss(cfg, params, x, targets, mask):
-  return ST.cross_entropy(decoder.head(cfg, params, x), targets, mask)[0]
+  return -jnp.sum(LP.head_logprobs(cfg, params, x, targets, "materialized")[0] * mask)
 
 
 def _blockwise_loss(cfg, params, x, targets, mask):
-  return ST.blockwise_cross_entropy(cfg, params, x, targets, mask)[0]
+  return -jnp.sum(LP.head_logprobs(cfg, params, x, targets, "blockwise")[0] * mask)
 
 
 def _value_and_grads(loss, cfg, params, x, targets, mask):
@@ -109,9 +110,8 @@ RL_CASES = {"plain": [], "temperature_topk": ["rl.temperature=0.7", "rl.top_k=5"
 def _rl_value_and_grads(cfg, params, x, targets, w, blockwise: bool):
   """((logp, entropy), d/d(x, params) of sum(w0 logp + w1 entropy)): a fixed cotangent on both outputs."""
   def outs(p, x):
-    if blockwise:
-      return RS.score_blockwise(cfg, p, x, targets)
-    return RS.score(cfg, decoder.head(cfg, p, x), targets)
+    return LP.head_logprobs(cfg, p, x, targets, "blockwise" if blockwise else "materialized",
+                            temperature=cfg.rl.temperature, keep_fn=RS.keep_fn(cfg), entropy=True)
 
   def f(p, x):
     logp, ent = outs(p, x)
@@ -149,18 +149,21 @@ def test_rl_truncation_is_scored(monkeypatch):
   """Control for the kept set: scoring the top-k case without it (keep_fn None) moves log q off the reference."""
   cfg = _cfg(*RL_CASES["temperature_topk"])
   x, params, targets, _ = _data(1)
-  ref = RS.score(cfg, decoder.head(cfg, params, x), targets)[0]
+  score = lambda impl: LP.head_logprobs(cfg, params, x, targets, impl, temperature=cfg.rl.temperature,  # noqa: E731
+                                       keep_fn=RS.keep_fn(cfg))[0]
+  ref = score("materialized")
+  np.testing.assert_allclose(score("blockwise"), ref, **TOL)
   monkeypatch.setattr(RS, "_kept", lambda k, p, z: jnp.ones(z.shape, jnp.bool_))
-  assert not np.allclose(RS.score_blockwise(cfg, params, x, targets)[0], ref, **TOL)
+  assert not np.allclose(score("blockwise"), ref, **TOL)
 
 
 def test_auto_picks_blockwise_only_for_large_logits():
   cfg = meshlm.load_config("model=llama2-tiny")  # V = 512
-  assert cfg.loss_impl == "auto" and not ST.blockwise_loss(cfg, 64, 128)  # the tiny presets' size: materialized
-  assert ST.blockwise_loss(cfg, 2 ** 19 // 128, 128)  # 2^28 logits
-  assert not ST.blockwise_loss(cfg, 2 ** 19 // 128 - 1, 128)
-  assert ST.blockwise_loss(cfg.model_copy(update={"loss_impl": "blockwise"}), 1, 1)
-  assert not ST.blockwise_loss(cfg.model_copy(update={"loss_impl": "materialized"}), 2 ** 20, 2 ** 10)
+  assert cfg.loss_impl == "auto" and LP.loss_path(cfg, 64, 128) == "materialized"  # the tiny presets' size
+  assert LP.loss_path(cfg, 2 ** 19 // 128, 128) == "blockwise"  # 2^28 logits
+  assert LP.loss_path(cfg, 2 ** 19 // 128 - 1, 128) == "materialized"
+  assert LP.loss_path(cfg.model_copy(update={"loss_impl": "blockwise"}), 1, 1) == "blockwise"
+  assert LP.loss_path(cfg.model_copy(update={"loss_impl": "materialized"}), 2 ** 20, 2 ** 10) == "materialized"
 
 
 # --- The train step: a few tiny presets, 3 steps each way; the compiled step's buffers ------------------------
@@ -279,11 +282,11 @@ def test_the_head_weight_gradient_comes_out_in_kernel_order(tied, monkeypatch):
   assert counts["transpose_of_dot"]["blocked"] == 0 and counts["transpose_of_dot"]["adjacent"] == 0
   from jax.sharding import reshard
 
-  def flipped(opts, x, dz, k_sh):
-    eqn = "btd,btv->dv" if opts.tied else "btv,btd->vd"
-    pair = (x, dz) if opts.tied else (dz, x)
-    other = jax.sharding.PartitionSpec(*reversed(k_sh))
-    return reshard(jnp.einsum(eqn, *pair, out_sharding=other, preferred_element_type=jnp.float32).T, k_sh)
+  def flipped(opts, x5, dz5, acc_spec):
+    eqn = "abctd,abctv->acdv" if opts.tied else "abctv,abctd->acvd"
+    pair = (x5, dz5) if opts.tied else (dz5, x5)
+    other = jax.sharding.PartitionSpec(acc_spec[0], acc_spec[1], acc_spec[3], acc_spec[2])
+    return reshard(jnp.swapaxes(jnp.einsum(eqn, *pair, out_sharding=other), 2, 3), acc_spec)
   monkeypatch.setattr(head_loss, "_weight_grad", flipped)
   assert _head_census(tied)["transpose_of_dot"]["blocked"] >= 1
 
@@ -293,7 +296,7 @@ def test_the_rl_step_scores_blockwise_as_it_scores_materialized(monkeypatch):
   one-layer model with top-k scoring; the blockwise one goes through the blockwise head (and only it does)."""
   out, calls = {}, []
   blockwise = head_loss.blockwise_logprobs
-  monkeypatch.setattr(decoder, "blockwise_logprobs", lambda *a, **k: calls.append(1) or blockwise(*a, **k))
+  monkeypatch.setattr(LP, "blockwise_logprobs", lambda *a, **k: calls.append(1) or blockwise(*a, **k))
   for impl in ("materialized", "blockwise"):
     cfg = _cfg("model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=8",
                "model.mlp_dim=32", "rl.top_k=5", f"loss_impl={impl}")

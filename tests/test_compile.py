@@ -58,7 +58,7 @@ def test_cpu_topology_arguments_are_the_hand_count(cpu_report):
   mem = cpu_report["programs"]["train"]["memory"]
   hand = hand_count_llama(512, 256, 2, 8, 4, 32, 768, fsdp=4, batch_rows=32, seq=128)
   assert mem["argument_bytes"] == sum(hand.values())
-  # loss_impl=auto at 32 x 128 x 512 logits: the materialized head (train/step.blockwise_loss)
+  # loss_impl=auto at 32 x 128 x 512 logits: the materialized head (models/logprobs.loss_path)
   assert cpu_report["config"]["loss_impl"] == "auto" and cpu_report["config"]["loss_path"] == "materialized"
   assert {k: v for k, v in mem["arguments_by_input"].items() if v} == hand
   assert cpu_report["config"]["attention_impl"] == "xla"  # auto on CPU below the crossover (128 < 1024)
@@ -424,6 +424,46 @@ def test_tpu_splash_mla_has_nothing_blocked(monkeypatch):
   assert old["blocked"] == 2, old["pairs"]
   assert {p["scope"] for p in old["pairs"] if p["kind"] == "blocked"} == {"layer_0/attn forward",
                                                                           "layer_0/attn backward"}
+
+
+# The small llama with the blockwise loss: vocab 1024 gives the head kernel a shape, [512, 1024], that no other array
+# of the program has (the embedding table is [1024, 512]); 256 positions in blocks of 64 are 4 blocks per row.
+HEAD_ONCE = [*SMALL_LLAMA, "model.vocab_size=1024", "train.seq_len=256", "train.per_device_batch_size=4",
+             "topology=v5p:2x2x1", "attention_impl=xla", "loss_impl=blockwise", "loss_block=64"]
+
+
+def _head_moves(report: dict, d: int = 512, v: int = 1024, fsdp: int = 4) -> tuple[dict, int]:
+  """({collective kind: per-step count of those carrying the head kernel: [D, V] whole, or its [D / fsdp, V] shard
+  out of a reduce-scatter}, the per-step count of every collective in the blockwise loss's own scope)."""
+  cols = report["programs"]["train"]["census"]["hlo"]["collectives"]
+  shapes = {f"[{d},{v}]", f"[{d // fsdp},{v}]"}
+  dims = lambda shape: "[" + shape.split("[", 1)[1].split("]")[0] + "]"  # noqa: E731 ("bf16[512,1024]{1,0}")
+  kernel = {k: sum(c["count"] for c in col["calls"] if dims(c["shape"]) in shapes) for k, col in cols.items()}
+  in_loss = sum(c["count"] for col in cols.values() for c in col["calls"] if "lm_head_loss" in c["scope"])
+  return kernel, in_loss
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_tpu_blockwise_loss_moves_the_head_once_per_step(monkeypatch):
+  """The blockwise loss gathers the head kernel once per step and reduces its weight gradient once (issue 55, item
+  1): in the v5p program, one all-gather of bf16[512, 1024], one all-reduce (or reduce-scatter) of it, and no
+  collective inside the loss's block loops. Control: the per-block form (the kernel left to the loop's dots, each
+  block's gradient formed in the kernel's sharding) moves the head per block: 2 gathers per block, and the blocks'
+  cotangents cross devices per block."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from meshlm.nn import head_loss
+  report = compile_json(*HEAD_ONCE)
+  assert report["config"]["loss_path"] == "blockwise" and report["exit"] == 0
+  moves, in_loss = _head_moves(report)
+  assert moves["all-gather"] == 1 and moves["all-reduce"] + moves["reduce-scatter"] == 1, moves
+  assert in_loss == 0
+  monkeypatch.setattr(head_loss, "_gathered", lambda opts, k: k)
+  monkeypatch.setattr(head_loss, "_partials", lambda opts, x, k: (1, 1, P(None, None, None, None),
+                                                                  P(None, None, *jax.typeof(k).sharding.spec)))
+  moves, in_loss = _head_moves(compile_json(*HEAD_ONCE))
+  assert moves["all-gather"] >= 2 * 4 and in_loss >= 4, (moves, in_loss)
 
 
 def test_the_tpu_extra_and_make_tests_lock_pin_the_same_libtpu():

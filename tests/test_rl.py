@@ -27,6 +27,7 @@ import pytest
 from meshlm import cli
 from meshlm.commands.resolve import load_config
 from meshlm.models.params import split_state
+from meshlm.nn.head_loss import materialized_logprobs
 from meshlm.rl import rollout as R
 from meshlm.rl import step as RS
 from meshlm.rl import toy
@@ -215,6 +216,18 @@ def test_evaluations_write_their_completions_and_resume_exactly(runs, eval_file)
   assert again == lines
 
 
+def _forward(cfg, params, batch, replay):
+  """(logits, {replayed input: the trainer's own choices [n, B, T, k]}) of the training forward over the batch,
+  its recorded choices forced with replay."""
+  from meshlm.models import decoder
+  from meshlm.models.model import resolve
+  from meshlm.train.step import layer_inputs_of
+  M = resolve(cfg)
+  logits, side = decoder.forward(M, params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                                 return_side=True, layer_inputs=layer_inputs_of(M, batch) if replay else None)
+  return logits, {name: side[s] for s, name in M.replays.items()}
+
+
 def _byte():
   from meshlm.train.data.tokenizers import ByteTokenizer
   return ByteTokenizer()
@@ -235,7 +248,7 @@ def replayed(rollout):
   forced: one program for the two tests that read it (each jitted its own: a forward compile more)."""
   tr, state, batch = rollout
   with jax.set_mesh(tr.mesh):
-    logits, side = jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, True))(tr.params_of(state), batch)
+    logits, side = jax.jit(lambda p, b: _forward(tr.cfg, p, b, True))(tr.params_of(state), batch)
   return logits, np.asarray(side["forced_expert_ids"])
 
 
@@ -243,7 +256,7 @@ def test_trainer_expert_ids_equal_the_samplers_bit_for_bit(rollout, replayed):
   tr, state, batch = rollout
   with jax.set_mesh(tr.mesh):
     live = replayed[1]  # [L, B, T, k]
-    free = np.asarray(jax.jit(lambda p, b: RS._forward(tr.cfg, p, b, False)[1]["forced_expert_ids"])(
+    free = np.asarray(jax.jit(lambda p, b: _forward(tr.cfg, p, b, False)[1]["forced_expert_ids"])(
         tr.params_of(state), batch))
   rec = np.moveaxis(np.asarray(batch["forced_expert_ids"]), 2, 0)
   fed = rec[..., 0] >= 0
@@ -260,7 +273,9 @@ def test_untruncated_scoring_shows_the_kept_mass_bias(rollout, replayed):
   logits = replayed[0]
   mask = np.asarray(batch["loss_mask"]) > 0
   samp = np.asarray(batch["sampler_logp"])
-  ratio = lambda c: np.exp(np.asarray(RS.score(c, logits, batch["targets"])[0]) - samp)[mask]  # noqa: E731
+  score = lambda c: materialized_logprobs(logits, batch["targets"], temperature=c.rl.temperature,  # noqa: E731
+                                         keep_fn=RS.keep_fn(c))[0]
+  ratio = lambda c: np.exp(np.asarray(score(c)) - samp)[mask]  # noqa: E731
   kept = ratio(tr.cfg)
   untrunc = ratio(tr.cfg.model_copy(update={"rl": tr.cfg.rl.model_copy(update={"score_truncated": False})}))
   assert abs(kept.mean() - 1) <= 1e-5
@@ -282,15 +297,18 @@ def _loss_metrics(tr, cfg):
   return jax.jit(lambda p, b: RS.rl_loss(cfg, p, b, jnp.sum(b["loss_mask"]), num_rows=rows)[1])
 
 
-def test_replay_on_forces_the_samplers_routes_in_the_rl_loss(rollout, perturbed):
+@pytest.mark.parametrize("impl", ["materialized", "blockwise"])
+def test_replay_on_forces_the_samplers_routes_in_the_rl_loss(rollout, perturbed, impl):
   """The RL loss with rl.router_replay=true over a rollout sampled with a perturbed router: its forward is given the
-  sampler's expert ids, so the trainer's routes are the sampler's and no route flips in any layer. Dropping the
-  forced ids from the loss's forward (rl/step.py's _forward given False) flips most of them: the control below,
-  the same loss with replay off, reports those flips."""
+  sampler's expert ids, so the trainer's routes are the sampler's and no route flips in any layer, whichever way
+  the head runs (loss_impl: auto picks blockwise at real sizes). Dropping the forced ids from the loss's forward
+  flips most of them: the control below, the same loss with replay off, reports those flips."""
+  from meshlm.models.logprobs import loss_path
   tr, state, _ = rollout
-  assert tr.cfg.rl.router_replay
+  cfg = tr.cfg.model_copy(update={"loss_impl": impl})
+  assert cfg.rl.router_replay and loss_path(cfg, *perturbed["inputs"].shape) == impl
   with jax.set_mesh(tr.mesh):
-    m = _loss_metrics(tr, tr.cfg)(tr.params_of(state), perturbed)
+    m = _loss_metrics(tr, cfg)(tr.params_of(state), perturbed)
   flips = [float(m[f"router_flips_layer{i}"]) for i in range(3)] + [float(m["router_flips_any_layer"])]
   assert flips == [0.0] * 4, flips
 
@@ -312,7 +330,7 @@ def test_replay_off_reports_the_router_flips_of_a_perturbed_router(rollout, pert
   # The rates, counted here from the trainer's own routing: per layer the sampler's (token, slot) choices the
   # trainer did not make over tokens x k; any layer, the tokens with such a flip over the tokens.
   with jax.set_mesh(tr.mesh):
-    live = np.asarray(jax.jit(lambda p, b: RS._forward(off, p, b, False)[1]["forced_expert_ids"])(params, perturbed))  # [L, B, T, k]
+    live = np.asarray(jax.jit(lambda p, b: _forward(off, p, b, False)[1]["forced_expert_ids"])(params, perturbed))  # [L, B, T, k]
   rec = np.moveaxis(np.asarray(perturbed["forced_expert_ids"]), 2, 0)  # [L, B, T, k]
   valid = (rec[..., 0] >= 0) & (np.asarray(perturbed["segment_ids"])[None] > 0)  # [L, B, T]
   missing = (rec[..., :, None] != live[..., None, :]).all(-1) & valid[..., None]  # [L, B, T, k]
@@ -562,7 +580,7 @@ def _scored(tr, params, batch):
   """(logp, entropy) of the batch's targets under params: the trainer's scoring, as the RL loss scores (one
   program per trainer, however many parameter sets it scores)."""
   if id(tr) not in _SCORERS:
-    _SCORERS[id(tr)] = (tr, jax.jit(lambda p, b: RS.score(tr.cfg, RS._forward(tr.cfg, p, b, False)[0], b["targets"])))
+    _SCORERS[id(tr)] = (tr, jax.jit(lambda p, b: RS.scores(tr.cfg, p, b, False)[:2]))
   with jax.set_mesh(tr.mesh):
     lp, ent = _SCORERS[id(tr)][1](params, batch)
   return np.asarray(lp), np.asarray(ent)
@@ -611,6 +629,21 @@ def test_made_rollout_masks_truncated_rows_and_groups_its_advantages(made_clip):
                      [p.ids for p in tr.last["prompts"][::4]], made_sampler()(tr.cfg, None, [[0]] * 2, None, None, None),
                      tr.cfg.train.seq_len, tr.stops)
   assert [int(x) for x in plain["loss_mask"].sum(1)] == LENGTHS
+
+
+def test_made_rollout_blockwise_step_equals_the_materialized_one(made_clip):
+  """The RL step of the test below (two devices, two micro-batches, the entropy mask, the KL to another policy)
+  with the head run blockwise (loss_impl=blockwise: the branch auto picks at real sizes) gives the materialized
+  step's loss, gradient norm and statistics, float32 within reassociation; the check below holds the
+  materialized step to TRL's rule (and runs after this one: its update donates the fixture's state)."""
+  tr, state, batch = made_clip
+  fresh = lambda: jax.tree.map(jnp.copy, state)  # noqa: E731 (the steps donate their state)
+  step = RS.build_rl_step(tr.step.cfg.model_copy(update={"loss_impl": "blockwise"}), tr.step.mesh)
+  _, ref = tr.step(fresh(), batch)
+  _, got = step(fresh(), batch)
+  for name in ("loss", "grad_norm", "ratio_min", "ratio_max", "entropy", "entropy_kept_frac", "kl"):
+    assert float(got[name]) == pytest.approx(float(ref[name]), rel=2e-5, abs=1e-6), name
+  assert float(ref["grad_norm"]) > 0 and float(ref["kl"]) != 0  # something to compare
 
 
 def test_made_rollout_clip_delta_k3_ratio_entropy_bnpo_equal_trls_rule(made_clip):

@@ -16,7 +16,8 @@ from meshlm.config import load_config
 from meshlm.errors import ConfigError
 from meshlm.train.loop import train
 from meshlm.train.optimizer import schedule
-from meshlm.train.step import build_train_step, cross_entropy, grads_and_loss
+from meshlm.nn.head_loss import materialized_logprobs
+from meshlm.train.step import build_train_step, grads_and_loss
 
 STEPS = 5
 # llama2-tiny, float32, 4 devices, a short sequence and full learning rate from the first step.
@@ -196,18 +197,19 @@ def test_micro_batches_must_divide_the_batch():
 
 # --- loss and schedule -------------------------------------------------------------------------
 
-def test_cross_entropy_matches_numpy():
+def test_materialized_logprobs_match_numpy():
   rng = np.random.default_rng(1)
   logits = rng.standard_normal((2, 5, 11)).astype(np.float32) * 3
   targets = rng.integers(0, 11, (2, 5)).astype(np.int32)
-  mask = (rng.random((2, 5)) < 0.7).astype(np.float32)
-  loss_sum, count = cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(mask))
+  got, ent = materialized_logprobs(jnp.asarray(logits), jnp.asarray(targets), entropy=True)
   x = logits.astype(np.float64)
   logp = x - x.max(-1, keepdims=True)
   logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-  ref = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
-  np.testing.assert_allclose(float(loss_sum), float((ref * mask).sum()), rtol=1e-6)
-  assert float(count) == mask.sum()
+  ref = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(ent), -(np.exp(logp) * logp).sum(-1), rtol=1e-5)
+  # Control: the neighbouring token's log-prob is another number.
+  assert not np.allclose(np.asarray(got), np.take_along_axis(logp, (targets[..., None] + 1) % 11, -1)[..., 0])
 
 
 def test_warmup_then_cosine_to_the_floor():

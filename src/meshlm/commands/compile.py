@@ -94,10 +94,10 @@ def _train(cfg, mesh, rl: bool = False):
 
 
 def _loss_path(cfg, devices: int) -> str:
-  """The train step's head and loss as compiled: loss_impl, with auto decided for this batch (train/step.py)."""
-  from meshlm.train.step import blockwise_loss
+  """The train step's head and loss as compiled: loss_impl, with auto decided for this batch (models/logprobs.py)."""
+  from meshlm.models.logprobs import loss_path
   rows = cfg.train.per_device_batch_size * devices // cfg.train.micro_batches
-  return "blockwise" if blockwise_loss(cfg, rows, cfg.train.seq_len) else "materialized"
+  return loss_path(cfg, rows, cfg.train.seq_len)
 
 
 def _rl_config(cfg, devices: int):

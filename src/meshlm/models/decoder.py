@@ -8,8 +8,8 @@ module re-exports none of them; tests/test_imports.py holds that).
 
 Three entry points share one path: `forward` (training and scoring: logits for every position),
 `prefill` (a right-padded prompt block; returns the logits and a fresh cache) and `decode` (one new
-token per row against the cache). A loss that never holds [B, T, V] logits takes `features` (forward
-without the head) and `head_logprobs` (the head and the target's log-prob, block by block: nn/head_loss.py).
+token per row against the cache). A loss reads the targets' log-probs from models/logprobs.py, which starts
+from `features` (forward without the head) and runs the head materialized or blockwise.
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ from meshlm.models.context import Context, make_context
 from meshlm.models.model import Model, resolve
 from meshlm.nn.dense import dense
 from meshlm.nn.embed import attend, embed
-from meshlm.nn.head_loss import blockwise_logprobs
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
-__all__ = ["apply", "context", "decode", "features", "forward", "head", "head_logprobs", "input_readers", "plan",
+__all__ = ["apply", "context", "decode", "features", "forward", "head", "input_readers", "plan",
            "prefill", "trunk"]
 
 
@@ -53,19 +52,6 @@ def head(cfg: Config | Model, params: dict, x_BTD: jax.Array) -> jax.Array:
     if cap is not None:
       logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
     return logits
-
-
-def head_logprobs(cfg: Config | Model, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, *,
-                  temperature: float = 1.0, keep_fn=None, entropy: bool = False):
-  """(log p(target) [B, T], entropy [B, T] or None) in float32, from the final-normed activations through the
-  head (tied or untied, soft-capped as `head`) block by block (nn/head_loss.py): [B, T, V] never exists. The
-  head's weight gradient comes out in kernel order whatever the flags say (the blockwise VJP computes it so)."""
-  cfg = resolve(cfg).cfg
-  tied = cfg.model.tie_embeddings
-  kernel = (params["embed"] if tied else params["lm_head"]).astype(x_BTD.dtype)
-  with jax.named_scope("lm_head_loss"):
-    return blockwise_logprobs(x_BTD, kernel, targets_BT, tied=tied, cap=cfg.model.final_logit_softcap,
-                              temperature=temperature, keep_fn=keep_fn, entropy=entropy, block=cfg.loss_block)
 
 
 def apply(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context, cache: L.Cache | None = None,
@@ -144,7 +130,7 @@ def forward(cfg: Config | Model, params: dict, tokens_BT: jax.Array, positions_B
 def features(cfg: Config | Model, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,
              layer_inputs: dict | None = None) -> tuple[jax.Array, dict]:
   """(the head's input [B, T, D]: final-normed, side outputs as forward's return_side): forward without the
-  head, for a loss that applies the head itself (head_logprobs)."""
+  head, for a loss that applies the head itself (models/logprobs.py)."""
   M = resolve(cfg)
   positions_BT = _positions(tokens_BT, positions_BT)
   x, _, side = trunk(M, params, tokens_BT, context(M, positions_BT, segment_ids_BT), layer_inputs=layer_inputs)

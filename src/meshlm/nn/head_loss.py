@@ -1,6 +1,10 @@
-"""The LM head and the per-token log-probs computed together over blocks of the sequence: no [B, T, V] logits.
+"""The targets' log-probs from the LM head: materialized from [B, T, V] logits (the reference), or blockwise, the
+head and the log-softmax computed together over blocks of the sequence (no [B, T, V] logits).
 
+    logp_BT, entropy_BT = materialized_logprobs(logits_BTV, targets_BT, temperature=..., keep_fn=..., entropy=...)
     logp_BT, entropy_BT = blockwise_logprobs(x_BTD, kernel, targets_BT, tied=..., cap=..., block=...)
+
+models/logprobs.py decides which one a loss runs (loss_impl); every loss reads it there.
 
 x_BTD is the final-normed hidden state; kernel the untied head [D, V] (tied=False) or the embedding table [V, D]
 (tied=True). Per block of Tb positions the logits [B, Tb, V] are formed in float32, soft-capped
@@ -13,10 +17,16 @@ dot_general emits it so, nothing to transpose) while producing dx per block. Mem
 the residuals are x, the kernel, the targets and two floats per token. `block` bounds the positions per block;
 T is split into the fewest such blocks, evened out.
 
+The kernel moves once per call (per micro-batch), not per block: it is gathered whole along its embed dim before
+each block loop (forward, backward), and the backward keeps each device's partial weight gradient over its own
+rows apart from the others' ([row shards, D, V], float32, each device holding its own) until one reduction after
+the loop, in the kernel's dtype, to the kernel's sharding. The price is one whole [D, V / tensor] float32
+accumulator per device in the backward's loop.
+
 Blocks are strided, as train/step._split_micro splits micro-batches: block j holds positions j, nb + j, 2 nb + j,
 ..., so a sequence sharded over mesh.context stays on its devices. T is padded up to nb x Tb with positions
 whose cotangent is zero. The reference is the materialized path: models/decoder.head, then
-train/step.cross_entropy (or rl/step.score); tests/test_blockwise_loss.py holds the two equal.
+materialized_logprobs; tests/test_blockwise_loss.py holds the two equal.
 """
 from __future__ import annotations
 
@@ -27,9 +37,40 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshlm.parallel.sharding import LOGITS, axes, constrain, einsum, is_explicit
+from jax.sharding import PartitionSpec as P, reshard
+
+from meshlm.parallel.sharding import LOGITS, axes, constrain, current_mesh, einsum, is_explicit, logical_spec
 
 TOKENS_V = axes("batch", "length", None)  # the vocab whole: a keep_fn's sort and top-k are then local
+
+
+def materialized_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, *, temperature: float = 1.0,
+                          keep_fn: Callable | None = None,
+                          entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """(log q(target) [B, T], entropy of q [B, T] or None), float32, from the logits [B, T, V]: q is the softmax of the
+  logits over the temperature, restricted to the kept set (keep_fn(z) -> bool [B, T, V], z without gradient, plus the
+  target itself, so a kept boundary token is never -inf). The reference of blockwise_logprobs."""
+  with jax.named_scope("loss"):
+    z = logits_BTV.astype(jnp.float32)
+    V = z.shape[-1]
+    if keep_fn is None:
+      if temperature != 1.0:
+        z = z / temperature
+      logq = jax.nn.log_softmax(z, axis=-1)
+      # A one-hot contraction instead of take_along_axis: the gather is ambiguous on a vocab-sharded
+      # operand under explicit sharding, while the product keeps the logits' sharding.
+      onehot = constrain(jax.nn.one_hot(targets_BT, V, dtype=jnp.float32), LOGITS)
+      logp = jnp.sum(logq * onehot, axis=-1)
+      return logp, (-jnp.sum(jnp.exp(logq) * logq, axis=-1) if entropy else None)
+    z = constrain(z, TOKENS_V) / temperature
+    onehot = constrain(jax.nn.one_hot(targets_BT, V, dtype=jnp.bool_), TOKENS_V)
+    keep = keep_fn(jax.lax.stop_gradient(z)) | onehot
+    logq = jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+    logp = jnp.sum(jnp.where(onehot, logq, 0.0), axis=-1)
+    if not entropy:
+      return logp, None
+    # The inner where keeps -inf (off the kept set) out of the product, whose gradient would be NaN there.
+    return logp, -jnp.sum(jnp.where(keep, jnp.exp(logq) * jnp.where(keep, logq, 0.0), 0.0), axis=-1)
 
 
 def blockwise_logprobs(x_BTD: jax.Array, kernel: jax.Array, targets_BT: jax.Array, *, tied: bool,
@@ -111,7 +152,7 @@ def _kept(opts: _Opts, z: jax.Array, onehot: jax.Array) -> jax.Array | None:
 
 
 def _onehot(opts: _Opts, targets_Bt: jax.Array, V: int) -> jax.Array:
-  # A one-hot contraction, as train/step.cross_entropy: a gather on vocab-sharded logits is ambiguous under explicit.
+  # A one-hot contraction, as materialized_logprobs: a gather on vocab-sharded logits is ambiguous under explicit.
   return constrain(jax.nn.one_hot(targets_Bt, V, dtype=jnp.float32), TOKENS_V if opts.keep_fn else LOGITS)
 
 
@@ -137,8 +178,16 @@ def _block_forward(opts: _Opts, x_BtD, kernel, targets_Bt):
   return logp, lse, ent
 
 
+def _gathered(opts: _Opts, kernel: jax.Array) -> jax.Array:
+  """The kernel whole along its embed dim (its vocab dim sharded as the logits' vocab): gathered once, before the
+  block loop. Left to the loop's dot, XLA gathers it per block: twice per block with the backward's, 1 GB each for
+  llama3-8b's bf16[4096, 128256] (docs/compile.md)."""
+  return constrain(kernel, ("vocab", None) if opts.tied else (None, "vocab"))
+
+
 def _scan_forward(opts: _Opts, x_BTD, kernel, targets_BT):
   T = x_BTD.shape[1]
+  kernel = _gathered(opts, kernel)
   xs = (_blocks(x_BTD, opts.nb, opts.tb), _blocks(targets_BT, opts.nb, opts.tb))
   _, (logp, lse, ent) = jax.lax.scan(lambda c, a: (c, _block_forward(opts, a[0], kernel, a[1])), None, xs)
   return _unblocks(logp, T), _unblocks(lse, T), _unblocks(ent, T)
@@ -177,14 +226,50 @@ def _sharded_like(a: jax.Array):
   return jax.typeof(a).sharding.spec if is_explicit() else None
 
 
-def _weight_grad(opts: _Opts, x_BtD: jax.Array, dz_BtV: jax.Array, k_sh) -> jax.Array:
-  """One block's head weight gradient in the kernel's stored order: dot_general emits (lhs free, rhs free) dims,
-  so x first for [D, V] and dz first for the tied [V, D]; there is no transpose after the dot. In the compute
-  dtype, as the materialized head's is: each device's partial sum over its tokens is a whole [D, V] before the
-  reduce-scatter, and in float32 under bfloat16 compute it would be twice that (llama3-8b: 2 GiB)."""
+def _pin(a: jax.Array, spec: P) -> jax.Array:
+  """a sharded as the mesh-axis spec (reshard under explicit, a constraint under auto; as it is with no mesh)."""
+  if current_mesh().empty:
+    return a
+  return reshard(a, spec) if is_explicit() else jax.lax.with_sharding_constraint(a, spec)
+
+
+def _partials(opts: _Opts, x_BtD: jax.Array, kernel: jax.Array) -> tuple[int, int, P, P]:
+  """(nB, nT, rows, acc): how many shards the block's batch and length dims are split into on this mesh (as
+  _blocks constrains them), the spec `rows` of [nB, B / nB, nT, tb / nT] that keeps each shard on its devices,
+  and the spec `acc` of the per-shard partial weight gradients [nB, nT, D, V] (tied [nB, nT, V, D]): the shard dims
+  as the rows', the vocab dim as the logits'."""
+  B, tb = x_BtD.shape[:2]
+  mesh = current_mesh()
+  sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  count = lambda e: 1 if e is None else math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e))  # noqa: E731
+  V = kernel.shape[0 if opts.tied else 1]
+  sb, st, sv = (tuple(logical_spec(LOGITS, (B, tb, V))) + (None,) * 3)[:3]
+  acc = P(sb, st, *((sv, None) if opts.tied else (None, sv)))
+  return count(sb), count(st), P(sb, None, st, None), acc
+
+
+def _split_rows(a: jax.Array, nB: int, nT: int, spec: P, last) -> jax.Array:
+  """[B, tb, F] -> [nB, B / nB, nT, tb / nT, F], the shard dims sharded as the rows were (spec), F as `last`."""
+  B, tb, F = a.shape
+  shape, out = (nB, B // nB, nT, tb // nT, F), P(*spec, last)
+  if is_explicit():
+    return jnp.reshape(a, shape, out_sharding=out)
+  return _pin(jnp.reshape(a, shape), out)
+
+
+def _weight_grad(opts: _Opts, x5: jax.Array, dz5: jax.Array, acc_spec: P) -> jax.Array:
+  """One block's head weight gradient per row shard, [nB, nT, D, V] ([nB, nT, V, D] tied): each device's partial
+  sum over its own rows, apart from the others' (the contraction is over the rows within a shard, so it needs no
+  collective). The loop accumulates these and reduces them once after it; a [D, V] result per block would be
+  reduced per block. In the kernel's stored order: dot_general emits (batch, lhs free, rhs free) dims, so x first
+  for [D, V] and dz first for the tied [V, D]; there is no transpose after the dot. In the compute dtype, as the
+  materialized head's is."""
+  sh = acc_spec if is_explicit() else None
   if opts.tied:
-    return jnp.einsum("btv,btd->vd", dz_BtV, x_BtD, out_sharding=k_sh)
-  return jnp.einsum("btd,btv->dv", x_BtD, dz_BtV, out_sharding=k_sh)
+    g = jnp.einsum("abctv,abctd->acvd", dz5, x5, out_sharding=sh)
+  else:
+    g = jnp.einsum("abctd,abctv->acdv", x5, dz5, out_sharding=sh)
+  return g if sh is not None else _pin(g, acc_spec)
 
 
 def _logprobs_bwd(opts: _Opts, res, cts):
@@ -194,17 +279,28 @@ def _logprobs_bwd(opts: _Opts, res, cts):
   blocked = [_blocks(a, nb, tb) for a in (x_BTD, targets_BT, lse_BT, ent_BT, g_logp, g_ent)]
   dx_eqn = "btv,vd->btd" if opts.tied else "btv,dv->btd"
   k_sh = _sharded_like(kernel)
+  whole = _gathered(opts, kernel)  # once per call; the loop's dots read it as it is
+  nB, nT, rows, acc_spec = _partials(opts, blocked[0][0], kernel)
+  vocab = acc_spec[2 if opts.tied else 3]
 
-  def body(dk, a):
+  def body(acc, a):
     x, tg, lse, ent, gl, ge = a
-    dz = _block_dz(opts, x, kernel, tg, lse, ent, gl, ge).astype(x.dtype)
-    dx = jnp.einsum(dx_eqn, dz, kernel, out_sharding=_sharded_like(x))
-    return dk + _weight_grad(opts, x, dz, k_sh).astype(jnp.float32), dx  # the sum over blocks in float32
+    dz = _block_dz(opts, x, whole, tg, lse, ent, gl, ge).astype(x.dtype)
+    dx = jnp.einsum(dx_eqn, dz, whole, out_sharding=_sharded_like(x))
+    g = _weight_grad(opts, _split_rows(x, nB, nT, rows, None), _split_rows(dz, nB, nT, rows, vocab), acc_spec)
+    return acc + g.astype(jnp.float32), dx  # the sum over blocks in float32
 
-  dk0 = jnp.zeros(kernel.shape, jnp.float32, out_sharding=k_sh) if is_explicit() else \
-      jnp.zeros(kernel.shape, jnp.float32)
-  dk, dx = jax.lax.scan(body, dk0, tuple(blocked))
-  return _unblocks(dx, T), dk.astype(kernel.dtype), None
+  acc_shape = (nB, nT) + kernel.shape
+  acc0 = jnp.zeros(acc_shape, jnp.float32, out_sharding=acc_spec) if is_explicit() else \
+      _pin(jnp.zeros(acc_shape, jnp.float32), acc_spec)
+  acc, dx = jax.lax.scan(body, acc0, tuple(blocked))
+  # The one reduction of the step's head gradient (per call: per micro-batch), over every row shard, in the
+  # kernel's dtype (as the materialized head's), to the kernel's own sharding.
+  # lax.reduce, not jnp.sum: jnp.sum accumulates a bfloat16 sum in float32, which XLA all-reduces (twice the bytes).
+  dk = jax.lax.reduce(acc.astype(kernel.dtype), jnp.zeros((), kernel.dtype), jax.lax.add, (0, 1))
+  if k_sh is not None:
+    dk = reshard(dk, k_sh)
+  return _unblocks(dx, T), dk, None
 
 
 _logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)

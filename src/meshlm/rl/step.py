@@ -15,7 +15,7 @@ is 1 on completion tokens only):
                        [B, T, n, k], -1 = none): forced in the forward with rl.router_replay,
                        else compared with the trainer's own choices (the input's `flips` metrics)
 
-The trainer scores a completion under the sampler's truncation (`score`), so at the first iteration the
+The trainer scores a completion under the sampler's truncation (`scores`), so at the first iteration the
 ratio is 1 up to the train/sample numerical gap, which the step reports (logp_gap_mean/max).
 """
 from __future__ import annotations
@@ -27,16 +27,13 @@ import jax.numpy as jnp
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models.logprobs import target_logprobs
 from meshlm.models.params import merge_state, model_shardings
 from meshlm.models.model import resolve
 from meshlm.models.generate import truncate
 from meshlm.parallel.sharding import constrain
 from meshlm.rl import loss as L
 from meshlm.train import step as ST
-
-TOKENS_V = ("batch", "length", None)  # [B, T, V] with the vocab whole: sort, top-k and the draw are local
-
 
 def rl_fields(cfg: Config) -> dict[str, ST.BatchField]:
   """The RL step's batch spec for cfg."""
@@ -60,35 +57,14 @@ def flip_metrics(cfg: Config) -> tuple[str, ...]:
   return tuple(f for f in (M.layer_input(n).flips for n in dict.fromkeys(M.replays.values())) if f)
 
 
-def score(cfg: Config, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(log q(target) [B, T], entropy of q [B, T]), q the distribution the sampler draws from: softmax of
-  the logits over rl.temperature, truncated by rl.top_k and rl.top_p (the kept set from the logits
-  without gradient, plus the target itself, so a boundary token the sampler kept is never -inf). With
-  rl.score_truncated=false, q is the temperature's softmax only (the comparison that shows the bias)."""
+def keep_fn(cfg: Config):
+  """The kept set of the sampler's truncation (rl.top_k, rl.top_p) as models/logprobs.target_logprobs takes it, or
+  None when the trainer scores without one (no truncation, or rl.score_truncated=false: the temperature's softmax
+  only, the comparison that shows the bias)."""
   rl = cfg.rl
-  z = constrain(logits_BTV.astype(jnp.float32), TOKENS_V) / rl.temperature
-  onehot = constrain(jax.nn.one_hot(targets_BT, z.shape[-1], dtype=jnp.bool_), TOKENS_V)
-  keep = jnp.ones(z.shape, jnp.bool_)
   if rl.score_truncated and (rl.top_k is not None or rl.top_p < 1):
-    keep = jnp.isfinite(truncate(jax.lax.stop_gradient(z), rl.top_k, rl.top_p)) | onehot
-    z = jnp.where(keep, z, -jnp.inf)
-  logq = jax.nn.log_softmax(z, axis=-1)
-  logp = jnp.sum(jnp.where(onehot, logq, 0.0), axis=-1)
-  # The inner where keeps -inf (off the kept set) out of the product, whose gradient would be NaN there.
-  entropy = -jnp.sum(jnp.where(keep, jnp.exp(logq) * jnp.where(keep, logq, 0.0), 0.0), axis=-1)
-  return logp, entropy
-
-
-def score_blockwise(cfg: Config, params, x_BTD: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """score's (log q(target) [B, T], entropy of q [B, T]) from the head's input, the head applied block by block
-  (decoder.head_logprobs): the same q (temperature, the truncation's kept set plus the target) and gradients,
-  with no [B, T, V] logits."""
-  rl = cfg.rl
-  keep_fn = None
-  if rl.score_truncated and (rl.top_k is not None or rl.top_p < 1):
-    keep_fn = functools.partial(_kept, rl.top_k, rl.top_p)
-  return decoder.head_logprobs(cfg, params, x_BTD, targets_BT, temperature=rl.temperature, keep_fn=keep_fn,
-                               entropy=True)
+    return functools.partial(_kept, rl.top_k, rl.top_p)
+  return None
 
 
 def _kept(top_k, top_p, z):
@@ -96,31 +72,14 @@ def _kept(top_k, top_p, z):
 
 
 def scores(cfg: Config, params, batch: dict, replay: bool):
-  """(log q(target) [B, T], entropy [B, T], the trainer's own choices as _forward's), through the materialized
-  head and `score`, or blockwise (cfg.loss_impl: train/step.blockwise_loss) through `score_blockwise`."""
-  if ST.blockwise_loss(resolve(cfg).cfg, *batch["inputs"].shape):
-    x, live = _forward(cfg, params, batch, replay, features=True)
-    logp, entropy = score_blockwise(cfg, params, x, batch["targets"])
-  else:
-    logits, live = _forward(cfg, params, batch, replay)
-    logp, entropy = score(cfg, logits, batch["targets"])
-  return logp, entropy, live
-
-
-def _forward(cfg: Config, params, batch: dict, replay: bool, features: bool = False):
-  """(logits, {replayed input: the trainer's own choices [n, B, T, k]}, {} without replays); with replay the
-  batch's recorded choices are forced. features: the head's input [B, T, D] instead of the logits."""
+  """(log q(target) [B, T], entropy of q [B, T], {replayed input: the trainer's own choices [n, B, T, k]}, {}
+  without replays), q the distribution the sampler draws from: softmax of the logits over rl.temperature, truncated
+  by rl.top_k and rl.top_p (`keep_fn`). With replay the batch's recorded choices are forced in the forward."""
   M = resolve(cfg)
-  side = bool(M.replays)
-  args = (M, params, batch["inputs"], batch["positions"], batch["segment_ids"])
   layer_inputs = ST.layer_inputs_of(M, batch) if replay else None
-  if features:
-    out = decoder.features(*args, layer_inputs=layer_inputs)
-  else:
-    out = decoder.forward(*args, return_side=side, layer_inputs=layer_inputs)
-  if not side:
-    return (out[0] if features else out), {}
-  return out[0], {name: out[1][s] for s, name in M.replays.items()}
+  out = target_logprobs(M, params, batch, temperature=cfg.rl.temperature, keep_fn=keep_fn(cfg), entropy=True,
+                        layer_inputs=layer_inputs)
+  return out.logp, out.entropy, {name: out.side[s] for s, name in M.replays.items()}
 
 
 def choice_flips(live_LBTk: jax.Array, recorded_BTLk: jax.Array, real_BT: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -22,11 +22,10 @@ import optax
 
 from meshlm.config import Config
 from meshlm.errors import ConfigError
-from meshlm.models import decoder
+from meshlm.models.logprobs import target_logprobs
 from meshlm.models.params import (after_step, after_step_side, init_model_state, init_params, merge_state,
                                   model_state_shardings, model_state_specs, param_shardings, param_specs)
 from meshlm.models.model import resolve
-from meshlm.parallel.sharding import LOGITS
 from meshlm.models.registry import check_mesh
 from meshlm import spec as S
 from meshlm.parallel.mesh import make_mesh
@@ -102,59 +101,19 @@ class TrainState(NamedTuple):
 MODEL_SIDE = "model_side"
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(sum of masked token losses, number of masked tokens), in float32."""
-  with jax.named_scope("loss"):
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    # A one-hot contraction instead of take_along_axis: the gather is ambiguous on a vocab-sharded
-    # operand under explicit sharding, while the product keeps the logits' sharding.
-    onehot = constrain(jax.nn.one_hot(targets_BT, logp.shape[-1], dtype=jnp.float32), LOGITS)
-    token_loss = -jnp.sum(logp * onehot, axis=-1)
-    return jnp.sum(token_loss * mask_BT), jnp.sum(mask_BT)
-
-
-# loss_impl=auto goes blockwise from this many logits (batch x seq_len x vocab of one micro-batch, all devices
-# together): 2^28 float32 logits are 1 GiB, and the materialized path holds them and their log-softmax (and in
-# the backward their gradient). Below it the logits are small next to the step, and the materialized path is
-# today's numbers: every tiny preset stays on it (at most 16 rows x 128 positions x 512 per device: 2^20, 2^23 on
-# 8 devices), on every backend. A trace sees the shapes, not the platform (the mesh it compiles for may be a
-# compile-only TPU topology), so the choice reads the size only.
-BLOCKWISE_FROM = 2 ** 28
-
-
-def blockwise_loss(cfg: Config, batch: int, seq_len: int) -> bool:
-  """Whether the loss of a [batch, seq_len] (micro-)batch runs blockwise (cfg.loss_impl; auto: by size)."""
-  if cfg.loss_impl != "auto":
-    return cfg.loss_impl == "blockwise"
-  return batch * seq_len * cfg.model.vocab_size >= BLOCKWISE_FROM
-
-
-def blockwise_cross_entropy(cfg: Config, params, x_BTD: jax.Array, targets_BT: jax.Array,
-                            mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cross_entropy's (sum of masked token losses, number of masked tokens) from the head's input, through
-  decoder.head_logprobs: the head and the log-softmax block by block, no [B, T, V] logits."""
-  logp, _ = decoder.head_logprobs(cfg, params, x_BTD, targets_BT)
-  with jax.named_scope("loss"):
-    return -jnp.sum(logp * mask_BT), jnp.sum(mask_BT)
-
-
 def next_token_loss(cfg: Config, params, batch: dict, num_tokens: jax.Array) -> tuple[jax.Array, dict]:
   """The default loss: mean next-token cross-entropy over the loss mask, plus the parts' own loss terms
   that are on (Part.losses, each on when its coefficient is set; `part_losses`). The head and the
-  cross-entropy are materialized or blockwise (cfg.loss_impl, `blockwise_loss`)."""
+  cross-entropy are models/logprobs.target_logprobs's (materialized or blockwise, as loss_impl says)."""
   M = resolve(cfg)
   aux = bool(M.losses) or bool(M.metrics)
   state_side = after_step_side(M)
   want_side = aux or bool(state_side)
-  args = (M, params, batch["inputs"], batch["positions"], batch["segment_ids"])
-  if blockwise_loss(M.cfg, *batch["inputs"].shape):
-    x, side = decoder.features(*args, layer_inputs=layer_inputs_of(M, batch))
-    loss_sum, mb_tokens = blockwise_cross_entropy(M, params, x, batch["targets"], batch["loss_mask"])
-  else:
-    out = decoder.forward(*args, return_side=want_side, layer_inputs=layer_inputs_of(M, batch))
-    logits, side = out if want_side else (out, {})
-    loss_sum, mb_tokens = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-  loss = loss_sum / num_tokens
+  logp, _, side = target_logprobs(M, params, batch, layer_inputs=layer_inputs_of(M, batch))
+  mask = batch["loss_mask"]
+  with jax.named_scope("loss"):
+    loss = -jnp.sum(logp * mask) / num_tokens
+  mb_tokens = jnp.sum(mask)
   if not want_side:
     return loss, {}
   # This micro-batch's share of the batch's tokens (exactly 1 without micro-batches): the per-micro-batch

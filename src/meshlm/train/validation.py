@@ -7,10 +7,11 @@ evaluation and on any number of processes (every process reads the same global s
 training does). They are read once, at start-up, and kept on the host; each evaluation places them on the devices
 one at a time, so a large validation file costs host memory, not device memory.
 
-The loss is the train step's loss function, forward only (one jit; no second model path): the mean next-token
-cross-entropy over every trained token of all the batches (each batch's mean weighted by its token count: TRL's
-evaluate() over the whole set), without the parts' auxiliary loss terms, which are training objectives. Perplexity is
-exp of it. `meshlm eval` (commands/eval.py) runs it alone, on a model's parameters.
+The loss is the train step's loss function, forward only (one jit; no second model path: its log-probs are
+models/logprobs.target_logprobs's, materialized or blockwise as the step's): the mean next-token cross-entropy over
+every trained token of all the batches (each batch's mean weighted by its token count: TRL's evaluate() over the whole
+set), without the parts' auxiliary loss terms, which are training objectives. Perplexity is exp of it. `meshlm eval`
+(commands/eval.py) runs it alone, on a model's parameters.
 """
 from __future__ import annotations
 
