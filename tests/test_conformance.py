@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from pathlib import Path
 
 import jax
@@ -307,6 +308,25 @@ if DEVICES >= 4:
   def test_explicit_equals_auto_and_nothing_is_blocked(preset):
     got = C.check_explicit_equals_auto((f"model={preset}",), lambda mode: trained(preset, mode))
     print(f"{preset}: explicit vs auto, fsdp=4, float32, {C.PARITY_STEPS} steps: {got}")
+
+
+# --- the settings real runs use, on every tiny preset -------------------------------------------------------
+# remat=full and remat=dots over the scanned layers, attention_impl=flash and the blockwise loss (C.REAL_RUN):
+# each against remat=none on one device, remat=dots on fsdp=2 too. Defined where there are 2 devices.
+
+@functools.cache
+def real_run(preset: str, arm: str) -> dict:
+  t = time.process_time()
+  got = C.real_run_metrics((f"model={preset}", *shrink(preset), *C.REAL_ARMS[arm]))
+  print(f"{preset} {arm}: {time.process_time() - t:.1f} s CPU, {got}")
+  return got
+
+
+if DEVICES >= 2:
+  @pytest.mark.parametrize("preset", preset_rows())
+  def test_remat_flash_and_the_blockwise_loss_train_as_without_remat(preset):
+    got = C.check_remat_keeps_the_numbers({arm: real_run(preset, arm) for arm in C.REAL_ARMS})
+    print(f"{preset}: max differences from remat=none {got}")
 
 
 def _shard_on_the_wrong_device(real_reshard, calls: list):
