@@ -239,14 +239,18 @@ REAL_SEQ = 72  # past every tiny preset's sliding window and a GDN chunk (64); t
 REAL_RUN = ("scan_layers=true", "attention_impl=flash", "loss_impl=blockwise", "loss_block=32",
             f"train.seq_len={REAL_SEQ}", "train.compute_dtype=float32", "train.warmup_steps=0",
             "train.learning_rate=3e-3", "shard_mode=explicit")
-# Every arm steps on the same global batch of 2 rows, so on the same batches. "none" is the reference.
-REAL_ARMS = {"none": ("remat=none", "cpu_devices=1", "train.per_device_batch_size=2"),
-             "full": ("remat=full", "cpu_devices=1", "train.per_device_batch_size=2"),
-             "dots": ("remat=dots", "cpu_devices=1", "train.per_device_batch_size=2"),
+# Every arm steps on the same global batch of 2 rows, so on the same batches. The rows run REAL_ARMS (each remat
+# policy once, one on each mesh: the full matrix of both policies on both meshes and remat=none cost 527 s of CPU
+# for the 13 tiny presets, measured; these two about half of it); REFERENCE is remat=none on one device.
+REAL_ARMS = {"full": ("remat=full", "cpu_devices=1", "train.per_device_batch_size=2"),
              "dots_fsdp2": ("remat=dots", "cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1")}
-# Remat recomputes the same float32 operations: on the same mesh within this of the reference, losses
-# (absolute) and gradient norms (relative); on fsdp=2, the sums run in another order (PARITY_ATOL).
-REMAT_TOL = 1e-6
+REFERENCE = ("remat=none", "cpu_devices=1", "train.per_device_batch_size=2")
+# Remat recomputes the same float32 operations, but XLA fuses the rematerialized program otherwise: on one mesh
+# losses within REMAT_ATOL and gradient norms within REMAT_GRAD_RTOL (relative) of another arm's (measured against
+# remat=none: 0 on 10 presets, at most 4.8e-7 and 1.5e-6 on the GDN hybrids); across meshes, where the sums run in
+# another order, PARITY_ATOL for both (measured at most 1.4e-6 and 5.8e-7).
+REMAT_ATOL = 1e-6
+REMAT_GRAD_RTOL = 5e-6
 
 
 def real_run_metrics(overrides: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -256,21 +260,25 @@ def real_run_metrics(overrides: tuple[str, ...]) -> dict[str, np.ndarray]:
   return run_steps(step, step.lower(), REAL_STEPS)
 
 
-def check_remat_keeps_the_numbers(runs: dict[str, dict[str, np.ndarray]]) -> dict:
-  """Every arm finite; each remat arm's losses and gradient norms those of runs["none"] (REMAT_TOL on one
-  device, PARITY_ATOL on a mesh of more). Returns the largest differences."""
-  ref = runs["none"]
+def _devices(arm: tuple[str, ...]) -> str:
+  return next(o for o in arm if o.startswith("cpu_devices="))
+
+
+def check_real_runs_agree(runs: dict[str, dict[str, np.ndarray]], arms: dict[str, tuple[str, ...]]) -> dict:
+  """Every run finite; each run's losses and gradient norms those of the first (arms: each run's overrides, for
+  its device count). Returns the largest differences from the first."""
+  (first, ref), *rest = runs.items()
   out = {}
   for arm, got in runs.items():
     for k, v in got.items():
       assert v.shape == (REAL_STEPS,) and np.all(np.isfinite(v)), f"{arm}: {k} {v.tolist()}"
-    if arm == "none":
-      continue
-    tol = REMAT_TOL if "fsdp" not in arm else PARITY_ATOL
+  for arm, got in rest:
+    same = _devices(arms[arm]) == _devices(arms[first])
+    atol, rtol = (REMAT_ATOL, REMAT_GRAD_RTOL) if same else (PARITY_ATOL, PARITY_ATOL)
     loss = float(np.max(np.abs(got["loss"] - ref["loss"])))
     grad = float(np.max(np.abs(got["grad_norm"] / ref["grad_norm"] - 1)))
-    assert loss <= tol, f"{arm}: losses {got['loss'].tolist()}, remat=none's {ref['loss'].tolist()} (> {tol})"
-    assert grad <= tol, (f"{arm}: gradient norms {got['grad_norm'].tolist()}, remat=none's "
-                         f"{ref['grad_norm'].tolist()} (relative > {tol})")
+    assert loss <= atol, f"{arm}: losses {got['loss'].tolist()}, {first}'s {ref['loss'].tolist()} (> {atol})"
+    assert grad <= rtol, (f"{arm}: gradient norms {got['grad_norm'].tolist()}, {first}'s "
+                          f"{ref['grad_norm'].tolist()} (relative > {rtol})")
     out[arm] = {"loss": loss, "grad_norm": grad}
   return out
