@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from pathlib import Path
 
 import jax
@@ -307,6 +308,67 @@ if DEVICES >= 4:
   def test_explicit_equals_auto_and_nothing_is_blocked(preset):
     got = C.check_explicit_equals_auto((f"model={preset}",), lambda mode: trained(preset, mode))
     print(f"{preset}: explicit vs auto, fsdp=4, float32, {C.PARITY_STEPS} steps: {got}")
+
+
+# --- the settings real runs use, on every tiny preset -------------------------------------------------------
+# remat=full and remat=dots over the scanned layers, attention_impl=flash and the blockwise loss (C.REAL_RUN):
+# full on one device, dots on fsdp=2, on the same batches and equal; on the GDN preset the rematerialization
+# crashed (issue 53), also against remat=none. Defined where there are 2 devices.
+
+@functools.cache
+def real_run(preset: str, arm: str) -> dict:
+  t = time.process_time()
+  got = C.real_run_metrics((f"model={preset}", *shrink(preset), *REAL_ARMS[arm]))
+  print(f"{preset} {arm}: {time.process_time() - t:.1f} s CPU, {got}")
+  return got
+
+
+REAL_ARMS = dict(C.REAL_ARMS, none=C.REFERENCE)
+
+
+def gdn_preset() -> str:
+  """The first tiny preset with a Gated DeltaNet layer."""
+  def parts(preset: str) -> set[str]:
+    family = registry.get(meshlm.load_config(f"model={preset}").model.family)
+    return {part.name for kind in family.kinds.values() for part in kind.parts}
+  return next(p for p in tiny_presets() if "gdn" in parts(p))
+
+
+if DEVICES >= 2:
+  @pytest.mark.parametrize("preset", preset_rows())
+  def test_remat_flash_and_the_blockwise_loss_train_alike(preset):
+    got = C.check_real_runs_agree({arm: real_run(preset, arm) for arm in C.REAL_ARMS}, REAL_ARMS)
+    print(f"{preset}: max differences from remat=full on 1 device {got}")
+
+
+  def test_remat_trains_as_without_remat():
+    """remat=full on one device against remat=none, on the GDN preset (where remat moves float32 sums most)."""
+    preset = gdn_preset()
+    got = C.check_real_runs_agree({arm: real_run(preset, arm) for arm in ("none", "full")}, REAL_ARMS)
+    print(f"{preset}: remat=full against remat=none {got}")
+
+
+  def test_a_remat_that_changes_the_gradient_fails_the_check(monkeypatch):
+    """Control: a layer whose rematerialized gradient is 1.001 times its own (the forward unchanged), under
+    remat=dots on fsdp=2, fails the check against remat=full's run (llama2-tiny)."""
+    real = jax.checkpoint
+    calls = []
+
+    def broken(f, **kw):
+      g = real(f, **kw)
+
+      def h(*args):
+        calls.append(1)
+        x, *rest = g(*args)
+        return (x + 1e-3 * (x - jax.lax.stop_gradient(x)), *rest)
+      return h
+    monkeypatch.setattr(jax, "checkpoint", broken)
+    preset = "llama2-tiny"
+    bad = C.real_run_metrics((f"model={preset}", *REAL_ARMS["dots_fsdp2"]))
+    monkeypatch.undo()
+    assert calls, "the broken remat was never traced: models/layers.py no longer calls jax.checkpoint"
+    with pytest.raises(AssertionError, match="gradient norms"):
+      C.check_real_runs_agree({"full": real_run(preset, "full"), "dots_fsdp2": bad}, REAL_ARMS)
 
 
 def _shard_on_the_wrong_device(real_reshard, calls: list):

@@ -11,7 +11,9 @@ import glob
 import io
 import json
 import os
+import re
 import struct
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,8 @@ import pytest
 from meshlm.config import load_config
 from meshlm.train.optimizer import make_optimizer, schedule
 from meshlm.train.step import guarded_update
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # --- the non-finite guard ------------------------------------------------------------------------
 
@@ -390,9 +394,51 @@ def test_resume_may_change_the_steps_and_the_cadence(loop_run, tmp_path):
 def test_resumable_keys_are_config_keys():
   """A renamed key would quietly turn its entry off: each entry must name a key (or a section)."""
   from meshlm.config import to_yaml
-  from meshlm.train.run_dir import RESUMABLE, _flat
+  from meshlm.config.resume import RESUMABLE
+  from meshlm.train.run_dir import _flat
   import yaml
   keys = _flat(yaml.safe_load(to_yaml(load_config(*LOOP))))
   for entry in RESUMABLE:
     assert (entry in keys if not entry.endswith(".*") else any(k.startswith(entry[:-1]) for k in keys)), entry
+
+
+def _resume_rows(readme: str) -> list[set[str]]:
+  """The key sets of the README's "Stopping and resuming" table, one per row, each `section.*` expanded."""
+  from meshlm.config.keys import leaf_keys
+  from meshlm.config.resume import matches
+  section = readme.split("## Stopping and resuming", 1)[1].split("\n## ", 1)[0]
+  rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+  every = [k.name for k in leaf_keys()]
+  return [{k for tok in re.findall(r"`([^`]+)`", row) for k in ([tok] if not tok.endswith(".*") else
+                                                                 [n for n in every if matches(n, (tok,))])}
+          for row in rows]
+
+
+def _declared_rows() -> list[set[str]]:
+  """config/resume.py's rows (expanded as the README's), then the registered parts' COMPUTE knobs."""
+  from meshlm.config.keys import leaf_keys
+  from meshlm.config.resume import RESUMABLE_ROWS, matches
+  from meshlm.models.registry import part_sections
+  every = [k.name for k in leaf_keys()]
+  rows = [{n for n in every if matches(n, keys)} for keys, _ in RESUMABLE_ROWS]
+  return rows + [{f"model.parts.{name}.{knob}" for name, sec in part_sections().items() for knob in getattr(sec, "COMPUTE", ())}]
+
+
+def test_the_readme_resume_table_and_help_are_the_declaration():
+  """The README's table lists config/resume.py's rows in order and, last, every part section's COMPUTE knobs
+  (all 7 of moe's); `meshlm train --help` and `meshlm rl --help` mark exactly those keys; docs/config.md states no key's resumability
+  (it points to the table). Control: the README as it was, with 3 of moe's 7 knobs in prose, fails."""
+  from meshlm.cli import command_help
+  readme = (ROOT / "README.md").read_text()
+  want = _declared_rows()
+  assert _resume_rows(readme) == want
+  assert any("ep_buffer_factor" in k for k in want[-1]) and len([k for k in want[-1] if ".moe." in k]) == 7
+  old = readme.replace(", `model.parts.moe.ep_impl`, `model.parts.moe.ep_buffer_factor`, `model.parts.moe.kernel_cast`"
+                       ", `model.parts.moe.grad_reduce_barrier`", "")
+  assert old != readme and _resume_rows(old) != want
+  marked = {line.split()[0] for cmd in ("train", "rl") for line in command_help(cmd).splitlines()
+            if line.endswith("(may change on resume)")}
+  assert marked == set().union(*want)
+  config_md = (ROOT / "docs" / "config.md").read_text()
+  assert len(re.findall(r"(?i)on resume|resumes under|\bresumes\b", config_md)) == 2  # the pointer; run_dir's row
 

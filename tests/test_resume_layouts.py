@@ -1,6 +1,6 @@
 """Resuming a MoE run with another layout or implementation of the same parameters: model.parts.moe.kernel_fsdp,
 model.parts.moe.grouped_matmul, scan_layers, stack_rows and loss_impl change how the step computes, not what, so a checkpoint
-resumes under other values (run_dir.RESUMABLE, the moe section's COMPUTE knobs) and the run goes on as the
+resumes under other values (config/resume.py RESUMABLE, the moe section's COMPUTE knobs) and the run goes on as the
 uninterrupted one does, to float32 reassociation. A key that changes the parameters' meaning is still refused
 (the control), naming the key.
 

@@ -1,7 +1,8 @@
 """The config's dotted keys, read from the pydantic schema: the `--help` listing and "did you mean".
 
 Both read the schema itself, so a new field shows up in `meshlm train --help` and in suggestions
-the moment it is added; its one-line meaning is its `Field(description=...)`.
+the moment it is added; its one-line meaning is its `Field(description=...)`, marked "(may change on resume)"
+for the keys config/resume.py declares and a part section's COMPUTE knobs.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from meshlm.config.resume import may_change_on_resume
 from meshlm.config.schema import Config
 
 
@@ -24,6 +26,7 @@ class Key:
   type: str  # int, float|null, explicit|auto, list[global|local]
   default: str  # as typed on the command line; "(preset)" where the preset must give it
   meaning: str  # the field's description, one line
+  resume: bool = False  # may change when a run resumes (config/resume.py; a part section's COMPUTE knobs)
 
 
 def _section(annotation) -> type[BaseModel] | None:
@@ -65,7 +68,8 @@ def _walk(model: type[BaseModel], prefix: str):
       continue
     meaning = " ".join((field.description or "").split())
     default = field.default_factory() if field.default_factory is not None else field.default
-    yield Key(dotted, type_name(field.annotation), show_value(default), meaning)
+    resume = may_change_on_resume(dotted) or name in getattr(model, "COMPUTE", ())
+    yield Key(dotted, type_name(field.annotation), show_value(default), meaning, resume)
 
 
 @functools.cache
@@ -151,6 +155,7 @@ def render_keys(only: tuple[str, ...] | None = None, skip: tuple[str, ...] = (),
   """The table `meshlm <command> --help` prints: key, type, default, meaning; only the keys `only` names (keys or
   sections ending in '.'), without those `skip` names; `extra` (the parts' own keys) after the schema's."""
   keys = [k for k in leaf_keys() + tuple(extra) if (only is None or _matches(k.name, only)) and not _matches(k.name, skip)]
-  rows = [("key", "type", "default", "meaning")] + [(k.name, k.type, k.default, k.meaning) for k in keys]
+  rows = [("key", "type", "default", "meaning")] + [
+      (k.name, k.type, k.default, f"{k.meaning} (may change on resume)" if k.resume else k.meaning) for k in keys]
   widths = [max(len(r[i]) for r in rows) for i in range(3)]
   return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows)

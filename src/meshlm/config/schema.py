@@ -469,6 +469,15 @@ class RLConfig(_Strict):
     return self
 
 
+def splash_refusal(attention_impl: str, context: int) -> str | None:
+  """The refusal of the splash core over mesh.context > 1, or None: the config's check, and nn/attention's for a
+  mesh of context shards that a config did not ask for (a jax.set_mesh around meshlm.forward)."""
+  if attention_impl == "splash" and context > 1:
+    return (f"attention_impl=splash with mesh.context={context}: the splash kernel does not split the sequence over "
+            "mesh.context; use attention_impl=flash (or auto)")
+  return None
+
+
 class Config(_Strict):
   model_name: str = Field(default="llama2-tiny", description="the preset's name, recorded in config.yaml and checkpoints")
   model: ModelConfig
@@ -516,9 +525,9 @@ class Config(_Strict):
       raise ValueError(
           "lm_head_weight_grad_in_kernel_order=true needs an untied LM head, but model.tie_embeddings "
           "is true (the tied head is an einsum over the embedding table); leave the flag unset or false")
-    if self.attention_impl == "splash" and self.mesh.context > 1:
-      raise ValueError(f"attention_impl=splash with mesh.context={self.mesh.context}: the splash kernel does not split "
-                       "the sequence over mesh.context; use attention_impl=flash (or auto)")
+    refusal = splash_refusal(self.attention_impl, self.mesh.context)
+    if refusal:
+      raise ValueError(refusal)
     if self.train.seq_len > self.model.max_position:
       raise ValueError(
           f"train.seq_len={self.train.seq_len} is beyond model.max_position={self.model.max_position}; "

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
+from meshlm.config.schema import splash_refusal
 from meshlm.errors import ConfigError
 from meshlm.nn.flash_attention import flash_attention
 from meshlm.nn.ring_attention import ring_attention
@@ -69,9 +70,9 @@ def resolve_impl(impl: str, T: int, platform: str, context: int = 1) -> str:
   if impl != "auto":
     if impl not in IMPLS:
       raise ValueError(f"attention_impl={impl!r}: expected auto, xla, flash or splash")
-    if impl == "splash" and context > 1:
-      raise ConfigError(f"attention_impl=splash with mesh.context={context}: the splash kernel does not split the "
-                        "sequence over mesh.context; use attention_impl=flash (or auto)")
+    refusal = splash_refusal(impl, context)
+    if refusal:
+      raise ConfigError(refusal)
     return impl
   if platform == "tpu":
     return "splash" if context == 1 else "flash"

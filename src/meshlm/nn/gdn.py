@@ -137,11 +137,25 @@ def _inverse_right_looking(a_XWW, *, skip_column=None):
     return eye_XWW
   # Column 0 outside the loop: its result has a's type (its sharding under explicit), the loop's carry type.
   x_XWW = column(0, eye_XWW)
+
+  def trip(t, x_XWW):
+    for c in range(INVERSE_UNROLL):
+      x_XWW = column(1 + t * INVERSE_UNROLL + c, x_XWW)
+    return x_XWW
+
   # A loop of INVERSE_UNROLL columns per trip, not W - 1 unrolled steps: fully unrolled, the inverse was 64% of
   # the qwen3.5-397b period's optimized HLO at context=2 (XLA:TPU took tens of minutes over it); one column per
   # trip measured ~10x slower on XLA:CPU than the unrolled chain, which XLA fuses. The same multiply and subtract
-  # per element either way, so the same numbers.
-  return jax.lax.fori_loop(1, W - 1, column, x_XWW, unroll=min(INVERSE_UNROLL, max(W - 2, 1)))
+  # per element either way, so the same numbers. The trip's columns are written out here, not fori_loop's
+  # unroll=: remat saves the loop counter of every trip as a stacked residual, and JAX (0.10 to 0.12) lowers an
+  # unrolled scan's stacked outputs under the program's mesh, not the values' own: inside the rule's auto_axes
+  # region of an explicit mesh that stacking fails ("context mesh ... should match the aval mesh"). An
+  # unroll=1 loop writes them under the values' mesh.
+  trips, rest = divmod(W - 2, INVERSE_UNROLL)
+  x_XWW = jax.lax.fori_loop(0, trips, trip, x_XWW)
+  for j in range(W - 1 - rest, W - 1):  # the last columns, fewer than a trip
+    x_XWW = column(j, x_XWW)
+  return x_XWW
 
 
 def _inverse_solve_triangular(a_XWW):

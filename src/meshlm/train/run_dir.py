@@ -4,8 +4,8 @@ as it was when a run fails before it starts.
   - run_dir=null (the default): a new `runs/<model_name>-<YYYYmmdd-HHMMSS>` is claimed with mkdir,
     so two runs started in the same second get two directories (the second gets a `-2` suffix).
   - Resuming (run_dir has a checkpoint) with settings that differ from its config.yaml is refused,
-    naming the keys, except for RESUMABLE: keys that change how long, how often or where the run goes,
-    or how the step is compiled, and not what it trains. model.* and data.source/path are checked
+    naming the keys, except for config/resume.py's RESUMABLE: keys that change how long, how often or where
+    the run goes, or how the step is compiled, and not what it trains. model.* and data.source/path are checked
     against the checkpoint itself (train/checkpoint.py), with messages of their own.
   - A run that fails before it starts (a bad data.path, a refused resume, Ctrl-C while compiling)
     removes the directories it created that are still empty, so the next command finds what was there.
@@ -21,35 +21,13 @@ from typing import Iterator
 import yaml
 
 from meshlm.config import Config, to_yaml
+from meshlm.config.resume import RESUMABLE, matches as _matches
 from meshlm.errors import ConfigError
 
 RUNS_ROOT = "runs"
 
-# Keys that may differ from the run's config.yaml when it resumes. Fnmatch-free: a key matches an entry
-# equal to it, or an entry ending in ".*" that is its prefix.
-RESUMABLE = (
-    "train.steps",  # more (or fewer) steps; the learning-rate schedule follows the new total
-    "train.stop_after", "train.log_every", "train.sample_tokens", "train.sample_temperature", "train.on_nonfinite",
-    "train.max_nonfinite_in_a_row",
-    "checkpoint.every", "checkpoint.keep",
-    "checkpoint.load_params_from",  # a resume ignores it: the run's own checkpoint wins
-    "train.micro_batches",  # the same global batch, accumulated in other pieces
-    # Another mesh, device or process count: checkpoints restore onto any mesh, the data stream is global.
-    "cpu_devices", "mesh.*", "distributed.*",
-    # How the step is compiled, not what it computes; the stored parameters are the same.
-    "shard_mode", "remat", "lm_head_weight_grad_in_kernel_order", "dense_weight_grad_in_kernel_order",
-    "weight_grad_impl", "attention_impl", "context_attention", "scan_layers", "stack_rows", "loss_impl", "loss_block",
-    # RL's evaluation and rollout log: what it measures and records, not what the run trains.
-    "rl.eval_every", "rl.eval_prompts", "rl.log_completions",
-    # The validation set: what it measures and how often, not what the run trains.
-    "eval.*",
-)
 # Checked against the checkpoint's own record (train/checkpoint.py), or the run's own address.
 _CHECKED_ELSEWHERE = ("model.*", "model_name", "data.source", "data.path", "run_dir")
-
-
-def _matches(key: str, entries: tuple[str, ...]) -> bool:
-  return any(key == e or (e.endswith(".*") and key.startswith(e[:-1])) for e in entries)
 
 
 def fresh_run_dir(model_name: str, root: str = RUNS_ROOT, now: datetime.datetime | None = None) -> str:
