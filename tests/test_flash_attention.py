@@ -33,17 +33,20 @@ CASES = {
     "softcap": (4, 2, 8, 8, None, 1.5, False),
     "mla_dims": (3, 3, 12, 8, None, None, False),  # every head its own key (G = 1), qk 12 wide, v 8
     "all": (4, 1, 8, 6, 9, 2.0, True),
+    # The window's lower edge 2 + 2 x BLOCK back: the first query of a block sees one key of the block lo below it
+    # (its last), so a lower bound one block too high skips a block the window reaches (the mutation audit's miss).
+    "window_edge": (4, 2, 8, 8, 2 + 2 * BLOCK, None, False),
 }
 
 
 def attention_inputs(case: str, N: int, K: int, H: int, Hv: int, T: int):
-  """q [2, T, N, H], k [2, T, K, H], v [2, T, K, Hv] and the output's cotangent, seeded by the case's name
-  (test_splash_attention's cases draw theirs here too)."""
+  """Heads-first rows (every core's): q [2, N, T, H], k [2, K, T, H], v [2, K, T, Hv] and the output's cotangent
+  [2, N, T, Hv], seeded by the case's name (test_splash_attention's cases draw theirs here too)."""
   ks = jax.random.split(jax.random.key(len(case)), 4)
-  q = jax.random.normal(ks[0], (2, T, N, H))
-  k = jax.random.normal(ks[1], (2, T, K, H))
-  v = jax.random.normal(ks[2], (2, T, K, Hv))
-  ct = jax.random.normal(ks[3], (2, T, K, N // K, Hv))  # the output's cotangent
+  q = jax.random.normal(ks[0], (2, N, T, H))
+  k = jax.random.normal(ks[1], (2, K, T, H))
+  v = jax.random.normal(ks[2], (2, K, T, Hv))
+  ct = jax.random.normal(ks[3], (2, N, T, Hv))  # the output's cotangent
   return q, k, v, ct
 
 
@@ -93,6 +96,10 @@ def test_flash_equals_xla_forward_and_gradients(case):
     ("causal_gqa", "_key_offset", lambda real: lambda j, b: real(j, b) + 1),
     # A block the window reaches skipped: the lowest visible key block dropped.
     ("window", "_key_blocks", lambda real: lambda st, i: (real(st, i)[0] + 1, real(st, i)[1])),
+    # The window's lower bound off by one position ((i b - window + 2) // b): it skips the block at the window's
+    # lower edge only when that edge is a block's last key (window = 2 + a multiple of the block).
+    ("window_edge", "_key_blocks", lambda real: lambda st, i: (jnp.maximum(i * st.block - st.window + 2, 0)
+                                                                // st.block, real(st, i)[1])),
     # A dropped segment reset: documents see each other.
     ("segments", "_same_segment", lambda real: lambda sq, sk: jnp.ones(sq.shape + sk.shape[-1:], bool)),
     # The soft-cap's derivative missing from the backward (the forward still caps).
@@ -136,7 +143,7 @@ def _largest(jaxpr) -> int:
 def test_no_tensor_grows_with_t_squared():
   """The flash forward and backward hold at most [B, K, G, block, block] scores; the xla core holds [.., T, T]."""
   Tl, b = 256, 16
-  q, k, v = (jnp.zeros((1, Tl, 2, 8)),) * 3
+  q, k, v = (jnp.zeros((1, 2, Tl, 8)),) * 3
   loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v))  # noqa: E731
   flash = lambda q, k, v: FA.flash_attention(q, k, v, scale=1.0, block=b)  # noqa: E731
   xla = lambda q, k, v: gqa_attention(q, k, v, attention_mask(None, Tl, None), scale=1.0)  # noqa: E731
