@@ -202,23 +202,8 @@ def test_explicit_equals_auto_under_flash():
   C.assert_parity(_trained(preset, "flash", "explicit")[0], _trained(preset, "flash", "auto")[0])
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_per_layer_gradients_agree(preset):
-  """The gradient of every parameter leaf (the stacked leaves hold every layer's) under flash equals xla's, within
-  ATOL of the leaf's largest entry, over packed rows (two documents each)."""
-  # As numpy: compared with jnp, each leaf shape compiled its own abs, max and subtract (106 compiles for
-  # deepseek-v3-tiny's leaves).
-  grads = {impl: jax.tree.map(np.asarray, _grads(preset, impl)) for impl in ("xla", "flash")}
-  leaves = jax.tree_util.tree_leaves_with_path(grads["xla"])
-  flash = jax.tree.leaves(grads["flash"])
-  assert len(leaves) == len(flash)
-  worst = 0.0
-  for (path, want), got in zip(leaves, flash):
-    scale = float(np.max(np.abs(want))) or 1.0
-    err = float(np.max(np.abs(got - want))) / scale
-    worst = max(worst, err)
-    assert err < ATOL, f"{jax.tree_util.keystr(path)}: relative {err:.3g}"
-  print(f"{preset}: per-leaf gradients, max relative |flash - xla| {worst:.3g} over {len(flash)} leaves")
+# Every parameter's gradient under flash against xla, per attention part (packed rows, the window and soft-cap):
+# tests/test_attention_conformance.py.
 
 
 def test_generate_with_a_flash_prefill_equals_recomputing(monkeypatch):
@@ -234,16 +219,3 @@ def test_generate_with_a_flash_prefill_equals_recomputing(monkeypatch):
   out = C.greedy(cfg, params := meshlm.init_params(cfg, jax.random.key(0)))
   assert set(traced) == {None, cfg.model.sliding_window}, traced  # the prefill ran flash, global and local layers
   print(C.check_generate_equals_recompute(cfg, params, out))
-
-
-def _grads(preset: str, impl: str):
-  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), f"attention_impl={impl}", "train.compute_dtype=float32")
-  params = meshlm.init_params(cfg, jax.random.key(0))
-  toks = jax.random.randint(jax.random.key(1), (2, C.PARITY_SEQ), 0, cfg.model.vocab_size)
-  cut = np.array([[40], [70]])
-  col = np.arange(C.PARITY_SEQ)[None]
-  seg, pos = jnp.asarray(np.where(col < cut, 1, 2)), jnp.asarray(np.where(col < cut, col, col - cut))
-  ct = jax.random.normal(jax.random.key(2), (2, C.PARITY_SEQ, cfg.model.vocab_size))
-  # One jitted program (the forward traced inside it): differentiated op by op, each primitive of the forward and
-  # backward compiled on its own (the four presets' rows 40.9 -> 35.6 s of CPU).
-  return jax.jit(jax.grad(lambda p: jnp.sum(meshlm.forward(cfg, p, toks, pos, seg) * ct)))(params)
