@@ -13,7 +13,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
