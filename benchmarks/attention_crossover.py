@@ -45,7 +45,7 @@ def arms(T: int, block: int):
 def inputs(T: int, N: int, K: int, H: int):
   r = np.random.default_rng(0)
   f = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)  # noqa: E731
-  return f(1, T, N, H), f(1, T, K, H), f(1, T, K, H), f(1, T, K, N // K, H)
+  return f(1, N, T, H), f(1, K, T, H), f(1, K, T, H), f(1, N, T, H)  # heads-first rows, every core's
 
 
 def gib(b: int) -> str:

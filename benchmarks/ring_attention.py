@@ -48,11 +48,11 @@ def main(argv=None) -> int:
   gib = lambda b: f"{b / (1 << 30):.2f} GiB" if b >= 1 << 30 else f"{b / (1 << 20):.1f} MiB"  # noqa: E731
   for C in a.C:
     mesh = jax.make_mesh((C,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:C])
-    seq = NamedSharding(mesh, P(None, "context"))
+    seq = NamedSharding(mesh, P(None, None, "context"))  # heads-first rows [B, heads, T, h]: T over context
     for T in a.T:
       r = np.random.default_rng(0)
       f = lambda *s: jax.device_put(jnp.asarray(r.standard_normal(s), jnp.float32), seq)  # noqa: E731
-      args = (f(1, T, N, a.dim), f(1, T, K, a.dim), f(1, T, K, a.dim), f(1, T, K, N // K, a.dim))
+      args = (f(1, N, T, a.dim), f(1, K, T, a.dim), f(1, K, T, a.dim), f(1, N, T, a.dim))
 
       def step(core):
         def g(q, k, v, ct):

@@ -122,7 +122,7 @@ def own_shard_only(attention, shards: int):
   import jax.numpy as jnp
 
   def attend(q, k, v, mask, **kw):
-    t = jnp.arange(q.shape[1]) // (q.shape[1] // shards)
+    t = jnp.arange(q.shape[2]) // (q.shape[2] // shards)  # q [B, N, T, H]
     return attention(q, k, v, mask & (t[:, None] == t[None, :]), **kw)
   return attend
 

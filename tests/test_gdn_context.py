@@ -194,7 +194,7 @@ def test_gdn_layers_do_not_gather_the_sequence(mesh, shards, rows):
 
 def test_full_attention_gathers_k_and_v():
   """The full-attention layer under mesh.context is XLA's partitioning of the attention core (in its auto-axes
-  region under explicit too): K and V all-gathered over context in the forward ([B, T, Kv, H] each, whole T),
+  region under explicit too): K and V all-gathered over context in the forward ([B, Kv, T, H] each, whole T),
   their gradients reduced in the backward; queries, scores and outputs stay sharded by query position. Its other
   gathers are kernels' (parameters shard over context too: parallel/sharding.RULES), none carrying the sequence."""
   cfg = load_config("model=qwen3.5-tiny", *SHRINK)
@@ -202,7 +202,7 @@ def test_full_attention_gathers_k_and_v():
   _, _, hlo = run("qwen3.5-tiny", *MESHES["context2"])
   assert m.hybrid_types().count("full_attention") == 1
   calls = _collectives(hlo, "full_attn")  # the one full-attention layer (its kind's scope)
-  kv = f"f32[2,{T},{m.num_kv_heads},{m.head_dim}]"
+  kv = f"f32[2,{m.num_kv_heads},{T},{m.head_dim}]"  # heads-first rows [B, Kv, T, H]
   gathers = [c for c in calls["all-gather"] if "forward" in c["scope"]]
   kv_gathers = [c for c in gathers if c["shape"].startswith(kv)]
   assert sum(c["count"] for c in kv_gathers) == 2, gathers

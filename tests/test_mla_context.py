@@ -104,7 +104,7 @@ def test_attention_within_each_shard_only_fails_the_check():
   assert max(errs.values()) > LEAK, errs
   # The wrapper alone, at one shard, is plain attention: the control fails by what the shards miss, not by the wrapper.
   rng = np.random.default_rng(2)
-  q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 4)), jnp.float32) for _ in range(3))
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 8, 4)), jnp.float32) for _ in range(3))  # [B, N, T, H]
   mask = jnp.tril(jnp.ones((8, 8), bool))[None, None, None]
   plain = A.gqa_attention(q, k, v, mask, scale=0.5)
   np.testing.assert_array_equal(own_shard_only(A.gqa_attention, 1)(q, k, v, mask, scale=0.5), plain)

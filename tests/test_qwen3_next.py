@@ -101,7 +101,7 @@ def test_conv_window_is_the_last_inputs_of_each_row():
 
 def test_partial_rope_rotates_the_first_dims_with_half_split_pairs():
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((1, 5, 2, 16)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((1, 2, 5, 16)), jnp.float32)  # [B, N, T, H]
 
   @jax.jit  # one program (op by op, some 20 small ones)
   def rotated(x):
@@ -113,7 +113,7 @@ def test_partial_rope_rotates_the_first_dims_with_half_split_pairs():
   # Dim 0 pairs with dim rot / 2 = 2 (transformers' rotate_half inside the rotated block), not with dim 1.
   c, s = cos[0, :, 0], sin[0, :, 0]
   xn = np.asarray(x)
-  np.testing.assert_allclose(y[0, :, :, 0], xn[0, :, :, 0] * c[:, None] - xn[0, :, :, 2] * s[:, None], atol=1e-6)
+  np.testing.assert_allclose(y[0, :, :, 0], xn[0, :, :, 0] * c[None] - xn[0, :, :, 2] * s[None], atol=1e-6)
 
 
 # --- the two GDN projection layouts ----------------------------------------------------------------

@@ -52,9 +52,9 @@ DIMS, WINDOW, SOFTCAP, BLOCK = (4, 2, 8, 6), 11, 5.0, 5
 def _kernel_inputs():
   N, K, H, Hv = DIMS
   rng = np.random.default_rng(3)
-  q = jnp.asarray(rng.normal(size=(2, T_K, N, H)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(2, T_K, K, H)), jnp.float32)
-  v = jnp.asarray(rng.normal(size=(2, T_K, K, Hv)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(2, N, T_K, H)), jnp.float32)  # heads-first rows, every core's
+  k = jnp.asarray(rng.normal(size=(2, K, T_K, H)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, K, T_K, Hv)), jnp.float32)
   # Row 0: documents crossing the chunk edges (every 8); row 1: one document.
   seg = jnp.asarray(np.stack([np.repeat([1, 2, 3, 4], [13, 30, 9, 12]), np.ones(T_K, int)]))
   return q, k, v, seg
@@ -65,7 +65,7 @@ def _kernel_run(attention, grads: bool = True, mesh=None):
   grads; the compiled HLO text). With a mesh: q, k, v sharded over its context axis."""
   q, k, v, seg = _kernel_inputs()
   if mesh is not None:
-    seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+    seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "context"))
     q, k, v = (jax.device_put(x, seq) for x in (q, k, v))
   fn = lambda q, k, v: attention(q, k, v, seg, scale=DIMS[2] ** -0.5, softcap=SOFTCAP, window=WINDOW,  # noqa: E731
                                  block=BLOCK)

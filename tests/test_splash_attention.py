@@ -54,7 +54,7 @@ def _reference(case: str, *, window=None, segments=None, softcap=None, regroup=F
   seg = jnp.asarray(SEGMENTS) if (segs if segments is None else segments) else None
   def fn(q, k, v):
     if regroup:  # query group g reads KV head K - 1 - g's keys and values
-      k, v = k[:, :, ::-1], v[:, :, ::-1]
+      k, v = k[:, ::-1], v[:, ::-1]
     return gqa_attention(q, k, v, attention_mask(seg, T, window), scale=H ** -0.5, softcap=softcap)
   return _value_and_grads(fn, *_inputs(case))
 
@@ -182,7 +182,8 @@ def test_splash_trains_to_the_xla_losses():
 # "q": a plain query projection (q_lora_rank null, DeepSeek-V2-Lite's), the other einsum heads-first.
 MLA_KEYS = ("model=deepseek-v3-tiny", "model.num_layers=1", "model.first_k_dense_replace=1", "model.embed_dim=64",
             "model.vocab_size=128", "train.compute_dtype=float32")
-MLA_QUERY = {"q_b": (), "q": ("model.parts.mla.q_lora_rank=null",)}
+# (q_b, with q_lora, is tests/test_attention_conformance.py's mla row under splash.)
+MLA_QUERY = {"q": ("model.parts.mla.q_lora_rank=null",)}
 
 
 @functools.cache
@@ -236,11 +237,11 @@ def test_generate_with_a_splash_prefill_equals_the_xla_forward(monkeypatch):
   import meshlm.nn.splash_attention as S
   from meshlm.models import api
   from meshlm.models.mixers import gqa
-  traced, real = [], S.splash_heads_first
+  traced, real = [], S.splash_attention
   def counted(*args, **kw):
     traced.append(args[0].shape)
     return real(*args, **kw)
-  monkeypatch.setattr(S, "splash_heads_first", counted)
+  monkeypatch.setattr(S, "splash_attention", counted)
   keys = ("model=qwen3.5-tiny", *shrink("qwen3.5-tiny"), "train.compute_dtype=float32")
   cfg = meshlm.load_config(*keys, "attention_impl=splash")
   out = C.greedy(cfg, params := meshlm.init_params(cfg, jax.random.key(0)))

@@ -22,13 +22,11 @@ from meshlm.parallel.sharding import ACT, axes
 Q_AXES = axes("embed", "heads", "head_dim")
 KV_AXES = axes("embed", "kv_heads", "head_dim")
 O_AXES = axes("heads", "head_dim", "embed")
-# Activation axes: per-head rows [B, T, N, H], GQA's K/V rows [B, T, Kv, H], the output [B, T, D].
-HEADS = axes("batch", "length", "heads", "head_dim")
-KV = axes("batch", "length", "kv_heads", "head_dim")
+# Activation axes: per-head rows heads-first, [B, N, T, H] (queries) and [B, Kv, T, H] (GQA's K/V), the order every
+# core reads (and the decode cache's, [B, Kv, C, H]); the output [B, T, D].
+HEADS = axes("batch", "heads", "length", "head_dim")
+KV = axes("batch", "kv_heads", "length", "head_dim")
 OUT = ACT
-# The same rows heads-first, [B, N, T, H] and [B, Kv, T, H]: the order the splash kernel reads (reads_heads_first).
-HEADS_FIRST = axes("batch", "heads", "length", "head_dim")
-KV_FIRST = axes("batch", "kv_heads", "length", "head_dim")
 
 
 def q_spec(D: int, N: int, H: int) -> S.ParamSpec:
@@ -100,19 +98,13 @@ class Mask:
   dense: jax.Array | None = None
 
 
-def reads_heads_first(impl: str) -> bool:
-  """Whether the core impl reads heads-first rows (q [B, N, T, H], k/v [B, Kv, T, H]): the splash kernel does. A
-  caller that projects straight into them (gqa, gated_gqa, mla) leaves no transpose between its projections' dots
-  and the kernel, nor between the output projection's gradient dot and the kernel's backward."""
-  return impl == "splash"
-
-
-def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None, heads_first: bool = False):
-  """(fn(q, k, v, operand) -> [B, T, K, G, Hv], operand): the attention core for impl and the one array it reads
+def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
+  """(fn(q, k, v, operand) -> [B, N, T, Hv], operand): the attention core for impl and the one array it reads
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
-  mask; flash, ring and splash: the segment ids or None). heads_first (only where reads_heads_first(impl)): fn reads
-  q [B, N, T, H], k/v [B, Kv, T, H] and returns [B, N, T, Hv]."""
-  assert not heads_first or reads_heads_first(impl), impl
+  mask; flash, ring and splash: the segment ids or None). Every core reads heads-first rows, q [B, N, T, H] and
+  k/v [B, Kv, T, H], and returns them: a caller projects straight into them and contracts the output as it is, so
+  no transpose sits between a projection's dot and the core (nor, in the backward, between the output projection's
+  gradient dot and the core's)."""
   if impl in ("flash", "ring"):
     blockwise = flash_attention if impl == "flash" else ring_attention
 
@@ -121,11 +113,10 @@ def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None, h
     return flash, mask.segment_ids
   if impl == "splash":
     # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs splash.
-    from meshlm.nn.splash_attention import splash_attention, splash_heads_first
-    kernel = splash_heads_first if heads_first else splash_attention
+    from meshlm.nn.splash_attention import splash_attention
 
     def splash(q, k, v, seg):
-      return kernel(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+      return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
     return splash, mask.segment_ids
 
   def xla(q, k, v, dense):
@@ -148,39 +139,39 @@ def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int
   return mask
 
 
-def gqa_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array, *,
+def gqa_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask: jax.Array, *,
                   scale: float, softcap: float | None = None) -> jax.Array:
-  """softmax(q k^T * scale) v with K kv heads shared by groups of G = N // K query heads.
-
-  Returns [B, T, K, G, H]: left grouped, so that the output projection contracts it directly (a
-  reshape back to [B, T, N, H] would sit between that projection's gradient dot and the transpose
-  after it). Plain math with no sharding annotations of its own (it runs inside an auto-axes region).
-  """
+  """softmax(q k^T * scale) v with K kv heads shared by groups of G = N // K query heads, on heads-first rows:
+  q [B, N, T, H], k/v [B, K, S, H] (v's head dim may differ), mask [B or 1, 1, 1, T, S]; returns [B, N, T, Hv]
+  (query head n = k * G + g reads kv head k). Plain math with no sharding annotations of its own (it runs inside
+  an auto-axes region)."""
   with jax.named_scope("attention"):
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
-    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) * scale
+    B, N, T, H = q_BNTH.shape
+    K = k_BKSH.shape[1]
+    q = jnp.reshape(q_BNTH, (B, K, N // K, T, H))
+    s = jnp.einsum("bkgth,bksh->bkgts", q, k_BKSH).astype(jnp.float32) * scale
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BSKH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BKSH.dtype)
+    o = jnp.einsum("bkgts,bksh->bkgth", p, v_BKSH)
+    return jnp.reshape(o, (B, N, T, o.shape[-1]))
 
 
-def gqa_attention_decode(q_B1NH: jax.Array, k_BK1H: jax.Array, v_BK1H: jax.Array, k_BKCH: jax.Array,
+def gqa_attention_decode(q_BN1H: jax.Array, k_BK1H: jax.Array, v_BK1H: jax.Array, k_BKCH: jax.Array,
                          v_BKCH: jax.Array, mask: jax.Array, *, scale: float, softcap: float | None = None) -> jax.Array:
   """One new position attends to the cache's slots (mask [B, 1, 1, 1, C]) and to its own key and value,
   which are not in the cache yet: one softmax over C + 1 scores, so the cache is only read here and the
-  decoder writes the new row into it once, in place, after the layers. Returns [B, 1, K, G, H].
+  decoder writes the new row into it once, in place, after the layers. Heads-first rows as gqa_attention's
+  (T = 1); returns [B, N, 1, Hv].
 
   The cache is [B, K, C, H]: its batch dims (b, k) lead, so both dots read it as stored (a [B, C, K, H]
   cache would be transposed first, a cache-sized temporary per layer).
   """
   with jax.named_scope("attention"):
-    B, T, N, H = q_B1NH.shape
+    B, N, _, H = q_BN1H.shape
     K = k_BKCH.shape[1]
-    q = jnp.reshape(q_B1NH, (B, K, N // K, H))  # T = 1
+    q = jnp.reshape(q_BN1H, (B, K, N // K, H))  # T = 1
     f32 = jnp.float32
     s_cache = jnp.einsum("bkgh,bkch->bkgc", q, k_BKCH).astype(f32) * scale  # [B, K, G, C]
     s_new = jnp.einsum("bkgh,bkh->bkg", q, k_BK1H[:, :, 0]).astype(f32)[..., None] * scale  # [B, K, G, 1]
@@ -191,4 +182,4 @@ def gqa_attention_decode(q_B1NH: jax.Array, k_BK1H: jax.Array, v_BK1H: jax.Array
     p = jax.nn.softmax(s, axis=-1).astype(v_BKCH.dtype)
     C = k_BKCH.shape[2]
     o = jnp.einsum("bkgc,bkch->bkgh", p[..., :C], v_BKCH) + p[..., C:] * v_BK1H[:, :, 0, None, :]
-    return o[:, None]  # [B, 1, K, G, H]
+    return jnp.reshape(o, (B, N, 1, o.shape[-1]))

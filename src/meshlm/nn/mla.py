@@ -22,13 +22,14 @@ from meshlm.parallel.sharding import axes
 EXPANDED = axes("batch", "heads", None, "head_dim")  # K/V rebuilt from the latent rows: [B, N, C, H]
 
 
-def absorbed_decode(q_lat_B1NR: jax.Array, q_rope_B1NH: jax.Array, c_B1R: jax.Array, k_rope_B1H: jax.Array,
+def absorbed_decode(q_lat_BN1R: jax.Array, q_rope_BN1H: jax.Array, c_B1R: jax.Array, k_rope_B1H: jax.Array,
                     c_BCR: jax.Array, k_rope_BCH: jax.Array, mask: jax.Array, *, scale: float) -> jax.Array:
-  """The latent output [B, 1, N, Rkv]: sum over the cache's slots (mask [B, 1, 1, 1, C]) and the new position
-  of softmax(q_lat . c + q_rope . k_rope) c. q_lat: the query with k_b absorbed (q_nope k_b^T)."""
+  """The latent output [B, N, 1, Rkv] (heads-first rows, as the query's): sum over the cache's slots (mask
+  [B, 1, 1, 1, C]) and the new position of softmax(q_lat . c + q_rope . k_rope) c. q_lat: the query with k_b
+  absorbed (q_nope k_b^T)."""
   with jax.named_scope("attention"):
     f32 = jnp.float32
-    q_lat, q_rope = q_lat_B1NR[:, 0], q_rope_B1NH[:, 0]  # [B, N, Rkv], [B, N, Hr]
+    q_lat, q_rope = q_lat_BN1R[:, :, 0], q_rope_BN1H[:, :, 0]  # [B, N, Rkv], [B, N, Hr]
     s_cache = jnp.einsum("bnr,bcr->bnc", q_lat, c_BCR) + jnp.einsum("bnh,bch->bnc", q_rope, k_rope_BCH)
     s_new = jnp.einsum("bnr,br->bn", q_lat, c_B1R[:, 0]) + jnp.einsum("bnh,bh->bn", q_rope, k_rope_B1H[:, 0])
     s = jnp.concatenate([s_cache, s_new[..., None]], axis=-1).astype(f32) * scale  # [B, N, C + 1]
@@ -36,12 +37,12 @@ def absorbed_decode(q_lat_B1NR: jax.Array, q_rope_B1NH: jax.Array, c_B1R: jax.Ar
     p = jax.nn.softmax(s, axis=-1).astype(c_BCR.dtype)
     C = c_BCR.shape[1]
     o = jnp.einsum("bnc,bcr->bnr", p[..., :C], c_BCR) + p[..., C:] * c_B1R  # [B, N, Rkv]
-    return o[:, None]
+    return o[:, :, None]
 
 
-def expanded_decode(q_nope_B1NH, q_rope_B1NH, c_B1R, k_rope_B1H, c_BCR, k_rope_BCH, mask, k_b_RNH, v_b_RNH, *,
+def expanded_decode(q_nope_BN1H, q_rope_BN1H, c_B1R, k_rope_B1H, c_BCR, k_rope_BCH, mask, k_b_RNH, v_b_RNH, *,
                     scale: float, dense) -> jax.Array:
-  """The same step with K/V rebuilt from the latent rows (k_b, v_b through `dense`): [B, 1, N, 1, Hv]."""
+  """The same step with K/V rebuilt from the latent rows (k_b, v_b through `dense`): [B, N, 1, Hv]."""
   with jax.named_scope("k_b"):
     k_nope = dense(c_BCR, k_b_RNH, "bcr,rnh->bnch", EXPANDED)  # [B, N, C, Hn]
     k_nope_new = dense(c_B1R, k_b_RNH, "btr,rnh->bnth", EXPANDED)  # [B, N, 1, Hn]
@@ -52,5 +53,5 @@ def expanded_decode(q_nope_B1NH, q_rope_B1NH, c_B1R, k_rope_B1H, c_BCR, k_rope_B
   def key(k_nope_BNCH, k_rope_BCH):
     rope = jnp.broadcast_to(k_rope_BCH[:, None], k_nope_BNCH.shape[:3] + k_rope_BCH.shape[-1:])
     return jnp.concatenate([k_nope_BNCH, rope], axis=-1)  # [B, N, C, Hn + Hr]
-  q = jnp.concatenate([q_nope_B1NH, q_rope_B1NH], axis=-1)  # [B, 1, N, Hn + Hr]
+  q = jnp.concatenate([q_nope_BN1H, q_rope_BN1H], axis=-1)  # [B, N, 1, Hn + Hr]
   return gqa_attention_decode(q, key(k_nope_new, k_rope_B1H), v_new, key(k_nope, k_rope_BCH), v, mask, scale=scale)

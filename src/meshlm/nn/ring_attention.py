@@ -50,10 +50,11 @@ def ring_perm(C: int) -> list[tuple[int, int]]:
   return [(i, (i + 1) % C) for i in range(C)]
 
 
-def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array | None = None,
+def ring_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, segment_ids_BT: jax.Array | None = None,
                    *, scale: float, softcap: float | None = None, window: int | None = None, axis: str = "context",
                    block: int = FA.BLOCK) -> jax.Array:
-  """flash_attention's contract ([B, T, K, G, Hv] back) with T sharded over mesh axis `axis` (the current mesh's;
+  """flash_attention's contract (heads-first rows: q [B, N, T, H], k/v [B, K, T, H] in, [B, N, T, Hv] back) with
+  T sharded over mesh axis `axis` (the current mesh's;
   without it, or at size 1, flash_attention itself). T must divide by 2C. A shard_map manual over every mesh axis:
   the rows split as the batch's logical axis says, the kv heads over what shards them when it divides them (a
   shard_map left partly auto marks every op inside with an open sharding constraint, which the census counts as
@@ -62,15 +63,15 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
   C = 1 if mesh.empty else dict(mesh.shape).get(axis, 1)
   kw = dict(scale=scale, softcap=softcap, window=window, block=block)
   if C == 1:
-    return FA.flash_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, **kw)
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
+    return FA.flash_attention(q_BNTH, k_BKSH, v_BKSH, segment_ids_BT, **kw)
+  B, N, T, H = q_BNTH.shape
+  K = k_BKSH.shape[1]
   if T % (2 * C):
     raise ValueError(f"ring_attention: T={T} does not divide into 2 x mesh.{axis}={C} chunks")
   c = T // (2 * C)
   b = min(block, c)
   segs = () if segment_ids_BT is None else (segment_ids_BT.astype(jnp.int32),)
-  q = jnp.reshape(q_BTNH, (B, T, K, N // K, H))
+  q = jnp.reshape(q_BNTH, (B, K, N // K, T, H))
 
   def local(q, k, v, *seg):
     q, k, v, *seg = (_to_zigzag(x, C, axis) for x in (q, k, v, *seg))
@@ -80,18 +81,30 @@ def ring_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segm
   P = jax.sharding.PartitionSpec
   rows = logical_spec(("batch",), (B,))[0]
   heads = logical_spec(("kv_heads",), (K,))[0]
-  specs = (P(rows, axis, heads), P(rows, axis, heads), P(rows, axis, heads), P(rows, axis))[:3 + len(segs)]
+  specs = (P(rows, heads, None, axis), P(rows, heads, axis), P(rows, heads, axis), P(rows, axis))[:3 + len(segs)]
   names = lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)  # noqa: E731
   st = FA._Static(float(scale), softcap, window, b, c, bool(segs))
   ring = _Ring(st, axis, C, names(rows) + (axis,) + names(heads))
-  args = (q, k_BSKH, v_BSKH, *segs)
+  args = (q, k_BKSH, v_BKSH, *segs)
   if set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}:  # outside an auto-axes region (the mixers' is one)
     args = tuple(jax.sharding.reshard(x, s) for x, s in zip(args, specs))
   with jax.named_scope("ring_attention"):
-    return jax.shard_map(local, in_specs=specs, out_specs=specs[0])(*args)
+    out = jax.shard_map(local, in_specs=specs, out_specs=specs[0])(*args)  # [B, K, G, T, Hv]
+  return jnp.reshape(out, (B, N, T, out.shape[-1]))
 
 
 # ----------------------------------------------------------------------------------------------- the layout
+
+
+def _time(x) -> int:
+  """The sequence axis of a heads-first row array (q [B, K, G, T, H], k/v [B, K, T, H]: the one before the head
+  dim) or of segment ids [B, T]."""
+  return x.ndim - 2 if x.ndim > 2 else 1
+
+
+def _take(x, start: int, size: int):
+  """x's rows [start, start + size) along its sequence axis (_time)."""
+  return lax.slice_in_dim(x, start, start + size, axis=_time(x))
 
 
 def _where_chunk(x: int, C: int) -> tuple[int, int]:
@@ -100,42 +113,46 @@ def _where_chunk(x: int, C: int) -> tuple[int, int]:
 
 
 def _to_zigzag(x, C: int, axis: str):
-  """A device's contiguous rows [B, 2c, ...] (chunks 2r, 2r + 1) -> its zigzag rows (chunks r, 2C - 1 - r): the
-  even chunks and the odd ones each form one permutation of the devices (chunk r and 2C - 1 - r: one even, one
-  odd), so two ppermutes of half the rows do it."""
-  c = x.shape[1] // 2
-  even = lax.ppermute(x[:, :c], axis, [(r, _where_chunk(2 * r, C)[0]) for r in range(C)])
-  odd = lax.ppermute(x[:, c:], axis, [(r, _where_chunk(2 * r + 1, C)[0]) for r in range(C)])
+  """A device's contiguous rows (2c along the sequence axis, _time: chunks 2r, 2r + 1) -> its zigzag rows (chunks
+  r, 2C - 1 - r): the even chunks and the odd ones each form one permutation of the devices (chunk r and
+  2C - 1 - r: one even, one odd), so two ppermutes of half the rows do it."""
+  t = _time(x)
+  c = x.shape[t] // 2
+  even = lax.ppermute(_take(x, 0, c), axis, [(r, _where_chunk(2 * r, C)[0]) for r in range(C)])
+  odd = lax.ppermute(_take(x, c, c), axis, [(r, _where_chunk(2 * r + 1, C)[0]) for r in range(C)])
   first_even = lax.axis_index(axis) % 2 == 0  # chunk r is even: it came with the even ones
-  return jnp.where(first_even, jnp.concatenate([even, odd], 1), jnp.concatenate([odd, even], 1))
+  return jnp.where(first_even, jnp.concatenate([even, odd], t), jnp.concatenate([odd, even], t))
 
 
 def _from_zigzag(y, C: int, axis: str):
   """_to_zigzag's inverse: each chunk back to its contiguous device and slot."""
-  c = y.shape[1] // 2
+  t = _time(y)
+  c = y.shape[t] // 2
   first_even = lax.axis_index(axis) % 2 == 0
-  even = jnp.where(first_even, y[:, :c], y[:, c:])
-  odd = jnp.where(first_even, y[:, c:], y[:, :c])
+  even = jnp.where(first_even, _take(y, 0, c), _take(y, c, c))
+  odd = jnp.where(first_even, _take(y, c, c), _take(y, 0, c))
   even = lax.ppermute(even, axis, [(_where_chunk(2 * r, C)[0], r) for r in range(C)])
   odd = lax.ppermute(odd, axis, [(_where_chunk(2 * r + 1, C)[0], r) for r in range(C)])
-  return jnp.concatenate([even, odd], 1)
+  return jnp.concatenate([even, odd], t)
 
 
 # ------------------------------------------------------------------------------------------------ the ring
 
 
 def _halves(x, cp: int):
-  """[B, 2c, ...] -> its two chunks, each padded to cp rows, stacked: [2, B, cp, ...] (None stays None)."""
+  """Rows 2c long (along _time) -> its two chunks, each padded to cp rows, stacked on a new leading axis:
+  [2, ...] (None stays None)."""
   if x is None:
     return None
-  c = x.shape[1] // 2
-  pad = ((0, 0), (0, cp - c)) + ((0, 0),) * (x.ndim - 2)
-  return jnp.stack([jnp.pad(h, pad) if cp > c else h for h in (x[:, :c], x[:, c:])])
+  t = _time(x)
+  c = x.shape[t] // 2
+  pad = tuple((0, cp - c if a == t else 0) for a in range(x.ndim))
+  return jnp.stack([jnp.pad(h, pad) if cp > c else h for h in (_take(x, 0, c), _take(x, c, c))])
 
 
 def _rows(x_2B, c: int):
-  """_halves' inverse: [2, B, cp, ...] -> [B, 2c, ...]."""
-  return jnp.concatenate([x_2B[0, :, :c], x_2B[1, :, :c]], axis=1)
+  """_halves' inverse: [2, ...cp...] -> the rows 2c long."""
+  return jnp.concatenate([_take(x_2B[0], 0, c), _take(x_2B[1], 0, c)], axis=_time(x_2B[0]))
 
 
 def _deltas(ring: _Ring, step):
@@ -168,11 +185,11 @@ def _pad_len(ring: _Ring) -> int:
 
 
 def _forward(ring: _Ring, q, k, v, seg):
-  """(out [B, 2c, K, G, Hv], lse [2, B, K, G, cp]) of this device's zigzag rows (two chunks, padded to cp)."""
+  """(out [B, K, G, 2c, Hv], lse [2, B, K, G, cp]) of this device's zigzag rows (two chunks, padded to cp)."""
   st, cp = ring.flash, _pad_len(ring)
   b, n = _blocks(ring, cp)
   qs, sq = _halves(q, cp), _halves(seg, cp)
-  _, B, _, K, G, _ = qs.shape
+  _, B, K, G, _, _ = qs.shape
   # [2, n, B, K, G, bq(, Hv)]: each query half's blocks' running softmax, varying over the ring as what merges in.
   state = tuple(_varying(ring, jnp.broadcast_to(x, (2, n) + x.shape)) for x in FA.empty_rows(B, K, G, b, v.shape[-1]))
 
@@ -187,7 +204,7 @@ def _forward(ring: _Ring, q, k, v, seg):
 
       def query_block(args):
         i, carry = args
-        q_i = lax.dynamic_slice_in_dim(qs[a], i * b, b, axis=1)  # [B, bq, K, G, H]
+        q_i = lax.dynamic_slice_in_dim(qs[a], i * b, b, axis=3)  # [B, K, G, bq, H]
         return FA.merge_keys(st, q_i, i, ks[e], vs[e], None if sq is None else sq[a], carry,
                              FA._key_blocks(st, i, d, n), None if sk is None else sk[e], d)
       new = lax.map(query_block, (jnp.arange(n), tuple(x[a] for x in state)))
@@ -202,7 +219,7 @@ def _forward(ring: _Ring, q, k, v, seg):
   kv = (_halves(k, cp), _halves(v, cp), _halves(seg, cp))
   (state, kv), _ = lax.scan(hop, (state, kv), jnp.arange(ring.size - 1))
   state = merge(state, kv, ring.size - 1)
-  out, lse = jax.vmap(lambda *s: FA.blocks_to_rows(*FA.finish_rows(*s, v.dtype)))(*state)  # [2, B, cp, K, G, Hv]
+  out, lse = jax.vmap(lambda *s: FA.blocks_to_rows(*FA.finish_rows(*s, v.dtype)))(*state)  # [2, B, K, G, cp, Hv]
   return _rows(out, st.length), lse
 
 
@@ -238,13 +255,13 @@ def _ring_bwd(ring: _Ring, res, d_out):
       d = deltas[a, e]
 
       def key_block(dq_a, j):
-        k_j, v_j, dk_j, dv_j = (lax.dynamic_slice_in_dim(x[e], j * b, b, axis=1) for x in (ks, vs, dk, dv))
+        k_j, v_j, dk_j, dv_j = (lax.dynamic_slice_in_dim(x[e], j * b, b, axis=2) for x in (ks, vs, dk, dv))
         dq_a, dk_j, dv_j = FA.key_block_grads(st, j, k_j, v_j, qs[a], dos[a], lse[a], d_rows[a],
                                               None if sq is None else sq[a], (dq_a, dk_j, dv_j),
                                               FA._query_blocks(st, j, n, d), None if sk is None else sk[e], d)
         return dq_a, (dk_j, dv_j)
-      dq_a, (dk_e, dv_e) = lax.scan(key_block, dq[a], jnp.arange(n))  # [n, B, bk, K, H]
-      whole = lambda x: jnp.reshape(jnp.moveaxis(x, 0, 1), x.shape[1:2] + (cp,) + x.shape[3:])  # noqa: E731
+      dq_a, (dk_e, dv_e) = lax.scan(key_block, dq[a], jnp.arange(n))  # [n, B, K, bk, H]
+      whole = lambda x: jnp.reshape(jnp.moveaxis(x, 0, 2), x.shape[1:3] + (cp,) + x.shape[4:])  # noqa: E731
       return dq.at[a].set(dq_a), dk.at[e].set(whole(dk_e)), dv.at[e].set(whole(dv_e))
     dq, dk, dv = lax.fori_loop(0, 4, pair, (dq,) + dkv)
     return dq, (dk, dv)

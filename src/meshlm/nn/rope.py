@@ -35,35 +35,28 @@ def rope_angles(positions_BT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def over_heads(c_BTH: jax.Array, heads_first: bool) -> jax.Array:
-  """cos or sin [B, T, H] broadcast over the heads: [B, T, 1, H], or [B, 1, T, H] for heads-first rows."""
-  return c_BTH[:, None] if heads_first else c_BTH[:, :, None]
-
-
-def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array, *, heads_first: bool = False) -> jax.Array:
-  """x [B, T, N, H], or [B, N, T, H] with heads_first (the splash kernel's rows, gqa's with it)."""
+def apply_rope(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+  """x [B, N, T, H], heads-first rows (every attention core's), rotated by cos/sin [B, T, H]."""
   with jax.named_scope("rope"):
-    half = x_BTNH.shape[-1] // 2
-    xf = x_BTNH.astype(jnp.float32)
+    half = x_BNTH.shape[-1] // 2
+    xf = x_BNTH.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    cos, sin = over_heads(cos_BTH, heads_first), over_heads(sin_BTH, heads_first)
-    y = xf * cos + rotated * sin
-    return y.astype(x_BTNH.dtype)
+    y = xf * cos_BTH[:, None] + rotated * sin_BTH[:, None]
+    return y.astype(x_BNTH.dtype)
 
 
-def apply_rope_interleave(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array, *,
-                          heads_first: bool = False) -> jax.Array:
+def apply_rope_interleave(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
   """RoPE on adjacent pairs (x0, x1), (x2, x3), ... (transformers' apply_rotary_pos_emb_interleave): pair i
   turns by the angle of cos[..., i] (the first half of the rotate-half layout), and the output is laid out
   de-interleaved, [x_even', x_odd']. Queries and keys are both laid out so, which leaves their dot products
-  those of the interleaved rotation. x [B, T, N, H], or [B, N, T, H] with heads_first (MLA's splash rows)."""
+  those of the interleaved rotation. x [B, N, T, H] (heads-first rows, as apply_rope's)."""
   with jax.named_scope("rope"):
-    half = x_BTNH.shape[-1] // 2
-    cos, sin = over_heads(cos_BTH[..., :half], heads_first), over_heads(sin_BTH[..., :half], heads_first)
-    xf = x_BTNH.astype(jnp.float32)
+    half = x_BNTH.shape[-1] // 2
+    cos, sin = cos_BTH[:, None, :, :half], sin_BTH[:, None, :, :half]
+    xf = x_BNTH.astype(jnp.float32)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return y.astype(x_BTNH.dtype)
+    return y.astype(x_BNTH.dtype)
 
 
 # --- YaRN (DeepSeek-V3, Qwen long-context): frequencies and angles straight from the positions. ---

@@ -1,9 +1,7 @@
 """The TPU Pallas splash kernel (`jax.experimental.pallas.ops.tpu.splash_attention`): the `attention_impl=splash`
-core. `splash_heads_first` takes and returns the kernel's own heads-first rows ([B, heads, T, h]: gqa projects
-straight into them, so no transpose sits between a projection's dot and the kernel); `splash_attention` is the same
-with flash's signature and its [B, T, K, G, Hv] output (nn/flash_attention.py), the rows transposed in and out
-(the kernel's tests; the mixers, gqa, gated_gqa and mla, project heads-first; the `xla` core,
-nn/attention.gqa_attention, is the reference both are tested against).
+core. `splash_attention` takes and returns heads-first rows ([B, heads, T, h]), the kernel's own order and every
+core's (nn/attention.core): the mixers project straight into them, so no transpose sits between a projection's dot
+and the kernel. The `xla` core, nn/attention.gqa_attention, is the reference it is tested against.
 
 The kernel is a Mosaic custom call, which XLA cannot partition: it runs inside a `jax.shard_map` over the current
 mesh, each device calling it on its own rows, the batch split as the activations' "batch" axis is and the heads over
@@ -52,29 +50,12 @@ def block_for(length: int, block: int) -> int:
   return length if length <= block else math.gcd(length, block)
 
 
-def splash_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array | None = None,
-                     *, scale: float, softcap: float | None = None, window: int | None = None,
-                     block: int | None = None, interpret: bool | None = None) -> jax.Array:
-  """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), by the kernel.
-
-  q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (the same T: training and prefill); returns [B, T, K, G, Hv].
-  The rows are transposed to the kernel's heads-first order and back: a caller that can project heads-first
-  rows (gqa, gated_gqa, mla) calls splash_heads_first itself, with no transpose between its projections and the kernel.
-  """
-  B, T, N, _ = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTNH, k_BSKH, v_BSKH))  # [B, heads, T, h]
-  out = splash_heads_first(q, k, v, segment_ids_BT, scale=scale, softcap=softcap, window=window, block=block,
-                           interpret=interpret)  # [B, N, T, Hv]
-  out = jnp.swapaxes(out, 1, 2)  # [B, T, N, Hv]
-  return jnp.reshape(out, (B, T, K, N // K, out.shape[-1]))
-
-
-def splash_heads_first(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
-                       segment_ids_BT: jax.Array | None = None, *, scale: float, softcap: float | None = None,
-                       window: int | None = None, block: int | None = None,
-                       interpret: bool | None = None) -> jax.Array:
-  """splash_attention on heads-first rows, the kernel's own order: q [B, N, T, H], k [B, K, T, H], v [B, K, T, Hv];
+def splash_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
+                     segment_ids_BT: jax.Array | None = None, *, scale: float, softcap: float | None = None,
+                     window: int | None = None, block: int | None = None,
+                     interpret: bool | None = None) -> jax.Array:
+  """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), by the kernel,
+  on heads-first rows (every core's, and the kernel's own order): q [B, N, T, H], k [B, K, T, H], v [B, K, T, Hv];
   returns [B, N, T, Hv] (query head n = k * G + g reads KV head k, as gqa_attention's grouping).
   block: the kernel's block length (default BLOCK on TPU, INTERPRET_BLOCK elsewhere); interpret: Pallas interpret
   mode (default: off TPU).

@@ -41,14 +41,13 @@ def spec(m: ModelConfig) -> dict:
   }
 
 
-def partial_rope(x_BTNH: jax.Array, cos: jax.Array, sin: jax.Array, *, heads_first: bool = False) -> jax.Array:
-  """RoPE on the first rot = cos.shape[-1] dims of each head; the others pass unchanged. heads_first: x is
-  [B, N, T, H] (apply_rope)."""
+def partial_rope(x_BNTH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """RoPE on the first rot = cos.shape[-1] dims of each head; the others pass unchanged. x [B, N, T, H]
+  (apply_rope)."""
   rot = cos.shape[-1]
-  if rot == x_BTNH.shape[-1]:
-    return apply_rope(x_BTNH, cos, sin, heads_first=heads_first)
-  return jnp.concatenate([apply_rope(x_BTNH[..., :rot], cos, sin, heads_first=heads_first), x_BTNH[..., rot:]],
-                         axis=-1)
+  if rot == x_BNTH.shape[-1]:
+    return apply_rope(x_BNTH, cos, sin)
+  return jnp.concatenate([apply_rope(x_BNTH[..., :rot], cos, sin), x_BNTH[..., rot:]], axis=-1)
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
@@ -56,16 +55,15 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   m = ctx.model
   dt = x_BTD.dtype
   H = m.head_dim
-  first = A.reads_heads_first(ctx.attention_impl)  # splash: the rows heads-first (gqa.rows)
   with jax.named_scope("q"):
     q_kernel = gather_once.gathered(p["q"], p["q_full"], A.Q_AXES)
-    qg = ctx.dense(x_BTD, q_kernel.astype(dt), *gqa.rows("n", first))  # [B, T, N, 2H] (or [B, N, T, 2H])
+    qg = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->bnth", A.HEADS)  # [B, N, T, 2H]
   q, gate = qg[..., :H], qg[..., H:]
   k, v = gqa.project_kv(p, x_BTD, ctx)
   q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=True)
   k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=True)
   cos, sin = ctx.here.rope[m.rotary_dim()]
-  q, k = partial_rope(q, cos, sin, heads_first=first), partial_rope(k, cos, sin, heads_first=first)
+  q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
   y, update = gqa.attend(q, k, v, p["o"].astype(dt), ctx, state, gate=gate)
   return y, update, {}
 

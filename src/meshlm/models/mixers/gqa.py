@@ -13,7 +13,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
@@ -54,7 +53,8 @@ def prepare(p: dict, specs: dict, dtype) -> dict:
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one: bool = False):
   """(attention output [B, T, D], update, {}). update: the new K/V rows ({"k", "v"} [B, Kv, T, H] in
-  prefill, [B, Kv, 1, H] in decode), None when training.
+  prefill, [B, Kv, 1, H] in decode), None when training. q, k and v are projected heads-first ([B, N, T, H],
+  [B, Kv, T, H]: every core's rows and the cache's), in every mode.
 
   p: q [D, N, H] (+ q_full, its gathered copy), k/v [D, Kv, H], o [N, H, D], q_norm/k_norm [H].
   state (decode): the layer's cache {"k", "v"} [B, Kv, C, H], read only: the new position attends to
@@ -63,89 +63,71 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
   """
   m = ctx.model
   dt = x_BTD.dtype
-  first = A.reads_heads_first(ctx.attention_impl)  # splash: q, k, v projected heads-first ([B, N, T, H])
   with jax.named_scope("q"):
     q_kernel = gather_once.gathered(p["q"], p["q_full"], A.Q_AXES)
-    q = ctx.dense(x_BTD, q_kernel.astype(dt), *rows("n", first))
+    q = ctx.dense(x_BTD, q_kernel.astype(dt), "btd,dnh->bnth", A.HEADS)  # [B, N, T, H]
   k, v = project_kv(p, x_BTD, ctx)
   if m.qk_norm:
     # Per-head RMSNorm over head_dim, before RoPE.
     q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=plus_one)
     k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=plus_one)
   cos, sin = ctx.here.rope[m.head_dim]
-  q, k = apply_rope(q, cos, sin, heads_first=first), apply_rope(k, cos, sin, heads_first=first)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   y, update = attend(q, k, v, p["o"].astype(dt), ctx, state)
   return y, update, {}
 
 
-def rows(heads: str, first: bool) -> tuple[str, tuple]:
-  """(einsum, out axes) of the q ("n") or K/V ("k") projection: [B, T, heads, H], or [B, heads, T, H] when the
-  core reads heads-first rows (A.reads_heads_first): the dot then emits the kernel's order itself, and no transpose
-  sits between it and the kernel (nor, in the backward, between the output projection's dot and the kernel)."""
-  if first:
-    return f"btd,d{heads}h->b{heads}th", A.HEADS_FIRST if heads == "n" else A.KV_FIRST
-  return f"btd,d{heads}h->bt{heads}h", A.HEADS if heads == "n" else A.KV
-
-
 def project_kv(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
-  """k, v [B, T, Kv, H] through ctx.dense ([B, Kv, T, H] where the core reads heads-first rows)."""
+  """k, v [B, Kv, T, H] through ctx.dense: the dot emits the heads-first rows itself, so no transpose sits between
+  it and the core (nor, in the backward, between the output projection's dot and the core)."""
   dt = x_BTD.dtype
-  eqn_axes = rows("k", A.reads_heads_first(ctx.attention_impl))
   with jax.named_scope("k"):
-    k = ctx.dense(x_BTD, p["k"].astype(dt), *eqn_axes)
+    k = ctx.dense(x_BTD, p["k"].astype(dt), "btd,dkh->bkth", A.KV)
   with jax.named_scope("v"):
-    v = ctx.dense(x_BTD, p["v"].astype(dt), *eqn_axes)
+    v = ctx.dense(x_BTD, p["v"].astype(dt), "btd,dkh->bkth", A.KV)
   return k, v
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state: dict | None = None,
            gate: jax.Array | None = None):
   """The attention core against the context's mask (and, in decode, the cache) and the output projection:
-  (y [B, T, D], update). q [B, T, N, H], k/v [B, T, Kv, H] after RoPE, each heads-first ([B, N, T, H],
-  [B, Kv, T, H]) where the core reads so (A.reads_heads_first); w_o [N, H, D] in the compute dtype.
-  gate [B, T, N, H] (gated_gqa; laid out as q): the core's output times sigmoid(gate) before the projection. The
-  update is the K/V rows in the cache's layout [B, Kv, T, H] (None when training); the cache is only read here."""
+  (y [B, T, D], update). q [B, N, T, H], k/v [B, Kv, T, H] after RoPE; w_o [N, H, D] in the compute dtype.
+  gate [B, N, T, H] (gated_gqa; laid out as q): the core's output times sigmoid(gate) before the projection. The
+  update is the K/V rows, already in the cache's layout [B, Kv, T, H] (None when training); the cache is only
+  read here."""
   m = ctx.model
   here = ctx.here
   dense = ctx.dense
   scale = (m.query_pre_attn_scalar or m.head_dim) ** -0.5
   softcap = m.attn_logit_softcap
-  first = A.reads_heads_first(ctx.attention_impl)  # never in decode (its core is xla)
-  # The rows in the cache's layout, [B, K, T, H] (heads-first rows already are).
-  update = None if ctx.mode == "train" else {"k": k, "v": v} if first else {"k": jnp.swapaxes(k, 1, 2),
-                                                                               "v": jnp.swapaxes(v, 1, 2)}
+  update = None if ctx.mode == "train" else {"k": k, "v": v}
 
   # The attention core and the output projection run in one auto-axes region. Under explicit sharding
   # every einsum output would otherwise carry a sharding annotation between its dot and the
   # transpose after it (the core's own einsums, and the incoming gradient of the output projection
   # in the backward pass), which XLA cannot fold. Inside the region XLA folds them as under auto;
   # the output projection still goes through dense.
-  def project(o, w_o, *gate):
+  def project(o, w_o, *gate):  # o: the core's rows [B, N, T, H], contracted as they are
     if gate:
-      o = o * jax.nn.sigmoid(jnp.reshape(gate[0], o.shape))  # [B, T, Kv, G, H] (heads-first: [B, N, T, H])
-    if first:  # the kernel's rows [B, N, T, H], contracted as they are
-      with jax.named_scope("o"):
-        return dense(o, w_o, "bnth,nhd->btd", A.OUT)
-    w_o = jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:])  # [N, H, D] -> [Kv, G, H, D]
+      o = o * jax.nn.sigmoid(gate[0])
     with jax.named_scope("o"):
-      return dense(o, w_o, "btkgh,kghd->btd", A.OUT)
+      return dense(o, w_o, "bnth,nhd->btd", A.OUT)
 
   gates = () if gate is None else (gate,)
   if ctx.mode == "decode":
     def attend_and_project(q, k, v, k_cache, v_cache, mask, w_o, *gate):
       o = gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
       return project(o, w_o, *gate)
-    region = auto_region(attend_and_project, A.OUT, q.shape[:2] + w_o.shape[-1:])
+    region = auto_region(attend_and_project, A.OUT, (q.shape[0], q.shape[2]) + w_o.shape[-1:])
     mask = A.decode_mask(here.cache.read_mask, here.cache.write)
     return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
   # The core ctx.attention_impl names (xla: the materialized mask; flash, splash: the segment ids).
-  core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap, heads_first=first)
+  core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap)
 
   def attend_and_project(q, k, v, operand, w_o, *gate):
-    return project(core(q, k, v, operand), w_o, *gate)  # core: [B, T, Kv, G, H] (heads-first: [B, N, T, H])
-  B, T = (q.shape[0], q.shape[2]) if first else q.shape[:2]
-  region = auto_region(attend_and_project, A.OUT, (B, T) + w_o.shape[-1:])
+    return project(core(q, k, v, operand), w_o, *gate)  # core: [B, N, T, H]
+  region = auto_region(attend_and_project, A.OUT, (q.shape[0], q.shape[2]) + w_o.shape[-1:])
   return region(q, k, v, operand, w_o, *gates), update
 
 

@@ -30,9 +30,9 @@ Parameters (part key "attn"; Hugging Face torch weights in brackets, each transp
 [q_a_proj], q_a_norm [Rq] [q_a_layernorm], q_b [Rq, N, Hn + Hr] [q_b_proj] (or q [D, N, Hn + Hr] [q_proj]),
 kv_a [D, Rkv + Hr] [kv_a_proj_with_mqa], kv_a_norm [Rkv] [kv_a_layernorm], k_b [Rkv, N, Hn] and v_b [Rkv, N,
 Hv] [kv_b_proj's per-head rows, k_nope then v], o [N, Hv, D] [o_proj]. Every projection goes through
-ctx.dense; the attention core and o run in one auto-axes region, as gqa's do. Under the splash core
-(A.reads_heads_first) q, k_nope and v are projected heads-first, [B, N, T, .], the kernel's own rows (rows), and o
-contracts the kernel's output as it is: no transpose sits apart from its dot (0 blocked pairs under explicit).
+ctx.dense; the attention core and o run in one auto-axes region, as gqa's do. q, k_nope and v are projected
+heads-first, [B, N, T, .], every core's rows, and o contracts the core's output as it is: no transpose sits apart
+from its dot (0 blocked pairs under explicit).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from meshlm.parallel.sharding import auto_region, axes
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their default eps)
 LATENT = axes("batch", "length", None)  # a latent row [B, T, Rq] or [B, T, Rkv + Hr]
-HEADS_LATENT = axes("batch", "length", "heads", None)  # the absorbed query [B, 1, N, Rkv]
+HEADS_LATENT = axes("batch", "heads", "length", None)  # the absorbed query [B, N, 1, Rkv]
 CACHE_AXES = axes("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
 # The model fields it reads that default to null (the query heads); its ranks and head dims are its own knobs.
 NEEDS = ("num_heads",)
@@ -121,24 +121,17 @@ def softmax_scale(m: ModelConfig) -> float:
   return (own.qk_nope_head_dim + own.qk_rope_head_dim) ** -0.5 * softmax_mscale(m.rope_scaling)
 
 
-def rows(eqn: str, first: bool) -> tuple[str, tuple]:
-  """(einsum, out axes) of a per-head projection eqn ("btd,dnh" or "btr,rnh"): rows [B, T, N, H], or [B, N, T, H]
-  when the core reads heads-first rows (A.reads_heads_first, gqa.rows): the dot then emits the kernel's order
-  itself, and no transpose sits between it and the kernel (nor, in the backward, between o's dot and the kernel)."""
-  return (f"{eqn}->bnth", A.HEADS_FIRST) if first else (f"{eqn}->btnh", A.HEADS)
-
-
-def project_q(p: dict, x_BTD: jax.Array, ctx, first: bool = False) -> jax.Array:
-  """q [B, T, N, Hn + Hr] through ctx.dense (q_a -> norm -> q_b, or q); [B, N, T, Hn + Hr] with first (rows)."""
+def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
+  """q [B, N, T, Hn + Hr] (heads-first rows, gqa's) through ctx.dense (q_a -> norm -> q_b, or q)."""
   dt = x_BTD.dtype
   if knobs(ctx.model).q_lora_rank is None:
     with jax.named_scope("q"):
-      return ctx.dense(x_BTD, p["q"].astype(dt), *rows("btd,dnh", first))
+      return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->bnth", A.HEADS)
   with jax.named_scope("q_a"):
     qa = ctx.dense(x_BTD, p["q_a"].astype(dt), "btd,dr->btr", LATENT)  # [B, T, Rq]
   qa = rms_norm(p["q_a_norm"], qa, LATENT_NORM_EPS)
   with jax.named_scope("q_b"):
-    return ctx.dense(qa, p["q_b"].astype(dt), *rows("btr,rnh", first))
+    return ctx.dense(qa, p["q_b"].astype(dt), "btr,rnh->bnth", A.HEADS)
 
 
 def project_latent(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
@@ -155,46 +148,39 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   m, own = ctx.model, knobs(ctx.model)
   dt = x_BTD.dtype
   Hn = own.qk_nope_head_dim
-  # splash: q, k_nope and v projected heads-first ([B, N, T, .]), the kernel's rows (never in decode: its core is xla)
-  first = A.reads_heads_first(ctx.attention_impl)
-  q = project_q(p, x_BTD, ctx, first)
+  q = project_q(p, x_BTD, ctx)  # [B, N, T, Hn + Hr]
   c, k_rope = project_latent(p, x_BTD, ctx)
   cos, sin = ctx.here.rope[own.qk_rope_head_dim]
   rope = apply_rope_interleave if own.rope_interleave else apply_rope
-  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin, heads_first=first)
-  k_rope = rope(k_rope[:, :, None], cos, sin)[:, :, 0]  # one head, shared by every query head
+  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin)
+  k_rope = rope(k_rope[:, None], cos, sin)[:, 0]  # [B, T, Hr]: one head, shared by every query head
   update = None if ctx.mode == "train" else {"kv": c, "k_rope": k_rope}
   w = {name: p[name].astype(dt) for name in ("k_b", "v_b", "o")}
   if ctx.mode == "decode":
     return decode(q_nope, q_rope, c, k_rope, w, ctx, state), update, {}
   with jax.named_scope("k_b"):
-    k_nope = ctx.dense(c, w["k_b"], *rows("btr,rnh", first))
+    k_nope = ctx.dense(c, w["k_b"], "btr,rnh->bnth", A.HEADS)  # [B, N, T, Hn]
   with jax.named_scope("v_b"):
-    v = ctx.dense(c, w["v_b"], *rows("btr,rnh", first))
+    v = ctx.dense(c, w["v_b"], "btr,rnh->bnth", A.HEADS)  # [B, N, T, Hv]
   scale = softmax_scale(m)
 
-  # xla, flash or splash (gqa.attend); splash reads and returns heads-first rows.
-  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale, heads_first=first)
+  # xla, flash, ring or splash (gqa.attend): heads-first rows in and out.
+  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale)
 
   # The attention core and the output projection in one auto-axes region (gqa.attend says why).
   def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, operand, w_o):
-    qk = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + Hr] (heads-first: [B, N, T, Hn + Hr])
-    shared = k_rope[:, None] if first else k_rope[:, :, None]  # [B, 1, T, Hr] or [B, T, 1, Hr]
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(shared, k_nope.shape[:3] + k_rope.shape[-1:])], axis=-1)
-    o = core(qk, k, v, operand)  # [B, T, N, 1, Hv] (heads-first: [B, N, T, Hv])
-    return project(o, w_o, ctx.dense, heads_first=first)
-  B, T = (q.shape[0], q.shape[2]) if first else q.shape[:2]
-  region = auto_region(attend_and_project, A.OUT, (B, T) + w["o"].shape[-1:])
+    qk = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, N, T, Hn + Hr]
+    shared = jnp.broadcast_to(k_rope[:, None], k_nope.shape[:3] + k_rope.shape[-1:])  # [B, N, T, Hr]
+    o = core(qk, jnp.concatenate([k_nope, shared], axis=-1), v, operand)  # [B, N, T, Hv]
+    return project(o, w_o, ctx.dense)
+  region = auto_region(attend_and_project, A.OUT, (q.shape[0], q.shape[2]) + w["o"].shape[-1:])
   return region(q_nope, q_rope, k_nope, k_rope, v, operand, w["o"]), update, {}
 
 
-def project(o: jax.Array, w_o: jax.Array, dense, *, heads_first: bool = False) -> jax.Array:
-  """The output projection of the core's grouped output [B, T, N, 1, Hv] (G = 1: every head its own key), or of
-  the splash kernel's heads-first rows [B, N, T, Hv] as they are."""
+def project(o_BNTH: jax.Array, w_o: jax.Array, dense) -> jax.Array:
+  """The output projection of the core's heads-first rows [B, N, T, Hv], contracted as they are."""
   with jax.named_scope("o"):
-    if heads_first:
-      return dense(o, w_o, "bnth,nhd->btd", A.OUT)
-    return dense(o, jnp.reshape(w_o, o.shape[2:] + w_o.shape[-1:]), "btkgh,kghd->btd", A.OUT)
+    return dense(o_BNTH, w_o, "bnth,nhd->btd", A.OUT)
 
 
 def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
@@ -205,17 +191,17 @@ def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
 
   def absorbed(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
     with jax.named_scope("k_b"):
-      q_lat = dense(q_nope, k_b, "btnh,rnh->btnr", HEADS_LATENT)  # [B, 1, N, Rkv]
-    o_lat = mla_core.absorbed_decode(q_lat, q_rope, c, k_rope, kv, kr, mask, scale=scale)  # [B, 1, N, Rkv]
+      q_lat = dense(q_nope, k_b, "bnth,rnh->bntr", HEADS_LATENT)  # [B, N, 1, Rkv]
+    o_lat = mla_core.absorbed_decode(q_lat, q_rope, c, k_rope, kv, kr, mask, scale=scale)  # [B, N, 1, Rkv]
     with jax.named_scope("v_b"):
-      o = dense(o_lat, v_b, "btnr,rnh->btnh", A.HEADS)  # [B, 1, N, Hv]
-    return project(o[:, :, :, None], w_o, dense)
+      o = dense(o_lat, v_b, "bntr,rnh->bnth", A.HEADS)  # [B, N, 1, Hv]
+    return project(o, w_o, dense)
 
   def plain(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
     o = mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
     return project(o, w_o, dense)
 
-  region = auto_region(absorbed if knobs(m).absorb else plain, A.OUT, q_nope.shape[:2] + w["o"].shape[-1:])
+  region = auto_region(absorbed if knobs(m).absorb else plain, A.OUT, (q_nope.shape[0], 1) + w["o"].shape[-1:])
   return region(q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"], w["o"])
 
 
