@@ -91,6 +91,12 @@ SETS: dict[str, list[Row]] = {
         Row("moe12-b8-full", MOE_12 + (_b(8), "remat=full")),
         Row("gdn-0.6b-b4-full-auto", GDN_06B + (_b(4), "remat=full", "shard_mode=auto")),
         Row("gdn-0.6b-b4-full", GDN_06B + (_b(4), "remat=full")),
+        Row("gdn-0.6b-b4-full-unscanned-auto", GDN_06B + (_b(4), "remat=full", "shard_mode=auto", "scan_layers=false")),
+        # float32 parity with a CPU: the same row's losses from `--set v5e --only llama2-tiny-f32-highest` on a CPU.
+        Row("llama2-tiny-f32-highest", ("model=llama2-tiny", "train.compute_dtype=float32", "train.seq_len=128",
+                                        "train.per_device_batch_size=8", "train.matmul_precision=highest")),
+        Row("llama2-tiny-f32-default", ("model=llama2-tiny", "train.compute_dtype=float32", "train.seq_len=128",
+                                        "train.per_device_batch_size=8")),
         Row("qwen3-0.6b-decode-b1", QWEN3_06B, kind="decode", batch=1,
             prompt_len=128, new_tokens=256),
         Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64,
