@@ -235,8 +235,8 @@ def _resolved_attention(cfg) -> str:
 
 
 def _resolved_loss(cfg, runner) -> str:
-  from meshlm.train.step import blockwise_loss
-  return "blockwise" if blockwise_loss(cfg, runner.batch["inputs"].shape[0], cfg.train.seq_len) else "materialized"
+  from meshlm.models.logprobs import loss_path
+  return loss_path(cfg, runner.batch["inputs"].shape[0], cfg.train.seq_len)
 
 
 def decode_row(row: Row, reps: int) -> dict:

@@ -394,7 +394,7 @@ def test_tpu_splash_attention(tpu_run, monkeypatch):
   assert report["programs"]["train"]["memory"]["fits"] is True
   (hlo,) = seen
   kernels = hlo.count('custom_call_target="tpu_custom_call"')
-  assert kernels >= 3, kernels
+  assert kernels >= 2, kernels  # the forward and the fused backward (nn/splash_attention.FUSED_BWD)
   assert 'custom_call_target="tpu_custom_call"' not in tpu_run[1]
   assert report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]["blocked"] == 0
   tokens_first_projections(monkeypatch)
