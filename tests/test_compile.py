@@ -124,13 +124,14 @@ def test_with_rl_the_sampler_compiles_the_rollouts_rows():
   report = compile_json(*args, "--program", "rl,decode")
   text = render(report)
   assert "per_device_batch_size" not in text.splitlines()[0] and "[decode] 2 rows per device" in text, text
-  # The decode loop's trip count is a runtime value: its body counts once, and the report says so (the train-step
-  # programs above name none).
+  # The decode loop's trip count is a runtime value: the decode roofline is one trip of it (the step), named, and
+  # no loop is left unread; decode alone compiles no prefill.
   programs = report["programs"]
-  assert [u["runs"] for u in programs["decode"]["roofline"]["unread_loops"]] == [1]
-  assert programs["rl"]["roofline"]["unread_loops"] == [] and programs["prefill"]["roofline"]["unread_loops"] == []
-  assert text.count("loops counted once per start (trip count not read): hlo 1 (") == 1, text
-  assert text.count("collective instructions in the text") == 3
+  assert set(programs) == {"rl", "decode"}
+  assert programs["decode"]["roofline"]["step_loop"] and programs["decode"]["roofline"]["unread_loops"] == []
+  assert programs["rl"]["roofline"]["unread_loops"] == []
+  assert "loops counted once per start" not in text and "one decode step (a trip of the token loop" in text, text
+  assert text.count("collective instructions in the text") == 2
   # The decode loop's cache, [B, K, C, H] for K and V per layer: 1 layer x 2 x rows per device x 4 kv heads x 64 x 32.
   cache = lambda rows: 2 * rows * 4 * 64 * 32 * 4  # noqa: E731
   assert report["programs"]["decode"]["memory"]["arguments_by_input"]["cache"] == cache(2)
@@ -139,16 +140,26 @@ def test_with_rl_the_sampler_compiles_the_rollouts_rows():
 
 
 def test_sampler_programs_cache_is_the_hand_count():
-  """--program decode compiles the prefill and the decode loop; the decode loop's cache argument is
-  [B, K, C, H] per layer for K and V, rows split over fsdp: 2 layers x 2 x (32 / 4 rows) x 4 kv heads x C x 32."""
-  report = compile_json("model=llama2-tiny", "topology=cpu:4", "mesh.fsdp=4", "train.seq_len=48",
-                        "rl.max_new_tokens=16", "--program", "decode", "--no-census")
+  """--program prefill,decode compiles both; the decode loop's cache argument is [B, K, C, H] per layer for K and V,
+  rows split over fsdp: 2 layers x 2 x (32 / 4 rows) x 4 kv heads x C x 32. --program decode alone compiles the
+  decode loop only, from the prefill's traced output types (explicit sharding: their shardings are in the types),
+  to the same program: the same memory and roofline. Under auto it compiles the prefill for them, and reports it."""
+  args = ("model=llama2-tiny", "topology=cpu:4", "mesh.fsdp=4", "train.seq_len=48", "rl.max_new_tokens=16",
+          "--no-census")
+  report = compile_json(*args, "--program", "prefill,decode")
   assert set(report["programs"]) == {"prefill", "decode"}
   cache_len = 64  # the bucket of 48 + 16
   mem = report["programs"]["decode"]["memory"]
   assert mem["arguments_by_input"]["cache"] == 2 * 2 * 8 * 4 * cache_len * 32 * 4
   assert mem["alias_bytes"] >= mem["arguments_by_input"]["cache"]  # donated: written in place
   assert report["programs"]["prefill"]["memory"]["arguments_by_input"]["params"] == 1840128
+  alone = compile_json(*args, "--program", "decode")["programs"]
+  assert set(alone) == {"decode"}
+  same = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "arguments_by_input")
+  assert {k: alone["decode"]["memory"][k] for k in same} == {k: mem[k] for k in same}
+  assert alone["decode"]["roofline"]["bytes"] == report["programs"]["decode"]["roofline"]["bytes"]
+  auto = compile_json(*args, "shard_mode=auto", "--program", "decode")["programs"]
+  assert set(auto) == {"prefill", "decode"}
 
 
 # ---------------------------------------------------------------------------------------- errors and help

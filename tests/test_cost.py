@@ -173,3 +173,96 @@ def test_the_hlo_count_meets_the_model_count_with_remats_recompute():
     got[remat] = r
   assert abs(got["none"]["hlo_over_model"] - 1) < 0.05 and abs(got["full"]["hlo_over_model"] - 1) < 0.05
   assert got["full"]["flops"] / got["full"]["model_flops"] > 1.25
+
+
+# --------------------------------------------------------------------------------- the decode step's bytes
+
+FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "decode_step.hlo"
+# Bytes one trip of the fixture's token loop moves, by hand (bf16: 2 bytes an element):
+STEP = {
+    "row of the stack": 256 * 256 * 2 + 4 + 256 * 256 * 2,  # 1 of 8 layers' [256, 256] read (and the s32 index), written
+    "x kept on chip": 256 * 2,  # read from HBM, written to VMEM (S(1)): no HBM write
+    "dot": 256 * 256 * 2 + 256 * 2,  # reads the row (x is on chip), writes y [1, 256]
+    "K/V row scattered in place": 4 * 4 + 4 * 64 * 2 + 4 * 64 * 2,  # indices and rows read, rows written
+    "switch: its larger branch": 2 * 256 * 256 * 2 + 2 * 16 * 256 * 2,  # negate [256, 256], slice [16, 256]
+    "all-gather": 32 * 256 * 2 + 256 * 256 * 2,  # the shard read, the gathered [256, 256] written
+    "counter and bound": 12 + 9,  # t + 1; the condition's compare
+}
+ONCE = 8 * 256 * 256 * (4 + 2)  # the stack's float32 -> bf16 cast, hoisted out of the loop
+
+
+def test_a_decode_step_is_one_trip_of_the_token_loop_counted_by_hand():
+  """The decode roofline counts one trip of the program's token loop (its trip count, the new tokens, is a runtime
+  value) and apart from it what runs once per call; within the trip each rule holds the hand count exactly. Controls:
+  the whole program (the loop's body once plus the hoisted cast: how `--program decode` counted before) is 4.8x the
+  step; without the on-chip placement, the activation's write and the dot's read of it count; a layout copy that
+  is not a view (a negate) makes the whole stack read; the smaller branch counted too adds its bytes."""
+  text = FIXTURE.read_text()
+  mod = H.parse(text)
+  loop = C.step_loop(mod)
+  assert loop is not None and loop.name == "loop"
+  step = C.loop_comps(mod, loop)
+  assert C.traffic_bytes(mod, step) == sum(STEP.values())
+  assert C.traffic_bytes(mod) - C.traffic_bytes(mod, step) == ONCE
+  assert C.flops(mod, step) == 2 * 256 * 256
+  assert C.traffic_bytes(mod) > 4.8 * sum(STEP.values())
+  off_chip = H.parse(text.replace("{1,0:T(1,128)S(1)}", "{1,0}"))
+  assert C.traffic_bytes(off_chip, C.loop_comps(off_chip, C.step_loop(off_chip))) == sum(STEP.values()) + 2 * 512
+  not_a_view = H.parse(text.replace("copy(%p.0)", "negate(%p.0)"))
+  assert (C.traffic_bytes(not_a_view, C.loop_comps(not_a_view, C.step_loop(not_a_view)))
+          == sum(STEP.values()) + 7 * 256 * 256 * 2)
+  both = {c for i in mod.instrs() if i.opcode == "conditional" for c in i.called["branch_computations"]}
+  assert sum(b for b, i in C.traffic(mod) if i.comp in both) == STEP["switch: its larger branch"]
+  assert [i.name for _, i in C.traffic(mod, step) if i.comp == "branch_small"] == []
+
+
+def test_the_scatter_and_the_async_gather_write_what_they_move():
+  """Per instruction: the cache's K/V scatter reads its indices and rows and writes the rows, not the [4, 1024, 64]
+  buffer (262,144 bytes read and written whole); the all-gather's call-update writes the gathered array, not the
+  operand it carries in its result tuple (16,384 bytes more)."""
+  mod = H.parse(FIXTURE.read_text())
+  assert C.instruction_bytes(mod, mod.by_name["cache.1"]) == (4 * 4 + 4 * 64 * 2, 4 * 64 * 2)
+  assert C.instruction_bytes(mod, mod.by_name["ag.u"]) == (32 * 256 * 2, 256 * 256 * 2)
+  assert C.instruction_bytes(mod, mod.by_name["ag.s"]) == (0, 0)  # its state flag lives in SMEM (S(2))
+
+
+def _hand_count(report: dict, rows: int, kv_layers: int, kv_heads: int, head_dim: int, embed: tuple[int, int] | None):
+  """Bytes one decode step must move per device, from the program's inputs: the parameters read once in bf16 (half
+  their float32 bytes), the embedding table read only at the rows' tokens where it is not also the head (embed:
+  (vocab, dim) of an untied table); the K/V cache read whole (its buffer, not the filled part: attention reads every
+  slot); the rest of the cache (GDN conv and recurrent states) read and written whole."""
+  inputs = report["memory"]["arguments_by_input"]
+  weights = inputs["params"] / 2
+  if embed:
+    weights -= (embed[0] - rows) * embed[1] * 2
+  kv = inputs["cache"] if kv_layers is None else kv_layers * 2 * rows * kv_heads * 512 * head_dim * 2
+  states = inputs["cache"] - kv
+  return weights + kv + 2 * states
+
+
+@tpu
+@pytest.mark.ci_must_run
+@pytest.mark.parametrize("model, rows, kv, embed", [
+    # Dense, tied head (the table is the head: read whole): 28 layers x 8 kv heads x 128.
+    (("model=qwen3-0.6b",), 1, (28, 8, 128), None),
+    # GDN and MoE: 1 full-attention layer (2 kv heads x 32) and 3 GDN layers' states; all 8 experts' kernels read
+    # (the loop grouped matmul reads each local expert's); an untied 512 x 128 embedding.
+    (("model=qwen3.5-moe-tiny", "train.compute_dtype=bfloat16"), 4, (1, 2, 32), (512, 128)),
+])
+def test_the_decode_roofline_meets_the_hand_count(model, rows, kv, embed):
+  """The decode step compiled for one v5p chip (prompts of 128, 384 new tokens: a 512-slot cache), against the hand
+  count above: within 5%. Control: the whole program counted as one step (the loop body once plus the float32 ->
+  bf16 casts XLA hoists out of the loop, once per call) is over 4x the hand count."""
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).parent))
+  from test_compile import compile_json
+  d = compile_json(*model, "topology=v5p:1x1x1", "train.seq_len=128", "rl.max_new_tokens=384",
+                   f"train.per_device_batch_size={rows}", "--program", "decode", "--no-census")["programs"]["decode"]
+  r = d["roofline"]
+  hand = _hand_count(d, rows, *kv, embed)
+  # The token loop is the step, not an unread loop; what stays unread is the grouped matmul's row-block loops.
+  assert r["step_loop"] and all("experts" in u["scope"] for u in r["unread_loops"])
+  assert abs(r["bytes"] / hand - 1) < 0.05, (r["bytes"], hand)
+  assert (r["bytes"] + r["once_bytes"]) / hand > 4
+  assert d["rollout"]["step_s"] == r["bound_s"] and d["rollout"]["seconds"] == r["once_s"] + 384 * r["bound_s"]

@@ -183,15 +183,22 @@ def _memory(compiled, inputs: dict[str, Any], hbm: int | None, platform: str) ->
   return out
 
 
-def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | None, recompute: float = 0.0) -> dict:
+def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | None, recompute: float = 0.0,
+             step_loop: bool = False) -> dict:
   """Step-time lower bound max(FLOPs / peak, bytes / bandwidth) per device, and the MFU it implies. recompute: the
   share of model_flops the program runs again (remat_recompute): `model_flops_run` = model_flops x (1 + recompute)
-  is what the HLO's count should come to, `hlo_over_model` the ratio."""
+  is what the HLO's count should come to, `hlo_over_model` the ratio. step_loop: the program is a loop of steps
+  whose trip count is a runtime value (the sampler's decode loop): `flops` and `bytes` are one trip of it
+  (cost.step_loop), `once_flops` and `once_bytes` what runs once per call around it (casts and relayouts XLA
+  hoists out of the loop), `step_loop` the loop's name (None where the program has no one such loop: then the
+  whole program, the loop's body once)."""
   mod = H.parse(hlo_text)
-  dots, traffic = C.flops(mod), C.traffic_bytes(mod)
-  custom, guessed = C.custom_call_flops(mod)
+  loop = C.step_loop(mod) if step_loop else None
+  within = C.loop_comps(mod, loop) if loop is not None else None
+  dots, traffic = C.flops(mod, within), C.traffic_bytes(mod, within)
+  custom, guessed = C.custom_call_flops(mod, within)
   flops = dots + custom
-  unread = hlo_unread_loops(mod)
+  unread = hlo_unread_loops(mod, skip=loop)
   # Collective instructions as the program text holds them, each once (a loop body's once, however many trips):
   # how the seed counts its 397B program's collectives; the census counts them per step.
   kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -203,12 +210,19 @@ def roofline(hlo_text: str, xla_cost: dict, chip: Chip, model_flops: float | Non
          "model_flops_run": model_flops * (1 + recompute) if model_flops else None,
          "hlo_over_model": flops / (model_flops * (1 + recompute)) if model_flops else None,
          "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth}
+  if step_loop:
+    out["step_loop"] = loop.name if loop is not None else None
+    if loop is not None:
+      out["once_flops"] = C.flops(mod) + C.custom_call_flops(mod)[0] - flops
+      out["once_bytes"] = C.traffic_bytes(mod) - traffic
   if chip.peak_flops and chip.hbm_bandwidth:
     compute_s, memory_s = flops / chip.peak_flops, traffic / chip.hbm_bandwidth
     bound = max(compute_s, memory_s)
     out |= {"compute_s": compute_s, "memory_s": memory_s, "bound_s": bound,
             "bound_by": "compute" if compute_s >= memory_s else "memory",
             "mfu_at_bound": (model_flops / (bound * chip.peak_flops)) if model_flops and bound else None}
+    if "once_bytes" in out:
+      out["once_s"] = max(out["once_flops"] / chip.peak_flops, out["once_bytes"] / chip.hbm_bandwidth)
   return out
 
 
@@ -226,7 +240,7 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
 
 
 def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: float | None = None,
-                   census: bool = True, keep: bool = False, recompute: float = 0.0) -> dict:
+                   census: bool = True, keep: bool = False, recompute: float = 0.0, step_loop: bool = False) -> dict:
   """Compiles one lowered program and reports on it (module docstring). A program XLA:TPU refuses for
   memory gives {"fits": False, "oom": the compiler's figures} and no census; other errors propagate.
   keep: the report also holds the executable under "_compiled" (None when refused), for a caller that needs
@@ -250,7 +264,7 @@ def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: flo
   low = lowered_of(lowered, compiled)
   out = {"compile_s": seconds, "memory": _memory(compiled, inputs, chip.hbm_bytes, chip.platform)
          | {"largest_buffers": biggest},
-         "roofline": roofline(low.hlo, low.cost, chip, model_flops, recompute)}
+         "roofline": roofline(low.hlo, low.cost, chip, model_flops, recompute, step_loop)}
   out["collective_instructions"] = out["roofline"].pop("collective_instructions")
   if census:
     out["census"] = census_of(low)

@@ -388,12 +388,13 @@ def hlo_counts(text: str) -> tuple[dict[str, Any], H.HloModule]:
   return counts, mod
 
 
-def hlo_unread_loops(mod: H.HloModule) -> list[dict]:
+def hlo_unread_loops(mod: H.HloModule, skip: H.Instr | None = None) -> list[dict]:
   """The `while` loops of the optimized HLO whose trip count neither the backend config nor the condition gives
   (analysis/hlo.py), reached from the entry: [{"scope", "runs"}] per scope, runs = how many times per step such
-  loops start. The per-step counts (collectives, the roofline's FLOPs and bytes) count their bodies once per start."""
+  loops start. The per-step counts (collectives, the roofline's FLOPs and bytes) count their bodies once per start.
+  skip: a loop left out (the sampler's token loop, whose one trip the decode roofline is)."""
   runs: collections.Counter = collections.Counter()
-  for ins in mod.unread_loops():
+  for ins in (i for i in mod.unread_loops() if i is not skip):
     runs[attribute(ins.op_name)] += mod.multipliers[ins.comp]
   return [{"scope": k, "runs": v} for k, v in sorted(runs.items())]
 

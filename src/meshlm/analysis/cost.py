@@ -6,7 +6,8 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
 (analysis/hlo.py: a scanned layer's body counts its trip count):
 
 - `flops`: 2 x multiply-adds of every dot, convolution (XLA:TPU writes most dots as convolutions) and
-  ragged dot, wherever it sits (inside fusions too). A convolution counts only the (output, window) pairs that
+  ragged dot, wherever it sits (inside fusions too), and of the dots XLA rewrote as a multiply and a sum (the
+  matrix-vector products of a decode step: a reduce whose metadata names the dot_general it came from). A convolution counts only the (output, window) pairs that
   read a real input element, as HloCostAnalysis does, so the padded windows XLA uses to express a batched
   dot are not counted. Elementwise work is not counted: a lower bound for the roofline.
 - `custom_call_flops`: the custom calls it knows, which XLA's count cannot see into: the splash attention kernel's
@@ -18,7 +19,8 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`.
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result; a
   fusion that only slices an operand (a layer's row of a stacked kernel) reads the slices, and one whose
-  root updates a buffer in place (a scan writing a layer's row) writes and reads only the update. An
+  root (or a part of its tuple root) updates a buffer in place (a dynamic-update-slice or a scatter: a scan
+  writing a layer's row, a decode step writing its K/V rows into the cache) writes and reads only the update. An
   estimate of the HBM traffic, not a measurement: on-chip reuse across instructions is not seen.
 """
 from __future__ import annotations
@@ -97,18 +99,92 @@ def _dot_flops(mod: H.HloModule, ins: H.Instr) -> float:
   return 2.0 * out.elements * math.prod(ops[0].shape[d] for d in contract)
 
 
-def flops(mod: H.HloModule) -> float:
-  """Matmul FLOPs of one step: every dot, ragged dot and convolution, times its computation's runs."""
-  total = 0.0
+def reached(mod: H.HloModule, roots: list[str]) -> set[str]:
+  """The computations roots call, directly or through others (fusions, loops, calls, reducers), roots included."""
+  seen, todo = set(roots), list(roots)
+  while todo:
+    for ins in mod.comps.get(todo.pop(), []):
+      for callees in ins.called.values():
+        for c in callees:
+          if c in mod.comps and c not in seen:
+            seen.add(c)
+            todo.append(c)
+  return seen
+
+
+def step_loop(mod: H.HloModule) -> H.Instr | None:
+  """The program's one outermost loop whose trip count is not read and which starts once per run (the sampler's
+  token loop: its trips are the new tokens, a runtime value), or None where there is not exactly one."""
+  unread = mod.unread_loops()
+  nested = reached(mod, [c for i in unread for k in ("body", "condition") for c in i.called.get(k, [])])
+  outer = [i for i in unread if i.comp not in nested and mod.multipliers.get(i.comp) == 1]
+  return outer[0] if len(outer) == 1 else None
+
+
+def loop_comps(mod: H.HloModule, loop: H.Instr) -> set[str]:
+  """The computations one trip of loop runs (its body and condition, and what they call)."""
+  return reached(mod, [c for k in ("body", "condition") for c in loop.called.get(k, [])])
+
+
+def _counted(mod: H.HloModule, ins: H.Instr, within: set[str] | None) -> float:
+  """ins's computation's runs per step, 0 where it is outside within (None: everywhere)."""
+  if within is not None and ins.comp not in within:
+    return 0
+  return mod.multipliers.get(ins.comp) or 0
+
+
+def _instr_flops(mod: H.HloModule, ins: H.Instr) -> float:
+  if ins.opcode in ("dot", "ragged-dot"):
+    return _dot_flops(mod, ins)
+  if ins.opcode == "convolution":
+    return _conv_flops(mod, ins)
+  if ins.opcode == "reduce":
+    return _reduce_dot_flops(mod, ins)
+  return 0.0
+
+
+def _taken(mod: H.HloModule, within: set[str] | None, measure) -> set[str] | None:
+  """within (None: every computation) less the branches a conditional is not counted through: a conditional runs
+  one of its branches, which one is a runtime value, so each counts its costliest by measure(instruction) (an
+  upper bound for that instruction: a lax.switch over block sizes counts its largest block)."""
+  conds = [i for i in mod.instrs() if i.opcode == "conditional" and _counted(mod, i, within)]
+  if not conds:
+    return within
+  per_comp: dict[str, float] = {}
   for ins in mod.instrs():
-    times = mod.multipliers.get(ins.comp)
-    if not times:
+    per_comp[ins.comp] = per_comp.get(ins.comp, 0.0) + (mod.multipliers.get(ins.comp) or 0) * measure(ins)
+  untaken: set[str] = set()
+  for c in conds:
+    reach = [reached(mod, [b]) for b in c.called.get("branch_computations", [])]
+    if len(reach) < 2:
       continue
-    if ins.opcode in ("dot", "ragged-dot"):
-      total += times * _dot_flops(mod, ins)
-    elif ins.opcode == "convolution":
-      total += times * _conv_flops(mod, ins)
-  return total
+    costs = [sum(per_comp.get(x, 0.0) for x in r) for r in reach]
+    best = reach[costs.index(max(costs))]
+    for r in reach:
+      if r is not best:
+        untaken |= r - best
+  return (set(mod.comps) if within is None else within) - untaken
+
+
+def flops(mod: H.HloModule, within: set[str] | None = None) -> float:
+  """Matmul FLOPs of one step: every dot, ragged dot and convolution, and the dots XLA rewrote as a multiply and
+  a sum, times its computation's runs (within: only these computations'; a conditional's costliest branch)."""
+  measure = lambda ins: _instr_flops(mod, ins)  # noqa: E731
+  within = _taken(mod, within, measure)
+  return sum(_counted(mod, ins, within) * measure(ins) for ins in mod.instrs())
+
+
+def _reduce_dot_flops(mod: H.HloModule, ins: H.Instr) -> float:
+  """A dot XLA rewrote as a multiply and a sum over the contracted dims (a matrix-vector product: one row per
+  device in a decode step), known by the dot_general it came from (its metadata) and an add reducer: 2 x the
+  elements it reduces."""
+  if not ins.op_name.endswith("dot_general"):
+    return 0.0
+  adds = [i for c in ins.called.get("to_apply", []) for i in mod.comps.get(c, []) if i.text.startswith("ROOT ")]
+  ops = _operand_arrays(mod, ins)
+  if not adds or adds[0].opcode != "add" or not ops or ops[0] is None:
+    return 0.0
+  return 2.0 * ops[0].elements
 
 
 # The splash kernel's custom calls (jax.experimental.pallas.ops.tpu.splash_attention get_kernel_name) and the
@@ -160,12 +236,12 @@ def splash_flops(mod: H.HloModule, ins: H.Instr) -> tuple[float, bool] | None:
   return 2.0 * units * T * S * share * (a * H + b * Hv), estimated
 
 
-def custom_call_flops(mod: H.HloModule) -> tuple[float, list[str]]:
+def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple[float, list[str]]:
   """(FLOPs of the custom calls it knows, one step: splash_flops times each computation's runs; the calls
   whose count is estimated, by name)."""
   total, estimated = 0.0, []
   for ins in mod.instrs():
-    times = mod.multipliers.get(ins.comp)
+    times = _counted(mod, ins, within)
     if not times or ins.opcode != "custom-call":
       continue
     got = splash_flops(mod, ins)
@@ -176,61 +252,198 @@ def custom_call_flops(mod: H.HloModule) -> tuple[float, list[str]]:
   return total, estimated
 
 
-def _fused_reads(mod: H.HloModule, fusion: H.Instr) -> tuple[dict[int, int], int | None]:
-  """({operand index: bytes read} for operands the fused computation only slices; the in-place root's
-  (dynamic-update-slice) buffer parameter index and its update's bytes, or None)."""
-  comp = (fusion.called.get("calls") or [""])[0]
-  items = mod.comps.get(comp, [])
-  params = {}
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # the in-place updates: the operand that holds the update
+
+
+def _hbm(a: H.Array | None) -> int:
+  """a's bytes where it lives in device memory (HBM); 0 for a buffer kept on chip (VMEM, SMEM) or unknown."""
+  return a.bytes if a is not None and a.memory_space == 0 else 0
+
+
+def _update_bytes(local: dict[str, H.Instr], ins: H.Instr) -> int:
+  """The bytes an in-place update (dynamic-update-slice, scatter) writes: its update operand's."""
+  k = _IN_PLACE[ins.opcode]
+  upd = local.get(ins.operands[k]) if len(ins.operands) > k else None
+  return upd.out.bytes if upd is not None and upd.out is not None else 0
+
+
+def _params(items: list[H.Instr]) -> dict[str, int]:
+  """{parameter instruction name: its index} of a computation."""
+  out = {}
   for i in items:
-    if i.opcode == "parameter":
-      m = re.search(r"parameter\((\d+)\)", i.text)
-      if m:
-        params[i.name] = int(m.group(1))
+    m = re.search(r"parameter\((\d+)\)", i.text) if i.opcode == "parameter" else None
+    if m:
+      out[i.name] = int(m.group(1))
+  return out
+
+
+def _users(items: list[H.Instr]) -> dict[str, list[H.Instr]]:
   users: dict[str, list[H.Instr]] = {}
   for i in items:
     for o in i.operands:
       users.setdefault(o, []).append(i)
+  return users
+
+
+_VIEWS = {"bitcast", "copy", "convert", "reshape"}  # one output element per input element
+
+
+def _elementwise_root(items: list[H.Instr], param: str) -> bool:
+  """Whether a fused computation is its parameter `param` passed through views alone (a layout copy, a cast)."""
+  local = {i.name: i for i in items}
+  root = next((i for i in items if i.text.startswith("ROOT ")), None)
+  while root is not None and root.name != param:
+    if root.opcode not in _VIEWS or len(root.operands) != 1:
+      return False
+    root = local.get(root.operands[0])
+  return root is not None
+
+
+def _sliced(mod: H.HloModule, items: list[H.Instr], users: dict[str, list[H.Instr]], name: str,
+            skip: H.Instr | None = None) -> float | None:
+  """The share of the value `name` (of a computation of items) read, where it is read through slices alone: by
+  its users (but skip), slices of it, views of it (bitcasts, layout copies, casts) read so, and fusions nested in
+  the computation whose own parameter is read so or which only view it, their output read so. None where some
+  user reads it whole."""
+  local = {i.name: i for i in items}
+  whole = local[name].out.elements if name in local and local[name].out is not None else 0
+  root = next((i for i in items if i.text.startswith("ROOT ")), None)
+  if not whole or root is None or name == root.name or (root.opcode == "tuple" and name in root.operands):
+    return None  # the computation's result: read whole
+  total = 0.0
+  for u in users.get(name, []):
+    if u is skip:
+      continue
+    if u.opcode in _SLICES and u.operands[0] == name:
+      got = u.out.elements / whole if u.out is not None else 0.0
+    elif u.opcode in _VIEWS:
+      got = _sliced(mod, items, users, u.name)
+    elif u.opcode == "fusion":
+      inner = mod.comps.get((u.called.get("calls") or [""])[0], [])
+      names = {k: n for n, k in _params(inner).items()}
+      got = 0.0
+      for k, o in enumerate(u.operands):
+        if o != name or got is None:
+          continue
+        share = _sliced(mod, inner, _users(inner), names.get(k, ""))
+        if share is None and k in names and _elementwise_root(inner, names[k]):
+          share = _sliced(mod, items, users, u.name)  # a view fused apart: read as its output is
+        got = None if share is None else got + share
+    else:
+      got = None
+    if got is None:
+      return None
+    total += got
+  return total
+
+
+def _fused_reads(mod: H.HloModule, fusion: H.Instr) -> tuple[dict[int, int], int | None]:
+  """({operand index: bytes read} for operands the fused computation only slices (itself or in a fusion nested in
+  it) or updates in place; the bytes the fusion writes where its root (or a part of its tuple root) updates a
+  parameter's buffer in place (a dynamic-update-slice or scatter: the update's bytes, the buffer never read
+  whole), else None)."""
+  comp = (fusion.called.get("calls") or [""])[0]
+  items = mod.comps.get(comp, [])
+  local = {i.name: i for i in items}
+  params, users = _params(items), _users(items)
+  ops = _operand_arrays(mod, fusion)
+  size = lambda k: _hbm(ops[k]) if k < len(ops) else 0  # noqa: E731
   sliced = {}
   for name, k in params.items():
-    us = users.get(name, [])
-    if us and all(u.opcode in _SLICES and u.operands[0] == name for u in us):
-      sliced[k] = sum(u.out.bytes for u in us if u.out is not None)
+    share = _sliced(mod, items, users, name) if users.get(name) else None
+    if share is not None:
+      sliced[k] = round(share * size(k))
   root = next((i for i in items if i.text.startswith("ROOT ")), None)
-  update = None
-  if root is not None and root.opcode == "dynamic-update-slice" and root.operands and root.operands[0] in params:
-    local = {i.name: i for i in items}
-    upd = local.get(root.operands[1]) if len(root.operands) > 1 else None
-    sliced[params[root.operands[0]]] = 0  # the buffer is written in place, never read whole
-    update = upd.out.bytes if upd is not None and upd.out is not None else 0
-  return sliced, update
+  if root is None:
+    return sliced, None
+  parts = [local.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+  written, in_place = 0, False
+  for n, part in enumerate(parts):
+    out = fusion.result[n] if len(fusion.result) == len(parts) else None  # this part's buffer, as the fusion holds it
+    if part is not None and part.opcode in _IN_PLACE and part.operands and part.operands[0] in params:
+      buf = part.operands[0]
+      # The buffer is written in place: read only where something else in the fusion slices it.
+      sliced[params[buf]] = round((_sliced(mod, items, users, buf, skip=part) or 0) * size(params[buf]))
+      written += _update_bytes(local, part) if _hbm(out) else 0
+      in_place = True
+    else:
+      written += _hbm(out)
+  return sliced, written if in_place else None
 
 
-def traffic_bytes(mod: H.HloModule) -> float:
-  """Estimated bytes read and written by one step's top-level instructions, times their computation's runs."""
+def _fusion_bodies(mod: H.HloModule) -> set[str]:
+  """The computations that run inside an instruction (fusion bodies, reducers): no traffic of their own."""
   inner = set()
   for ins in mod.instrs():
     if ins.opcode == "fusion":
       inner.update(ins.called.get("calls", []))
     inner.update(ins.called.get("to_apply", []))
-  total = 0.0
+  return inner
+
+
+_ASYNC = {"call-start", "call-update"}  # XLA:TPU's async wrappers (collectives and copies on the SparseCore)
+
+
+def _async_outputs(ins: H.Instr) -> list[H.Array]:
+  """An async wrapper's result less what it only carries: its type is ((operands), outputs..., state), and the
+  operands it holds are the ones it reads, not bytes it writes."""
+  rhs = ins.text.split("=", 1)[1].strip() if "=" in ins.text else ""
+  if not rhs.startswith("(("):
+    return ins.result
+  depth = 0
+  for i, ch in enumerate(rhs[1:], start=1):
+    depth += ch == "("
+    depth -= ch == ")"
+    if depth == 0:
+      return ins.result[len(H._arrays(rhs[1:i + 1])):]
+  return ins.result
+
+
+def instruction_bytes(mod: H.HloModule, ins: H.Instr) -> tuple[int, int]:
+  """(bytes read, bytes written) by one run of a top-level instruction (module docstring)."""
+  if ins.opcode in _NO_TRAFFIC:
+    return 0, 0
+  ops = _operand_arrays(mod, ins)
+  written = sum(_hbm(a) for a in ins.result)
+  if ins.opcode in _ASYNC:
+    local = _local(mod, ins.comp)
+    data = [a for o, a in zip(ins.operands, ops) if o not in local or local[o].opcode not in _ASYNC]
+    return sum(_hbm(a) for a in data), sum(_hbm(a) for a in _async_outputs(ins))
+  if ins.opcode == "fusion":
+    sliced, update = _fused_reads(mod, ins)
+    read = sum(sliced.get(k, _hbm(a)) for k, a in enumerate(ops))
+    if update is not None:
+      written = update
+  elif ins.opcode in _SLICES:
+    src = ops[0] if ops else None
+    read = round(_hbm(src) * (ins.out.elements / src.elements)) if src is not None and ins.out and src.elements else 0
+  elif ins.opcode in _IN_PLACE:
+    k = _IN_PLACE[ins.opcode]
+    update = _hbm(ops[k]) if len(ops) > k else 0
+    read, written = update, (update if ins.result and _hbm(ins.result[0]) else 0)
+  else:
+    read = sum(_hbm(a) for a in ops)
+  return read, written
+
+
+def traffic(mod: H.HloModule, within: set[str] | None = None) -> list[tuple[float, H.Instr]]:
+  """[(bytes per step, instruction)] of every top-level instruction that moves data, times its computation's runs
+  (within: only these computations'; a conditional's costliest branch), the largest first."""
+  inner = _fusion_bodies(mod)
+
+  def measure(ins):
+    return sum(instruction_bytes(mod, ins)) if ins.comp not in inner and ins.opcode not in _NO_TRAFFIC else 0
+
+  within = _taken(mod, within, measure)
+  out = []
   for ins in mod.instrs():
-    times = mod.multipliers.get(ins.comp)
-    if not times or ins.comp in inner or ins.opcode in _NO_TRAFFIC:
-      continue
-    ops = _operand_arrays(mod, ins)
-    written = sum(a.bytes for a in ins.result)
-    if ins.opcode == "fusion":
-      sliced, update = _fused_reads(mod, ins)
-      read = sum(sliced.get(k, a.bytes if a is not None else 0) for k, a in enumerate(ops))
-      if update is not None:
-        written = update
-    elif ins.opcode in _SLICES:
-      read = written
-    elif ins.opcode == "dynamic-update-slice":
-      update = ops[1].bytes if len(ops) > 1 and ops[1] is not None else 0
-      read, written = update, update
-    else:
-      read = sum(a.bytes for a in ops if a is not None)
-    total += times * (read + written)
-  return total
+    times = _counted(mod, ins, within)
+    if times and ins.comp not in inner and ins.opcode not in _NO_TRAFFIC:
+      out.append((times * measure(ins), ins))
+  return sorted(out, key=lambda t: -t[0])
+
+
+def traffic_bytes(mod: H.HloModule, within: set[str] | None = None) -> float:
+  """Estimated bytes read and written by one step's top-level instructions, times their computation's runs
+  (within: only these computations')."""
+  return sum(b for b, _ in traffic(mod, within))

@@ -21,6 +21,7 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128|token)"
                     r"\[([\d,]*)\](\{[^}]*\})?")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
+_SPACE = re.compile(r"S\((\d+)\)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r"\b(calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|%?[\w.-]+)")
 
@@ -34,6 +35,9 @@ class Array:
   dtype: str
   shape: tuple[int, ...]
   layout: tuple[int, ...] | None  # minor-to-major, None when not printed
+  # Where the buffer lives: the layout's S(n), 0 (device memory, HBM) when not printed; XLA:TPU puts buffers its
+  # memory-space assignment keeps on chip in 1 (VMEM).
+  memory_space: int = 0
 
   @property
   def elements(self) -> int:
@@ -90,11 +94,13 @@ def _arrays(text: str) -> list[Array]:
   out = []
   for dtype, dims, layout in _ARRAY.findall(text):
     shape = tuple(int(d) for d in dims.split(",") if d)
-    lay = None
+    lay, space = None, 0
     if layout:
       inner = layout[1:-1].split(":")[0]
       lay = tuple(int(d) for d in inner.split(",") if d.strip().isdigit())
-    out.append(Array(dtype, shape, lay))
+      m = _SPACE.search(layout)
+      space = int(m.group(1)) if m else 0
+    out.append(Array(dtype, shape, lay, space))
   return out
 
 

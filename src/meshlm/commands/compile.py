@@ -130,34 +130,67 @@ def _sampler_inputs(cfg, mesh):
   return params, (i32(rows, T), i32(rows), i32(rows), i32(1)), static, rows
 
 
-def _sampler(cfg, mesh, want_decode: bool, report_of):
-  """{"prefill": report, "decode": report}: the prefill lowered from abstract inputs; the decode loop from the
-  compiled prefill's outputs (their shapes and shardings), so the prefill is compiled first."""
+def _prefill_outputs(cfg, mesh, prefill, args, static):
+  """The prefill's outputs as abstract arrays with their shardings, without compiling it: under explicit sharding
+  each output's type carries its sharding (jax.eval_shape, traced only); under auto the compiler picks them, and
+  this is None."""
+  import jax
+  from jax.sharding import AxisType, NamedSharding
+  if any(t != AxisType.Explicit for t in mesh.axis_types):
+    return None
+  with jax.set_mesh(mesh):
+    out = jax.eval_shape(lambda *a: prefill(*a, **static), *args)
+  return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(mesh, o.sharding.spec)),
+                      out)
+
+
+def _sampler(cfg, mesh, programs: set[str], report_of):
+  """{"prefill": report, "decode": report} for the programs asked for: the prefill lowered from abstract inputs; the
+  decode loop from the prefill's outputs (their shapes and shardings: traced, or under shard_mode=auto, where only
+  the compiler knows them, from the compiled prefill, which is then compiled and reported too)."""
   import jax
   from meshlm.models.generate import sampler_programs
   rl = cfg.rl
   prefill, decode_loop = sampler_programs(cfg, rl.temperature, rl.top_k, rl.top_p)
   params, (tokens, lengths, seeds, stops), static, rows = _sampler_inputs(cfg, mesh)
-  with jax.set_mesh(mesh):
-    low = prefill.lower(params, tokens, lengths, seeds, stops, **static)
-  out = {"prefill": report_of(low, {"params": params, "prompts": (tokens, lengths, seeds, stops)},
-                              cfg.train.per_device_batch_size * cfg.train.seq_len, keep=want_decode, forward=True)}
-  if want_decode:
-    compiled = out["prefill"].pop("_compiled")
-    if compiled is None:
-      raise ConfigError("--program decode: the prefill, whose outputs the decode loop takes, does not fit; "
-                        "lower train.per_device_batch_size or train.seq_len")
-    state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), low.out_info,
-                         compiled.output_shardings)
+  args = (params, tokens, lengths, seeds, stops)
+  state = _prefill_outputs(cfg, mesh, prefill, args, static) if "decode" in programs else None
+  out = {}
+  if "prefill" in programs or ("decode" in programs and state is None):
+    with jax.set_mesh(mesh):
+      low = prefill.lower(*args, **static)
+    out["prefill"] = report_of(low, {"params": params, "prompts": (tokens, lengths, seeds, stops)},
+                               cfg.train.per_device_batch_size * cfg.train.seq_len, keep=state is None, forward=True)
+  if "decode" in programs:
+    if state is None:
+      compiled = out["prefill"].pop("_compiled")
+      if compiled is None:
+        raise ConfigError("--program decode: the prefill, whose outputs the decode loop takes, does not fit; "
+                          "lower train.per_device_batch_size or train.seq_len")
+      state = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), low.out_info,
+                           compiled.output_shardings)
     toks, lps, n, done, cache, bufs = state
     max_new = jax.ShapeDtypeStruct((), "int32", sharding=stops.sharding)
     with jax.set_mesh(mesh):
       dlow = decode_loop.lower(params, toks, lps, n, done, cache, bufs, lengths, seeds, stops, max_new)
-    # The loop's trip count is a runtime value (max_new, and every row done), so its body counts once: the
-    # FLOPs, bytes and roofline are one decode step's, one new token per row.
+    # The loop's trip count is a runtime value (max_new, and every row done): the roofline is one trip of it (one
+    # token per row; analysis/aot.py's decode step), with what runs once per call around it apart.
     out["decode"] = report_of(dlow, {"params": params, "cache": cache, "tokens": (toks, lps, n, done, bufs)},
-                              cfg.train.per_device_batch_size, forward=True)
+                              cfg.train.per_device_batch_size, forward=True, step_loop=True)
+    out["decode"]["rollout"] = rollout(out["decode"].get("roofline", {}), rl.max_new_tokens, rows, mesh.size,
+                                       report_of.devices_per_chip)
   return out
+
+
+def rollout(roof: dict, new_tokens: int, rows: int, devices: int, devices_per_chip: int) -> dict | None:
+  """The decode loop's run over new_tokens at its roofline bound (no row stopping early): once_s + new_tokens x
+  bound_s, and the tokens per second per chip it implies (rows x new_tokens over that time, over the chips).
+  None where the roofline has no bound (no published chip figures) or no step loop."""
+  if roof.get("bound_s") is None or roof.get("once_s") is None:
+    return None
+  seconds = roof["once_s"] + new_tokens * roof["bound_s"]
+  return {"new_tokens": new_tokens, "rows": rows, "step_s": roof["bound_s"], "once_s": roof["once_s"],
+          "seconds": seconds, "tokens_per_s_per_chip": rows * new_tokens / seconds / (devices / devices_per_chip)}
 
 
 # ------------------------------------------------------------------------------------------------ command
@@ -189,11 +222,13 @@ def main(args: list[str]) -> int:
   report = {"topology": {"name": topo.name, "grid": topo.grid, "chips": topo.chips, "platform": topo.platform},
             "chip": chip.as_dict(), "programs": {}}
 
-  def report_of(lowered, inputs, tokens_per_device, keep=False, with_census=census, cfg_=None, forward=False):
+  def report_of(lowered, inputs, tokens_per_device, keep=False, with_census=census, cfg_=None, forward=False,
+                step_loop=False):
     # The model FLOPs the program does per device: the training count, or its forward third for the sampler.
     flops = aot.model_flops_per_token(cfg_ or cfg) * tokens_per_device / (3 if forward else 1)
     return aot.compile_report(lowered, inputs, chip, flops, census=with_census, keep=keep,
-                              recompute=0.0 if forward else aot.remat_recompute(cfg_ or cfg))
+                              recompute=0.0 if forward else aot.remat_recompute(cfg_ or cfg), step_loop=step_loop)
+  report_of.devices_per_chip = chip.devices_per_chip
 
   def train_report(c, with_census=census):
     mesh = make_mesh(c, devices)
@@ -215,11 +250,9 @@ def main(args: list[str]) -> int:
       lowered, inputs, tokens = _train(c, mesh, rl=name == "rl")
       report["programs"][name] = report_of(lowered, inputs, tokens, cfg_=c)
       report["programs"][name]["rows_per_device"] = c.train.per_device_batch_size
-    elif name == "prefill" and "decode" in programs:
-      continue  # compiled with the decode loop below
     else:
       c = rl_cfg or cfg
-      sampled = _sampler(c, mesh, name == "decode", report_of)
+      sampled = _sampler(c, mesh, {p for p in programs if p in ("prefill", "decode")}, report_of)
       report["programs"] |= {k: v | {"rows_per_device": c.train.per_device_batch_size} for k, v in sampled.items()}
   from meshlm.analysis.census import config_summary
   report["config"] = config_summary(cfg, topo.platform) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
@@ -344,6 +377,13 @@ def render(report: dict) -> str:
       lines.append(f"  roofline: compute {r['compute_s'] * 1e3:,.1f} ms at {_si(r['peak_flops'], 'FLOP/s')}, memory "
                    f"{r['memory_s'] * 1e3:,.1f} ms at {_si(r['hbm_bandwidth'], 'B/s')}: step >= "
                    f"{r['bound_s'] * 1e3:,.1f} ms ({r['bound_by']}-bound){mfu}")
+    if r.get("step_loop"):
+      lines.append(f"  one decode step (a trip of the token loop; per device): ~{_si(r['bytes'], 'B')}, "
+                   f"{_si(r['flops'], 'FLOP')}; once per call around it: ~{_si(r['once_bytes'], 'B')}")
+    ro = p.get("rollout")
+    if ro:
+      lines.append(f"  rollout: {ro['rows']} rows x {ro['new_tokens']:,} new tokens at the bound: {ro['seconds']:,.1f} s "
+                   f"({ro['step_s'] * 1e3:,.2f} ms per step), {ro['tokens_per_s_per_chip']:,.1f} tokens/s per chip")
     cen = p.get("census")
     unread = unread_loops_line({"stablehlo": cen["stablehlo"]["unread_loops"]} if cen else {}
                                | {"hlo": r["unread_loops"]})
