@@ -186,6 +186,7 @@ STEP = {
     "K/V row scattered in place": 4 * 4 + 4 * 64 * 2 + 4 * 64 * 2,  # indices and rows read, rows written
     "switch: its larger branch": 2 * 256 * 256 * 2 + 2 * 16 * 256 * 2,  # negate [256, 256], slice [16, 256]
     "all-gather": 32 * 256 * 2 + 256 * 256 * 2,  # the shard read, the gathered [256, 256] written
+    "embedding rows": 4 * 4 + 2 * 4 * 256 * 2,  # 4 rows of the [256, 256] table gathered (and their ids)
     "counter and bound": 12 + 9,  # t + 1; the condition's compare
 }
 ONCE = 8 * 256 * 256 * (4 + 2)  # the stack's float32 -> bf16 cast, hoisted out of the loop
@@ -219,11 +220,12 @@ def test_a_decode_step_is_one_trip_of_the_token_loop_counted_by_hand():
 def test_the_scatter_and_the_async_gather_write_what_they_move():
   """Per instruction: the cache's K/V scatter reads its indices and rows and writes the rows, not the [4, 1024, 64]
   buffer (262,144 bytes read and written whole); the all-gather's call-update writes the gathered array, not the
-  operand it carries in its result tuple (16,384 bytes more)."""
+  operand it carries in its result tuple (16,384 bytes more); a gather reads the rows it takes, not its table."""
   mod = H.parse(FIXTURE.read_text())
   assert C.instruction_bytes(mod, mod.by_name["cache.1"]) == (4 * 4 + 4 * 64 * 2, 4 * 64 * 2)
   assert C.instruction_bytes(mod, mod.by_name["ag.u"]) == (32 * 256 * 2, 256 * 256 * 2)
   assert C.instruction_bytes(mod, mod.by_name["ag.s"]) == (0, 0)  # its state flag lives in SMEM (S(2))
+  assert C.instruction_bytes(mod, mod.by_name["emb"]) == (4 * 4 + 4 * 256 * 2, 4 * 256 * 2)  # not the whole table
 
 
 def _hand_count(report: dict, rows: int, kv_layers: int, kv_heads: int, head_dim: int, embed: tuple[int, int] | None):

@@ -17,11 +17,19 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   (three outputs), 2 S (3H + 2Hv). The kernel skips the key blocks its block mask marks empty (the causal mask's
   upper triangle): the count is times the share of nonzero blocks, read from the mask's constant where XLA prints
   it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`.
-- `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result; a
-  fusion that only slices an operand (a layer's row of a stacked kernel) reads the slices, and one whose
-  root (or a part of its tuple root) updates a buffer in place (a dynamic-update-slice or a scatter: a scan
-  writing a layer's row, a decode step writing its K/V rows into the cache) writes and reads only the update. An
+- `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
+  buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
+  layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
+  kernel, an embedding lookup's rows; also through layout copies and casts, and in fusions nested in it) reads the
+  slices, and one whose root (or a part of its tuple root) updates a buffer in place (a dynamic-update-slice or a
+  scatter: a scan writing a layer's row, a decode step writing its K/V rows into the cache) writes and reads only
+  the update; XLA:TPU's async wrappers (call-start / call-update on the SparseCore: collectives, copies) read their
+  data operands and write their outputs, not the operands they carry in their result; a conditional counts its
+  costliest branch (which one runs is a runtime value: a lax.switch over block sizes counts its largest). An
   estimate of the HBM traffic, not a measurement: on-chip reuse across instructions is not seen.
+- The sampler's decode program is a loop over the new tokens whose trip count is a runtime value: `step_loop`
+  finds it and `loop_comps` what one trip runs, so the counts above can be taken over one decode step (`within`),
+  and what runs once per call around it (the float32 -> bf16 casts XLA hoists out of the loop) apart.
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "after-all", "partition-id", "replica-id", "copy-done", "all-gather-done", "all-reduce-done",
                "collective-permute-done", "async-done", "call-done", "send-done", "recv-done", "opt-barrier",
                "add-dependency", "iota"}
-_SLICES = {"dynamic-slice", "slice"}
+_SLICES = {"dynamic-slice", "slice", "gather"}  # read only what they take: a window, or rows (an embedding lookup)
 
 
 def _local(mod: H.HloModule, comp: str) -> dict[str, H.Instr]:
@@ -417,6 +425,7 @@ def instruction_bytes(mod: H.HloModule, ins: H.Instr) -> tuple[int, int]:
   elif ins.opcode in _SLICES:
     src = ops[0] if ops else None
     read = round(_hbm(src) * (ins.out.elements / src.elements)) if src is not None and ins.out and src.elements else 0
+    read += sum(_hbm(a) for a in ops[1:])  # the start indices, a gather's index array
   elif ins.opcode in _IN_PLACE:
     k = _IN_PLACE[ins.opcode]
     update = _hbm(ops[k]) if len(ops) > k else 0
