@@ -21,12 +21,12 @@ from meshlm.models import layers as L
 from meshlm.models.context import Context, make_context
 from meshlm.models.model import Model, resolve
 from meshlm.nn.dense import dense
-from meshlm.nn.embed import attend, embed
+from meshlm.nn.embed import attend, embed, lookup_table
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
 __all__ = ["apply", "context", "decode", "features", "forward", "head", "input_readers", "plan",
-           "prefill", "trunk"]
+           "prefill", "prepare", "trunk"]
 
 
 def plan(cfg: Config | Model):
@@ -54,32 +54,44 @@ def head(cfg: Config | Model, params: dict, x_BTD: jax.Array) -> jax.Array:
     return logits
 
 
+def prepare(cfg: Config | Model, params: dict) -> dict:
+  """What a forward computes from the parameters alone, before its tokens: each kind's layer stack prepared
+  (layers.prepare: the kernels gathered once) and the embedding table as the lookup reads it (nn/embed.py
+  lookup_table: whole under explicit sharding). The decode loop computes it once per call and hands it to every
+  step (`prepared=`), which would otherwise redo it per token."""
+  M = resolve(cfg)
+  return {"layers": L.prepare(M, params["layers"]),
+          "embed": lookup_table(params["embed"], jnp.dtype(M.cfg.train.compute_dtype))}
+
+
 def apply(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context, cache: L.Cache | None = None,
           collect: bool = False, last_B: jax.Array | None = None,
-          layer_inputs: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
+          layer_inputs: dict | None = None, prepared: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
   """embed -> layers -> final norm -> head: (logits [B, T, V], new cache, side outputs).
 
   With last_B, only row b's position last_B[b] goes through the head: logits [B, 1, V] (a prefill
   needs the next-token logits of each prompt's last real token, not [B, T, V]).
-  layer_inputs: {name: [n_readers, ...]} (see forward).
+  layer_inputs: {name: [n_readers, ...]} (see forward). prepared: prepare(cfg, params), computed by the caller.
   """
-  x, cache, side = trunk(cfg, params, tokens_BT, ctx, cache, collect, last_B, layer_inputs)
+  x, cache, side = trunk(cfg, params, tokens_BT, ctx, cache, collect, last_B, layer_inputs, prepared)
   return head(cfg, params, x), cache, side
 
 
 def trunk(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context, cache: L.Cache | None = None,
           collect: bool = False, last_B: jax.Array | None = None,
-          layer_inputs: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
-  """embed -> layers -> final norm: (the head's input [B, T, D] ([B, 1, D] with last_B), new cache, side)."""
+          layer_inputs: dict | None = None, prepared: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
+  """embed -> layers -> final norm: (the head's input [B, T, D] ([B, 1, D] with last_B), new cache, side).
+  prepared: prepare(cfg, params) where the caller computed it (the decode loop, once per call)."""
   M = resolve(cfg)
   m, fam = M.m, M.family
   by_kind = L.split_layer_inputs(M, layer_inputs or {}, tokens_BT.shape)  # checked before anything runs
   dt = jnp.dtype(M.cfg.train.compute_dtype)
-  x = constrain(embed(params["embed"], tokens_BT, dt), ACT)  # [B, T, D]
+  x = constrain(embed(prepared["embed"] if prepared else params["embed"], tokens_BT, dt), ACT)  # [B, T, D]
   if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)
-  x, cache, side = L.run_layers(M, L.prepare(M, params["layers"]), x, ctx, cache, collect, by_kind)
+  layers = prepared["layers"] if prepared else L.prepare(M, params["layers"])
+  x, cache, side = L.run_layers(M, layers, x, ctx, cache, collect, by_kind)
   x = rms_norm(params["final_norm"], x, m.norm_eps, plus_one=fam.norm_plus_one)
   if last_B is not None:
     pick = jax.nn.one_hot(last_B, x.shape[1], dtype=x.dtype)  # [B, T]
@@ -152,11 +164,12 @@ def prefill(cfg: Config | Model, params: dict, tokens_BT: jax.Array, lengths_B: 
 
 
 def decode(cfg: Config | Model, params: dict, tokens_B: jax.Array, positions_B: jax.Array, cache: L.Cache,
-           layer_inputs: dict | None = None) -> tuple[jax.Array, L.Cache, dict]:
+           layer_inputs: dict | None = None, prepared: dict | None = None) -> tuple[jax.Array, L.Cache, dict]:
   """One new token per row at its position: (logits [B, V], the cache with the new rows written in
   place, side outputs [n, B, 1, ...]). Donate the cache (jax.jit(donate_argnums=...)) so XLA writes
-  its buffers instead of copying them."""
+  its buffers instead of copying them. prepared: prepare(cfg, params), computed once for many steps."""
   M = resolve(cfg)
   ctx = context(M, positions_B[:, None], mode="decode", cache_len=cache.length)
-  logits, cache, side = apply(M, params, tokens_B[:, None], ctx, cache, layer_inputs=layer_inputs)
+  logits, cache, side = apply(M, params, tokens_B[:, None], ctx, cache, layer_inputs=layer_inputs,
+                              prepared=prepared)
   return logits[:, 0], cache, side

@@ -174,6 +174,9 @@ def _steps(cfg: Config, temperature: float, top_k: int | None, top_p: float):
 
   def decode_loop(params, toks, lps, lengths, done, cache, bufs, prompt_B, seeds_B, stops, max_new):
     TRACES["decode"] += 1
+    # Once per call, not per token: the kernels gathered once (layers.prepare) and the embedding table as the lookup
+    # reads it (whole under explicit sharding), which each step would otherwise gather again.
+    prepared = decoder.prepare(cfg, params)
 
     def cond(c):
       t, _, _, _, done, _, _ = c
@@ -182,7 +185,7 @@ def _steps(cfg: Config, temperature: float, top_k: int | None, top_p: float):
     def body(c):
       t, toks, lps, lengths, done, cache, bufs = c
       fed = toks[:, t - 1]  # the previous token, at position prompt + t - 1
-      logits, cache, side = decoder.decode(cfg, params, fed, prompt_B + t - 1, cache)
+      logits, cache, side = decoder.decode(cfg, params, fed, prompt_B + t - 1, cache, prepared=prepared)
       real = (t - 1) < lengths  # the fed token is one of the row's own
       bufs = {field: _record(bufs[field], side[name], prompt_B + t - 1, real) for name, field in records.items()}
       tok, lp, lq = sample(logits, keys_at(seeds_B, t), temperature, top_k, top_p)

@@ -3,13 +3,21 @@ from __future__ import annotations
 
 import jax
 
-from meshlm.parallel.sharding import ACT, einsum, take_rows
+from meshlm.parallel.sharding import ACT, constrain, einsum, is_explicit, take_rows
 
 
 def embed(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
   """[B, T] ids -> [B, T, D] rows of the table."""
   with jax.named_scope("embed"):
     return take_rows(table_VD.astype(dtype), ids_BT, ACT)
+
+
+def lookup_table(table_VD: jax.Array, dtype) -> jax.Array:
+  """The table as `embed` reads it: cast to dtype and, under explicit sharding, whole (take_rows gathers a sharded
+  table whole for the lookup). For a caller that looks up many times from the same table (the decode loop, once
+  per token): computed once, the lookups then move no table."""
+  table_VD = table_VD.astype(dtype)
+  return constrain(table_VD, (None,) * table_VD.ndim) if is_explicit() else table_VD
 
 
 def attend(table_VD: jax.Array, x: jax.Array) -> jax.Array:
