@@ -180,7 +180,7 @@ def test_the_hlo_count_meets_the_model_count_with_remats_recompute():
 FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "decode_step.hlo"
 # Bytes one trip of the fixture's token loop moves, by hand (bf16: 2 bytes an element):
 STEP = {
-    "row of the stack": 256 * 256 * 2 + 4 + 256 * 256 * 2,  # 1 of 8 layers' [256, 256] read (and the s32 index), written
+    "row of the stack": 256 * 256 * 2 + 4 + 256 * 256 * 2,  # 1 of 8 layers' [256, 256] (and the index) read, written
     "x kept on chip": 256 * 2,  # read from HBM, written to VMEM (S(1)): no HBM write
     "dot": 256 * 256 * 2 + 256 * 2,  # reads the row (x is on chip), writes y [1, 256]
     "K/V row scattered in place": 4 * 4 + 4 * 64 * 2 + 4 * 64 * 2,  # indices and rows read, rows written

@@ -382,8 +382,9 @@ def render(report: dict) -> str:
                    f"{_si(r['flops'], 'FLOP')}; once per call around it: ~{_si(r['once_bytes'], 'B')}")
     ro = p.get("rollout")
     if ro:
-      lines.append(f"  rollout: {ro['rows']} rows x {ro['new_tokens']:,} new tokens at the bound: {ro['seconds']:,.1f} s "
-                   f"({ro['step_s'] * 1e3:,.2f} ms per step), {ro['tokens_per_s_per_chip']:,.1f} tokens/s per chip")
+      lines.append(f"  rollout: {ro['rows']} rows x {ro['new_tokens']:,} new tokens at the bound: "
+                   f"{ro['seconds']:,.1f} s ({ro['step_s'] * 1e3:,.2f} ms per step), "
+                   f"{ro['tokens_per_s_per_chip']:,.1f} tokens/s per chip")
     cen = p.get("census")
     unread = unread_loops_line({"stablehlo": cen["stablehlo"]["unread_loops"]} if cen else {}
                                | {"hlo": r["unread_loops"]})

@@ -25,8 +25,8 @@ from meshlm.nn.embed import attend, embed, lookup_table
 from meshlm.nn.norm import rms_norm
 from meshlm.parallel.sharding import ACT, LOGITS, constrain, einsum
 
-__all__ = ["apply", "context", "decode", "features", "forward", "head", "input_readers", "plan",
-           "prefill", "prepare", "trunk"]
+__all__ = ["apply", "context", "decode", "features", "forward", "head", "input_readers", "loop_invariants",
+           "plan", "prefill", "trunk"]
 
 
 def plan(cfg: Config | Model):
@@ -54,7 +54,7 @@ def head(cfg: Config | Model, params: dict, x_BTD: jax.Array) -> jax.Array:
     return logits
 
 
-def prepare(cfg: Config | Model, params: dict) -> dict:
+def loop_invariants(cfg: Config | Model, params: dict) -> dict:
   """What a forward computes from the parameters alone, before its tokens: each kind's layer stack prepared
   (layers.prepare: the kernels gathered once) and the embedding table as the lookup reads it (nn/embed.py
   lookup_table: whole under explicit sharding). The decode loop computes it once per call and hands it to every
@@ -71,7 +71,7 @@ def apply(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context,
 
   With last_B, only row b's position last_B[b] goes through the head: logits [B, 1, V] (a prefill
   needs the next-token logits of each prompt's last real token, not [B, T, V]).
-  layer_inputs: {name: [n_readers, ...]} (see forward). prepared: prepare(cfg, params), computed by the caller.
+  layer_inputs: {name: [n_readers, ...]} (see forward). prepared: loop_invariants(cfg, params), computed by the caller.
   """
   x, cache, side = trunk(cfg, params, tokens_BT, ctx, cache, collect, last_B, layer_inputs, prepared)
   return head(cfg, params, x), cache, side
@@ -81,7 +81,7 @@ def trunk(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context,
           collect: bool = False, last_B: jax.Array | None = None,
           layer_inputs: dict | None = None, prepared: dict | None = None) -> tuple[jax.Array, L.Cache | None, dict]:
   """embed -> layers -> final norm: (the head's input [B, T, D] ([B, 1, D] with last_B), new cache, side).
-  prepared: prepare(cfg, params) where the caller computed it (the decode loop, once per call)."""
+  prepared: loop_invariants(cfg, params) where the caller computed it (the decode loop, once per call)."""
   M = resolve(cfg)
   m, fam = M.m, M.family
   by_kind = L.split_layer_inputs(M, layer_inputs or {}, tokens_BT.shape)  # checked before anything runs
@@ -167,7 +167,7 @@ def decode(cfg: Config | Model, params: dict, tokens_B: jax.Array, positions_B: 
            layer_inputs: dict | None = None, prepared: dict | None = None) -> tuple[jax.Array, L.Cache, dict]:
   """One new token per row at its position: (logits [B, V], the cache with the new rows written in
   place, side outputs [n, B, 1, ...]). Donate the cache (jax.jit(donate_argnums=...)) so XLA writes
-  its buffers instead of copying them. prepared: prepare(cfg, params), computed once for many steps."""
+  its buffers instead of copying them. prepared: loop_invariants(cfg, params), computed once for many steps."""
   M = resolve(cfg)
   ctx = context(M, positions_B[:, None], mode="decode", cache_len=cache.length)
   logits, cache, side = apply(M, params, tokens_B[:, None], ctx, cache, layer_inputs=layer_inputs,

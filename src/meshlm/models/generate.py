@@ -176,7 +176,7 @@ def _steps(cfg: Config, temperature: float, top_k: int | None, top_p: float):
     TRACES["decode"] += 1
     # Once per call, not per token: the kernels gathered once (layers.prepare) and the embedding table as the lookup
     # reads it (whole under explicit sharding), which each step would otherwise gather again.
-    prepared = decoder.prepare(cfg, params)
+    prepared = decoder.loop_invariants(cfg, params)
 
     def cond(c):
       t, _, _, _, done, _, _ = c
