@@ -9,7 +9,8 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   ragged dot, wherever it sits (inside fusions too), and of the dots XLA rewrote as a multiply and a sum (the
   matrix-vector products of a decode step: a reduce whose metadata names the dot_general it came from). A
   convolution counts only the (output, window) pairs that read a real input element, as HloCostAnalysis does, so
-  the padded windows XLA uses to express a batched dot are not counted. Elementwise work is not counted: a lower bound for the roofline.
+  the padded windows XLA uses to express a batched dot are not counted. Elementwise work is not counted: a lower
+  bound for the roofline.
 - `custom_call_flops`: the custom calls it knows, which XLA's count cannot see into: the splash attention kernel's
   (a Mosaic `tpu_custom_call` named splash_{mha,mqa}_{fwd,dq,dkv}...), from its operands' shapes. Per head and
   query row against S keys: the forward's q k^T and p v, 2 S (H + Hv); dq's recomputed scores, dp = do v^T and
