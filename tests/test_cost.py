@@ -268,3 +268,45 @@ def test_the_decode_roofline_meets_the_hand_count(model, rows, kv, embed):
   assert abs(r["bytes"] / hand - 1) < 0.05, (r["bytes"], hand)
   assert (r["bytes"] + r["once_bytes"]) / hand > 4
   assert d["rollout"]["step_s"] == r["bound_s"] and d["rollout"]["seconds"] == r["once_s"] + 384 * r["bound_s"]
+
+
+@tpu
+@pytest.mark.ci_must_run
+def test_the_decode_loop_gathers_the_embedding_table_once_per_call(monkeypatch):
+  """A llama2-tiny with the 397B's vocabulary (248,320 x 1,024) decoding on tpu7x:2x2x1 (8 devices) under explicit
+  FSDP: the lookup reads the table whole (take_rows), and decoder.loop_invariants gathers it once, before the token
+  loop (an optimization barrier keeps XLA from sinking it back): no collective inside one decode step has the
+  table's shape, and the step moves less than the table. Control: without the loop invariants each step gathers
+  the table, on every token (as the 397B rollout's step did: 2 GB of bf16 per token)."""
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).parent))
+  from test_compile import compile_json
+  from meshlm.analysis import aot
+  from meshlm.models import api, decoder
+  texts = []
+  real = aot.roofline
+  monkeypatch.setattr(aot, "roofline", lambda text, *a, **k: texts.append(text) or real(text, *a, **k))
+  shape = (248320, 1024)
+  args = ("model=llama2-tiny", f"model.vocab_size={shape[0]}", f"model.embed_dim={shape[1]}", "model.num_layers=2",
+          "topology=tpu7x:2x2x1", "mesh.fsdp=-1", "train.seq_len=48", "rl.max_new_tokens=16", "--program", "decode",
+          "--no-census")
+
+  def table_gathers():
+    """(the step's, the rest's) collectives whose result has the table's shape, and the step's bytes."""
+    mod = H.parse(texts[-1])
+    step = C.loop_comps(mod, C.step_loop(mod))
+    found = [i for i in mod.instrs() if ("all-gather" in i.name or "all-reduce" in i.name)
+             and any(a.shape == shape for a in i.result)]
+    return sum(i.comp in step for i in found), sum(i.comp not in step for i in found), C.traffic_bytes(mod, step)
+
+  api.clear_programs()
+  compile_json(*args)
+  inside, outside, step = table_gathers()
+  assert inside == 0 and outside > 0 and step < shape[0] * shape[1] * 2
+  monkeypatch.setattr(decoder, "loop_invariants", lambda cfg, params: None)
+  api.clear_programs()
+  compile_json(*args)
+  inside, outside, before = table_gathers()
+  assert inside > 0 and outside == 0 and before > step + shape[0] * shape[1] * 2
+  api.clear_programs()

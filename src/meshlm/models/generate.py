@@ -175,8 +175,11 @@ def _steps(cfg: Config, temperature: float, top_k: int | None, top_p: float):
   def decode_loop(params, toks, lps, lengths, done, cache, bufs, prompt_B, seeds_B, stops, max_new):
     TRACES["decode"] += 1
     # Once per call, not per token: the kernels gathered once (layers.prepare) and the embedding table as the lookup
-    # reads it (whole under explicit sharding), which each step would otherwise gather again.
+    # reads it (whole under explicit sharding), which each step would otherwise gather again. The barrier keeps XLA
+    # from sinking the gathers back into the loop (it does, to save their memory: the 397B step gathered a 2 GB
+    # table per token).
     prepared = decoder.loop_invariants(cfg, params)
+    prepared = jax.lax.optimization_barrier(prepared) if prepared is not None else None
 
     def cond(c):
       t, _, _, _, done, _, _ = c
