@@ -144,7 +144,7 @@ def _prefill_outputs(cfg, mesh, prefill, args, static):
                       out)
 
 
-def _sampler(cfg, mesh, programs: set[str], report_of):
+def _sampler(cfg, mesh, programs: set[str], report_of, devices_per_chip: int = 1):
   """{"prefill": report, "decode": report} for the programs asked for: the prefill lowered from abstract inputs; the
   decode loop from the prefill's outputs (their shapes and shardings: traced, or under shard_mode=auto, where only
   the compiler knows them, from the compiled prefill, which is then compiled and reported too)."""
@@ -178,7 +178,7 @@ def _sampler(cfg, mesh, programs: set[str], report_of):
     out["decode"] = report_of(dlow, {"params": params, "cache": cache, "tokens": (toks, lps, n, done, bufs)},
                               cfg.train.per_device_batch_size, forward=True, step_loop=True)
     out["decode"]["rollout"] = rollout(out["decode"].get("roofline", {}), rl.max_new_tokens, rows, mesh.size,
-                                       report_of.devices_per_chip)
+                                       devices_per_chip)
   return out
 
 
@@ -228,7 +228,6 @@ def main(args: list[str]) -> int:
     flops = aot.model_flops_per_token(cfg_ or cfg) * tokens_per_device / (3 if forward else 1)
     return aot.compile_report(lowered, inputs, chip, flops, census=with_census, keep=keep,
                               recompute=0.0 if forward else aot.remat_recompute(cfg_ or cfg), step_loop=step_loop)
-  report_of.devices_per_chip = chip.devices_per_chip
 
   def train_report(c, with_census=census):
     mesh = make_mesh(c, devices)
@@ -252,7 +251,8 @@ def main(args: list[str]) -> int:
       report["programs"][name]["rows_per_device"] = c.train.per_device_batch_size
     else:
       c = rl_cfg or cfg
-      sampled = _sampler(c, mesh, {p for p in programs if p in ("prefill", "decode")}, report_of)
+      sampled = _sampler(c, mesh, {p for p in programs if p in ("prefill", "decode")}, report_of,
+                         chip.devices_per_chip)
       report["programs"] |= {k: v | {"rows_per_device": c.train.per_device_batch_size} for k, v in sampled.items()}
   from meshlm.analysis.census import config_summary
   report["config"] = config_summary(cfg, topo.platform) | {"remat": cfg.remat, "micro_batches": cfg.train.micro_batches}
