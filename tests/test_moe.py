@@ -513,3 +513,17 @@ def test_the_parts_knobs_reach_the_layer_in_one_record():
   lacking = types.SimpleNamespace(**{n: getattr(own, n) for n in s.KNOBS if n != "router_group_mask"})
   with pytest.raises(AttributeError, match="router_group_mask"):
     moe.MoESettings.of(lacking)
+
+
+def test_auto_grouped_matmul_follows_the_programs_platform_not_the_hosts():
+  """meshlm compile traces a TPU topology's program on a CPU host: auto builds ragged_dot there, as the TPU run does
+  (the host's default backend would pick the CPU's loop). Control: a CPU mesh keeps the loop."""
+  from meshlm.parallel import topology as TP
+  xs, w, sizes = jnp.ones((16, 8)), jnp.ones((4, 8, 8)), jnp.array([4, 4, 4, 4])
+  built = {}
+  for name, devices in (("tpu", TP.devices(TP.parse("v5p:2x2x1"))), ("cpu", jax.devices("cpu")[:1])):
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("fsdp",))
+    with jax.set_mesh(mesh):
+      jaxpr = str(jax.make_jaxpr(lambda a, b, c: gmm.grouped_matmul(a, b, c))(xs, w, sizes))
+      built[name] = (gmm.default_grouped_matmul(), "ragged_dot" in jaxpr)
+  assert built == {"tpu": ("ragged", True), "cpu": ("loop", False)}

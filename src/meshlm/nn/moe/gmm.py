@@ -9,7 +9,7 @@
   one expert's rows, padded with zeros), and a scan runs one [b, D] x [D, F] matmul per used block.
 - "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel; on XLA:CPU a
   dense masked matmul per group).
-"auto" picks "loop" on CPU and "ragged" elsewhere. Measured with benchmarks/moe_vs_dense.py
+"auto" picks "loop" on CPU and "ragged" elsewhere, by the platform the program is for (parallel/sharding.platform). Measured with benchmarks/moe_vs_dense.py
 (docs/performance.md and docs/performance-log.md, issues 11 and 19).
 """
 from __future__ import annotations
@@ -22,12 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.nn.stack_row import StackRow, array_of, is_row, materialize
+from meshlm.parallel.sharding import platform
 
 GROUPED_MATMULS = ("auto", "blocks", "loop", "ragged")
 
 
 def default_grouped_matmul() -> str:
-  return "loop" if jax.default_backend() == "cpu" else "ragged"
+  """The platform the program is traced for decides (its mesh's devices: a TPU topology's under meshlm compile on a
+  CPU host builds ragged, as the TPU run does), not the host's default backend."""
+  return "loop" if platform() == "cpu" else "ragged"
 
 
 def default_block_rows(rows: int, num_experts: int) -> int:
