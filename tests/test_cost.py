@@ -92,6 +92,33 @@ def test_a_mask_too_large_to_print_is_estimated_and_named(splash_program, monkey
   assert not any(line.startswith("custom calls") for line in aot.roofline(text, xla, chip, None)["estimated"])
 
 
+@tpu
+@pytest.mark.ci_must_run
+def test_the_ragged_dot_kernel_counts_each_row_against_one_groups_kernel():
+  """jax.lax.ragged_dot (the MoE grouped matmul's `ragged`, what auto builds for a TPU) with its gradients, compiled
+  for v5p: XLA:TPU writes each as a ragged-dot custom call, the forward and dx ([M, K] x [G, K, N]) and dW (ragged
+  contracting, -> [G, K, N]), each 2 M K N. Control: the dots alone (the count before the kernel was read) see none
+  of it."""
+  import jax
+  import jax.numpy as jnp
+  from meshlm.parallel import topology as TP
+  M, K, N, G = 64, 256, 384, 8
+  sharding = jax.sharding.SingleDeviceSharding(TP.devices(TP.parse("v5p:1x1x1"))[0])
+  S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+
+  def loss(x, w, sizes):
+    return jnp.square(jax.lax.ragged_dot(x, w, sizes).astype(jnp.float32)).sum()  # the backward needs y
+
+  args = (S((M, K), jnp.bfloat16), S((G, K, N), jnp.bfloat16), S((G,), jnp.int32))
+  mod = H.parse(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text())
+  calls = [C.ragged_dot_flops(mod, i) for i in mod.instrs() if i.opcode == "custom-call"]
+  counted = [f for f in calls if f is not None]
+  assert counted == [2.0 * M * K * N] * 3, counted
+  total, estimated = C.custom_call_flops(mod)
+  assert total == 3 * 2.0 * M * K * N and estimated == []
+  assert C.flops(mod) < 0.01 * total
+
+
 # --------------------------------------------------------------------------------- loops bounded by an outer loop
 
 def _flash_program(window: int | None = None):
@@ -248,8 +275,10 @@ def _hand_count(report: dict, rows: int, kv_layers: int, kv_heads: int, head_dim
     # Dense, tied head (the table is the head: read whole): 28 layers x 8 kv heads x 128.
     (("model=qwen3-0.6b",), 1, (28, 8, 128), None),
     # GDN and MoE: 1 full-attention layer (2 kv heads x 32) and 3 GDN layers' states; all 8 experts' kernels read
-    # (the loop grouped matmul reads each local expert's); an untied 512 x 128 embedding.
-    (("model=qwen3.5-moe-tiny", "train.compute_dtype=bfloat16"), 4, (1, 2, 32), (512, 128)),
+    # (the loop grouped matmul reads each local expert's: named, as auto builds ragged for a TPU); an untied 512 x 128
+    # embedding.
+    (("model=qwen3.5-moe-tiny", "train.compute_dtype=bfloat16", "model.parts.moe.grouped_matmul=loop"), 4,
+     (1, 2, 32), (512, 128)),
 ])
 def test_the_decode_roofline_meets_the_hand_count(model, rows, kv, embed):
   """The decode step compiled for one v5p chip (prompts of 128, 384 new tokens: a 512-slot cache), against the hand

@@ -17,7 +17,9 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   dq = ds k, 2 S (2H + Hv); dkv's scores, dv, dp and dk, 2 S (2H + 2Hv), and dq too when it is the fused backward
   (three outputs), 2 S (3H + 2Hv). The kernel skips the key blocks its block mask marks empty (the causal mask's
   upper triangle): the count is times the share of nonzero blocks, read from the mask's constant where XLA prints
-  it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`.
+  it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`. And XLA:TPU's
+  ragged dot kernel (`jax.lax.ragged_dot` there, the MoE grouped matmul's `ragged`): 2 M K N, each row against one
+  group's kernel.
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
   buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
   layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
@@ -245,13 +247,35 @@ def splash_flops(mod: H.HloModule, ins: H.Instr) -> tuple[float, bool] | None:
   return 2.0 * units * T * S * share * (a * H + b * Hv), estimated
 
 
+def ragged_dot_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
+  """FLOPs of one run of XLA:TPU's ragged dot kernel (a `tpu_custom_call` named ragged-dot..., what
+  `jax.lax.ragged_dot` lowers to there), or None for any other instruction. Each row meets one group's kernel:
+  2 M K N, whichever dim is ragged. The forward and dx ([M, K] x [G, K, N] -> [M, N]) and dW ([K, M] x [M, N] ->
+  [G, K, N]) alike: the product of the two operands' and the result's elements over G is (M K N)^2, G being the
+  leading dim of the one rank-3 array among them."""
+  if ins.opcode != "custom-call" or not ins.name.startswith("ragged-dot"):
+    return None
+  floats = [a for a in _operand_arrays(mod, ins) if a is not None and a.dtype in _FLOAT and len(a.shape) >= 2]
+  out = [a for a in ins.result if a.dtype in _FLOAT]
+  if len(floats) != 2 or len(out) != 1:
+    return None
+  grouped = [a for a in (*floats, out[0]) if len(a.shape) == 3]
+  if len(grouped) != 1:
+    return None
+  return 2.0 * math.sqrt(floats[0].elements * floats[1].elements * out[0].elements / grouped[0].shape[0])
+
+
 def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple[float, list[str]]:
-  """(FLOPs of the custom calls it knows, one step: splash_flops times each computation's runs; the calls
-  whose count is estimated, by name)."""
+  """(FLOPs of the custom calls it knows, one step: splash_flops and ragged_dot_flops times each computation's
+  runs; the calls whose count is estimated, by name)."""
   total, estimated = 0.0, []
   for ins in mod.instrs():
     times = _counted(mod, ins, within)
     if not times or ins.opcode != "custom-call":
+      continue
+    ragged = ragged_dot_flops(mod, ins)
+    if ragged is not None:
+      total += times * ragged
       continue
     got = splash_flops(mod, ins)
     if got is not None:
