@@ -20,7 +20,7 @@ from meshlm.config import Config
 from meshlm.nn import kv_cache
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
 from meshlm.nn.dense import dense
-from meshlm.nn.rope import freqs_at, inv_frequencies, rope_angles
+from meshlm.nn.rope import fold_sign, freqs_at, inv_frequencies, rope_angles
 from meshlm.parallel.sharding import auto_region, context_size, platform
 
 
@@ -29,7 +29,8 @@ class Inputs:
   """The inputs shared by every layer of one attention context."""
   positions: jax.Array  # [B, T]
   segment_ids: jax.Array | None  # [B, T]; state-carrying mixers reset at document boundaries
-  rope: Mapping[int, tuple[jax.Array, jax.Array]]  # rotary width -> (cos, sin) [B, T, width / 2]
+  # rotary width -> (cos, sin with its first half negated) [B, T, width]: nn/rope.apply_rope's factors
+  rope: Mapping[int, tuple[jax.Array, jax.Array]]
   mask: Mask | None  # train, prefill: causal, window, segments (decode: None; it reads cache.read_mask)
   cache: kv_cache.Slots | None = None  # where this context's layers read and write their cache
   lengths: jax.Array | None = None  # prefill: [B] real tokens per right-padded prompt row
@@ -94,9 +95,12 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   T = positions_BT.shape[1]
   impl = resolve_impl(cfg.attention_impl, T, platform(), context_size()) if mode != "decode" else "xla"
   impl = resolve_context(impl, cfg.context_attention, context_size(), T, mode)
-  ropes = {"global": {d: freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling) for d in rotary_dims}}
+  # sin's sign folded here, once per step, so that each layer's RoPE is one full-width pass (nn/rope.apply_rope).
+  signed = lambda cos, sin: (cos, fold_sign(sin))
+  ropes = {"global": {d: signed(*freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling)) for d in rotary_dims}}
   if "local" in contexts and m.rope_local_theta is not None:
-    ropes["local"] = {d: rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)) for d in rotary_dims}
+    ropes["local"] = {d: signed(*rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)))
+                      for d in rotary_dims}
   inputs = {}
   for name in ("global",) + tuple(c for c in ("local",) if c in contexts):
     window = windows(m)[name]

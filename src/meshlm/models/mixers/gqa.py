@@ -71,8 +71,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
     # Per-head RMSNorm over head_dim, before RoPE.
     q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=plus_one)
     k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=plus_one)
-  cos, sin = ctx.here.rope[m.head_dim]
-  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  cos, sin_signed = ctx.here.rope[m.head_dim]
+  q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
   y, update = attend(q, k, v, p["o"].astype(dt), ctx, state)
   return y, update, {}
 

@@ -150,10 +150,10 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   Hn = own.qk_nope_head_dim
   q = project_q(p, x_BTD, ctx)  # [B, N, T, Hn + Hr]
   c, k_rope = project_latent(p, x_BTD, ctx)
-  cos, sin = ctx.here.rope[own.qk_rope_head_dim]
+  cos, sin_signed = ctx.here.rope[own.qk_rope_head_dim]
   rope = apply_rope_interleave if own.rope_interleave else apply_rope
-  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin)
-  k_rope = rope(k_rope[:, None], cos, sin)[:, 0]  # [B, T, Hr]: one head, shared by every query head
+  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin_signed)
+  k_rope = rope(k_rope[:, None], cos, sin_signed)[:, 0]  # [B, T, Hr]: one head, shared by every query head
   update = None if ctx.mode == "train" else {"kv": c, "k_rope": k_rope}
   w = {name: p[name].astype(dt) for name in ("k_b", "v_b", "o")}
   if ctx.mode == "decode":
