@@ -20,6 +20,7 @@ from meshlm.config import Config
 from meshlm.nn import kv_cache
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
 from meshlm.nn.dense import dense
+from meshlm.nn.kernel_cast import in_layer
 from meshlm.nn.rope import fold_sign, freqs_at, inv_frequencies, rope_angles
 from meshlm.parallel.sharding import auto_region, context_size, platform
 
@@ -57,6 +58,12 @@ class Context:
 
   def with_layer(self, inputs: Mapping[str, jax.Array]) -> "Context":
     return self if not inputs and not self.layer else dataclasses.replace(self, layer=dict(inputs))
+
+  def cast(self, kernel: jax.Array, dt) -> jax.Array:
+    """A (float32) kernel of this layer in the compute dtype dt. Training and prefill cast each layer's slice here
+    (nn/kernel_cast.in_layer: bit-identical to astype, and no whole-stack bf16 copy hoisted out of the layer scan);
+    decode takes astype, which XLA converts once outside the token loop, so each token reads bf16 weights."""
+    return kernel.astype(dt) if self.mode == "decode" else in_layer(kernel, dt)
 
 
 def bound_dense(cfg: Config) -> Callable[..., jax.Array]:

@@ -64,7 +64,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=True)
   cos, sin_signed = ctx.here.rope[m.rotary_dim()]
   q, k = partial_rope(q, cos, sin_signed), partial_rope(k, cos, sin_signed)
-  y, update = gqa.attend(q, k, v, p["o"].astype(dt), ctx, state, gate=gate)
+  y, update = gqa.attend(q, k, v, ctx.cast(p["o"], dt), ctx, state, gate=gate)
   return y, update, {}
 
 
