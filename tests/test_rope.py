@@ -197,3 +197,34 @@ def test_the_path_check_sees_a_roll_without_the_sign_fold(monkeypatch):
   assert calls
   assert not np.array_equal(got[0], broken[0])  # the loss
   assert not np.array_equal(got[2], broken[2]) and not np.array_equal(got[3], broken[3])  # prefill, decode logits
+
+
+O2_CHECK = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {tests!r})
+from test_rope import rotate_half_reference, _tables, _rotate_and_grad
+from meshlm.nn import rope as R
+rng = np.random.default_rng(0)
+x, ct = (jnp.asarray(rng.standard_normal((2, 4, 64, 64)), jnp.float32) for _ in range(2))
+cos, sin = _tables(rng.integers(0, 200_000, (2, 64)).astype(np.int32), 64)
+R.platform = lambda: "cpu"
+got = jax.jit(lambda *a: _rotate_and_grad(R.apply_rope, *a))(x, cos, R.fold_sign(sin), ct)
+want = jax.jit(lambda *a: _rotate_and_grad(rotate_half_reference, *a))(x, cos, sin, ct)
+print([bool(np.array_equal(g, w)) for g, w in zip(got, want)])
+"""
+
+
+def test_the_cpu_rotation_is_bit_identical_at_xla_cpus_default_optimization_level():
+  """The suite runs XLA:CPU at backend optimization level 0 (conftest.py), where LLVM forms no FMAs; users run the
+  default level, where it contracts multiply-adds, so two formulas equal in IEEE arithmetic can round differently
+  (the rotation by the opposite angle as the gradient did: 1 ulp). Checked in a process at the default level."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  tests = os.path.dirname(os.path.abspath(__file__))
+  out = subprocess.run([sys.executable, "-c", O2_CHECK.format(tests=tests)], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[True, True]", out.stdout

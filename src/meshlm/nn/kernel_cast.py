@@ -12,6 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# False: in_layer is astype, which XLA:TPU hoists as whole-stack copies (benchmarks/chip.py's rows compare the two).
+PER_LAYER = True
+
 
 @jax.custom_vjp
 def cast_bits(w: jax.Array) -> jax.Array:
@@ -29,6 +32,6 @@ cast_bits.defvjp(lambda w: (cast_bits(w), None), lambda _, g: (g.astype(jnp.floa
 
 def in_layer(w: jax.Array, dt) -> jax.Array:
   """w in dtype dt, cast here, in the layer: float32 to bfloat16 by cast_bits (no whole-stack copy), else astype."""
-  if w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
+  if PER_LAYER and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
     return cast_bits(w)
   return w.astype(dt)

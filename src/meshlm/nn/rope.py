@@ -10,6 +10,10 @@ import numpy as np
 
 from meshlm.parallel.sharding import platform
 
+# How apply_rope swaps a row's halves: None, by a permutation matmul on TPU and jnp.roll elsewhere (swap_halves);
+# True / False force one (benchmarks/chip.py's rows compare them on a chip).
+SWAP_BY_MATMUL: bool | None = None
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
   """[head_dim // 2] inverse frequencies, with llama3-style or linear scaling when given."""
@@ -67,7 +71,8 @@ def apply_rope(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_signed_BTH: jax.Array)
   MXU on TPU (swap_halves). The gradient is the same rotation by the opposite angle, swapping the halves of the
   cotangent as it comes (as the rotate-half formula's, bit for bit: both round to x's dtype once)."""
   with jax.named_scope("rope"):
-    return _rotate(x_BNTH, cos_BTH, sin_signed_BTH, platform() == "tpu")
+    by_matmul = platform() == "tpu" if SWAP_BY_MATMUL is None else SWAP_BY_MATMUL
+    return _rotate(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -83,10 +88,20 @@ def _rotate_fwd(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul):
 
 def _rotate_bwd(by_matmul, res, g_BNTH):
   x_BNTH, cos_BTH, sin_signed_BTH = res
-  # d/dx: the transpose of the rotation by angle a is the rotation by -a: cos, and the folded sin negated.
-  dx = _rotate(g_BNTH, cos_BTH, -sin_signed_BTH, by_matmul)
-  # The tables' own cotangents (the context computes them from integer positions, so XLA drops these).
   gf = g_BNTH.astype(jnp.float32)
+  if by_matmul:
+    # d/dx: the transpose of the rotation by angle a is the rotation by -a: cos, and the folded sin negated.
+    dx = _rotate(g_BNTH, cos_BTH, -sin_signed_BTH, by_matmul)
+  else:
+    # The rotate-half formula's own transpose, g cos + [u2, 0] + [0, -u1] with u = g sin, written as autodiff
+    # wrote it: XLA:CPU's LLVM contracts its multiply-adds into FMAs as it did for the former apply_rope, so the
+    # gradient stays bit-identical at every optimization level (the rotation by -a rounds one add differently).
+    half = x_BNTH.shape[-1] // 2
+    u = gf * fold_sign(sin_signed_BTH)[:, None]  # fold_sign undoes itself: the plain sin
+    pad = [(0, 0)] * (u.ndim - 1)
+    dx = (gf * cos_BTH[:, None] + jnp.pad(u[..., half:], pad + [(0, half)])
+          + jnp.pad(-u[..., :half], pad + [(half, 0)])).astype(g_BNTH.dtype)
+  # The tables' own cotangents (the context computes them from integer positions, so XLA drops these).
   dcos = jnp.sum(gf * x_BNTH.astype(jnp.float32), axis=1).astype(cos_BTH.dtype)
   dsin = jnp.sum(gf * swap_halves(x_BNTH, by_matmul), axis=1).astype(sin_signed_BTH.dtype)
   return dx, dcos, dsin
