@@ -103,7 +103,7 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64,
             prompt_len=128, new_tokens=256),
     ],
-    # What the next chip session measures first (docs/tpu.md "Not yet measured"): the default step after RoPE's
+    # What the next chip session measures first (docs/tpu.md "After this run"): the default step after RoPE's
     # one-pass rotation and the per-layer kernel casts, each against its former form, and RoPE's bits on the chip.
     "v5e-next": [
         Row("qwen3-0.6b-rope-bits", (), kind="rope"),
