@@ -38,7 +38,7 @@ import numpy as np
 class Row:
   name: str
   overrides: tuple[str, ...]
-  kind: str = "train"  # train | decode | causal
+  kind: str = "train"  # train | decode | causal | rope
   batch: int = 1  # decode: prompts
   prompt_len: int = 128  # decode
   new_tokens: int = 128  # decode
@@ -46,6 +46,7 @@ class Row:
   # config does not expose, restored after the row.
   patches: tuple[tuple[str, object], ...] = ()
   positions: tuple[int, ...] = (1541,)  # causal: the positions whose input token is changed
+  shape: tuple[int, ...] = (8, 16, 2048, 128)  # rope: the rows [B, N, T, H] (qwen3-0.6b's queries at batch 8)
 
 
 QWEN3_06B = ("model=qwen3-0.6b", "train.compute_dtype=bfloat16", "train.param_dtype=float32", "train.seq_len=2048",
@@ -101,6 +102,17 @@ SETS: dict[str, list[Row]] = {
             prompt_len=128, new_tokens=256),
         Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64,
             prompt_len=128, new_tokens=256),
+    ],
+    # What the next chip session measures first (docs/tpu.md "After this run"): the default step after RoPE's
+    # one-pass rotation and the per-layer kernel casts, each against its former form, and RoPE's bits on the chip.
+    "v5e-next": [
+        Row("qwen3-0.6b-rope-bits", (), kind="rope"),
+        Row("qwen3-0.6b-b8-full", QWEN3_06B + (_b(8), "remat=full")),
+        Row("qwen3-0.6b-b8-full-rope-roll", QWEN3_06B + (_b(8), "remat=full"),
+            patches=(("meshlm.nn.rope:SWAP_BY_MATMUL", False),)),
+        Row("qwen3-0.6b-b8-full-cast-astype", QWEN3_06B + (_b(8), "remat=full"),
+            patches=(("meshlm.nn.kernel_cast:PER_LAYER", False),)),
+        Row("qwen3-0.6b-s8192-b2-full", QWEN3_06B + (_b(2), "remat=full", "train.seq_len=8192")),
     ],
     # Where the time goes (issue 54 item 2): one thing changed at a time from qwen3-0.6b-b8-full, and the GDN
     # hybrid's causality in the very training path it trains with.
@@ -310,6 +322,38 @@ def causal_row(row: Row) -> dict:
   return {"positions": out, "causal": all(v["diff"] == 0 for v in out.values()), "control_diff": control}
 
 
+def rope_row(row: Row) -> dict:
+  """nn/rope.apply_rope on this backend (on TPU the halves swapped by a permutation matmul on the MXU) against the
+  rotate-half formula it replaced, forward and gradient, bf16 and float32 rows of row.shape at positions 0..T-1:
+  equal bit for bit, and the largest difference."""
+  import jax
+  import jax.numpy as jnp
+  from meshlm.nn import rope as R
+
+  def rotate_half(x, cos, sin):  # the former apply_rope, on the plain sin
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+  def value_and_grad(fn, x, cos, sin, ct):
+    y, vjp = jax.vjp(lambda x: fn(x, cos, sin), x)
+    return y, vjp(ct)[0]
+  B, N, T, H = row.shape
+  rng = np.random.default_rng(0)
+  cos, sin = R.freqs_at(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), H, 1e6)
+  out = {}
+  for dtype in ("bfloat16", "float32"):
+    x, ct = (jnp.asarray(rng.standard_normal((B, N, T, H)), dtype) for _ in range(2))
+    new = jax.jit(lambda *a: value_and_grad(R.apply_rope, *a))(x, cos, R.fold_sign(sin), ct)
+    old = jax.jit(lambda *a: value_and_grad(rotate_half, *a))(x, cos, sin, ct)
+    diff = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(new, old)]
+    out[dtype] = {"forward_equal": diff[0] == 0.0, "grad_equal": diff[1] == 0.0, "forward_max_diff": diff[0],
+                  "grad_max_diff": diff[1]}
+  return {"shape": list(row.shape), "rope": out, "bit_identical": all(v["forward_equal"] and v["grad_equal"]
+                                                                       for v in out.values())}
+
+
 @contextlib.contextmanager
 def patched(patches):
   """Sets module constants for the duration of one row."""
@@ -386,6 +430,8 @@ def run(rows: list[Row], out_path: str | None, steps: int, warmup: int, decode_r
             rec.update(train_row(row, steps, warmup, f"{profile_dir}/{row.name}" if traced else None))
           elif row.kind == "causal":
             rec.update(causal_row(row))
+          elif row.kind == "rope":
+            rec.update(rope_row(row))
           else:
             rec.update(decode_row(row, decode_reps))
       except Exception as e:  # noqa: BLE001  (a failed row is a result: record it, run the next)

@@ -73,6 +73,19 @@ def test_decode_row_counts_what_a_step_reads(run):
   assert "roofline_tokens_per_s" not in r  # no published bandwidth for a CPU
 
 
+@pytest.mark.parametrize("swap_by_matmul", [False, True], ids=["roll", "matmul"])
+def test_rope_row_compares_with_rotate_half_and_sees_a_difference(monkeypatch, swap_by_matmul):
+  from meshlm.nn import rope as R
+  row = chip.Row("rope", (), kind="rope", shape=(2, 3, 33, 64))
+  monkeypatch.setattr(R, "SWAP_BY_MATMUL", swap_by_matmul)
+  r = chip.rope_row(row)
+  assert r["bit_identical"] is True and set(r["rope"]) == {"bfloat16", "float32"}
+  # Its power: the roll without the sign fold (apply_rope handed the plain sin) is another rotation, and the row says so.
+  monkeypatch.setattr(R, "fold_sign", lambda sin: sin)
+  r = chip.rope_row(row)
+  assert r["bit_identical"] is False and r["rope"]["float32"]["forward_max_diff"] > 0.1
+
+
 def test_table_and_rows_by_name():
   recs = [{"kind": "backend", "device_kind": "TPU v5 lite", "platform": "tpu", "jax": "0", "libtpu": "0",
            "date": "d", "matmul_n": 8, "matmul_tflops_per_s": 150.0, "published_peak_tflops": 197.0},

@@ -22,7 +22,7 @@ from meshlm.models import decoder
 from meshlm.models.params import param_specs
 from meshlm.models.mixers import gdn as gdn_mixer
 from meshlm.models.mixers.gated_gqa import partial_rope
-from meshlm.nn.rope import apply_rope, rope_angles, inv_frequencies
+from meshlm.nn.rope import apply_rope, fold_sign, rope_angles, inv_frequencies
 from meshlm.nn.short_conv import causal_conv, causal_conv_reference, window_at
 
 T = 48
@@ -106,7 +106,7 @@ def test_partial_rope_rotates_the_first_dims_with_half_split_pairs():
   @jax.jit  # one program (op by op, some 20 small ones)
   def rotated(x):
     cos, sin = rope_angles(jnp.arange(5)[None], inv_frequencies(4, 10000.0))  # rot = 4 of 16
-    return partial_rope(x, cos, sin), apply_rope(x[..., :4], cos, sin), cos, sin
+    return partial_rope(x, cos, fold_sign(sin)), apply_rope(x[..., :4], cos, fold_sign(sin)), cos, sin
   y, y4, cos, sin = (np.asarray(a) for a in rotated(x))
   np.testing.assert_array_equal(y[..., 4:], np.asarray(x)[..., 4:])
   np.testing.assert_allclose(y[..., :4], y4, atol=1e-6)

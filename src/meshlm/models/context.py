@@ -20,7 +20,8 @@ from meshlm.config import Config
 from meshlm.nn import kv_cache
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
 from meshlm.nn.dense import dense
-from meshlm.nn.rope import freqs_at, inv_frequencies, rope_angles
+from meshlm.nn.kernel_cast import in_layer
+from meshlm.nn.rope import fold_sign, freqs_at, inv_frequencies, rope_angles
 from meshlm.parallel.sharding import auto_region, context_size, platform
 
 
@@ -29,7 +30,8 @@ class Inputs:
   """The inputs shared by every layer of one attention context."""
   positions: jax.Array  # [B, T]
   segment_ids: jax.Array | None  # [B, T]; state-carrying mixers reset at document boundaries
-  rope: Mapping[int, tuple[jax.Array, jax.Array]]  # rotary width -> (cos, sin) [B, T, width / 2]
+  # rotary width -> (cos, sin with its first half negated) [B, T, width]: nn/rope.apply_rope's factors
+  rope: Mapping[int, tuple[jax.Array, jax.Array]]
   mask: Mask | None  # train, prefill: causal, window, segments (decode: None; it reads cache.read_mask)
   cache: kv_cache.Slots | None = None  # where this context's layers read and write their cache
   lengths: jax.Array | None = None  # prefill: [B] real tokens per right-padded prompt row
@@ -56,6 +58,12 @@ class Context:
 
   def with_layer(self, inputs: Mapping[str, jax.Array]) -> "Context":
     return self if not inputs and not self.layer else dataclasses.replace(self, layer=dict(inputs))
+
+  def cast(self, kernel: jax.Array, dt) -> jax.Array:
+    """A (float32) kernel of this layer in the compute dtype dt. Training and prefill cast each layer's slice here
+    (nn/kernel_cast.in_layer: bit-identical to astype, and no whole-stack bf16 copy hoisted out of the layer scan);
+    decode takes astype, which XLA converts once outside the token loop, so each token reads bf16 weights."""
+    return kernel.astype(dt) if self.mode == "decode" else in_layer(kernel, dt)
 
 
 def bound_dense(cfg: Config) -> Callable[..., jax.Array]:
@@ -94,9 +102,12 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   T = positions_BT.shape[1]
   impl = resolve_impl(cfg.attention_impl, T, platform(), context_size()) if mode != "decode" else "xla"
   impl = resolve_context(impl, cfg.context_attention, context_size(), T, mode)
-  ropes = {"global": {d: freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling) for d in rotary_dims}}
+  # sin's sign folded here, once per step, so that each layer's RoPE is one full-width pass (nn/rope.apply_rope).
+  signed = lambda cos, sin: (cos, fold_sign(sin))
+  ropes = {"global": {d: signed(*freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling)) for d in rotary_dims}}
   if "local" in contexts and m.rope_local_theta is not None:
-    ropes["local"] = {d: rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)) for d in rotary_dims}
+    ropes["local"] = {d: signed(*rope_angles(positions_BT, inv_frequencies(d, m.rope_local_theta)))
+                      for d in rotary_dims}
   inputs = {}
   for name in ("global",) + tuple(c for c in ("local",) if c in contexts):
     window = windows(m)[name]

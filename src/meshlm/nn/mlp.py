@@ -18,15 +18,17 @@ ACTIVATIONS = {
 }
 
 
-def glu_mlp(p: dict, x_BTD: jax.Array, *, dense=dense, activation=jax.nn.silu) -> jax.Array:
+def glu_mlp(p: dict, x_BTD: jax.Array, *, dense=dense, activation=jax.nn.silu, cast=None) -> jax.Array:
   """down(act(gate(x)) * up(x)). p: gate [D, F], up [D, F], down [F, D]; dense is the projection
-  (a Context's, bound to the kernel-order flags)."""
+  (a Context's, bound to the kernel-order flags), cast(kernel, dtype) the kernels' cast to x's dtype (a Context's,
+  which keeps it in the layer loop; astype by default)."""
+  cast = cast or (lambda w, dt: w.astype(dt))
   with jax.named_scope("mlp"):
     dt = x_BTD.dtype
     with jax.named_scope("gate"):
-      g = dense(x_BTD, p["gate"].astype(dt), "btd,df->btf", HIDDEN)
+      g = dense(x_BTD, cast(p["gate"], dt), "btd,df->btf", HIDDEN)
     with jax.named_scope("up"):
-      u = dense(x_BTD, p["up"].astype(dt), "btd,df->btf", HIDDEN)
+      u = dense(x_BTD, cast(p["up"], dt), "btd,df->btf", HIDDEN)
     h = activation(g) * u
     with jax.named_scope("down"):
-      return dense(h, p["down"].astype(dt), "btf,fd->btd", ACT)
+      return dense(h, cast(p["down"], dt), "btf,fd->btd", ACT)

@@ -1,11 +1,18 @@
 """Rotary position embeddings, computed from the positions (never a whole table to index into)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from meshlm.parallel.sharding import platform
+
+# How apply_rope swaps a row's halves: None, by a permutation matmul on TPU and jnp.roll elsewhere (swap_halves);
+# True / False force one (benchmarks/chip.py's rows compare them on a chip).
+SWAP_BY_MATMUL: bool | None = None
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
@@ -35,24 +42,83 @@ def rope_angles(positions_BT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array
   return jnp.cos(ang), jnp.sin(ang)
 
 
-def apply_rope(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
-  """x [B, N, T, H], heads-first rows (every attention core's), rotated by cos/sin [B, T, H]."""
+def fold_sign(sin_BTH: jax.Array) -> jax.Array:
+  """sin [B, T, H] (rotate-half layout, [s, s]) with its first half negated, [-s, s]: the factor apply_rope takes,
+  built once per step with cos and sin (models/context.py)."""
+  half = sin_BTH.shape[-1] // 2
+  return jnp.concatenate([-sin_BTH[..., :half], sin_BTH[..., half:]], axis=-1)
+
+
+def swap_halves(x_BNTH: jax.Array, by_matmul: bool) -> jax.Array:
+  """roll(x, H/2) over the last axis, [x2, x1], exactly, in float32. by_matmul: as the product with the [H, H]
+  permutation matrix (one nonzero term per output, accumulated in float32: exact for bfloat16 and, at HIGHEST
+  precision, float32 inputs), which XLA:TPU fuses with apply_rope's products into one full-width pass; a roll there
+  is two 64-lane slices and a concatenate that XLA:TPU writes out between three fusions (docs/tpu.md). Otherwise
+  jnp.roll. An inf or NaN in a row spreads over that row's lanes by the product (inf x 0), where the roll keeps it
+  in its two."""
+  H = x_BNTH.shape[-1]
+  if not by_matmul:
+    return jnp.roll(x_BNTH, H // 2, axis=-1).astype(jnp.float32)
+  perm_HH = np.roll(np.eye(H, dtype=np.float32), H // 2, axis=1)  # x @ perm = roll(x, H/2)
+  return jnp.einsum("...h,hg->...g", x_BNTH, jnp.asarray(perm_HH, x_BNTH.dtype), preferred_element_type=jnp.float32,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def apply_rope(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_signed_BTH: jax.Array) -> jax.Array:
+  """x [B, N, T, H], heads-first rows (every attention core's), rotated by cos and the sign-folded sin [B, T, H]
+  (fold_sign): x * cos + roll(x, H/2) * sin_signed in float32, HF's x * cos + rotate_half(x) * sin bit for bit
+  (the negation moves from x's half to sin's, and is exact). One full-width pass: the halves are swapped on the
+  MXU on TPU (swap_halves). The gradient is the same rotation by the opposite angle, swapping the halves of the
+  cotangent as it comes (as the rotate-half formula's, bit for bit: both round to x's dtype once)."""
   with jax.named_scope("rope"):
+    by_matmul = platform() == "tpu" if SWAP_BY_MATMUL is None else SWAP_BY_MATMUL
+    return _rotate(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rotate(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul: bool):
+  xf = x_BNTH.astype(jnp.float32)
+  y = xf * cos_BTH[:, None] + swap_halves(x_BNTH, by_matmul) * sin_signed_BTH[:, None]
+  return y.astype(x_BNTH.dtype)
+
+
+def _rotate_fwd(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul):
+  return _rotate(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul), (x_BNTH, cos_BTH, sin_signed_BTH)
+
+
+def _rotate_bwd(by_matmul, res, g_BNTH):
+  x_BNTH, cos_BTH, sin_signed_BTH = res
+  gf = g_BNTH.astype(jnp.float32)
+  if by_matmul:
+    # d/dx: the transpose of the rotation by angle a is the rotation by -a: cos, and the folded sin negated.
+    dx = _rotate(g_BNTH, cos_BTH, -sin_signed_BTH, by_matmul)
+  else:
+    # The rotate-half formula's own transpose, g cos + [u2, 0] + [0, -u1] with u = g sin, written as autodiff
+    # wrote it: XLA:CPU's LLVM contracts its multiply-adds into FMAs as it did for the former apply_rope, so the
+    # gradient stays bit-identical at every optimization level (the rotation by -a rounds one add differently).
     half = x_BNTH.shape[-1] // 2
-    xf = x_BNTH.astype(jnp.float32)
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    y = xf * cos_BTH[:, None] + rotated * sin_BTH[:, None]
-    return y.astype(x_BNTH.dtype)
+    u = gf * fold_sign(sin_signed_BTH)[:, None]  # fold_sign undoes itself: the plain sin
+    pad = [(0, 0)] * (u.ndim - 1)
+    dx = (gf * cos_BTH[:, None] + jnp.pad(u[..., half:], pad + [(0, half)])
+          + jnp.pad(-u[..., :half], pad + [(half, 0)])).astype(g_BNTH.dtype)
+  # The tables' own cotangents (the context computes them from integer positions, so XLA drops these).
+  dcos = jnp.sum(gf * x_BNTH.astype(jnp.float32), axis=1).astype(cos_BTH.dtype)
+  dsin = jnp.sum(gf * swap_halves(x_BNTH, by_matmul), axis=1).astype(sin_signed_BTH.dtype)
+  return dx, dcos, dsin
 
 
-def apply_rope_interleave(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
+
+
+def apply_rope_interleave(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_signed_BTH: jax.Array) -> jax.Array:
   """RoPE on adjacent pairs (x0, x1), (x2, x3), ... (transformers' apply_rotary_pos_emb_interleave): pair i
   turns by the angle of cos[..., i] (the first half of the rotate-half layout), and the output is laid out
   de-interleaved, [x_even', x_odd']. Queries and keys are both laid out so, which leaves their dot products
-  those of the interleaved rotation. x [B, N, T, H] (heads-first rows, as apply_rope's)."""
+  those of the interleaved rotation. x [B, N, T, H] (heads-first rows, as apply_rope's); cos and the sign-folded
+  sin as apply_rope takes them, whose second half is sin's own."""
   with jax.named_scope("rope"):
     half = x_BNTH.shape[-1] // 2
-    cos, sin = cos_BTH[:, None, :, :half], sin_BTH[:, None, :, :half]
+    cos, sin = cos_BTH[:, None, :, :half], sin_signed_BTH[:, None, :, half:]
     xf = x_BNTH.astype(jnp.float32)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

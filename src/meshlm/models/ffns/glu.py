@@ -20,7 +20,7 @@ def spec(m: ModelConfig) -> dict:
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state=None):
-  return glu_mlp(p, x_BTD, dense=ctx.dense, activation=ACTIVATIONS[ctx.model.hidden_activation]), None, {}
+  return glu_mlp(p, x_BTD, dense=ctx.dense, activation=ACTIVATIONS[ctx.model.hidden_activation], cast=ctx.cast), None, {}
 
 
 def glu() -> Part:

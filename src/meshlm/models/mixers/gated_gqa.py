@@ -41,13 +41,13 @@ def spec(m: ModelConfig) -> dict:
   }
 
 
-def partial_rope(x_BNTH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """RoPE on the first rot = cos.shape[-1] dims of each head; the others pass unchanged. x [B, N, T, H]
-  (apply_rope)."""
+def partial_rope(x_BNTH: jax.Array, cos: jax.Array, sin_signed: jax.Array) -> jax.Array:
+  """RoPE on the first rot = cos.shape[-1] dims of each head; the others pass unchanged. x [B, N, T, H]; cos and
+  the sign-folded sin [B, T, rot] (apply_rope)."""
   rot = cos.shape[-1]
   if rot == x_BNTH.shape[-1]:
-    return apply_rope(x_BNTH, cos, sin)
-  return jnp.concatenate([apply_rope(x_BNTH[..., :rot], cos, sin), x_BNTH[..., rot:]], axis=-1)
+    return apply_rope(x_BNTH, cos, sin_signed)
+  return jnp.concatenate([apply_rope(x_BNTH[..., :rot], cos, sin_signed), x_BNTH[..., rot:]], axis=-1)
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
@@ -62,9 +62,9 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   k, v = gqa.project_kv(p, x_BTD, ctx)
   q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=True)
   k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=True)
-  cos, sin = ctx.here.rope[m.rotary_dim()]
-  q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
-  y, update = gqa.attend(q, k, v, p["o"].astype(dt), ctx, state, gate=gate)
+  cos, sin_signed = ctx.here.rope[m.rotary_dim()]
+  q, k = partial_rope(q, cos, sin_signed), partial_rope(k, cos, sin_signed)
+  y, update = gqa.attend(q, k, v, ctx.cast(p["o"], dt), ctx, state, gate=gate)
   return y, update, {}
 
 

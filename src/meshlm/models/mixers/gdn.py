@@ -158,18 +158,18 @@ def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool) -> tuple[jax.Array, 
   dense = ctx.dense
   if fused:
     with jax.named_scope("in_proj_qkvz"):
-      qkvz = dense(x_BTD, p["in_proj_qkvz"].astype(dt), "btd,dke->btke", ROWS + (None,))
+      qkvz = dense(x_BTD, ctx.cast(p["in_proj_qkvz"], dt), "btd,dke->btke", ROWS + (None,))
     with jax.named_scope("in_proj_ba"):
-      ba = dense(x_BTD, p["in_proj_ba"].astype(dt), "btd,dke->btke", ROWS + (None,))
+      ba = dense(x_BTD, ctx.cast(p["in_proj_ba"], dt), "btd,dke->btke", ROWS + (None,))
     return qkvz, ba
   with jax.named_scope("in_proj_qkv"):
-    qkv = dense(x_BTD, p["in_proj_qkv"].astype(dt), "btd,dc->btc", ROWS)
+    qkv = dense(x_BTD, ctx.cast(p["in_proj_qkv"], dt), "btd,dc->btc", ROWS)
   with jax.named_scope("in_proj_z"):
-    z = dense(x_BTD, p["in_proj_z"].astype(dt), "btd,dnj->btnj", ROWS + (None,))
+    z = dense(x_BTD, ctx.cast(p["in_proj_z"], dt), "btd,dnj->btnj", ROWS + (None,))
   with jax.named_scope("in_proj_b"):
-    b = dense(x_BTD, p["in_proj_b"].astype(dt), "btd,dn->btn", ROWS)
+    b = dense(x_BTD, ctx.cast(p["in_proj_b"], dt), "btd,dn->btn", ROWS)
   with jax.named_scope("in_proj_a"):
-    a = dense(x_BTD, p["in_proj_a"].astype(dt), "btd,dn->btn", ROWS)
+    a = dense(x_BTD, ctx.cast(p["in_proj_a"], dt), "btd,dn->btn", ROWS)
   return qkv, z, b, a
 
 
@@ -265,7 +265,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
   here = ctx.here
   proj = project(p, x_BTD, ctx, fused=fused)
   w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
-       "out_proj": p["out_proj"].astype(dt)}
+       "out_proj": ctx.cast(p["out_proj"], dt)}
   segment_ids = here.segment_ids if ctx.mode == "train" else None
   lengths = here.lengths if ctx.mode == "prefill" else None
   fn = functools.partial(core, m, ctx.mode, ctx.dense)

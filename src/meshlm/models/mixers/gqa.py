@@ -71,9 +71,9 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
     # Per-head RMSNorm over head_dim, before RoPE.
     q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=plus_one)
     k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=plus_one)
-  cos, sin = ctx.here.rope[m.head_dim]
-  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-  y, update = attend(q, k, v, p["o"].astype(dt), ctx, state)
+  cos, sin_signed = ctx.here.rope[m.head_dim]
+  q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
+  y, update = attend(q, k, v, ctx.cast(p["o"], dt), ctx, state)
   return y, update, {}
 
 
@@ -82,9 +82,9 @@ def project_kv(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
   it and the core (nor, in the backward, between the output projection's dot and the core)."""
   dt = x_BTD.dtype
   with jax.named_scope("k"):
-    k = ctx.dense(x_BTD, p["k"].astype(dt), "btd,dkh->bkth", A.KV)
+    k = ctx.dense(x_BTD, ctx.cast(p["k"], dt), "btd,dkh->bkth", A.KV)
   with jax.named_scope("v"):
-    v = ctx.dense(x_BTD, p["v"].astype(dt), "btd,dkh->bkth", A.KV)
+    v = ctx.dense(x_BTD, ctx.cast(p["v"], dt), "btd,dkh->bkth", A.KV)
   return k, v
 
 

@@ -126,19 +126,19 @@ def project_q(p: dict, x_BTD: jax.Array, ctx) -> jax.Array:
   dt = x_BTD.dtype
   if knobs(ctx.model).q_lora_rank is None:
     with jax.named_scope("q"):
-      return ctx.dense(x_BTD, p["q"].astype(dt), "btd,dnh->bnth", A.HEADS)
+      return ctx.dense(x_BTD, ctx.cast(p["q"], dt), "btd,dnh->bnth", A.HEADS)
   with jax.named_scope("q_a"):
-    qa = ctx.dense(x_BTD, p["q_a"].astype(dt), "btd,dr->btr", LATENT)  # [B, T, Rq]
+    qa = ctx.dense(x_BTD, ctx.cast(p["q_a"], dt), "btd,dr->btr", LATENT)  # [B, T, Rq]
   qa = rms_norm(p["q_a_norm"], qa, LATENT_NORM_EPS)
   with jax.named_scope("q_b"):
-    return ctx.dense(qa, p["q_b"].astype(dt), "btr,rnh->bnth", A.HEADS)
+    return ctx.dense(qa, ctx.cast(p["q_b"], dt), "btr,rnh->bnth", A.HEADS)
 
 
 def project_latent(p: dict, x_BTD: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
   """(c [B, T, Rkv] after its norm, the rope key [B, T, Hr] before RoPE), through ctx.dense."""
   R = knobs(ctx.model).kv_lora_rank
   with jax.named_scope("kv_a"):
-    ckr = ctx.dense(x_BTD, p["kv_a"].astype(x_BTD.dtype), "btd,dr->btr", LATENT)  # [B, T, Rkv + Hr]
+    ckr = ctx.dense(x_BTD, ctx.cast(p["kv_a"], x_BTD.dtype), "btd,dr->btr", LATENT)  # [B, T, Rkv + Hr]
   return rms_norm(p["kv_a_norm"], ckr[..., :R], LATENT_NORM_EPS), ckr[..., R:]
 
 
@@ -150,12 +150,12 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   Hn = own.qk_nope_head_dim
   q = project_q(p, x_BTD, ctx)  # [B, N, T, Hn + Hr]
   c, k_rope = project_latent(p, x_BTD, ctx)
-  cos, sin = ctx.here.rope[own.qk_rope_head_dim]
+  cos, sin_signed = ctx.here.rope[own.qk_rope_head_dim]
   rope = apply_rope_interleave if own.rope_interleave else apply_rope
-  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin)
-  k_rope = rope(k_rope[:, None], cos, sin)[:, 0]  # [B, T, Hr]: one head, shared by every query head
+  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin_signed)
+  k_rope = rope(k_rope[:, None], cos, sin_signed)[:, 0]  # [B, T, Hr]: one head, shared by every query head
   update = None if ctx.mode == "train" else {"kv": c, "k_rope": k_rope}
-  w = {name: p[name].astype(dt) for name in ("k_b", "v_b", "o")}
+  w = {name: ctx.cast(p[name], dt) for name in ("k_b", "v_b", "o")}
   if ctx.mode == "decode":
     return decode(q_nope, q_rope, c, k_rope, w, ctx, state), update, {}
   with jax.named_scope("k_b"):

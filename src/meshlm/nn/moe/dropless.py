@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.nn import gather_once
+from meshlm.nn.kernel_cast import cast_bits
 from meshlm.nn.moe.gmm import default_grouped_matmul, grouped_matmul, vary_like
 from meshlm.nn.stack_row import is_row, materialize
 
@@ -249,23 +250,3 @@ def _as(w, dt, kernel_cast: str = "convert"):
   if kernel_cast == "bits" and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
     return cast_bits(w)
   return w.astype(dt)
-
-
-# --- the kernels' cast to the compute dtype, kept in the layer loop ----------------------------------
-
-@jax.custom_vjp
-def cast_bits(w: jax.Array) -> jax.Array:
-  """w (float32) rounded to bfloat16 by integer ops on its bits: round to nearest even, as astype rounds (the
-  reference; NaN stays NaN). XLA:TPU's bfloat16-propagation pass turns a loop-carried float32 stack whose only
-  use in the loop is (slice, convert to bfloat16) into a bfloat16 stack converted before the loop: the layer
-  scan's forward and its backward each hold a whole-stack bfloat16 copy of every expert kernel
-  (docs/compile.md, issue 45's MoE table). Integer ops have no bfloat16 form, so the cast stays per layer. The
-  gradient is astype's: the cotangent in float32."""
-  u = jax.lax.bitcast_convert_type(w, jnp.uint32)
-  # Add half an ulp of bfloat16 (less one, plus the kept bit's lowest: ties to even), keep the high 16 bits.
-  r = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) >> 16
-  b = jax.lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
-  return jnp.where(jnp.isnan(w), jnp.array(jnp.nan, jnp.bfloat16), b)
-
-
-cast_bits.defvjp(lambda w: (cast_bits(w), None), lambda _, g: (g.astype(jnp.float32),))
