@@ -8,6 +8,7 @@ heads would otherwise silently run with replicated heads.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Sequence
@@ -180,17 +181,76 @@ def auto_region_many(fn, outs: Sequence[tuple[Axes, Sequence[int]]]):
   return jax.sharding.auto_axes(fn, out_sharding=tuple(logical_spec(axes, shape) for axes, shape in outs))
 
 
+# The platforms whose compiler all-reduces (and slices) a bfloat16 gradient to be reduce-scattered over its minor
+# dim, but reduce-scatters one over a leading dim (XLA:TPU, libtpu 0.0.50.1: nn/dense.scatter_order). There a
+# weight gradient with its FSDP dim minor is formed with it leading.
+SCATTER_LEADING = ("tpu",)
+
+
+def scatter_leading() -> bool:
+  """Whether weight gradients sharded on their minor dim are formed sharded on a leading one (SCATTER_LEADING)."""
+  return platform() in SCATTER_LEADING
+
+
+def leading_spec(spec: P, shape: Sequence[int]) -> P | None:
+  """spec with its sharded minor dims' mesh axes moved to dim 0 ([V, D] sharded (None, fsdp) -> (fsdp, None)),
+  where dim 0 is whole and they divide it; else None."""
+  full = tuple(spec) + (None,) * (len(shape) - len(spec))
+  moved = [e for e in full[1:] if e is not None]
+  if full[0] is not None or len(moved) != 1 or not scatter_leading():
+    return None
+  sizes = dict(zip(current_mesh().axis_names, current_mesh().axis_sizes))
+  axes_ = (moved[0],) if isinstance(moved[0], str) else tuple(moved[0])
+  if shape[0] % math.prod(sizes[a] for a in axes_):
+    return None
+  return P(moved[0], *([None] * (len(shape) - 1)))
+
+
 def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes) -> jax.Array:
   """table[ids] (rows of a [V, ...] table), sharded as out_axes.
 
   Explicit sharding refuses a gather from a sharded table into sharded rows as ambiguous: gather
-  from the whole table straight into the output sharding instead.
+  from the whole table straight into the output sharding instead. The table's gradient (a scatter-add of the
+  rows' on every device, summed over them) is reduce-scattered to the table's sharding; where that would be over
+  its minor dim (the embedding table [V, D], D over fsdp) on a SCATTER_LEADING platform, it is reduce-scattered
+  over V (a leading dim) and then exchanged into the table's sharding (an all-to-all of 1 / fsdp of it), instead
+  of the whole table's all-reduce XLA:TPU makes of it.
   """
   shape = ids.shape + table.shape[1:]
   if not is_explicit():
     return constrain(jax.numpy.take(table, ids, axis=0), out_axes)
+  spec = jax.typeof(table).sharding.spec
+  lead = leading_spec(spec, table.shape)
+  if lead is not None:
+    return _take_rows_scattered(tuple(out_axes), spec, lead, table, ids)
+  return _take_rows(tuple(out_axes), table, ids)
+
+
+def _take_rows(out_axes: Axes, table: jax.Array, ids: jax.Array) -> jax.Array:
   table = constrain(table, (None,) * table.ndim)
-  return table.at[ids].get(out_sharding=out_sharding(out_axes, shape))
+  return table.at[ids].get(out_sharding=out_sharding(out_axes, ids.shape + table.shape[1:]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _take_rows_scattered(out_axes, spec, lead, table, ids):
+  return _take_rows(out_axes, table, ids)
+
+
+def _take_rows_scattered_fwd(out_axes, spec, lead, table, ids):
+  # The table's shape and dtype as a zero-size residual: nothing of the table is kept for the backward.
+  return _take_rows(out_axes, table, ids), (ids, jax.numpy.zeros((0,) + table.shape, table.dtype))
+
+
+def _take_rows_scattered_bwd(out_axes, spec, lead, res, g):
+  ids, like = res
+  # The gather's own transpose (the scatter-add autodiff forms, into the whole table), then the reduction.
+  _, pull = jax.vjp(lambda t: _take_rows(out_axes, t, ids),
+                    jax.numpy.zeros(like.shape[1:], like.dtype, out_sharding=P()))
+  (g_table,) = pull(g)
+  return jax.sharding.reshard(jax.sharding.reshard(g_table, lead), spec), None
+
+
+_take_rows_scattered.defvjp(_take_rows_scattered_fwd, _take_rows_scattered_bwd)
 
 
 def einsum(eqn: str, a: jax.Array, b: jax.Array, out_axes: Axes) -> jax.Array:
