@@ -472,12 +472,13 @@ HEAD_ONCE = [*SMALL_LLAMA, "model.vocab_size=1024", "train.seq_len=256", "train.
 
 
 def _head_moves(report: dict, d: int = 512, v: int = 1024, fsdp: int = 4) -> tuple[dict, int]:
-  """({collective kind: per-step count of those carrying the head kernel: [D, V] whole, or its [D / fsdp, V] shard
-  out of a reduce-scatter}, the per-step count of every collective in the blockwise loss's own scope)."""
+  """({collective kind: per-step count of those carrying the head kernel: [D, V] whole, its [D / fsdp, V] shard
+  out of a reduce-scatter, or the row shards' partials of it exchanged, [..., D / fsdp, V]}, the per-step count of
+  every collective in the blockwise loss's own scope)."""
   cols = report["programs"]["train"]["census"]["hlo"]["collectives"]
-  shapes = {f"[{d},{v}]", f"[{d // fsdp},{v}]"}
-  dims = lambda shape: "[" + shape.split("[", 1)[1].split("]")[0] + "]"  # noqa: E731 ("bf16[512,1024]{1,0}")
-  kernel = {k: sum(c["count"] for c in col["calls"] if dims(c["shape"]) in shapes) for k, col in cols.items()}
+  dims = lambda shape: [int(n) for n in shape.split("[", 1)[1].split("]")[0].split(",") if n]  # noqa: E731
+  head = lambda shape: dims(shape) == [d, v] or dims(shape)[-2:] == [d // fsdp, v]  # noqa: E731
+  kernel = {k: sum(c["count"] for c in col["calls"] if head(c["shape"])) for k, col in cols.items()}
   in_loss = sum(c["count"] for col in cols.values() for c in col["calls"] if "lm_head_loss" in c["scope"])
   return kernel, in_loss
 
@@ -486,7 +487,7 @@ def _head_moves(report: dict, d: int = 512, v: int = 1024, fsdp: int = 4) -> tup
 @pytest.mark.ci_must_run
 def test_tpu_blockwise_loss_moves_the_head_once_per_step(monkeypatch):
   """The blockwise loss gathers the head kernel once per step and reduces its weight gradient once (issue 55, item
-  1): in the v5p program, one all-gather of bf16[512, 1024], one all-reduce (or reduce-scatter) of it, and no
+  1): in the v5p program, one all-gather of bf16[512, 1024], one exchange of its partials (item 2), and no
   collective inside the loss's block loops. Control: the per-block form (the kernel left to the loop's dots, each
   block's gradient formed in the kernel's sharding) moves the head per block: 2 gathers per block, and the blocks'
   cotangents cross devices per block."""
@@ -496,10 +497,10 @@ def test_tpu_blockwise_loss_moves_the_head_once_per_step(monkeypatch):
   report = compile_json(*HEAD_ONCE)
   assert report["config"]["loss_path"] == "blockwise" and report["exit"] == 0
   moves, in_loss = _head_moves(report)
-  assert moves["all-gather"] == 1 and moves["all-reduce"] + moves["reduce-scatter"] == 1, moves
-  # The loss's only collective is that one reduction, after its loops (XLA:TPU's reduce-scatter fusion carries the
-  # loss's scope: census.reduce_scatter_fusions).
-  assert in_loss == 1
+  # The reduction: the row shards' partials exchanged to each device's slice (an all-to-all), summed there; never
+  # an all-reduce of the whole kernel (issue 55, item 2).
+  assert moves["all-gather"] == 1 and moves["all-to-all"] == 1 and moves["all-reduce"] == 0, moves
+  assert in_loss == 1  # that exchange, after the loss's loops
   monkeypatch.setattr(head_loss, "_gathered", lambda opts, k: k)
   monkeypatch.setattr(head_loss, "_partials", lambda opts, x, k: (1, 1, P(None, None, None, None),
                                                                   P(None, None, *jax.typeof(k).sharding.spec)))

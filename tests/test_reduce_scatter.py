@@ -112,15 +112,17 @@ BASE = ("model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtyp
         "train.per_device_batch_size=2")
 
 
-def _grads(mode: str, leading: bool):
-  """(loss, grads as numpy, the census's transpose-of-dot pairs of the lowered loss and gradients)."""
+def _grads(mode: str, leading: bool, *extra: str, patch=None):
+  """(loss, grads as numpy, the census's transpose-of-dot pairs of the lowered loss and gradients, its text)."""
   from seams import random_batch
   from meshlm.train import step as ST
   mp = pytest.MonkeyPatch()
   mp.setattr(S, "SCATTER_LEADING", ("cpu", "tpu") if leading else ("tpu",))
+  if patch is not None:
+    patch(mp)
   try:
     jax.clear_caches()
-    step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}"))
+    step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}", *extra))
     state = step.init_state(jax.random.key(0))
     batch = random_batch(step)
     with jax.set_mesh(step.mesh):
@@ -131,7 +133,12 @@ def _grads(mode: str, leading: bool):
     mp.undo()
     jax.clear_caches()
   _, pairs, _ = C.stablehlo_counts(lowered.as_text(), ())
-  return np.asarray(loss), jax.tree.map(np.asarray, grads), pairs
+  return np.asarray(loss), jax.tree.map(np.asarray, grads), pairs, lowered.as_text()
+
+
+def _assert_same(a, b):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
@@ -141,12 +148,27 @@ def test_the_tpu_path_on_cpu_is_bit_identical(mode):
   products summed in the same order; only the dot's output order and where the sum is split change). The path is
   taken: down's and o's weight gradients are now a dot and a transpose of its shard, a blocked pair to the census (the
   kernel-order path has none: its dW needs no transpose)."""
-  loss, grads, pairs = _grads(mode, True)
-  ref_loss, ref_grads, ref_pairs = _grads(mode, False)
+  loss, grads, pairs, _ = _grads(mode, True)
+  ref_loss, ref_grads, ref_pairs, _ = _grads(mode, False)
   assert loss == ref_loss
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  _assert_same(grads, ref_grads)
   # llama2-tiny: down [F, D] = [768, 256], o [N, H, D] = [8, 32, 256].
   scattered = {tuple(p["shape"]) for p in pairs if p["weight_grad"] and p["kind"] == "blocked"}
   assert scattered == {(768, 256), (8, 32, 256)}, pairs
   assert not any(p["weight_grad"] and p["kind"] == "blocked" for p in ref_pairs), ref_pairs
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_gradients_exchange_is_bit_identical(tied):
+  """The blockwise loss's head gradient: each device's partials exchanged to its slice of the kernel (an
+  all-to-all) and summed there, not summed whole and sliced (which XLA:TPU all-reduces: nn/head_loss.py). float32
+  loss and gradients bit-identical to the sum-then-slice form (its control: the exchange left out). Under explicit,
+  where the exchange is head_loss's only `_pin`."""
+  from meshlm.nn import head_loss
+  keys = ("loss_impl=blockwise", "loss_block=16", "train.seq_len=64", f"model.tie_embeddings={str(tied).lower()}")
+  loss, grads, _, text = _grads("explicit", False, *keys)
+  ref_loss, ref_grads, _, ref_text = _grads("explicit", False, *keys,
+                                            patch=lambda mp: mp.setattr(head_loss, "_pin", lambda a, spec: a))
+  assert text != ref_text  # the exchange is in the program
+  assert loss == ref_loss
+  _assert_same(grads, ref_grads)

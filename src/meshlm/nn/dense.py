@@ -65,7 +65,7 @@ def dense(x: jax.Array, kernel: jax.Array, eqn: str, out_axes: Axes, *, kernel_o
   size = dict(zip(x_sub, x.shape)) | dict(zip(k_sub, kernel.shape))
   out_shape = tuple(size[c] for c in out_sub)
   if not is_explicit():
-    if scatter_order(eqn, *_auto_specs(eqn, kernel.shape)) is not None:
+    if scatter_leading() and scatter_order(eqn, *_auto_specs(eqn, kernel.shape)) is not None:
       return _einsum_scatter_leading(eqn, tuple(out_axes), x, kernel)
     return constrain(jnp.einsum(eqn, x, kernel), out_axes)
   spec = out_sharding(out_axes, out_shape)
@@ -137,7 +137,7 @@ def _auto_specs(eqn: str, k_shape) -> tuple[P, P]:
   whose FSDP dim is minor names it so: o "nhd", down "fd", GDN's output "njd"), sharded as RULES shard "embed";
   x's leading dims are the activations' batch and length."""
   x_sub, k_sub, _ = _parse(eqn)
-  k_spec = P(*(logical_spec(("embed",), (n,))[0] if c == "d" else None for c, n in zip(k_sub, k_shape)))
+  k_spec = P(*(_entries(logical_spec(("embed",), (n,)), 1)[0] if c == "d" else None for c, n in zip(k_sub, k_shape)))
   return k_spec, logical_spec(ACT[:2] + (None,) * (len(x_sub) - 2))
 
 
