@@ -1,13 +1,15 @@
 """Weight gradients reduce-scattered to their parameter sharding (issue 55, item 2).
 
 XLA:TPU reduce-scatters a bfloat16 weight gradient over a leading dim, as a fusion whose computation all-reduces and
-keeps this device's dynamic-slice; over the minor dim it all-reduces the whole gradient and slices it. The census
-counts such a fusion as the reduce-scatter it is (analysis/census.reduce_scatter_fusions). On those platforms
+keeps this device's dynamic-slice; over the minor dim it all-reduces some whole and slices them. The census counts
+such a fusion as the reduce-scatter it is (analysis/census.reduce_scatter_fusions). On those platforms
 (sharding.SCATTER_LEADING) a gradient whose FSDP dim is the kernel's minor one (down "fd", o "nhd", the embedding
-table [V, D]) is formed with that dim leading and its shard put back in the kernel's order (nn/dense.weight_grad,
-sharding.take_rows). The TPU program's check is in tests/test_compile.py (test_tpu_weight_gradients_are_reduce_scattered);
-here, on CPU, the census's reading of XLA:TPU's form, and the numbers: the TPU path run on CPU (SCATTER_LEADING
-with "cpu") gives bit-identical float32 loss and gradients, under explicit and auto.
+table [V, D]), where XLA:TPU would all-reduce it (sharding.minor_scatter_all_reduced), is formed with that dim
+leading and its shard put back in the kernel's order (nn/dense.weight_grad, sharding.take_rows). The TPU program's
+check is in tests/test_compile.py (test_tpu_weight_gradients_are_reduce_scattered); here, on CPU, the census's
+reading of XLA:TPU's form, and the numbers: the TPU path run on CPU (forced wherever the minor dim is sharded) gives
+bit-identical float32 loss and gradients, under explicit and auto; so does the blockwise head's exchange of its
+gradient's partials (nn/head_loss.py).
 """
 import sys
 
@@ -88,24 +90,29 @@ def test_census_counts_xla_tpus_reduce_scatter_fusion_as_a_reduce_scatter():
   assert cols["reduce-scatter"]["count"] == 0 and cols["all-reduce"]["count"] == 3, cols
 
 
-def test_scatter_order_moves_only_a_minor_fsdp_dim_to_the_front(monkeypatch):
+def test_scatter_order_moves_only_a_minor_fsdp_dim_xla_would_all_reduce(monkeypatch):
   """Which weight gradients are formed dy first: those whose kernel's minor dim is sharded over a mesh axis the
-  batch is (the reduction's), and only on a SCATTER_LEADING platform."""
+  batch is (the reduction's) and whose bfloat16 shards XLA:TPU would all-reduce (an odd multiple of 128 wide), on
+  a SCATTER_LEADING platform only."""
   monkeypatch.setattr(S, "SCATTER_LEADING", ("cpu", "tpu"))
   x_btd, x_bnth = P("fsdp", None, None), P("fsdp", None, None, None)
-  assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd) == "df"  # down
-  assert DN.scatter_order("bnth,nhd->btd", P(None, None, "fsdp"), x_bnth) == "dnh"  # o
-  assert DN.scatter_order("bnth,nhd->btd", P("tensor", None, "fsdp"), x_bnth) == "dnh"  # o, heads over tensor
-  assert DN.scatter_order("btd,df->btf", P("fsdp", "tensor"), x_btd) is None  # gate: f is tensor's, not reduced
-  assert DN.scatter_order("btd,dnh->bnth", P("fsdp", None, None), x_btd) is None  # q: d leads already
-  assert DN.scatter_order("btf,fd->btd", P(None, None), x_btd) is None  # nothing sharded
   with jax.set_mesh(make_mesh(load_config("cpu_devices=4", "mesh.fsdp=4"))):
-    assert S.leading_spec(P(None, "fsdp"), (768, 512)) == P("fsdp", None)  # the embedding table
-    assert S.leading_spec(P(None, "fsdp"), (766, 512)) is None  # fsdp does not divide V
-    assert S.leading_spec(P("fsdp", None), (768, 512)) is None  # V sharded already
+    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 2) == "df"  # down, shards of 128
+    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 3584), 2) == "df"  # 896 = 7 x 128
+    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (14336, 4096), 2) is None  # 1024: XLA scatters
+    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 4) is None  # float32: XLA scatters
+    assert DN.scatter_order("bnth,nhd->btd", P(None, None, "fsdp"), x_bnth, (4, 128, 512), 2) == "dnh"  # o
+    assert DN.scatter_order("bnth,nhd->btd", P("tensor", None, "fsdp"), x_bnth, (4, 128, 512), 2) == "dnh"
+    assert DN.scatter_order("btd,df->btf", P("fsdp", None), x_btd, (512, 1024), 2) is None  # gate: d leads already
+    assert DN.scatter_order("btd,dnh->bnth", P("fsdp", None, None), x_btd, (512, 4, 128), 2) is None  # q
+    assert DN.scatter_order("btf,fd->btd", P(None, None), x_btd, (1024, 512), 2) is None  # nothing sharded
+    assert S.leading_spec(P(None, "fsdp"), (768, 512), 2) == P("fsdp", None)  # the embedding table
+    assert S.leading_spec(P(None, "fsdp"), (768, 4096), 2) is None  # shards of 1024: XLA scatters
+    assert S.leading_spec(P(None, "fsdp"), (766, 512), 2) is None  # fsdp does not divide V
+    assert S.leading_spec(P("fsdp", None), (768, 512), 2) is None  # V sharded already
     monkeypatch.setattr(S, "SCATTER_LEADING", ("tpu",))
-    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd) is None
-    assert S.leading_spec(P(None, "fsdp"), (768, 512)) is None
+    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 2) is None
+    assert S.leading_spec(P(None, "fsdp"), (768, 512), 2) is None
 
 
 BASE = ("model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
@@ -117,7 +124,13 @@ def _grads(mode: str, leading: bool, *extra: str, patch=None):
   from seams import random_batch
   from meshlm.train import step as ST
   mp = pytest.MonkeyPatch()
-  mp.setattr(S, "SCATTER_LEADING", ("cpu", "tpu") if leading else ("tpu",))
+  if leading:
+    # The TPU path wherever a weight gradient's minor dim is sharded: llama2-tiny's float32 shards of 64 are none of
+    # those XLA:TPU would all-reduce.
+    rule = lambda size, entry, itemsize: entry is not None  # noqa: E731
+    mp.setattr(S, "SCATTER_LEADING", ("cpu", "tpu"))
+    mp.setattr(S, "minor_scatter_all_reduced", rule)
+    mp.setattr(DN, "minor_scatter_all_reduced", rule)
   if patch is not None:
     patch(mp)
   try:

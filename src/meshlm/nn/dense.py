@@ -14,16 +14,12 @@ The kernel itself (shape, sharding, init) never depends on either choice.
 
 The weight gradient sums over the batch, which FSDP shards: each device has a partial sum of the whole kernel and
 keeps its shard of the total, a reduce-scatter. XLA:TPU reduce-scatters a bfloat16 gradient over a leading dim,
-but one whose FSDP dim is the minor one (down's "fd", o's "nhd", sharded on d) it all-reduces whole and slices:
-twice a reduce-scatter's bytes. On those platforms (sharding.SCATTER_LEADING) such a gradient is contracted dy
-first, so the dot emits the FSDP dim leading and is reduce-scattered there, and the shard is transposed into the
-kernel's order (`weight_grad`, `scatter_order`); under explicit in the kernel-order VJP, under auto (and in an
-auto-axes region, the attention's output projection) in a VJP of its own. Elsewhere nothing changes.
-
-An output in another order than the dot's own ((x's free dims, the kernel's free dims): gqa's heads-first rows
-"btd,dnh->bnth" for the splash kernel) is the dot plus a transpose. With the custom VJP its forward einsum then runs
-inside `auto_axes`, so the sharding lands after the transpose and none sits between the dot and it (the backward's
-dots emit dx and dW in their own order already).
+but over the minor dim (down's "fd", o's "nhd", sharded on d) it all-reduces some whole and slices them: twice a
+reduce-scatter's bytes (sharding.minor_scatter_all_reduced: shards an odd multiple of 128 wide, e.g. D = 512 or
+3584 over fsdp=4; llama3-8b's 4096 over 4 is not). Those are contracted dy first, so the dot emits the FSDP dim
+leading and XLA reduce-scatters it there, and the shard is transposed into the kernel's order (`weight_grad`,
+`scatter_order`); under explicit in the kernel-order VJP, under auto (and in an auto-axes region, the attention's
+output projection) in a VJP of its own. Every other gradient, and every one off TPU, is formed as before.
 """
 from __future__ import annotations
 
@@ -34,8 +30,8 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from meshlm.parallel.sharding import (ACT, Axes, constrain, is_explicit, logical_spec, out_sharding,
-                                      scatter_leading)
+from meshlm.parallel.sharding import (ACT, Axes, constrain, is_explicit, logical_spec, minor_scatter_all_reduced,
+                                      out_sharding, scatter_leading)
 
 
 def _parse(eqn: str) -> tuple[str, str, str]:
@@ -65,7 +61,8 @@ def dense(x: jax.Array, kernel: jax.Array, eqn: str, out_axes: Axes, *, kernel_o
   size = dict(zip(x_sub, x.shape)) | dict(zip(k_sub, kernel.shape))
   out_shape = tuple(size[c] for c in out_sub)
   if not is_explicit():
-    if scatter_leading() and scatter_order(eqn, *_auto_specs(eqn, kernel.shape)) is not None:
+    if scatter_leading() and scatter_order(eqn, *_auto_specs(eqn, kernel.shape), kernel.shape,
+                                           x.dtype.itemsize) is not None:
       return _einsum_scatter_leading(eqn, tuple(out_axes), x, kernel)
     return constrain(jnp.einsum(eqn, x, kernel), out_axes)
   spec = out_sharding(out_axes, out_shape)
@@ -116,19 +113,21 @@ def _mesh_axes(entry) -> set[str]:
   return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
 
 
-def scatter_order(eqn: str, k_spec: P, x_spec: P) -> str | None:
-  """The order to form eqn's weight gradient in, dy first (`dot_order`), where the kernel's own order would leave
-  the reduce-scatter on its minor dim and dy first puts that dim leading; None where it would not, or off
-  sharding.SCATTER_LEADING. k_spec: the kernel's sharding; x_spec: x's, whose contracted dims' mesh axes (the batch
-  and length: data, fsdp, expert, context) are those the gradient is reduced over."""
-  if not scatter_leading():
-    return None
+def scatter_order(eqn: str, k_spec: P, x_spec: P, k_shape, itemsize: int) -> str | None:
+  """The order to form eqn's weight gradient in, dy first (`dot_order`), where in the kernel's own order XLA would
+  all-reduce it whole (its minor dim is reduced over the batch's mesh axes: sharding.minor_scatter_all_reduced) and
+  dy first puts that dim leading; else None. k_spec, k_shape: the kernel's sharding and shape; x_spec: x's, whose
+  contracted dims' mesh axes (the batch and length: data, fsdp, expert, context) are those the gradient is reduced
+  over; itemsize: the gradient's bytes per element."""
   x_sub, k_sub, out_sub = _parse(eqn)
   order = dot_order(f"{out_sub},{x_sub}->{k_sub}")
   if order == k_sub or order[0] != k_sub[-1]:
     return None
   reduced = set().union(*(_mesh_axes(e) for c, e in zip(x_sub, _entries(x_spec, len(x_sub))) if c not in k_sub))
-  return order if reduced & _mesh_axes(_entries(k_spec, len(k_sub))[-1]) else None
+  minor = _entries(k_spec, len(k_sub))[-1]
+  if not reduced & _mesh_axes(minor) or not minor_scatter_all_reduced(k_shape[-1], minor, itemsize):
+    return None
+  return order
 
 
 def _auto_specs(eqn: str, k_shape) -> tuple[P, P]:
@@ -147,7 +146,8 @@ def weight_grad(eqn: str, x: jax.Array, dy: jax.Array, k_spec: P, x_spec: P, exp
   where scatter_order says so, sharded with the FSDP dim leading, and the shard transposed into the kernel's
   order. Explicit: out_sharding=; auto: a constraint on the leading dim alone (the others as XLA finds them)."""
   x_sub, k_sub, out_sub = _parse(eqn)
-  order = scatter_order(eqn, k_spec, x_spec)
+  size = dict(zip(x_sub, x.shape)) | dict(zip(out_sub, dy.shape))
+  order = scatter_order(eqn, k_spec, x_spec, tuple(size[c] for c in k_sub), dy.dtype.itemsize)
   if order is None:
     return jnp.einsum(f"{x_sub},{out_sub}->{k_sub}", x, dy, out_sharding=k_spec if explicit else None)
   entry = dict(zip(k_sub, _entries(k_spec, len(k_sub))))
