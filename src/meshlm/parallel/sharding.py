@@ -195,9 +195,10 @@ def scatter_leading() -> bool:
 def minor_scatter_all_reduced(size: int, entry, itemsize: int) -> bool:
   """Whether a reduce-scatter over an array's minor dim (`size` long, split over the mesh axes `entry`) would be
   an all-reduce of the whole array and a slice on this platform: on SCATTER_LEADING ones, a 2-byte (bfloat16)
-  array whose shards are an odd multiple of 128 elements wide. Measured for [1024, D] over v5p:2x2x1's 4 devices
+  array whose shards are an odd multiple of 128 elements wide. Measured for [F, D] over v5p:2x2x1's 4 devices
   (tests/test_compile.py holds one): shards of 128, 384, 640, 896, 1152 are all-reduced; 64, 192, 256, 320, 512,
-  768, 1024, 1280, 1792 reduce-scattered, as is every float32 one tried, and over a leading dim every one tried."""
+  768, 1024, 1280, 1792 reduce-scattered, as is every float32 one tried, and over a leading dim every one tried.
+  Over 8 devices (v5p:2x2x2) shards of 128 were all-reduced over a leading dim too: not covered (docs/compile.md)."""
   if entry is None or itemsize != 2 or not scatter_leading():
     return False
   sizes = dict(zip(current_mesh().axis_names, current_mesh().axis_sizes))
