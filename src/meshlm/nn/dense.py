@@ -12,6 +12,11 @@ produced in the kernel's own order instead, by one of two implementations:
 
 The kernel itself (shape, sharding, init) never depends on either choice.
 
+An output in another order than the dot's own ((x's free dims, the kernel's free dims): gqa's heads-first rows
+"btd,dnh->bnth" for the splash kernel) is the dot plus a transpose. With the custom VJP its forward einsum then runs
+inside `auto_axes`, so the sharding lands after the transpose and none sits between the dot and it (the backward's
+dots emit dx and dW in their own order already).
+
 The weight gradient sums over the batch, which FSDP shards: each device has a partial sum of the whole kernel and
 keeps its shard of the total, a reduce-scatter. XLA:TPU reduce-scatters a bfloat16 gradient over a leading dim,
 but over the minor dim (down's "fd", o's "nhd", sharded on d) it all-reduces some whole and slices them: twice a
