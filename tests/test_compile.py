@@ -526,19 +526,22 @@ def _reductions(report: dict) -> dict[str, list[int]]:
 @pytest.mark.ci_must_run
 def test_tpu_weight_gradients_are_reduce_scattered(monkeypatch):
   """Every FSDP-sharded weight's gradient reaches its parameter sharding by a reduce-scatter in the v5p program, and
-  none is all-reduced whole (issue 55, item 2): per step one reduce-scatter of each kernel's shard per layer (the
+  none is all-reduced whole (issue 55, item 2), under explicit and auto: per step one reduce-scatter of each kernel's shard per layer (the
   embedding table's over V: its all-to-all to the D sharding follows), no all-reduce of a whole kernel's size.
   Control: without the dy-first form (sharding.SCATTER_LEADING empty, the program before) XLA:TPU all-reduces down's,
   o's and the embedding table's gradients whole, their FSDP dim being minor, and slices them."""
   from meshlm.parallel import sharding as S
-  report = compile_json(*RS_LLAMA)
-  assert report["exit"] == 0
-  red = _reductions(report)
   whole = set(RS_KERNELS.values())
-  assert not whole & set(red["all-reduce"]), red
-  shards = collections.Counter(red["reduce-scatter"])
-  # 2 layers: gate, up, down; q, o; k, v; and the head; the table's shard over V is 192 x 512, also 1/4
-  assert {n // 4: shards[n // 4] for n in whole} == {512 * 256: 6, 512 * 128: 4, 512 * 64: 4, 768 * 128: 2}, shards
+  for mode in ("explicit", "auto"):
+    report = compile_json(*RS_LLAMA, f"shard_mode={mode}")
+    assert report["exit"] == 0
+    red = _reductions(report)
+    assert not whole & set(red["all-reduce"]), (mode, red)
+    shards = collections.Counter(red["reduce-scatter"])
+    # 2 layers: gate, up, down; q, o; k, v; and the head (explicit: the table's over V, 192 x 512, also 1/4; auto
+    # gathers the table's rows by an all-to-all and reduces nothing whole)
+    want = {512 * 256: 6, 512 * 128: 4, 512 * 64: 4, 768 * 128: 2 if mode == "explicit" else 1}
+    assert {n // 4: shards[n // 4] for n in whole} == want, (mode, shards)
   monkeypatch.setattr(S, "SCATTER_LEADING", ())
   red = _reductions(compile_json(*RS_LLAMA))
   # down's per layer and the table's (o's ride in down's all-reduce, a tuple the census names by its largest array)
