@@ -355,15 +355,40 @@ def blowups(mod: SH.Module, ratio: int = BLOWUP_RATIO, min_elements: int = BLOWU
 
 # ------------------------------------------------------------------------------------- optimized HLO
 
+def reduce_scatter_fusions(mod: H.HloModule) -> set[str]:
+  """The computations of XLA:TPU's reduce-scatters: it writes one as a fusion (kind=kCustom, its emitter
+  "SingleInputAllReduceScatterFusion") whose computation all-reduces its input and roots in this device's
+  dynamic-slice of the sum. The fusion is the collective (each device receives its shard), not the all-reduce
+  inside it."""
+  out = set()
+  for comp, items in mod.comps.items():
+    root = next((i for i in items if i.text.startswith("ROOT ")), None)
+    if root is not None and root.opcode == "dynamic-slice" and root.operands and any(
+        i.name == root.operands[0] and i.opcode == "all-reduce" for i in items):
+      out.add(comp)
+  return out
+
+
+def _collective_kind(ins: H.Instr, scatter_fusions: set[str]) -> str | None:
+  """The collective kind ins is (an async pair counts at its start), or None. A reduce-scatter fusion is a
+  reduce-scatter; the all-reduce inside it is not counted apart."""
+  if ins.opcode == "fusion" and (ins.called.get("calls") or [""])[0] in scatter_fusions:
+    return "reduce-scatter"
+  if ins.comp in scatter_fusions:
+    return None
+  return ins.opcode.removesuffix("-start")
+
+
 def hlo_counts(text: str) -> tuple[dict[str, Any], H.HloModule]:
   mod = H.parse(text)
   ops = collections.Counter(i.opcode for i in mod.instrs())
+  scatter_fusions = reduce_scatter_fusions(mod)
   collectives: dict[str, dict[str, Any]] = {}
   for kind in COLLECTIVES:
     calls: dict[tuple, dict] = {}
     for ins in mod.instrs():
       # An async pair is one collective: count the start, skip the done.
-      if ins.opcode not in (kind, f"{kind}-start"):
+      if ins.opcode not in (kind, f"{kind}-start", "fusion") or _collective_kind(ins, scatter_fusions) != kind:
         continue
       out = ins.out
       if out is None:

@@ -295,12 +295,25 @@ def _logprobs_bwd(opts: _Opts, res, cts):
       _pin(jnp.zeros(acc_shape, jnp.float32), acc_spec)
   acc, dx = jax.lax.scan(body, acc0, tuple(blocked))
   # The one reduction of the step's head gradient (per call: per micro-batch), over every row shard, in the
-  # kernel's dtype (as the materialized head's), to the kernel's own sharding.
-  # lax.reduce, not jnp.sum: jnp.sum accumulates a bfloat16 sum in float32, which XLA all-reduces (twice the bytes).
-  dk = jax.lax.reduce(acc.astype(kernel.dtype), jnp.zeros((), kernel.dtype), jax.lax.add, (0, 1))
+  # kernel's dtype (as the materialized head's), to the kernel's own sharding: the partials are first exchanged so
+  # that each device holds every row shard's partial of its own slice of the kernel (an all-to-all: a
+  # reduce-scatter's bytes), then summed where they are. Summed first (over the sharded row-shard dims), the whole
+  # [D, V] would be all-reduced and sliced: XLA:TPU then computes the gradient norm's sum of squares on the whole
+  # all-reduced array, which leaves it an all-reduce (llama3-8b, v5p-8: 1.05 GB per step; docs/compile.md).
+  # Under auto the kernel's sharding is its logical one; a tied table's is left as it was: its gradient adds the
+  # lookup's, and pinning this part moves where XLA adds them (llama2-tiny, float32: 3.7e-9 apart).
+  # lax.reduce, not jnp.sum: jnp.sum accumulates a bfloat16 sum in float32 (twice the bytes on the wire).
+  parts = acc.astype(kernel.dtype)
+  if k_sh is not None or not (current_mesh().empty or opts.tied):
+    k_spec = k_sh if k_sh is not None else logical_spec(_KERNEL_AXES[opts.tied], kernel.shape)
+    parts = _pin(parts, P(None, None, *k_spec))
+  dk = jax.lax.reduce(parts, jnp.zeros((), kernel.dtype), jax.lax.add, (0, 1))
   if k_sh is not None:
     dk = reshard(dk, k_sh)
   return _unblocks(dx, T), dk, None
+
+
+_KERNEL_AXES = {False: axes("embed", "vocab"), True: axes("vocab", "embed")}  # the head [D, V], the tied table [V, D]
 
 
 _logprobs.defvjp(_logprobs_fwd, _logprobs_bwd)

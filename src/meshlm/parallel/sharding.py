@@ -8,6 +8,7 @@ heads would otherwise silently run with replicated heads.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Sequence
@@ -180,17 +181,89 @@ def auto_region_many(fn, outs: Sequence[tuple[Axes, Sequence[int]]]):
   return jax.sharding.auto_axes(fn, out_sharding=tuple(logical_spec(axes, shape) for axes, shape in outs))
 
 
+# The platforms whose compiler all-reduces (and slices) some bfloat16 gradients to be reduce-scattered over their
+# minor dim, while it reduce-scatters them over a leading one: XLA:TPU (libtpu 0.0.50.1, v5p). There a weight
+# gradient that would be one of those is formed with its FSDP dim leading (nn/dense.scatter_order, take_rows).
+SCATTER_LEADING = ("tpu",)
+
+
+def scatter_leading() -> bool:
+  """Whether this platform is one of SCATTER_LEADING."""
+  return platform() in SCATTER_LEADING
+
+
+def minor_scatter_all_reduced(size: int, entry, itemsize: int) -> bool:
+  """Whether a reduce-scatter over an array's minor dim (`size` long, split over the mesh axes `entry`) would be
+  an all-reduce of the whole array and a slice on this platform: on SCATTER_LEADING ones, a 2-byte (bfloat16)
+  array whose shards are an odd multiple of 128 elements wide. Measured for [F, D] over v5p:2x2x1's 4 devices
+  (tests/test_compile.py holds one): shards of 128, 384, 640, 896, 1152 are all-reduced; 64, 192, 256, 320, 512,
+  768, 1024, 1280, 1792 reduce-scattered, as is every float32 one tried, and over a leading dim every one tried.
+  Over 8 devices (v5p:2x2x2) shards of 128 were all-reduced over a leading dim too: not covered (docs/compile.md)."""
+  if entry is None or itemsize != 2 or not scatter_leading():
+    return False
+  sizes = dict(zip(current_mesh().axis_names, current_mesh().axis_sizes))
+  n = math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
+  return size % n == 0 and (size // n) % 256 == 128
+
+
+def leading_spec(spec: P, shape: Sequence[int], itemsize: int) -> P | None:
+  """spec with its sharded minor dim's mesh axes moved to dim 0 ([V, D] sharded (None, fsdp) -> (fsdp, None)),
+  where a reduce-scatter over the minor dim would be all-reduced (minor_scatter_all_reduced), dim 0 is whole and
+  they divide it; else None."""
+  full = tuple(spec) + (None,) * (len(shape) - len(spec))
+  if full[0] is not None or any(full[1:-1]) or not minor_scatter_all_reduced(shape[-1], full[-1], itemsize):
+    return None
+  sizes = dict(zip(current_mesh().axis_names, current_mesh().axis_sizes))
+  if shape[0] % math.prod(sizes[a] for a in ((full[-1],) if isinstance(full[-1], str) else full[-1])):
+    return None
+  return P(full[-1], *([None] * (len(shape) - 1)))
+
+
 def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes) -> jax.Array:
   """table[ids] (rows of a [V, ...] table), sharded as out_axes.
 
   Explicit sharding refuses a gather from a sharded table into sharded rows as ambiguous: gather
-  from the whole table straight into the output sharding instead.
+  from the whole table straight into the output sharding instead. The table's gradient (a scatter-add of the
+  rows' on every device, summed over them) is reduce-scattered to the table's sharding; where XLA would make that
+  an all-reduce of the whole table (the embedding table [V, D] with D over fsdp: minor_scatter_all_reduced), it is
+  reduce-scattered over V (a leading dim) and then exchanged into the table's sharding (an all-to-all of 1 / fsdp
+  of it).
   """
   shape = ids.shape + table.shape[1:]
   if not is_explicit():
     return constrain(jax.numpy.take(table, ids, axis=0), out_axes)
+  spec = jax.typeof(table).sharding.spec
+  lead = leading_spec(spec, table.shape, table.dtype.itemsize)
+  if lead is not None:
+    return _take_rows_scattered(tuple(out_axes), spec, lead, table, ids)
+  return _take_rows(tuple(out_axes), table, ids)
+
+
+def _take_rows(out_axes: Axes, table: jax.Array, ids: jax.Array) -> jax.Array:
   table = constrain(table, (None,) * table.ndim)
-  return table.at[ids].get(out_sharding=out_sharding(out_axes, shape))
+  return table.at[ids].get(out_sharding=out_sharding(out_axes, ids.shape + table.shape[1:]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _take_rows_scattered(out_axes, spec, lead, table, ids):
+  return _take_rows(out_axes, table, ids)
+
+
+def _take_rows_scattered_fwd(out_axes, spec, lead, table, ids):
+  # The table's shape and dtype as a zero-size residual: nothing of the table is kept for the backward.
+  return _take_rows(out_axes, table, ids), (ids, jax.numpy.zeros((0,) + table.shape, table.dtype))
+
+
+def _take_rows_scattered_bwd(out_axes, spec, lead, res, g):
+  ids, like = res
+  # The gather's own transpose (the scatter-add autodiff forms, into the whole table), then the reduction.
+  _, pull = jax.vjp(lambda t: _take_rows(out_axes, t, ids),
+                    jax.numpy.zeros(like.shape[1:], like.dtype, out_sharding=P()))
+  (g_table,) = pull(g)
+  return jax.sharding.reshard(jax.sharding.reshard(g_table, lead), spec), None
+
+
+_take_rows_scattered.defvjp(_take_rows_scattered_fwd, _take_rows_scattered_bwd)
 
 
 def einsum(eqn: str, a: jax.Array, b: jax.Array, out_axes: Axes) -> jax.Array:
