@@ -20,17 +20,13 @@ OPTIONS = """  topology=NAME     what to compile for (required): cpu:N (N fake h
                     chip grid as libtpu names it (v5p:2x2x1, v6e:2x4, tpu7x:4x4x8) or an accelerator type
                     (v5p-8, v6e-8, tpu7x-256); TPU needs libtpu: pip install 'meshlm[tpu]'
   hbm_gib=X         the device memory to fit into, in GiB (default: the TPU compiler's own limit; none on CPU)
-  temp_gib=X        with --fit=layout: a layout fits only if its temporaries are at most X GiB too
-  fit_compiles=N    with --fit=layout: compile at most N layouts (default 3)
   --program P[,P]   train (default), rl (the GRPO step: rl.prompts_per_step x rl.num_generations rows over the
-                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, or with
-                    rl the rollout's rows, prompts of train.seq_len tokens, rl.max_new_tokens new ones; decode
-                    compiles the prefill first, whose outputs it takes)
+                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, or with rl
+                    the rollout's; prompts of train.seq_len, rl.max_new_tokens new tokens; decode needs the prefill)
   --fit[=batch]     search the largest train.per_device_batch_size whose train step fits (one compile per try)
   --fit=remat       the least recompute (remat none, dots, full) whose train step fits at the given batch
-  --fit=layout      rank the mesh splits (mesh.expert, mesh.context, mesh.fsdp) and MoE knobs not given by an
-                    estimate from abstract shapes (analysis/layout.py), compile the most promising first, and
-                    print the first command whose train (or --program rl) step fits
+  --fit=layout      rank the mesh splits and MoE knobs not given by an estimate from shapes, compile the best first,
+                    print the first command that fits (temp_gib=X: temporaries too; fit_compiles=N tries, 3)
   --no-census       skip the census (the memory and roofline still come from the compiled program)
   --json            the report as JSON
   Exit status: 0 when every program fits (or no memory is known), 1 when one does not, 2 for a usage error."""
@@ -186,12 +182,7 @@ def main(args: list[str]) -> int:
   if cfg.cpu_devices is not None:
     raise ConfigError(f"cpu_devices={cfg.cpu_devices}: topology= sets the devices meshlm compile uses; drop "
                       "cpu_devices (topology=cpu:N gives N fake host devices)")
-  if fit in ("batch", "remat") and programs != ["train"]:
-    raise ConfigError(f"--fit searches the train step's batch or remat; it runs with --program train only (got "
-                      f"--program {','.join(programs)})")
-  if fit == "layout" and programs not in (["train"], ["rl"]):
-    raise ConfigError(f"--fit=layout searches the layout of one step: --program train or --program rl (got "
-                      f"--program {','.join(programs)})")
+  _check_fit_programs(fit, programs)
   devices = TP.devices(topo)
   given = overrides  # as typed: --fit=layout searches the mesh axes and knobs they leave out
   from meshlm.analysis import aot
@@ -255,6 +246,15 @@ def main(args: list[str]) -> int:
   if fit == "layout" and report["fit"]["best"] is None:
     return 1
   return 1 if any(p["memory"]["fits"] is False for p in report["programs"].values()) else 0
+
+
+def _check_fit_programs(fit: str | None, programs: list[str]) -> None:
+  if fit in ("batch", "remat") and programs != ["train"]:
+    raise ConfigError(f"--fit searches the train step's batch or remat; it runs with --program train only (got "
+                      f"--program {','.join(programs)})")
+  if fit == "layout" and programs not in (["train"], ["rl"]):
+    raise ConfigError(f"--fit=layout searches the layout of one step: --program train or --program rl (got "
+                      f"--program {','.join(programs)})")
 
 
 def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, step_report
