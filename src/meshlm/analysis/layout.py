@@ -315,11 +315,16 @@ def candidates(overrides: Sequence[str], devices: int, platform: str, load, rl_r
   return list(best.values())
 
 
-def rank(cands: list[Candidate], hbm: int | None, offset: int = 0) -> list[Candidate]:
-  """The order to compile in: first the layouts the estimate (plus `offset`, what an earlier compile showed it
-  misses) says fit and that keep the model's numbers, then those that fit by dropping rows past a compact
-  buffer, then the rest; each group by the estimate, then the least context parallelism."""
+def rank(cands: list[Candidate], hbm: int | None, offset: int = 0, temp_room: int | None = None) -> list[Candidate]:
+  """The order to compile in: the layouts the estimate (plus `offset`, what earlier compiles showed it misses) says
+  fit first, by the estimate (the most likely to fit first); at the same estimate one that keeps the model's numbers
+  before one the search gave a buffer factor, then the least context parallelism. temp_room: with a limit on the
+  temporaries, the most the estimate less the arguments may come to (the limit less what compiles showed the
+  estimate misses of the temporaries)."""
   def key(c: Candidate):
-    fits = hbm is None or c.estimate.peak + offset <= hbm
-    return (0 if fits and not c.drops else 1 if fits else 2, c.estimate.peak, c.context)
+    e = c.estimate
+    over = hbm is not None and e.peak + offset > hbm
+    args = e.terms["params"] + e.terms["opt_state"] + e.terms["model_state"]
+    over = over or (temp_room is not None and e.peak - args > temp_room)
+    return (over, e.peak, c.drops, c.context)
   return sorted(cands, key=key)

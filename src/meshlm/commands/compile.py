@@ -277,7 +277,7 @@ def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, s
   record = {"search": "layout", "program": program, "candidates": len(cands),
             "ranked": [c.as_dict() for c in ranked[:RANKED_SHOWN]], "hbm_bytes": hbm, "temp_limit_bytes": temp_limit,
             "tried": [], "best": None, "given": given}
-  offset, left, reports = 0, ranked, {}
+  offset, room, left = 0, None, ranked
   for _ in range(own.get("fit_compiles", FIT_COMPILES)):
     if not left:
       break
@@ -299,7 +299,12 @@ def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, s
       record["command"] = f"meshlm {program} " + " ".join(given + c.overrides)
       break
     offset = max(offset, mem["peak_bytes"] - c.estimate.peak)
-    left = LO.rank(left, hbm, offset)
+    if temp_limit is not None and temp is not None and temp > temp_limit:
+      # what the temporaries came to over the estimate less the arguments: the room left for the others
+      args = sum(c.estimate.terms[k] for k in ("params", "opt_state", "model_state"))
+      missed = temp - (c.estimate.peak - args)
+      room = temp_limit - missed if room is None else min(room, temp_limit - missed)
+    left = LO.rank(left, hbm, offset, room)
   record["offset_bytes"], record["search_s"] = offset, time.perf_counter() - start
   if record["best"] is None:
     return record, None, None
