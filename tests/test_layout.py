@@ -50,12 +50,10 @@ def test_fit_layout_stops_at_the_first_layout_that_fits(fit_report):
   assert fit["search"] == "layout" and len(fit["tried"]) == 1 and fit["tried"][0]["fits"] is True
   assert fit["best"] == fit["ranked"][0]["overrides"] == fit["tried"][0]["overrides"]  # the first ranked, compiled
   assert fit_report["exit"] == 0 and fit_report["programs"]["train"]["memory"]["fits"] is True
-  # The ranking is by the estimate within its groups (numbers kept and fitting by the estimate first).
-  ranked = fit["ranked"]
-  groups = [(0 if not c["drops"] else 1) for c in ranked]
-  assert groups == sorted(groups)
-  assert [c["estimate"]["peak"] for c in ranked if not c["drops"]] == sorted(
-      c["estimate"]["peak"] for c in ranked if not c["drops"])
+  # The ranking is by the estimate (every layout fits 4 GiB by it here), and the estimate tells the layouts apart.
+  peaks = [c["estimate"]["peak"] for c in fit["ranked"]]
+  assert peaks == sorted(peaks) and len(fit["ranked"]) == min(8, fit["candidates"]) and fit["candidates"] >= 4
+  assert all(c["estimate"]["peak"] <= 4 * GiB for c in fit["ranked"])
 
 
 def test_the_printed_command_round_trips_through_the_config_loader(fit_report):
@@ -158,3 +156,20 @@ def test_train_refusal_on_tpu_topology_devices():
   with pytest.raises(ConfigError, match="mesh.data=4"):
     refuse_unfit_layout(load_config("model=llama3-8b", "mesh.data=4", "mesh.fsdp=1"), devices)
   refuse_unfit_layout(load_config("model=llama3-8b", "mesh.fsdp=4", "remat=full"), devices)  # fits: no error
+
+
+def test_rank_reorders_with_what_a_compile_showed_the_estimate_misses():
+  """After a compile over its estimate, the layouts that no longer fit by estimate plus that excess go behind the
+  ones that still do; and one the temporaries' limit leaves no room for goes behind too."""
+  cands = LO.candidates(Q397, 256, "tpu", load_config)
+  hbm = int(94.74 * GiB)
+  first = LO.rank(cands, hbm)
+  assert [c.estimate.peak for c in first] == sorted(c.estimate.peak for c in first)
+  # an excess that leaves only the lowest estimates fitting
+  cut = sorted(c.estimate.peak for c in cands)[3]
+  again = LO.rank(cands, hbm, offset=hbm - cut)
+  assert {id(c) for c in again[:4]} == {id(c) for c in first[:4]}
+  over = [c for c in again if c.estimate.peak + hbm - cut > hbm]
+  assert again[-len(over):] == sorted(over, key=lambda c: (c.estimate.peak, c.drops, c.context))
+  roomless = LO.rank(cands, hbm, temp_room=0)  # no estimate less its arguments fits in no room
+  assert [c.estimate.peak for c in roomless] == [c.estimate.peak for c in first]
