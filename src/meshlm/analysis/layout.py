@@ -29,7 +29,7 @@ logical_spec on the mesh the config names) and adds named terms, bytes per devic
 
 The estimate is arguments + grads + saved + the larger of the loss's phase and a layer's (dispatch,
 gathered_kernels, kernel_grads, layer, attention_scores). It is not a bound: XLA's buffer assignment adds
-temporaries it does not model. `floor` is one: the arguments, the scanned layers' gradients and the saved layer
+temporaries it does not model. `floor` is one: the arguments, the looped layers' gradients and the saved layer
 inputs are all live when the backward's layer loop starts (its stacked gradient buffers are allocated then, its
 residuals not yet freed); `meshlm train` refuses a layout whose floor exceeds the device's memory.
 
@@ -140,7 +140,13 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   terms["opt_state"] = 2 * sum(b for b, keep in zip(shard, trainable) if keep)
   terms["model_state"] = sum(_shard_elems(s, mesh) * 4 for _, s in _leaves(M.model_state_specs))
   terms["grads"] = sum(b for b, keep in zip(shard, trainable) if keep)
-  layer_grads = sum(b for (path, _), b, keep in zip(params, shard, trainable) if keep and path[0] == "layers")
+  # The gradients the backward's layer loop allocates before it starts: its share of each stacked leaf (a scan of
+  # one trip is inlined, and unrolled layers' gradients come as their backward runs).
+  plan = M.plan
+  looped = plan.kinds[plan.prefix:plan.prefix + plan.groups * plan.period] if plan.groups > 1 and cfg.scan_layers else ()
+  share = {k: looped.count(k) / plan.kinds.count(k) for k in M.kinds}
+  layer_grads = sum(int(b * share[path[1]]) for (path, _), b, keep in zip(params, shard, trainable)
+                    if keep and path[0] == "layers")
   L = M.plan.num_layers
   terms["saved"] = L * tokens * D * cb
 
@@ -173,7 +179,7 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
                    else tokens * V // sizes["tensor"] * 4 * 2)
   args = terms["params"] + terms["opt_state"] + terms["model_state"]
   peak = args + terms["grads"] + terms["saved"] + max(layer_phase, terms["loss"])
-  floor = args + (layer_grads if cfg.scan_layers else 0) + terms["saved"]
+  floor = args + layer_grads + terms["saved"]
   return Estimate(terms, peak, floor)
 
 
