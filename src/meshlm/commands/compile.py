@@ -268,6 +268,8 @@ def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, s
   from meshlm.analysis import layout as LO
   start = time.perf_counter()
   rl_rows = (lambda c: _rl_config(c, devices)) if program == "rl" else None
+  if rl_rows:
+    rl_rows(load_config(*given))  # rows that do not split over the devices fail here, in their own words
   cands = LO.candidates(given, devices, chip.platform, load_config, rl_rows)
   if not cands:
     raise ConfigError(f"--fit=layout: no layout of {devices} devices is valid for this config; free a mesh key")
