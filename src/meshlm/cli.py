@@ -171,7 +171,9 @@ def cmd_train(args: list[str], start: float) -> int:
   from meshlm.parallel.distributed import init_distributed
   init_distributed(cfg)  # joins the other processes before anything touches devices
   from meshlm.parallel.mesh import make_mesh
-  make_mesh(cfg)  # validates the mesh against the devices before anything compiles
+  mesh = make_mesh(cfg)  # validates the mesh against the devices before anything compiles
+  from meshlm.commands.train import refuse_unfit_layout
+  refuse_unfit_layout(cfg, list(mesh.devices.flat))  # on TPU: a layout that cannot fit, before compiling
   from meshlm.console import make_console, printable, report_stop
   from meshlm.train.loop import param_counts, prepare_run_dir, train
   from meshlm.train.run_dir import leave_as_found

@@ -14,22 +14,26 @@ import sys
 from meshlm.commands.resolve import load_config
 from meshlm.errors import ConfigError
 
-USAGE = ("meshlm compile [key=value ...] topology=NAME [hbm_gib=X] [--program train|rl|prefill|decode[,...]] "
-         "[--fit[=batch|remat]] [--no-census] [--json]")
+USAGE = ("meshlm compile [key=value ...] topology=NAME [hbm_gib=X] [temp_gib=X] [fit_compiles=N] "
+         "[--program train|rl|prefill|decode[,...]] [--fit[=batch|remat|layout]] [--no-census] [--json]")
 OPTIONS = """  topology=NAME     what to compile for (required): cpu:N (N fake host devices; no extra package), a TPU
                     chip grid as libtpu names it (v5p:2x2x1, v6e:2x4, tpu7x:4x4x8) or an accelerator type
                     (v5p-8, v6e-8, tpu7x-256); TPU needs libtpu: pip install 'meshlm[tpu]'
   hbm_gib=X         the device memory to fit into, in GiB (default: the TPU compiler's own limit; none on CPU)
   --program P[,P]   train (default), rl (the GRPO step: rl.prompts_per_step x rl.num_generations rows over the
-                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, or with
-                    rl the rollout's rows, prompts of train.seq_len tokens, rl.max_new_tokens new ones; decode
-                    compiles the prefill first, whose outputs it takes)
+                    devices), prefill, decode (the sampler: train.per_device_batch_size x devices rows, or with rl
+                    the rollout's; prompts of train.seq_len, rl.max_new_tokens new tokens; decode needs the prefill)
   --fit[=batch]     search the largest train.per_device_batch_size whose train step fits (one compile per try)
   --fit=remat       the least recompute (remat none, dots, full) whose train step fits at the given batch
+  --fit=layout      rank the mesh splits and MoE knobs not given by an estimate from shapes, compile the best first,
+                    print the first command that fits (temp_gib=X: temporaries too; fit_compiles=N tries, 3)
   --no-census       skip the census (the memory and roofline still come from the compiled program)
   --json            the report as JSON
   Exit status: 0 when every program fits (or no memory is known), 1 when one does not, 2 for a usage error."""
-OWN_KEYS = {"topology": str, "hbm_gib": float}
+OWN_KEYS = {"topology": str, "hbm_gib": float, "temp_gib": float, "fit_compiles": int}
+FITS = ("batch", "remat", "layout")
+FIT_COMPILES = 3  # --fit=layout compiles at most this many layouts unless fit_compiles= says otherwise
+RANKED_SHOWN = 8  # --fit=layout prints this many of the ranked layouts
 PROGRAMS = ("train", "rl", "prefill", "decode")
 REMATS = ("none", "dots", "full")
 MAX_FIT_BATCH = 1 << 16
@@ -47,14 +51,18 @@ def _split_own(args: list[str]) -> tuple[dict, list[str], str | None]:
         raise ConfigError(f"{key}={value!r}: expected a {OWN_KEYS[key].__name__}") from None
     elif key == "--fit":
       fit = value if eq else "batch"
-      if fit not in ("batch", "remat"):
-        raise ConfigError(f"--fit={value}: expected --fit (the batch), --fit=batch or --fit=remat")
+      if fit not in FITS:
+        raise ConfigError(f"--fit={value}: expected --fit (the batch), --fit=batch, --fit=remat or --fit=layout")
     else:
       rest.append(a)
   if "topology" not in own:
     raise ConfigError(f"compile: topology=NAME is required (cpu:N, v5p:2x2x1, tpu7x-256, ...); usage: {USAGE}")
-  if own.get("hbm_gib") is not None and own["hbm_gib"] <= 0:
-    raise ConfigError(f"hbm_gib={own['hbm_gib']}: must be positive")
+  for key in ("hbm_gib", "temp_gib", "fit_compiles"):
+    if own.get(key) is not None and own[key] <= 0:
+      raise ConfigError(f"{key}={own[key]}: must be positive")
+  if fit != "layout" and ("temp_gib" in own or "fit_compiles" in own):
+    raise ConfigError(f"{'temp_gib' if 'temp_gib' in own else 'fit_compiles'}=: only --fit=layout reads it; add "
+                      "--fit=layout or drop it")
   return own, rest, fit
 
 
@@ -207,12 +215,9 @@ def main(args: list[str]) -> int:
   if cfg.cpu_devices is not None:
     raise ConfigError(f"cpu_devices={cfg.cpu_devices}: topology= sets the devices meshlm compile uses; drop "
                       "cpu_devices (topology=cpu:N gives N fake host devices)")
-  if fit and programs != ["train"]:
-    raise ConfigError(f"--fit searches the train step's batch or remat; it runs with --program train only (got "
-                      f"--program {','.join(programs)})")
+  _check_fit_programs(fit, programs)
   devices = TP.devices(topo)
-  overrides = _with_mesh_sizes(overrides, len(devices))
-  cfg = load_config(*overrides)
+  given = overrides  # as typed: --fit=layout searches the mesh axes and knobs they leave out
   from meshlm.analysis import aot
   chip = aot.chip_for(devices, topo.chips, own.get("hbm_gib"))
   if fit and chip.hbm_bytes is None:
@@ -229,13 +234,26 @@ def main(args: list[str]) -> int:
     return aot.compile_report(lowered, inputs, chip, flops, census=with_census, keep=keep,
                               recompute=0.0 if forward else aot.remat_recompute(cfg_ or cfg), step_loop=step_loop)
 
-  def train_report(c, with_census=census):
+  def step_report(name, c, with_census=census):
+    """The train or RL step of config c compiled: its report, with the rows per device."""
     mesh = make_mesh(c, devices)
-    lowered, inputs, tokens = _train(c, mesh)
-    return report_of(lowered, inputs, tokens, with_census=with_census, cfg_=c)
+    c = _rl_config(c, mesh.size) if name == "rl" else c
+    lowered, inputs, tokens = _train(c, mesh, rl=name == "rl")
+    return report_of(lowered, inputs, tokens, with_census=with_census, cfg_=c) | {
+        "rows_per_device": c.train.per_device_batch_size}
 
-  if fit:
-    report["fit"], cfg, best = _fit(cfg, overrides, fit, len(devices), train_report)
+  if fit == "layout":
+    report["fit"], chosen, best = _fit_layout(given, programs[0], len(devices), chip, own, step_report)
+    overrides = chosen or _with_mesh_sizes(given, len(devices))
+    cfg = load_config(*overrides)
+    if best is not None and not census:
+      report["programs"][programs[0]] = best  # the search compiled it already, and there is no census to add
+  else:
+    overrides = _with_mesh_sizes(overrides, len(devices))
+    cfg = load_config(*overrides)
+  if fit in ("batch", "remat"):
+    report["fit"], cfg, best = _fit(cfg, overrides, fit, len(devices), lambda c, with_census: step_report(
+        "train", c, with_census))
     if best is not None and not census:
       report["programs"]["train"] = best  # the search compiled it already, and there is no census to add
   mesh = make_mesh(cfg, devices)
@@ -245,10 +263,9 @@ def main(args: list[str]) -> int:
     if name in report["programs"]:
       continue
     if name in ("train", "rl"):
-      c = rl_cfg if name == "rl" else cfg
-      lowered, inputs, tokens = _train(c, mesh, rl=name == "rl")
-      report["programs"][name] = report_of(lowered, inputs, tokens, cfg_=c)
-      report["programs"][name]["rows_per_device"] = c.train.per_device_batch_size
+      if fit == "layout" and report["fit"]["best"] is None:
+        continue  # no layout fitted: the search's tries are the report
+      report["programs"][name] = step_report(name, cfg)
     else:
       c = rl_cfg or cfg
       sampled = _sampler(c, mesh, {p for p in programs if p in ("prefill", "decode")}, report_of,
@@ -259,7 +276,74 @@ def main(args: list[str]) -> int:
   report["config"]["loss_path"] = _loss_path(cfg, mesh.size)
   print(dumps(report) if "--json" in opts else render(report))
   sys.stdout.flush()
+  if fit == "layout" and report["fit"]["best"] is None:
+    return 1
   return 1 if any(p["memory"]["fits"] is False for p in report["programs"].values()) else 0
+
+
+def _check_fit_programs(fit: str | None, programs: list[str]) -> None:
+  if fit in ("batch", "remat") and programs != ["train"]:
+    raise ConfigError(f"--fit searches the train step's batch or remat; it runs with --program train only (got "
+                      f"--program {','.join(programs)})")
+  if fit == "layout" and programs not in (["train"], ["rl"]):
+    raise ConfigError(f"--fit=layout searches the layout of one step: --program train or --program rl (got "
+                      f"--program {','.join(programs)})")
+
+
+def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, step_report
+                ) -> tuple[dict, list[str] | None, dict | None]:
+  """(the search's record, the winning overrides or None, its report without census or None). The layouts
+  (analysis/layout.py candidates: the mesh splits and MoE knobs `given` leaves out) ranked by their estimate; the
+  first compiled, then the next in the order re-ranked with what the compiles showed the estimate misses (the
+  largest measured peak over its estimate, added to every estimate), until one fits (its peak within the device's
+  memory and, with temp_gib, its temporaries within that) or fit_compiles layouts are tried."""
+  import time
+  from meshlm.analysis import layout as LO
+  start = time.perf_counter()
+  rl_rows = (lambda c: _rl_config(c, devices)) if program == "rl" else None
+  if rl_rows:
+    rl_rows(load_config(*given))  # rows that do not split over the devices fail here, in their own words
+  cands = LO.candidates(given, devices, chip.platform, load_config, rl_rows)
+  if not cands:
+    raise ConfigError(f"--fit=layout: no layout of {devices} devices is valid for this config; free a mesh key")
+  hbm = chip.hbm_bytes
+  temp_limit = int(own["temp_gib"] * (1 << 30)) if "temp_gib" in own else None
+  ranked = LO.rank(cands, hbm)
+  record = {"search": "layout", "program": program, "candidates": len(cands),
+            "ranked": [c.as_dict() for c in ranked[:RANKED_SHOWN]], "hbm_bytes": hbm, "temp_limit_bytes": temp_limit,
+            "tried": [], "best": None, "given": given}
+  offset, room, left = 0, None, ranked
+  for _ in range(own.get("fit_compiles", FIT_COMPILES)):
+    if not left:
+      break
+    c, left = left[0], left[1:]
+    row = {"overrides": c.overrides, "estimate_bytes": c.estimate.peak, "drops": c.drops}
+    try:
+      r = step_report(program, load_config(*given, *c.overrides), with_census=False)
+    except Exception as e:  # a layout the builder or XLA refuses for another reason: named, and the next one tried
+      record["tried"].append(row | {"fits": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+      continue
+    mem = r["memory"]
+    temp = mem.get("temp_bytes")
+    fits = bool(mem["fits"]) and (temp_limit is None or (temp is not None and temp <= temp_limit))
+    row |= {"fits": fits, "peak_bytes": mem["peak_bytes"], "temp_bytes": temp, "compile_s": r["compile_s"],
+            "bound_s": r.get("roofline", {}).get("bound_s")}
+    record["tried"].append(row)
+    if fits:
+      record["best"] = c.overrides
+      record["command"] = f"meshlm {program} " + " ".join(given + c.overrides)
+      break
+    offset = max(offset, mem["peak_bytes"] - c.estimate.peak)
+    if temp_limit is not None and temp is not None and temp > temp_limit:
+      # what the temporaries came to over the estimate less the arguments: the room left for the others
+      args = sum(c.estimate.terms[k] for k in ("params", "opt_state", "model_state"))
+      missed = temp - (c.estimate.peak - args)
+      room = temp_limit - missed if room is None else min(room, temp_limit - missed)
+    left = LO.rank(left, hbm, offset, room)
+  record["offset_bytes"], record["search_s"] = offset, time.perf_counter() - start
+  if record["best"] is None:
+    return record, None, None
+  return record, given + record["best"], r
 
 
 def _fit(cfg, overrides: list[str], how: str, devices: int, train_report) -> tuple[dict, object, dict | None]:
@@ -332,6 +416,46 @@ def _si(x, unit: str) -> str:
   return f"{x:.3g} {unit}"
 
 
+def _short(overrides: list[str]) -> str:
+  """A layout's overrides as the report prints them: the mesh axes above 1 and the MoE knobs, prefixes dropped."""
+  out = []
+  for o in overrides:
+    key, _, value = o.partition("=")
+    if key.startswith("mesh.") and value == "1":
+      continue
+    out.append(f"{key.removeprefix('mesh.').removeprefix('model.parts.moe.')}={value}")
+  return " ".join(out)
+
+
+def render_layout(fit: dict) -> list[str]:
+  """--fit=layout's lines: the ranked layouts with their estimate's terms, each compile tried, the command."""
+  lines = [f"  fit=layout ({fit['program']} step): {fit['candidates']} layouts ranked by the estimate (GiB per device; "
+           f"analysis/layout.py), the first {len(fit['ranked'])}:"]
+  for i, c in enumerate(fit["ranked"], 1):
+    e = c["estimate"]
+    terms = " ".join(f"{k} {v / (1 << 30):.2f}" for k, v in e["terms"].items() if v)
+    lines.append(f"   {i}. {_short(c['overrides'])}{' (drops past its buffers)' if c['drops'] else ''}: estimate "
+                 f"{e['peak'] / (1 << 30):.2f}, floor {e['floor'] / (1 << 30):.2f} [{terms}]")
+  for t in fit["tried"]:
+    head = f"  compiled {_short(t['overrides'])} (estimate {_gib(t['estimate_bytes'])}): "
+    if "error" in t:
+      lines.append(head + f"failed: {t['error']}")
+      continue
+    bound = f", roofline step >= {t['bound_s'] * 1e3:,.1f} ms" if t.get("bound_s") else ""
+    lines.append(head + f"{'fits' if t['fits'] else 'does not fit'} (peak {_gib(t['peak_bytes'])}, temporaries "
+                 f"{_gib(t['temp_bytes'])}{bound}, compile {t['compile_s']:.1f} s)")
+  limit = f", temporaries <= {_gib(fit['temp_limit_bytes'])}" if fit.get("temp_limit_bytes") else ""
+  lines.append(f"  fit=layout: {len(fit['tried'])} compiles, {fit['search_s']:.0f} s (peak <= {_gib(fit['hbm_bytes'])}"
+               f"{limit})")
+  if fit["best"] is None:
+    lines.append("  fit=layout: none of the layouts compiled fits; raise fit_compiles=, or give more devices")
+  else:
+    lines.append(f"  command: {fit['command']}")
+    if any("ep_buffer_factor" in o and not o.endswith("=null") for o in fit["best"]):
+      lines.append("  its ep_buffer_factor drops the routed rows past each peer's buffer (counted in moe_dropped)")
+  return lines
+
+
 def render(report: dict) -> str:
   from meshlm.analysis.census import unread_loops_line
   c, chip, topo = report["config"], report["chip"], report["topology"]
@@ -344,7 +468,9 @@ def render(report: dict) -> str:
            f"{batch}seq_len={c['seq_len']}"
            + (f"  loss={c['loss_path']}" if "loss_path" in c else "")]
   fit = report.get("fit")
-  if fit:
+  if fit and fit["search"] == "layout":
+    lines += render_layout(fit)
+  elif fit:
     for t in fit["tried"]:
       lines.append(f"  fit {' '.join(t['overrides'])}: {'fits' if t['fits'] else 'does not fit'} "
                    f"(peak {_gib(t['peak_bytes'])}, compile {t['compile_s']:.1f} s)")

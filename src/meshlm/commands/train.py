@@ -1,7 +1,8 @@
 """What `meshlm train` adds around train.loop.train: the run directory carries its tokenizer (tokenizer.json and the
 files beside it that say how to read it: tokenizer_config.json with its special tokens, special_tokens_map.json, ...)
 and chat template, copied once the loop returns, whatever its stop reason, so that a config the loop refuses leaves
-nothing behind."""
+nothing behind; and on TPU, before anything compiles, the refusal of a layout that cannot fit the device's memory
+(refuse_unfit_layout: analysis/layout.py's lower bound)."""
 from __future__ import annotations
 
 import os
@@ -69,3 +70,58 @@ def _write_once(dst: Path, data: str | bytes) -> None:
   tmp = dst.with_name(dst.name + ".tmp")
   tmp.write_bytes(raw)
   os.replace(tmp, dst)  # readers see the old file or the new, never half
+
+
+def device_hbm(device) -> int | None:
+  """The memory one program may use on `device`: its allocator's limit on a real TPU, else the compiler's limit
+  (analysis/aot.hbm_limit, compile-only devices too), else the chip's published figure; None off TPU."""
+  from meshlm.analysis import aot
+  if device.platform != "tpu":
+    return None
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # compile-only devices have no allocator
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  hbm = aot.hbm_limit(device)
+  pub = aot.PUBLISHED.get(device.device_kind)
+  return hbm or (int(pub.hbm_bytes) if pub else None)
+
+
+def layout_refusal(cfg: Config, devices: int, hbm_bytes: int | None) -> str | None:
+  """Why cfg's layout cannot fit `hbm_bytes` per device on `devices` devices, in one line naming what to change, or
+  None. It judges the estimate's floor (analysis/layout.py): the step's arguments, the scanned layers' gradients
+  and the saved layer inputs, all live when the backward's layer loop starts; a layout under it is never refused."""
+  from meshlm.analysis.layout import GiB, estimate
+  if hbm_bytes is None:
+    return None
+  est = estimate(cfg, devices, "tpu")
+  if est.floor <= hbm_bytes:
+    return None
+  t = est.terms
+  state = t["params"] + t["opt_state"] + t["model_state"]
+  saved = t["saved"]
+  gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+  head = (f"the layout needs at least {gib(est.floor)} per device, the device has {gib(hbm_bytes)} (parameters "
+          f"{gib(t['params'])}, AdamW state {gib(t['opt_state'])}, gradients and saved layer inputs {gib(est.floor - state)})")
+  sizes = cfg.mesh.sizes()
+  spread = [k for k in ("data", "tensor") if sizes.get(k, 1) > 1]
+  if state - saved >= saved and spread:
+    fix = (f"the parameters are replicated over {' and '.join(f'mesh.{k}={sizes[k]}' for k in spread)}: move those "
+           f"devices to mesh.fsdp")
+  elif state >= saved:
+    fix = "the parameters are split over every device already: train on more devices, or freeze some (train.freeze)"
+  else:
+    fix = "lower train.per_device_batch_size or train.seq_len (or raise train.micro_batches)"
+  return f"{head}: {fix}; `meshlm compile --fit=layout ... topology=<slice>` ranks the layouts that may fit"
+
+
+def refuse_unfit_layout(cfg: Config, devices: list) -> None:
+  """meshlm train on TPU: a ConfigError before anything compiles when the layout cannot fit (layout_refusal)."""
+  from meshlm.errors import ConfigError
+  if not devices or devices[0].platform != "tpu":
+    return
+  why = layout_refusal(cfg, len(devices), device_hbm(devices[0]))
+  if why:
+    raise ConfigError(why)
