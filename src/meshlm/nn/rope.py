@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshlm.parallel.sharding import platform
+from meshlm.parallel.sharding import is_explicit, platform
 
 # How apply_rope swaps a row's halves: None, by a permutation matmul on TPU and jnp.roll elsewhere (swap_halves);
 # True / False force one (benchmarks/chip.py's rows compare them on a chip).
@@ -104,7 +104,15 @@ def _rotate_bwd(by_matmul, res, g_BNTH):
   # The tables' own cotangents (the context computes them from integer positions, so XLA drops these).
   dcos = jnp.sum(gf * x_BNTH.astype(jnp.float32), axis=1).astype(cos_BTH.dtype)
   dsin = jnp.sum(gf * swap_halves(x_BNTH, by_matmul), axis=1).astype(sin_signed_BTH.dtype)
-  return dx, dcos, dsin
+  # A custom VJP returns its primals' types: under explicit sharding each cotangent takes its input's sharding
+  # (the products above take the sharded operand's, where an input came in whole).
+  return tuple(_like(d, a) for d, a in ((dx, x_BNTH), (dcos, cos_BTH), (dsin, sin_signed_BTH)))
+
+
+def _like(d: jax.Array, a: jax.Array) -> jax.Array:
+  if not is_explicit() or jax.typeof(d).sharding.spec == jax.typeof(a).sharding.spec:
+    return d
+  return jax.sharding.reshard(d, jax.typeof(a).sharding.spec)
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
