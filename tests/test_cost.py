@@ -115,7 +115,7 @@ def test_the_ragged_dot_kernel_counts_each_row_against_one_groups_kernel():
   counted = [f for f in calls if f is not None]
   assert counted == [2.0 * M * K * N] * 3, counted
   total, estimated = C.custom_call_flops(mod)
-  assert total == 3 * 2.0 * M * K * N and estimated == []
+  assert total == 3 * 2.0 * M * K * N and len(estimated) == 3 and all(n.startswith("ragged-dot") for n in estimated)
   assert C.flops(mod) < 0.01 * total
 
 

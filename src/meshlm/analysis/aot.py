@@ -230,9 +230,13 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
   """What in the roofline is an estimate rather than a count, one line each: the HBM bytes (always), the custom
   calls whose FLOPs rest on an assumed mask (cost.custom_call_flops), the loops whose trip count was not read."""
   out = ["bytes: each instruction's operands and result, without on-chip reuse across instructions"]
-  if guessed_calls:
-    out.append(f"custom calls: {len(guessed_calls)} splash kernels' skipped blocks taken as the causal triangle (their "
+  splash = [n for n in guessed_calls if n.startswith("splash")]
+  if splash:
+    out.append(f"custom calls: {len(splash)} splash kernels' skipped blocks taken as the causal triangle (their "
                "block mask too large for the HLO text to print)")
+  if len(splash) < len(guessed_calls):
+    out.append(f"custom calls: {len(guessed_calls) - len(splash)} ragged dot kernels count every row of their buffer "
+               "(rows past the groups' sizes too: a compact dispatch's padding)")
   if unread:
     out.append(f"loops: {sum(u['runs'] for u in unread)} loop starts per step whose trip count was not read count "
                "their body once (unread_loops)")

@@ -19,7 +19,8 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   upper triangle): the count is times the share of nonzero blocks, read from the mask's constant where XLA prints
   it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`. And XLA:TPU's
   ragged dot kernel (`jax.lax.ragged_dot` there, the MoE grouped matmul's `ragged`): 2 M K N, each row against one
-  group's kernel.
+  group's kernel, every row of the buffer counted (the rows past the groups' sizes too: an upper figure, named in
+  `estimated`).
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
   buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
   layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
@@ -274,8 +275,9 @@ def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple
     if not times or ins.opcode != "custom-call":
       continue
     ragged = ragged_dot_flops(mod, ins)
-    if ragged is not None:
+    if ragged is not None:  # every row of its buffer: rows past the groups' sizes (a compact buffer's) counted too
       total += times * ragged
+      estimated.append(ins.name)
       continue
     got = splash_flops(mod, ins)
     if got is not None:
