@@ -6,10 +6,7 @@ where docs/compile.md has the compiled figures to hold the estimate to.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
-import json
 
 import pytest
 
@@ -18,21 +15,13 @@ from meshlm.cli import main
 from meshlm.commands.resolve import load_config
 from meshlm.commands.train import layout_refusal
 from meshlm.errors import ConfigError
+from test_compile import compile_json  # tests/ is on the path (no __init__.py)
 
 GiB = 1 << 30
 MOE = "model.parts.moe."
 TINY = ["model=qwen3-moe-tiny", "train.per_device_batch_size=2"]
 Q397 = ["model=qwen3.5-397b-a17b", "train.seq_len=16384", "train.per_device_batch_size=1", "remat=full"]
 COMPACT = [f"{MOE}kernel_fsdp=embed", f"{MOE}ep_impl=compact", f"{MOE}ep_buffer_factor=2.75"]
-
-
-def compile_json(*args: str) -> dict:
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    code = main(["compile", *args, "--json"])
-  report = json.loads(out.getvalue())
-  report["exit"] = code
-  return report
 
 
 def est(*overrides: str, devices: int = 256):
