@@ -297,8 +297,8 @@ def parity_rows() -> list:
 
 
 @functools.cache
-def trained(preset: str, mode: str):
-  return C.train_losses((f"model={preset}", *shrink(preset)), mode)
+def paired(preset: str):
+  return C.explicit_and_auto((f"model={preset}", *shrink(preset)))
 
 
 # Defined only where there are 4 devices (an empty parametrization or a skipif would be a skip, which CI=true
@@ -306,7 +306,7 @@ def trained(preset: str, mode: str):
 if DEVICES >= 4:
   @pytest.mark.parametrize("preset", parity_rows())
   def test_explicit_equals_auto_and_nothing_is_blocked(preset):
-    got = C.check_explicit_equals_auto((f"model={preset}",), lambda mode: trained(preset, mode))
+    got = C.check_explicit_equals_auto((f"model={preset}",), paired(preset))
     print(f"{preset}: explicit vs auto, fsdp=4, float32, {C.PARITY_STEPS} steps: {got}")
 
 
@@ -393,15 +393,15 @@ def injected_sharding_bug_fails_the_parity_check(monkeypatch):
   calls = []
   monkeypatch.setattr(jax.sharding, "reshard", _shard_on_the_wrong_device(jax.sharding.reshard, calls))
   try:
-    broken, _ = C.train_losses((f"model={preset}",), "explicit")
+    got, _ = C.explicit_and_auto((f"model={preset}",))
   finally:
     monkeypatch.undo()  # nothing traced with the bug may be reused by a later test
     jax.clear_caches()
   assert calls, "the injected bug was never traced: the seam (constrain -> jax.sharding.reshard) moved"
-  auto, _ = trained(preset, "auto")
+  broken, auto = got["a"]["loss"], got["b"]["loss"]
   print(f"{preset} with a shard on the wrong device: max |loss diff| vs auto = {np.max(np.abs(broken - auto)):.3g}")
   with pytest.raises(AssertionError, match="Not equal to tolerance"):
-    C.assert_parity(broken, auto)
+    C.assert_pair(got)
 
 
 # --- negative controls of the public-API checks ----------------------------------------------------------

@@ -183,23 +183,26 @@ PRESETS = ("llama2-tiny", "gemma2-tiny", "deepseek-v3-tiny", "qwen3.5-tiny")
 
 
 @functools.cache
-def _trained(preset: str, impl: str, mode: str):
-  return C.train_losses((f"model={preset}", *shrink(preset), f"attention_impl={impl}"), mode)
+def compiled(preset: str, impl: str, mode: str):
+  """(the parity train step, compiled, its census) of a preset under attention_impl=impl and shard_mode=mode."""
+  step, lowered, census = C.lowered_step((f"model={preset}", *shrink(preset), f"attention_impl={impl}"), mode)
+  return step, lowered.compile(), census
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_flash_trains_to_the_xla_losses_with_nothing_blocked(preset):
-  (flash, census), (xla, _) = _trained(preset, "flash", "explicit"), _trained(preset, "xla", "explicit")
-  print(f"{preset}: flash vs xla, explicit, fsdp=4: max |loss diff| {np.max(np.abs(flash - xla)):.3g}")
-  C.assert_parity(flash, xla)
-  assert len(set(flash.tolist())) == C.PARITY_STEPS, f"the losses do not move: {flash.tolist()}"
+  (*flash, census), (*xla, _) = compiled(preset, "flash", "explicit"), compiled(preset, "xla", "explicit")
+  got = C.stepped_pair(flash, xla)
+  print(f"{preset}: flash vs xla, explicit, fsdp=4: {got}")
+  C.assert_pair(got)
+  assert len(set(got["a"]["loss"].tolist())) == C.PARITY_STEPS, f"the losses do not move: {got['a']['loss']}"
   blocked = census["stablehlo"]["transpose_of_dot"]["blocked"]
   assert blocked == 0, census["stablehlo"]["transpose_of_dot"]["pairs"]
 
 
 def test_explicit_equals_auto_under_flash():
   preset = "gemma2-tiny"
-  C.assert_parity(_trained(preset, "flash", "explicit")[0], _trained(preset, "flash", "auto")[0])
+  C.assert_pair(C.stepped_pair(compiled(preset, "flash", "explicit")[:2], compiled(preset, "flash", "auto")[:2]))
 
 
 # Every parameter's gradient under flash against xla, per attention part (packed rows, the window and soft-cap):

@@ -27,7 +27,7 @@ from meshlm.nn.attention import attention_mask, gqa_attention, resolve_impl
 from meshlm.parallel.sharding import ShardingWarning
 
 import conformance as C
-from test_flash_attention import _trained, _value_and_grads, attention_inputs
+from test_flash_attention import compiled, _value_and_grads, attention_inputs
 
 # Float32: the kernel sums in another order (128-wide blocks, an online softmax) and scales q before its dot.
 # Measured at most 2.2e-6 (values of order 1); a wrong window, segment, soft-cap or grouping moves them by 0.1 or more.
@@ -170,11 +170,12 @@ PRESET = "gemma2-tiny"
 
 
 def test_splash_trains_to_the_xla_losses():
-  splash, _ = C.train_losses((f"model={PRESET}", *shrink(PRESET), "attention_impl=splash"), "explicit")
-  xla, _ = _trained(PRESET, "xla", "explicit")  # cached when this process ran tests/test_flash_attention.py
-  print(f"{PRESET}: splash vs xla, explicit, fsdp=4: max |loss diff| {np.max(np.abs(splash - xla)):.3g}")
-  C.assert_parity(splash, xla)
-  assert len(set(splash.tolist())) == C.PARITY_STEPS, f"the losses do not move: {splash.tolist()}"
+  splash = compiled(PRESET, "splash", "explicit")[:2]
+  xla = compiled(PRESET, "xla", "explicit")[:2]  # cached when this process ran tests/test_flash_attention.py
+  got = C.stepped_pair(splash, xla)
+  print(f"{PRESET}: splash vs xla, explicit, fsdp=4: {got}")
+  C.assert_pair(got)
+  assert len(set(got["a"]["loss"].tolist())) == C.PARITY_STEPS, f"the losses do not move: {got['a']['loss']}"
 
 
 # deepseek-v3-tiny on its one dense layer, narrower: MLA's q (q_lora), k_nope, v and interleaved YaRN RoPE on the
