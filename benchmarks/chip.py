@@ -113,19 +113,22 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-b8-full-cast-astype", QWEN3_06B + (_b(8), "remat=full"),
             patches=(("meshlm.nn.kernel_cast:PER_LAYER", False),)),
         Row("qwen3-0.6b-s8192-b2-full", QWEN3_06B + (_b(2), "remat=full", "train.seq_len=8192")),
+        # splash_backward=auto is split at 8 blocks (memory); what the fused backward's time is there.
+        Row("qwen3-0.6b-s8192-b2-full-fused", QWEN3_06B + (_b(2), "remat=full", "train.seq_len=8192",
+                                                          "splash_backward=fused")),
     ],
     # Where the time goes (issue 54 item 2): one thing changed at a time from qwen3-0.6b-b8-full, and the GDN
     # hybrid's causality in the very training path it trains with.
     "v5e-sweep": [
         Row("gdn-0.6b-causal-auto", GDN_06B + (_b(4), "remat=full", "shard_mode=auto"), kind="causal",
             positions=(1541, 1600)),
-        Row("qwen3-0.6b-b8-full-block256", QWEN3_06B + (_b(8), "remat=full"),
+        Row("qwen3-0.6b-b8-full-block256", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split"),
             patches=(("meshlm.nn.splash_attention:BLOCK", 256),)),
-        Row("qwen3-0.6b-b8-full-block1024", QWEN3_06B + (_b(8), "remat=full"),
+        Row("qwen3-0.6b-b8-full-block1024", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split"),
             patches=(("meshlm.nn.splash_attention:BLOCK", 1024),)),
-        Row("qwen3-0.6b-b8-full-block1024-fused", QWEN3_06B + (_b(8), "remat=full"),
-            patches=(("meshlm.nn.splash_attention:BLOCK", 1024), ("meshlm.nn.splash_attention:FUSED_BWD", True))),
-        Row("qwen3-0.6b-b8-full-block2048", QWEN3_06B + (_b(8), "remat=full"),
+        Row("qwen3-0.6b-b8-full-block1024-fused", QWEN3_06B + (_b(8), "remat=full", "splash_backward=fused"),
+            patches=(("meshlm.nn.splash_attention:BLOCK", 1024),)),
+        Row("qwen3-0.6b-b8-full-block2048", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split"),
             patches=(("meshlm.nn.splash_attention:BLOCK", 2048),)),
         Row("qwen3-0.6b-b8-full-lossblock1024", QWEN3_06B + (_b(8), "remat=full", "loss_block=1024")),
         Row("qwen3-0.6b-b8-none-materialized-2l", QWEN3_06B + (_b(8), "remat=none", "model.num_layers=2",

@@ -417,10 +417,11 @@ def test_tpu_splash_attention(tpu_run, monkeypatch):
   monkeypatch.setattr(aot, "lowered_of", keep)
   report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")
   assert report["config"]["attention_impl"] == "splash" and report["exit"] == 0
+  assert report["config"]["splash_backward"] == "fused"  # auto at one block
   assert report["programs"]["train"]["memory"]["fits"] is True
   (hlo,) = seen
   kernels = hlo.count('custom_call_target="tpu_custom_call"')
-  assert kernels >= 2, kernels  # the forward and the fused backward (nn/splash_attention.FUSED_BWD)
+  assert kernels >= 2, kernels  # the forward and the fused backward
   assert 'custom_call_target="tpu_custom_call"' not in tpu_run[1]
   assert blocked_but_scattered(report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]) == []
   tokens_first_projections(monkeypatch)
@@ -468,6 +469,7 @@ def test_tpu_splash_mla_has_nothing_blocked(monkeypatch):
   its dot, and the output's cotangent before the kernel's backward)."""
   report = compile_json(*MLA_SPLASH)
   assert report["config"]["attention_impl"] == "splash" and report["exit"] == 0
+  assert report["config"]["splash_backward"] == "fused"  # auto at one block
   tod = report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]
   assert blocked_but_scattered(tod) == [], tod["pairs"]
   tokens_first_projections(monkeypatch)

@@ -30,20 +30,16 @@ def splash_program():
   from meshlm.parallel import topology as TP
   mesh = jax.sharding.Mesh(TP.devices(TP.parse("v5p:1x1x1"))[:1], ("x",))
 
-  def loss(q, k, v):
-    return jnp.sum(SPA.splash_attention(q, k, v, scale=HD ** -0.5, interpret=False).astype(jnp.float32))
-  S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(  # noqa: E731
-      mesh, jax.sharding.PartitionSpec()))
   # The three separate kernels (forward, dq, dkv) these tests count one by one, over 2 x 2 blocks of 512: the
   # two-kernel backward at block 512, not the defaults (block 1024, whose one block would keep every pair, and the
-  # fused backward, whose one kernel cost.py counts as dkv_fused).
-  saved = SPA.FUSED_BWD, SPA.BLOCK
-  SPA.FUSED_BWD, SPA.BLOCK = False, 512
-  try:
-    with jax.set_mesh(mesh):
-      c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(S(B, N, T, HD), S(B, K, T, HD), S(B, K, T, HD)).compile()
-  finally:
-    SPA.FUSED_BWD, SPA.BLOCK = saved
+  # fused backward there, whose one kernel cost.py counts as dkv_fused).
+  def loss(q, k, v):
+    return jnp.sum(SPA.splash_attention(q, k, v, scale=HD ** -0.5, block=512, backward="split",
+                                        interpret=False).astype(jnp.float32))
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(  # noqa: E731
+      mesh, jax.sharding.PartitionSpec()))
+  with jax.set_mesh(mesh):
+    c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(S(B, N, T, HD), S(B, K, T, HD), S(B, K, T, HD)).compile()
   return c.as_text(), c.cost_analysis()
 
 

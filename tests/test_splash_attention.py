@@ -60,12 +60,13 @@ def _reference(case: str, *, window=None, segments=None, softcap=None, regroup=F
 
 
 @functools.cache
-def _splash(case: str):
-  """(out, dq, dk, dv) of the splash core in interpret mode, one jit per case."""
+def _splash(case: str, backward: str = "auto"):
+  """(out, dq, dk, dv) of the splash core in interpret mode, one jit per case (auto: the fused backward at T's two
+  blocks)."""
   _, _, H, _, window, softcap, segs = CASES[case]
   seg = jnp.asarray(SEGMENTS) if segs else None
   fn = lambda q, k, v: SP.splash_attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap,  # noqa: E731
-                                           window=window)
+                                           window=window, backward=backward)
   return jax.jit(functools.partial(_value_and_grads, fn))(*_inputs(case))
 
 
@@ -78,6 +79,51 @@ def test_splash_equals_xla_forward_and_gradients(case):
   errs = _errors(_splash(case), _reference(case))
   print(f"{case}: max |splash - xla| out, dq, dk, dv = {errs}")
   assert max(errs) < ATOL, errs
+
+
+def test_the_two_kernel_backward_equals_xla_too():
+  """splash_backward=split (a dq and a dkv kernel), on the case with every feature; auto is fused at these two
+  blocks (the test above). The wrong-feature controls below fail the fused kernel alike."""
+  case = "window_segments_softcap"
+  assert SP.resolve_backward("auto", T, SP.kernel_block(T, on_tpu=False)) == "fused"
+  errs = _errors(_splash(case, "split"), _reference(case))
+  assert max(errs) < ATOL, errs
+  assert max(_errors(_splash(case, "split"), _reference(case, window=10))) > 100 * ATOL
+
+
+def test_splash_backward_auto_is_fused_up_to_two_blocks():
+  """The rule (FUSED_MAX_BLOCKS of the kernel's block, over the padded sequence), what a user's key overrides, and
+  what the reports print: llama3-8b at seq 2048 fused, at 8192 split on TPU; None where the core is not splash."""
+  from meshlm.analysis.census import config_summary
+  assert SP.resolve_backward("auto", 2048, 1024) == "fused" and SP.resolve_backward("auto", 8192, 1024) == "split"
+  assert SP.resolve_backward("auto", 2000, 1024) == "fused"  # padded to 2048
+  assert SP.resolve_backward("auto", 2049, 1024) == "split"  # padded to 2176: three blocks of its gcd
+  assert SP.resolve_backward("auto", 2176, SP.kernel_block(2176, on_tpu=True)) == "split"
+  assert SP.resolve_backward("fused", 8192, 1024) == "fused" and SP.resolve_backward("split", 128, 1024) == "split"
+  with pytest.raises(ValueError, match="splash_backward='both'"):
+    SP.resolve_backward("both", 128, 128)
+  with pytest.raises(ConfigError, match="splash_backward"):
+    meshlm.load_config("splash_backward=both")
+  cfg = lambda *o: meshlm.load_config("model=llama3-8b", *o)  # noqa: E731
+  assert config_summary(cfg("train.seq_len=2048"), "tpu")["splash_backward"] == "fused"
+  assert config_summary(cfg("train.seq_len=8192"), "tpu")["splash_backward"] == "split"
+  assert config_summary(cfg("train.seq_len=8192", "splash_backward=fused"), "tpu")["splash_backward"] == "fused"
+  assert config_summary(cfg("train.seq_len=8192"), "cpu")["splash_backward"] is None  # flash there
+
+
+@pytest.mark.parametrize("key, fused", [("auto", True), ("split", False), ("fused", True)])
+def test_the_key_reaches_the_kernel(monkeypatch, key, fused):
+  """splash_backward from the config to the kernel the mixers build (models/context -> gqa -> nn/attention.core ->
+  splash_attention): llama2-tiny's forward at 96 positions (one interpret block: auto is fused), traced only."""
+  seen = []
+  real = SP._kernel
+  monkeypatch.setattr(SP, "_kernel", lambda *a, **kw: seen.append(kw["fused"]) or real(*a, **kw))
+  cfg = meshlm.load_config("model=llama2-tiny", "attention_impl=splash", f"splash_backward={key}")
+  params = jax.eval_shape(lambda: meshlm.init_params(cfg, jax.random.key(0)))
+  toks = jnp.zeros((2, C.PARITY_SEQ), jnp.int32)
+  jax.eval_shape(lambda p: meshlm.forward(cfg, p, toks, jnp.broadcast_to(jnp.arange(C.PARITY_SEQ), toks.shape)),
+                 params)
+  assert seen and set(seen) == {fused}, seen
 
 
 @pytest.mark.parametrize("case, wrong", [

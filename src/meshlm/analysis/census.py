@@ -493,9 +493,21 @@ def attention_impl(cfg, platform: str | None = None) -> str:
   return resolve_context(impl, cfg.context_attention, cfg.mesh.context, cfg.train.seq_len)
 
 
+def splash_backward(cfg, platform: str | None = None) -> str | None:
+  """The splash kernel's backward the train step runs (fused or split: splash_backward resolved at train.seq_len
+  and the platform's kernel block), or None where the core is not splash."""
+  import jax
+  platform = platform or jax.default_backend()
+  if attention_impl(cfg, platform) != "splash":
+    return None
+  from meshlm.nn import splash_attention as SPA
+  T = cfg.train.seq_len
+  return SPA.resolve_backward(cfg.splash_backward, T, SPA.kernel_block(T, platform == "tpu"))
+
+
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
   return {"model": cfg.model_name, "shard_mode": cfg.shard_mode,
-          "attention_impl": attention_impl(cfg, platform),
+          "attention_impl": attention_impl(cfg, platform), "splash_backward": splash_backward(cfg, platform),
           "lm_head_weight_grad_in_kernel_order": cfg.lm_head_weight_grad_in_kernel_order,
           "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
           "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,

@@ -492,6 +492,10 @@ class Config(_Strict):
       default="auto", description="the attention core: xla (materialized scores, the reference), flash (blockwise, "
       "pure JAX), splash (the TPU Pallas kernel; Pallas interpret mode off TPU, slow); auto: splash on TPU (flash "
       "with mesh.context > 1), flash on GPU and on CPU from a measured length up, else xla")
+  splash_backward: Literal["auto", "fused", "split"] = Field(
+      default="auto", description="the splash kernel's backward: fused (one kernel; one partial dq per key block, "
+      "its memory growing with the sequence), split (a dq and a dkv kernel), or auto: fused where the sequence is at "
+      "most 2 kernel blocks (nn/splash_attention.FUSED_MAX_BLOCKS), else split")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "

@@ -44,6 +44,7 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   attention_impl: str = "xla"  # the core of train and prefill: xla | flash | splash | ring (both keys resolved)
+  splash_backward: str = "auto"  # the splash core's backward: auto | fused | split (nn/splash_attention)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -124,4 +125,5 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
     inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
                           lengths_B if mode == "prefill" else None)
-  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, attention_impl=impl)
+  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, attention_impl=impl,
+                 splash_backward=cfg.splash_backward)

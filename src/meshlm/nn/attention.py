@@ -98,13 +98,13 @@ class Mask:
   dense: jax.Array | None = None
 
 
-def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
+def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None, splash_backward: str = "auto"):
   """(fn(q, k, v, operand) -> [B, N, T, Hv], operand): the attention core for impl and the one array it reads
   from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
   mask; flash, ring and splash: the segment ids or None). Every core reads heads-first rows, q [B, N, T, H] and
   k/v [B, Kv, T, H], and returns them: a caller projects straight into them and contracts the output as it is, so
   no transpose sits between a projection's dot and the core (nor, in the backward, between the output projection's
-  gradient dot and the core's)."""
+  gradient dot and the core's). splash_backward: the splash kernel's backward (nn/splash_attention.resolve_backward)."""
   if impl in ("flash", "ring"):
     blockwise = flash_attention if impl == "flash" else ring_attention
 
@@ -116,7 +116,8 @@ def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None):
     from meshlm.nn.splash_attention import splash_attention
 
     def splash(q, k, v, seg):
-      return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
+      return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window,
+                              backward=splash_backward)
     return splash, mask.segment_ids
 
   def xla(q, k, v, dense):

@@ -35,13 +35,18 @@ from jax.sharding import PartitionSpec as P
 from meshlm.parallel.sharding import current_mesh, logical_spec, platform
 
 LANES = 128  # the kernel's block lengths are multiples of the TPU's 128 lanes
-# Every block length (forward and backward) on TPU, and the kernel's one-pass backward (dq with dk/dv; off: a dq and
-# a dkv kernel). Measured on a TPU v5e (docs/performance.md "On a TPU v5e chip", qwen3-0.6b at seq 2048, batch 8,
-# remat=full): 512 and two backward kernels 975.8 ms a step; 1024 933.8; 1024 fused 891.3; 256 1,299; 2048 does not
-# fit the kernel's VMEM.
+# Every block length (forward and backward) on TPU. Measured on a TPU v5e (docs/tpu.md, qwen3-0.6b at seq 2048,
+# batch 8, remat=full): 512 and two backward kernels 975.8 ms a step; 1024 933.8; 1024 fused 891.3; 256 1,299; 2048
+# does not fit the kernel's VMEM.
 BLOCK = 1024
-FUSED_BWD = True
 INTERPRET_BLOCK = LANES  # the smallest block the kernel takes: the least work per tile in interpret mode
+# splash_backward=auto: the fused backward (one kernel, dq with dk and dv) where the sequence is at most this many
+# kernel blocks, the two-kernel backward (a dq and a dkv kernel) beyond. The fused kernel writes one partial dq per
+# key block ([blocks, heads, T, h] per row, summed after it), so its memory grows with T / block: 2 blocks (seq 2048
+# at block 1024) ran 4.6% faster fused on the v5e; at 8 (llama3-8b, seq 8192, batch 12 on v5p-8) fused peaks 5.18 GiB
+# higher (78.51 against 73.33 GiB, docs/compile.md), its time there unmeasured.
+FUSED_MAX_BLOCKS = 2
+BACKWARDS = ("fused", "split")
 
 
 def block_for(length: int, block: int) -> int:
@@ -50,29 +55,47 @@ def block_for(length: int, block: int) -> int:
   return length if length <= block else math.gcd(length, block)
 
 
+def kernel_block(length: int, on_tpu: bool, block: int | None = None) -> int:
+  """The kernel's block over a sequence of `length` (padded to LANES): block_for of `block`, by default BLOCK on TPU
+  and INTERPRET_BLOCK elsewhere."""
+  padded = length + (-length % LANES)
+  return block_for(padded, block or (BLOCK if on_tpu else INTERPRET_BLOCK))
+
+
+def resolve_backward(backward: str, length: int, block: int) -> str:
+  """fused or split: `backward` unless it is auto, which is fused where the padded sequence is at most
+  FUSED_MAX_BLOCKS kernel blocks of `block`."""
+  if backward != "auto":
+    if backward not in BACKWARDS:
+      raise ValueError(f"splash_backward={backward!r}: expected auto, fused or split")
+    return backward
+  return "fused" if -(-(length + (-length % LANES)) // block) <= FUSED_MAX_BLOCKS else "split"
+
+
 def splash_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
                      segment_ids_BT: jax.Array | None = None, *, scale: float, softcap: float | None = None,
-                     window: int | None = None, block: int | None = None,
+                     window: int | None = None, block: int | None = None, backward: str = "auto",
                      interpret: bool | None = None) -> jax.Array:
   """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), by the kernel,
   on heads-first rows (every core's, and the kernel's own order): q [B, N, T, H], k [B, K, T, H], v [B, K, T, Hv];
   returns [B, N, T, Hv] (query head n = k * G + g reads KV head k, as gqa_attention's grouping).
-  block: the kernel's block length (default BLOCK on TPU, INTERPRET_BLOCK elsewhere); interpret: Pallas interpret
-  mode (default: off TPU).
+  block: the kernel's block length (default BLOCK on TPU, INTERPRET_BLOCK elsewhere); backward: fused, split or
+  auto (resolve_backward); interpret: Pallas interpret mode (default: off TPU).
   """
   T = q_BNTH.shape[2]
   assert k_BKSH.shape[2] == T == v_BKSH.shape[2], (q_BNTH.shape, k_BKSH.shape, v_BKSH.shape)
   on_tpu = platform() == "tpu"
   interpret = not on_tpu if interpret is None else interpret
   pad = -T % LANES
-  b = block_for(T + pad, block or (BLOCK if on_tpu else INTERPRET_BLOCK))
+  b = kernel_block(T, on_tpu, block)
 
   def padded(x):  # [B, heads, T, h] -> [B, heads, Tp, h]
     return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
   q = padded(q_BNTH * jnp.asarray(scale, q_BNTH.dtype))
   k, v = padded(k_BKSH), padded(v_BKSH)
   seg = None if segment_ids_BT is None else jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, pad)))
-  kernel_args = dict(window=window, softcap=softcap, block=b, interpret=interpret)
+  kernel_args = dict(window=window, softcap=softcap, block=b, fused=resolve_backward(backward, T, b) == "fused",
+                     interpret=interpret)
   with jax.named_scope("splash_attention"):
     out = _sharded(q, k, v, seg, kernel_args)  # [B, N, Tp, Hv]
   return out[:, :, :T]
@@ -85,12 +108,12 @@ def _mask(length: int, window: int | None):
   return SA.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
 
 
-def _kernel(heads: int, length: int, *, window, softcap, block: int, interpret: bool):
+def _kernel(heads: int, length: int, *, window, softcap, block: int, fused: bool, interpret: bool):
   """The kernel for one batch row of `heads` query heads: fn(q [N, Tp, H], k [K, Tp, H], v [K, Tp, Hv], seg)."""
-  dq = None if FUSED_BWD else block
+  dq = None if fused else block
   sizes = SA.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=dq, block_kv_dq=dq,
-                        use_fused_bwd_kernel=FUSED_BWD)
+                        use_fused_bwd_kernel=fused)
   mask = SA.MultiHeadMask([_mask(length, window)] * heads)
   return SA.make_splash_mha(mask, block_sizes=sizes, attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
                             interpret=interpret)

@@ -123,7 +123,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
     return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
   # The core ctx.attention_impl names (xla: the materialized mask; flash, splash: the segment ids).
-  core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap)
+  core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap,
+                         splash_backward=ctx.splash_backward)
 
   def attend_and_project(q, k, v, operand, w_o, *gate):
     return project(core(q, k, v, operand), w_o, *gate)  # core: [B, N, T, H]

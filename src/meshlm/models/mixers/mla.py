@@ -165,7 +165,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   scale = softmax_scale(m)
 
   # xla, flash, ring or splash (gqa.attend): heads-first rows in and out.
-  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale)
+  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale, splash_backward=ctx.splash_backward)
 
   # The attention core and the output projection in one auto-axes region (gqa.attend says why).
   def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, operand, w_o):
