@@ -172,12 +172,12 @@ def parity_batches(vocab: int, rows: int, steps: int = PARITY_STEPS, seq: int = 
            "loss_mask": (rng.random((rows, seq)) < 0.9).astype(np.float32)}
 
 
-def lowered_step(overrides: tuple[str, ...], mode: str, base: dict | None = None):
-  """(the train step, its lowering, its StableHLO census counts under explicit; {} under auto) on PARITY_BASE.
-  base: a config tree instead of a preset."""
-  cfg = meshlm.load_config(*overrides, *PARITY_BASE, f"shard_mode={mode}", base=base)
-  window = cfg.model.sliding_window
-  assert window is None or window < PARITY_SEQ, f"sliding window {window} >= the parity sequence {PARITY_SEQ}"
+def lowered_step(overrides: tuple[str, ...], mode: str, base: dict | None = None, run: tuple = PARITY_BASE):
+  """(the train step, its lowering, its StableHLO census counts under explicit; {} under auto) on `run`'s settings
+  (PARITY_BASE; REAL_PAIR: the settings real runs use). base: a config tree instead of a preset."""
+  cfg = meshlm.load_config(*overrides, *run, f"shard_mode={mode}", base=base)
+  window, T = cfg.model.sliding_window, cfg.train.seq_len
+  assert window is None or window < T, f"sliding window {window} >= the trained sequence {T}"
   step = build_train_step(cfg)
   lowered = step.lower()
   census = {}
@@ -210,9 +210,10 @@ def run_steps(step, lowered, steps: int) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in out.items()}
 
 
-def stepped_pair(a, b) -> dict[str, dict[str, np.ndarray]]:
-  """{"a": {"loss", "grad_norm"}, "b": ...}: arm a's PARITY_STEPS steps from a fresh state (key 0), and arm b's
-  step from each of a's states (a copy, put in b's shardings), on parity_batches. a, b: (step, compiled step).
+def stepped_pair(a, b, steps: int = PARITY_STEPS) -> dict[str, dict[str, np.ndarray]]:
+  """{"a": {"loss", "grad_norm"}, "b": ...}: arm a's `steps` steps from a fresh state (key 0), as run_steps runs
+  them, and arm b's step from each of a's states (a copy, put in b's shardings), on parity_batches. a, b: (step,
+  compiled step).
 
   Two arms compared step by step from one state, not along their own trajectories: float32 reassociation moves
   a gradient element by an ulp, and AdamW's first update g / (|g| + 1e-8) turns an ulp of a near-zero element
@@ -222,7 +223,7 @@ def stepped_pair(a, b) -> dict[str, dict[str, np.ndarray]]:
   (sa, run_a), (sb, run_b) = a, b
   state = sa.init_state(jax.random.key(0))
   out = {arm: {"loss": [], "grad_norm": []} for arm in ("a", "b")}
-  for batch in parity_batches(sa.cfg.model.vocab_size, sa.global_batch, PARITY_STEPS, sa.cfg.train.seq_len):
+  for batch in parity_batches(sa.cfg.model.vocab_size, sa.global_batch, steps, sa.cfg.train.seq_len):
     with jax.set_mesh(sb.mesh):
       _, mb = run_b(jax.device_put(state, sb.state_shardings(), may_alias=False), sb.put_batch(batch))
     with jax.set_mesh(sa.mesh):
@@ -234,7 +235,7 @@ def stepped_pair(a, b) -> dict[str, dict[str, np.ndarray]]:
 
 
 def assert_parity(explicit: np.ndarray, auto: np.ndarray) -> None:
-  assert explicit.shape == auto.shape == (PARITY_STEPS,)
+  assert explicit.shape == auto.shape and explicit.shape[0] in (PARITY_STEPS, REAL_STEPS), explicit.shape
   assert np.all(np.isfinite(explicit)) and np.all(np.isfinite(auto))
   np.testing.assert_allclose(explicit, auto, rtol=0, atol=PARITY_ATOL)
 
@@ -246,20 +247,23 @@ def assert_pair(got: dict[str, dict[str, np.ndarray]]) -> None:
                              err_msg="gradient norms")
 
 
-def explicit_and_auto(overrides: tuple[str, ...], base: dict | None = None) -> tuple[dict, dict]:
-  """(stepped_pair with a = explicit, b = auto; explicit's census)."""
-  (se, le, census), (sa, la, _) = lowered_step(overrides, "explicit", base), lowered_step(overrides, "auto", base)
-  return stepped_pair((se, le.compile()), (sa, la.compile())), census
+def explicit_and_auto(overrides: tuple[str, ...], base: dict | None = None, run: tuple | None = None) -> tuple:
+  """(stepped_pair with a = explicit, b = auto; explicit's census), under the settings real runs use (REAL_PAIR,
+  REAL_STEPS steps) unless `run` names others (PARITY_BASE: PARITY_STEPS)."""
+  run = REAL_PAIR if run is None else run
+  (se, le, census), (sa, la, _) = (lowered_step(overrides, mode, base, run) for mode in ("explicit", "auto"))
+  steps = REAL_STEPS if run == REAL_PAIR else PARITY_STEPS
+  return stepped_pair((se, le.compile()), (sa, la.compile()), steps), census
 
 
 def check_explicit_equals_auto(overrides: tuple[str, ...], pair=None) -> dict:
-  """Explicit's PARITY_STEPS steps on fsdp=4 and auto's step from each of its states: losses within PARITY_ATOL and
+  """Explicit's steps and auto's step from each of its states (explicit_and_auto): losses within PARITY_ATOL and
   gradient norms within PARITY_ATOL (relative), the steps really training, and no blocked transpose-of-dot pair
   under explicit. pair: explicit_and_auto's result (it may be a cache)."""
   got, census = pair or explicit_and_auto(overrides)
   assert_pair(got)
   explicit, auto = got["a"]["loss"], got["b"]["loss"]
-  assert len(set(explicit.tolist())) == PARITY_STEPS, f"the losses do not move: {explicit.tolist()}"
+  assert len(set(explicit.tolist())) == len(explicit), f"the losses do not move: {explicit.tolist()}"
   blocked = field(census, "stablehlo.transpose_of_dot.blocked")
   assert blocked == 0, (f"explicit: {blocked} blocked transpose-of-dot pairs (want 0): "
                        f"{census['stablehlo']['transpose_of_dot']['pairs']}")
@@ -291,6 +295,8 @@ REAL_RUN = ("scan_layers=true", "attention_impl=flash", "loss_impl=blockwise", "
 REAL_ARMS = {"full": ("remat=full", "cpu_devices=1", "train.per_device_batch_size=2"),
              "dots_fsdp2": ("remat=dots", "cpu_devices=2", "mesh.fsdp=2", "train.per_device_batch_size=1")}
 REFERENCE = ("remat=none", "cpu_devices=1", "train.per_device_batch_size=2")
+# explicit == auto where real runs train: the dots_fsdp2 arm (REAL_RUN's shard_mode replaced by the pair's).
+REAL_PAIR = (*REAL_RUN, *REAL_ARMS["dots_fsdp2"])
 # Remat recomputes the same float32 operations, but XLA fuses the rematerialized program otherwise: on one mesh
 # losses within REMAT_ATOL and gradient norms within REMAT_GRAD_RTOL (relative) of another arm's (measured against
 # remat=none: 0 on 10 presets, at most 4.8e-7 and 1.5e-6 on the GDN hybrids); across meshes, where the sums run in
