@@ -174,12 +174,13 @@ def test_the_reports_name_the_core_each_program_runs():
   assert config_summary(meshlm.load_config("attention_impl=xla"), "gpu")["attention_impl"] == "xla"
 
 
-# --- the train step: flash equals xla, and explicit = auto under flash, nothing blocked ------------------
+# --- the train step: flash equals xla, nothing blocked ---------------------------------------------------
 
-# A dense GQA preset, gemma2's soft-cap + sliding window + query scalar, DeepSeek-V3's MLA, qwen3.5's gated
-# attention (beside GDN layers), shrunk as tests/test_conformance.py trains them: the xla arms' programs are its
-# explicit ones, so they come from the run's compilation cache.
-PRESETS = ("llama2-tiny", "gemma2-tiny", "deepseek-v3-tiny", "qwen3.5-tiny")
+# gemma2's soft-cap + sliding window + query scalar on fsdp=4, packed rows: the context's plumbing (the mask as a
+# description for flash, materialized for xla) in a whole step. Every attention part under every core against xla
+# is tests/test_attention_conformance.py's; every family training under flash, explicit equal to auto and nothing
+# blocked, tests/test_conformance.py's.
+PRESETS = ("gemma2-tiny",)
 
 
 @functools.cache
@@ -198,11 +199,6 @@ def test_flash_trains_to_the_xla_losses_with_nothing_blocked(preset):
   assert len(set(got["a"]["loss"].tolist())) == C.PARITY_STEPS, f"the losses do not move: {got['a']['loss']}"
   blocked = census["stablehlo"]["transpose_of_dot"]["blocked"]
   assert blocked == 0, census["stablehlo"]["transpose_of_dot"]["pairs"]
-
-
-def test_explicit_equals_auto_under_flash():
-  preset = "gemma2-tiny"
-  C.assert_pair(C.stepped_pair(compiled(preset, "flash", "explicit")[:2], compiled(preset, "flash", "auto")[:2]))
 
 
 # Every parameter's gradient under flash against xla, per attention part (packed rows, the window and soft-cap):
