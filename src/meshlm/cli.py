@@ -140,9 +140,9 @@ def command_help(cmd: str) -> str:
   else:
     table = f"{render_keys(skip=(*skip, 'model.'))}\n{MODEL_POINTER}"
   return (f"usage: {usage}\n\n{SUMMARIES[cmd]}\n\n{own}"
-          "model=NAME picks a preset (meshlm presets lists them); it sets model.* and some train.* keys,\n"
-          "and the default column shows the schema's default where the preset says nothing.\n"
-          "Values are YAML scalars: 3, 1e-3, true, null, [local,global].\n\n"
+          "model=NAME picks a preset (meshlm presets lists them), which sets model.* and some train.* keys; the\n"
+          "default column shows the schema's default where it says nothing. Values are YAML scalars: 3, 1e-3, true, "
+          "null, [local,global].\n\n"
           f"config keys:\n{table}\n\n{KEYS_POINTER}")
 
 
