@@ -172,10 +172,10 @@ def parity_batches(vocab: int, rows: int, steps: int = PARITY_STEPS, seq: int = 
            "loss_mask": (rng.random((rows, seq)) < 0.9).astype(np.float32)}
 
 
-def lowered_step(overrides: tuple[str, ...], mode: str, base: dict | None = None, run: tuple = PARITY_BASE):
+def lowered_step(overrides: tuple[str, ...], mode: str, run: tuple = PARITY_BASE):
   """(the train step, its lowering, its StableHLO census counts under explicit; {} under auto) on `run`'s settings
-  (PARITY_BASE; REAL_PAIR: the settings real runs use). base: a config tree instead of a preset."""
-  cfg = meshlm.load_config(*overrides, *run, f"shard_mode={mode}", base=base)
+  (PARITY_BASE; REAL_PAIR: the settings real runs use)."""
+  cfg = meshlm.load_config(*overrides, *run, f"shard_mode={mode}")
   window, T = cfg.model.sliding_window, cfg.train.seq_len
   assert window is None or window < T, f"sliding window {window} >= the trained sequence {T}"
   step = build_train_step(cfg)
@@ -187,14 +187,6 @@ def lowered_step(overrides: tuple[str, ...], mode: str, base: dict | None = None
                                            if p["kind"] == "blocked"]
     census = {"stablehlo": counts}
   return step, lowered, census
-
-
-def train_losses(overrides: tuple[str, ...], mode: str, base: dict | None = None) -> tuple[np.ndarray, dict]:
-  """(losses of PARITY_STEPS train steps, the step's StableHLO census counts) for one shard mode: the step is
-  lowered once, counted (under explicit: the parity check reads only its counts; {} under auto), compiled from
-  that lowering and run. base: a config tree instead of a preset."""
-  step, lowered, census = lowered_step(overrides, mode, base)
-  return run_steps(step, lowered, PARITY_STEPS)["loss"], census
 
 
 def run_steps(step, lowered, steps: int) -> dict[str, np.ndarray]:
@@ -247,11 +239,11 @@ def assert_pair(got: dict[str, dict[str, np.ndarray]]) -> None:
                              err_msg="gradient norms")
 
 
-def explicit_and_auto(overrides: tuple[str, ...], base: dict | None = None, run: tuple | None = None) -> tuple:
+def explicit_and_auto(overrides: tuple[str, ...], run: tuple | None = None) -> tuple:
   """(stepped_pair with a = explicit, b = auto; explicit's census), under the settings real runs use (REAL_PAIR,
   REAL_STEPS steps) unless `run` names others (PARITY_BASE: PARITY_STEPS)."""
   run = REAL_PAIR if run is None else run
-  (se, le, census), (sa, la, _) = (lowered_step(overrides, mode, base, run) for mode in ("explicit", "auto"))
+  (se, le, census), (sa, la, _) = (lowered_step(overrides, mode, run) for mode in ("explicit", "auto"))
   steps = REAL_STEPS if run == REAL_PAIR else PARITY_STEPS
   return stepped_pair((se, le.compile()), (sa, la.compile()), steps), census
 

@@ -55,11 +55,15 @@ def block_for(length: int, block: int) -> int:
   return length if length <= block else math.gcd(length, block)
 
 
+def padded_length(length: int) -> int:
+  """The sequence length the kernel runs: `length` padded to a multiple of LANES."""
+  return length + (-length % LANES)
+
+
 def kernel_block(length: int, on_tpu: bool, block: int | None = None) -> int:
-  """The kernel's block over a sequence of `length` (padded to LANES): block_for of `block`, by default BLOCK on TPU
-  and INTERPRET_BLOCK elsewhere."""
-  padded = length + (-length % LANES)
-  return block_for(padded, block or (BLOCK if on_tpu else INTERPRET_BLOCK))
+  """The kernel's block over a sequence of `length` (padded): block_for of `block`, by default BLOCK on TPU and
+  INTERPRET_BLOCK elsewhere."""
+  return block_for(padded_length(length), block or (BLOCK if on_tpu else INTERPRET_BLOCK))
 
 
 def resolve_backward(backward: str, length: int, block: int) -> str:
@@ -69,7 +73,7 @@ def resolve_backward(backward: str, length: int, block: int) -> str:
     if backward not in BACKWARDS:
       raise ValueError(f"splash_backward={backward!r}: expected auto, fused or split")
     return backward
-  return "fused" if -(-(length + (-length % LANES)) // block) <= FUSED_MAX_BLOCKS else "split"
+  return "fused" if -(-padded_length(length) // block) <= FUSED_MAX_BLOCKS else "split"
 
 
 def splash_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
@@ -86,7 +90,7 @@ def splash_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
   assert k_BKSH.shape[2] == T == v_BKSH.shape[2], (q_BNTH.shape, k_BKSH.shape, v_BKSH.shape)
   on_tpu = platform() == "tpu"
   interpret = not on_tpu if interpret is None else interpret
-  pad = -T % LANES
+  pad = padded_length(T) - T
   b = kernel_block(T, on_tpu, block)
 
   def padded(x):  # [B, heads, T, h] -> [B, heads, Tp, h]
