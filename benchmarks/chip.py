@@ -103,6 +103,12 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64,
             prompt_len=128, new_tokens=256),
     ],
+    # Where the seed's families spend their time (issue 60 item 1, 4): profiled, one process.
+    "v5e-probe": [
+        Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
+        Row("dense12-b8-full", DENSE_12 + (_b(8), "remat=full")),
+        Row("moe12-b8-full", MOE_12 + (_b(8), "remat=full")),
+    ],
     # What the next chip session measures first (docs/tpu.md "After this run"): the default step after RoPE's
     # one-pass rotation and the per-layer kernel casts, each against its former form, and RoPE's bits on the chip.
     "v5e-next": [
