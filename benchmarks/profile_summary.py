@@ -1,6 +1,6 @@
 """Where a step's device time goes, from a `jax.profiler` trace (benchmarks/chip.py --profile writes them).
 
-  python benchmarks/profile_summary.py DIR [--top 40] [--json OUT]
+  python benchmarks/profile_summary.py DIR [--top 40] [--json OUT] [--scopes delta_rule,conv1d,...]
 
 Reads the Perfetto/Chrome trace JSON that `jax.profiler.trace(..., create_perfetto_trace=True)` writes under DIR
 (`perfetto_trace.json.gz`), takes the device's op events (the "XLA Ops" line of the first TPU or GPU process; every
@@ -102,11 +102,24 @@ def scope_of(e: dict, depth: int) -> str:
   return "/".join(parts[:depth]) or "(no scope)"
 
 
-def summarize(events: list[dict], top: int = 40, steps: int = 1) -> dict:
+def named_scope_of(e: dict, names: tuple[str, ...]) -> str:
+  """The innermost of `names` among the op's scope path components (its tf_op), or "(other)": the time of each
+  meshlm jax.named_scope however deep it sits (inside a layer scan and its transpose)."""
+  args = e.get("args", {})
+  parts = str(args.get("tf_op") or args.get("name_scope") or args.get("scope") or "").split("/")
+  for p in reversed(parts):
+    for n in names:
+      if p == n or p.startswith(n + "[") or p.startswith(n + "."):
+        return n
+  return "(other)"
+
+
+def summarize(events: list[dict], top: int = 40, steps: int = 1, scopes: tuple[str, ...] = ()) -> dict:
   ops, line = device_ops(events)
   timed = self_times(ops)
   total = sum(d for _, d in timed)
   by_name, by_kind, by_scope = collections.Counter(), collections.Counter(), collections.Counter()
+  by_named = collections.Counter()
   count = collections.Counter()
   sample_args = {}
   for e, d in timed:
@@ -114,17 +127,21 @@ def summarize(events: list[dict], top: int = 40, steps: int = 1) -> dict:
     count[e["name"]] += 1
     by_kind[kind_of(e)] += d
     by_scope[scope_of(e, 3)] += d
+    if scopes:
+      by_named[named_scope_of(e, scopes)] += d
     sample_args.setdefault(e["name"], {k: str(v)[:300] for k, v in e.get("args", {}).items()})
   us = lambda c: [{"name": k, "us_per_step": v / steps, "share": v / total if total else 0,  # noqa: E731
                    "calls_per_step": count[k] / steps if k in count else None} for k, v in c.most_common(top)]
   return {"line": line, "events": len(ops), "device_us_per_step": total / steps, "steps": steps,
-          "by_kind": us(by_kind), "by_scope": us(by_scope), "by_op": us(by_name),
+          "by_kind": us(by_kind), "by_scope": us(by_scope), "by_named_scope": us(by_named), "by_op": us(by_name),
           "op_args": {r["name"]: sample_args[r["name"]] for r in us(by_name)[:top]}}
 
 
 def render(s: dict) -> str:
   lines = [f"device time {s['device_us_per_step'] / 1e3:,.1f} ms per step ({s['events']} op events, {s['line']})"]
-  for key, title in (("by_kind", "kind"), ("by_scope", "scope"), ("by_op", "op")):
+  for key, title in (("by_kind", "kind"), ("by_scope", "scope"), ("by_named_scope", "named scope"), ("by_op", "op")):
+    if not s.get(key):
+      continue
     lines += ["", f"| {title} | ms per step | share |", "| --- | --- | --- |"]
     lines += [f"| {r['name'][:90]} | {r['us_per_step'] / 1e3:,.2f} | {r['share']:.1%} |" for r in s[key]]
   return "\n".join(lines)
@@ -136,9 +153,11 @@ def main(argv=None) -> int:
   ap.add_argument("--top", type=int, default=40)
   ap.add_argument("--steps", type=int, default=3, help="the steps the trace holds (chip.py traces 3)")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--scopes", default="", help="comma-separated meshlm named scopes (delta_rule,conv1d,...): device "
+                  "time per scope, the innermost listed one an op sits in, at any depth")
   args = ap.parse_args(argv)
   path = args.folder if os.path.isfile(args.folder) else find_trace(args.folder)
-  s = summarize(load_events(path), args.top, args.steps)
+  s = summarize(load_events(path), args.top, args.steps, tuple(n for n in args.scopes.split(",") if n))
   s["trace"] = path
   print(render(s))
   if args.json:

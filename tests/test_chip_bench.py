@@ -134,6 +134,11 @@ def test_profile_summary_reads_the_device_op_line():
                    "other fusion (elementwise)": 100, "collective": 50, "copy / transpose": 50}
   scopes = {r["name"]: r["us_per_step"] for r in s["by_scope"]}
   assert scopes["layers/attn/splash_attention"] == 300 and scopes["(no scope)"] == 100
+  # Named scopes at any depth, the innermost listed one: splash inside attn, the rope op in attn, the rest other.
+  named = {r["name"]: r["us_per_step"] for r in PS.summarize(_trace(ops), scopes=("attn", "splash_attention"))[
+      "by_named_scope"]}
+  assert named == {"splash_attention": 300, "attn": 100, "(other)": 300}
+  assert PS.summarize(_trace(ops))["by_named_scope"] == []  # none asked for
   # Per step: a trace of two steps halves every figure.
   assert PS.summarize(_trace(ops), steps=2)["device_us_per_step"] == 350
 
