@@ -251,8 +251,8 @@ def test_a_tokenizer_without_a_config_renders_chats_from_the_run_as_it_trained(t
   (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
   cfg = meshlm.load_config("model=llama2-tiny", "model.vocab_size=384", "model.embed_dim=32", "model.num_heads=2",
                            "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=64", "model.num_layers=1",
-                           "cpu_devices=1", f"data.tokenizer={model}/tokenizer.json", f"data.path={tmp_path}/chat.jsonl",
-                           f"run_dir={run}")
+                           "cpu_devices=1", f"data.tokenizer={model}/tokenizer.json",
+                           f"data.path={tmp_path}/chat.jsonl", f"run_dir={run}")
   b = next(make_dataset(cfg, global_batch=1, seq_len=128, shuffle=False))
   row = np.concatenate([b["inputs"][0], b["targets"][0, -1:]]).tolist()  # the packed row the run trains on
   carry_tokenizer(cfg)

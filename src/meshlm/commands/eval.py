@@ -14,8 +14,8 @@ import types
 from meshlm.errors import ConfigError
 
 USAGE = "meshlm eval model=RUN_OR_DIR eval.path=GLOB [key=value ...] [--json]"
-OPTIONS = """  --json  print {"val_loss", "val_ppl", "val_tokens", "val_rows", "eval_path", "params", "from_run"} instead of
-          the line
+OPTIONS = """  --json  print {"val_loss", "val_ppl", "val_tokens", "val_rows", "eval_path", "params", "from_run"}
+          instead of the line
   The parameters are model=PATH's (checkpoint.load_params_from: a run's latest checkpoint, a step, a meshlm or a
   Hugging Face model directory); a preset without one is evaluated at its initialization (train.seed).
   A meshlm run is evaluated as it validated: its data.* rules and train.seq_len (and without eval.path, its

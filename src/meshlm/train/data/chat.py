@@ -100,7 +100,7 @@ class ChatTemplate:
 
   @property
   def special_tokens_read(self) -> frozenset[str]:
-    """The special tokens (bos_token, eos_token, ...) the template reads: the variables a tokenizer_config.json fills."""
+    """The special tokens (bos_token, eos_token, ...) the template reads: variables a tokenizer_config.json fills."""
     import jinja2.meta
     template, _ = _compile(self.source)
     return frozenset(jinja2.meta.find_undeclared_variables(template.environment.parse(self.source))) & \
