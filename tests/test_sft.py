@@ -193,7 +193,7 @@ def test_meshlm_eval_of_the_run_equals_its_last_validation_loss(fine_tuned, file
   assert main(["eval", f"model={run_dir}", "cpu_devices=2", "train.per_device_batch_size=1"]) == 0
   line = capsys.readouterr().out.strip().splitlines()[-1]
   assert "as the run validated (its config.yaml; key=value overrides win): " in line
-  assert "data.assistant_only=True" in line and "train.seq_len=48" in line
+  assert "data.assistant_only=true" in line and "train.seq_len=48" in line
 
 
 def _conv(user, reply=None):

@@ -70,10 +70,15 @@ def main(args: list[str], start: float) -> int:
     print(json.dumps({**out, "eval_path": cfg.eval.path, "params": where, "from_run": from_run}))
   else:
     run = ("; as the run validated (its config.yaml; key=value overrides win): " +
-           ", ".join(f"{k}={v}" for k, v in from_run.items())) if from_run else ""
+           ", ".join(f"{k}={_spelled(v)}" for k, v in from_run.items())) if from_run else ""
     print(f"meshlm eval {cfg.model_name}: val_loss {out['val_loss']:.6f}  val_ppl {out['val_ppl']:.4f}  over "
           f"{validation.describe()}; parameters: {where}{run}")
   return 0
+
+
+def _spelled(v) -> str:
+  """A value as the command line spells it (true, null)."""
+  return json.dumps(v) if v is None or isinstance(v, bool) else str(v)
 
 
 def _is_meshlm_dir(path: str | None) -> bool:
