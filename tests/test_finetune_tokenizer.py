@@ -231,3 +231,47 @@ def test_a_tokenizer_without_a_config_gets_one_naming_the_runs_eos(tmp_path):
   carry_tokenizer(meshlm.load_config("model=llama2-tiny", f"data.tokenizer={tmp_path}/tok1/tokenizer.json",
                                      f"run_dir={run}"))
   assert json.loads((run / "tokenizer_config.json").read_text())["eos_token"] == "<|eot_id|>"
+
+
+def test_a_tokenizer_without_a_config_renders_chats_from_the_run_as_it_trained(tmp_path):
+  """A model directory with a tokenizer.json alone (its post-processor puts <|begin_of_text|> before a text) and Llama
+  3.1's template, which writes {{- bos_token }}: the run trains its conversations without a BOS (no
+  tokenizer_config.json names one; transformers renders them so), and its run directory and export render the same
+  conversation to the ids it trained on. Their tokenizer_config.json names the EOS, and not the BOS the template reads.
+  Controls: the BOS named (what they held before) renders a BOS first; a template that reads no special token (Qwen3's)
+  leaves the BOS named."""
+  from meshlm.commands.convert import tokenizer_files
+  from meshlm.commands.train import carry_tokenizer
+  model, run, export = tmp_path / "model", tmp_path / "run", tmp_path / "export"
+  model.mkdir()
+  llama3_tokenizer(model)
+  os.remove(model / "tokenizer_config.json")
+  shutil.copy(os.path.join(FIX, "llama3_1.jinja"), model / "chat_template.jinja")
+  chat = USER + [{"role": "assistant", "content": "It is 6."}]
+  (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+  cfg = meshlm.load_config("model=llama2-tiny", "model.vocab_size=384", "model.embed_dim=32", "model.num_heads=2",
+                           "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=64", "model.num_layers=1",
+                           "cpu_devices=1", f"data.tokenizer={model}/tokenizer.json",
+                           f"data.path={tmp_path}/chat.jsonl", f"run_dir={run}")
+  b = next(make_dataset(cfg, global_batch=1, seq_len=128, shuffle=False))
+  row = np.concatenate([b["inputs"][0], b["targets"][0, -1:]]).tolist()  # the packed row the run trains on
+  carry_tokenizer(cfg)
+  hf.save(cfg, meshlm.init_params(cfg, jax.random.key(0)), export, files=tokenizer_files(run))
+
+  def rendered(folder, special=None):
+    template = load_chat_template(None, os.path.join(folder, "tokenizer.json"))
+    if special is not None:
+      template = ChatTemplate(template.source, "named", special)
+    return HFTokenizer(os.path.join(folder, "tokenizer.json")).encode_offsets(template.render(chat)[0])[0].tolist()
+  trained = rendered(model)
+  assert trained[0] != BOS and row[:len(trained)] == trained and BOS not in row
+  for d in (run, export):
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|endoftext|>" and "bos_token" not in config
+    assert rendered(d) == trained
+  named = rendered(run, {"bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>"})
+  assert named == [BOS] + trained
+  qwen = meshlm.load_config("model=llama2-tiny", f"data.tokenizer={model}/tokenizer.json",
+                            f"data.chat_template={FIX}/qwen3.jinja", f"run_dir={tmp_path}/qwen")
+  carry_tokenizer(qwen)
+  assert json.loads((tmp_path / "qwen" / "tokenizer_config.json").read_text())["bos_token"] == "<|begin_of_text|>"

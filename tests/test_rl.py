@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,14 @@ def half_nan(prompts, completions, **columns):
 def quarter_none(prompts, completions, **columns):
     # TRL's "no reward for this one" on rows 0 and 4
     return [None if i % 4 == 0 else (3 * i) % 5 / 4 for i in range(len(completions))]
+
+async def logging_spread(completions, trainer_state, log_metric, log_extra, **kwargs):
+    # TRL's extras, async: the step into a metric, a metric of the completions, a column of their first characters
+    log_metric("max_steps", trainer_state.max_steps)
+    log_metric("global_step", trainer_state.global_step)
+    log_metric("mean_chars", sum(map(len, completions)) / len(completions))
+    log_extra("first_char", [c[:1] for c in completions])
+    return [(3 * i) % 5 / 4 for i in range(len(completions))]
 """
 
 
@@ -886,11 +895,131 @@ def test_trls_batched_signature_is_called_once_with_the_columns(reward_file):
   seen = {}
   rw = RW.Rewards(["kw"], [lambda prompts, completions, **kw: seen.update(kw) or [1.0] * len(completions)], [1.0])
   rw(["p"], ["c"], [{"answer": "a", "prompt": "p", "_completion_tokens": 3}], [[7, 8]])
-  assert seen == {"completion_ids": [[7, 8]], "answer": ["a"]}  # the JSONL columns but `prompt`, and the ids
+  # the JSONL columns but `prompt`, the ids, and TRL's trainer_state, log_metric and log_extra (their own test below)
+  assert {k: v for k, v in seen.items() if k not in ("trainer_state", "log_metric", "log_extra")} == \
+      {"completion_ids": [[7, 8]], "answer": ["a"]}
+  assert set(seen) == {"completion_ids", "answer", "trainer_state", "log_metric", "log_extra"}
   for out, msg in (([1.0], "returned 1 values for 2 completions"), (3.0, "returned float, not a list of 2")):
     rw = RW.Rewards(["bad"], [lambda completions, out=out: out], [1.0])
     with pytest.raises(RW.RewardFailed, match=f"rl.reward=bad: .*{msg}"):
       rw(["p", "q"], ["c", "d"], [{}, {}])
+
+
+# TRL's documented reward that logs (docs/source/grpo_trainer.md at f2cd577, "Example 6: Logging extra columns and
+# metrics"), unchanged.
+def reward_func(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
+  extracted = [re.search(r"\\boxed\{(.*?)\}", c) for c in completions]
+  extracted = [m.group(1) if m else None for m in extracted]
+  rewards = [1.0 if e == gt else 0.0 for e, gt in zip(extracted, ground_truth)]
+
+  if log_extra:
+    log_extra("golden_answer", list(ground_truth))
+    log_extra("extracted_answer", [e or "[none]" for e in extracted])
+
+  if log_metric:
+    log_metric("accuracy", sum(rewards) / len(rewards))
+
+  return rewards
+
+
+def test_trls_trainer_state_log_metric_and_log_extra_reach_a_per_step_reward():
+  """TRL's per-step form gets trainer_state (the step: a curriculum reward's global_step / max_steps), log_metric (the
+  step's mean of each name, Scored.metrics) and log_extra (a column per completion, Scored.extra), by keyword, or
+  only those it names without **kwargs. TRL's Example 6 runs as written. Controls: without a trainer_state the
+  curriculum reward fails on every completion (what a TRL reward reading it did before: exit 2); a column of the
+  wrong length or a metric that is no number is that reward's failure, with its message."""
+  from meshlm.rl import rewards as RW
+  state = RW.TrainerState(global_step=3, max_steps=12, epoch=0.5, num_train_epochs=2, is_world_process_zero=True,
+                          is_local_process_zero=True)
+
+  def curriculum(completions, **kwargs):
+    progress = kwargs["trainer_state"].global_step / kwargs["trainer_state"].max_steps
+    return [progress * len(c) for c in completions]
+
+  def named(completions, log_metric):  # no **kwargs: gets what it names
+    log_metric("twice", 1.0)
+    log_metric("twice", 2.0)
+    return [0.0] * len(completions)
+  rw = RW.Rewards(["reward_func", "curriculum", "named"], [reward_func, curriculum, named], [1.0, 1.0, 1.0])
+  completions = [r"so \boxed{12}", r"\boxed{7}", "no box", r"\boxed{3}"]
+  sc = rw(["p"] * 4, completions, [{"ground_truth": g} for g in ("12", "8", "5", "3")], state=state)
+  assert sc.each["reward_func"] == [1.0, 0.0, 0.0, 1.0]
+  assert sc.each["curriculum"] == [0.25 * len(c) for c in completions]
+  assert sc.metrics == {"accuracy": 0.5, "twice": 1.5}
+  assert sc.extra == {"golden_answer": ["12", "8", "5", "3"], "extracted_answer": ["12", "7", "[none]", "3"]}
+  with pytest.raises(RW.RewardFailed, match=r"curriculum failed on every one of the step's 4 completions; the first "
+                                            r"raised AttributeError: 'NoneType' object has no attribute 'global_step'"):
+    RW.Rewards(["curriculum"], [curriculum], [1.0])(["p"] * 4, completions, [{}] * 4)
+  short = lambda completions, log_extra: log_extra("x", [1]) or [1.0] * len(completions)  # noqa: E731
+  word = lambda completions, log_metric: log_metric("m", "high") or [1.0] * len(completions)  # noqa: E731
+  for f, msg in ((short, r"raised ValueError: log_extra\('x', ...\): 1 values for 2 completions"),
+                 (word, r"raised TypeError: log_metric\('m', ...\): str 'high' is not a number")):
+    with pytest.raises(RW.RewardFailed, match=msg):
+      RW.Rewards(["f"], [f], [1.0])(["p"] * 2, ["a", "b"], [{}] * 2, state=state)
+
+
+def test_async_rewards_are_awaited_together():
+  """async def rewards, per step (TRL's) and per completion, are awaited, all of a step's at once (TRL's
+  asyncio.gather): `left` and `right` each wait for the other, which only concurrent awaiting lets finish; a sync
+  reward beside them runs as before, and an async one that raises on every completion stops the run with its error.
+  Control: `left` awaited alone waits for `right` in vain (cut by its timeout)."""
+  import asyncio
+  from meshlm.rl import rewards as RW
+  events = {}
+
+  async def meet(me, other, timeout):
+    ev = events.setdefault(me, asyncio.Event()), events.setdefault(other, asyncio.Event())
+    ev[0].set()
+    await asyncio.wait_for(ev[1].wait(), timeout)
+
+  async def left(completions, timeout=60, **kwargs):
+    await meet("left", "right", timeout)
+    return [1.0] * len(completions)
+
+  async def right(prompts, completions, **kwargs):
+    await meet("right", "left", 60)
+    return [2.0] * len(completions)
+
+  async def per(prompt, completion, row):
+    await asyncio.sleep(0)
+    return float(len(completion))
+  rw = RW.Rewards(["left", "right", "per", "sync"], [left, right, per, lambda p, c, row: 0.5], [1.0] * 4)
+  sc = rw(["p", "q"], ["ab", "c"], [{}, {}])
+  assert sc.each == {"left": [1.0, 1.0], "right": [2.0, 2.0], "per": [2.0, 1.0], "sync": [0.5, 0.5]}
+  assert sc.total == [5.5, 4.5]
+
+  async def boom(completions, **kwargs):
+    raise KeyError("answer")
+  with pytest.raises(RW.RewardFailed, match=r"rl.reward=boom failed on every one of the step's 2 completions; the "
+                                            r"first raised KeyError: 'answer'"):
+    RW.Rewards(["boom"], [boom], [1.0])(["p", "q"], ["a", "b"], [{}, {}])
+  events.clear()
+  with pytest.raises(asyncio.TimeoutError):
+    asyncio.run(left(["a"], timeout=0.2))
+
+
+def test_what_rewards_log_reaches_metrics_jsonl_and_completions_jsonl(prompts, reward_file, tmp_path, monkeypatch):
+  """An async TRL reward that reads trainer_state and calls log_metric and log_extra, through `meshlm rl`'s trainer:
+  its metrics are in the step's metrics.jsonl record under their names (max_steps 1, global_step 0 at the first
+  step), its column in completions.jsonl's rollout rows. A metric named like one of meshlm's own stops the run
+  naming it (with_logged; control: another name passes)."""
+  from meshlm.rl.rewards import RewardFailed
+  monkeypatch.setattr(R, "sample", made_sampler(0))
+  cfg = load_config(*DENSE, f"rl.prompts={prompts}", "cpu_devices=1", f"rl.reward={reward_file}:logging_spread",
+                    "rl.mask_truncated_completions=true", "train.steps=1", "rl.log_completions=3",
+                    f"run_dir={tmp_path}/r")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", TR.ClipWindowWarning)  # the stand-in sampler's log-probs are far off the model's
+    TR.run(cfg, show_progress=False)
+  (rec,) = [json.loads(ln) for ln in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+  rows = [json.loads(ln) for ln in (tmp_path / "r" / TR.COMPLETIONS).read_text().splitlines()]
+  assert (rec["max_steps"], rec["global_step"]) == (1, 0) and rec["mean_chars"] > 0
+  assert [r["extra"] for r in rows] == [{"first_char": r["completion"][:1]} for r in rows] and len(rows) == 3
+  with pytest.raises(RewardFailed, match=r"step 4: a reward's log_metric named 'loss', a metric meshlm logs itself"):
+    TR.with_logged({"loss": 1.0}, {"loss": 2.0}, 4)
+  with pytest.raises(RewardFailed, match="named 'step'"):
+    TR.with_logged({"loss": 1.0}, {"step": 2.0}, 4)
+  assert TR.with_logged({"loss": 1.0}, {"accuracy": 0.5}, 4) == {"loss": 1.0, "accuracy": 0.5}
 
 
 # TRL's documented conversational reward (docs/source/grpo_trainer.md, "Example 2: Reward completions with a specific

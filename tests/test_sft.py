@@ -166,6 +166,36 @@ def test_generate_chat_renders_the_conversation_with_the_template(fine_tuned, fi
   assert "chat=true renders text with the chat template" in capsys.readouterr().err
 
 
+def test_meshlm_eval_of_the_run_equals_its_last_validation_loss(fine_tuned, files, capsys):
+  """`meshlm eval model=RUN` evaluates the run as it validated, from its config.yaml: the assistant-only mask, the
+  template, train.seq_len=48, float32, and (no eval.path given) its validation set with eval.batches=2: the loss and
+  token count of its last validation, and the line says which settings came from the run. eval.path=FILE is that
+  file whole, by the same rules. Control: data.assistant_only=false on the command line wins, as the old reading
+  (every token) did, and gives another number over more tokens."""
+  _, _, run_dir = fine_tuned
+  _, val_path, _ = files
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    last = [r for r in map(json.loads, f) if "val_loss" in r][-1]
+
+  def evaluate(*args):
+    assert main(["eval", f"model={run_dir}", "cpu_devices=2", "train.per_device_batch_size=1", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  got = evaluate()
+  assert (got["val_loss"], got["val_tokens"]) == (last["val_loss"], last["val_tokens"])
+  run = got["from_run"]
+  assert (run["data.assistant_only"], run["train.seq_len"], run["eval.path"], run["eval.batches"]) == \
+      (True, 48, val_path, 2)
+  whole = evaluate(f"eval.path={val_path}")
+  assert whole["val_rows"] == 12 and whole["val_tokens"] > got["val_tokens"] and "eval.path" not in whole["from_run"]
+  every = evaluate("eval.batches=2", f"eval.path={val_path}", "data.assistant_only=false")
+  assert every["val_tokens"] > 2 * got["val_tokens"] and abs(every["val_loss"] - got["val_loss"]) > 0.1
+  assert "data.assistant_only" not in every["from_run"] and every["from_run"]["train.seq_len"] == 48
+  assert main(["eval", f"model={run_dir}", "cpu_devices=2", "train.per_device_batch_size=1"]) == 0
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert "as the run validated (its config.yaml; key=value overrides win): " in line
+  assert "data.assistant_only=true" in line and "train.seq_len=48" in line
+
+
 def _conv(user, reply=None):
   return {"messages": [{"role": "user", "content": user}] + ([{"role": "assistant", "content": reply}] if reply else [])}
 

@@ -15,25 +15,28 @@ from meshlm.config import Config, loader
 from meshlm.errors import ConfigError
 
 
-def load_config(*overrides: str, base: dict[str, Any] | None = None) -> Config:
+def load_config(*overrides: str, base: dict[str, Any] | None = None, carry: tuple[str, ...] = ()) -> Config:
   """config.load_config, where `model=PATH` starts from the directory's tree (model_dir_tree; applied
   first, wherever it appears) and a model.* override that changes a loaded parameter's shape is refused;
-  then the model family checks its own fields (Family.validate)."""
+  then the model family checks its own fields (Family.validate). carry: more keys (dotted) that a meshlm
+  directory's config.yaml gives model=PATH besides CARRIED (`meshlm eval`: the run's data rules); overrides win."""
   from meshlm.models import registry  # lazy: jax
   pairs = config.parse_overrides(overrides)
   name = next((v for k, v in reversed(pairs) if k == "model"), None)
   if base is not None or not isinstance(name, str) or not loader.is_model_path(name):
     return registry.validate(config.load_config(*overrides, base=base))
-  tree = model_dir_tree(name)
+  tree = model_dir_tree(name, carry)
   cfg = config.load_config(*overrides, base=tree)
   refuse_shape_overrides(name, tree, pairs)
   return registry.validate(cfg)
 
 
 
-def model_dir_tree(value: str) -> dict[str, Any]:
+def model_dir_tree(value: str, carry: tuple[str, ...] = ()) -> dict[str, Any]:
   """The config tree model=PATH starts from: the directory's model config, its parameters
-  (checkpoint.load_params_from) and its tokenizer.json (data.tokenizer). key=value overrides go on top."""
+  (checkpoint.load_params_from), its tokenizer.json (data.tokenizer) and, of a meshlm directory, the CARRIED and
+  `carry` keys of its config.yaml; a tokenizer.json or chat_template.jinja in the directory wins over the
+  data.tokenizer or data.chat_template its config.yaml names (the run's copies). key=value overrides go on top."""
   path = os.path.abspath(os.path.expanduser(value))
   key = f"model={value}"
   if not os.path.isdir(path):
@@ -44,11 +47,14 @@ def model_dir_tree(value: str) -> dict[str, Any]:
     name, model = os.path.basename(path), model_fields(Path(path))
     carried = {}
   else:
-    name, model, carried = _meshlm_model(path, key)
+    name, model, carried = _meshlm_model(path, key, CARRIED + tuple(carry))
   tree: dict[str, Any] = {"model_name": name, "model": model, "checkpoint": {"load_params_from": path}, **carried}
   tokenizer = os.path.join(path, "tokenizer.json")
   if os.path.isfile(tokenizer):
-    tree["data"] = {"tokenizer": tokenizer}
+    data = tree.setdefault("data", {})
+    data["tokenizer"] = tokenizer
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")):
+      data.pop("chat_template", None)  # the template found beside the tokenizer: the one the run used
   return tree
 
 
@@ -57,10 +63,10 @@ def model_dir_tree(value: str) -> dict[str, Any]:
 CARRIED = ("train.compute_dtype",)
 
 
-def _meshlm_model(path: str, key: str) -> tuple[str, dict, dict]:
-  """(model_name, model, the CARRIED keys as a tree) of a meshlm model dir, run dir or step dir: from the metadata
-  of the step that checkpoint.load_params_from will read, else from a config.yaml beside its params; the carried
-  keys from the config.yaml of the step, model or run directory."""
+def _meshlm_model(path: str, key: str, keys: tuple[str, ...]) -> tuple[str, dict, dict]:
+  """(model_name, model, `keys` as a tree) of a meshlm model dir, run dir or step dir: from the metadata of the step
+  that checkpoint.load_params_from will read, else from a config.yaml beside its params; the carried keys (dotted,
+  section.field) from the config.yaml of the step, model or run directory."""
   from meshlm.train.checkpoint import _find_step_dir, saved_config, saved_model  # lazy: orbax
   try:
     step = _find_step_dir(path, key)
@@ -70,7 +76,7 @@ def _meshlm_model(path: str, key: str) -> tuple[str, dict, dict]:
   saved = saved_model(step, key)
   if saved is not None:
     record, carried = saved_config(step, key) or {}, {}
-    for dotted in CARRIED:
+    for dotted in keys:
       section, _, field = dotted.partition(".")
       if field in (record.get(section) or {}):
         carried.setdefault(section, {})[field] = record[section][field]

@@ -25,8 +25,9 @@ def carry_tokenizer(cfg: Config) -> None:
   """Copies the run's tokenizer into run_dir, so that model=RUN_DIR (generate, a fine-tune, rl, convert) reads text
   as the run did, as it does from a model directory: tokenizer.json, the tokenizer files beside it (convert's
   TOKENIZER_FILES: tokenizer_config.json names the bos/eos/pad tokens that the chat template renders and the EOS rule
-  reads; one naming the run's EOS and BOS when the tokenizer came without it) and the chat template as
-  chat_template.jinja (data.chat_template's, else the directory's). Process 0 only."""
+  reads; one naming the run's EOS and BOS when the tokenizer came without it, but no token its chat template reads:
+  _tokenizer_config) and the chat template as chat_template.jinja (data.chat_template's, else the directory's).
+  Process 0 only."""
   import jax
   from meshlm.commands.convert import TOKENIZER_FILES
   src = tokenizer_file(cfg)
@@ -39,27 +40,31 @@ def carry_tokenizer(cfg: Config) -> None:
     # chat_template.json is replaced by the one template the run used, as chat_template.jinja
     if name not in ("tokenizer.json", "chat_template.jinja", "chat_template.json") and side.is_file():
       _write_once(Path(cfg.run_dir) / name, side.read_bytes())
-  if not (src.parent / "tokenizer_config.json").is_file():
-    _write_once(Path(cfg.run_dir) / "tokenizer_config.json", _tokenizer_config(src))
   from meshlm.train.data.chat import load_chat_template
   template = load_chat_template(cfg.data.chat_template, str(src))
+  if not (src.parent / "tokenizer_config.json").is_file():
+    _write_once(Path(cfg.run_dir) / "tokenizer_config.json", _tokenizer_config(src, template))
   if template is not None:
     # model=RUN_DIR finds it beside the tokenizer (meshlm generate chat=true renders with it); it wins over a
     # chat_template in tokenizer_config.json, for meshlm as for transformers.
     _write_once(Path(cfg.run_dir) / "chat_template.jinja", template.source)
 
 
-def _tokenizer_config(src: Path) -> str:
-  """A tokenizer_config.json for a tokenizer.json that came without one: the EOS the run ended its rows with (the EOS
-  rule's choice) and the BOS its post-processor adds, so that transformers' AutoTokenizer and model=RUN_DIR read
-  the tokens the run trained with."""
+def _tokenizer_config(src: Path, template) -> str:
+  """A tokenizer_config.json for a tokenizer.json that came without one: what the run used. The EOS it ended its rows
+  with (the EOS rule's choice) and the BOS its post-processor adds, so that transformers' AutoTokenizer and
+  model=RUN_DIR read the tokens the run trained with; but no token the run's chat template reads: the run rendered
+  its chats with none named (no tokenizer_config.json gave one; transformers renders them so), and one named here
+  would render from the run directory and its export where it rendered empty in training (`{{ bos_token }}`: a
+  BOS before every chat that the run never trained on). The EOS rule finds the same EOS without the entry."""
   import json
   from meshlm.train.data.tokenizers import HFTokenizer
   tok = HFTokenizer(str(src))
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.token(tok.eos_id)}
   if len(tok.bos_ids):
     config["bos_token"] = tok.token(tok.bos_ids[0])
-  return json.dumps(config, indent=2) + "\n"
+  read = template.special_tokens_read if template is not None else frozenset()
+  return json.dumps({k: v for k, v in config.items() if k not in read}, indent=2) + "\n"
 
 
 def _write_once(dst: Path, data: str | bytes) -> None:

@@ -13,8 +13,13 @@ A user's function is called one of two ways, read from its signature:
                   list over the completions (a function without **kwargs gets only the ones it names).
 The per-step form gets TRL's shapes: with plain-text prompts, prompts and completions are strings; with conversational
 prompts (lists of messages), each prompt is its messages and each completion [{"role": "assistant", "content": text}],
-so a reward written for TRL's GRPOTrainer (`completion[0]["content"]`) runs unchanged. The per-completion form always
-gets the rendered prompt and the completion as strings (the messages are in row["prompt"]).
+so a reward written for TRL's GRPOTrainer (`completion[0]["content"]`) runs unchanged. It also gets TRL's
+trainer_state (TrainerState: the step), log_metric(name, value) (a number into the step's metrics.jsonl record, the
+mean of the step's calls) and log_extra(column, values) (one value per completion, into completions.jsonl's rows).
+The per-completion form always gets the rendered prompt and the completion as strings (the messages are in
+row["prompt"]). Either form may be `async def` (or return an awaitable): the step's awaitables are awaited
+concurrently (asyncio.gather, as TRL's GRPOTrainer) on one event loop that lives in a daemon thread, after the
+synchronous rewards ran.
 `module:function` imports from the installed packages or, after them, the working directory;
 `path/to/file.py:function` loads that file.
 
@@ -28,6 +33,7 @@ shapes it was called with.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import hashlib
@@ -39,7 +45,8 @@ import numbers
 import os
 import re
 import sys
-from typing import Callable, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 from meshlm.errors import ConfigError
 
@@ -178,10 +185,82 @@ class Failures:
 @dataclasses.dataclass
 class Scored:
   """A step's rewards: the weighted total per completion (NaN: unscorable, rl.failed_reward=exclude), each
-  reward's values (NaN where it failed or gave None) and its failures."""
+  reward's values (NaN where it failed or gave None) and its failures; what the rewards logged: log_metric's
+  means and log_extra's columns (one value per completion)."""
   total: list[float]
   each: dict[str, list[float]]
   failures: dict[str, Failures]
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  extra: dict[str, list] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+  """TRL's `trainer_state` (transformers' TrainerState): the fields a reward reads of it, for curriculum rewards
+  (`trainer_state.global_step / trainer_state.max_steps`)."""
+  global_step: int  # the updates done before this rollout (rl.num_iterations per RL step): TRL's optimizer steps
+  max_steps: int  # train.steps x rl.num_iterations
+  epoch: float  # the prompts drawn before this step / the prompts in rl.prompts
+  num_train_epochs: int  # the epochs train.steps draws, rounded up
+  is_world_process_zero: bool
+  is_local_process_zero: bool
+
+
+class _Logs:
+  """TRL's log_metric and log_extra of one scoring, which the rewards call."""
+
+  def __init__(self, n: int):
+    self.n = n  # the completions scored
+    self.metrics: dict[str, list[float]] = {}  # every value logged under each name
+    self.extra: dict[str, list] = {}  # one value per completion under each column
+
+  def log_metric(self, name: str, value: float) -> None:
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"log_metric: the name must be a non-empty string, got {name!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+      try:
+        value = float(value)  # numpy scalars, 0-d arrays
+      except (TypeError, ValueError):
+        raise TypeError(f"log_metric({name!r}, ...): {type(value).__name__} {value!r:.40} is not a number") from None
+    self.metrics.setdefault(name, []).append(float(value))
+
+  def log_extra(self, column: str, values) -> None:
+    values = list(values)
+    if len(values) != self.n:
+      raise ValueError(f"log_extra({column!r}, ...): {len(values)} values for {self.n} completions; give one per "
+                       "completion")
+    self.extra[column] = values  # a column logged twice in a step (two of TRL's rewards log "solution"): the last
+
+
+class _Raised:
+  """A call's exception, in its value's place."""
+
+  def __init__(self, error: Exception):
+    self.error = error
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _await_all(awaitables: list) -> list:
+  """Each awaitable's value (or _Raised), awaited concurrently with asyncio.gather (TRL's GRPOTrainer runs its async
+  rewards so) on one event loop kept in a daemon thread for the process (as TRL keeps one per trainer): an async
+  client a reward keeps between steps stays on its loop, and a caller's own running loop is never needed."""
+  global _LOOP
+  if _LOOP is None:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="meshlm-rewards", daemon=True).start()
+    _LOOP = loop
+
+  async def one(aw):
+    try:
+      return await aw
+    except Exception as e:  # noqa: BLE001 -- a user's reward; counted as its failure
+      return _Raised(e)
+
+  async def every():
+    return await asyncio.gather(*(one(a) for a in awaitables))
+  return asyncio.run_coroutine_threadsafe(every(), _LOOP).result()
 
 
 def _value(v) -> tuple[float, str | None, str | None]:
@@ -220,19 +299,26 @@ class Rewards:
     return cls(names, fns, weights, list(rl.reward), rl.failed_reward, {n: 0 for n in names}, {n: 0 for n in names},
                {n: 0 for n in names})
 
-  def _call_batched(self, i: int, prompts, completions, rows, completion_ids, messages) -> list:
-    f, spec, n = self.fns[i], self.specs[i] if self.specs else self.names[i], len(completions)
+  def _call_batched(self, i: int, prompts, completions, rows, completion_ids, messages, context: dict) -> Any:
+    """What TRL's form returns (a list, or an awaitable of one): called with TRL's keyword arguments, those a function
+    without **kwargs names."""
+    f = self.fns[i]
     cols = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)
             if k != "prompt" and not k.startswith("_")}
     if messages is not None:  # TRL's conversational shapes; copies, since a reward may edit them (TRL's pop)
       prompts = [copy.deepcopy(m) for m in messages]  # each its own, though a group shares one prompt
       completions = [[{"role": "assistant", "content": c}] for c in completions]
     kw = {"prompts": list(prompts), "completions": list(completions),
-          "completion_ids": [list(c) for c in completion_ids] if completion_ids is not None else None, **cols}
+          "completion_ids": [list(c) for c in completion_ids] if completion_ids is not None else None, **cols,
+          **context}
     params = inspect.signature(f).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
       kw = {k: v for k, v in kw.items() if k in params}
-    out = f(**kw)
+    return f(**kw)
+
+  def _listed(self, i: int, out, n: int) -> list:
+    """A per-step reward's return value as its n values; anything else stops the run (RewardFailed)."""
+    spec = self.specs[i] if self.specs else self.names[i]
     try:
       out = list(out)
     except TypeError:
@@ -245,43 +331,61 @@ class Rewards:
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], rows: Sequence[dict],
                completion_ids: Sequence[Sequence[int]] | None = None,
-               messages: Sequence[list[dict]] | None = None) -> Scored:
+               messages: Sequence[list[dict]] | None = None, state: TrainerState | None = None) -> Scored:
     """Scores each completion. prompts: the rendered prompts; messages: each prompt's messages when the prompts are
-    conversational (the per-step form then gets TRL's conversational shapes), else None."""
+    conversational (the per-step form then gets TRL's conversational shapes), else None; state: TRL's
+    trainer_state. The synchronous rewards run in order, then every awaitable they returned at once."""
     n = len(completions)
+    logs = _Logs(n)
+    context = {"trainer_state": state, "log_metric": logs.log_metric, "log_extra": logs.log_extra}
+    raw: list[Any] = []  # per reward: a per-step reward's return value (or _Raised), a per-completion one's values
+    pending: list[tuple[int, int | None, Any]] = []  # (reward, completion or None for the whole step, awaitable)
+    for i, f in enumerate(self.fns):
+      if is_batched(f):
+        try:
+          out = self._call_batched(i, prompts, completions, rows, completion_ids, messages, context)
+        except Exception as e:  # noqa: BLE001 -- a user's reward must not kill the run unless it always fails
+          out = _Raised(e)
+        if inspect.isawaitable(out):
+          pending.append((i, None, out))
+        raw.append(out)
+      else:
+        vals = []
+        for j, (p, c, row) in enumerate(zip(prompts, completions, rows)):
+          try:
+            v = f(p, c, row)
+          except Exception as e:  # noqa: BLE001
+            v = _Raised(e)
+          if inspect.isawaitable(v):
+            pending.append((i, j, v))
+          vals.append(v)
+        raw.append(vals)
+    if pending:
+      for (i, j, _), v in zip(pending, _await_all([aw for _, _, aw in pending])):
+        if j is None:
+          raw[i] = v
+        else:
+          raw[i][j] = v
     each: dict[str, list[float]] = {}
     fails: dict[str, Failures] = {}
     for i, (name, f) in enumerate(zip(self.names, self.fns)):
       fl = fails[name] = Failures()
-      vals = []
+      out = raw[i]
       if is_batched(f):
-        try:
-          raw = self._call_batched(i, prompts, completions, rows, completion_ids, messages)
-        except RewardFailed:
-          raise
-        except Exception as e:  # noqa: BLE001 -- a user's reward must not kill the run unless it always fails
-          raw, err = None, f"raised {type(e).__name__}: {e}"
-          for _ in range(n):
-            fl.add("raised", err)
-          vals = [math.nan] * n
-        if raw is not None:
-          for v in raw:
-            x, kind, what = _value(v)
-            if kind:
-              fl.add(kind, what)
-            fl.none += v is None
-            vals.append(x)
-      else:
-        for p, c, row in zip(prompts, completions, rows):
-          try:
-            v = f(p, c, row)
-            x, kind, what = _value(v)
-            fl.none += v is None
-          except Exception as e:  # noqa: BLE001
-            x, kind, what = math.nan, "raised", f"raised {type(e).__name__}: {e}"
-          if kind:
-            fl.add(kind, what)
-          vals.append(x)
+        if isinstance(out, _Raised):
+          out = [out] * n  # it raised: a failure of every completion
+        else:
+          out = self._listed(i, out, n)
+      vals = []
+      for v in out:
+        if isinstance(v, _Raised):
+          x, kind, what = math.nan, "raised", f"raised {type(v.error).__name__}: {v.error}"
+        else:
+          x, kind, what = _value(v)
+          fl.none += v is None
+        if kind:
+          fl.add(kind, what)
+        vals.append(x)
       if n and fl.total == n:
         spec = self.specs[i] if self.specs else name
         mixed = n not in (fl.raised, fl.nan, fl.other)
@@ -298,4 +402,5 @@ class Rewards:
     for j in range(n):
       vs = [(w, each[nm][j]) for nm, w in zip(self.names, self.weights) if not math.isnan(each[nm][j])]
       total.append(sum(w * v for w, v in vs) if vs else math.nan)  # NaN only under exclude: nothing scored it
-    return Scored(total, each, fails)
+    metrics = {k: sum(v) / len(v) for k, v in logs.metrics.items()}  # TRL: the mean of the step's calls
+    return Scored(total, each, fails, metrics, logs.extra)

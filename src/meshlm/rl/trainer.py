@@ -29,7 +29,7 @@ from meshlm.models.params import merge_state
 from meshlm.parallel.mesh import make_mesh
 from meshlm.rl import loss as L
 from meshlm.rl import rollout as R
-from meshlm.rl.rewards import Rewards
+from meshlm.rl.rewards import RewardFailed, Rewards, TrainerState
 from meshlm.rl.step import build_rl_step, check_rl, flip_metrics, scorer
 from meshlm.train import loop as LP
 from meshlm.train.metrics import MetricsWriter
@@ -54,6 +54,11 @@ RewardWarning.__module__ = ClipWindowWarning.__module__ = EmptyStepWarning.__mod
 DERIVED = ("train.seq_len", "train.per_device_batch_size", "train.sample_tokens")
 COMPLETIONS = "completions.jsonl"  # run_dir's record of the evaluations' prompts, completions and rewards
 SHOW = 2  # evaluation completions printed to the console, each eval
+LOGGED = "_logged"  # a rollout's host metrics: what the rewards logged (log_metric), merged into the step's record
+# The keys train/loop.py's Loop._report writes into every record besides the step's metrics: a reward's log_metric
+# may name none of them (nor any metric of the step).
+RECORD_KEYS = ("step", "loss", "grad_norm", "step_time_s", "tokens_per_s", "nonfinite", "time_to_first_step_s",
+               "nonfinite_in_a_row", "nonfinite_total")
 
 
 @dataclasses.dataclass
@@ -141,11 +146,20 @@ class Trainer:
   def _texts(self, gen) -> list[str]:
     return [self.tokenizer.decode([t for t in toks if t not in self.stops]) for toks in gen.token_lists()]
 
-  def _score(self, prompts: list[R.Prompt], gen, texts: list[str]):
+  def trainer_state(self, step: int) -> TrainerState:
+    """TRL's trainer_state at RL step `step` (before its updates): the updates done and the prompts drawn so far."""
+    cfg, rl = self.cfg, self.cfg.rl
+    n = max(len(self.prompts), 1)
+    return TrainerState(global_step=step * rl.num_iterations, max_steps=cfg.train.steps * rl.num_iterations,
+                        epoch=step * rl.prompts_per_step / n,
+                        num_train_epochs=-(-cfg.train.steps * rl.prompts_per_step // n),
+                        is_world_process_zero=jax.process_index() == 0, is_local_process_zero=True)
+
+  def _score(self, prompts: list[R.Prompt], gen, texts: list[str], step: int = 0):
     rows_in = [dict(p.row, _completion_tokens=int(n)) for p, n in zip(prompts, gen.lengths)]
     chat = prompts[0].messages is not None  # one form per file (load_prompts)
     return self.rewards([p.text for p in prompts], texts, rows_in, gen.token_lists(),
-                        [p.messages for p in prompts] if chat else None)
+                        [p.messages for p in prompts] if chat else None, state=self.trainer_state(step))
 
   def rollout(self, state, i: int) -> dict:
     """The device batch of step i, from the current parameters; its host metrics into host_metrics[i]."""
@@ -159,7 +173,7 @@ class Trainer:
     t_sample = time.perf_counter() - t0
     texts = self._texts(gen)
     group = [p for p in prompts for _ in range(rl.num_generations)]
-    scored = self._score(group, gen, texts)  # a reward failing on every completion stops the run here
+    scored = self._score(group, gen, texts, i)  # a reward failing on every completion stops the run here
     total = np.asarray(scored.total, np.float64)  # the metrics' (NaN: excluded); the advantages take float32
     cut = R.truncated(gen, self.stops)
     self.last = {"prompts": group, "texts": texts, "scored": scored, "truncated": cut}
@@ -205,53 +219,60 @@ class Trainer:
                f"{n}: {f.raised} of {rows} raised, first {f.first}" if f.raised else
                f"{n}: {f.nan + f.other} of {rows} {f.first}" for n, f in bad.items()]
       warnings.warn(f"step {i}: {'; '.join(parts)}; {scored_as}", RewardWarning)
+    m[LOGGED] = dict(scored.metrics)
     if rl.eval_every and i % rl.eval_every == 0:
-      m.update(self.evaluate(state, i))
+      evaluated = self.evaluate(state, i)
+      m[LOGGED].update(evaluated.pop(LOGGED))
+      m.update(evaluated)
     self.host_metrics[i] = m
     return dev
 
   def evaluate(self, state, step: int) -> dict[str, float]:
     """The eval set's mean reward greedy (eval_reward) and sampled once per prompt with the rollouts' temperature,
     top-k and top-p (eval_reward_sampled); every completion into run_dir/completions.jsonl, the first SHOW to the
-    console. No training, and its seeds are a stream of their own."""
+    console. No training, and its seeds are a stream of their own. What the rewards log (log_metric) comes back
+    under LOGGED as eval_<name> and eval_<name>_sampled."""
     from meshlm.models.generate import generate
     cfg, rl = self.cfg, self.cfg.rl
     ps, params = self.eval_set, self.params_of(state)
-    out, lines = {}, []
+    out, lines, logged = {}, [], {}
     for mode, kw in (("greedy", dict(temperature=0.0)),
                      ("sampled", dict(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
                                       seed=step_seeds(cfg.train.seed, step, len(ps), EVAL_STREAM)))):
       gen = generate(R.sampler_config(cfg), params, [p.ids for p in ps], max_new_tokens=rl.max_new_tokens,
                      stop_tokens=self.stops, mesh=self.mesh, **kw)
       texts = self._texts(gen)
-      sc = self._score(ps, gen, texts)
+      sc = self._score(ps, gen, texts, step)
       out["eval_reward" if mode == "greedy" else "eval_reward_sampled"] = _nanmean(sc.total)
+      logged.update({f"eval_{k}" + ("_sampled" if mode == "sampled" else ""): v for k, v in sc.metrics.items()})
       for j, (p, t) in enumerate(zip(ps, texts)):
         lines.append({"step": step, "mode": mode, "prompt": p.text, "completion": t,
                       "reward": _json_value(float(sc.total[j])),
                       "rewards": {n: _json_value(float(v[j])) for n, v in sc.each.items()},
-                      "truncated": bool(R.truncated(gen, self.stops)[j])})
+                      "truncated": bool(R.truncated(gen, self.stops)[j]), **_extra(sc, j)})
     self._append_completions(lines)
     for r in lines[:SHOW]:
       reward = "nan" if r["reward"] is None else f"{r['reward']:.3f}"
       self.say(f"eval step {step} ({r['mode']}): {printable(r['prompt'])!r} -> {printable(r['completion'])!r}  "
                f"reward {reward}", markup=False, highlight=False)
-    return out
+    return {**out, LOGGED: logged}
 
   def _append_completions(self, lines: list[dict]) -> None:
     if jax.process_index() == 0 and self.cfg.run_dir:
       with open(os.path.join(self.cfg.run_dir, COMPLETIONS), "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+        # default=str: a log_extra value JSON has no form for (a parsed expression) is written as its str
+        f.writelines(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in lines)
 
   def log_rollout(self, step: int, prompts: list[R.Prompt], texts: list[str], scored, cut, adv) -> None:
     """The first rl.log_completions rows of step's rollout into run_dir/completions.jsonl (mode "rollout": TRL's
-    log_completions), with each row's rewards (null: none), advantage and whether it was truncated."""
+    log_completions), with each row's rewards (null: none), advantage, whether it was truncated, and the columns the
+    rewards logged for it (log_extra: "extra")."""
     n = min(self.cfg.rl.log_completions, len(texts))
     self._append_completions([
         {"step": step, "mode": "rollout", "prompt": prompts[j].text, "completion": texts[j],
          "reward": _json_value(float(scored.total[j])),
          "rewards": {k: _json_value(float(v[j])) for k, v in scored.each.items()}, "advantage": float(adv[j]),
-         "truncated": bool(cut[j])} for j in range(n)])
+         "truncated": bool(cut[j]), **_extra(scored, j)} for j in range(n)])
 
   def updates(self, state, batch, step: int | None = None):
     """rl.num_iterations updates on one batch: the ratio and gap statistics of the first (before any
@@ -289,6 +310,21 @@ class Trainer:
 
 
 WINDOW_WARN = 0.5  # the share of first-iteration ratios outside the window that ClipWindowWarning speaks up at
+
+
+def _extra(scored, j: int) -> dict:
+  """Completion j's log_extra columns, as a completions.jsonl row's "extra" (none: no key)."""
+  return {"extra": {k: v[j] for k, v in scored.extra.items()}} if scored.extra else {}
+
+
+def with_logged(record: dict, logged: dict[str, float], step: int) -> dict:
+  """A step's record with what its rewards logged (log_metric) under their own names, as TRL logs them; a name the
+  record has (meshlm's own metric) or the loop writes (RECORD_KEYS) stops the run, naming it."""
+  clash = sorted(k for k in logged if k in record or k in RECORD_KEYS)
+  if clash:
+    raise RewardFailed(f"step {step}: a reward's log_metric named {clash[0]!r}, a metric meshlm logs itself; give it "
+                       "another name")
+  return {**record, **logged}
 
 
 def run(cfg: Config, *, console=None, show_progress: bool = True, start_time: float | None = None,
@@ -360,10 +396,11 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
     state, m, dt = tr.updates(state, batch, i)
     holder["state"] = state
     host = tr.host_metrics.pop(i)
+    logged = host.pop(LOGGED, {})
     total = host["sample_time_s"] + dt
     extra = {**host, "train_time_s": dt, "sample_share": host["sample_time_s"] / total}
     train_time[i] = dt
-    return state, {**m, **extra}
+    return state, with_logged({**m, **extra}, logged, i)
 
   def progress(m):
     return f"reward {m['reward_mean']:.3f}" + (f"  eval {m['eval_reward']:.3f}" if "eval_reward" in m else "")
@@ -379,6 +416,7 @@ def _run(tr: Trainer, ckpt, console, say, show_progress, t_start, on_step) -> RL
   # A record's eval_reward was measured before its update: after step - 1 updates (eval.json's keys count updates).
   evals = {r["step"] - 1: r["eval_reward"] for r in records if "eval_reward" in r}
   if out.stop_reason == "done" and cfg.rl.eval_every and records:
+    # (what its rewards log has no step record to go into: eval.json keeps the greedy reward alone)
     evals[cfg.train.steps] = tr.evaluate(out.state, cfg.train.steps)["eval_reward"]
     if jax.process_index() == 0:
       # The greedy evaluations of the whole run (after the last step too), beside metrics.jsonl.

@@ -98,6 +98,14 @@ class ChatTemplate:
     """How assistant tokens are found: "generation" (the template's markers) or "prefix" (prefix renderings)."""
     return "generation" if self.has_generation else "prefix"
 
+  @property
+  def special_tokens_read(self) -> frozenset[str]:
+    """The special tokens (bos_token, eos_token, ...) the template reads: variables a tokenizer_config.json fills."""
+    import jinja2.meta
+    template, _ = _compile(self.source)
+    return frozenset(jinja2.meta.find_undeclared_variables(template.environment.parse(self.source))) & \
+        frozenset(_SPECIAL_TOKENS)
+
   def __getstate__(self):
     return {"source": self.source, "where": self.where, "special": self.special}
 
