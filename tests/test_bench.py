@@ -614,3 +614,26 @@ def test_parked_state_comes_back_the_same(two_modes):
   parked.step(1)
   for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(parked.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_chip_driver_runs_valid_configs_under_timeout(tmp_path):
+  """benchmarks/bench_chip.py's runs (what the lead runs on the chip): each a `meshlm bench` of chip.py's model with
+  the explicit and auto arms, whose configs validate here, under `timeout` within the budget."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  sys.path.insert(0, str(root / "benchmarks"))
+  import bench_chip
+  for run in bench_chip.SETS["v5e"]:
+    cmd = bench_chip.command(run, "python3")
+    assert cmd[:4] == ["python3", "-m", "meshlm.cli", "bench"] and cmd[-1] == "--json"
+    arms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--arm"]
+    assert arms == ["explicit:shard_mode=explicit", "auto:shard_mode=auto"]
+    build_arms(list(run.overrides), arms)  # every key valid, before any chip time is spent
+  out = subprocess.run([sys.executable, str(root / "benchmarks/bench_chip.py"), str(tmp_path / "out"), "--dry-run",
+                        "--budget", "200"], capture_output=True, text=True, check=True)
+  caps = [line.split()[3] for line in out.stderr.splitlines()]
+  assert [line.split()[:3] for line in out.stderr.splitlines()] == [["timeout", "-k", "10"]] * 3
+  assert caps == ["120", "120", "200"]  # the last one's cap is what is left of the budget (nothing ran)
+  assert not (tmp_path / "out").exists()
