@@ -74,7 +74,8 @@ def summary(report: dict) -> dict:
 
 
 def table(lines: list[dict]) -> str:
-  rows = ["| run | explicit ms | auto ms | auto / explicit [95%] | rounds | state |", "| --- | --- | --- | --- | --- | --- |"]
+  rows = ["| run | explicit ms | auto ms | auto / explicit [95%] | rounds | state |",
+          "| --- | --- | --- | --- | --- | --- |"]
   for r in lines:
     if r.get("ratio") is None:
       rows.append(f"| {r['name']} | {r.get('why', 'failed')} | | | | |")

@@ -39,7 +39,7 @@ pip_install --index-url "$INDEX" $pins || {
   done
 }
 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site:$here/../src "$py" -c \
-  "import grain, array_record, portpicker, optax, orbax.checkpoint, pydantic, meshlm.cli, jax; print('jax', jax.__version__)" \
+  "import grain, array_record, portpicker, optax, orbax.checkpoint, pydantic, meshlm.cli, jax; print(jax.__version__)" \
   || { echo "tpu_install: FAILED: meshlm does not import" >&2; failed=1; }
 [ $failed = 0 ] || exit 1
 echo "tpu_install: done; now: export PYTHONPATH=\$PYTHONPATH:$(cd "$site" && pwd):$(cd "$here/.." && pwd)/src"
