@@ -559,10 +559,10 @@ def test_two_arms_of_one_layout_hold_one_state(two_modes, share):
     runners.append(new_runner(arm.name, two_modes[arm.name], timer))
     return runners[-1]
 
-  report = run(_arms("explicit", "auto"), reps=6, warmup=1, prepare=prepare, log=lambda m: None, share=share,
+  report = run(_arms("explicit", "auto"), reps=2, warmup=1, prepare=prepare, log=lambda m: None, share=share,
                park=False)
-  assert report["arms"]["auto"]["rounds"] == 6 and report["pairs"]["auto"] == ("shared" if share else "separate")
-  visits = 1 + 6 * 2  # per arm: the warm-up, then two visits a round
+  assert report["arms"]["auto"]["rounds"] == 2 and report["pairs"]["auto"] == ("shared" if share else "separate")
+  visits = 1 + 2 * 2  # per arm: the warm-up, then two visits a round
   assert report["state_copies"] == 0  # handing the state over relabels its buffers, never copies them
   if share:
     assert runners[0].slot is runners[1].slot and int(runners[0].state.step) == 2 * visits
