@@ -9,7 +9,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TPU_STAMP := $(VENV)/.installed-tpu
 
-.PHONY: setup train test bench bench-table rl-demo clean
+# The platform `make train` runs on: JAX_PLATFORMS when set, else tpu on a machine with a TPU chip, else cpu.
+PLATFORM := $(shell sh scripts/platform.sh)
+
+.PHONY: setup setup-tpu train test bench bench-table rl-demo clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (set PYTHON=...)" >&2; exit 1; }
@@ -28,9 +31,13 @@ $(TPU_STAMP): $(STAMP) requirements-tpu.lock
 
 setup: $(STAMP)
 
-# The CPU demo: JAX_PLATFORMS=cpu unless set, so a .venv that `make test` gave libtpu does not probe for a TPU.
-train: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(BIN)/meshlm train model=llama2-tiny train.steps=600
+# On a TPU VM: the lock and the tpu extra (libtpu), what `make train` installs there by itself (docs/tpu.md).
+setup-tpu: $(TPU_STAMP)
+
+# The demo. On CPU (JAX_PLATFORMS=cpu, so a .venv that `make test` gave libtpu does not probe for a TPU) and, on a
+# TPU machine, on its chip, the tpu extra installed first. JAX_PLATFORMS, when set, is kept.
+train: $(STAMP) $(if $(findstring tpu,$(PLATFORM)),$(TPU_STAMP))
+	JAX_PLATFORMS=$(PLATFORM) $(BIN)/meshlm train model=llama2-tiny train.steps=600
 
 test: $(STAMP) $(TPU_STAMP)
 	$(BIN)/python -m pytest

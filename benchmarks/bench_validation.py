@@ -36,15 +36,17 @@ TIMER = TIMERS["wall"]  # --timer sets it
 
 
 class Step:
-  """One arm: the compiled step with its own state and batch."""
+  """One arm: the compiled step with its own state and batch (layout None: the harness shares it with no arm)."""
+  layout = shardings = None
 
   def __init__(self, call, state, batch):
-    self.call, self.state, self.batch = call, state, batch
+    from meshlm.bench.harness import StateSlot
+    self.call, self.batch, self.slot = call, batch, StateSlot(lambda: state, state)
 
   def run_one(self):
     import jax
-    self.state, metrics = self.call(self.state, self.batch)  # donated: rebind
-    jax.block_until_ready((self.state, metrics))
+    self.slot.state, metrics = self.call(self.slot.state, self.batch)  # donated: rebind
+    jax.block_until_ready((self.slot.state, metrics))
 
   def step(self, n: int = 1) -> float:
     t0 = TIMER()

@@ -4,11 +4,12 @@ import json
 import os
 import random
 import statistics
+import time
 
 import pytest
 
 from meshlm.analysis.arms import Arm, build_arms
-from meshlm.bench.harness import TIMERS, _Runner, plot, render, run
+from meshlm.bench.harness import TIMERS, StateSlot, _Runner, plot, render, run
 from meshlm.bench.stats import arm_stats, median_ci, order_stat_rank, paired, ratios, verdict, verdict_word
 from meshlm.errors import ConfigError
 
@@ -99,12 +100,31 @@ class _Clock:
     return self.t
 
 
+class _Slot:
+  """A fake state slot: where its state is (None: not made yet; "device" or "host"), shared by the runners given it."""
+
+  copies = 0
+
+  def __init__(self, on_device: set | None = None):
+    self.where, self.on_device = None, on_device if on_device is not None else set()
+
+  def ready(self, shardings=None):
+    self.where = "device"
+    self.on_device.add(self)
+
+  def park(self):
+    if self.where == "device":
+      self.where = "host"
+      self.on_device.discard(self)
+
+
 class _Fake:
   """A runner whose step returns the next scripted time (1.0 when the script runs out) and advances
-  the shared fake clock by it."""
+  the shared fake clock by it. layout: arms with equal layouts share a state (None: none)."""
 
-  def __init__(self, name, order, times, fail_at=None, clock=None):
+  def __init__(self, name, order, times, fail_at=None, clock=None, layout=None, on_device=None):
     self.name, self.order, self.times, self.fail_at, self.calls, self.clock = name, order, list(times), fail_at, 0, clock
+    self.layout, self.slot, self.shardings = layout, _Slot(on_device), None
 
   def step(self, n=1):
     self.calls += 1
@@ -158,13 +178,13 @@ def test_rotation_cancels_an_effect_at_the_ends_of_a_round():
   # between rounds disturbs it). Rotation gives that cost to A and B in turn.
   visits = {"n": 0}
 
-  class Boundary:
+  class Boundary(_Fake):
     def step(self, n=1):
       first = visits["n"] % 4 == 0  # 2 arms: 4 visits a round
       visits["n"] += 1
       return 1.1 if first else 1.0
 
-  report = _run({"A": Boundary(), "B": Boundary()}, reps=10, warmup=0)
+  report = _run({"A": Boundary("A", [], []), "B": Boundary("B", [], [])}, reps=10, warmup=0)
   b = report["arms"]["B"]
   assert sorted(set(round(r, 6) for r in b["round_ratios"])) == [round(1 / 1.05, 6), 1.05]
   assert b["ratio_ci"][0] < 1.0 < b["ratio_ci"][1]
@@ -177,15 +197,14 @@ def test_abba_cancels_a_linear_drift_that_plain_alternation_does_not():
   # The machine slows by 1% per visit; the arms are identical. ABBA gives ratio exactly 1.
   clock = _Clock()
 
-  class Drift:
-    def __init__(self):
-      self.visits = 0
+  class Drift(_Fake):
+    visits = 0
 
     def step(self, n=1):
       self.visits += 1
       return 1.0 + 0.01 * self.visits
 
-  shared = Drift()
+  shared = Drift("A", [], [])
   fakes = {"A": shared, "B": shared}
   report = _run(fakes, reps=8, warmup=0, clock=clock)
   assert report["arms"]["B"]["ratio_ci"] == pytest.approx([1.0, 1.0])
@@ -275,7 +294,8 @@ def test_a_visit_is_timed_on_the_runners_timer_and_rebinds_the_donated_state():
     calls.append(state)
     return state + 1, {"loss": state}
 
-  r = _Runner("x", call, jnp.zeros(()), None, timer=lambda: next(ticks))
+  r = _Runner("x", call, StateSlot(lambda: jnp.zeros(())), None, timer=lambda: next(ticks))
+  r.slot.ready()
   assert r.step(3) == pytest.approx(2.0)  # seconds per step
   assert [int(c) for c in calls] == [0, 1, 2] and int(r.state) == 3
   assert TIMERS["wall"] is not TIMERS["cpu"]
@@ -438,59 +458,182 @@ def test_bench_end_to_end(capsys, tmp_path):
   assert explicit["rounds"] == 6 and len(explicit["ratio_ci"]) == 2
   assert explicit["ratio_ci"][0] <= explicit["ratio"] <= explicit["ratio_ci"][1]
   assert report["ratios"]["auto"] == 1.0 and png.exists()
+  assert report["states"] == [["auto", "explicit"]] and report["pairs"] == {"explicit": "shared"}
 
 
-# --- parking the idle arms' states (park) ---------------------------------------------------------
+# --- one state for the arms of one layout (share), parking the others (park) -----------------------
 
-class _Parkable(_Fake):
-  """A fake runner that knows whether its state is on the device, and the set of arms whose states are."""
+class _Tracked(_Fake):
+  """A fake runner that checks its state is on the device when it steps, and records how many states are."""
 
-  def __init__(self, name, order, on_device: set, peak: list):
-    super().__init__(name, order, [])
-    self.on_device, self.peak = on_device, peak
-    on_device.add(name)  # prepare leaves the state on the device
-
-  def park(self):
-    self.on_device.discard(self.name)
-
-  def unpark(self):
-    self.on_device.add(self.name)
+  def __init__(self, name, order, on_device: set, peak: list, layout=None):
+    super().__init__(name, order, [], layout=layout, on_device=on_device)
+    self.peak = peak
 
   def step(self, n=1):
-    assert self.name in self.on_device, f"{self.name} stepped with its state parked"
-    self.peak.append(len(self.on_device))
+    assert self.slot in self.slot.on_device, f"{self.name} stepped with its state parked"
+    self.peak.append(len(self.slot.on_device))
     return super().step(n)
 
 
-@pytest.mark.parametrize("park", [True, False])
-def test_park_keeps_one_arm_state_on_the_device(park):
+@pytest.mark.parametrize("share,park", [(True, True), (True, False), (False, True), (False, False)])
+def test_arms_of_one_layout_step_one_state_and_the_others_park(share, park):
   order, on_device, peak = [], set(), []
-  fakes = {n: _Parkable(n, order, on_device, peak) for n in ("A", "B", "C")}
-  report = _run(fakes, reps=6, warmup=1, park=park)
-  assert report["park"] is park and report["rounds"] == 6
-  if park:
-    assert set(peak) == {1} and on_device == set()  # one state on the device at a time, none left after
-  else:  # the control: every arm's state stays on the device throughout
-    assert set(peak) == {3} and on_device == {"A", "B", "C"}
+  fakes = {n: _Tracked(n, order, on_device, peak, layout) for n, layout in (("A", "x"), ("B", "x"), ("C", "y"))}
+  report = _run(fakes, reps=6, warmup=1, park=park, share=share)
+  assert report["park"] is park and report["share"] is share and report["rounds"] == 6
+  if share:  # A and B step one slot (B's own is never made); C has its own
+    assert fakes["B"].slot is fakes["A"].slot is not fakes["C"].slot
+    assert report["states"] == [["A", "B"], ["C"]]
+    assert report["pairs"] == {"B": "shared", "C": "parked" if park else "separate"}
+  else:  # the control: a state per arm
+    assert report["states"] == [["A"], ["B"], ["C"]]
+    assert report["pairs"] == {"B": "parked" if park else "separate", "C": "parked" if park else "separate"}
+  # park: one state on the device at any step; without, every state stays there once made.
+  assert max(peak) == (1 if park else len(report["states"]))
+  text = render(report)
+  assert report["pairs"]["C"] in text.splitlines()[3]
+  assert ("2 states" if share else "3 states") in text and ("A + B" in text) is share
 
 
-def test_parked_state_comes_back_the_same():
-  # The real runner: park moves the state to numpy, unpark back onto its shardings; the steps after are unchanged.
+def test_a_step_that_fails_after_donating_leaves_a_fresh_state_for_the_arms_that_share_it():
+  import jax.numpy as jnp
+  made = []
+
+  def call(state, batch):
+    state.delete()  # what a donating executable that fails part-way leaves behind
+    raise RuntimeError("RESOURCE_EXHAUSTED")
+
+  slot = StateSlot(lambda: made.append(1) or jnp.zeros(()))
+  slot.ready()
+  with pytest.raises(RuntimeError):
+    _Runner("x", call, slot, None).step()
+  assert slot.state is None
+  slot.ready()
+  assert len(made) == 2 and float(slot.state) == 0.0
+
+
+def test_default_park_counts_states_not_arms(monkeypatch):
+  """On CPU nothing parks; arms that share one state never park (the count is of states)."""
+  from meshlm.bench import harness
+  order, on_device, peak = [], set(), []
+  fakes = {n: _Tracked(n, order, on_device, peak, "x") for n in "AB"}
+  assert _run(fakes, reps=6, warmup=0)["park"] is False
+  assert harness.default_park(1) is False and harness.default_park(2) is False  # the host is the device
+
+
+def _live_bytes() -> int:
   import jax
-  import numpy as np
+  return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+@pytest.fixture(scope="module")
+def two_modes():
+  """llama2-tiny's one-layer step compiled under explicit and under auto: one mesh, one state layout."""
   from meshlm import load_config
   from meshlm.bench.harness import compile_arm
-  cfg = load_config("model=llama2-tiny", "train.seq_len=16", "train.per_device_batch_size=1", "mesh.fsdp=2",
-                    "mesh.data=-1")
-  runners = [compile_arm(Arm("x", [], cfg)).runner for _ in range(2)]
-  plain, parked = runners
+  base = ("model=llama2-tiny", "model.num_layers=1", "train.seq_len=16", "train.per_device_batch_size=1",
+          "mesh.fsdp=2", "mesh.data=-1")
+  return {m: compile_arm(Arm(m, [], load_config(*base, f"shard_mode={m}")), init_state=False)
+          for m in ("explicit", "auto")}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_two_arms_of_one_layout_hold_one_state(two_modes, share):
+  """The real runners: explicit and auto step one state (counted in live buffers at every visit's start and end:
+  one state's bytes more than before the run, not two), and every step of both arms advanced it. The control
+  (share off, today's path) holds two."""
+  import numpy as np
+  from meshlm.bench.harness import StateLayout, new_runner
+  explicit, auto = two_modes["explicit"], two_modes["auto"]
+  layout = StateLayout.of(explicit.compiled)
+  assert layout == StateLayout.of(auto.compiled)  # the meshes' axis types differ, the buffers do not
+  state_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype, _ in layout.inputs)
+  before, samples, runners = _live_bytes(), [], []
+
+  def timer():
+    samples.append(_live_bytes() - before)
+    return time.perf_counter()
+
+  def prepare(arm):
+    runners.append(new_runner(arm.name, two_modes[arm.name], timer))
+    return runners[-1]
+
+  report = run(_arms("explicit", "auto"), reps=2, warmup=1, prepare=prepare, log=lambda m: None, share=share,
+               park=False)
+  assert report["arms"]["auto"]["rounds"] == 2 and report["pairs"]["auto"] == ("shared" if share else "separate")
+  visits = 1 + 2 * 2  # per arm: the warm-up, then two visits a round
+  assert report["state_copies"] == 0  # handing the state over relabels its buffers, never copies them
+  if share:
+    assert runners[0].slot is runners[1].slot and int(runners[0].state.step) == 2 * visits
+    assert max(samples) < 1.5 * state_bytes
+  else:
+    assert [int(r.state.step) for r in runners] == [visits, visits]
+    assert 2 * state_bytes <= max(samples) < 2.5 * state_bytes
+
+
+def test_state_layouts_compare_placement_dtype_and_tree():
+  """StateLayout on tiny programs: auto and explicit meshes with one spec are one layout; another spec, another dtype
+  or another tree is not."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from meshlm.bench.harness import StateLayout
+
+  def layout(axis_type, spec, dtype=jnp.float32, tree=lambda x: {"w": x}):
+    mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(axis_type,), devices=jax.devices()[:2])
+    sh = NamedSharding(mesh, spec)
+    state = tree(jax.ShapeDtypeStruct((4, 2), dtype, sharding=sh))
+    f = jax.jit(lambda s, b: (jax.tree.map(lambda x: x + 1, s), b), donate_argnums=(0,), out_shardings=(sh, None))
+    with jax.set_mesh(mesh):
+      return StateLayout.of(f.lower(state, jnp.zeros(())).compile())
+
+  base = layout(AxisType.Explicit, P("fsdp"))
+  assert base == layout(AxisType.Auto, P("fsdp"))
+  assert base != layout(AxisType.Explicit, P(None, "fsdp"))
+  assert base != layout(AxisType.Explicit, P("fsdp"), jnp.bfloat16)
+  assert base != layout(AxisType.Explicit, P("fsdp"), tree=lambda x: [x])
+
+
+def test_parked_state_comes_back_the_same(two_modes):
+  # The real runner: park moves the state to numpy, ready puts it back onto its shardings; the steps after are
+  # unchanged.
+  import jax
+  import numpy as np
+  from meshlm.bench.harness import new_runner
+  plain, parked = (new_runner("x", two_modes["explicit"]) for _ in range(2))
+  for r in (plain, parked):
+    r.slot.ready()
   plain.step(2)
   parked.step(1)
   shardings = jax.tree.map(lambda a: a.sharding, parked.state)
-  parked.park()
+  parked.slot.park()
   assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(parked.state))
-  parked.unpark()
+  parked.slot.ready()
   assert jax.tree.map(lambda a: a.sharding, parked.state) == shardings
   parked.step(1)
   for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(parked.state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_chip_driver_runs_valid_configs_under_timeout(tmp_path):
+  """benchmarks/bench_chip.py's runs (what the lead runs on the chip): each a `meshlm bench` of chip.py's model with
+  the explicit and auto arms, whose configs validate here, under `timeout` within the budget."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  sys.path.insert(0, str(root / "benchmarks"))
+  import bench_chip
+  for run in bench_chip.SETS["v5e"]:
+    cmd = bench_chip.command(run, "python3")
+    assert cmd[:4] == ["python3", "-m", "meshlm.cli", "bench"] and cmd[-1] == "--json"
+    arms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--arm"]
+    assert arms == ["explicit:shard_mode=explicit", "auto:shard_mode=auto"]
+    build_arms(list(run.overrides), arms)  # every key valid, before any chip time is spent
+  out = subprocess.run([sys.executable, str(root / "benchmarks/bench_chip.py"), str(tmp_path / "out"), "--dry-run",
+                        "--budget", "200"], capture_output=True, text=True, check=True)
+  caps = [line.split()[3] for line in out.stderr.splitlines()]
+  assert [line.split()[:3] for line in out.stderr.splitlines()] == [["timeout", "-k", "10"]] * 3
+  assert caps == ["120", "120", "200"]  # the last one's cap is what is left of the budget (nothing ran)
+  assert not (tmp_path / "out").exists()

@@ -121,3 +121,26 @@ def test_a_broken_link_or_anchor_is_named(tmp_path):
                "# Top\n[gone](gone.md) [bad anchor](b.md#no-heading) ![img](missing.png)\n")
   assert broken_links([a]) == ["a.md: gone.md (no such file)", "a.md: b.md#no-heading (no such heading)",
                                "a.md: missing.png (no such file)"]
+
+
+# The README's sentence on what `auto` picks is written from the code: nn/attention.resolve_impl per platform and
+# models/logprobs.BLOCKWISE_FROM (issue 62: it said "flash on GPU/TPU" after TPU moved to splash).
+def auto_sentence(resolve) -> str:
+  """The sentence `resolve` (resolve_impl's signature) makes true, as the README words it."""
+  from meshlm.models.logprobs import BLOCKWISE_FROM
+  from meshlm.nn.attention import CPU_FLASH_FROM
+  tpu, tpu_split, gpu = resolve("auto", 2048, "tpu"), resolve("auto", 2048, "tpu", 2), resolve("auto", 2048, "gpu")
+  cpu_long, cpu_short = resolve("auto", CPU_FLASH_FROM, "cpu"), resolve("auto", CPU_FLASH_FROM - 1, "cpu")
+  gpu_cpu = f"{gpu} on GPU and on CPU" if gpu == cpu_long else f"{gpu} on GPU and {cpu_long} on CPU"
+  return (f"`auto` picks {tpu} on TPU ({tpu_split} with `mesh.context` > 1), {gpu_cpu} from a measured length up "
+          f"({cpu_short} below), blockwise from 2^{BLOCKWISE_FROM.bit_length() - 1} logits per micro-batch")
+
+
+def test_the_readme_says_what_attention_auto_picks():
+  from meshlm.nn.attention import resolve_impl
+  readme = " ".join(README.read_text().split())
+  assert auto_sentence(resolve_impl) in readme
+  # Controls: a resolve_impl that picked flash on TPU (the README's old claim) makes another sentence, not in it.
+  flash_on_tpu = lambda impl, T, platform, context=1: resolve_impl(impl, T, "gpu" if platform == "tpu" else platform,
+                                                                  context)
+  assert auto_sentence(flash_on_tpu) not in readme

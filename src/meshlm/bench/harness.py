@@ -9,6 +9,11 @@ round's ends equally often. Each round gives one time per arm (the mean of its t
 ratio per arm against the baseline; the report is the median of those ratios with a distribution-free
 95% interval (stats.py). With a target half-width, rounds are added until the interval is that
 narrow or the time budget runs out.
+
+Arms whose compiled programs take the same state layout (StateLayout: the state tree's shapes, dtypes, shardings and
+memory layouts, read from the executables) step one donated state in turn, so the device holds one state whatever
+the number of arms, and a visit times exactly what a training step does. Arms with another layout (another mesh,
+another dtype) hold their own states; on an accelerator the idle ones wait in host memory (park).
 """
 from __future__ import annotations
 
@@ -48,34 +53,128 @@ def time_interleaved(fns: dict[str, tuple[Callable, tuple]], reps: int, timer: s
   return times
 
 
-@dataclasses.dataclass
-class _Runner:
-  name: str
-  call: Any
-  state: Any
-  batch: Any
-  timer: Callable[[], float] = time.perf_counter
-  parked: Any = None  # the state's shardings while the state waits in host memory (park)
+@dataclasses.dataclass(eq=False)
+class StateLayout:
+  """What a compiled step takes and returns as its state (argument 0 in, output 0 out): the tree and, per leaf, the
+  shape, dtype, sharding and memory layout the executable was compiled for. Two arms whose layouts are equal can step
+  one donated state in turn: each returns the state exactly as the other takes it, so no call copies or reshards it.
+  Shardings compare by what they place where (`is_equivalent_to`), not by their mesh's axis types: explicit and auto
+  steps of one mesh take the same buffers."""
+  tree: Any  # the state's PyTreeDef
+  inputs: tuple  # per leaf (shape, dtype, jax Format: layout + sharding)
+  outputs: tuple
+
+  @classmethod
+  def of(cls, compiled) -> "StateLayout":
+    import jax
+    (state_in, _), _ = compiled.in_avals
+    (fmt_in, _), _ = compiled.input_formats
+    state_out, fmt_out = compiled.out_info[0], compiled.output_formats[0]
+    tree = jax.tree.structure(state_in)
+    if jax.tree.structure(state_out) != tree:
+      tree = None  # the step returns another tree than it takes: no arm can step its state after it
+    return cls(tree, _leaves(state_in, fmt_in), _leaves(state_out, fmt_out))
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, StateLayout) or self.tree is None or self.tree != other.tree:
+      return False
+    # Each arm's output must be the other's input, both ways (and so each its own: A B B A steps A after A).
+    return all(map(_same_leaf, self.outputs, other.inputs)) and all(map(_same_leaf, other.outputs, self.inputs)) \
+        and all(map(_same_leaf, self.inputs, other.inputs))
+
+
+def _leaves(avals, formats) -> tuple:
+  import jax
+  return tuple((a.shape, a.dtype, f) for a, f in zip(jax.tree.leaves(avals), jax.tree.leaves(formats)))
+
+
+def _same_leaf(a: tuple, b: tuple) -> bool:
+  (shape_a, dtype_a, fmt_a), (shape_b, dtype_b, fmt_b) = a, b
+  return (shape_a == shape_b and dtype_a == dtype_b and fmt_a.layout == fmt_b.layout
+          and fmt_a.sharding.is_equivalent_to(fmt_b.sharding, len(shape_a)))
+
+
+@dataclasses.dataclass(eq=False)
+class StateSlot:
+  """One train state, stepped by every arm whose program takes its layout. Made on first use (`ready`), so a state
+  that a later arm shares is never allocated twice; `park` moves it to host memory and `ready` brings it back."""
+  make: Callable[[], Any]  # -> a fresh state on its shardings (TrainStep.init_state)
+  state: Any = None
+  shardings: Any = None  # the tree of shardings it was last placed on (None: as made)
+  parked: bool = False  # it waits in host memory
+  copies: int = 0  # times `ready` had to copy a state on the device to relabel it (0 when sharing works as meant)
+
+  @property
+  def on_device(self) -> bool:
+    return self.state is not None and not self.parked
+
+  def ready(self, shardings: Any = None) -> None:
+    """The state on the device: made now if it has none, moved back if parked; on `shardings` (the stepping arm's
+    own) when given. A slot's arms have equivalent shardings, so on the device that only relabels the same buffers:
+    each call then takes exactly the shardings it was compiled for, as a training step's state does, and dispatches
+    as fast."""
+    import jax
+    if self.state is None:
+      self.state, self.shardings, self.parked = self.make(), None, False
+    want = self.shardings if shardings is None else shardings
+    if self.parked:
+      self.state, self.shardings, self.parked = jax.device_put(self.state, want), want, False
+    elif want is not self.shardings:
+      before = _buffer(self.state)
+      self.state, self.shardings = jax.device_put(self.state, want), want
+      self.copies += _buffer(self.state) != before
 
   def park(self) -> None:
-    """Moves the state (parameters and optimizer moments) to host memory, so that another arm's fits on the device."""
+    """Moves the state (parameters and optimizer moments) to host memory, so that another state fits on the device."""
     import jax
-    self.parked = jax.tree.map(lambda a: a.sharding, self.state)
-    self.state = jax.device_get(self.state)
+    if self.on_device:
+      if self.shardings is None:
+        self.shardings = jax.tree.map(lambda a: a.sharding, self.state)
+      self.state, self.parked = jax.device_get(self.state), True
 
-  def unpark(self) -> None:
+  def drop_if_lost(self) -> None:
+    """After a failed step: a state whose buffers the step consumed (donated) is made again on the next `ready`."""
     import jax
-    if self.parked is not None:
-      self.state, self.parked = jax.device_put(self.state, self.parked), None
+    if self.on_device and any(a.is_deleted() for a in jax.tree.leaves(self.state)):
+      self.state = None
+
+
+def _buffer(state) -> int:
+  """The device address of the state's first shard of its first leaf: whether a device_put moved it."""
+  import jax
+  return jax.tree.leaves(state)[0].addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+@dataclasses.dataclass(eq=False)
+class _Runner:
+  name: str
+  call: Any  # the compiled step: (state, batch) -> (state, metrics), donating the state
+  slot: StateSlot  # the state it steps: its own, or one that other arms of its layout step too (run: share)
+  batch: Any
+  timer: Callable[[], float] = time.perf_counter
+  layout: Any = None  # StateLayout of `call`; None shares with no arm
+  shardings: Any = None  # the state's input shardings of `call` (the slot is readied onto them)
+
+  @property
+  def state(self):
+    return self.slot.state
+
+  @state.setter
+  def state(self, value) -> None:
+    self.slot.state = value
 
   def step(self, n: int = 1) -> float:
-    """Seconds per step on self.timer, averaged over n back-to-back steps (one visit)."""
+    """Seconds per step on self.timer, averaged over n back-to-back steps (one visit). The state must be ready."""
     import jax
-    t0 = self.timer()
-    for _ in range(n):
-      self.state, metrics = self.call(self.state, self.batch)  # the step donates its state: rebind
-    jax.block_until_ready((self.state, metrics))
-    return (self.timer() - t0) / n
+    try:
+      t0 = self.timer()
+      for _ in range(n):
+        self.slot.state, metrics = self.call(self.slot.state, self.batch)  # the step donates its state: rebind
+      jax.block_until_ready((self.slot.state, metrics))
+      return (self.timer() - t0) / n
+    except Exception:
+      self.slot.drop_if_lost()  # the arms that share it get a fresh one
+      raise
 
 
 def synthetic_batch(global_batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -99,28 +198,42 @@ class CompiledArm:
   compile_s: float  # wall seconds for XLA to compile it
   lower_cpu_s: float  # this process's CPU seconds (every thread) for the lowering ...
   compile_cpu_s: float  # ... and for the compile: on a shared machine, steadier than wall seconds
+  step: Any = None  # the TrainStep: new_runner makes another state and batch from it
 
 
-def compile_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> CompiledArm:
-  """Builds the arm's train step, its initialized state and the fixed batch; lowers and compiles it."""
+def compile_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter, init_state: bool = True) -> CompiledArm:
+  """Builds the arm's train step and lowers and compiles it from abstract inputs; its runner holds the fixed batch and
+  its own state slot, the state made now (init_state) or on the runner's first visit (what `run` does, so that an arm
+  that shares another's state never allocates its own)."""
   import jax
   from meshlm.train.step import build_train_step
   step = build_train_step(arm.cfg)
-  state = step.init_state(jax.random.key(arm.cfg.train.seed))
-  batch = step.put_batch(synthetic_batch(step.global_batch, arm.cfg.train.seq_len, arm.cfg.model.vocab_size))
+  t0, c0 = time.perf_counter(), time.process_time()
+  lowered = step.lower()
+  t1, c1 = time.perf_counter(), time.process_time()
   with jax.set_mesh(step.mesh):
-    t0, c0 = time.perf_counter(), time.process_time()
-    lowered = step.fn.lower(state, batch)
-    t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    t2, c2 = time.perf_counter(), time.process_time()
-  return CompiledArm(_Runner(arm.name, compiled, state, batch, timer), lowered, compiled, t1 - t0, t2 - t1,
-                     c1 - c0, c2 - c1)
+  t2, c2 = time.perf_counter(), time.process_time()
+  c = CompiledArm(None, lowered, compiled, t1 - t0, t2 - t1, c1 - c0, c2 - c1, step)
+  c.runner = new_runner(arm.name, c, timer)
+  if init_state:
+    c.runner.slot.ready()
+  return c
+
+
+def new_runner(name: str, c: CompiledArm, timer: Callable[[], float] = time.perf_counter) -> _Runner:
+  """A runner of c's executable with its own (not yet made) state slot and the fixed synthetic batch."""
+  import jax
+  step = c.step
+  batch = step.put_batch(synthetic_batch(step.global_batch, step.cfg.train.seq_len, step.cfg.model.vocab_size))
+  slot = StateSlot(lambda: step.init_state(jax.random.key(step.cfg.train.seed)))
+  (state_shardings, _), _ = c.compiled.input_shardings
+  return _Runner(name, c.compiled, slot, batch, timer, StateLayout.of(c.compiled), state_shardings)
 
 
 def prepare_arm(arm: Arm, timer: Callable[[], float] = time.perf_counter) -> _Runner:
-  """The default runner: the arm's compiled train step, its initialized state and the fixed batch."""
-  return compile_arm(arm, timer).runner
+  """The default runner: the arm's compiled train step, the fixed batch and a state slot made on first use."""
+  return compile_arm(arm, timer, init_state=False).runner
 
 
 def _reason(e: BaseException) -> str:
@@ -137,49 +250,73 @@ def _widest(times: dict[str, list[float]], level: float) -> float | None:
 
 @dataclasses.dataclass
 class _Live:
-  """The arms still running and why the others stopped: `fail` moves an arm from one to the other."""
+  """The arms still running and why the others stopped: `fail` moves an arm from one to the other. groups: the arms
+  that step each state (one list per state, in arm order), as prepared."""
   runners: dict[str, Any]
   errors: dict[str, str]
   log: Callable[[str], None]
+  groups: list[list[str]] = dataclasses.field(default_factory=list)
 
   def fail(self, name: str, e: BaseException, when: str) -> None:
     self.errors[name] = _reason(e)
-    self.runners.pop(name, None)
+    gone = self.runners.pop(name, None)
+    if gone is not None and all(r.slot is not gone.slot for r in self.runners.values()):
+      gone.slot.state = None  # no live arm steps it any more: free it
     self.log(f"bench: arm {name} failed{when}: {self.errors[name]}")
 
+  def slots(self) -> list:
+    """The states the live arms step, each once."""
+    out: list = []
+    for r in self.runners.values():
+      if all(r.slot is not s for s in out):
+        out.append(r.slot)
+    return out
 
-def _prepare_all(arms: list[Arm], prepare, warmup: int, log: Callable[[str], None], park: bool = False) -> _Live:
-  """Every arm's runner, compiled and then warmed up; an arm that fails is reported and the others still run. With
-  park, each arm's state waits in host memory whenever the arm is not running (_visit)."""
+
+def _prepare_all(arms: list[Arm], prepare, log: Callable[[str], None], share: bool = True) -> _Live:
+  """Every arm's runner, compiled; an arm that fails is reported and the others still run. With share, an arm whose
+  program takes the state layout of an earlier arm's steps that arm's state (its own slot, never made, is dropped)."""
   live = _Live({}, {}, log)
   for arm in arms:
     log(f"bench: compiling {arm.name}")
     try:
-      live.runners[arm.name] = prepare(arm)
-      if park:
-        live.runners[arm.name].park()
+      runner = prepare(arm)
     except Exception as e:  # report the arm and the reason; the other arms still run
       live.fail(arm.name, e, "")
-  # Warm up after every arm has compiled, so no arm's first timed round follows a long compile.
-  for name in list(live.runners):
-    try:
-      for _ in range(warmup):
-        _visit(live.runners[name], 1, park)
-    except Exception as e:
-      live.fail(name, e, " during warm-up")
+      continue
+    group = None
+    if share and runner.layout is not None:
+      group = next((g for g in live.groups if live.runners[g[0]].layout == runner.layout), None)
+    if group is None:
+      live.groups.append([arm.name])
+    else:
+      runner.slot = live.runners[group[0]].slot
+      group.append(arm.name)
+    live.runners[arm.name] = runner
   return live
 
 
-def _visit(runner, steps: int, park: bool) -> float:
-  """runner.step(steps); with park, the state comes to the device before and goes back to the host after (neither
-  move is timed)."""
-  if not park:
-    return runner.step(steps)
-  runner.unpark()
-  try:
-    return runner.step(steps)
-  finally:
-    runner.park()
+def _warm_up(live: _Live, warmup: int, park: bool) -> None:
+  """`warmup` untimed visits per arm, after every arm has compiled, so no arm's first timed round follows a long
+  compile; each state is made on its first visit."""
+  for name in list(live.runners):
+    try:
+      for _ in range(warmup):
+        _visit(live, name, 1, park)
+    except Exception as e:
+      live.fail(name, e, " during warm-up")
+
+
+def _visit(live: _Live, name: str, steps: int, park: bool) -> float:
+  """The arm's runner.step(steps), its state made ready first; with park, every other state waits in host memory
+  while it runs (the arms that share its state move nothing). Neither the making nor a move is timed."""
+  runner = live.runners[name]
+  if park:
+    for slot in live.slots():
+      if slot is not runner.slot:
+        slot.park()
+  runner.slot.ready(runner.shardings)
+  return runner.step(steps)
 
 
 def _time_round(live: _Live, times: dict[str, list[float]], rounds: int, steps_per_rep: int,
@@ -194,7 +331,7 @@ def _time_round(live: _Live, times: dict[str, list[float]], rounds: int, steps_p
     if name not in live.runners:
       continue
     try:
-      visits[name].append(_visit(live.runners[name], steps_per_rep, park))
+      visits[name].append(_visit(live, name, steps_per_rep, park))
     except Exception as e:
       live.fail(name, e, f" during round {rounds}")
       times.pop(name)
@@ -220,22 +357,31 @@ def _arm_results(arms: list[Arm], times: dict[str, list[float]], errors: dict[st
 def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, steps_per_rep: int = 1,
         target_ci: float | None = None, max_seconds: float | None = None,
         clock: Callable[[], float] = time.perf_counter, level: float = LEVEL, timer: str = "wall",
-        park: bool | None = None) -> dict[str, Any]:
-  """The report: {"arms", "ratios", "verdict", "rounds", "stop", "level", "ci_method", "timer"}.
+        park: bool | None = None, share: bool = True) -> dict[str, Any]:
+  """The report: {"arms", "ratios", "verdict", "rounds", "stop", "level", "ci_method", "timer", "share", "states",
+  "pairs", "park", "state_copies"}.
 
   arms.NAME is {"median_s", "spread", "reps"} (reps: the per-round times), plus for every arm after
   the first {"ratio", "ratio_ci", "half_width", "rounds", "round_ratios"}; a failed arm has "error".
-  prepare(arm) -> runner with .step(n) -> seconds per step (and .park() / .unpark() when park); the default compiles
-  the arm's train step, timed on TIMERS[timer]. park (default: default_park): every arm's state waits in host memory
-  while the other arms run, and is moved back untimed before its own visit. Every visit times steps_per_rep back-to-back steps. At least `reps` rounds run; with
+  prepare(arm) -> runner with .step(n) -> seconds per step, .slot (its state: .ready(shardings), .park(), .copies),
+  .shardings (what its slot is readied onto) and .layout (compared with ==; None shares with nothing); the default
+  compiles the arm's train step, timed on TIMERS[timer].
+  share: arms with equal layouts step one state in turn. states: the arms of each state held; pairs.NAME, for every arm
+  after the first: "shared" (it steps the baseline's state), "parked" (its own, and every state but the running arm's
+  waits in host memory) or "separate" (its own, every state on the device); state_copies: how often handing a shared
+  state to the next arm copied it on the device (0 unless the backend cannot relabel buffers). park (default:
+  default_park of the number of states): the idle states wait in host memory, moved back untimed before a visit. Every visit times steps_per_rep
+  back-to-back steps. At least `reps` rounds run; with
   target_ci, rounds are then added until every arm's half-width is <= target_ci or max_seconds
   (counted from the first timed round on `clock`) have passed. stop.reason says which: "rounds",
   "target", "time" or "failed".
   """
   log = log or (lambda msg: print(msg, file=sys.stderr))
   prepare = prepare or (lambda arm: prepare_arm(arm, TIMERS[timer]))
-  park = default_park(len(arms)) if park is None else park
-  live = _prepare_all(arms, prepare, warmup, log, park)
+  live = _prepare_all(arms, prepare, log, share)
+  park = default_park(len(live.groups)) if park is None else park
+  groups, slots = [list(g) for g in live.groups], live.slots()
+  _warm_up(live, warmup, park)
   times: dict[str, list[float]] = {n: [] for n in live.runners}
   rounds, reason, widest = 0, "failed", None
   t0 = clock()
@@ -266,15 +412,28 @@ def run(arms: list[Arm], reps: int, warmup: int = 2, log=None, prepare=None, ste
   stop = {"reason": reason, "rounds": rounds, "elapsed_s": elapsed, "target_ci": target_ci,
           "max_seconds": max_seconds, "half_width": widest}
   return {"arms": results, "ratios": ratios(results), "verdict": verdict(results, level), "rounds": rounds,
-          "stop": stop, "level": level, "ci_method": CI_METHOD, "timer": timer, "park": park}
+          "stop": stop, "level": level, "ci_method": CI_METHOD, "timer": timer, "share": share, "states": groups,
+          "pairs": pairs(arms, groups, park), "park": park, "state_copies": sum(s.copies for s in slots)}
 
 
-def default_park(arms: int) -> bool:
-  """Park the idle arms' states in host memory when several arms share an accelerator in one process: each arm holds
-  its own parameters and optimizer moments, and two of a model that fits once need not fit together (on a 16 GiB
-  TPU v5e two qwen3-0.6b AdamW states do not). On CPU devices the host is the device: nothing to gain."""
+def pairs(arms: list[Arm], groups: list[list[str]], park: bool) -> dict[str, str | None]:
+  """How each arm after the first ran against the baseline: "shared", "parked" or "separate" (run's docstring);
+  None when either never compiled."""
+  group_of = {name: i for i, g in enumerate(groups) for name in g}
+  base = group_of.get(arms[0].name)
+  out: dict[str, str | None] = {}
+  for arm in arms[1:]:
+    g = group_of.get(arm.name)
+    out[arm.name] = None if g is None or base is None else "shared" if g == base else "parked" if park else "separate"
+  return out
+
+
+def default_park(states: int) -> bool:
+  """Park the idle states in host memory when several share an accelerator in one process: each holds its parameters
+  and optimizer moments, and two of a model that fits once need not fit together (on a 16 GiB TPU v5e two qwen3-0.6b
+  AdamW states do not). On CPU devices the host is the device: nothing to gain. Arms that share one state need none."""
   import jax
-  return arms > 1 and jax.process_count() == 1 and jax.devices()[0].platform != "cpu"
+  return states > 1 and jax.process_count() == 1 and jax.devices()[0].platform != "cpu"
 
 
 def stop_line(report: dict[str, Any]) -> str:
@@ -292,8 +451,21 @@ def stop_line(report: dict[str, Any]) -> str:
   return f"{n} rounds ({t:.1f} s)"
 
 
+def states_line(report: dict[str, Any]) -> str:
+  """One sentence on the states the arms stepped: one shared, or several (parked or all on the device)."""
+  groups = report["states"]
+  held = "; ".join(" + ".join(g) for g in groups)
+  copied = f", copied {report['state_copies']} times on a hand-over" if report["state_copies"] else ""
+  if len(groups) == 1:
+    return f"one state ({held}{copied})"
+  how = "idle ones parked in host memory" if report["park"] else "all on the device"
+  return f"{len(groups)} states, {how} ({held}{copied})"
+
+
 def render(report: dict[str, Any]) -> str:
-  lines = [f"  {'arm':<20} {'median s' if report.get('timer', 'wall') == 'wall' else 'median cpu s':>10} {'spread':>8} {'ratio':>7} {'95% interval':>16} {'rounds':>6}  verdict"]
+  timer = "median s" if report.get("timer", "wall") == "wall" else "median cpu s"
+  lines = [f"  {'arm':<20} {timer:>10} {'spread':>8} {'ratio':>7} {'95% interval':>16} {'rounds':>6} {'state':>8}  "
+           "verdict"]
   for name, a in report["arms"].items():
     if a.get("error"):
       lines.append(f"  {name:<20} {'failed':>10}  {a['error']}")
@@ -307,8 +479,10 @@ def render(report: dict[str, Any]) -> str:
       ratio = f"{v['ratio']:.3f}"
       ci = "" if v["ratio_ci"] is None else f"[{v['ratio_ci'][0]:.3f}, {v['ratio_ci'][1]:.3f}]"
       word = f"{v['verdict']} (vs {v['vs']})"
-    lines.append(f"  {name:<20} {a['median_s']:>10.4f} {a['spread']:>8.1%} {ratio:>7} {ci:>16} {len(a['reps']):>6}  {word}")
-  lines.append(f"  {stop_line(report)}; interval: {report['ci_method']}")
+    state = report["pairs"].get(name) or ""  # how it ran against the baseline
+    lines.append(f"  {name:<20} {a['median_s']:>10.4f} {a['spread']:>8.1%} {ratio:>7} {ci:>16} {len(a['reps']):>6} "
+                 f"{state:>8}  {word}")
+  lines.append(f"  {stop_line(report)}; {states_line(report)}; interval: {report['ci_method']}")
   return "\n".join(lines)
 
 

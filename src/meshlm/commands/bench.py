@@ -5,7 +5,8 @@ from meshlm.commands.resolve import load_config
 from meshlm.errors import ConfigError
 
 BENCH_USAGE = ("meshlm bench [key=value ...] --arm NAME:k=v[,k=v] ... [--reps N] [--target-ci F [--max-seconds S]] "
-               "[--timer wall|cpu] [--steps-per-rep K] [--warmup N] [--json] [--plot PATH]")
+               "[--timer wall|cpu] [--steps-per-rep K] [--warmup N] [--share on|off] [--park auto|on|off] [--json] "
+               "[--plot PATH]")
 
 BENCH_OPTIONS = """  --arm NAME:k=v[,k=v]  one arm: the base keys plus these overrides (repeat; the first is the baseline)
   --reps N              timed rounds (default 7); with 2+ arms at least 6, for a 95% interval on each ratio
@@ -14,6 +15,8 @@ BENCH_OPTIONS = """  --arm NAME:k=v[,k=v]  one arm: the base keys plus these ove
   --timer wall|cpu      what a round measures (default wall)
   --steps-per-rep K     back-to-back steps per timed visit (default 1)
   --warmup N            untimed rounds first (default 2)
+  --share on|off        arms whose programs take the same state layout step one state in turn (default on)
+  --park auto|on|off    the idle states wait in host memory (default auto: on an accelerator, with 2+ states)
   --json, --plot PATH   the report as JSON; a per-round plot"""
 
 
@@ -50,7 +53,7 @@ def cmd_bench(args: list[str], start: float) -> int:
   overrides, opts = split_args(args, {"--json": False, "--arm": True, "--reps": True, "--warmup": True,
                                       "--plot": True, "--steps-per-rep": True, "--target-ci": True,
                                       "--max-seconds": True, "--timer": True,
-                                      "--park": True})
+                                      "--park": True, "--share": True})
   # --reps: the number of rounds, or the fewest rounds before --target-ci may stop.
   reps = _int_opt(opts, "--reps", 7, 1)
   target_ci = _float_opt(opts, "--target-ci", 0.0, 1.0)
@@ -65,6 +68,9 @@ def cmd_bench(args: list[str], start: float) -> int:
   park = {"auto": None, "on": True, "off": False}.get(opts.get("--park", ["auto"])[-1], "bad")
   if park == "bad":
     raise ConfigError(f"--park: expected auto, on or off, got {opts['--park'][-1]!r}")
+  share = {"on": True, "off": False}.get(opts.get("--share", ["on"])[-1], "bad")
+  if share == "bad":
+    raise ConfigError(f"--share: expected on or off, got {opts['--share'][-1]!r}")
   warmup = _int_opt(opts, "--warmup", 2, 0)
   steps_per_rep = _int_opt(opts, "--steps-per-rep", 1, 1)
   arms = build_arms(overrides, opts.get("--arm", []), min_arms=1, load=load_config)
@@ -81,7 +87,7 @@ def cmd_bench(args: list[str], start: float) -> int:
       raise ConfigError(f"--plot {plot_path}: folder {folder} does not exist")
   prepare_devices(arms)
   report = run(arms, reps, warmup, steps_per_rep=steps_per_rep, target_ci=target_ci, max_seconds=max_seconds,
-               timer=timer, park=park)
+               timer=timer, park=park, share=share)
   if plot_path is not None:
     plot(report, plot_path)
   print(dumps(report) if "--json" in opts else render(report))

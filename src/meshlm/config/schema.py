@@ -503,7 +503,7 @@ class Config(_Strict):
   loss_impl: Literal["auto", "materialized", "blockwise"] = Field(
       default="auto", description="the LM head and loss: materialized [B, T, V] logits (the reference), blockwise "
       "(head and log-softmax per block of loss_block positions at most, custom VJP; never [B, T, V]), or auto: blockwise "
-      "when a step's batch x seq_len x vocab reaches 2^28")
+      "when a micro-batch's rows x seq_len x vocab reaches 2^28")
   loss_block: int = Field(default=256, ge=1,
                           description="at most this many sequence positions per block of the blockwise loss")
   scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
