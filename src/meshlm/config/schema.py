@@ -496,6 +496,10 @@ class Config(_Strict):
       default="auto", description="the splash kernel's backward: fused (one kernel; one partial dq per key block, "
       "its memory growing with the sequence), split (a dq and a dkv kernel), or auto: fused where the sequence is at "
       "most 2 kernel blocks (nn/splash_attention.FUSED_MAX_BLOCKS), else split")
+  gdn_impl: Literal["auto", "jax", "pallas"] = Field(
+      default="auto", description="the Gated DeltaNet chunked rule of training and prefill: jax (nn/gdn.py, the "
+      "reference), pallas (the TPU Pallas kernels, nn/gdn_pallas.py; Pallas interpret mode off TPU, slow); auto: "
+      "pallas on TPU where the kernel takes the head dims, else jax. mesh.context > 1 trains with the JAX rule")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "
