@@ -274,11 +274,12 @@ def family_of_fixture(path: str) -> str:
   return next(name for name, module in ADAPTERS.items() if importlib.import_module(module).ADAPTER is adapter)
 
 
-# --- the settings real runs use: rematerialized scanned layers, flash, the blockwise loss ----------------
+# --- the settings real runs use: rematerialized scanned layers, flash, the blockwise loss, the GDN kernel ------
 
 REAL_STEPS = 2
 REAL_SEQ = 72  # past every tiny preset's sliding window and a GDN chunk (64); the loss's last block is ragged
-REAL_RUN = ("scan_layers=true", "attention_impl=flash", "loss_impl=blockwise", "loss_block=32",
+# gdn_impl=pallas: the Gated DeltaNet layers run the Pallas kernels (in interpret mode here), as they do on TPU.
+REAL_RUN = ("scan_layers=true", "attention_impl=flash", "loss_impl=blockwise", "loss_block=32", "gdn_impl=pallas",
             f"train.seq_len={REAL_SEQ}", "train.compute_dtype=float32", "train.warmup_steps=0",
             "train.learning_rate=3e-3", "shard_mode=explicit")
 # Every arm steps on the same global batch of 2 rows, so on the same batches. The rows run REAL_ARMS (each remat
@@ -295,11 +296,15 @@ REAL_PAIR = (*REAL_RUN, *REAL_ARMS["dots_fsdp2"])
 # another order, PARITY_ATOL for both (measured at most 1.4e-6 and 5.8e-7).
 REMAT_ATOL = 1e-6
 REMAT_GRAD_RTOL = 5e-6
+# gdn_impl=pallas against gdn_impl=jax along their own REAL_STEPS steps: the kernel sums in another order (float32
+# products of 1e-7 relative), which AdamW's first update g / (|g| + 1e-8) can magnify on a near-zero gradient element.
+# Losses within GDN_KERNEL_ATOL, gradient norms within it relative (the issue's 1e-4).
+GDN_KERNEL_ATOL = 1e-4
 
 
 def real_run_metrics(overrides: tuple[str, ...]) -> dict[str, np.ndarray]:
-  """{"loss", "grad_norm"} of REAL_STEPS train steps under REAL_RUN and `overrides`."""
-  cfg = meshlm.load_config(*overrides, *REAL_RUN)
+  """{"loss", "grad_norm"} of REAL_STEPS train steps under REAL_RUN and `overrides` (which win: gdn_impl=jax)."""
+  cfg = meshlm.load_config(*REAL_RUN, *overrides)
   step = build_train_step(cfg)
   return run_steps(step, step.lower(), REAL_STEPS)
 

@@ -139,7 +139,7 @@ def _under(*prefixes):
 # What each command reads: train everything but rl.*; rl no data files nor the shapes it derives from its prompts;
 # the compile-only commands no loop keys (data, logging, sampling, stopping, saving), and compile only the rl.* keys
 # of the programs it compiles. Every command but train points at train's --help for model.* instead of listing it.
-LOOP = ("run_dir", "checkpoint.", "data.", "train.log_every", "train.sample_tokens", "train.sample_temperature",
+LOOP = ("run_dir", "checkpoint.", "data.", "eval.", "train.log_every", "train.sample_tokens", "train.sample_temperature",
         "train.on_nonfinite", "train.max_nonfinite_in_a_row", "train.stop_after")
 RL_PROGRAM = ("rl.prompts_per_step", "rl.num_generations", "rl.max_new_tokens", "rl.temperature", "rl.top_k", "rl.top_p",
               "rl.policy_loss", "rl.epsilon", "rl.epsilon_high", "rl.delta", "rl.cispo_cap", "rl.ratio_level",

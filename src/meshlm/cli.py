@@ -77,8 +77,9 @@ def _usage_of(cmd: str) -> tuple[str, str | None]:
   return f"meshlm {cmd}", None
 
 
-# What a run's loop reads and a compile-only command does not: the data, when to log, sample, stop and save.
-_LOOP = ("run_dir", "checkpoint.", "data.", "train.log_every", "train.sample_tokens", "train.sample_temperature",
+# What a run's loop reads and a compile-only command does not: the data, the validation set, when to log, sample,
+# stop and save.
+_LOOP = ("run_dir", "checkpoint.", "data.", "eval.", "train.log_every", "train.sample_tokens", "train.sample_temperature",
          "train.on_nonfinite", "train.max_nonfinite_in_a_row", "train.stop_after")
 # The optimizer's keys: what only an update reads.
 _OPTIMIZER = ("train.learning_rate", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
@@ -178,7 +179,9 @@ def cmd_train(args: list[str], start: float) -> int:
   from meshlm.train.loop import param_counts, prepare_run_dir, train
   from meshlm.train.run_dir import leave_as_found
   from meshlm.analysis.census import attention_impl
+  from meshlm.models.registry import part_reports
   trainable, frozen = param_counts(cfg)  # train.freeze that leaves nothing to train fails here
+  parts = "".join(f"{k.removesuffix('_impl')}={v}  " for k, v in part_reports(cfg).items())  # gdn=jax
   console = make_console()
   try:
     with leave_as_found(cfg) as cfg:  # a fresh run_dir when it is null; removed again if the run fails to start
@@ -186,7 +189,7 @@ def cmd_train(args: list[str], start: float) -> int:
       console.print(f"[bold]meshlm train[/] {cfg.model_name}  shard_mode={cfg.shard_mode}  "
                     f"lm_head_kernel_order={cfg.lm_head_weight_grad_in_kernel_order}  "
                     f"dense_kernel_order={cfg.dense_weight_grad_in_kernel_order}  "
-                    f"attention={attention_impl(cfg)}  "
+                    f"attention={attention_impl(cfg)}  {parts}"
                     f"trainable={trainable:,}  frozen={frozen:,}  data={_data_label(cfg)}  "
                     f"tokenizer={cfg.data.tokenizer}  run_dir={cfg.run_dir}")
       result = train(cfg, console=console, start_time=start)

@@ -19,6 +19,7 @@ from meshlm.analysis import stablehlo as SH
 from meshlm.analysis.counters import DIRECTIONS, KINDS, part_counters, put, scan_dead_work
 from meshlm.analysis.scopes import attribute, join
 from meshlm.models.family import CensusCounter
+from meshlm.models.registry import part_reports
 
 SHARDING_OPS = {"sdy.sharding_constraint", "sdy.reshard", "mhlo.sharding"}
 SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
@@ -508,8 +509,7 @@ def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
           "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
           "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,
           "compute_dtype": cfg.train.compute_dtype, "per_device_batch_size": cfg.train.per_device_batch_size,
-          "seq_len": cfg.train.seq_len,
-          "loss_impl": cfg.loss_impl}
+          "seq_len": cfg.train.seq_len, "loss_impl": cfg.loss_impl, **part_reports(cfg, platform)}
 
 
 # Scalar fields shown in tables and compared side by side, in order; the parts' declared counters follow them

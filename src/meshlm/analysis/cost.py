@@ -20,7 +20,8 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`. And XLA:TPU's
   ragged dot kernel (`jax.lax.ragged_dot` there, the MoE grouped matmul's `ragged`): 2 M K N, each row against one
   group's kernel, every row of the buffer counted (the rows past the groups' sizes too: an upper figure, named in
-  `estimated`).
+  `estimated`). And the Gated DeltaNet kernels (nn/gdn_pallas.py, `gdn_chunk_{fwd,bwd}`): per (row, value head,
+  chunk of W positions) their matmuls, from q [B, T, K H], v [B, T, N J] and g [B, K, G, U, W] (`gdn_flops`).
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
   buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
   layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
@@ -266,9 +267,37 @@ def ragged_dot_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
   return 2.0 * math.sqrt(floats[0].elements * floats[1].elements * out[0].elements / grouped[0].shape[0])
 
 
+# The Gated DeltaNet kernels' custom calls (nn/gdn_pallas.FWD_NAME, BWD_NAME) and, per (row, value head, chunk),
+# how many [W, W] x [W, H], [W, W] x [W, J] and [W, H] x [H, J] products each runs (2 m n k FLOPs apiece: forward
+# k k^T, w, q k^T; u, P delta; w S, q S, kd^T delta; the backward's recomputation and its gradients, the module
+# docstring of nn/gdn_pallas.py), besides the forward's inverse.
+_GDN = re.compile(r"^gdn_chunk_(fwd|bwd)")
+_GDN_PRODUCTS = {"fwd": (3, 2, 3), "bwd": (9, 5, 7)}
+
+
+def gdn_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
+  """FLOPs of one run of a Gated DeltaNet kernel's custom call, or None for any other instruction. Its operands
+  start q [B, Tp, K H], k, v [B, Tp, N J], g [B, K, G, U, W]; per (row, value head, chunk) the products of
+  _GDN_PRODUCTS, and the forward's inverse of I + A, 2 (log2 W - 1) products of [W, W] x [W, W]."""
+  kind = _GDN.match(ins.name)
+  if ins.opcode != "custom-call" or kind is None:
+    return None
+  ops = _operand_arrays(mod, ins)
+  if len(ops) < 4 or any(a is None for a in ops[:4]) or len(ops[3].shape) != 5:
+    return None
+  q, v, g = ops[0], ops[2], ops[3]
+  B, K, G, U, W = g.shape
+  H, J = q.shape[-1] // K, v.shape[-1] // (K * G)
+  ww_h, ww_j, wh_j = _GDN_PRODUCTS[kind.group(1)]
+  per_chunk = 2.0 * (ww_h * W * W * H + ww_j * W * W * J + wh_j * W * H * J)
+  if kind.group(1) == "fwd":
+    per_chunk += 2.0 * 2 * max(int(math.log2(W)) - 1, 0) * W ** 3
+  return B * K * G * U * per_chunk
+
+
 def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple[float, list[str]]:
-  """(FLOPs of the custom calls it knows, one step: splash_flops and ragged_dot_flops times each computation's
-  runs; the calls whose count is estimated, by name)."""
+  """(FLOPs of the custom calls it knows, one step: splash_flops, ragged_dot_flops and gdn_flops times each
+  computation's runs; the calls whose count is estimated, by name)."""
   total, estimated = 0.0, []
   for ins in mod.instrs():
     times = _counted(mod, ins, within)
@@ -278,6 +307,10 @@ def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple
     if ragged is not None:  # every row of its buffer: rows past the groups' sizes (a compact buffer's) counted too
       total += times * ragged
       estimated.append(ins.name)
+      continue
+    gdn = gdn_flops(mod, ins)
+    if gdn is not None:
+      total += times * gdn
       continue
     got = splash_flops(mod, ins)
     if got is not None:

@@ -464,7 +464,7 @@ def render(report: dict) -> str:
   batch = f"per_device_batch_size={c['per_device_batch_size']}  " if "train" in report["programs"] else ""
   lines = [f"compile {c['model']}  topology={topo['name']} ({chip['devices']} x {chip['kind']}, "
            f"{chip['devices_per_chip']} per chip)  mesh {mesh}  shard_mode={c['shard_mode']}  remat={c['remat']}  "
-           f"attention={c.get('attention_impl', '-')}  "
+           f"attention={c.get('attention_impl', '-')}  " + (f"gdn={c['gdn_impl']}  " if c.get("gdn_impl") else "") +
            f"{batch}seq_len={c['seq_len']}"
            + (f"  loss={c['loss_path']}" if "loss_path" in c else "")]
   fit = report.get("fit")

@@ -526,6 +526,10 @@ class Config(_Strict):
   remat_attention: Literal["recompute", "save"] = Field(
       default="recompute", description="under remat, the attention core's output and row log-sum-exp: recompute "
       "(the backward reruns the forward kernel) or save (named residuals kept per layer; no rerun)")
+  gdn_impl: Literal["auto", "jax", "pallas"] = Field(
+      default="auto", description="the Gated DeltaNet chunked rule of training and prefill: jax (nn/gdn.py, the "
+      "reference), pallas (the TPU Pallas kernels, nn/gdn_pallas.py; Pallas interpret mode off TPU, slow); auto: "
+      "pallas on TPU where the kernel takes the head dims, else jax. mesh.context > 1 trains with the JAX rule")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "

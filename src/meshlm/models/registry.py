@@ -112,6 +112,16 @@ def resolved(cfg: Config) -> Config:
   return cfg.model_copy(update={"model": cfg.model.model_copy(update={"parts": own})})
 
 
+def part_reports(cfg: Config, platform: str | None = None) -> dict:
+  """What the parts of cfg's model report of their train step (Instrument.report), merged: resolved for `platform`
+  (default: JAX's backend) and mesh.context (-1, the devices left, counting as more than one)."""
+  import jax
+  m = resolved(cfg).model
+  context = cfg.mesh.context if cfg.mesh.context > 0 else 2
+  return {k: v for p in _parts(get(cfg.model.family))
+          for k, v in p.instrument.report(m, platform or jax.default_backend(), context).items()}
+
+
 def check_mesh(cfg: Config, sizes: dict[str, int] | None = None) -> None:
   """The mesh axis sizes (default: those cfg.mesh fixes; -1 is not known yet) against the model's parts: an axis
   that only parts this model lacks shard over stays at 1 (MeshRules.axes), and each part accepts the sizes

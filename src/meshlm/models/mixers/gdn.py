@@ -34,9 +34,13 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
 Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.linear_num_key_heads,
 model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim, model.gdn_chunk_size,
 model.gdn_impl and model.linear_conv_kernel_dim still set them): key_heads K, value_heads N (a multiple of K),
-key_head_dim H and value_head_dim J are required; chunk_size and impl say how the rule computes (COMPUTE: a
-checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. Which layers are GDN is the
-hybrid family's plan (model.hybrid_layer_types or full_attention_interval, models/plans.py), not a knob.
+key_head_dim H and value_head_dim J are required; chunk_size, impl and kernel say how the rule computes (COMPUTE: a
+checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. kernel is the top-level key
+gdn_impl (auto | jax | pallas), written into the section when the model resolves (`run_knobs`): the chunked rule of
+training and prefill in pure JAX (nn/gdn.py) or by the Pallas TPU kernels (nn/gdn_pallas.py; interpret mode off
+TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where the kernel takes the head dims).
+Which layers are GDN is the hybrid family's plan (model.hybrid_layer_types or full_attention_interval,
+models/plans.py), not a knob.
 
 The GDN kernels shard on embed only (FSDP): their head axes stay whole over mesh.tensor (not built).
 Training on mesh.context > 1 (`context_parallel`): T stays sharded through the layer; the conv takes the previous
@@ -62,10 +66,12 @@ import pydantic
 from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import CensusCounter, Instrument, MeshRules, Part, StateLeaf, section
+from meshlm.errors import ConfigError
 from meshlm.nn import gdn as rule
+from meshlm.nn import gdn_pallas
 from meshlm.nn import short_conv
 from meshlm.nn.short_conv import causal_conv, window_at
-from meshlm.parallel.sharding import ACT, auto_region_many, axes, context_size
+from meshlm.parallel.sharding import ACT, auto_region_many, axes, context_size, platform
 
 KEY = "linear_attn"
 OUT = ACT
@@ -76,7 +82,7 @@ class GDNConfig(pydantic.BaseModel):
   """The gdn part's own knobs: model.parts.gdn.<knob> (their old keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "kernel")
   key_heads: int = pydantic.Field(gt=0, description="key heads K (HF linear_num_key_heads)")
   value_heads: int = pydantic.Field(gt=0, description="value heads N, a multiple of key_heads (value head n reads "
                                     "key head n // (N / K); HF linear_num_value_heads)")
@@ -87,6 +93,9 @@ class GDNConfig(pydantic.BaseModel):
   impl: Literal["chunked", "reference"] = pydantic.Field(
       default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
       "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
+  kernel: Literal["auto", "jax", "pallas"] = pydantic.Field(
+      default="auto", description="the top-level gdn_impl, written here when the model resolves (set gdn_impl): the "
+      "chunked rule in pure JAX or by the Pallas TPU kernels")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
 
@@ -201,13 +210,56 @@ def context_parallel(m: ModelConfig, mode: str) -> bool:
   return mode == "train" and knobs(m).impl == "chunked" and context_size() > 1
 
 
+def resolve_kernel(gdn_impl: str, on: str, m: ModelConfig) -> str:
+  """gdn_impl (auto | jax | pallas) for a program built for platform `on`: jax or pallas. auto is pallas on TPU where
+  the kernel takes the model's head dims and chunk (gdn_pallas.fits), else jax; pallas on TPU with dims it does not
+  take is a ConfigError (off TPU the kernel runs in interpret mode, any dims)."""
+  if gdn_impl not in ("auto", "jax", "pallas"):
+    raise ValueError(f"gdn_impl={gdn_impl!r}: expected auto, jax or pallas")
+  K, N, _, H, J, _ = dims(m)
+  fits = gdn_pallas.fits(K, N, H, J, knobs(m).chunk_size)
+  if gdn_impl == "pallas" and on == "tpu" and not fits:
+    raise ConfigError(f"gdn_impl=pallas: the TPU kernel needs key and value head dims that are multiples of "
+                      f"{gdn_pallas.LANES} (model.parts.gdn.key_head_dim={H}, value_head_dim={J}) and "
+                      f"model.parts.gdn.chunk_size={knobs(m).chunk_size} a multiple of 16; use gdn_impl=jax or auto")
+  if gdn_impl == "auto":
+    return "pallas" if on == "tpu" and fits else "jax"
+  return gdn_impl
+
+
+def rule_kernel(m: ModelConfig, mode: str, on: str | None = None, context: int | None = None) -> str:
+  """What computes the rule in this mode: "reference" (model.parts.gdn.impl=reference, and every decode step),
+  "jax" (the chunked rule in pure JAX; also the context-parallel rule of training on mesh.context > 1) or "pallas"
+  (the kernel), for a program built for platform `on` (default: the one being traced) and `context` shards."""
+  own = knobs(m)
+  if mode == "decode" or own.impl == "reference":
+    return "reference"
+  context = context_size() if context is None else context
+  if mode == "train" and context > 1:
+    return "jax"
+  return resolve_kernel(own.kernel, platform() if on is None else on, m)
+
+
+def report(m: ModelConfig, on: str, context: int) -> dict:
+  """What the reports print (Instrument.report): gdn_impl, resolved for the train step (`rule_kernel`)."""
+  return {"gdn_impl": rule_kernel(m, "train", on, context)}
+
+
+def run_knobs(cfg) -> dict:
+  """kernel: the top-level gdn_impl, always (MeshRules.run_knobs; a resumed run's saved section does not win)."""
+  return {"kernel": cfg.gdn_impl}
+
+
 def delta_rule(m: ModelConfig, mode: str = "train"):
   """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
-  prefill use model.parts.gdn.impl (chunked, in chunks of model.parts.gdn.chunk_size, or the reference recurrence);
-  a decode step is one step of the recurrence. Training on mesh.context > 1: the context-parallel chunked rule."""
+  prefill use model.parts.gdn.impl (chunked, in chunks of model.parts.gdn.chunk_size, or the reference recurrence),
+  the chunked rule by model.parts.gdn.kernel (gdn_impl: `rule_kernel`); a decode step is one step of the recurrence.
+  Training on mesh.context > 1: the context-parallel chunked rule (pure JAX)."""
   own = knobs(m)
   if context_parallel(m, mode):
     return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=own.chunk_size)
+  if rule_kernel(m, mode) == "pallas":
+    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size)
   impl = "reference" if mode == "decode" else own.impl
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=own.chunk_size)
 
@@ -292,8 +344,8 @@ def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              config=GDNConfig, mesh=MeshRules(shard_multiple=lambda m: knobs(m).chunk_size),
-              instrument=Instrument(census=CENSUS))
+              config=GDNConfig, mesh=MeshRules(shard_multiple=lambda m: knobs(m).chunk_size, run_knobs=run_knobs),
+              instrument=Instrument(census=CENSUS, report=report))
 
 
 _SECTION = gdn()  # what `section` reads of the part (its name and config) is the same in both layouts

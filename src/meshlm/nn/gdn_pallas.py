@@ -1,0 +1,482 @@
+"""The chunked gated delta rule as a Pallas TPU kernel, forward and backward: the `gdn_impl=pallas` rule.
+
+The contract is nn/gdn.py's (gated_delta_rule_chunked is the reference it is tested against, with the recurrence,
+gated_delta_rule_reference): q, k [B, T, K, H], v [B, T, N, J], g, beta [B, T, N], optional segment ids [B, T]
+(packed documents: the state is zero entering every segment start) and initial state [B, N, H, J] (entering t = 0);
+returns (o [B, T, N, J] in v's dtype, final state [B, N, H, J] float32). Any T (a ragged last chunk is padded with
+no-op positions), value head n reads key head n // G.
+
+The math, per value head and chunk of W positions, with S [H, J] the state entering the chunk (nn/gdn.py's
+derivation; i, j positions in the chunk, "same" pairs in one segment, c_i: i still in the segment that S belongs to,
+l_j: j in the chunk's last segment):
+
+  gamma_i = sum of g_j over same j <= i                              the gate cumsum, restarted at segment starts
+  D_ij    = exp(gamma_i - gamma_j) over same j <= i, else 0           [W, W]
+  A       = strict_tril(beta_i (k_i . k_j) D_ij),  Tm = (I + A)^-1    [W, W]
+  u = Tm (beta v),  w = Tm (beta c exp(gamma) k),  delta = u - w S   [W, J], [W, H], [W, J]
+  o = (c exp(gamma) q) S + (q k^T * D) delta                         [W, J]
+  S <- c_last exp(gamma_last) S + (l exp(gamma_last - gamma) k)^T delta
+
+The inverse: Tm of the 2 x 2 diagonal blocks is I - A there (exactly: A's square vanishes on them); it is then
+doubled, X_2b = X_b - X_b A_off X_b (A_off: A's blocks below the b-blocks' diagonal inside each 2b-block), until b
+is the chunk: log2(W) - 1 steps of two float32 products each, every one the exact block inverse (no power of A is
+formed, so no growth).
+
+The backward (derived by hand, every product a matmul): with dO [W, J] and dS' [H, J] (the cotangent of the state
+leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(gamma) q, kc = beta c exp(gamma) k:
+
+  d_delta = P^T dO + kd dS'        dP = dO delta^T        d_kd = delta dS'^T        d_qe = dO S^T
+  dw = -d_delta S^T,  dkc = Tm^T dw,  dbv = Tm^T d_delta,  dA = -strict_tril(dkc w^T + dbv u^T)
+  dS = dec dS' + qe^T dO - w^T d_delta                                          (dec = c_last exp(gamma_last))
+  dq = c exp(gamma) d_qe + (dP * D) k
+  dk = l exp(gamma_last - gamma) d_kd + (dP * D)^T q + beta c exp(gamma) dkc + (dKK + dKK^T) k,  dKK = dA beta D
+  dv = beta dbv,  dbeta = rowsum(dA * kk * D) + rowsum(v * dbv) + rowsum(c exp(gamma) k * dkc)
+  dgamma = rowsum(qe * d_qe) + rowsum(kc * dkc) + rowsum(X) - colsum(X) - kd-terms,  X = (dP * qk + dA beta kk) * D
+  dg_j = sum of dgamma_i over same i >= j
+
+The kernels. Grid (B, K, U chunks, G value heads per key head); B and K "parallel", the chunk and group axes
+"arbitrary" (sequential): the state of each of the G value heads of a key head lives in a VMEM scratch [G, H, J]
+float32 across the chunks. q and k are read in place as [B, T, K * H] (blocks (1, W, H) at key head n // G: no
+expanded or group-major copy), v and o as [B, T, N * J] (blocks (1, W, J)). The per-position scalars (g, beta as
+[B, K, G, U, W]; the segment index and the carry flag as [B, U, W]) are one block per (row, key head), whole in its
+last two dims (Mosaic's (8, 128)-or-full rule), and a chunk's row is picked by a masked sum. The forward saves, per
+chunk, the state entering it [B, N, U, H, J] and Tm [B, N, U, W, W] (float32) for the backward: 2 x 64 KiB + 16 KiB
+per (row, head, chunk) of 64 positions, written once and read once, against recomputing the state chain (a second
+pass over the chunks) and the inverse (10 dependent small matmuls) in the backward. The backward runs the chunks in
+reverse with dS [G, H, J] in VMEM; dq and dk of a key head sum its G value heads' in a float32 scratch.
+
+Precision: the products take the inputs' dtype (with v's: q and k are cast to it outside) with float32 accumulation:
+bfloat16 on the MXU for bf16 inputs (the state and the float32 terms rounded to bf16 as they enter a product, as
+flash-linear-attention's kernels do), float32 at Precision.HIGHEST for float32 inputs. The inverse, the gates and
+the state are float32 throughout.
+
+Under a mesh the Mosaic call cannot be partitioned by XLA: it runs in a shard_map over the current mesh, the rows
+split as the batch's logical axis and the heads and the sequence whole (each device runs its own rows).
+
+On TPU the kernel needs H and J to be multiples of 128 (or K = 1, N = 1: the block then spans the array) and a chunk
+of at least 8 positions (`fits`); off TPU it runs in Pallas interpret mode (slow: tests and toys).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from meshlm.nn.gdn import check_chunk_size, segment_starts
+from meshlm.parallel.sharding import current_mesh, logical_spec, platform
+
+LANES = 128
+# The kernels' names in the compiled program (pallas_call's name; analysis/cost.py counts their FLOPs by them).
+FWD_NAME = "gdn_chunk_fwd"
+BWD_NAME = "gdn_chunk_bwd"
+_HI = jax.lax.Precision.HIGHEST
+
+
+def fits(K: int, N: int, H: int, J: int, chunk_size: int) -> bool:
+  """Whether the Mosaic kernel takes these shapes on TPU: its (1, W, H) and (1, W, J) blocks of the [B, T, K * H]
+  and [B, T, N * J] views need H and J multiples of 128 (or one head: the block spans the array) and W a multiple
+  of 8 sublanes (16: bf16 packs two rows per sublane)."""
+  return (H % LANES == 0 or K == 1) and (J % LANES == 0 or N == 1) and chunk_size % 16 == 0
+
+
+class _Static(NamedTuple):
+  """What the kernels are built from (hashable: custom_vjp's static argument)."""
+  W: int  # chunk
+  G: int  # value heads per key head
+  interpret: bool
+
+
+# ------------------------------------------------------------------------------------------------ in-kernel helpers
+
+
+def _iota(W: int, axis: int) -> jax.Array:
+  return jax.lax.broadcasted_iota(jnp.int32, (W, W), axis)
+
+
+def _col(row_1W: jax.Array) -> jax.Array:
+  """[1, W] -> [W, 1] (a masked lane sum: no transpose of a one-row array)."""
+  W = row_1W.shape[1]
+  return jnp.sum(jnp.where(_iota(W, 0) == _iota(W, 1), row_1W, 0.0), axis=1, keepdims=True)
+
+
+def _row(col_W1: jax.Array) -> jax.Array:
+  """[W, 1] -> [1, W]."""
+  W = col_W1.shape[0]
+  return jnp.sum(jnp.where(_iota(W, 0) == _iota(W, 1), col_W1, 0.0), axis=0, keepdims=True)
+
+
+def _last(row_1W: jax.Array) -> jax.Array:
+  """The last entry of a [1, W] row, as [1, 1]."""
+  W = row_1W.shape[1]
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, W), 1)
+  return jnp.sum(jnp.where(lane == W - 1, row_1W, 0.0), axis=1, keepdims=True)
+
+
+def _pick(x_UW: jax.Array, u) -> jax.Array:
+  """Row u (traced) of a [U, W] block, as [1, W] (a masked sublane sum)."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, x_UW.shape, 0)
+  return jnp.sum(jnp.where(rows == u, x_UW, 0.0), axis=0, keepdims=True)
+
+
+def _put(x_UW: jax.Array, u, row_1W: jax.Array) -> jax.Array:
+  """x with row u replaced by row_1W."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, x_UW.shape, 0)
+  return jnp.where(rows == u, row_1W, x_UW)
+
+
+def _dot(a, b, dims, cdt):
+  """a . b contracting dims ((a's,), (b's,)), float32 out: both operands in cdt (bf16 on the MXU), or float32 at
+  HIGHEST."""
+  a, b = a.astype(cdt), b.astype(cdt)
+  precision = _HI if cdt == jnp.float32 else None
+  return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _mm(a, b, cdt):  # a [M, K] b [K, N]
+  return _dot(a, b, ((1,), (0,)), cdt)
+
+
+def _mm_nt(a, b, cdt):  # a [M, K] b [N, K] -> a b^T
+  return _dot(a, b, ((1,), (1,)), cdt)
+
+
+def _mm_tn(a, b, cdt):  # a [K, M] b [K, N] -> a^T b
+  return _dot(a, b, ((0,), (0,)), cdt)
+
+
+def _inverse(a_WW: jax.Array) -> jax.Array:
+  """(I + A)^-1 for A [W, W] strictly lower triangular (W a power of two), float32: I - A on the 2 x 2 diagonal
+  blocks, then X_2b = X_b - X_b A_off X_b until the block is the chunk (the module docstring)."""
+  W = a_WW.shape[0]
+  i, j = _iota(W, 0), _iota(W, 1)
+  eye = (i == j).astype(jnp.float32)
+  if W == 1:
+    return eye
+  x = eye - jnp.where(i // 2 == j // 2, a_WW, 0.0)
+  b = 2
+  while b < W:
+    off = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), a_WW, 0.0)
+    x = x - _mm(x, _mm(off, x, jnp.float32), jnp.float32)
+    b *= 2
+  return x
+
+
+class _Terms(NamedTuple):
+  """A chunk's terms that do not depend on the state (the module docstring's letters)."""
+  incl: jax.Array  # [W, W] bool: same segment, j <= i
+  strict: jax.Array  # [W, W] bool: same segment, j < i
+  dm: jax.Array  # [W, W] D
+  kk: jax.Array  # [W, W] k k^T
+  beta: jax.Array  # [W, 1]
+  ce: jax.Array  # [W, 1] c exp(gamma)
+  f: jax.Array  # [W, 1] l exp(gamma_last - gamma)
+  dec: jax.Array  # [1, 1] c_last exp(gamma_last)
+  last: jax.Array  # [W, 1] bool: the last position
+
+
+def _terms(k, g_row, beta_row, seg_row, carry_row, cdt) -> _Terms:
+  W = g_row.shape[1]
+  i, j = _iota(W, 0), _iota(W, 1)
+  seg_col = _col(seg_row)
+  same = seg_col == seg_row
+  incl, strict = same & (i >= j), same & (i > j)
+  gam_col = jnp.sum(jnp.where(incl, g_row, 0.0), axis=1, keepdims=True)  # [W, 1]
+  gam_row = _row(gam_col)
+  dm = jnp.where(incl, jnp.exp(jnp.where(incl, gam_col - gam_row, 0.0)), 0.0)
+  kk = _mm_nt(k, k, cdt)
+  gam_last = _last(gam_row)
+  in_last = seg_col == _last(seg_row)
+  f = jnp.where(in_last, jnp.exp(jnp.where(in_last, gam_last - gam_col, 0.0)), 0.0)
+  ce = _col(carry_row) * jnp.exp(gam_col)
+  dec = _last(carry_row) * jnp.exp(gam_last)
+  last = jax.lax.broadcasted_iota(jnp.int32, (W, 1), 0) == W - 1
+  return _Terms(incl, strict, dm, kk, _col(beta_row), ce, f, dec, last)
+
+
+# ------------------------------------------------------------------------------------------------------ the forward
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, s0_ref, o_ref, sf_ref, *rest, U, G,
+                residuals, cdt):
+  """One (row, key head, chunk, value head of the group) step. Refs: q, k (1, W, H); v, o (1, W, J); g, beta
+  (1, 1, G, U, W); seg, carry (1, U, W); s0, sf (1, 1, G, H, J); with residuals st (1, 1, 1, H, J) (the state
+  entering the chunk) and tm (1, 1, 1, W, W); scratch S [G, H, J] float32."""
+  if residuals:
+    st_ref, tm_ref, S_scr = rest
+  else:
+    (S_scr,) = rest
+  u, gi = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(u == 0)
+  def _():
+    S_scr[gi] = s0_ref[0, 0, gi]
+
+  S = S_scr[gi]  # [H, J]
+  q, k, v = q_ref[0], k_ref[0], v_ref[0]  # [W, H], [W, H], [W, J]
+  t = _terms(k, _pick(g_ref[0, 0, gi], u), _pick(beta_ref[0, 0, gi], u), _pick(seg_ref[0], u),
+             _pick(carry_ref[0], u), cdt)
+  a = jnp.where(t.strict, t.beta * t.kk * t.dm, 0.0)
+  tm = _inverse(a)  # [W, W]
+  u_ = _mm(tm, t.beta * v.astype(jnp.float32), cdt)  # [W, J]
+  w = _mm(tm, (t.beta * t.ce) * k.astype(jnp.float32), cdt)  # [W, H]
+  delta = u_ - _mm(w, S, cdt)  # [W, J]
+  p = _mm_nt(q, k, cdt) * t.dm  # [W, W]
+  o = _mm(t.ce * q.astype(jnp.float32), S, cdt) + _mm(p, delta, cdt)
+  o_ref[0] = o.astype(o_ref.dtype)
+  S_new = t.dec * S + _mm_tn(t.f * k.astype(jnp.float32), delta, cdt)
+  S_scr[gi] = S_new
+  if residuals:
+    st_ref[0, 0, 0] = S
+    tm_ref[0, 0, 0] = tm
+
+  @pl.when(u == U - 1)
+  def _():
+    sf_ref[0, 0, gi] = S_new
+
+
+def _fwd_call(st: _Static, q, k, v, g, beta, seg, carry, s0, *, residuals: bool):
+  """The forward kernel on the kernel layouts (`_layouts`): (o [B, Tp, N * J], final state [B, K, G, H, J]) and,
+  with residuals, (entering states [B, N, U, H, J], Tm [B, N, U, W, W])."""
+  B, Tp, KH = q.shape
+  K, G, U, W = g.shape[1], st.G, g.shape[3], st.W
+  H, J = KH // K, v.shape[2] // (K * G)
+  N = K * G
+  cdt = v.dtype
+  row_spec = lambda d, head: pl.BlockSpec((1, W, d), lambda b, h, u, gi: (b, u, head(h, gi)))  # noqa: E731
+  gates = pl.BlockSpec((1, 1, G, U, W), lambda b, h, u, gi: (b, h, 0, 0, 0))
+  segs = pl.BlockSpec((1, U, W), lambda b, h, u, gi: (b, 0, 0))
+  state = pl.BlockSpec((1, 1, G, H, J), lambda b, h, u, gi: (b, h, 0, 0, 0))
+  key_head, value_head = (lambda h, gi: h), (lambda h, gi: h * G + gi)
+  in_specs = [row_spec(H, key_head), row_spec(H, key_head), row_spec(J, value_head), gates, gates, segs, segs, state]
+  out_specs = [row_spec(J, value_head), state]
+  out_shape = [jax.ShapeDtypeStruct((B, Tp, N * J), v.dtype), jax.ShapeDtypeStruct((B, K, G, H, J), jnp.float32)]
+  if residuals:
+    out_specs += [pl.BlockSpec((1, 1, 1, H, J), lambda b, h, u, gi: (b, h * G + gi, u, 0, 0)),
+                  pl.BlockSpec((1, 1, 1, W, W), lambda b, h, u, gi: (b, h * G + gi, u, 0, 0))]
+    out_shape += [jax.ShapeDtypeStruct((B, N, U, H, J), jnp.float32),
+                  jax.ShapeDtypeStruct((B, N, U, W, W), jnp.float32)]
+  kernel = functools.partial(_fwd_kernel, U=U, G=G, residuals=residuals, cdt=cdt)
+  return pl.pallas_call(
+      kernel, out_shape=tuple(out_shape),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(B, K, U, G), in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=[pltpu.VMEM((G, H, J), jnp.float32)]),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+      interpret=st.interpret, name=FWD_NAME)(q, k, v, g, beta, seg, carry, s0)
+
+
+# ----------------------------------------------------------------------------------------------------- the backward
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, st_ref, tm_ref, do_ref, dsf_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, ds0_ref, dS_scr, dq_scr, dk_scr, *, U, G, cdt):
+  """One step of the reverse sweep: chunk U - 1 - u of value head gi. Refs as the forward's, plus do (1, W, J), dsf
+  and ds0 (1, 1, G, H, J); dq, dk (1, W, H) summed over the group in dq_scr, dk_scr [W, H] float32; dg, dbeta
+  (1, 1, G, U, W), a row per step; dS_scr [G, H, J] the cotangent of the state leaving the chunk."""
+  u, gi = pl.program_id(2), pl.program_id(3)
+  c = U - 1 - u  # the chunk
+
+  @pl.when(u == 0)
+  def _():
+    dS_scr[gi] = dsf_ref[0, 0, gi]
+
+  f32 = jnp.float32
+  dS = dS_scr[gi]  # [H, J]
+  S, tm = st_ref[0, 0, 0], tm_ref[0, 0, 0]  # [H, J], [W, W]
+  q, k, v, do = q_ref[0], k_ref[0], v_ref[0], do_ref[0]  # [W, H], [W, H], [W, J], [W, J]
+  qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
+  t = _terms(k, _pick(g_ref[0, 0, gi], c), _pick(beta_ref[0, 0, gi], c), _pick(seg_ref[0], c),
+             _pick(carry_ref[0], c), cdt)
+  # The forward's terms, from the state entering the chunk and its saved inverse.
+  u_ = _mm(tm, t.beta * vf, cdt)  # [W, J]
+  kc = (t.beta * t.ce) * kf  # [W, H]
+  w = _mm(tm, kc, cdt)  # [W, H]
+  delta = u_ - _mm(w, S, cdt)  # [W, J]
+  qk = _mm_nt(q, k, cdt)  # [W, W]
+  p = qk * t.dm
+  kd = t.f * kf  # [W, H]
+  qe = t.ce * qf  # [W, H]
+  # Back through o = qe S + P delta and S' = dec S + kd^T delta.
+  d_delta = _mm_tn(p, do, cdt) + _mm(kd, dS, cdt)  # [W, J]
+  d_kd = _mm_nt(delta, dS, cdt)  # [W, H]
+  dp = _mm_nt(do, delta, cdt)  # [W, W]
+  d_qe = _mm_nt(do, S, cdt)  # [W, H]
+  dS_in = t.dec * dS + _mm_tn(qe, do, cdt) - _mm_tn(w, d_delta, cdt)  # [H, J]
+  # Back through delta = u - w S, u = Tm (beta v), w = Tm kc, Tm = (I + A)^-1.
+  dw = -_mm_nt(d_delta, S, cdt)  # [W, H]
+  dkc = _mm_tn(tm, dw, cdt)  # [W, H]
+  dbv = _mm_tn(tm, d_delta, cdt)  # [W, J]
+  da = jnp.where(t.strict, -(_mm_nt(dkc, w, cdt) + _mm_nt(dbv, u_, cdt)), 0.0)  # [W, W]
+  dqk = dp * t.dm
+  dkk = da * t.beta * t.dm
+  x = (dp * qk + da * t.beta * t.kk) * t.dm  # dD * D: D's gamma cotangent, rows minus columns
+  dq = t.ce * d_qe + _mm(dqk, k, cdt)
+  dk = t.f * d_kd + _mm_tn(dqk, q, cdt) + (t.beta * t.ce) * dkc + _mm(dkk, k, cdt) + _mm_tn(dkk, k, cdt)
+  dv = t.beta * dbv
+  rowsum = lambda y: jnp.sum(y, axis=1, keepdims=True)  # noqa: E731
+  dbeta = rowsum(da * t.kk * t.dm) + rowsum(vf * dbv) + rowsum(t.ce * kf * dkc)  # [W, 1]
+  to_last = t.f * rowsum(kf * d_kd)  # [W, 1]: kd's gamma cotangent, -gamma_j's (and +gamma_last's summed)
+  gamma_last = jnp.sum(to_last, axis=0, keepdims=True) + t.dec * jnp.sum(S * dS, keepdims=True)  # [1, 1]
+  dgam = (rowsum(qe * d_qe) + rowsum(kc * dkc) + rowsum(x) - _col(jnp.sum(x, axis=0, keepdims=True)) - to_last
+          + jnp.where(t.last, gamma_last, 0.0))  # [W, 1]
+  dg = jnp.sum(jnp.where(t.incl, dgam, 0.0), axis=0, keepdims=True)  # [1, W]: gamma_i sums g_j over incl
+  dS_scr[gi] = dS_in
+  dv_ref[0] = dv.astype(dv_ref.dtype)
+  dg_ref[0, 0, gi] = _put(dg_ref[0, 0, gi], c, dg)
+  dbeta_ref[0, 0, gi] = _put(dbeta_ref[0, 0, gi], c, _row(dbeta))
+
+  @pl.when(gi == 0)
+  def _():
+    dq_scr[...] = dq
+    dk_scr[...] = dk
+
+  @pl.when(gi > 0)
+  def _():
+    dq_scr[...] += dq
+    dk_scr[...] += dk
+
+  @pl.when(gi == G - 1)
+  def _():
+    dq_ref[0] = dq_scr[...].astype(dq_ref.dtype)
+    dk_ref[0] = dk_scr[...].astype(dk_ref.dtype)
+
+  @pl.when(u == U - 1)
+  def _():
+    ds0_ref[0, 0, gi] = dS_in
+
+
+def _bwd_call(st: _Static, q, k, v, g, beta, seg, carry, states, tm, do, dsf):
+  """The backward kernel: (dq, dk [B, Tp, K * H], dv [B, Tp, N * J], dg, dbeta [B, K, G, U, W], d initial state
+  [B, K, G, H, J])."""
+  B, Tp, KH = q.shape
+  K, G, U, W = g.shape[1], st.G, g.shape[3], st.W
+  H, J = KH // K, v.shape[2] // (K * G)
+  rev = lambda u: U - 1 - u  # noqa: E731
+  row_spec = lambda d, head: pl.BlockSpec((1, W, d), lambda b, h, u, gi: (b, rev(u), head(h, gi)))  # noqa: E731
+  gates = pl.BlockSpec((1, 1, G, U, W), lambda b, h, u, gi: (b, h, 0, 0, 0))
+  segs = pl.BlockSpec((1, U, W), lambda b, h, u, gi: (b, 0, 0))
+  state = pl.BlockSpec((1, 1, G, H, J), lambda b, h, u, gi: (b, h, 0, 0, 0))
+  per_chunk = lambda x, y: pl.BlockSpec((1, 1, 1, x, y), lambda b, h, u, gi: (b, h * G + gi, rev(u), 0, 0))  # noqa
+  key_head, value_head = (lambda h, gi: h), (lambda h, gi: h * G + gi)
+  in_specs = [row_spec(H, key_head), row_spec(H, key_head), row_spec(J, value_head), gates, gates, segs, segs,
+              per_chunk(H, J), per_chunk(W, W), row_spec(J, value_head), state]
+  out_specs = [row_spec(H, key_head), row_spec(H, key_head), row_spec(J, value_head), gates, gates, state]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, jnp.float32),
+               jax.ShapeDtypeStruct(beta.shape, jnp.float32), jax.ShapeDtypeStruct((B, K, G, H, J), jnp.float32)]
+  kernel = functools.partial(_bwd_kernel, U=U, G=G, cdt=v.dtype)
+  scratch = [pltpu.VMEM((G, H, J), jnp.float32), pltpu.VMEM((W, H), jnp.float32), pltpu.VMEM((W, H), jnp.float32)]
+  return pl.pallas_call(
+      kernel, out_shape=tuple(out_shape),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(B, K, U, G), in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+      interpret=st.interpret, name=BWD_NAME)(q, k, v, g, beta, seg, carry, states, tm, do, dsf)
+
+
+# ------------------------------------------------------------------------------------------- custom VJP, layouts
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rule(st: _Static, q, k, v, g, beta, s0, seg, carry):
+  """The rule on the kernel layouts: (o [B, Tp, N * J], final state [B, K, G, H, J])."""
+  return _fwd_call(st, q, k, v, g, beta, seg, carry, s0, residuals=False)
+
+
+def _rule_fwd(st, q, k, v, g, beta, s0, seg, carry):
+  o, sf, states, tm = _fwd_call(st, q, k, v, g, beta, seg, carry, s0, residuals=True)
+  return (o, sf), (q, k, v, g, beta, seg, carry, states, tm)
+
+
+def _rule_bwd(st, res, cots):
+  q, k, v, g, beta, seg, carry, states, tm = res
+  do, dsf = cots
+  dq, dk, dv, dg, dbeta, ds0 = _bwd_call(st, q, k, v, g, beta, seg, carry, states, tm, do.astype(v.dtype), dsf)
+  return dq, dk, dv, dg, dbeta, ds0, jnp.zeros_like(seg), jnp.zeros_like(carry)
+
+
+_rule.defvjp(_rule_fwd, _rule_bwd)
+
+
+def _segment_rows(segment_ids_BT, B: int, T: int, U: int, W: int) -> tuple[jax.Array, jax.Array]:
+  """(segment index, carry flag), float32 [B, U, W] each over the padded length U * W: the index counts the
+  segment starts up to each position (so two runs of one id never match; the padded tail continues the last
+  segment), the flag says a position is still in the segment that the state entering its chunk belongs to."""
+  starts = segment_starts(segment_ids_BT, T)
+  if starts is None:
+    starts = jnp.zeros((B, T), bool)
+  starts = jnp.pad(starts, ((0, 0), (0, U * W - T))).reshape(B, U, W)
+  seg = jnp.cumsum(starts.reshape(B, U * W), axis=1, dtype=jnp.int32).reshape(B, U, W)
+  incoming = seg[:, :, :1] - starts[:, :, :1].astype(jnp.int32)  # [B, U, 1]
+  return seg.astype(jnp.float32), (seg == incoming).astype(jnp.float32)
+
+
+def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, interpret: bool):
+  """One device's rows: the layouts in, the kernel, the layouts out."""
+  B, T, K, H = q_BTKH.shape
+  N, J = v_BTNJ.shape[2:]
+  G = N // K
+  U = -(-T // W)
+  Tp = U * W
+  cdt = v_BTNJ.dtype
+
+  def rows(x, d):  # [B, T, heads, d] -> [B, Tp, heads * d] in cdt (a free reshape when T = Tp)
+    x = x.astype(cdt).reshape(B, T, -1)
+    return x if Tp == T else jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0)))
+
+  def gates(x):  # [B, T, N] -> [B, K, G, U, W] float32, zeros past T (no-op positions)
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
+    return jnp.transpose(x, (0, 2, 1)).reshape(B, K, G, U, W)
+
+  seg, carry = _segment_rows(seg_BT, B, T, U, W)
+  s0 = jnp.zeros((B, N, H, J), jnp.float32) if s0_BNHJ is None else s0_BNHJ.astype(jnp.float32)
+  st = _Static(W=W, G=G, interpret=interpret)
+  o, sf = _rule(st, rows(q_BTKH, H), rows(k_BTKH, H), rows(v_BTNJ, J), gates(g_BTN), gates(beta_BTN),
+                s0.reshape(B, K, G, H, J), seg, carry)
+  return o.reshape(B, Tp, N, J)[:, :T].astype(v_BTNJ.dtype), sf.reshape(B, N, H, J)
+
+
+def gated_delta_rule_pallas(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
+                            initial_state_BNHJ=None, chunk_size=64, interpret=None):
+  """The gated delta rule by the Pallas kernels: gated_delta_rule_chunked's contract and return (o [B, T, N, J] in
+  v's dtype, final state [B, N, H, J] float32), differentiable in q, k, v, g, beta and the initial state. The
+  products run in v's dtype (q and k are cast to it). interpret: Pallas interpret mode (default: off TPU)."""
+  check_chunk_size(chunk_size)
+  on_tpu = platform() == "tpu"
+  interpret = (not on_tpu) if interpret is None else interpret
+  B, T, K, H = q_BTKH.shape
+  N, J = v_BTNJ.shape[2:]
+  if N % K:
+    raise ValueError(f"gated_delta_rule_pallas: {N} value heads do not group over {K} key heads")
+  if not interpret and not fits(K, N, H, J, chunk_size):
+    raise ValueError(f"gated_delta_rule_pallas: the TPU kernel needs key/value head dims that are multiples of "
+                     f"{LANES} and a chunk that is a multiple of 16 (K={K} H={H}, N={N} J={J}, chunk {chunk_size})")
+  body = functools.partial(_local, W=chunk_size, interpret=interpret)
+  args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT, initial_state_BNHJ)
+  with jax.named_scope("gdn_pallas"):
+    mesh = current_mesh()
+    if mesh.empty or math.prod(mesh.axis_sizes) == 1:
+      return body(*args)
+    return _sharded(body, mesh, args)
+
+
+def _sharded(body, mesh, args):
+  """body in a shard_map over `mesh`: each device runs its own rows (split as the batch's logical axis), every
+  head and position whole. None arguments (no segment ids, no initial state) stay out of it."""
+  B = args[0].shape[0]
+  rows = P(logical_spec(("batch",), (B,), mesh)[0])
+  present = [i for i, a in enumerate(args) if a is not None]
+
+  def local(*xs):
+    full = [None] * len(args)
+    for i, x in zip(present, xs):
+      full[i] = x
+    return body(*full)
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(rows,) * len(present), out_specs=(rows, rows), check_vma=False)
+  return fn(*[args[i] for i in present])

@@ -1,0 +1,207 @@
+"""gdn_impl=pallas: the Gated DeltaNet Pallas kernels (nn/gdn_pallas.py), run here in Pallas interpret mode, against
+the recurrence (nn/gdn.gated_delta_rule_reference) and the chunked JAX rule: outputs, final states and every gradient
+(q, k, v, g, beta, initial state) at ragged lengths, packed rows and head groups, float32 and bfloat16, with a
+negative control (the resets dropped); the key's resolution and reports; and the kernels compiled for TPU through
+libtpu (the Mosaic custom calls, which analysis/cost.py counts). Every GDN family training under pallas to the losses
+of jax, the kernel in its shard_map on fsdp=2 and under remat: tests/test_conformance.py's real-run rows.
+
+Interpret mode is slow (seconds per program): three kernel programs carry the features between them, each compiled
+once per process (module caches)."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshlm
+from meshlm.errors import ConfigError
+from meshlm.models import registry
+from meshlm.nn import gdn, gdn_pallas
+
+from test_gdn import rel_err, rule_inputs
+
+# Float32, max |kernel - reference| / max |reference| per array (o, final state, dq, dk, dv, dg, dbeta, d initial
+# state): the chunks sum in another order than the recurrence (and the inverse is another algorithm than the chunked
+# rule's). Measured at most 6e-7 over the cases below; dropping the resets moves o alone by 0.1 or more.
+KERNEL_RTOL = 5e-6
+# bfloat16 inputs: every product on bf16 operands (the state and the float32 terms rounded as they enter one), against
+# the recurrence in float32 on the same (bf16) inputs. Measured at most 6.7e-3 (o, itself rounded to bf16); the float32
+# cases' reset control misses by 0.1 or more.
+BF16_RTOL = 2e-2
+NAMES = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state")
+
+# name: (T, chunk, K, N, dtype, packed rows, initial state). T = 37 in chunks of 16: a ragged last chunk of 5; the
+# packed row resets inside chunk 0 (5), on the chunk edge (16), inside chunk 1 (23) and in the ragged chunk (34),
+# then a padding tail. T = 100 in chunks of 32 without segment ids or an initial state (the None paths).
+CASES = {
+    "packed_groups_f32": (37, 16, 2, 4, jnp.float32, True, True),  # G = 2
+    "plain_f32": (100, 32, 2, 2, jnp.float32, False, False),  # G = 1
+    "packed_bf16": (37, 16, 1, 4, jnp.bfloat16, True, True),  # G = 4
+}
+
+
+def packed_ids(T: int) -> jax.Array:
+  """Row 0: one document, then padding (0) from 33. Row 1: documents from 0, 5, 16, 23 and 34 (ids 1..5)."""
+  ids = np.ones((2, T), np.int32)
+  ids[0, 33:] = 0
+  for i, start in enumerate((5, 16, 23, 34)):
+    ids[1, start:] = i + 2
+  return jnp.asarray(ids)
+
+
+def case_inputs(case: str):
+  """(q, k, v, g, beta, initial state), cotangents (o, final state), segment ids: in the case's dtype (q, k, v)."""
+  T, _, K, N, dtype, packed, _ = CASES[case]
+  (q, k, v, g, beta, s0), cots = rule_inputs(T, k_heads=K, n=N)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  return (q, k, v, g, beta, s0), (cots[0].astype(dtype), cots[1]), packed_ids(T) if packed else None
+
+
+def _value_and_grads(rule, case: str):
+  """(o, final state, and the gradients w.r.t. q, k, v, g, beta, initial state) of `rule` on the case, as float32."""
+  args, cots, ids = case_inputs(case)
+  with_state = CASES[case][6]
+
+  def run(args, cots):
+    def f(q, k, v, g, beta, s0):
+      return rule(q, k, v, g, beta, segment_ids_BT=ids, initial_state_BNHJ=s0 if with_state else None)
+    (o, S), vjp = jax.vjp(f, *args)
+    return tuple(x.astype(jnp.float32) for x in (o, S, *vjp(cots)))
+  return jax.jit(run)(args, cots)
+
+
+@functools.cache
+def kernel(case: str):
+  return _value_and_grads(functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1]), case)
+
+
+@functools.cache
+def reference(case: str):
+  """The recurrence in float32 on the case's inputs (bf16 ones upcast: the same values)."""
+  def rule(q, k, v, *rest, **kw):
+    o, S = gdn.gated_delta_rule_reference(*(x.astype(jnp.float32) for x in (q, k, v)), *rest, **kw)
+    return o.astype(v.dtype), S
+  return _value_and_grads(rule, case)
+
+
+def errors(got, want) -> dict[str, float]:
+  return {name: rel_err(a, b) for name, a, b in zip(NAMES, got, want)}
+
+
+def assert_close(got, want, rtol: float, what: str) -> dict[str, float]:
+  errs = errors(got, want)
+  bad = {k: v for k, v in errs.items() if not v <= rtol}
+  assert not bad, f"{what}: {bad} over {rtol} (all: {errs})"
+  return errs
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][4] == jnp.float32])
+def test_kernel_equals_the_recurrence_and_the_chunked_rule(case):
+  got = kernel(case)
+  errs = assert_close(got, reference(case), KERNEL_RTOL, f"{case}: kernel vs recurrence")
+  T, W = CASES[case][:2]
+  chunked = _value_and_grads(functools.partial(gdn.gated_delta_rule_chunked, chunk_size=W), case)
+  errs_chunked = assert_close(got, chunked, KERNEL_RTOL, f"{case}: kernel vs chunked")
+  print(f"{case}: max relative error vs the recurrence {max(errs.values()):.2g}, vs chunked "
+        f"{max(errs_chunked.values()):.2g}")
+
+
+def test_bf16_inputs_are_close_to_the_recurrence():
+  errs = assert_close(kernel("packed_bf16"), reference("packed_bf16"), BF16_RTOL, "bf16 kernel vs recurrence")
+  print(f"packed_bf16: {errs}")
+
+
+def test_a_kernel_without_resets_fails_the_check(monkeypatch):
+  """Control: the segment rows computed without segment ids (no reset: documents read each other's state) fail the
+  check the kernel passes, in the output and the final state."""
+  real = gdn_pallas._segment_rows
+  monkeypatch.setattr(gdn_pallas, "_segment_rows", lambda ids, *a: real(None, *a))
+  case = "packed_groups_f32"
+  broken = _value_and_grads(functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1]), case)
+  with pytest.raises(AssertionError, match="over") as failed:
+    assert_close(broken, reference(case), KERNEL_RTOL, f"{case} without resets")
+  errs = errors(broken, reference(case))
+  print(f"{case} without resets: {errs}")
+  assert errs["o"] > 1e-2 and errs["final state"] > 1e-2, failed.value
+
+
+def test_the_key_resolves_per_platform_and_is_reported():
+  from meshlm.analysis.census import config_summary
+  from meshlm.models.mixers import gdn as mixer
+  tiny = meshlm.load_config("model=qwen3.5-tiny")  # head dims 32: not the TPU kernel's
+  wide = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.key_head_dim=128",
+                            "model.parts.gdn.value_head_dim=128")
+  m = lambda cfg: registry.resolved(cfg).model  # noqa: E731
+  assert mixer.rule_kernel(m(wide), "train", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(wide), "train", "cpu", 1) == "jax"
+  assert mixer.rule_kernel(m(wide), "prefill", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(wide), "decode", "tpu", 1) == "reference"
+  assert mixer.rule_kernel(m(wide), "train", "tpu", 2) == "jax"  # the context-parallel rule
+  assert mixer.rule_kernel(m(tiny), "train", "tpu", 1) == "jax"  # auto where the kernel does not take the dims
+  pallas = meshlm.load_config("model=qwen3.5-tiny", "gdn_impl=pallas")
+  assert mixer.rule_kernel(m(pallas), "train", "cpu", 1) == "pallas"  # interpret mode: any dims
+  with pytest.raises(ConfigError, match="gdn_impl=pallas: the TPU kernel needs"):
+    mixer.rule_kernel(m(pallas), "train", "tpu", 1)
+  assert config_summary(wide, "tpu")["gdn_impl"] == "pallas" and config_summary(tiny)["gdn_impl"] == "jax"
+  assert "gdn_impl" not in config_summary(meshlm.load_config("model=llama2-tiny"), "tpu")
+  with pytest.raises(ConfigError, match="gdn_impl"):
+    meshlm.load_config("gdn_impl=triton")
+
+
+# Every GDN family training under gdn_impl=pallas to the losses of jax: tests/test_conformance.py's real-run rows
+# (test_the_gdn_kernel_trains_to_the_jax_losses), whose arms run the kernel.
+
+
+tpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="compiling for TPU needs libtpu")
+# The kernels compiled for TPU at a small shape of the real head dims: 2 rows, 2 key heads of 4 value heads each.
+TPU_SHAPE = dict(B=2, T=256, K=2, N=4, H=128, J=128, W=64)
+
+
+@functools.cache
+def tpu_compiled() -> str:
+  """The compiled HLO of the kernels' forward and backward (bf16 q, k, v; packed rows) for one v5e chip."""
+  from jax.experimental import topologies
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  s = TPU_SHAPE
+  devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1").devices
+  mesh = Mesh(np.array(devices[:1]), ("data",))
+  rows = NamedSharding(mesh, P())
+  shapes = [((s["B"], s["T"], s["K"], s["H"]), jnp.bfloat16)] * 2 + [((s["B"], s["T"], s["N"], s["J"]), jnp.bfloat16)]
+  shapes += [((s["B"], s["T"], s["N"]), jnp.float32)] * 2 + [((s["B"], s["T"]), jnp.int32)]
+  args = [jax.ShapeDtypeStruct(shape, dt, sharding=rows) for shape, dt in shapes]
+
+  def loss(q, k, v, g, beta, ids):
+    o, S = gdn_pallas.gated_delta_rule_pallas(q, k, v, g, beta, segment_ids_BT=ids, chunk_size=s["W"])
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(S)
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile().as_text()
+
+
+@tpu
+def test_the_kernels_compile_for_tpu():
+  """Mosaic lowers both kernels (jax's and libtpu's of the lock): two tpu_custom_calls, named."""
+  hlo = tpu_compiled()
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 2
+  assert gdn_pallas.FWD_NAME in hlo and gdn_pallas.BWD_NAME in hlo
+
+
+@tpu
+def test_the_roofline_counts_the_kernels_flops():
+  """analysis/cost.gdn_flops reads each kernel's shapes from its operands: per (row, value head, chunk) the forward's
+  3 [W, W] x [W, H], 2 [W, W] x [W, J] and 3 [W, H] x [H, J] products and its inverse's 2 (log2 W - 1) [W, W]
+  squares, the backward's 9, 5 and 7; both counted in the step's custom-call FLOPs."""
+  from meshlm.analysis import cost, hlo as H
+  s = TPU_SHAPE
+  W, Hd, J = s["W"], s["H"], s["J"]
+  chunks = s["B"] * s["N"] * (s["T"] // W)
+  want = {"fwd": chunks * (2 * (3 * W * W * Hd + 2 * W * W * J + 3 * W * Hd * J) + 4 * (int(np.log2(W)) - 1) * W ** 3),
+          "bwd": chunks * 2 * (9 * W * W * Hd + 5 * W * W * J + 7 * W * Hd * J)}
+  mod = H.parse(tpu_compiled())
+  got = {i.name.split(".")[0].removeprefix("gdn_chunk_"): cost.gdn_flops(mod, i) for i in mod.instrs()
+         if i.opcode == "custom-call" and i.name.startswith("gdn_chunk_")}
+  assert got == want, (got, want)
+  assert cost.custom_call_flops(mod)[0] == sum(want.values())
