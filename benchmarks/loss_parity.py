@@ -18,7 +18,10 @@ this tree and from REV checked out into a temporary git worktree; the losses com
 Prints one row per preset (max |diff|, bit-identical or not). `--save FILE` / `--load FILE` keep the
 reference side's losses to skip rerunning it.
 
-  .venv/bin/python benchmarks/loss_parity.py --ref de1dd4e [--presets llama2-tiny,gemma3-tiny] [--steps 20]
+  .venv/bin/python benchmarks/loss_parity.py --ref de1dd4e [--presets llama2-tiny,gemma3-tiny] [--steps 20] \
+      [key=value ...]
+
+key=value: for both sides' runs (remat=full model.num_layers=8, say); a --load file saved with the same ones.
 
 Both modes exit 1 when a float32 comparison fails.
 """
@@ -116,12 +119,13 @@ def explicit_vs_auto(a: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ this tree vs a commit
 
-def side(src: str, presets: list[str], steps: int) -> dict[str, list[str]]:
-  """Losses per preset as float.hex strings (exact), from the source tree src."""
+def side(src: str, presets: list[str], steps: int, extra: list[str] = ()) -> dict[str, list[str]]:
+  """Losses per preset as float.hex strings (exact), from the source tree src; extra: key=value for every run."""
   out = {}
   for p in presets:
     with tempfile.TemporaryDirectory() as run_dir:
-      out[p] = [float(x).hex() for x in train_losses([f"model={p}", *REF_KEYS, f"train.steps={steps}"], run_dir, src)]
+      args = [f"model={p}", *REF_KEYS, f"train.steps={steps}", *extra]
+      out[p] = [float(x).hex() for x in train_losses(args, run_dir, src)]
     print(f"  {p}: {len(out[p])} losses from {src}", file=sys.stderr)
   return out
 
@@ -136,7 +140,7 @@ def tree_vs_ref(a: argparse.Namespace) -> int:
       tree = os.path.join(tmp, "ref")
       subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, a.ref], check=True, capture_output=True)
       try:
-        ref = side(tree, presets, a.steps)
+        ref = side(tree, presets, a.steps, a.overrides)
       finally:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], capture_output=True)
     if a.save:
@@ -144,7 +148,7 @@ def tree_vs_ref(a: argparse.Namespace) -> int:
         json.dump(ref, f, indent=1)
       if a.only_ref:
         return 0
-  new = side(ROOT, presets, a.steps)
+  new = side(ROOT, presets, a.steps, a.overrides)
   bad = 0
   print("| preset | steps | max abs diff | bit-identical |\n| --- | --- | --- | --- |")
   for p in presets:
@@ -164,7 +168,7 @@ def main() -> int:
   mode.add_argument("--mesh", action="append", choices=list(MESHES), help="only these meshes (default: all three)")
   mode.add_argument("--dtype", action="append", choices=DTYPES, help="only these compute dtypes (default: both)")
   mode.add_argument("--keep", help="write the run directories here (default: a temporary folder, removed)")
-  mode.add_argument("overrides", nargs="*", help="extra key=value for every run, e.g. train.sample_tokens=0")
+  ap.add_argument("overrides", nargs="*", help="extra key=value for every run, e.g. train.sample_tokens=0")
   ref = ap.add_argument_group("this tree against a commit")
   ref.add_argument("--ref", help="reference commit (checked out into a temporary worktree)")
   ref.add_argument("--load", help="reference losses saved earlier with --save")
@@ -173,8 +177,6 @@ def main() -> int:
   ref.add_argument("--only-ref", action="store_true", help="with --save: record the reference side and stop")
   a = ap.parse_args()
   if a.ref or a.load:
-    if a.overrides:
-      ap.error(f"key=value overrides {a.overrides} apply to explicit against auto only, not with --ref/--load")
     return tree_vs_ref(a)
   return explicit_vs_auto(a)
 

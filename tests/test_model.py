@@ -76,6 +76,54 @@ def test_param_scan_axis_moves_the_layer_axis_only():
     np.testing.assert_array_equal(np.moveaxis(np.asarray(b), 1, 0), np.asarray(a))
 
 
+def _saved_by_the_period_scan(cfg, G: int) -> set[tuple[str, tuple[int, ...]]]:
+  """(dtype, shape) of what the forward's scan over the G periods outputs when differentiated: its carry and the
+  residuals it stacks for the backward (inputs it forwards as they are, the parameters among them, are not
+  outputs). From the jaxpr of jax.vjp of the forward, on abstract shapes."""
+  import jax.extend as jex
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  tokens = jax.ShapeDtypeStruct((2, cfg.train.seq_len), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda p, t: jax.vjp(lambda p: forward(cfg, p, t), p)[1])(params, tokens).jaxpr
+  outs = set()
+
+  def walk(j):
+    for e in j.eqns:
+      if e.primitive.name == "scan" and e.params["length"] == G and not e.params["reverse"]:
+        outs.update((str(v.aval.dtype), tuple(v.aval.shape)) for v in e.outvars)
+      for v in e.params.values():
+        for sub in v if isinstance(v, (list, tuple)) else [v]:
+          if isinstance(sub, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
+            walk(getattr(sub, "jaxpr", sub))
+  walk(jaxpr)
+  return outs
+
+
+def test_the_period_scan_saves_the_layer_inputs_not_the_kernels(monkeypatch):
+  """qwen3.5-tiny at 6 layers, remat=full, bf16 compute: a scan over 2 periods of 2 GDN layers and 1 attention
+  layer. Its forward saves for the backward each layer's input x [G, B, T, D] and nothing else: no copy of a
+  layer's kernels. A kind that repeats in a period takes its layer's row inside the rematerialized function
+  (models/layers._Run.layer_fn's row), so remat saves the scan's own xs, which the scan forwards. Control: the row
+  taken outside, as before; the scan then stacks every GDN layer's parameters (XLA:TPU held them as a float32 copy
+  of the GDN layers' kernels: 0.92 GiB more on the 0.6B hybrid, docs/compile.md)."""
+  from meshlm.models import layers as L
+  # The reference rule: the residuals do not depend on how the rule runs, and it traces faster.
+  cfg = load_config("model=qwen3.5-tiny", "model.num_layers=6", "model.full_attention_interval=3",
+                    "model.parts.gdn.impl=reference", "train.seq_len=64", "remat=full", "train.compute_dtype=bfloat16")
+  G, B, T, D = 2, 2, 64, cfg.model.embed_dim
+  assert _saved_by_the_period_scan(cfg, G) == {("bfloat16", (B, T, D)), ("bfloat16", (G, B, T, D))}
+
+  taken_inside = L._Run.layer_fn
+
+  def taken_outside(self, i, row=None):
+    f = taken_inside(self, i)
+    return f if row is None else (lambda p, x, state, inputs: f(L._layer(p, row, 0), x, state, inputs))
+  monkeypatch.setattr(L._Run, "layer_fn", taken_outside)
+  rows = {("float32", (G,) + a.shape[1:])
+          for a in jax.tree.leaves(param_specs(cfg)["layers"]["linear_attn"], is_leaf=S.is_spec)}
+  saved = _saved_by_the_period_scan(cfg, G)
+  assert rows <= saved and saved - rows == {("bfloat16", (B, T, D)), ("bfloat16", (G, B, T, D))}, saved
+
+
 # --- the stored kernel never depends on a flag -------------------------------------------------
 
 FLAG_VARIANTS = [

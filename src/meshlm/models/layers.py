@@ -112,12 +112,19 @@ class _Run:
   ctx: Context
   collect: bool
 
-  def layer_fn(self, i: int):
-    """Model layer i as f(p, x, state, inputs) -> (x, update, side), rematerialized per cfg.remat."""
+  def layer_fn(self, i: int, row: int | None = None):
+    """Model layer i as f(p, x, state, inputs) -> (x, update, side), rematerialized per cfg.remat. With row, p is
+    a scanned period's rows of this layer's kind ([n, ...], the scan's xs as it is) and the layer's own row is
+    taken inside the rematerialized function: remat then saves that xs, which the scan forwards to the backward as
+    the stack it already is. A row taken outside is a new value per trip, which the scan stacks as a residual: a
+    copy of every such layer's kernels for the backward (float32, since the kernels are cast in the layer:
+    docs/compile.md)."""
     kind = self.M.kind(i)
     here = self.ctx.as_context(self.M.plan.contexts[i])
 
     def f(p, x, state, inputs):
+      if row is not None:
+        p = _layer(p, row, 0)
       x, update, side = kind.apply(p, x, here.with_layer(inputs), state)
       return x, update, (dict(side, hidden=x) if self.collect else side)
     return f if self.M.cfg.remat == "none" else jax.checkpoint(f, policy=self.M.remat_policy)
@@ -222,7 +229,8 @@ def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cac
   one_kind = len(layers) == 1
   period = lp.kinds[pre:pre + P]
   rank = [period[:j].count(period[j]) for j in range(P)]
-  fns = [run.layer_fn(pre + j) for j in range(P)]
+  # A kind with several layers per period takes its layer's row inside the layer's function (layer_fn's row).
+  fns = [run.layer_fn(pre + j, None if period.count(period[j]) == 1 else rank[j]) for j in range(P)]
   label = (lambda j: lp.contexts[pre + j]) if one_kind else (lambda j: f"{period[j]}.{lp.contexts[pre + j]}")
   states = cache.scanned if cache is not None and ctx.mode == "decode" else None
 
@@ -237,7 +245,7 @@ def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cac
       for j in range(P):
         kind = period[j]
         one = period.count(kind) == 1
-        p = ps[kind] if one else _layer(ps[kind], rank[j], 0)
+        p = ps[kind]  # its one layer's, or the period's rows of its kind: fns[j] takes its own row
         li = ins.get(kind, {})
         li = li if one else _layer(li, rank[j], 0)
         st = None if sts is None else sts[j]
