@@ -72,6 +72,8 @@ def _under_ci() -> bool:
 
 
 def pytest_configure(config):
+  import compile_log  # MESHLM_TEST_COMPILE_LOG=DIR: every test's CPU seconds and compiles (tests/compile_log.py)
+  compile_log.register(config)
   config.addinivalue_line("markers", "ci_must_run: under CI=true a skip of this test fails the run")
   config.addinivalue_line("markers", "tiny_preset: a tiny preset's public-API conformance row, a 1-device user's "
                           "calls in every process (tests/test_conformance.py)")
