@@ -89,7 +89,7 @@ class Recorder:
         rec.durations[event.rsplit("/", 1)[-1].removesuffix("_duration")] += secs
     monitoring.register_event_duration_secs_listener(duration)
 
-  def pytest_runtest_protocol(self, item, nextitem):
+  def pytest_runtest_logstart(self, nodeid, location):
     self.compiles.clear()
     self.durations.clear()
     self._start = (_cpu(), time.perf_counter())
@@ -105,7 +105,10 @@ class Recorder:
 
 
 def register(config) -> None:
-  if os.environ.get(ENV):
+  """In each process that runs tests: an xdist worker, or the one process of -n 0 (not xdist's controller, which
+  sees every test's log hooks too)."""
+  controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+  if os.environ.get(ENV) and not controller:
     config.pluginmanager.register(Recorder(os.environ[ENV]), "meshlm_compile_log")
 
 
