@@ -33,6 +33,16 @@ def _cpu() -> tuple[float, float]:
   return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
 
 
+def _signature(computation) -> str:
+  """A short hash of the program's main function type (its argument and result shapes, dtypes and shardings): two
+  programs with one signature but two keys take the same inputs and differ inside (another setting)."""
+  import hashlib
+  for op in computation.body.operations:
+    if "sym_name" in op.attributes and str(op.attributes["sym_name"]) == '"main"':
+      return hashlib.sha1(str(op.attributes["function_type"]).encode()).hexdigest()[:10]
+  return ""
+
+
 class Recorder:
   """The pytest plugin: wraps jax's compile_or_get_cached and listens to jax.monitoring's durations."""
 
@@ -68,7 +78,7 @@ class Recorder:
     def cached(backend, computation, *a, **kw):
       from jax._src.interpreters import mlir
       name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
-      pending.append({"module": name, "key": None, "hit": True, "compile_s": 0.0, "compile_cpu_s": 0.0})
+      pending.append({"module": name, "sig": _signature(computation), "key": None, "hit": True, "compile_s": 0.0, "compile_cpu_s": 0.0})
       t = time.perf_counter()
       try:
         return real_cached(backend, computation, *a, **kw)
@@ -125,7 +135,8 @@ def load(out_dir: str) -> list[dict]:
 def report(out_dir: str, top: int = 40) -> str:
   rows = load(out_dir)
   per_file = collections.defaultdict(lambda: collections.Counter())
-  programs = collections.defaultdict(list)  # key -> [(file, test, compile_cpu_s, hit)]
+  programs = collections.defaultdict(list)  # key -> [(file, test, compile_cpu_s, hit, module)]
+  signatures = collections.defaultdict(list)  # (module, signature) -> [(file, key, compile_cpu_s)] compiled
   for r in rows:
     f = r["test"].split("::")[0]
     c = per_file[f]
@@ -145,6 +156,8 @@ def report(out_dir: str, top: int = 40) -> str:
           c["compiles_1s"] += 1
       if p["key"]:
         programs[p["key"]].append((f, r["test"], p["compile_cpu_s"], p["hit"], p["module"]))
+      if p.get("sig") and not p["hit"]:
+        signatures[(p["module"], p["sig"])].append((f, p["key"], p["compile_cpu_s"]))
   out = ["| file | tests | CPU s (children) | compiles (>= 1 s) | compile CPU s | compile wall s | cache hits | "
          "trace s | lower s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   total = collections.Counter()
@@ -177,6 +190,16 @@ def report(out_dir: str, top: int = 40) -> str:
     cpu = max(c for _, _, c, _, _ in v)
     out.append(f"| {v[0][4]} | {k[-10:]} | " + ", ".join(f"{f.removeprefix('tests/')} ({a}/{b})"
                                                           for f, (a, b) in files.items()) + f" | {cpu:.1f} |")
+  alike = [(k, v) for k, v in signatures.items() if len({f for f, _, _ in v}) > 1 and len({key for _, key, _ in v}) > 1
+           and max(c for *_, c in v) >= 0.5]
+  alike.sort(key=lambda kv: -sum(c for *_, c in kv[1]))
+  out += ["", f"Programs of one signature (inputs and outputs) compiled as several programs in several files: "
+          f"{len(alike)}", "", "| module | signature | programs | files (compiles) | compile CPU s in all |",
+          "| --- | --- | --- | --- | --- |"]
+  for (module, sig), v in alike[:top]:
+    files = collections.Counter(f.removeprefix("tests/") for f, _, _ in v)
+    out.append(f"| {module} | {sig} | {len({key for _, key, _ in v})} | "
+               + ", ".join(f"{f} ({n})" for f, n in files.items()) + f" | {sum(c for *_, c in v):.1f} |")
   return "\n".join(out)
 
 
