@@ -25,11 +25,13 @@ logical_spec on the mesh the config names) and adds named terms, bytes per devic
 - `attention_scores`: where the attention core materializes its scores (xla: no flash or splash core applies),
   one layer's rows x heads x queries x keys per device, float32;
 - `loss`: the head and its loss: the blockwise loss gathers the head once and accumulates its float32 gradient;
-  the materialized one holds float32 logits and their gradient.
+  the materialized one holds float32 logits and their gradient;
+- `held_head_grad`: that float32 accumulator again, in a layer's phase, where XLA holds it over the layers' backward
+  (loss_grad_reduce=overlap; 0 with the barrier: models/logprobs.grad_reduce).
 
 The estimate is arguments + grads + saved + the larger of the loss's phase and a layer's (dispatch,
-gathered_kernels, kernel_grads, layer, attention_scores). It is not a bound: XLA's buffer assignment adds
-temporaries it does not model. `floor` is one: the arguments, the looped layers' gradients and the saved layer
+gathered_kernels, kernel_grads, layer, attention_scores, held_head_grad). It is not a bound: XLA's buffer assignment
+adds temporaries it does not model. `floor` is one: the arguments, the looped layers' gradients and the saved layer
 inputs are all live when the backward's layer loop starts (its stacked gradient buffers are allocated then, its
 residuals not yet freed); `meshlm train` refuses a layout whose floor exceeds the device's memory.
 
@@ -117,7 +119,7 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   import jax
   import numpy as np
   from meshlm.models.model import resolve
-  from meshlm.models.logprobs import loss_path
+  from meshlm.models.logprobs import grad_reduce, loss_path
   from meshlm.models.context import attention_core
   from meshlm.parallel.mesh import resolve_mesh_shape
   from meshlm.train.step import trainable_mask
@@ -174,10 +176,11 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   V = m.vocab_size
   rows = t.per_device_batch_size * devices // t.micro_batches
   head = V * D // sizes["tensor"]
-  terms["loss"] = (head * (cb + 4) if loss_path(cfg, rows, t.seq_len) == "blockwise"
-                   else tokens * V // sizes["tensor"] * 4 * 2)
+  blockwise = loss_path(cfg, rows, t.seq_len) == "blockwise"
+  terms["loss"] = head * (cb + 4) if blockwise else tokens * V // sizes["tensor"] * 4 * 2
+  terms["held_head_grad"] = head * 4 if blockwise and grad_reduce(cfg) == "overlap" else 0
   args = terms["params"] + terms["opt_state"] + terms["model_state"]
-  peak = args + terms["grads"] + terms["saved"] + max(layer_phase, terms["loss"])
+  peak = args + terms["grads"] + terms["saved"] + max(layer_phase + terms["held_head_grad"], terms["loss"])
   floor = args + layer_grads + terms["saved"]
   return Estimate(terms, peak, floor)
 

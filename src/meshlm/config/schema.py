@@ -540,6 +540,11 @@ class Config(_Strict):
       "when a micro-batch's rows x seq_len x vocab reaches 2^28")
   loss_block: int = Field(default=256, ge=1,
                           description="at most this many sequence positions per block of the blockwise loss")
+  loss_grad_reduce: Literal["auto", "barrier", "overlap"] = Field(
+      default="auto", description="the blockwise loss's one reduction of the head's weight gradient per micro-batch: "
+      "barrier (the layers' backward waits for it, so its float32 accumulator is freed before them), overlap (left "
+      "to XLA's scheduler, which may hold the accumulator over the layers' backward), or auto: barrier (never a higher "
+      "peak, by analysis/layout.py's estimate; docs/compile.md); bit-identical either way")
   scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
   param_scan_axis: Literal[0, 1] = Field(default=0, description="axis of the stacked layer dimension in parameters")
   stack_rows: bool = Field(default=True, description="unrolled layers read the parameters a part lists in "
