@@ -19,6 +19,29 @@ from meshlm.parallel.sharding import axes, constrain, current_mesh, logical_spec
 CACHE_AXES = axes("batch", "kv_heads", None, "head_dim")  # GQA's K and V: [B, K, C, H]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+  """A scanned layer's cache leaf left in the stacked cache: row `index` (traced: the layer scan's counter) of
+  `stack` [G, ...]. A kernel that indexes the stack itself (nn/decode_attention.py) reads the layer's slots where
+  they lie; `get()` slices the row out, which XLA:TPU copies (a dynamic slice it does not fuse into the attention's
+  dot). Handed to a part for the leaves whose StateLeaf says `in_place` (models/layers.py)."""
+  stack: jax.Array
+  index: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.stack.shape[1:])
+
+  def get(self) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+
+
+def row(leaf) -> jax.Array:
+  """A cache leaf as a plain array: a LayerRow's row sliced out; anything else as it is."""
+  return leaf.get() if isinstance(leaf, LayerRow) else leaf
+
+
 def cache_size(length: int, window: int | None) -> int:
   return length if window is None else min(window, length)
 
