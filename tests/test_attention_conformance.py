@@ -222,7 +222,7 @@ def test_the_rows_come_from_the_registry():
 def _skewed_apply(p, x_BTD, ctx, state=None):
   """gqa's apply with q/k norms that, off the xla core, normalize the heads-first rows [B, N, T, H] over positions
   and head dims (a transform written twice, once wrong); under xla, over the head dims (gqa's)."""
-  if ctx.attention_impl == "xla":
+  if ctx.core.dense_mask:
     return gqa.apply(p, x_BTD, ctx, state)
   m = ctx.model
   dt = x_BTD.dtype

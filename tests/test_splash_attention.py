@@ -63,10 +63,11 @@ def _reference(case: str, *, window=None, segments=None, softcap=None, regroup=F
 def _splash(case: str, backward: str = "auto"):
   """(out, dq, dk, dv) of the splash core in interpret mode, one jit per case (auto: the fused backward at T's two
   blocks)."""
-  _, _, H, _, window, softcap, segs = CASES[case]
+  _, _, H, Hv, window, softcap, segs = CASES[case]
   seg = jnp.asarray(SEGMENTS) if segs else None
+  blocks = SP.Rule(T, False, backward).blocks(H, Hv, softcap is not None)
   fn = lambda q, k, v: SP.splash_attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap,  # noqa: E731
-                                           window=window, backward=backward)
+                                           window=window, blocks=blocks)
   return jax.jit(functools.partial(_value_and_grads, fn))(*_inputs(case))
 
 
@@ -113,11 +114,11 @@ def test_splash_backward_auto_is_fused_up_to_two_blocks():
 
 @pytest.mark.parametrize("key, fused", [("auto", True), ("split", False), ("fused", True)])
 def test_the_key_reaches_the_kernel(monkeypatch, key, fused):
-  """splash_backward from the config to the kernel the mixers build (models/context -> gqa -> nn/attention.core ->
-  splash_attention): llama2-tiny's forward at 96 positions (one interpret block: auto is fused), traced only."""
+  """splash_backward from the config to the kernel the mixers build (models/context.attention_core's record ->
+  gqa -> Context.attend -> splash_attention): llama2-tiny's forward at 96 positions (one interpret block: auto is fused), traced only."""
   seen = []
   real = SP._kernel
-  monkeypatch.setattr(SP, "_kernel", lambda *a, **kw: seen.append(kw["fused"]) or real(*a, **kw))
+  monkeypatch.setattr(SP, "_kernel", lambda *a, **kw: seen.append(kw["blocks"].fused) or real(*a, **kw))
   cfg = meshlm.load_config("model=llama2-tiny", "attention_impl=splash", f"splash_backward={key}")
   params = jax.eval_shape(lambda: meshlm.init_params(cfg, jax.random.key(0)))
   toks = jnp.zeros((2, C.PARITY_SEQ), jnp.int32)

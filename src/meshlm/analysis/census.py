@@ -482,32 +482,27 @@ def census(cfg, mesh=None) -> dict[str, Any]:
   return out
 
 
-def attention_impl(cfg, platform: str | None = None) -> str:
-  """The attention core the train step runs (attention_impl resolved at train.seq_len on platform, by default
-  JAX's backend, and mesh.context; -1 there, the devices left, counts as more than one; then context_attention on
-  mesh.context): what the reports print."""
+def attention_record(cfg, platform: str | None = None):
+  """The attention core the train step runs (models/context.attention_core at train.seq_len on platform, by default
+  JAX's backend, over mesh.context shards; -1 there, the devices left, counts as more than one): the record the
+  step's context holds, which the reports print."""
   import jax
-  from meshlm.nn.attention import resolve_context, resolve_impl
+  from meshlm.models.context import attention_core
+  from meshlm.models.model import resolve
+  M = resolve(cfg)
   context = cfg.mesh.context if cfg.mesh.context > 0 else 2
-  impl = resolve_impl(cfg.attention_impl, cfg.train.seq_len, platform or jax.default_backend(), context)
-  return resolve_context(impl, cfg.context_attention, cfg.mesh.context, cfg.train.seq_len)
+  return attention_core(M.cfg, M.attention_shapes, cfg.train.seq_len, platform=platform or jax.default_backend(),
+                        context=context)
 
 
-def splash_backward(cfg, platform: str | None = None) -> str | None:
-  """The splash kernel's backward the train step runs (fused or split: splash_backward resolved at train.seq_len
-  and the platform's kernel block), or None where the core is not splash."""
-  import jax
-  platform = platform or jax.default_backend()
-  if attention_impl(cfg, platform) != "splash":
-    return None
-  from meshlm.nn import splash_attention as SPA
-  T = cfg.train.seq_len
-  return SPA.resolve_backward(cfg.splash_backward, T, SPA.kernel_block(T, platform == "tpu"))
+def attention_impl(cfg, platform: str | None = None) -> str:
+  """The attention core's name (attention_record's): what the banners print."""
+  return attention_record(cfg, platform).name
 
 
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
-  return {"model": cfg.model_name, "shard_mode": cfg.shard_mode,
-          "attention_impl": attention_impl(cfg, platform), "splash_backward": splash_backward(cfg, platform),
+  core = attention_record(cfg, platform)
+  return {"model": cfg.model_name, "shard_mode": cfg.shard_mode, **core.summary(),
           "lm_head_weight_grad_in_kernel_order": cfg.lm_head_weight_grad_in_kernel_order,
           "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
           "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,

@@ -118,7 +118,7 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   import numpy as np
   from meshlm.models.model import resolve
   from meshlm.models.logprobs import loss_path
-  from meshlm.nn.attention import resolve_context, resolve_impl
+  from meshlm.models.context import attention_core
   from meshlm.parallel.mesh import resolve_mesh_shape
   from meshlm.train.step import trainable_mask
   sizes = resolve_mesh_shape(cfg, devices, devices_key="the topology's devices")
@@ -154,8 +154,7 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   moe = _moe_layout(cfg, sizes, mesh, tokens)
   period_moe = sum(1 for k in M.plan.kinds[M.plan.prefix:M.plan.prefix + M.plan.period]
                    if any(p.name == "moe" for p in M.kinds[k].parts))
-  attention = resolve_context(resolve_impl(cfg.attention_impl, t.seq_len, platform, sizes["context"]),
-                              cfg.context_attention, sizes["context"], t.seq_len)
+  attention = attention_core(M.cfg, M.attention_shapes, t.seq_len, platform=platform, context=sizes["context"])
   layer_phase, phase_terms = 0, {}
   for kind in M.kinds:
     kernels = [s for path, s in params if path[:2] == ["layers", kind] and _is_kernel(s)]
@@ -197,9 +196,10 @@ def _out_width(s, D: int) -> int:
   return n // D if s.shape[0] == D else D
 
 
-def _scores(cfg, M, kind: str, sizes: dict, core: str, tokens: int) -> int:
-  """A materialized attention layer's float32 scores per device: rows x heads x queries x keys (xla core)."""
-  if core != "xla" or not any(p.instrument.attention_width is not None for p in M.kinds[kind].parts):
+def _scores(cfg, M, kind: str, sizes: dict, core, tokens: int) -> int:
+  """A materialized attention layer's float32 scores per device: rows x heads x queries x keys (a core that reads
+  the dense mask, xla)."""
+  if not core.dense_mask or not any(p.instrument.attention_width is not None for p in M.kinds[kind].parts):
     return 0
   T = cfg.train.seq_len
   heads = max(cfg.model.num_heads // sizes["tensor"], 1)

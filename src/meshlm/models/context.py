@@ -2,9 +2,10 @@
 
 It is split in two. The model-wide part: the config, the mode (train | prefill | decode) and the
 dense projection already bound to its kernel-order flags (`ctx.dense(x, kernel, eqn, out_axes)`).
-The per-context part, `Inputs`, one per attention context the plan uses ("global", "local"):
-positions, segment ids, RoPE tables, the attention mask's description (nn/attention.Mask; the [T, T] array
-only for the xla core) and, when sampling, the KV-cache slots (decode reads their mask, O(C)).
+The attention core of train and prefill, `ctx.core` (nn/attention.Core), resolved here once (`attention_core`) and
+called through `ctx.attend`. The per-context part, `Inputs`, one per attention context the plan uses ("global",
+"local"): positions, segment ids, RoPE tables, the attention mask's description (nn/attention.Mask; the [T, T]
+array only for a core that reads it) and, when sampling, the KV-cache slots (decode reads their mask, O(C)).
 A block reads its own with `ctx.here`. The per-layer part, `ctx.layer`, holds the inputs given to
 this one layer (layers.run_layers' layer_inputs: what its parts declare as Replay.layer_inputs).
 """
@@ -18,6 +19,7 @@ import jax
 
 from meshlm.config import Config
 from meshlm.nn import kv_cache
+from meshlm.nn import attention as A
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
 from meshlm.nn.dense import dense
 from meshlm.nn.kernel_cast import in_layer
@@ -43,8 +45,7 @@ class Context:
   dense: Callable[..., jax.Array]  # dense(x, kernel, eqn, out_axes), bound to the dense flags
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
-  attention_impl: str = "xla"  # the core of train and prefill: xla | flash | splash | ring (both keys resolved)
-  splash_backward: str = "auto"  # the splash core's backward: auto | fused | split (nn/splash_attention)
+  core: A.Core = A.Core("xla", dense_mask=True)  # the attention core of train and prefill (attention_core)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -65,6 +66,24 @@ class Context:
     (nn/kernel_cast.in_layer: bit-identical to astype, and no whole-stack bf16 copy hoisted out of the layer scan);
     decode takes astype, which XLA converts once outside the token loop, so each token reads bf16 weights."""
     return kernel.astype(dt) if self.mode == "decode" else in_layer(kernel, dt)
+
+  def attend(self, q, k, v, w_o: jax.Array, *, scale: float, softcap: float | None = None,
+             gate: jax.Array | None = None, rows=None) -> jax.Array:
+    """Training and prefill: y [B, T, D], the core (`self.core`) against this context's mask and the output
+    projection w_o [N, Hv, D] (compute dtype), in one auto-axes region (nn/attention.attend_and_project). q [B, N, T,
+    H], k/v [B, Kv, T, H] heads-first after RoPE; gate [B, N, T, Hv]: the core's output times sigmoid(gate) before
+    the projection. rows: fn(q, k, v) -> (q, k, v) run inside the region before the core, q, k and v being then
+    whatever pytrees it reads (a part whose rows are built from pieces joins them there)."""
+    core, mask = self.core, self.here.mask
+    flat, tree = jax.tree.flatten((q, k, v), is_leaf=lambda x: x is None)
+
+    def fn(*args):
+      q, k, v = jax.tree.unflatten(tree, args[:-1])
+      if rows is not None:
+        q, k, v = rows(q, k, v)
+      return core.attend(q, k, v, args[-1], scale=scale, softcap=softcap, window=mask.window)
+    B, T = flat[0].shape[0], flat[0].shape[2]
+    return A.attend_and_project(fn, (*flat, core.operand(mask)), w_o, self.dense, rows=(B, T), gate=gate)
 
 
 def bound_dense(cfg: Config) -> Callable[..., jax.Array]:
@@ -87,22 +106,44 @@ def train_mask(segment_ids_BT, T: int, window: int | None) -> jax.Array:
                      (B, 1, 1, T, T))(segment_ids_BT)
 
 
+def attention_core(cfg: Config, shapes: tuple, T: int, *, platform: str, context: int, mode: str = "train") -> A.Core:
+  """The attention core a program runs (train or prefill at length T, on platform, over `context` shards of the
+  sequence): attention_impl resolved (nn/attention.resolve_impl), then context_attention (resolve_context), with
+  what the core reads: flash's block, the splash kernel's blocks for each of the model's attention shapes (`shapes`,
+  nn/attention.Shape: the parts' Instrument.attention_shape). The one resolution: make_context and the reports
+  (analysis/census.attention_record, meshlm compile, the layout estimate) call it."""
+  name = resolve_context(resolve_impl(cfg.attention_impl, T, platform, context), cfg.context_attention, context, T,
+                         mode)
+  core = A.Core(name, dense_mask=A.DENSE_MASK[name])
+  if name in ("flash", "ring"):
+    from meshlm.nn.flash_attention import BLOCK
+    core = dataclasses.replace(core, block=BLOCK)
+  if name == "splash":
+    from meshlm.nn import splash_attention as SPA
+    rule = SPA.Rule(T, platform == "tpu", cfg.splash_backward)
+    dims = sorted({s.dims for s in shapes})
+    core = dataclasses.replace(core, rule=rule, splash=tuple((d, rule.blocks(*d)) for d in dims),
+                               interpret=platform != "tpu")
+  return core
+
+
 def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int, ...], positions_BT: jax.Array,
                  segment_ids_BT=None, *, mode: str = "train", cache_len: int | None = None,
-                 lengths_B: jax.Array | None = None) -> Context:
+                 lengths_B: jax.Array | None = None, attention_shapes: tuple = ()) -> Context:
   """Inputs for each attention context in `contexts`, with RoPE tables at each width in rotary_dims.
 
   train: causal (and same-segment) masks over the T positions given.
   prefill: the same over a right-padded prompt block, plus the slots that move each row's first
     lengths_B[b] keys into a cache of cache_len (a window-sized ring for local layers).
   decode: one new position per row (positions_BT [B, 1]); masks and write slots over the cache.
-  The masks of train and prefill are descriptions; their [T, T] arrays are built (once per step) only when the
-  attention core is xla (attention_impl resolved for this length and platform).
+  The attention core (attention_core) is resolved for this length and platform over the model's attention_shapes
+  (decode keeps the default record: it attends against the cache). The masks of train and prefill are descriptions;
+  their [T, T] arrays are built (once per step) only for a core that reads them (Core.dense_mask).
   """
   m = cfg.model
   T = positions_BT.shape[1]
-  impl = resolve_impl(cfg.attention_impl, T, platform(), context_size()) if mode != "decode" else "xla"
-  impl = resolve_context(impl, cfg.context_attention, context_size(), T, mode)
+  core = (attention_core(cfg, attention_shapes, T, platform=platform(), context=context_size(), mode=mode)
+          if mode != "decode" else Context.core)
   # sin's sign folded here, once per step, so that each layer's RoPE is one full-width pass (nn/rope.apply_rope).
   signed = lambda cos, sin: (cos, fold_sign(sin))
   ropes = {"global": {d: signed(*freqs_at(positions_BT, d, m.rope_theta, m.rope_scaling)) for d in rotary_dims}}
@@ -114,16 +155,15 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
     window = windows(m)[name]
     mask, slots = None, None
     if mode == "train":
-      dense = train_mask(segment_ids_BT, T, window) if impl == "xla" else None
+      dense = train_mask(segment_ids_BT, T, window) if core.dense_mask else None
       mask = Mask(window, segment_ids_BT, dense)
     elif mode == "prefill":
       size = kv_cache.cache_size(cache_len, window)
-      mask = Mask(window, None, attention_mask(None, T, window) if impl == "xla" else None)
+      mask = Mask(window, None, attention_mask(None, T, window) if core.dense_mask else None)
       slots = kv_cache.prefill_slots(lengths_B, T, size)
     else:
       size = kv_cache.cache_size(cache_len, window)
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
     inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
                           lengths_B if mode == "prefill" else None)
-  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, attention_impl=impl,
-                 splash_backward=cfg.splash_backward)
+  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core)

@@ -109,7 +109,8 @@ def _positions(tokens_BT: jax.Array, positions_BT=None) -> jax.Array:
 def context(cfg: Config | Model, positions_BT: jax.Array, segment_ids_BT=None, **kw) -> Context:
   """The Context for this config's plan: its contexts and the RoPE widths its parts read."""
   M = resolve(cfg)
-  return make_context(M.cfg, M.plan.contexts, M.rotary_dims, positions_BT, segment_ids_BT, **kw)
+  return make_context(M.cfg, M.plan.contexts, M.rotary_dims, positions_BT, segment_ids_BT,
+                      attention_shapes=M.attention_shapes, **kw)
 
 
 def forward(cfg: Config | Model, params: dict, tokens_BT: jax.Array, positions_BT=None, segment_ids_BT=None,

@@ -174,10 +174,14 @@ class Instrument:
     the part shows the field with zeros.
   - attention_width(m) -> N x (qk + v head dims) for a part whose queries attend over earlier keys (the model
     FLOPs count 6 x that x the keys a query sees), None for a part that does not attend.
+  - attention_shape(m) -> nn/attention.Shape (query and KV heads, q/k and v head dims, the soft-cap) of a part that
+    calls the attention core: what the core's blocks are chosen over (models/context.attention_core) and what the
+    registry's TPU compile check compiles (tests/test_attention_tpu.py); None for a part that does not.
   - active_fraction(m, s): the share of one of its parameters (a ParamSpec of spec(m), stacked) that one token's
     matmuls meet (MoE's routed experts: k / E), 1.0 by default."""
   census: tuple[CensusCounter, ...] = ()
   attention_width: Callable[[ModelConfig], int] | None = None
+  attention_shape: Callable[[ModelConfig], Any] | None = None
   active_fraction: Callable[[ModelConfig, S.ParamSpec], float] = lambda m, s: 1.0
 
 

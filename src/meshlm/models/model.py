@@ -131,6 +131,12 @@ class Model:
     """The RoPE widths the plan's parts read from their context."""
     return tuple(sorted({d for _, p in self.parts for d in p.rotary_dims(self.m)}))
 
+  @functools.cached_property
+  def attention_shapes(self) -> tuple:
+    """The attention shapes (nn/attention.Shape) the plan's parts declare (Instrument.attention_shape), sorted."""
+    shapes = {p.instrument.attention_shape(self.m) for _, p in self.parts if p.instrument.attention_shape is not None}
+    return tuple(sorted(shapes, key=repr))
+
   def state_spec(self, i: int, batch: int, cache_len: int) -> dict:
     """Model layer i's {part key: {leaf: StateLeaf}} for a cache of cache_len positions."""
     size = kv_cache.cache_size(cache_len, windows(self.m)[self.plan.contexts[i]])

@@ -2,11 +2,14 @@
 one-position decode form against a KV cache. Plain math with no sharding annotations of its own.
 
 Also the attention mixers' shared vocabulary (models/mixers/gqa.py, gated_gqa.py, mla.py): the logical axes
-of their kernels and activations, the q/K/V/o parameter specs, and the decode masks, declared once here.
+of their kernels and activations, the q/K/V/o parameter specs, the decode masks, the attention core's record
+(`Core`: which core, what it reads, its blocks; resolved once by models/context.attention_core) and the one
+attend-and-project region every mixer's core and output projection run in (`attend_and_project`).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ from meshlm.config.schema import splash_refusal
 from meshlm.errors import ConfigError
 from meshlm.nn.flash_attention import flash_attention
 from meshlm.nn.ring_attention import ring_attention
-from meshlm.parallel.sharding import ACT, axes
+from meshlm.parallel.sharding import ACT, auto_region, axes
 
 # Parameter axes: the query kernel [D, N, H] (gather_once reads them), K/V [D, Kv, H], o [N, H, D].
 Q_AXES = axes("embed", "heads", "head_dim")
@@ -88,42 +91,133 @@ def resolve_context(impl: str, context_attention: str, shards: int, T: int, mode
 
 
 @dataclasses.dataclass(frozen=True)
+class Shape:
+  """An attending part's attention shape (Instrument.attention_shape): query and KV heads, the q/k and v head dims
+  (MLA's 192 and 128; G = 1, each query head its own key) and the logit soft-cap. What the splash kernel's blocks
+  are chosen over (nn/splash_attention.choose_blocks) and what the registry's TPU compile check compiles."""
+  heads: int
+  kv_heads: int
+  qk_dim: int
+  v_dim: int
+  softcap: float | None = None
+
+  @property
+  def dims(self) -> tuple[int, int, bool]:
+    """What the kernel's VMEM depends on: (qk head dim, v head dim, soft-capped)."""
+    return self.qk_dim, self.v_dim, self.softcap is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class Mask:
   """What a query of a training or prefill context sees, as a description: every key at or before it (causal),
   inside `window` positions when one is given, and of its own document when segment ids are given. `dense` is
-  the materialized [B or 1, 1, 1, T, T] array, which only the xla core reads (models/context builds it once per
-  step for that core alone); flash and splash read the description. Decode reads its cache slots' mask instead."""
+  the materialized [B or 1, 1, 1, T, T] array, which only a core with `dense_mask` reads (models/context builds it
+  once per step for that core alone); the others read the description. Decode reads its cache slots' mask instead."""
   window: int | None = None
   segment_ids: jax.Array | None = None  # [B, T]
   dense: jax.Array | None = None
 
 
-def core(impl: str, mask: Mask, *, scale: float, softcap: float | None = None, splash_backward: str = "auto"):
-  """(fn(q, k, v, operand) -> [B, N, T, Hv], operand): the attention core for impl and the one array it reads
-  from the mask, passed as an argument so that it enters the caller's auto-axes region (xla: the materialized
-  mask; flash, ring and splash: the segment ids or None). Every core reads heads-first rows, q [B, N, T, H] and
-  k/v [B, Kv, T, H], and returns them: a caller projects straight into them and contracts the output as it is, so
-  no transpose sits between a projection's dot and the core (nor, in the backward, between the output projection's
-  gradient dot and the core's). splash_backward: the splash kernel's backward (nn/splash_attention.resolve_backward)."""
-  if impl in ("flash", "ring"):
-    blockwise = flash_attention if impl == "flash" else ring_attention
+@dataclasses.dataclass(frozen=True)
+class Core:
+  """The attention core of one program (train or prefill at one length, on one platform), resolved once where the
+  context is made (models/context.attention_core) and read by everything after: the mixers (Context.attend) and the
+  reports (the census, meshlm compile, the layout estimate), which never resolve a key again.
 
-    def flash(q, k, v, seg):
-      return blockwise(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window)
-    return flash, mask.segment_ids
-  if impl == "splash":
-    # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs splash.
-    from meshlm.nn.splash_attention import splash_attention
+  - name: xla | flash | splash | ring (what the reports print; nothing keys on it).
+  - dense_mask: the core reads the materialized [T, T] mask (xla, the reference), which is then built once per
+    step; the others read the mask's description (the segment ids).
+  - block: flash's and ring's block length (flash_block), None for the others.
+  - splash: the splash kernel's blocks per attention shape the model's parts declare, ((qk, v, soft-capped),
+    nn/splash_attention.Blocks) pairs; a shape not listed is chosen by the same rule when called (`rule`).
+  - rule: the splash rule's inputs (nn/splash_attention.Rule), None for the other cores.
+  - interpret: the splash kernel in Pallas interpret mode (off TPU).
+  """
+  name: str
+  dense_mask: bool = False
+  block: int | None = None
+  splash: tuple = ()
+  rule: Any = None
+  interpret: bool = False
 
-    def splash(q, k, v, seg):
-      return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=mask.window,
-                              backward=splash_backward)
-    return splash, mask.segment_ids
+  def operand(self, mask: Mask) -> jax.Array | None:
+    """The one array the core reads from the mask, passed into the caller's auto-axes region as an argument: the
+    materialized mask (dense_mask) or the segment ids (or None)."""
+    if self.dense_mask:
+      assert mask.dense is not None, "this core reads the materialized mask (models/context.make_context builds it)"
+      return mask.dense
+    return mask.segment_ids
 
-  def xla(q, k, v, dense):
-    return gqa_attention(q, k, v, dense, scale=scale, softcap=softcap)
-  assert mask.dense is not None, "the xla core reads the materialized mask (models/context.make_context builds it)"
-  return xla, mask.dense
+  def splash_blocks(self, qk_dim: int, v_dim: int, softcap: float | None):
+    """The splash kernel's blocks for one attention shape: the record's, else the rule's."""
+    key = (qk_dim, v_dim, softcap is not None)
+    for dims, blocks in self.splash:
+      if dims == key:
+        return blocks
+    return self.rule.blocks(*key)
+
+  def summary(self) -> dict:
+    """What the reports print (the census's config, meshlm compile): {"attention_impl": name, "splash_backward":
+    fused | split ("/"-joined where the shapes differ) or None, "splash_blocks": {"qk/v[/softcap]": blocks} or
+    None}."""
+    blocks = {"/".join(map(str, (qk, v))) + ("/softcap" if capped else ""): b.as_dict()
+              for (qk, v, capped), b in self.splash}
+    backward = "/".join(sorted({b["backward"] for b in blocks.values()}))
+    return {"attention_impl": self.name, "splash_backward": backward or None, "splash_blocks": blocks or None}
+
+  def attend(self, q, k, v, operand, *, scale: float, softcap: float | None = None, window: int | None = None):
+    """The core on heads-first rows, q [B, N, T, H] and k/v [B, Kv, T, H] (v's head dim may differ): [B, N, T, Hv].
+    operand: what `operand(mask)` gave. Every core reads and returns heads-first rows, so a caller projects
+    straight into them and contracts the output as it is: no transpose sits between a projection's dot and the
+    core (nor, in the backward, between the output projection's gradient dot and the core's)."""
+    return _CORES[self.name](self, q, k, v, operand, scale=scale, softcap=softcap, window=window)
+
+
+def _xla(core, q, k, v, dense, *, scale, softcap, window):
+  del window  # in the materialized mask
+  return gqa_attention(q, k, v, dense, scale=scale, softcap=softcap)
+
+
+def _flash(core, q, k, v, seg, *, scale, softcap, window):
+  return flash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=window, block=core.block)
+
+
+def _ring(core, q, k, v, seg, *, scale, softcap, window):
+  return ring_attention(q, k, v, seg, scale=scale, softcap=softcap, window=window, block=core.block)
+
+
+def _splash(core, q, k, v, seg, *, scale, softcap, window):
+  # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs splash.
+  from meshlm.nn.splash_attention import splash_attention
+  blocks = core.splash_blocks(q.shape[-1], v.shape[-1], softcap)
+  return splash_attention(q, k, v, seg, scale=scale, softcap=softcap, window=window, blocks=blocks,
+                          interpret=core.interpret)
+
+
+_CORES = {"xla": _xla, "flash": _flash, "ring": _ring, "splash": _splash}
+# What a core reads of the mask: only the reference materializes it.
+DENSE_MASK = {"xla": True, "flash": False, "ring": False, "splash": False}
+
+
+def attend_and_project(fn, args: tuple, w_o: jax.Array, dense, *, rows: tuple[int, int],
+                       gate: jax.Array | None = None) -> jax.Array:
+  """y [B, T, D]: the core's heads-first rows fn(*args) [B, N, T, Hv] (times sigmoid(gate) [B, N, T, Hv], gated_gqa)
+  contracted as they are by the output projection w_o [N, Hv, D] through `dense`, in one auto-axes region; rows =
+  (B, T). Every attention mixer's core (training, prefill, decode) and output projection run here. Under explicit
+  sharding every einsum output would otherwise carry a sharding annotation between its dot and the transpose after
+  it (the core's own einsums, and the incoming gradient of the output projection in the backward pass), which XLA
+  cannot fold; inside the region XLA folds them as under auto, and the projection still goes through dense."""
+  n = len(args)
+
+  def body(*xs):
+    o = fn(*xs[:n])  # [B, N, T, Hv]
+    w_o, *gate = xs[n:]
+    if gate:
+      o = o * jax.nn.sigmoid(gate[0])
+    with jax.named_scope("o"):
+      return dense(o, w_o, "bnth,nhd->btd", OUT)
+  region = auto_region(body, OUT, tuple(rows) + w_o.shape[-1:])
+  return region(*args, w_o, *(() if gate is None else (gate,)))
 
 
 def attention_mask(segment_ids_BT: jax.Array | None, T: int, sliding_window: int | None = None) -> jax.Array:

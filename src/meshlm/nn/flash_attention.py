@@ -21,8 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 BLOCK = 512  # query and key block length (a shorter sequence is one block)
+# The checkpoint name of an attention core's output and row log-sum-exp, the residuals its backward reads (flash's,
+# ring's and the splash kernel's): a remat policy that saves it (remat_attention=save) keeps the backward from
+# rerunning the forward kernel.
+RESIDUALS = "attention_residuals"
 _F32 = jnp.float32
 _MIN = float(jnp.finfo(_F32).min)
 
@@ -187,7 +192,7 @@ def _flash(st: _Static, q, k, v, seg):
 
 
 def _flash_fwd(st: _Static, q, k, v, seg):
-  out, lse = _forward(st, q, k, v, seg)
+  out, lse = (checkpoint_name(x, RESIDUALS) for x in _forward(st, q, k, v, seg))
   return out, (q, k, v, seg, out, lse)
 
 

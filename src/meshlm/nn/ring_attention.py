@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.nn import flash_attention as FA
 from meshlm.parallel.sharding import logical_spec
@@ -229,7 +230,7 @@ def _ring_attention(ring: _Ring, q, k, v, seg):
 
 
 def _ring_fwd(ring: _Ring, q, k, v, seg):
-  out, lse = _forward(ring, q, k, v, seg)
+  out, lse = (checkpoint_name(x, FA.RESIDUALS) for x in _forward(ring, q, k, v, seg))
   return out, (q, k, v, seg, out, lse)
 
 

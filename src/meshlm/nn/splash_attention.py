@@ -25,6 +25,7 @@ Off TPU the kernel runs in Pallas interpret mode (slow: tests and CPU toys); on 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as SA
 from jax.sharding import PartitionSpec as P
 
+from meshlm.nn.flash_attention import RESIDUALS
 from meshlm.parallel.sharding import current_mesh, logical_spec, platform
 
 LANES = 128  # the kernel's block lengths are multiples of the TPU's 128 lanes
@@ -76,30 +78,86 @@ def resolve_backward(backward: str, length: int, block: int) -> str:
   return "fused" if -(-padded_length(length) // block) <= FUSED_MAX_BLOCKS else "split"
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """The kernel's block lengths per phase (the kernel's BlockSizes): the forward's q / kv / kv-compute, the dkv
+  kernel's q / kv / kv-compute, and the dq kernel's q / kv, which the fused backward (dq computed in the dkv
+  kernel) has none of: q_dq and kv_dq None."""
+  q: int
+  kv: int
+  kv_compute: int
+  q_dkv: int
+  kv_dkv: int
+  kv_dkv_compute: int
+  q_dq: int | None = None
+  kv_dq: int | None = None
+
+  @property
+  def fused(self) -> bool:
+    return self.q_dq is None
+
+  @property
+  def backward(self) -> str:
+    return "fused" if self.fused else "split"
+
+  def sizes(self) -> "SA.BlockSizes":
+    return SA.BlockSizes(block_q=self.q, block_kv=self.kv, block_kv_compute=self.kv_compute, block_q_dkv=self.q_dkv,
+                         block_kv_dkv=self.kv_dkv, block_kv_dkv_compute=self.kv_dkv_compute, block_q_dq=self.q_dq,
+                         block_kv_dq=self.kv_dq, use_fused_bwd_kernel=self.fused)
+
+  def as_dict(self) -> dict:
+    """{"fwd": [q, kv, kv_compute], "dkv": [...], "dq": [q, kv] or None, "backward": fused | split}: the reports'."""
+    return {"fwd": [self.q, self.kv, self.kv_compute], "dkv": [self.q_dkv, self.kv_dkv, self.kv_dkv_compute],
+            "dq": None if self.fused else [self.q_dq, self.kv_dq], "backward": self.backward}
+
+  def describe(self) -> str:
+    """"fwd 1024/1024/512 dkv 1024/1024/512 fused" (or "... dq 1024/1024"): one line of a report."""
+    slash = lambda bs: "/".join(str(b) for b in bs)  # noqa: E731
+    d = self.as_dict()
+    return f"fwd {slash(d['fwd'])} dkv {slash(d['dkv'])} " + ("fused" if self.fused else f"dq {slash(d['dq'])}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """The inputs of the kernel's block choice for one program: the sequence `length` (as the model gives it), on
+  TPU or in interpret mode, and the splash_backward key."""
+  length: int
+  on_tpu: bool
+  backward: str = "auto"
+
+  def blocks(self, qk_dim: int, v_dim: int, softcap: bool) -> Blocks:
+    """The blocks of every phase for one attention shape."""
+    del qk_dim, v_dim, softcap
+    b = kernel_block(self.length, self.on_tpu)
+    fused = resolve_backward(self.backward, self.length, b) == "fused"
+    dq = None if fused else b
+    return Blocks(b, b, b, b, b, b, dq, dq)
+
+
 def splash_attention(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
                      segment_ids_BT: jax.Array | None = None, *, scale: float, softcap: float | None = None,
-                     window: int | None = None, block: int | None = None, backward: str = "auto",
-                     interpret: bool | None = None) -> jax.Array:
+                     window: int | None = None, blocks: Blocks | None = None, interpret: bool | None = None) -> jax.Array:
   """Causal softmax(q k^T * scale) v, as gqa_attention with attention_mask(segment_ids_BT, T, window), by the kernel,
   on heads-first rows (every core's, and the kernel's own order): q [B, N, T, H], k [B, K, T, H], v [B, K, T, Hv];
   returns [B, N, T, Hv] (query head n = k * G + g reads KV head k, as gqa_attention's grouping).
-  block: the kernel's block length (default BLOCK on TPU, INTERPRET_BLOCK elsewhere); backward: fused, split or
-  auto (resolve_backward); interpret: Pallas interpret mode (default: off TPU).
+  blocks: the kernel's blocks per phase (default: Rule's on this platform); interpret: Pallas interpret mode
+  (default: off TPU). The kernel's output and row log-sum-exp carry the checkpoint name RESIDUALS (what a remat
+  policy saves to keep the backward from rerunning the forward kernel).
   """
   T = q_BNTH.shape[2]
   assert k_BKSH.shape[2] == T == v_BKSH.shape[2], (q_BNTH.shape, k_BKSH.shape, v_BKSH.shape)
   on_tpu = platform() == "tpu"
   interpret = not on_tpu if interpret is None else interpret
+  if blocks is None:
+    blocks = Rule(T, on_tpu).blocks(q_BNTH.shape[-1], v_BKSH.shape[-1], softcap is not None)
   pad = padded_length(T) - T
-  b = kernel_block(T, on_tpu, block)
 
   def padded(x):  # [B, heads, T, h] -> [B, heads, Tp, h]
     return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
   q = padded(q_BNTH * jnp.asarray(scale, q_BNTH.dtype))
   k, v = padded(k_BKSH), padded(v_BKSH)
   seg = None if segment_ids_BT is None else jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, pad)))
-  kernel_args = dict(window=window, softcap=softcap, block=b, fused=resolve_backward(backward, T, b) == "fused",
-                     interpret=interpret)
+  kernel_args = dict(window=window, softcap=softcap, blocks=blocks, interpret=interpret)
   with jax.named_scope("splash_attention"):
     out = _sharded(q, k, v, seg, kernel_args)  # [B, N, Tp, Hv]
   return out[:, :, :T]
@@ -112,15 +170,11 @@ def _mask(length: int, window: int | None):
   return SA.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
 
 
-def _kernel(heads: int, length: int, *, window, softcap, block: int, fused: bool, interpret: bool):
+def _kernel(heads: int, length: int, *, window, softcap, blocks: Blocks, interpret: bool):
   """The kernel for one batch row of `heads` query heads: fn(q [N, Tp, H], k [K, Tp, H], v [K, Tp, Hv], seg)."""
-  dq = None if fused else block
-  sizes = SA.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=dq, block_kv_dq=dq,
-                        use_fused_bwd_kernel=fused)
   mask = SA.MultiHeadMask([_mask(length, window)] * heads)
-  return SA.make_splash_mha(mask, block_sizes=sizes, attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
-                            interpret=interpret)
+  return SA.make_splash_mha(mask, block_sizes=blocks.sizes(), attn_logits_soft_cap=softcap, head_shards=1,
+                            q_seq_shards=1, residual_checkpoint_name=RESIDUALS, interpret=interpret)
 
 
 def _rows(q, k, v, seg, kernel_args: dict):

@@ -71,4 +71,4 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
 def gated_gqa() -> Part:
   return Part(name="gated_gqa", key="attn", spec=spec, apply=apply, state_spec=gqa.state_spec, needs=gqa.NEEDS,
               rotary_dims=lambda m: (m.rotary_dim(),), compute=Compute(prepare=gqa.prepare),
-              instrument=Instrument(attention_width=gqa.attention_width))
+              instrument=Instrument(attention_width=gqa.attention_width, attention_shape=gqa.attention_shape))

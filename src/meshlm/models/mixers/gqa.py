@@ -22,7 +22,6 @@ from meshlm.nn.attention import gqa_attention_decode
 from meshlm.nn.kv_cache import CACHE_AXES
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope
-from meshlm.parallel.sharding import auto_region
 
 
 # The head fields attention reads (null by default: a model without attention needs none).
@@ -94,42 +93,26 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
   (y [B, T, D], update). q [B, N, T, H], k/v [B, Kv, T, H] after RoPE; w_o [N, H, D] in the compute dtype.
   gate [B, N, T, H] (gated_gqa; laid out as q): the core's output times sigmoid(gate) before the projection. The
   update is the K/V rows, already in the cache's layout [B, Kv, T, H] (None when training); the cache is only
-  read here."""
+  read here. Training and prefill: ctx.attend (the context's core); decode: one new position against the cache,
+  in the same attend-and-project region (nn/attention.attend_and_project)."""
   m = ctx.model
-  here = ctx.here
-  dense = ctx.dense
   scale = (m.query_pre_attn_scalar or m.head_dim) ** -0.5
   softcap = m.attn_logit_softcap
   update = None if ctx.mode == "train" else {"k": k, "v": v}
+  if ctx.mode != "decode":
+    return ctx.attend(q, k, v, w_o, scale=scale, softcap=softcap, gate=gate), update
 
-  # The attention core and the output projection run in one auto-axes region. Under explicit sharding
-  # every einsum output would otherwise carry a sharding annotation between its dot and the
-  # transpose after it (the core's own einsums, and the incoming gradient of the output projection
-  # in the backward pass), which XLA cannot fold. Inside the region XLA folds them as under auto;
-  # the output projection still goes through dense.
-  def project(o, w_o, *gate):  # o: the core's rows [B, N, T, H], contracted as they are
-    if gate:
-      o = o * jax.nn.sigmoid(gate[0])
-    with jax.named_scope("o"):
-      return dense(o, w_o, "bnth,nhd->btd", A.OUT)
+  def decode(q, k, v, k_cache, v_cache, mask):
+    return gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
+  mask = A.decode_mask(ctx.here.cache.read_mask, ctx.here.cache.write)
+  y = A.attend_and_project(decode, (q, k, v, state["k"], state["v"], mask), w_o, ctx.dense, rows=(q.shape[0], 1),
+                           gate=gate)
+  return y, update
 
-  gates = () if gate is None else (gate,)
-  if ctx.mode == "decode":
-    def attend_and_project(q, k, v, k_cache, v_cache, mask, w_o, *gate):
-      o = gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
-      return project(o, w_o, *gate)
-    region = auto_region(attend_and_project, A.OUT, (q.shape[0], q.shape[2]) + w_o.shape[-1:])
-    mask = A.decode_mask(here.cache.read_mask, here.cache.write)
-    return region(q, update["k"], update["v"], state["k"], state["v"], mask, w_o, *gates), update
 
-  # The core ctx.attention_impl names (xla: the materialized mask; flash, splash: the segment ids).
-  core, operand = A.core(ctx.attention_impl, here.mask, scale=scale, softcap=softcap,
-                         splash_backward=ctx.splash_backward)
-
-  def attend_and_project(q, k, v, operand, w_o, *gate):
-    return project(core(q, k, v, operand), w_o, *gate)  # core: [B, N, T, H]
-  region = auto_region(attend_and_project, A.OUT, (q.shape[0], q.shape[2]) + w_o.shape[-1:])
-  return region(q, k, v, operand, w_o, *gates), update
+def attention_shape(m: ModelConfig) -> A.Shape:
+  """N query heads over Kv KV heads, head_dim for q/k and v, the logit soft-cap."""
+  return A.Shape(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim, m.attn_logit_softcap)
 
 
 def attention_width(m: ModelConfig) -> int:
@@ -141,7 +124,7 @@ def gqa() -> Part:
   """The part with plain q/k norms; a Family with norm_plus_one (gemma3) makes them (1 + w) (with_plus_one)."""
   return Part(name="gqa", key="attn", spec=spec, apply=apply, state_spec=state_spec, needs=NEEDS,
               rotary_dims=lambda m: (m.head_dim,), compute=Compute(prepare=prepare, with_plus_one=with_plus_one),
-              instrument=Instrument(attention_width=attention_width))
+              instrument=Instrument(attention_width=attention_width, attention_shape=attention_shape))
 
 
 def _is_own(fn, base) -> bool:

@@ -49,7 +49,7 @@ from meshlm.models.family import Instrument, Part, StateLeaf, section
 from meshlm.nn import attention as A, mla as mla_core
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope, apply_rope_interleave, softmax_mscale
-from meshlm.parallel.sharding import auto_region, axes
+from meshlm.parallel.sharding import axes
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their default eps)
 LATENT = axes("batch", "length", None)  # a latent row [B, T, Rq] or [B, T, Rkv + Hr]
@@ -162,25 +162,13 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
     k_nope = ctx.dense(c, w["k_b"], "btr,rnh->bnth", A.HEADS)  # [B, N, T, Hn]
   with jax.named_scope("v_b"):
     v = ctx.dense(c, w["v_b"], "btr,rnh->bnth", A.HEADS)  # [B, N, T, Hv]
-  scale = softmax_scale(m)
 
-  # xla, flash, ring or splash (gqa.attend): heads-first rows in and out.
-  core, operand = A.core(ctx.attention_impl, ctx.here.mask, scale=scale, splash_backward=ctx.splash_backward)
-
-  # The attention core and the output projection in one auto-axes region (gqa.attend says why).
-  def attend_and_project(q_nope, q_rope, k_nope, k_rope, v, operand, w_o):
-    qk = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, N, T, Hn + Hr]
+  def rows(q, k, v):  # inside the region: q's nope and rope dims joined, the one rope key given to every head
+    (q_nope, q_rope), (k_nope, k_rope) = q, k
     shared = jnp.broadcast_to(k_rope[:, None], k_nope.shape[:3] + k_rope.shape[-1:])  # [B, N, T, Hr]
-    o = core(qk, jnp.concatenate([k_nope, shared], axis=-1), v, operand)  # [B, N, T, Hv]
-    return project(o, w_o, ctx.dense)
-  region = auto_region(attend_and_project, A.OUT, (q.shape[0], q.shape[2]) + w["o"].shape[-1:])
-  return region(q_nope, q_rope, k_nope, k_rope, v, operand, w["o"]), update, {}
-
-
-def project(o_BNTH: jax.Array, w_o: jax.Array, dense) -> jax.Array:
-  """The output projection of the core's heads-first rows [B, N, T, Hv], contracted as they are."""
-  with jax.named_scope("o"):
-    return dense(o_BNTH, w_o, "bnth,nhd->btd", A.OUT)
+    return jnp.concatenate([q_nope, q_rope], axis=-1), jnp.concatenate([k_nope, shared], axis=-1), v
+  y = ctx.attend((q_nope, q_rope), (k_nope, k_rope), v, w["o"], scale=softmax_scale(m), rows=rows)
+  return y, update, {}
 
 
 def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
@@ -189,20 +177,24 @@ def decode(q_nope, q_rope, c, k_rope, w: dict, ctx, state: dict) -> jax.Array:
   scale = softmax_scale(m)
   mask = A.decode_mask(here.cache.read_mask, here.cache.write)  # [B, 1, 1, 1, C]
 
-  def absorbed(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
+  def absorbed(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b):
     with jax.named_scope("k_b"):
       q_lat = dense(q_nope, k_b, "bnth,rnh->bntr", HEADS_LATENT)  # [B, N, 1, Rkv]
     o_lat = mla_core.absorbed_decode(q_lat, q_rope, c, k_rope, kv, kr, mask, scale=scale)  # [B, N, 1, Rkv]
     with jax.named_scope("v_b"):
-      o = dense(o_lat, v_b, "bntr,rnh->bnth", A.HEADS)  # [B, N, 1, Hv]
-    return project(o, w_o, dense)
+      return dense(o_lat, v_b, "bntr,rnh->bnth", A.HEADS)  # [B, N, 1, Hv]
 
-  def plain(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, w_o):
-    o = mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
-    return project(o, w_o, dense)
+  def plain(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b):
+    return mla_core.expanded_decode(q_nope, q_rope, c, k_rope, kv, kr, mask, k_b, v_b, scale=scale, dense=dense)
 
-  region = auto_region(absorbed if knobs(m).absorb else plain, A.OUT, (q_nope.shape[0], 1) + w["o"].shape[-1:])
-  return region(q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"], w["o"])
+  args = (q_nope, q_rope, c, k_rope, state["kv"], state["k_rope"], mask, w["k_b"], w["v_b"])
+  return A.attend_and_project(absorbed if knobs(m).absorb else plain, args, w["o"], dense, rows=(q_nope.shape[0], 1))
+
+
+def attention_shape(m: ModelConfig) -> A.Shape:
+  """N query heads, each its own key (G = 1: the shared rope key is broadcast to every head), q/k Hn + Hr, v Hv."""
+  own = knobs(m)
+  return A.Shape(m.num_heads, m.num_heads, own.qk_nope_head_dim + own.qk_rope_head_dim, own.v_head_dim)
 
 
 def attention_width(m: ModelConfig) -> int:
@@ -213,7 +205,7 @@ def attention_width(m: ModelConfig) -> int:
 
 PART = Part(name="mla", key="attn", spec=spec, apply=apply, state_spec=state_spec,
             rotary_dims=lambda m: (knobs(m).qk_rope_head_dim,), config=MLAConfig, needs=NEEDS,
-            instrument=Instrument(attention_width=attention_width))
+            instrument=Instrument(attention_width=attention_width, attention_shape=attention_shape))
 
 
 def mla() -> Part:
