@@ -62,10 +62,44 @@ def test_a_row_length_off_by_one_fails(outputs):
 
 
 def test_resolve_routes_by_platform_and_block():
-  assert D.resolve("auto", 512, 128, on="tpu") == "pallas"
-  assert D.resolve("auto", 512, 128, on="cpu") == "xla"
-  assert D.resolve("pallas", 512, 128, on="cpu") == "pallas"
-  assert D.resolve("xla", 512, 128, on="tpu") == "xla"
-  assert D.resolve("auto", 1000, 128, on="tpu") == "xla"  # 1000 slots: no block of 16k slots divides it
+  assert [D.resolve(i, on) for i, on in (("auto", "tpu"), ("auto", "cpu"), ("pallas", "cpu"), ("xla", "tpu"))] == [
+      "pallas", "xla", "pallas", "xla"]
+  pallas = D.Decode("pallas", 128)
+  assert pallas.for_size(512) == "pallas" and pallas.for_size(96) == "pallas"
+  assert pallas.for_size(1000) == "xla"  # a ring of 1000 slots: no block of a multiple of 16 slots divides it
   assert D.block_for(1000, 128) is None and D.block_for(96, 128) == 96 and D.block_for(4096, 128) == 128
-  assert D.block_for(4096, 200) == 128
+  assert D.block_for(4096, 200) == 128 and D.block_for(1040, 128) == 80
+
+
+def test_generate_with_the_kernel_equals_the_xla_path():
+  """The whole sampler with the kernel (and its tiled K/V write, kv_cache.write_by_blocks) on gemma2-tiny: soft-capped
+  GQA, a 48-slot ring on the local layers that wraps (positions past 48), blocks of 16 slots, rows of different
+  lengths: the same greedy tokens as the xla path, log-probs within float32 noise."""
+  import meshlm
+  from meshlm.models import generate as G
+  prompts = [[1, 2, 3, 4, 5], list(range(7, 47))]
+  out = {}
+  for impl in ("xla", "pallas"):
+    cfg = meshlm.load_config("model=gemma2-tiny", f"decode_attention_impl={impl}", "decode_attention_block=16",
+                             "train.compute_dtype=float32")
+    params = meshlm.init_params(cfg, jax.random.key(0))
+    out[impl] = G.generate(cfg, params, prompts, max_new_tokens=20, stop_tokens=())
+  assert out["pallas"].token_lists() == out["xla"].token_lists()
+  np.testing.assert_allclose(out["pallas"].logprobs, out["xla"].logprobs, atol=1e-5)
+
+
+def test_the_tiled_write_equals_the_scatter():
+  """kv_cache.write_by_blocks (interpret mode) against the scatter it replaces under the kernel, on a stack of 3
+  layers' caches [L, B, K, C, H] with the rows' slots in different tiles (and one in the last); a slot off by one
+  differs."""
+  L, B, K, C, H = 3, 4, 2, 32, 8
+  rng = np.random.default_rng(0)
+  cache = jnp.asarray(rng.standard_normal((L, B, K, C, H)), jnp.float32)
+  rows = jnp.asarray(rng.standard_normal((L, B, K, 1, H)), jnp.float32)
+  slots = kv_cache.decode_slots(jnp.asarray([3, 8, 31, 44], jnp.int32), C)  # the last one wrapped: slot 12
+  axes = ("layers",) + tuple(kv_cache.CACHE_AXES)
+  want = kv_cache.write_rows(cache, rows, slots, axes, 3)
+  got, off = jax.jit(lambda c, r, s: (kv_cache.write_by_blocks(c, r, s, 1, 3),
+                                      kv_cache.write_by_blocks(c, r, (s + 1) % C, 1, 3)))(cache, rows, slots.write_slot)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not np.array_equal(np.asarray(off), np.asarray(want))

@@ -20,14 +20,17 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   it, else (a mask too large to print) the causal triangle of square blocks, named in `estimated`. And XLA:TPU's
   ragged dot kernel (`jax.lax.ragged_dot` there, the MoE grouped matmul's `ragged`): 2 M K N, each row against one
   group's kernel, every row of the buffer counted (the rows past the groups' sizes too: an upper figure, named in
-  `estimated`).
+  `estimated`). And the decode attention kernel (nn/decode_attention.py, `decode_attention...`): each query row
+  against every slot of its layer's cache, 2 C (H + Hv), an upper figure (it computes each row's filled blocks).
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
   buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
   layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
   kernel, an embedding lookup's rows; also through layout copies and casts, and in fusions nested in it) reads the
   slices, and one whose root (or a part of its tuple root) updates a buffer in place (a dynamic-update-slice or a
   scatter: a scan writing a layer's row, a decode step writing its K/V rows into the cache) writes and reads only
-  the update; XLA:TPU's async wrappers (call-start / call-update on the SparseCore: collectives, copies) read their
+  the update; the decode attention kernel reads one layer's row of the cache stacks it is given, every slot (an
+  upper figure: it reads each row's filled blocks, a runtime count), and the K/V write beside it (write_rows) each
+  batch row's tile holding its slot, read and written back; XLA:TPU's async wrappers (call-start / call-update on the SparseCore: collectives, copies) read their
   data operands and write their outputs, not the operands they carry in their result; a conditional counts its
   costliest branch (which one runs is a runtime value: a lax.switch over block sizes counts its largest). An
   estimate of the HBM traffic, not a measurement: on-chip reuse across instructions is not seen.
@@ -266,6 +269,30 @@ def ragged_dot_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
   return 2.0 * math.sqrt(floats[0].elements * floats[1].elements * out[0].elements / grouped[0].shape[0])
 
 
+def _decode_attention(mod: H.HloModule, ins: H.Instr) -> tuple[list, list] | None:
+  """(the operands, the KV cache stacks among them) of nn/decode_attention's kernel (a `tpu_custom_call` named
+  decode_attention...), or None for any other instruction. Its operands: the scalar-prefetched positions and layer
+  index, q [B, K, G, H], the new key and value, then the K and V caches as stacks [L, B, K, C, H] of which it reads
+  one layer's row."""
+  if ins.opcode != "custom-call" or not ins.name.startswith("decode_attention"):
+    return None
+  ops = _operand_arrays(mod, ins)
+  if len(ops) != 7 or any(a is None for a in ops[2:]) or any(len(a.shape) != 5 for a in ops[5:]):
+    return None
+  return ops, ops[5:]
+
+
+def decode_attention_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
+  """FLOPs of one run of the decode attention kernel, or None for any other instruction: each query row (B x K x G)
+  against every slot of its layer's cache, 2 C (H + Hv), an upper figure (the kernel computes only each row's
+  filled blocks, a runtime count)."""
+  got = _decode_attention(mod, ins)
+  if got is None:
+    return None
+  q, (k, v) = got[0][2], got[1]
+  return 2.0 * q.elements * k.shape[3] * (1 + v.shape[-1] / k.shape[-1])
+
+
 def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple[float, list[str]]:
   """(FLOPs of the custom calls it knows, one step: splash_flops and ragged_dot_flops times each computation's
   runs; the calls whose count is estimated, by name)."""
@@ -274,9 +301,11 @@ def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple
     times = _counted(mod, ins, within)
     if not times or ins.opcode != "custom-call":
       continue
-    ragged = ragged_dot_flops(mod, ins)
-    if ragged is not None:  # every row of its buffer: rows past the groups' sizes (a compact buffer's) counted too
-      total += times * ragged
+    upper = ragged_dot_flops(mod, ins)
+    if upper is None:
+      upper = decode_attention_flops(mod, ins)
+    if upper is not None:  # a ragged dot's every buffer row (a compact dispatch's padding too), every cache slot
+      total += times * upper
       estimated.append(ins.name)
       continue
     got = splash_flops(mod, ins)
@@ -449,6 +478,18 @@ def instruction_bytes(mod: H.HloModule, ins: H.Instr) -> tuple[int, int]:
     read = sum(sliced.get(k, _hbm(a)) for k, a in enumerate(ops))
     if update is not None:
       written = update
+  elif _decode_attention(mod, ins) is not None:
+    # The decode attention reads one layer's row of each cache stack, counted whole (its filled blocks are a
+    # runtime count: an upper figure, named in `estimated`), and its small operands.
+    ops, stacks = _decode_attention(mod, ins)
+    read = sum(_hbm(a) for a in ops[:5]) + sum(_hbm(a) // a.shape[0] for a in stacks)
+  elif ins.opcode == "custom-call" and ins.name.startswith("write_rows") and len(ops) == 3 and ops[2] is not None:
+    # nn/kv_cache.write_by_blocks: each batch row's tile of device memory holding its slot, read and written back
+    # (the cache aliased in place), and the new rows.
+    cache = ops[2]
+    share = min(8, cache.shape[-2]) / cache.shape[-2]  # XLA:TPU's (8, 128) tiles of [.., C, H]
+    read = sum(_hbm(a) for a in ops[:2]) + round(_hbm(cache) * share)
+    written = round(_hbm(cache) * share)
   elif ins.opcode in _SLICES:
     src = ops[0] if ops else None
     read = round(_hbm(src) * (ins.out.elements / src.elements)) if src is not None and ins.out and src.elements else 0

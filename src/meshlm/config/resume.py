@@ -21,8 +21,8 @@ RESUMABLE_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
      "(docs/multihost.md)"),
     # The compute-only keys: how the step computes and is compiled, not what.
     (("shard_mode", "remat", "lm_head_weight_grad_in_kernel_order", "dense_weight_grad_in_kernel_order",
-      "weight_grad_impl", "attention_impl", "splash_backward", "context_attention", "scan_layers", "stack_rows",
-      "loss_impl", "loss_block", "train.matmul_precision"),
+      "weight_grad_impl", "attention_impl", "splash_backward", "context_attention", "decode_attention_impl",
+      "decode_attention_block", "scan_layers", "stack_rows", "loss_impl", "loss_block", "train.matmul_precision"),
      "how the step is compiled; the stored parameters are the same"),
     (("checkpoint.load_params_from",), "ignored on resume: the run's own checkpoint wins"),
     (("rl.eval_every", "rl.eval_prompts", "rl.log_completions"),

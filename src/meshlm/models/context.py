@@ -21,6 +21,7 @@ from meshlm.config import Config
 from meshlm.nn import kv_cache
 from meshlm.nn import attention as A
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
+from meshlm.nn.decode_attention import Decode, resolve as resolve_decode
 from meshlm.nn.dense import dense
 from meshlm.nn.kernel_cast import in_layer
 from meshlm.nn.rope import fold_sign, freqs_at, inv_frequencies, rope_angles
@@ -46,6 +47,7 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   core: A.Core = A.Core("xla", dense_mask=True)  # the attention core of train and prefill (attention_core)
+  decode: Decode = Decode()  # decode's attention against the cache (nn/decode_attention; decode_attention_impl)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -166,4 +168,9 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
     inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
                           lengths_B if mode == "prefill" else None)
-  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core)
+  decode = Context.decode
+  if mode == "decode":
+    on = platform()
+    decode = Decode(resolve_decode(cfg.decode_attention_impl, on),
+                    cfg.decode_attention_block, interpret=on != "tpu")
+  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core, decode=decode)

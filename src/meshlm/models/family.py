@@ -54,12 +54,15 @@ class StateLeaf:
   commit "rows": the leaf holds C cache slots on its slot_axis (e.g. [B, C, ...]); in prefill the update
   is the prompt's rows (T at slot_axis), moved into the slots; in decode it is the new position's row
   (1 at slot_axis), written at each row's slot in place. "replace": the update is the whole new leaf (a
-  recurrent state). Its dtype is the update's (the compute dtype).
+  recurrent state). Its dtype is the update's (the compute dtype). in_place: in decode a scanned layer gets the leaf
+  as `nn.kv_cache.LayerRow` (its row left in the stacked cache, with the scan's layer index), for a kernel that reads
+  the layer's slots where they lie (nn/decode_attention.py); `kv_cache.row` slices it out for code that does not.
   """
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]
   commit: str = "rows"
   slot_axis: int = 1  # "rows": the axis of the C slots (batch is axes' "batch")
+  in_place: bool = False
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)

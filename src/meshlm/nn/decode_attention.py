@@ -5,7 +5,7 @@ is the reference it is tested against, and the path on CPU and GPU.
 What a decode step must read of the cache is the rows written so far; the xla path reads the whole buffer of C slots
 every step (its einsums contract every slot and mask the empty ones), and inside the layer scan XLA:TPU copies each
 layer's K out of the stacked cache first (a dynamic slice it cannot fuse into the dot): at qwen3-0.6b, batch 64, a
-512-slot cache, 7.5 GB of cache traffic per step where the filled rows are 1.9 GB on average (docs/decoder.md).
+512-slot cache, 7.5 GB of cache traffic per step where the filled rows are 1.9 GB on average (docs/compile.md, "The decode attention").
 
 The kernel, per batch row b (grid (B, key blocks); the KV heads of a row in one step):
   - the cache slots a row reads are s < min(cur_b, C), less slot cur_b % C: cur_b is the new position, and in a
@@ -23,21 +23,30 @@ The kernel, per batch row b (grid (B, key blocks); the KV heads of a row in one 
     cache [L, B, K, C, H] (nn/kv_cache.LayerRow) with the traced layer index scalar-prefetched into the index map,
     so no per-layer slice of the stack is copied.
 
-When it runs (`resolve`): `auto` picks it on TPU where the slot blocks fit the TPU's tiles (the block, `block_for`,
-is the whole cache or a multiple of 16 slots), the xla path otherwise; `pallas` asks for it anywhere (off TPU in Pallas
-interpret mode: slow, for tests) and falls back to xla, said in the resolved name, where the blocks do not fit.
+The decoder writes the new K/V rows after the layers with a kernel too (nn/kv_cache.write_by_blocks): XLA:TPU lays
+a scattered cache out with its slots outside the KV heads, which this kernel cannot read, and would relayout the
+whole cache every step.
+
+When it runs: `decode_attention_impl` (`resolve`): auto is pallas on TPU and xla elsewhere; pallas asks for it
+anywhere (off TPU in Pallas interpret mode: slow, for tests). A layer whose cache no block of at most
+`decode_attention_block` slots fits (`block_for`: the whole cache, or a divisor of it that is a multiple of 16
+slots, bf16's sublane tile) runs xla (`Decode.for_size`). Scores in float32 from the first dot on, where the xla
+path rounds them to the compute dtype first: bfloat16 runs differ by that rounding (float32 ones by ~1e-6).
 The kernel is a Mosaic custom call, which XLA cannot partition: it runs in a `jax.shard_map` over the current mesh,
 rows over the batch's mesh axes and KV heads over tensor where tensor divides them (nn/splash_attention.row_spec).
+The gqa and gated_gqa mixers attend through it (`Decode.attend`); MLA's latent cache keeps its own decode.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from meshlm.nn import kv_cache
+from meshlm.nn.attention import decode_mask, gqa_attention_decode
 from meshlm.nn.kv_cache import LayerRow
 from meshlm.parallel.sharding import current_mesh, logical_spec, platform
 
@@ -57,16 +66,39 @@ def block_for(size: int, block: int) -> int | None:
   return None
 
 
-def resolve(impl: str, size: int, block: int, on: str | None = None) -> str:
-  """"pallas" or "xla": the decode attention a layer with a cache of `size` slots runs on platform `on` (default: the
-  traced program's). auto: pallas on TPU where block_for finds a block, else xla; pallas: pallas where it finds one."""
+def resolve(impl: str, on: str | None = None) -> str:
+  """"pallas" or "xla": the decode attention a program on platform `on` (default: the traced program's) runs. auto:
+  pallas on TPU, xla elsewhere. A layer whose cache no block fits runs xla whatever this says (Decode.for_size)."""
   if impl not in IMPLS:
     raise ValueError(f"decode_attention_impl={impl!r}: expected auto, xla or pallas")
-  if impl == "xla" or block_for(size, block) is None:
-    return "xla"
-  if impl == "auto" and (on or platform()) != "tpu":
-    return "xla"
-  return "pallas"
+  if impl == "auto":
+    return "pallas" if (on or platform()) == "tpu" else "xla"
+  return impl
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+  """The decode attention of one program, resolved where the context is made (models/context.make_context): `name`
+  pallas or xla for this platform (resolve; a cache whose slots no block fits still runs xla, `for_size`), the
+  kernel's `block` (decode_attention_block) and `interpret` (Pallas interpret mode, off TPU)."""
+  name: str = "xla"
+  block: int = 128
+  interpret: bool = False
+
+  def for_size(self, size: int) -> str:
+    """What a layer with a cache of `size` slots runs: name, or xla where block_for finds no block."""
+    return self.name if self.name == "xla" or block_for(size, self.block) is not None else "xla"
+
+  def attend(self, q_BN1H, k_BK1H, v_BK1H, k_cache, v_cache, slots: kv_cache.Slots, *, scale: float,
+             softcap: float | None = None) -> jax.Array:
+    """One new position per row against its layer's cache and its own key and value: [B, N, 1, Hv]. k_cache /
+    v_cache: the layer's cache [B, K, C, H] or a LayerRow of the stacked one; slots: the context's decode slots."""
+    if self.for_size(slots.size) == "xla":
+      mask = decode_mask(slots.read_mask, slots.write)
+      return gqa_attention_decode(q_BN1H, k_BK1H, v_BK1H, kv_cache.row(k_cache), kv_cache.row(v_cache), mask,
+                                  scale=scale, softcap=softcap)
+    return decode_attention(q_BN1H, k_BK1H, v_BK1H, k_cache, v_cache, slots.position, scale=scale, softcap=softcap,
+                            block=self.block, interpret=self.interpret)
 
 
 def decode_attention(q_BN1H: jax.Array, k_BK1H: jax.Array, v_BK1H: jax.Array, k_cache, v_cache, cur_B: jax.Array, *,
@@ -119,6 +151,9 @@ def _call(q, k_new, v_new, k_stack, v_stack, cur, layer, *, size: int, block: in
           softcap: float | None, interpret: bool):
   """The pallas_call over this device's rows: q [B, N, 1, H], k_new [B, K, 1, H], v_new [B, K, 1, Hv], the stacks
   [L, B, K, C, H|Hv], cur [B], layer [1] -> [B, N, 1, Hv]."""
+  # Imported here: Pallas and Mosaic add about 0.5 s to every meshlm import that never runs the kernel.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
   B, N, _, H = q.shape
   K = k_stack.shape[2]
   G = N // K
@@ -157,6 +192,7 @@ def _kernel(cur_ref, layer_ref, q_ref, kn_ref, vn_ref, kc_ref, vc_ref, o_ref, m_
             size: int, block: int, scale: float, softcap: float | None):
   """One row's step over one block of slots: q_ref [K, G, H], kn_ref [K, 1, H], vn_ref [K, 1, Hv], kc_ref [K, block,
   H], vc_ref [K, block, Hv]; the online softmax's max, sum and accumulator in m_ref, l_ref [K, G, 1], acc_ref [K, G, Hv]."""
+  from jax.experimental import pallas as pl
   del layer_ref  # read by the index maps
   b, c = pl.program_id(0), pl.program_id(1)
   K = q_ref.shape[0]
