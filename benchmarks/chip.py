@@ -117,6 +117,9 @@ SETS: dict[str, list[Row]] = {
             prompt_len=128, new_tokens=256),
         *[Row(f"qwen3-0.6b-decode-b64-block{b}", QWEN3_06B + (f"decode_attention_block={b}",), kind="decode", batch=64,
               prompt_len=128, new_tokens=256) for b in (64, 256, 512)],
+        # Batch 1 is bound by its ~1,200 small ops a step, not bytes: the layers unrolled (1,037 ops), no loop.
+        Row("qwen3-0.6b-decode-b1-unscanned", QWEN3_06B + ("scan_layers=false",), kind="decode", batch=1,
+            prompt_len=128, new_tokens=256),
     ],
     # Where the seed's families spend their time (issue 60 item 1, 4): profiled, one process.
     "v5e-probe": [
