@@ -250,10 +250,11 @@ def test_an_old_saved_moe_config_loads_and_resumes():
 
 
 def test_a_checkpoint_resumes_under_another_moe_layout_but_not_other_experts():
-  """impl, grouped_matmul, kernel_fsdp, ep_impl, ep_buffer_factor, kernel_cast and grad_reduce_barrier are the
-  section's COMPUTE knobs; the experts' count and width are parameters' shapes."""
+  """impl, grouped_matmul, kernel_fsdp, ep_impl, ep_buffer_factor and grad_reduce_barrier are the section's COMPUTE
+  knobs; the experts' count and width are parameters' shapes. A retired knob a saved config still holds
+  (kernel_cast) resumes."""
   from meshlm.models.ffns.moe import MoEConfig
-  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor", "kernel_cast",
+  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
                                "grad_reduce_barrier")
   cfg = load_config("model=mixtral-tiny")
   saved = cfg.model.model_dump(mode="json")

@@ -22,6 +22,7 @@ needs more memory at the same receive rows: docs/moe.md, benchmarks/ep_collectiv
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -54,19 +55,20 @@ def local_expert_offset(num_local: int, axes: tuple[str, ...] = (EXPERT_AXIS,)) 
   return jax.lax.axis_index(axes).astype(jnp.int32) * num_local
 
 
-def dispatch_gather(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...], gathered: tuple[str, ...],
-                    num_experts: int, block_rows: int | None = None, **expert_kw):
-  """Inside shard_map: this device's E_l = E / ep experts on all tokens of its expert group (ep_impl="gather").
+def dispatch_gather(x_BTD, ids_BTk, w_BTk, gate, up, down, *, knobs, opts, ep_axes: tuple[str, ...],
+                    gathered: tuple[str, ...]):
+  """Inside shard_map: (y [B, T, D], dropped: an int32 0, dispatch_compact's type) with this device's E_l = E / ep
+  experts on all tokens of its expert group (ep_impl="gather").
 
   ep_axes: the mesh axes that shard the experts dim (expert, fsdp or both, major first). gathered: those of
   them that also shard the batch: all-gather the group's tokens over them in [|gathered| * B, T, D],
   compute the local experts' part of every token's sum over k, reduce-scatter the parts back over them, so
   each device gets its own tokens' full sums. Over the other ep axes the tokens are already the group's,
   and a psum adds the parts. The kernels are never gathered over ep_axes; their gradient stays local.
-  expert_kw: dropless.dispatch's options (dispatch_compact takes the same).
+  knobs, opts: dropless.dispatch's (dispatch_compact takes the same).
   """
   E_l = down.shape[0]
-  ep = num_experts // E_l
+  ep = knobs.num_experts // E_l
   shared = tuple(a for a in ep_axes if a not in gathered)
   if gathered:
     x_BTD, ids_BTk, w_BTk = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x_BTD, ids_BTk, w_BTk))
@@ -77,14 +79,15 @@ def dispatch_gather(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str
   B, T, k = ids_BTk.shape
   D = x_BTD.shape[-1]
   # About 1 / ep of the group's slots are local: size the blocks from that, not from all slots.
-  b = block_rows or default_block_rows(B * T * k // ep, E_l)
-  y = dropless.dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), gate, up, down,
-                        block_rows=b, expert_offset=local_expert_offset(E_l, ep_axes), **expert_kw).reshape(B, T, D)
+  opts = dataclasses.replace(opts, block_rows=opts.block_rows or default_block_rows(B * T * k // ep, E_l))
+  y, dropped = dropless.dispatch(x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k), gate,
+                                 up, down, knobs, opts, expert_offset=local_expert_offset(E_l, ep_axes))
+  y = y.reshape(B, T, D)
   if shared:
     y = jax.lax.psum(y, shared)
   if gathered:
     y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
-  return y
+  return y, dropped
 
 
 # --- compact: only the routed rows move, in a buffer of bounded size per peer --------------------------------
@@ -133,11 +136,10 @@ def _split_shared(a, shared: tuple[str, ...], parts: int, fill):
   return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(shared) * n, n)
 
 
-def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[str, ...], gathered: tuple[str, ...],
-                     num_experts: int, buffer_factor: float | None, block_rows: int | None = None,
-                     unsort_impl: str = "perm", **expert_kw):
-  """Inside shard_map: (y [B, T, D], dropped [1, 1]) with only the rows routed to each device's experts moved
-  (ep_impl="compact"; the arguments are dispatch_gather's, and buffer_factor).
+def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, knobs, opts, ep_axes: tuple[str, ...],
+                     gathered: tuple[str, ...]):
+  """Inside shard_map: (y [B, T, D], dropped) with only the rows routed to each device's experts moved
+  (ep_impl="compact"; the arguments are dispatch_gather's; knobs.ep_buffer_factor sizes the buffers).
 
   ep_axes: the mesh axes that shard the experts dim (major first); gathered: those of them that also shard the
   batch. Over the others (shared) the devices hold the same tokens: each takes 1 / |shared| of them here and the
@@ -145,11 +147,12 @@ def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[st
   The sender's slots go out in an [ep, C, D] buffer (C = capacity(slots, ep, buffer_factor)) with their local
   expert ids ([ep, C], E_l where empty); the receiver sorts the ep x C rows by local expert, runs expert_rows,
   unsorts; the reverse all_to_all brings them back to their slots, and the sender combines them with its weights.
-  dropped: the slots past C of this device's tokens (summed over shared), int32.
+  dropped: the slots past C of this device's tokens (summed over shared), an int32 scalar.
   """
   B, T, D = x_BTD.shape
   k = ids_BTk.shape[-1]
   E_l = down.shape[0]
+  num_experts = knobs.num_experts
   ep = num_experts // E_l
   shared = tuple(a for a in ep_axes if a not in gathered)
   x_MD, ids_Mk, w_Mk = x_BTD.reshape(B * T, D), ids_BTk.reshape(B * T, k), w_BTk.reshape(B * T, k)
@@ -159,7 +162,7 @@ def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[st
     x_MD, ids_Mk, w_Mk = (_split_shared(a, shared, parts, f) for a, f in ((x_MD, 0), (ids_Mk, num_experts),
                                                                           (w_Mk, 0)))
   M = x_MD.shape[0]
-  C = capacity(M * k, ep, buffer_factor)
+  C = capacity(M * k, ep, knobs.ep_buffer_factor)
   ids_A = ids_Mk.reshape(-1)
   perm, slot, src, valid, dropped = send_layout(ids_A, E_l, ep, C)
   with jax.named_scope("gather"):
@@ -175,9 +178,9 @@ def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[st
   with jax.named_scope("gather"):
     xs = x_recv[perm_r]  # [ep * C, D]
   # About M * k rows are real when the routing is balanced: size the blocks from that, not from the buffer.
-  b = block_rows or default_block_rows(M * k, E_l)
-  ys = dropless.expert_rows(xs, sizes, gate, up, down, block_rows=b, **expert_kw)
-  y_recv = dropless.unsort_rows(ys, perm_r, unsort_impl, local)  # [ep * C, D]
+  opts = dataclasses.replace(opts, block_rows=opts.block_rows or default_block_rows(M * k, E_l))
+  ys = dropless.expert_rows(xs, sizes, gate, up, down, knobs, opts)
+  y_recv = dropless.unsort_rows(ys, perm_r, opts.unsort_impl, local)  # [ep * C, D]
   with jax.named_scope("all_to_all"):
     y_back = jax.lax.all_to_all(y_recv.reshape(ep, C, D), ep_axes, 0, 0, tiled=True).reshape(ep * C, D)
   with jax.named_scope("unsort"):
@@ -186,4 +189,4 @@ def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, ep_axes: tuple[st
   if shared:
     y_MD = jax.lax.all_gather(y_MD, shared, axis=0, tiled=True, to="invarying")[:B * T]
     dropped = jax.lax.psum(dropped, shared)
-  return y_MD.reshape(B, T, D), dropped.reshape(1, 1)
+  return y_MD.reshape(B, T, D), dropped
