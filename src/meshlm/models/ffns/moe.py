@@ -74,7 +74,7 @@ class MoEConfig(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
   COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
-                                         "grad_reduce_barrier")
+                                         "grad_reduce_barrier", "decode_kernels")
   num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -122,6 +122,12 @@ class MoEConfig(pydantic.BaseModel):
       "gradients are reduced to their parameter sharding (an optimization barrier): at most one layer's float32 "
       "kernel gradients whole over fsdp are live, at the cost of overlapping their reduce-scatters with the layer "
       "before; bit-identical")
+  # A sampler's decode step under kernel_fsdp=embed and ep_impl=compact (nn/moe/expert_parallel.py expert_rows_split).
+  decode_kernels: Literal["auto", "gathered", "split"] = Field(
+      default="auto", description="decode under kernel_fsdp=embed, ep_impl=compact: gathered (the expert kernels "
+      "gathered whole per layer, as in training) or split (they stay split on the embed dim; the routed rows' slices "
+      "go to them and the partial gate|up products are summed); auto: split where that moves fewer elements than "
+      "the gather (a decode step's few rows)")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(

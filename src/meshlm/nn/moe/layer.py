@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -27,7 +28,8 @@ from meshlm import spec as S
 from meshlm.nn import gather_once
 from meshlm.nn.dense import dense as dense_primitive
 from meshlm.nn.moe.dropless import dispatch, expert_grad_barrier
-from meshlm.nn.moe.expert_parallel import EP_IMPLS, dispatch_compact, dispatch_gather, ep_mesh_axes
+from meshlm.nn.moe.expert_parallel import (EP_IMPLS, capacity, dispatch_compact, dispatch_gather, ep_mesh_axes,
+                                           split_pays)
 from meshlm.nn.moe.routing import (GROUP_MASKS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats, expert_load,
                                    group_limited_topk, group_route, route, sigmoid_weights)
 from meshlm.nn.router_replay import REPLAY_ROWS, check_forced_ids, replay_route
@@ -139,7 +141,7 @@ def moe_mlp(p: dict, x_BTD: jax.Array, ctx, knobs, opts: Options = Options(), *,
       return _experts_reference(p, x_BTD, ids, w, opts), side
     if knobs.impl != "dropless":
       raise ValueError(f"impl={knobs.impl!r}: expected dropless or reference")
-    y, dropped = _experts_dropless(p, x_BTD, ids, w, knobs, opts)
+    y, dropped = _experts_dropless(p, x_BTD, ids, w, knobs, opts, decode=getattr(ctx, "mode", None) == "decode")
     side[DROPPED] = jnp.sum(dropped).astype(jnp.float32) / ids.size
     return y, side
 
@@ -199,10 +201,11 @@ def _experts_reference(p, x_BTD, ids_BTk, w_BTk, opts: Options):
   return ref(x_BTD, ids_BTk, w_BTk, *(materialize(p[n]) for n in ("gate", "up", "down")))
 
 
-def _experts_dropless(p, x_BTD, ids, w, knobs, opts: Options):
+def _experts_dropless(p, x_BTD, ids, w, knobs, opts: Options, decode: bool = False):
   """(y, dropped): the sorted dispatch of the routed tokens: on local tokens without a mesh, else inside
   shard_map, per batch (and length) shard or expert-parallel (expert_parallel.py). dropped: the slots the dispatch
-  dropped per token shard (int32 [batch shards, length shards]; only the compact one drops)."""
+  dropped per token shard (int32 [batch shards, length shards]; only the compact one drops). decode: a sampler's
+  step, where the compact dispatch may leave the kernels split on their embed dim (_split_axes)."""
   if knobs.ep_impl not in EP_IMPLS:
     raise ValueError(f"ep_impl={knobs.ep_impl!r}: expected one of {EP_IMPLS}")
   e_axis, kernel_axes = experts_axis(knobs.kernel_fsdp), opts.kernel_axes
@@ -213,14 +216,21 @@ def _experts_dropless(p, x_BTD, ids, w, knobs, opts: Options):
   spec = _batch_spec(x_BTD.shape)
   kspec = logical_spec((e_axis,), kernels[-1].shape[:1])
   ep_axes = ep_mesh_axes(kspec)
-  # The kernels as the dispatch needs them: whole (gathered), or under expert parallelism sharded on the
-  # experts dim alone (each device keeps its E / ep experts; their other dims gathered, if sharded).
-  want = [(e_axis if ep_axes else None,) + (None,) * (a.ndim - 1) for a in kernels]
-  kernels = tuple(_in_place(a, wa, None if kernel_axes is None else ax)
-                  for a, wa, ax in zip(kernels, want, kernel_axes or (None,) * 3))
-  kernels = tuple(a if is_row(a) else constrain(a, wa) for a, wa in zip(kernels, want))
-  kspecs = tuple(jax.sharding.PartitionSpec(None, *kspec) if is_row(a) else kspec if ep_axes else
-                 jax.sharding.PartitionSpec() for a in kernels)
+  split = _split_axes(knobs, kernels, x_BTD.shape, spec, ep_axes, mesh) if decode else ()
+  if split:
+    # The kernels as stored, split on the experts and embed dims; gate/up's mlp dim gathered over tensor, if split.
+    want = [(e_axis, "embed", None), (e_axis, "embed", None), (e_axis, None, "embed")]
+    kernels = tuple(constrain(materialize(a), wa) for a, wa in zip(kernels, want))
+    kspecs = tuple(logical_spec(wa, a.shape) for a, wa in zip(kernels, want))
+  else:
+    # The kernels as the dispatch needs them: whole (gathered), or under expert parallelism sharded on the
+    # experts dim alone (each device keeps its E / ep experts; their other dims gathered, if sharded).
+    want = [(e_axis if ep_axes else None,) + (None,) * (a.ndim - 1) for a in kernels]
+    kernels = tuple(_in_place(a, wa, None if kernel_axes is None else ax)
+                    for a, wa, ax in zip(kernels, want, kernel_axes or (None,) * 3))
+    kernels = tuple(a if is_row(a) else constrain(a, wa) for a, wa in zip(kernels, want))
+    kspecs = tuple(jax.sharding.PartitionSpec(None, *kspec) if is_row(a) else kspec if ep_axes else
+                   jax.sharding.PartitionSpec() for a in kernels)
   x_BTD, ids, w = (constrain(a, TOKENS) for a in (x_BTD, ids, w))
   rows = tuple(a.index if is_row(a) else None for a in kernels)
   if not ep_axes:
@@ -232,10 +242,42 @@ def _experts_dropless(p, x_BTD, ids, w, knobs, opts: Options):
     # the slots it dropped).
     gathered = tuple(a for a in ep_axes if a in _axes_of(spec[:1]))
     body = functools.partial(dispatch_compact if knobs.ep_impl == "compact" else dispatch_gather, ep_axes=ep_axes,
-                             gathered=gathered)
+                             gathered=gathered, **({"split_axes": split} if split else {}))
+  # Split kernels: the devices of a split axis the batch is not split on (mesh.context in decode) hold the same rows
+  # and compute the same outputs from the same all-reduced sums, which the type check cannot see (check_vma off).
   return jax.shard_map(functools.partial(_with_rows, body, rows, knobs=knobs, opts=opts),
-                       in_specs=(spec, spec, spec) + kspecs, out_specs=(spec, jax.sharding.PartitionSpec(*spec[:2])))(
-                           x_BTD, ids, w, *(array_of(a) for a in kernels))
+                       in_specs=(spec, spec, spec) + kspecs, out_specs=(spec, jax.sharding.PartitionSpec(*spec[:2])),
+                       check_vma=not split)(x_BTD, ids, w, *(array_of(a) for a in kernels))
+
+
+def _split_axes(knobs, kernels, shape_BTD, spec, ep_axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+  """The mesh axes the compact dispatch's kernels stay split over in a decode step (their embed dim's, under
+  kernel_fsdp=embed; expert_parallel.expert_rows_split), or (): decode_kernels=split, or auto where split_pays for
+  this step's rows (the receive buffer, ep x C) against gathering the kernels; gathered elsewhere (other layouts and
+  dispatches)."""
+  choice = getattr(knobs, "decode_kernels", "gathered")
+  if choice == "gathered" or knobs.ep_impl != "compact" or not ep_axes or knobs.kernel_fsdp != "embed":
+    return ()
+  gate = array_of(kernels[0])
+  # The embed dim's mesh axes as stored, in the PartitionSpec's order (a device's slice is their linear index).
+  split = _axes_tuple(logical_spec((experts_axis(knobs.kernel_fsdp), "embed"), gate.shape[-3:-1])[1])
+  if not split:
+    return ()
+  if choice == "split":
+    return split
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  ep = math.prod(sizes[a] for a in ep_axes)
+  shards = math.prod(sizes[a] for a in _axes_of(spec[:2]))
+  shared = math.prod(sizes[a] for a in ep_axes if a not in _axes_of(spec[:1]))
+  B, T, D = shape_BTD
+  k, E, F = knobs.num_experts_per_tok, knobs.num_experts, gate.shape[-1]
+  rows = ep * capacity(-(-(B * T // shards) // shared) * k, ep, knobs.ep_buffer_factor)
+  return split if split_pays(rows, math.prod(sizes[a] for a in split), E // ep, D, F) else ()
+
+
+def _axes_tuple(part) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axes."""
+  return (part,) if isinstance(part, str) else tuple(part or ())
 
 
 def _axes_of(spec) -> set[str]:
