@@ -31,7 +31,8 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   the update; the decode attention kernel reads one layer's row of the cache stacks it is given, every slot (an
   upper figure: it reads each row's filled blocks, a runtime count), and the K/V write beside it (write_rows) each
   batch row's tile holding its slot, read and written back; XLA:TPU's async wrappers (call-start / call-update on the SparseCore: collectives, copies) read their
-  data operands and write their outputs, not the operands they carry in their result; a conditional counts its
+  data operands and write their outputs, not the operands they carry in their result (an async slice, slice-start,
+  reads its window); a conditional counts its
   costliest branch (which one runs is a runtime value: a lax.switch over block sizes counts its largest). An
   estimate of the HBM traffic, not a measurement: on-chip reuse across instructions is not seen.
 - The sampler's decode program is a loop over the new tokens whose trip count is a runtime value: `step_loop`
@@ -55,7 +56,7 @@ _LABELS = re.compile(r"dim_labels=([\w]+)_([\w]+)->([\w]+)")
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "copy-done", "all-gather-done", "all-reduce-done",
                "collective-permute-done", "async-done", "call-done", "send-done", "recv-done", "opt-barrier",
-               "add-dependency", "iota"}
+               "add-dependency", "iota", "slice-done"}
 _SLICES = {"dynamic-slice", "slice", "gather"}  # read only what they take: a window, or rows (an embedding lookup)
 
 
@@ -469,6 +470,12 @@ def instruction_bytes(mod: H.HloModule, ins: H.Instr) -> tuple[int, int]:
     return 0, 0
   ops = _operand_arrays(mod, ins)
   written = sum(_hbm(a) for a in ins.result)
+  if ins.opcode == "slice-start":
+    # XLA:TPU's async slice (a DMA of a window, often into VMEM): its operand's window, the size of the slice it
+    # produces, read where the operand is in HBM; the slice written where it lands in HBM.
+    outs = [a for a in _async_outputs(ins) if a.dtype != "s32"]
+    src = ops[0] if ops else None
+    return (sum(a.bytes for a in outs) if _hbm(src) else 0), sum(_hbm(a) for a in outs)
   if ins.opcode in _ASYNC:
     local = _local(mod, ins.comp)
     data = [a for o, a in zip(ins.operands, ops) if o not in local or local[o].opcode not in _ASYNC]

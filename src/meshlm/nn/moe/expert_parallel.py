@@ -241,7 +241,7 @@ def expert_rows_split(x_AD: jax.Array, lid_A: jax.Array, gate, up, down, knobs, 
   cast = lambda w: opts.cast_to(w, dt)  # noqa: E731
   with jax.named_scope("experts"):
     with jax.named_scope("gate_up"):
-      h = _partial_gmm(xs, jnp.concatenate([cast(gate), cast(up)], axis=-1), sizes, knobs)  # [n A, 2F] float32
+      h = _partial_gmm(xs, (cast(gate), cast(up)), sizes, knobs)  # [n A, 2F] float32
       h = jax.lax.psum(h, axes).astype(dt)
     a = dropless.fused_glu(opts.activation, h)  # [n A, F]
     with jax.named_scope("down"):
@@ -253,12 +253,15 @@ def expert_rows_split(x_AD: jax.Array, lid_A: jax.Array, gate, up, down, knobs, 
   return y.swapaxes(0, 1).reshape(A, D)
 
 
-def _partial_gmm(xs: jax.Array, w: jax.Array, sizes: jax.Array, knobs) -> jax.Array:
-  """xs [R, D'] @ w[e] [E, D', F'] per expert group, in float32 (a partial product over a slice of the contracted
-  dim, summed across devices after): ragged_dot with a float32 result where the grouped matmul is ragged (TPU, GPU),
-  else the grouped matmul on float32 operands."""
+def _partial_gmm(xs: jax.Array, ws: tuple, sizes: jax.Array, knobs) -> jax.Array:
+  """xs [R, D'] @ [w_0 | w_1 ...][e] (each [E, D', F_i]) per expert group, in float32 (a partial product over a
+  slice of the contracted dim, summed across devices after): one ragged_dot with a float32 result per kernel where
+  the grouped matmul is ragged (TPU, GPU; no concatenated copy of the kernels), else the grouped matmul on float32
+  operands."""
   impl = default_grouped_matmul() if knobs.grouped_matmul == "auto" else knobs.grouped_matmul
   if impl == "ragged":
-    return jax.lax.ragged_dot(xs, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    return jnp.concatenate([jax.lax.ragged_dot(xs, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+                            for w in ws], axis=-1)
   f32 = jnp.float32
-  return grouped_matmul(vary_like(xs.astype(f32), w), w.astype(f32), sizes, impl=impl)
+  x = vary_like(xs.astype(f32), ws[0])
+  return grouped_matmul(x, tuple(w.astype(f32) for w in ws), sizes, impl=impl)
