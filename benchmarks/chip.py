@@ -45,9 +45,7 @@ class Row:
   batch: int = 1  # decode: prompts
   prompt_len: int = 128  # decode
   new_tokens: int = 128  # decode
-  # Module constants set for this row only ("meshlm.nn.splash_attention:BLOCK" -> 1024): experiments on a value the
-  # config does not expose, restored after the row.
-  patches: tuple[tuple[str, object], ...] = ()
+  rope_swap: str = "auto"  # rope: the rope_swap key's form (auto | matmul | roll)
   positions: tuple[int, ...] = (1541,)  # causal: the positions whose input token is changed
   shape: tuple[int, ...] = (8, 16, 2048, 128)  # rope: the rows [B, N, T, H] (qwen3-0.6b's queries at batch 8)
 
@@ -71,6 +69,28 @@ MOE_12 = ("model=qwen3-moe-tiny", "model.vocab_size=151936", "model.embed_dim=10
 
 def _b(n: int) -> str:
   return f"train.per_device_batch_size={n}"
+
+
+def _s(n: int) -> str:
+  return f"train.seq_len={n}"
+
+
+def _blocks(b: int, phases: str = "fwd,dkv,dq") -> tuple[str, ...]:
+  """The sa_block_* keys of the phases given, all at b."""
+  keys = {"fwd": ("sa_block_q", "sa_block_kv", "sa_block_kv_compute"),
+          "dkv": ("sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute"), "dq": ("sa_block_q_dq", "sa_block_kv_dq")}
+  return tuple(f"{k}={b}" for p in phases.split(",") for k in keys[p])
+
+
+# Each family at chip-fitting widths with its published attention shapes (issue 61): gemma3-4b and gemma2-2b
+# (head_dim 256; gemma2's soft-cap, both windows), an MLA model (q/k 192, v 128), mistral (window 4096) and llama3
+# (head_dim 128, GQA 4) at a few layers, a 32,000 vocabulary.
+BF16 = ("train.compute_dtype=bfloat16", "train.param_dtype=float32", "train.sample_tokens=0", "remat=full")
+GEMMA3_4B = ("model=gemma3-4b", "model.num_layers=6", "model.vocab_size=32000") + BF16
+GEMMA2_2B = ("model=gemma2-2b", "model.num_layers=8", "model.vocab_size=32000") + BF16
+MLA_SMALL = ("model=deepseek-v3-small", "model.num_layers=4", "model.vocab_size=32000") + BF16
+MISTRAL_7B = ("model=mistral-7b", "model.num_layers=4", "model.vocab_size=32000") + BF16
+LLAMA3_8B = ("model=llama3-8b", "model.num_layers=4", "model.vocab_size=32000") + BF16
 
 
 SETS: dict[str, list[Row]] = {
@@ -132,36 +152,50 @@ SETS: dict[str, list[Row]] = {
     "v5e-next": [
         Row("qwen3-0.6b-rope-bits", (), kind="rope"),
         Row("qwen3-0.6b-b8-full", QWEN3_06B + (_b(8), "remat=full")),
-        Row("qwen3-0.6b-b8-full-rope-roll", QWEN3_06B + (_b(8), "remat=full"),
-            patches=(("meshlm.nn.rope:SWAP_BY_MATMUL", False),)),
-        Row("qwen3-0.6b-b8-full-cast-astype", QWEN3_06B + (_b(8), "remat=full"),
-            patches=(("meshlm.nn.kernel_cast:PER_LAYER", False),)),
+        Row("qwen3-0.6b-b8-full-rope-roll", QWEN3_06B + (_b(8), "remat=full", "rope_swap=roll")),
+        Row("qwen3-0.6b-b8-full-cast-astype", QWEN3_06B + (_b(8), "remat=full", "layer_cast=astype")),
         Row("qwen3-0.6b-s8192-b2-full", QWEN3_06B + (_b(2), "remat=full", "train.seq_len=8192")),
         # splash_backward=auto is split at 8 blocks (memory); what the fused backward's time is there.
         Row("qwen3-0.6b-s8192-b2-full-fused", QWEN3_06B + (_b(2), "remat=full", "train.seq_len=8192",
                                                           "splash_backward=fused")),
+    ],
+    # issue 61: the attention rows. The block rule's picks (nn/splash_rule.Rule: `meshlm compile ... --json` prints
+    # them under config.splash_blocks), remat_attention=save against recompute, and each family's row.
+    "v5e-attn": [
+        Row("qwen3-0.6b-b8-full", QWEN3_06B + (_b(8), "remat=full")),
+        Row("qwen3-0.6b-b8-full-save", QWEN3_06B + (_b(8), "remat=full", "remat_attention=save")),
+        Row("qwen3-0.6b-b8-full-block512", QWEN3_06B + (_b(8), "remat=full", *_blocks(512))),
+        Row("qwen3-0.6b-s8192-b2-full", QWEN3_06B + (_b(2), "remat=full", _s(8192))),
+        Row("qwen3-0.6b-s8192-b2-full-save", QWEN3_06B + (_b(2), "remat=full", _s(8192), "remat_attention=save")),
+        Row("gemma3-4b-6l-s2048-b4", GEMMA3_4B + (_s(2048), _b(4))),
+        Row("gemma3-4b-6l-s2048-b4-save", GEMMA3_4B + (_s(2048), _b(4), "remat_attention=save")),
+        Row("gemma3-4b-6l-s2048-b4-dkv512", GEMMA3_4B + (_s(2048), _b(4), *_blocks(512, "dkv"))),
+        Row("gemma3-4b-6l-s4096-b2", GEMMA3_4B + (_s(4096), _b(2))),
+        Row("gemma3-4b-6l-s8192-b1", GEMMA3_4B + (_s(8192), _b(1))),
+        Row("gemma2-2b-8l-s2048-b4", GEMMA2_2B + (_s(2048), _b(4))),
+        Row("gemma2-2b-8l-s4096-b2", GEMMA2_2B + (_s(4096), _b(2))),
+        Row("gemma2-2b-8l-s8192-b1", GEMMA2_2B + (_s(8192), _b(1))),
+        Row("deepseek-v3-small-4l-s2048-b4", MLA_SMALL + (_s(2048), _b(4))),
+        Row("mistral-7b-4l-s4096-b2", MISTRAL_7B + (_s(4096), _b(2))),
+        Row("llama3-8b-4l-s4096-b2", LLAMA3_8B + (_s(4096), _b(2))),
     ],
     # Where the time goes (issue 54 item 2): one thing changed at a time from qwen3-0.6b-b8-full, and the GDN
     # hybrid's causality in the very training path it trains with.
     "v5e-sweep": [
         Row("gdn-0.6b-causal-auto", GDN_06B + (_b(4), "remat=full", "shard_mode=auto"), kind="causal",
             positions=(1541, 1600)),
-        Row("qwen3-0.6b-b8-full-block256", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split"),
-            patches=(("meshlm.nn.splash_attention:BLOCK", 256),)),
-        Row("qwen3-0.6b-b8-full-block1024", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split"),
-            patches=(("meshlm.nn.splash_attention:BLOCK", 1024),)),
-        Row("qwen3-0.6b-b8-full-block1024-fused", QWEN3_06B + (_b(8), "remat=full", "splash_backward=fused"),
-            patches=(("meshlm.nn.splash_attention:BLOCK", 1024),)),
-        Row("qwen3-0.6b-b8-full-block2048", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split"),
-            patches=(("meshlm.nn.splash_attention:BLOCK", 2048),)),
+        Row("qwen3-0.6b-b8-full-block256", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split", *_blocks(256))),
+        Row("qwen3-0.6b-b8-full-block1024", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split",
+                                                         *_blocks(1024))),
+        Row("qwen3-0.6b-b8-full-block1024-fused", QWEN3_06B + (_b(8), "remat=full", "splash_backward=fused",
+                                                               *_blocks(1024))),
+        Row("qwen3-0.6b-b8-full-block2048", QWEN3_06B + (_b(8), "remat=full", "splash_backward=split",
+                                                         *_blocks(2048))),
         Row("qwen3-0.6b-b8-full-lossblock1024", QWEN3_06B + (_b(8), "remat=full", "loss_block=1024")),
         Row("qwen3-0.6b-b8-none-materialized-2l", QWEN3_06B + (_b(8), "remat=none", "model.num_layers=2",
                                                              "loss_impl=materialized")),
         Row("qwen3-0.6b-b8-full-2l", QWEN3_06B + (_b(8), "remat=full", "model.num_layers=2")),
         Row("qwen3-0.6b-b8-none-2l", QWEN3_06B + (_b(8), "remat=none", "model.num_layers=2")),
-        Row("qwen3-0.6b-b8-dots-offload", QWEN3_06B + (_b(8), "remat=dots"),
-            patches=(("jax.checkpoint_policies:checkpoint_dots",
-                      "offload_dot_with_no_batch_dims"),)),
         Row("qwen3-0.6b-b8-full-unscanned", QWEN3_06B + (_b(8), "remat=full", "scan_layers=false")),
     ],
 }
@@ -264,13 +298,15 @@ def train_row(row: Row, steps: int, warmup: int, profile_dir: str | None = None)
           "tokens_per_s": tokens / step_s, "tokens_per_s_back_to_back": tokens / back_to_back,
           "model_flops_per_token": model_flops_per_token(cfg), "memory": _memory(arm.compiled),
           "losses": losses, "steps_timed": steps, "warmup": warmup,
-          "resolved": {"attention_impl": _resolved_attention(cfg), "loss": _resolved_loss(cfg, runner)}}
+          "resolved": {**_resolved_attention(cfg), "loss": _resolved_loss(cfg, runner)}}
 
 
-def _resolved_attention(cfg) -> str:
+def _resolved_attention(cfg) -> dict:
+  """The attention core's record as the reports print it (analysis/census.attention_record on this device)."""
   import jax
-  from meshlm.nn.attention import resolve_impl
-  return resolve_impl(cfg.attention_impl, cfg.train.seq_len, jax.devices()[0].platform, cfg.mesh.context)
+  from meshlm.analysis.census import attention_record
+  d = jax.devices()[0]
+  return attention_record(cfg, d.platform, d.device_kind).summary()
 
 
 def _resolved_loss(cfg, runner) -> str:
@@ -386,37 +422,15 @@ def rope_row(row: Row) -> dict:
   out = {}
   for dtype in ("bfloat16", "float32"):
     x, ct = (jnp.asarray(rng.standard_normal((B, N, T, H)), dtype) for _ in range(2))
-    new = jax.jit(lambda *a: value_and_grad(R.apply_rope, *a))(x, cos, R.fold_sign(sin), ct)
+    swap = {"auto": None, "matmul": True, "roll": False}[row.rope_swap]
+    new = jax.jit(lambda *a: value_and_grad(lambda x, c, s: R.apply_rope(x, c, s, swap), *a))(x, cos, R.fold_sign(sin),
+                                                                                           ct)
     old = jax.jit(lambda *a: value_and_grad(rotate_half, *a))(x, cos, sin, ct)
     diff = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(new, old)]
     out[dtype] = {"forward_equal": diff[0] == 0.0, "grad_equal": diff[1] == 0.0, "forward_max_diff": diff[0],
                   "grad_max_diff": diff[1]}
   return {"shape": list(row.shape), "rope": out, "bit_identical": all(v["forward_equal"] and v["grad_equal"]
                                                                        for v in out.values())}
-
-
-@contextlib.contextmanager
-def patched(patches):
-  """Sets module constants for the duration of one row."""
-  import importlib
-  old = []
-  for target, value in patches:
-    mod, attr = target.split(":")
-    try:
-      m = importlib.import_module(mod)
-    except ImportError:  # an attribute of a module (jax.checkpoint_policies is a namespace, not a module)
-      parent, _, name = mod.rpartition(".")
-      m = getattr(importlib.import_module(parent), name)
-    old.append((m, attr, getattr(m, attr)))
-    if value == "offload_dot_with_no_batch_dims":  # a policy built from its arguments
-      import jax
-      value = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-    setattr(m, attr, value)
-  try:
-    yield
-  finally:
-    for m, attr, value in reversed(old):
-      setattr(m, attr, value)
 
 
 def finish(rec: dict, info: dict, matmul: float | None) -> dict:
@@ -466,20 +480,17 @@ def run(rows: list[Row], out_path: str | None, steps: int, warmup: int, decode_r
     for row in rows:
       rec = {"kind": row.kind, "name": row.name, "overrides": list(row.overrides)}
       t0 = time.perf_counter()
-      if row.patches:
-        rec["patches"] = {k: v for k, v in row.patches}
       try:
-        with patched(row.patches):
-          if row.kind == "train":
-            traced = profile_dir and (profile_rows is None or row.name in profile_rows)
-            rec.update(train_row(row, steps, warmup, f"{profile_dir}/{row.name}" if traced else None))
-          elif row.kind == "causal":
-            rec.update(causal_row(row))
-          elif row.kind == "rope":
-            rec.update(rope_row(row))
-          else:
-            traced = profile_dir and (profile_rows is None or row.name in profile_rows)
-            rec.update(decode_row(row, decode_reps, f"{profile_dir}/{row.name}" if traced else None))
+        if row.kind == "train":
+          traced = profile_dir and (profile_rows is None or row.name in profile_rows)
+          rec.update(train_row(row, steps, warmup, f"{profile_dir}/{row.name}" if traced else None))
+        elif row.kind == "causal":
+          rec.update(causal_row(row))
+        elif row.kind == "rope":
+          rec.update(rope_row(row))
+        else:
+          traced = profile_dir and (profile_rows is None or row.name in profile_rows)
+          rec.update(decode_row(row, decode_reps, f"{profile_dir}/{row.name}" if traced else None))
       except Exception as e:  # noqa: BLE001  (a failed row is a result: record it, run the next)
         text = str(e).strip().splitlines()
         rec["error"] = f"{type(e).__name__}: {text[0] if text else ''}"[:2000]

@@ -41,7 +41,7 @@ from meshlm.models import decoder, registry
 from meshlm.models.mixers import gqa
 from meshlm.models.params import (init_model_state, init_params, merge_state, model_state_shardings,
                                   param_shardings)
-from meshlm.nn import attention as A, flash_attention as FA, gather_once, ring_attention as RA
+from meshlm.nn import attention as A, gather_once
 from meshlm.nn.rope import apply_rope
 from meshlm.parallel.mesh import make_mesh
 from meshlm.train.step import grads_and_loss
@@ -140,6 +140,10 @@ def run(keys: tuple[str, ...], T: int, core_keys: tuple[str, ...]):
   the gradient of sum(logits x a fixed cotangent, zero on the padding) for every parameter, one jit (one forward
   traced), under the row's mesh; flash and ring at their test blocks."""
   cfg = load_config(*keys, f"train.seq_len={T}", *core_keys)
+  # flash at its test block; ring at one that leaves each chunk (T / 2 context) a ragged last block.
+  chunk = T // (2 * cfg.mesh.context)
+  block = FLASH_BLOCK if cfg.mesh.context == 1 else RING_BLOCK if chunk % RING_BLOCK else RING_BLOCK + 1
+  cfg = load_config(*keys, f"train.seq_len={T}", *core_keys, f"flash_block={block}")
   registry.validate(cfg)
   mesh = make_mesh(cfg)
   params, state = _params(keys)
@@ -149,21 +153,15 @@ def run(keys: tuple[str, ...], T: int, core_keys: tuple[str, ...]):
   real = batch["segment_ids"] > 0
   ct = np.random.default_rng(1).standard_normal(real.shape + (cfg.model.vocab_size,)).astype(np.float32)
   ct = ct * real[..., None]
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(A, "flash_attention", functools.partial(FA.flash_attention, block=FLASH_BLOCK))
-    # A block that leaves each ring chunk (T / 2 context) a ragged last block.
-    chunk = T // (2 * cfg.mesh.context)
-    ring_block = RING_BLOCK if chunk % RING_BLOCK else RING_BLOCK + 1
-    mp.setattr(A, "ring_attention", functools.partial(RA.ring_attention, block=ring_block))
-    with jax.set_mesh(mesh):
-      put = placed_batch(mesh, batch)
+  with jax.set_mesh(mesh):
+    put = placed_batch(mesh, batch)
 
-      def step(p, state, b, ct):
-        def f(p):
-          logits = decoder.forward(cfg, merge_state(p, state), b["inputs"], b["positions"], b["segment_ids"])
-          return jnp.sum(logits * jax.sharding.reshard(ct, jax.typeof(logits).sharding.spec)), logits
-        return jax.grad(f, has_aux=True)(p)
-      grads, logits = jax.jit(step)(p, state, put, ct)
+    def step(p, state, b, ct):
+      def f(p):
+        logits = decoder.forward(cfg, merge_state(p, state), b["inputs"], b["positions"], b["segment_ids"])
+        return jnp.sum(logits * jax.sharding.reshard(ct, jax.typeof(logits).sharding.spec)), logits
+      return jax.grad(f, has_aux=True)(p)
+    grads, logits = jax.jit(step)(p, state, put, ct)
   flat = jax.tree_util.tree_flatten_with_path(grads)[0]
   return np.asarray(logits)[real], {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
 

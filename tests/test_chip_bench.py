@@ -45,7 +45,8 @@ def test_train_row_reports_time_throughput_and_mfu(run):
   assert r["mfu_vs_matmul"] == pytest.approx(achieved / (head["matmul_tflops_per_s"] * 1e12))
   assert r["mfu"] is None  # a CPU has no published peak
   assert len(r["losses"]) == 1 + 2 + 1  # warm-up, the timed singles, the back-to-back run's last
-  assert r["resolved"] == {"attention_impl": "xla", "loss": "materialized"}
+  assert r["resolved"] == {"attention_impl": "xla", "splash_backward": None, "splash_blocks": None,
+                           "loss": "materialized"}
 
 
 def test_a_failed_row_is_recorded_and_the_next_runs(run):
@@ -76,8 +77,7 @@ def test_decode_row_counts_what_a_step_reads(run):
 @pytest.mark.parametrize("swap_by_matmul", [False, True], ids=["roll", "matmul"])
 def test_rope_row_compares_with_rotate_half_and_sees_a_difference(monkeypatch, swap_by_matmul):
   from meshlm.nn import rope as R
-  row = chip.Row("rope", (), kind="rope", shape=(2, 3, 33, 64))
-  monkeypatch.setattr(R, "SWAP_BY_MATMUL", swap_by_matmul)
+  row = chip.Row("rope", (), kind="rope", shape=(2, 3, 33, 64), rope_swap="matmul" if swap_by_matmul else "roll")
   r = chip.rope_row(row)
   assert r["bit_identical"] is True and set(r["rope"]) == {"bfloat16", "float32"}
   # Its power: the roll without the sign fold (apply_rope handed the plain sin) is another rotation, and the row says so.

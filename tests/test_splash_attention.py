@@ -22,7 +22,7 @@ import pytest
 import meshlm
 from meshlm.analysis.golden import shrink
 from meshlm.errors import ConfigError
-from meshlm.nn import splash_attention as SP
+from meshlm.nn import splash_attention as SP, splash_rule as SR
 from meshlm.nn.attention import attention_mask, gqa_attention, resolve_impl
 from meshlm.parallel.sharding import ShardingWarning
 
@@ -65,7 +65,7 @@ def _splash(case: str, backward: str = "auto"):
   blocks)."""
   _, _, H, Hv, window, softcap, segs = CASES[case]
   seg = jnp.asarray(SEGMENTS) if segs else None
-  blocks = SP.Rule(T, False, backward).blocks(H, Hv, softcap is not None)
+  blocks = SR.Rule(T, on_tpu=False, backward=backward).blocks(H, Hv, softcap is not None)
   fn = lambda q, k, v: SP.splash_attention(q, k, v, seg, scale=H ** -0.5, softcap=softcap,  # noqa: E731
                                            window=window, blocks=blocks)
   return jax.jit(functools.partial(_value_and_grads, fn))(*_inputs(case))
@@ -83,32 +83,47 @@ def test_splash_equals_xla_forward_and_gradients(case):
 
 
 def test_the_two_kernel_backward_equals_xla_too():
-  """splash_backward=split (a dq and a dkv kernel), on the case with every feature; auto is fused at these two
-  blocks (the test above). The wrong-feature controls below fail the fused kernel alike."""
+  """splash_backward=split (a dq and a dkv kernel), on the case with every feature; auto is fused in interpret mode
+  (the test above). The wrong-feature controls below fail the fused kernel alike."""
   case = "window_segments_softcap"
-  assert SP.resolve_backward("auto", T, SP.kernel_block(T, on_tpu=False)) == "fused"
+  assert SR.Rule(T, on_tpu=False).blocks(8, 6, True).fused
   errs = _errors(_splash(case, "split"), _reference(case))
   assert max(errs) < ATOL, errs
   assert max(_errors(_splash(case, "split"), _reference(case, window=10))) > 100 * ATOL
 
 
-def test_splash_backward_auto_is_fused_up_to_two_blocks():
-  """The rule (FUSED_MAX_BLOCKS of the kernel's block, over the padded sequence), what a user's key overrides, and
-  what the reports print: llama3-8b at seq 2048 fused, at 8192 split on TPU; None where the core is not splash."""
+def test_the_block_rule_fits_the_chips_vmem():
+  """The rule (nn/splash_rule.Rule) on the shapes whose VMEM the v5e compiles measured: at head_dim 256, bf16,
+  segment ids, 4 rows, the fused dkv kernel at 1024/1024/1024 needs more than 16 MiB (the control: the former rule
+  picked it) and 1024/1024/512 fits; at 8 rows 1024/1024/512 is over too; at 128 1024 everywhere fits at 16 rows.
+  What the keys override, splash_backward=auto deciding by the same estimate, and what the reports print."""
   from meshlm.analysis.census import config_summary
-  assert SP.resolve_backward("auto", 2048, 1024) == "fused" and SP.resolve_backward("auto", 8192, 1024) == "split"
-  assert SP.resolve_backward("auto", 2000, 1024) == "fused"  # padded to 2048
-  assert SP.resolve_backward("auto", 2049, 1024) == "split"  # padded to 2176: three blocks of its gcd
-  assert SP.resolve_backward("auto", 2176, SP.kernel_block(2176, on_tpu=True)) == "split"
-  assert SP.resolve_backward("fused", 8192, 1024) == "fused" and SP.resolve_backward("split", 128, 1024) == "split"
-  with pytest.raises(ValueError, match="splash_backward='both'"):
-    SP.resolve_backward("both", 128, 128)
+  MiB = SR.MiB
+  assert SR.estimate("dkv", 1024, 1024, 1024, 256, 256, 2, True, False, True, rows=4) > 16 * MiB
+  assert SR.estimate("dkv", 1024, 1024, 512, 256, 256, 2, True, False, True, rows=4) <= 16 * MiB
+  assert SR.estimate("dkv", 1024, 1024, 512, 256, 256, 2, True, False, True, rows=8) > 16 * MiB
+  assert SR.estimate("dkv", 1024, 1024, 1024, 128, 128, 2, True, False, True, rows=16) <= 16 * MiB
+  assert SR.estimate("fwd", 2048, 512, 512, 256, 256, 2, True, False) > 16 * MiB  # measured 19.4 MiB and more
+  g3 = SR.Rule(2048, rows=4).blocks(256, 256, False)
+  assert (g3.q_dkv, g3.kv_dkv, g3.kv_dkv_compute, g3.fused) == (1024, 1024, 512, True), g3
+  g8 = SR.Rule(2048, rows=8).blocks(256, 256, False)
+  assert (g8.q_dkv, g8.kv_dkv, g8.kv_dkv_compute) not in ((1024, 1024, 1024), (1024, 1024, 512)), g8
+  q3 = SR.Rule(8192, rows=2).blocks(128, 128, False)
+  assert (q3.q, q3.q_dkv, q3.kv_dkv_compute, q3.fused) == (1024, 1024, 1024, True), q3  # fused at 8 blocks
+  assert not SR.Rule(2048, rows=4, backward="split").blocks(256, 256, False).fused
+  forced = SR.Rule(2048, keys=(("sa_block_q", 512), ("sa_block_kv_dkv_compute", 256))).blocks(128, 128, False)
+  assert forced.q == 512 and forced.kv_dkv_compute == 256 and forced.kv == 1024
+  assert SR.Rule(2048, vmem=32 * MiB, rows=4).blocks(256, 256, False).kv_dkv_compute == 1024  # v6e's 32 MiB
+  assert SR.padded_length(2176) == 2304 and SR.padded_length(2000) == 2048 and SR.padded_length(150, 128) == 256
+  assert SR.Rule(2176).blocks(128, 128, False).q == 256  # 2,304 in 256-blocks, not 2,176 in 128-blocks
   with pytest.raises(ConfigError, match="splash_backward"):
     meshlm.load_config("splash_backward=both")
-  cfg = lambda *o: meshlm.load_config("model=llama3-8b", *o)  # noqa: E731
-  assert config_summary(cfg("train.seq_len=2048"), "tpu")["splash_backward"] == "fused"
-  assert config_summary(cfg("train.seq_len=8192"), "tpu")["splash_backward"] == "split"
-  assert config_summary(cfg("train.seq_len=8192", "splash_backward=fused"), "tpu")["splash_backward"] == "fused"
+  with pytest.raises(ConfigError, match=r"^sa_block_q: .*multiple of 128"):
+    meshlm.load_config("sa_block_q=100")
+  cfg = lambda *o: meshlm.load_config("model=gemma3-4b", *o)  # noqa: E731
+  got = config_summary(cfg("train.seq_len=2048", "train.per_device_batch_size=4"), "tpu")
+  assert got["splash_backward"] == "fused" and got["splash_blocks"]["256/256"]["dkv"] == [1024, 1024, 512], got
+  assert config_summary(cfg("splash_backward=split"), "tpu")["splash_backward"] == "split"
   assert config_summary(cfg("train.seq_len=8192"), "cpu")["splash_backward"] is None  # flash there
 
 
@@ -150,11 +165,6 @@ def test_a_wrong_window_in_the_kernel_fails(monkeypatch):
                                                     softcap=softcap, window=window))(q, k, v)
   err = float(jnp.max(jnp.abs(out - _reference(case)[0])))
   assert err > 100 * ATOL, err
-
-
-def test_block_divides_the_padded_length():
-  assert SP.block_for(256, 512) == 256 and SP.block_for(8192, 512) == 512
-  assert SP.block_for(640, 512) == 128 and SP.block_for(1536, 512) == 512 and SP.block_for(1280, 512) == 256
 
 
 def _mesh():

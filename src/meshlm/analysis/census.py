@@ -482,7 +482,7 @@ def census(cfg, mesh=None) -> dict[str, Any]:
   return out
 
 
-def attention_record(cfg, platform: str | None = None):
+def attention_record(cfg, platform: str | None = None, device_kind: str | None = None):
   """The attention core the train step runs (models/context.attention_core at train.seq_len on platform, by default
   JAX's backend, over mesh.context shards; -1 there, the devices left, counts as more than one): the record the
   step's context holds, which the reports print."""
@@ -491,8 +491,9 @@ def attention_record(cfg, platform: str | None = None):
   from meshlm.models.model import resolve
   M = resolve(cfg)
   context = cfg.mesh.context if cfg.mesh.context > 0 else 2
+  rows = max(cfg.train.per_device_batch_size // cfg.train.micro_batches, 1)
   return attention_core(M.cfg, M.attention_shapes, cfg.train.seq_len, platform=platform or jax.default_backend(),
-                        context=context)
+                        context=context, device_kind=device_kind, rows=rows)
 
 
 def attention_impl(cfg, platform: str | None = None) -> str:

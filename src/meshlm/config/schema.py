@@ -1,9 +1,9 @@
 """The config schema: one pydantic tree, validated before anything compiles."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -469,6 +469,16 @@ class RLConfig(_Strict):
     return self
 
 
+def _splash_block(v):
+  if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 128 or v % 128):
+    raise ValueError(f"{v!r}: expected auto or a multiple of 128 (the kernel's lanes)")
+  return v
+
+
+# A splash block key: auto or a multiple of 128.
+SplashBlock = Annotated[Union[Literal["auto"], int], AfterValidator(_splash_block)]
+
+
 def splash_refusal(attention_impl: str, context: int) -> str | None:
   """The refusal of the splash core over mesh.context > 1, or None: the config's check, and nn/attention's for a
   mesh of context shards that a config did not ask for (a jax.set_mesh around meshlm.forward)."""
@@ -494,8 +504,28 @@ class Config(_Strict):
       "with mesh.context > 1), flash on GPU and on CPU from a measured length up, else xla")
   splash_backward: Literal["auto", "fused", "split"] = Field(
       default="auto", description="the splash kernel's backward: fused (one kernel; one partial dq per key block, "
-      "its memory growing with the sequence), split (a dq and a dkv kernel), or auto: fused where the sequence is at "
-      "most 2 kernel blocks (nn/splash_attention.FUSED_MAX_BLOCKS), else split")
+      "its memory growing with the sequence), split (a dq and a dkv kernel), or auto: fused where its dkv kernel fits "
+      "the chip's scoped VMEM at blocks as large as the split one's (nn/splash_attention.Rule), else split")
+  # The splash kernel's blocks per phase (MaxText's sa_block_* keys): auto, chosen by nn/splash_attention.Rule over
+  # the head dims, dtype, backward, segment ids, rows per device and the chip's scoped VMEM; a number forces one.
+  sa_block_q: SplashBlock = Field(default="auto", description="splash forward: query block (auto or a multiple of 128)")
+  sa_block_kv: SplashBlock = Field(default="auto", description="splash forward: key block")
+  sa_block_kv_compute: SplashBlock = Field(default="auto", description="splash forward: key block per inner step")
+  sa_block_q_dkv: SplashBlock = Field(default="auto", description="splash dkv (or fused) backward: query block")
+  sa_block_kv_dkv: SplashBlock = Field(default="auto", description="splash dkv (or fused) backward: key block")
+  sa_block_kv_dkv_compute: SplashBlock = Field(default="auto", description="splash dkv backward: key block per step")
+  sa_block_q_dq: SplashBlock = Field(default="auto", description="splash dq backward (split): query block")
+  sa_block_kv_dq: SplashBlock = Field(default="auto", description="splash dq backward (split): key block")
+  flash_block: int = Field(default=512, ge=1, description="the flash and ring cores' query and key block length")
+  rope_swap: Literal["auto", "matmul", "roll"] = Field(
+      default="auto", description="how RoPE swaps a row's halves: matmul (a permutation on the MXU, one fused pass "
+      "on TPU), roll (two slices); auto: matmul on TPU, roll elsewhere; bit-identical either way")
+  layer_cast: Literal["bits", "astype"] = Field(
+      default="bits", description="how a layer casts its float32 kernels to bfloat16: bits (integer rounding, kept "
+      "in the layer loop), astype (which XLA:TPU hoists as whole-stack copies); bit-identical either way")
+  remat_attention: Literal["recompute", "save"] = Field(
+      default="recompute", description="under remat, the attention core's output and row log-sum-exp: recompute "
+      "(the backward reruns the forward kernel) or save (named residuals kept per layer; no rerun)")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from meshlm.config import Config
 from meshlm.nn import kv_cache
@@ -24,8 +26,8 @@ from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_i
 from meshlm.nn.decode_attention import Decode, resolve as resolve_decode
 from meshlm.nn.dense import dense
 from meshlm.nn.kernel_cast import in_layer
-from meshlm.nn.rope import fold_sign, freqs_at, inv_frequencies, rope_angles
-from meshlm.parallel.sharding import auto_region, context_size, platform
+from meshlm.nn.rope import apply_rope, fold_sign, freqs_at, inv_frequencies, rope_angles
+from meshlm.parallel.sharding import auto_region, context_size, current_mesh, device_kind, logical_spec, platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,8 @@ class Context:
   mode: str = "train"  # train | prefill | decode
   core: A.Core = A.Core("xla", dense_mask=True)  # the attention core of train and prefill (attention_core)
   decode: Decode = Decode()  # decode's attention against the cache (nn/decode_attention; decode_attention_impl)
+  rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved; None: the platform's)
+  layer_cast: str = "bits"  # how a layer casts its float32 kernels (layer_cast: bits | astype)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -67,7 +71,12 @@ class Context:
     """A (float32) kernel of this layer in the compute dtype dt. Training and prefill cast each layer's slice here
     (nn/kernel_cast.in_layer: bit-identical to astype, and no whole-stack bf16 copy hoisted out of the layer scan);
     decode takes astype, which XLA converts once outside the token loop, so each token reads bf16 weights."""
-    return kernel.astype(dt) if self.mode == "decode" else in_layer(kernel, dt)
+    return kernel.astype(dt) if self.mode == "decode" else in_layer(kernel, dt, self.layer_cast == "bits")
+
+  def rope(self, x_BNTH: jax.Array, dim: int) -> jax.Array:
+    """x [B, N, T, dim] rotated by this context's RoPE at width dim (nn/rope.apply_rope, rope_swap's form)."""
+    cos, sin_signed = self.here.rope[dim]
+    return apply_rope(x_BNTH, cos, sin_signed, self.rope_by_matmul)
 
   def attend(self, q, k, v, w_o: jax.Array, *, scale: float, softcap: float | None = None,
              gate: jax.Array | None = None, rows=None) -> jax.Array:
@@ -108,21 +117,36 @@ def train_mask(segment_ids_BT, T: int, window: int | None) -> jax.Array:
                      (B, 1, 1, T, T))(segment_ids_BT)
 
 
-def attention_core(cfg: Config, shapes: tuple, T: int, *, platform: str, context: int, mode: str = "train") -> A.Core:
+def local_rows(B: int) -> int:
+  """The batch rows of B each device holds (the batch's mesh axes over the current mesh; B with none)."""
+  mesh = current_mesh()
+  if mesh.empty:
+    return B
+  entry = logical_spec(("batch",), (B,), mesh)[0]
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return B // math.prod(sizes[a] for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry))
+
+
+def attention_core(cfg: Config, shapes: tuple, T: int, *, platform: str, context: int, mode: str = "train",
+                   segments: bool = True, device_kind: str | None = None, rows: int = 1) -> A.Core:
   """The attention core a program runs (train or prefill at length T, on platform, over `context` shards of the
   sequence): attention_impl resolved (nn/attention.resolve_impl), then context_attention (resolve_context), with
-  what the core reads: flash's block, the splash kernel's blocks for each of the model's attention shapes (`shapes`,
-  nn/attention.Shape: the parts' Instrument.attention_shape). The one resolution: make_context and the reports
-  (analysis/census.attention_record, meshlm compile, the layout estimate) call it."""
+  what the core reads: flash's block (flash_block), the splash kernel's blocks for each of the model's attention
+  shapes (`shapes`, nn/attention.Shape: the parts' Instrument.attention_shape) by nn/splash_rule.Rule over the
+  compute dtype, `segments` (segment ids passed), the scoped VMEM of `device_kind`, the batch `rows` per device and
+  the sa_block_* keys. The one
+  resolution: make_context and the reports (analysis/census.attention_record, meshlm compile, the layout estimate)
+  call it."""
   name = resolve_context(resolve_impl(cfg.attention_impl, T, platform, context), cfg.context_attention, context, T,
                          mode)
   core = A.Core(name, dense_mask=A.DENSE_MASK[name])
   if name in ("flash", "ring"):
-    from meshlm.nn.flash_attention import BLOCK
-    core = dataclasses.replace(core, block=BLOCK)
+    core = dataclasses.replace(core, block=cfg.flash_block)
   if name == "splash":
-    from meshlm.nn import splash_attention as SPA
-    rule = SPA.Rule(T, platform == "tpu", cfg.splash_backward)
+    from meshlm.nn import splash_rule
+    keys = tuple((k, getattr(cfg, k)) for k in splash_rule.KEYS if getattr(cfg, k) != "auto")
+    rule = splash_rule.Rule(T, platform == "tpu", jnp.dtype(cfg.train.compute_dtype).itemsize, segments,
+                            splash_rule.scoped_vmem(device_kind), rows, cfg.splash_backward, keys)
     dims = sorted({s.dims for s in shapes})
     core = dataclasses.replace(core, rule=rule, splash=tuple((d, rule.blocks(*d)) for d in dims),
                                interpret=platform != "tpu")
@@ -143,8 +167,9 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
   their [T, T] arrays are built (once per step) only for a core that reads them (Core.dense_mask).
   """
   m = cfg.model
-  T = positions_BT.shape[1]
-  core = (attention_core(cfg, attention_shapes, T, platform=platform(), context=context_size(), mode=mode)
+  B, T = positions_BT.shape
+  core = (attention_core(cfg, attention_shapes, T, platform=platform(), context=context_size(), mode=mode,
+                         segments=segment_ids_BT is not None, device_kind=device_kind(), rows=local_rows(B))
           if mode != "decode" else Context.core)
   # sin's sign folded here, once per step, so that each layer's RoPE is one full-width pass (nn/rope.apply_rope).
   signed = lambda cos, sin: (cos, fold_sign(sin))
@@ -173,4 +198,6 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
     on = platform()
     decode = Decode(resolve_decode(cfg.decode_attention_impl, on),
                     cfg.decode_attention_block, interpret=on != "tpu")
-  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core, decode=decode)
+  swap = {"auto": None, "matmul": True, "roll": False}[cfg.rope_swap]
+  return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core, rope_by_matmul=swap,
+                 layer_cast=cfg.layer_cast, decode=decode)

@@ -24,6 +24,7 @@ from meshlm.models.context import windows
 from meshlm.models.family import Family, Kind, LayerInput, LayerPlan, Part
 from meshlm.models import registry
 from meshlm.nn import kv_cache
+from meshlm.nn.flash_attention import RESIDUALS
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 64
@@ -145,9 +146,14 @@ class Model:
   @functools.cached_property
   def remat_policy(self):
     """remat=full saves nothing but the values the parts name as cheap to keep and dear to recompute (a
-    part's permutation, say: without it the backward sorts again); remat=dots saves dots too."""
+    part's permutation, say: without it the backward sorts again) and, with remat_attention=save, the attention
+    core's output and row log-sum-exp (so the backward does not rerun the forward kernel); remat=dots saves dots
+    too."""
     cp = jax.checkpoint_policies
-    names = cp.save_only_these_names(*sorted({n for _, p in self.parts for n in p.compute.remat_save_names}))
+    saved = {n for _, p in self.parts for n in p.compute.remat_save_names}
+    if self.cfg.remat_attention == "save":  # the attention core's output and log-sum-exp (nn/flash_attention.RESIDUALS)
+      saved.add(RESIDUALS)
+    names = cp.save_only_these_names(*sorted(saved))
     return names if self.cfg.remat == "full" else cp.save_from_both_policies(cp.checkpoint_dots, names)
 
   @functools.cached_property

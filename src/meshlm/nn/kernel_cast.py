@@ -12,10 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# False: in_layer is astype, which XLA:TPU hoists as whole-stack copies (benchmarks/chip.py's rows compare the two).
-PER_LAYER = True
-
-
 @jax.custom_vjp
 def cast_bits(w: jax.Array) -> jax.Array:
   """w (float32) rounded to bfloat16 by integer ops on its bits: round to nearest even, as astype rounds (the
@@ -30,8 +26,9 @@ def cast_bits(w: jax.Array) -> jax.Array:
 cast_bits.defvjp(lambda w: (cast_bits(w), None), lambda _, g: (g.astype(jnp.float32),))
 
 
-def in_layer(w: jax.Array, dt) -> jax.Array:
-  """w in dtype dt, cast here, in the layer: float32 to bfloat16 by cast_bits (no whole-stack copy), else astype."""
-  if PER_LAYER and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
+def in_layer(w: jax.Array, dt, bits: bool = True) -> jax.Array:
+  """w in dtype dt, cast here, in the layer: float32 to bfloat16 by cast_bits (no whole-stack copy), else astype.
+  bits=False (the `layer_cast=astype` key): astype always, which XLA:TPU hoists as whole-stack copies."""
+  if bits and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
     return cast_bits(w)
   return w.astype(dt)

@@ -10,9 +10,6 @@ import numpy as np
 
 from meshlm.parallel.sharding import is_explicit, platform
 
-# How apply_rope swaps a row's halves: None, by a permutation matmul on TPU and jnp.roll elsewhere (swap_halves);
-# True / False force one (benchmarks/chip.py's rows compare them on a chip).
-SWAP_BY_MATMUL: bool | None = None
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
@@ -64,14 +61,15 @@ def swap_halves(x_BNTH: jax.Array, by_matmul: bool) -> jax.Array:
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def apply_rope(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_signed_BTH: jax.Array) -> jax.Array:
+def apply_rope(x_BNTH: jax.Array, cos_BTH: jax.Array, sin_signed_BTH: jax.Array,
+               by_matmul: bool | None = None) -> jax.Array:
   """x [B, N, T, H], heads-first rows (every attention core's), rotated by cos and the sign-folded sin [B, T, H]
   (fold_sign): x * cos + roll(x, H/2) * sin_signed in float32, HF's x * cos + rotate_half(x) * sin bit for bit
   (the negation moves from x's half to sin's, and is exact). One full-width pass: the halves are swapped on the
-  MXU on TPU (swap_halves). The gradient is the same rotation by the opposite angle, swapping the halves of the
+  MXU on TPU (swap_halves; by_matmul, the `rope_swap` key through models/context, forces one or the other). The gradient is the same rotation by the opposite angle, swapping the halves of the
   cotangent as it comes (as the rotate-half formula's, bit for bit: both round to x's dtype once)."""
   with jax.named_scope("rope"):
-    by_matmul = platform() == "tpu" if SWAP_BY_MATMUL is None else SWAP_BY_MATMUL
+    by_matmul = platform() == "tpu" if by_matmul is None else by_matmul
     return _rotate(x_BNTH, cos_BTH, sin_signed_BTH, by_matmul)
 
 

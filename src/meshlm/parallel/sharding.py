@@ -113,6 +113,15 @@ def platform() -> str:
   return getattr(device, "platform", None) or jax.default_backend()
 
 
+def device_kind() -> str | None:
+  """The device kind ("TPU v5 lite", ...) the program being traced is for, as platform() finds it; None if unknown."""
+  device = getattr(current_mesh(), "abstract_device", None)
+  kind = getattr(device, "device_kind", None)
+  if kind is None and jax.default_backend() == platform():
+    kind = jax.devices()[0].device_kind
+  return kind
+
+
 def is_explicit() -> bool:
   mesh = current_mesh()
   return not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types)

@@ -41,13 +41,13 @@ def spec(m: ModelConfig) -> dict:
   }
 
 
-def partial_rope(x_BNTH: jax.Array, cos: jax.Array, sin_signed: jax.Array) -> jax.Array:
+def partial_rope(x_BNTH: jax.Array, cos: jax.Array, sin_signed: jax.Array, by_matmul: bool | None = None) -> jax.Array:
   """RoPE on the first rot = cos.shape[-1] dims of each head; the others pass unchanged. x [B, N, T, H]; cos and
-  the sign-folded sin [B, T, rot] (apply_rope)."""
+  the sign-folded sin [B, T, rot] (apply_rope; by_matmul: the context's rope_swap)."""
   rot = cos.shape[-1]
   if rot == x_BNTH.shape[-1]:
-    return apply_rope(x_BNTH, cos, sin_signed)
-  return jnp.concatenate([apply_rope(x_BNTH[..., :rot], cos, sin_signed), x_BNTH[..., rot:]], axis=-1)
+    return apply_rope(x_BNTH, cos, sin_signed, by_matmul)
+  return jnp.concatenate([apply_rope(x_BNTH[..., :rot], cos, sin_signed, by_matmul), x_BNTH[..., rot:]], axis=-1)
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
@@ -63,7 +63,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=True)
   k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=True)
   cos, sin_signed = ctx.here.rope[m.rotary_dim()]
-  q, k = partial_rope(q, cos, sin_signed), partial_rope(k, cos, sin_signed)
+  q, k = (partial_rope(x, cos, sin_signed, ctx.rope_by_matmul) for x in (q, k))
   y, update = gqa.attend(q, k, v, ctx.cast(p["o"], dt), ctx, state, gate=gate)
   return y, update, {}
 

@@ -20,7 +20,6 @@ from meshlm.models.family import Compute, Instrument, Part, StateLeaf
 from meshlm.nn import attention as A, gather_once
 from meshlm.nn.kv_cache import CACHE_AXES
 from meshlm.nn.norm import rms_norm
-from meshlm.nn.rope import apply_rope
 
 
 # The head fields attention reads (null by default: a model without attention needs none).
@@ -71,8 +70,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, plus_one
     # Per-head RMSNorm over head_dim, before RoPE.
     q = rms_norm(p["q_norm"], q, m.norm_eps, plus_one=plus_one)
     k = rms_norm(p["k_norm"], k, m.norm_eps, plus_one=plus_one)
-  cos, sin_signed = ctx.here.rope[m.head_dim]
-  q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
+  q, k = ctx.rope(q, m.head_dim), ctx.rope(k, m.head_dim)
   y, update = attend(q, k, v, ctx.cast(p["o"], dt), ctx, state)
   return y, update, {}
 

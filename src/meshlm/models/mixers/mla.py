@@ -48,7 +48,7 @@ from meshlm import spec as S
 from meshlm.models.family import Instrument, Part, StateLeaf, section
 from meshlm.nn import attention as A, mla as mla_core
 from meshlm.nn.norm import rms_norm
-from meshlm.nn.rope import apply_rope, apply_rope_interleave, softmax_mscale
+from meshlm.nn.rope import apply_rope_interleave, softmax_mscale
 from meshlm.parallel.sharding import axes
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (their default eps)
@@ -150,10 +150,11 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None):
   Hn = own.qk_nope_head_dim
   q = project_q(p, x_BTD, ctx)  # [B, N, T, Hn + Hr]
   c, k_rope = project_latent(p, x_BTD, ctx)
-  cos, sin_signed = ctx.here.rope[own.qk_rope_head_dim]
-  rope = apply_rope_interleave if own.rope_interleave else apply_rope
-  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:], cos, sin_signed)
-  k_rope = rope(k_rope[:, None], cos, sin_signed)[:, 0]  # [B, T, Hr]: one head, shared by every query head
+  Hr = own.qk_rope_head_dim
+  cos, sin_signed = ctx.here.rope[Hr]
+  rope = (lambda x: apply_rope_interleave(x, cos, sin_signed)) if own.rope_interleave else (lambda x: ctx.rope(x, Hr))
+  q_nope, q_rope = q[..., :Hn], rope(q[..., Hn:])
+  k_rope = rope(k_rope[:, None])[:, 0]  # [B, T, Hr]: one head, shared by every query head
   update = None if ctx.mode == "train" else {"kv": c, "k_rope": k_rope}
   w = {name: ctx.cast(p[name], dt) for name in ("k_b", "v_b", "o")}
   if ctx.mode == "decode":
