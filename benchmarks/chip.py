@@ -527,8 +527,8 @@ def table(records: list[dict]) -> str:
                  f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
   dec = [r for r in records if r["kind"] == "decode"]
   if dec:
-    lines += ["", "| decode row | attention (block) | tokens/s (median, spread) | HBM roofline tokens/s (cache so far) | "
-              "of it | roofline over the whole cache buffer | of it | over the filled blocks | of it |",
+    lines += ["", "| decode row | attention (block) | tokens/s (median, spread) | HBM roofline tokens/s (cache so "
+              "far) | of it | roofline over the whole cache buffer | of it | over the filled blocks | of it |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in dec:
       if "error" in r:
@@ -540,7 +540,8 @@ def table(records: list[dict]) -> str:
                      f"{r.get('roofline_tokens_per_s', float('nan')):,.0f} | {pct(r.get('of_roofline'))} | "
                      f"{r.get('roofline_allocated_tokens_per_s', float('nan')):,.0f} | "
                      f"{pct(r.get('of_roofline_allocated'))} | "
-                     f"{r.get('roofline_blocks_tokens_per_s', float('nan')):,.0f} | {pct(r.get('of_roofline_blocks'))} |")
+                     f"{r.get('roofline_blocks_tokens_per_s', float('nan')):,.0f} | "
+                     f"{pct(r.get('of_roofline_blocks'))} |")
   return "\n".join(lines)
 
 

@@ -339,19 +339,22 @@ def test_the_decode_loop_gathers_the_embedding_table_once_per_call(monkeypatch):
   api.clear_programs()
 
 
-KERNELS = """HloModule decode_kernels
-ENTRY %main (p0: s32[4], p1: s32[1], p2: bf16[4,2,2,128], p3: bf16[4,2,1,128], p4: bf16[4,2,1,128], p5: bf16[3,4,2,512,128], p6: bf16[3,4,2,1,128]) -> bf16[3,4,2,512,128] {
-  %cur_ref = s32[4]{0} parameter(0)
-  %layer_ref = s32[1]{0} parameter(1)
-  %q_ref = bf16[4,2,2,128]{3,2,1,0} parameter(2)
-  %kn_ref = bf16[4,2,1,128]{3,2,1,0} parameter(3)
-  %vn_ref = bf16[4,2,1,128]{3,2,1,0} parameter(4)
-  %kc_ref = bf16[3,4,2,512,128]{4,3,2,1,0} parameter(5)
-  %rows = bf16[3,4,2,1,128]{4,3,2,1,0} parameter(6)
-  %decode_attention.1 = bf16[4,2,2,128]{3,2,1,0} custom-call(%cur_ref, %layer_ref, %q_ref, %kn_ref, %vn_ref, %kc_ref, %kc_ref), custom_call_target="tpu_custom_call"
-  ROOT %write_rows.1 = bf16[3,4,2,512,128]{4,3,2,1,0} custom-call(%cur_ref, %rows, %kc_ref), custom_call_target="tpu_custom_call"
-}
-"""
+KERNELS = "\n".join([
+    "HloModule decode_kernels",
+    "ENTRY %main (p0: s32[4], p1: s32[1], p2: bf16[4,2,2,128], p3: bf16[4,2,1,128], p4: bf16[4,2,1,128], "
+    "p5: bf16[3,4,2,512,128], p6: bf16[3,4,2,1,128]) -> bf16[3,4,2,512,128] {",
+    "  %cur_ref = s32[4]{0} parameter(0)",
+    "  %layer_ref = s32[1]{0} parameter(1)",
+    "  %q_ref = bf16[4,2,2,128]{3,2,1,0} parameter(2)",
+    "  %kn_ref = bf16[4,2,1,128]{3,2,1,0} parameter(3)",
+    "  %vn_ref = bf16[4,2,1,128]{3,2,1,0} parameter(4)",
+    "  %kc_ref = bf16[3,4,2,512,128]{4,3,2,1,0} parameter(5)",
+    "  %rows = bf16[3,4,2,1,128]{4,3,2,1,0} parameter(6)",
+    "  %decode_attention.1 = bf16[4,2,2,128]{3,2,1,0} custom-call(%cur_ref, %layer_ref, %q_ref, %kn_ref, %vn_ref, "
+    "%kc_ref, %kc_ref), custom_call_target=\"tpu_custom_call\"",
+    "  ROOT %write_rows.1 = bf16[3,4,2,512,128]{4,3,2,1,0} custom-call(%cur_ref, %rows, %kc_ref), "
+    "custom_call_target=\"tpu_custom_call\"",
+    "}", ""])
 
 
 def test_the_decode_kernels_move_one_layer_and_one_tile_per_row():

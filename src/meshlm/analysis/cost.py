@@ -30,11 +30,11 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   scatter: a scan writing a layer's row, a decode step writing its K/V rows into the cache) writes and reads only
   the update; the decode attention kernel reads one layer's row of the cache stacks it is given, every slot (an
   upper figure: it reads each row's filled blocks, a runtime count), and the K/V write beside it (write_rows) each
-  batch row's tile holding its slot, read and written back; XLA:TPU's async wrappers (call-start / call-update on the SparseCore: collectives, copies) read their
-  data operands and write their outputs, not the operands they carry in their result (an async slice, slice-start,
-  reads its window); a conditional counts its
-  costliest branch (which one runs is a runtime value: a lax.switch over block sizes counts its largest). An
-  estimate of the HBM traffic, not a measurement: on-chip reuse across instructions is not seen.
+  batch row's tile holding its slot, read and written back; XLA:TPU's async wrappers (call-start / call-update on
+  the SparseCore: collectives, copies) read their data operands and write their outputs, not the operands they carry
+  in their result (an async slice, slice-start, reads its window); a conditional counts its costliest branch (which
+  one runs is a runtime value: a lax.switch over block sizes counts its largest). An estimate of the HBM traffic,
+  not a measurement: on-chip reuse across instructions is not seen.
 - The sampler's decode program is a loop over the new tokens whose trip count is a runtime value: `step_loop`
   finds it and `loop_comps` what one trip runs, so the counts above can be taken over one decode step (`within`),
   and what runs once per call around it (the float32 -> bf16 casts XLA hoists out of the loop) apart.

@@ -1,11 +1,13 @@
-"""Decode attention that reads only the filled part of the cache: a Pallas TPU kernel, the `decode_attention_impl=pallas`
-path of one new position per row against its layer's K/V cache. nn/attention.gqa_attention_decode (the `xla` path)
-is the reference it is tested against, and the path on CPU and GPU.
+"""Decode attention that reads only the filled part of the cache: a Pallas TPU kernel, the
+`decode_attention_impl=pallas` path of one new position per row against its layer's K/V cache.
+nn/attention.gqa_attention_decode (the `xla` path) is the reference it is tested against, and the path on CPU and
+GPU.
 
 What a decode step must read of the cache is the rows written so far; the xla path reads the whole buffer of C slots
 every step (its einsums contract every slot and mask the empty ones), and inside the layer scan XLA:TPU copies each
 layer's K out of the stacked cache first (a dynamic slice it cannot fuse into the dot): at qwen3-0.6b, batch 64, a
-512-slot cache, 7.5 GB of cache traffic per step where the filled rows are 1.9 GB on average (docs/compile.md, "The decode attention").
+512-slot cache, 7.5 GB of cache traffic per step where the filled rows are 1.9 GB on average (docs/compile.md, "The
+decode attention").
 
 The kernel, per batch row b (grid (B, key blocks); the KV heads of a row in one step):
   - the cache slots a row reads are s < min(cur_b, C), less slot cur_b % C: cur_b is the new position, and in a
@@ -191,7 +193,8 @@ def _call(q, k_new, v_new, k_stack, v_stack, cur, layer, *, size: int, block: in
 def _kernel(cur_ref, layer_ref, q_ref, kn_ref, vn_ref, kc_ref, vc_ref, o_ref, m_ref, l_ref, acc_ref, *,
             size: int, block: int, scale: float, softcap: float | None):
   """One row's step over one block of slots: q_ref [K, G, H], kn_ref [K, 1, H], vn_ref [K, 1, Hv], kc_ref [K, block,
-  H], vc_ref [K, block, Hv]; the online softmax's max, sum and accumulator in m_ref, l_ref [K, G, 1], acc_ref [K, G, Hv]."""
+  H], vc_ref [K, block, Hv]; the online softmax's max, sum and accumulator in m_ref, l_ref [K, G, 1] and acc_ref
+  [K, G, Hv]."""
   from jax.experimental import pallas as pl
   del layer_ref  # read by the index maps
   b, c = pl.program_id(0), pl.program_id(1)
