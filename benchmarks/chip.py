@@ -13,7 +13,10 @@ model FLOPs per token (analysis/aot.model_flops_per_token: 6 x the matmul parame
 attention, as Megatron and MaxText count; a remat's recomputed forward is not counted) and MFU against the chip's
 published bf16 peak and against a bf16 matmul measured at the start of the same run, and the executable's own memory
 (`memory_analysis()`). A decode row times `meshlm.generate` (greedy, a warm-up call compiles it) and compares its
-tokens/s with the HBM roofline: each decode step reads every weight once plus the KV cache (bytes / bandwidth).
+tokens/s with the HBM roofline: each decode step reads every weight once plus the KV cache (bytes / bandwidth): the
+rows written so far (the floor), the whole cache buffer (the xla decode attention's reads) and the filled blocks
+(the pallas decode attention's, nn/decode_attention.py); `resolved` says which ran. With --profile, a decode row
+traces one more generate call.
 
 A row that fails records its error and the next one runs. Each row's JSON line is printed and appended to --out as
 soon as it is done; a markdown table of the set follows at the end (docs/performance.md "On a TPU v5e chip").
@@ -122,6 +125,21 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-decode-b1", QWEN3_06B, kind="decode", batch=1,
             prompt_len=128, new_tokens=256),
         Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64,
+            prompt_len=128, new_tokens=256),
+    ],
+    # Decode (issue 62 item 2): the pallas decode attention (auto on TPU) against the xla path, and its block.
+    # Profile: --set v5e-decode --only qwen3-0.6b-decode-b64 --profile DIR (then profile_summary.py DIR/ROW).
+    "v5e-decode": [
+        Row("qwen3-0.6b-decode-b1", QWEN3_06B, kind="decode", batch=1, prompt_len=128, new_tokens=256),
+        Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64, prompt_len=128, new_tokens=256),
+        Row("qwen3-0.6b-decode-b1-xla", QWEN3_06B + ("decode_attention_impl=xla",), kind="decode", batch=1,
+            prompt_len=128, new_tokens=256),
+        Row("qwen3-0.6b-decode-b64-xla", QWEN3_06B + ("decode_attention_impl=xla",), kind="decode", batch=64,
+            prompt_len=128, new_tokens=256),
+        *[Row(f"qwen3-0.6b-decode-b64-block{b}", QWEN3_06B + (f"decode_attention_block={b}",), kind="decode", batch=64,
+              prompt_len=128, new_tokens=256) for b in (64, 256, 512)],
+        # Batch 1 is bound by its ~1,200 small ops a step, not bytes: the layers unrolled (1,037 ops), no loop.
+        Row("qwen3-0.6b-decode-b1-unscanned", QWEN3_06B + ("scan_layers=false",), kind="decode", batch=1,
             prompt_len=128, new_tokens=256),
     ],
     # Where the seed's families spend their time (issue 60 item 1, 4): profiled, one process.
@@ -297,13 +315,15 @@ def _resolved_loss(cfg, runner) -> str:
   return loss_path(cfg, runner.batch["inputs"].shape[0], cfg.train.seq_len)
 
 
-def decode_row(row: Row, reps: int) -> dict:
+def decode_row(row: Row, reps: int, profile_dir: str | None = None) -> dict:
   """Greedy meshlm.generate of row.new_tokens after row.prompt_len-token prompts, row.batch rows: tokens/s (the
-  median of reps calls after a compiling warm-up) against the HBM roofline of a decode step."""
+  median of reps calls after a compiling warm-up) against the HBM roofline of a decode step. profile_dir: a
+  jax.profiler trace of one more call there (benchmarks/profile_summary.py; the call's op times over its steps)."""
   import jax
   from meshlm.commands.resolve import load_config
   from meshlm.models import generate as G
   from meshlm.models.params import init_params
+  from meshlm.nn import decode_attention as DA
   from meshlm.parallel.mesh import make_mesh
   cfg = load_config(*row.overrides)
   mesh = make_mesh(cfg)
@@ -319,6 +339,9 @@ def decode_row(row: Row, reps: int) -> dict:
     out = G.generate(cfg, params, prompts, max_new_tokens=row.new_tokens, stop_tokens=(), mesh=mesh)
     times.append(time.perf_counter() - t0)
     assert all(len(t) == row.new_tokens for t in out.token_lists())
+  if profile_dir:
+    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+      G.generate(cfg, params, prompts, max_new_tokens=row.new_tokens, stop_tokens=(), mesh=mesh)
   s = statistics.median(times)
   # What a decode step must read at least: every weight once, in the compute dtype (XLA casts the float32 parameters
   # once, outside the decode loop), and the K and V rows written so far, averaged over the new tokens.
@@ -328,10 +351,19 @@ def decode_row(row: Row, reps: int) -> dict:
   row_bytes = row.batch * m.num_layers * 2 * m.num_kv_heads * m.head_dim * item  # one position of every layer's cache
   mean_len = row.prompt_len + row.new_tokens / 2
   allocated = G.bucket(row.prompt_len + row.new_tokens, m.max_position)  # the cache buffer each step attends over
+  # The decode attention that ran (nn/decode_attention: pallas reads each row's filled blocks of `block` slots, xla
+  # the whole buffer) and what its blocks read, averaged over the steps' positions (the kernel's own floor).
+  impl = DA.Decode(DA.resolve(cfg.decode_attention_impl, jax.devices()[0].platform),
+                   cfg.decode_attention_block).for_size(allocated)
+  block = DA.block_for(allocated, cfg.decode_attention_block) if impl == "pallas" else allocated
+  positions = range(row.prompt_len, row.prompt_len + row.new_tokens)
+  in_blocks = statistics.mean(-(-p // block) * block for p in positions)
   return {"tokens": row.batch * row.new_tokens, "seconds": s, "spread": spread(times), "reps": reps,
           "first_call_s": compile_s, "tokens_per_s": row.batch * row.new_tokens / s,
           "weight_bytes": int(weight_bytes), "cache_bytes_per_step": float(row_bytes * mean_len),
           "cache_bytes_allocated_per_step": float(row_bytes * allocated), "cache_len": int(allocated),
+          "cache_bytes_blocks_per_step": float(row_bytes * in_blocks),
+          "resolved": {"decode_attention": impl, "block": block},
           "batch": row.batch, "prompt_len": row.prompt_len, "new_tokens": row.new_tokens}
 
 
@@ -411,9 +443,13 @@ def finish(rec: dict, info: dict, matmul: float | None) -> dict:
     rec["mfu"] = achieved / fig.peak_flops if fig else None
     rec["mfu_vs_matmul"] = achieved / matmul if matmul else None
   if rec.get("kind") == "decode" and "seconds" in rec and fig:
-    # One decode step (every row's next token) at the HBM bandwidth: the cache rows written so far (the floor), and
-    # the whole cache buffer the step attends over (what a step that reads its buffer whole can reach).
-    for key, cache in (("", "cache_bytes_per_step"), ("_allocated", "cache_bytes_allocated_per_step")):
+    # One decode step (every row's next token) at the HBM bandwidth: the cache rows written so far (the floor), the
+    # whole cache buffer (what a step that reads its buffer whole can reach: the xla path), and the filled blocks the
+    # pallas decode attention reads (its own floor: the rows so far rounded up to its blocks).
+    for key, cache in (("", "cache_bytes_per_step"), ("_allocated", "cache_bytes_allocated_per_step"),
+                       ("_blocks", "cache_bytes_blocks_per_step")):
+      if cache not in rec:
+        continue
       floor_s = (rec["weight_bytes"] + rec[cache]) / info["devices"] / fig.hbm_bandwidth
       rec[f"roofline{key}_tokens_per_s"] = rec["batch"] / floor_s
       rec[f"of_roofline{key}"] = rec["tokens_per_s"] / rec[f"roofline{key}_tokens_per_s"]
@@ -454,7 +490,8 @@ def run(rows: list[Row], out_path: str | None, steps: int, warmup: int, decode_r
         elif row.kind == "rope":
           rec.update(rope_row(row))
         else:
-          rec.update(decode_row(row, decode_reps))
+          traced = profile_dir and (profile_rows is None or row.name in profile_rows)
+          rec.update(decode_row(row, decode_reps, f"{profile_dir}/{row.name}" if traced else None))
       except Exception as e:  # noqa: BLE001  (a failed row is a result: record it, run the next)
         text = str(e).strip().splitlines()
         rec["error"] = f"{type(e).__name__}: {text[0] if text else ''}"[:2000]
@@ -491,16 +528,21 @@ def table(records: list[dict]) -> str:
                  f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
   dec = [r for r in records if r["kind"] == "decode"]
   if dec:
-    lines += ["", "| decode row | tokens/s (median, spread) | HBM roofline tokens/s (cache so far) | of it | "
-              "roofline over the whole cache buffer | of it |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| decode row | attention (block) | tokens/s (median, spread) | HBM roofline tokens/s (cache so "
+              "far) | of it | roofline over the whole cache buffer | of it | over the filled blocks | of it |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in dec:
       if "error" in r:
-        lines.append(f"| {r['name']} | failed: {r['error'][:160]} | | | | |")
+        lines.append(f"| {r['name']} | | failed: {r['error'][:160]} | | | | | | |")
       else:
-        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} ({r['spread']:.1%}) | "
+        how = r.get("resolved", {})
+        lines.append(f"| {r['name']} | {how.get('decode_attention', '-')} ({how.get('block', '-')}) | "
+                     f"{r['tokens_per_s']:,.0f} ({r['spread']:.1%}) | "
                      f"{r.get('roofline_tokens_per_s', float('nan')):,.0f} | {pct(r.get('of_roofline'))} | "
                      f"{r.get('roofline_allocated_tokens_per_s', float('nan')):,.0f} | "
-                     f"{pct(r.get('of_roofline_allocated'))} |")
+                     f"{pct(r.get('of_roofline_allocated'))} | "
+                     f"{r.get('roofline_blocks_tokens_per_s', float('nan')):,.0f} | "
+                     f"{pct(r.get('of_roofline_blocks'))} |")
   return "\n".join(lines)
 
 
@@ -514,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--decode-reps", type=int, default=3)
   ap.add_argument("--matmul-n", type=int, default=None, help="the bf16 matmul's size (default 8192 on TPU, 512 else)")
   ap.add_argument("--profile", default=None, help="a folder: a jax.profiler trace of 3 steps of each train row "
-                  "(FOLDER/ROW), summarized by benchmarks/profile_summary.py")
+                  "and of one more generate call of each decode row (FOLDER/ROW), summarized by "
+                  "benchmarks/profile_summary.py")
   ap.add_argument("--profile-only", default=None, help="comma-separated rows to trace (default: every train row)")
   args = ap.parse_args(argv)
   sets = args.set.split(",")

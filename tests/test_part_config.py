@@ -250,16 +250,17 @@ def test_an_old_saved_moe_config_loads_and_resumes():
 
 
 def test_a_checkpoint_resumes_under_another_moe_layout_but_not_other_experts():
-  """impl, grouped_matmul, kernel_fsdp, ep_impl, ep_buffer_factor, kernel_cast and grad_reduce_barrier are the
-  section's COMPUTE knobs; the experts' count and width are parameters' shapes."""
+  """impl, grouped_matmul, kernel_fsdp, ep_impl, ep_buffer_factor, grad_reduce_barrier and decode_kernels are the
+  section's COMPUTE knobs; the experts' count and width are parameters' shapes. A retired knob a saved config still
+  holds (kernel_cast) resumes."""
   from meshlm.models.ffns.moe import MoEConfig
-  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor", "kernel_cast",
-                               "grad_reduce_barrier")
+  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
+                               "grad_reduce_barrier", "decode_kernels")
   cfg = load_config("model=mixtral-tiny")
   saved = cfg.model.model_dump(mode="json")
   moe = saved["parts"]["moe"]
   other = dict(moe, impl="reference", grouped_matmul="ragged", kernel_fsdp="experts", ep_impl="compact",
-               ep_buffer_factor=2.0, kernel_cast="bits", grad_reduce_barrier=True)
+               ep_buffer_factor=2.0, kernel_cast="bits", grad_reduce_barrier=True, decode_kernels="split")
   assert _model_mismatch(dict(saved, parts={"moe": other}), cfg) is None
   assert _model_mismatch(dict(saved, parts={"moe": dict(moe, mlp_dim=128)}), cfg) == (
       "model.parts.moe.mlp_dim is 256 here but 128 in the checkpoint")

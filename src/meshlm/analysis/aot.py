@@ -231,12 +231,16 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
   calls whose FLOPs rest on an assumed mask (cost.custom_call_flops), the loops whose trip count was not read."""
   out = ["bytes: each instruction's operands and result, without on-chip reuse across instructions"]
   splash = [n for n in guessed_calls if n.startswith("splash")]
+  decode = [n for n in guessed_calls if n.startswith("decode_attention")]
   if splash:
     out.append(f"custom calls: {len(splash)} splash kernels' skipped blocks taken as the causal triangle (their "
                "block mask too large for the HLO text to print)")
-  if len(splash) < len(guessed_calls):
-    out.append(f"custom calls: {len(guessed_calls) - len(splash)} ragged dot kernels count every row of their buffer "
-               "(rows past the groups' sizes too: a compact dispatch's padding)")
+  if decode:
+    out.append(f"custom calls: {len(decode)} decode attention kernels count every slot of their layer's cache (they "
+               "read each row's filled blocks, a runtime count)")
+  if len(splash) + len(decode) < len(guessed_calls):
+    out.append(f"custom calls: {len(guessed_calls) - len(splash) - len(decode)} ragged dot kernels count every row of "
+               "their buffer (rows past the groups' sizes too: a compact dispatch's padding)")
   if unread:
     out.append(f"loops: {sum(u['runs'] for u in unread)} loop starts per step whose trip count was not read count "
                "their body once (unread_loops)")

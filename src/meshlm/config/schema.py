@@ -534,6 +534,12 @@ class Config(_Strict):
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "
       "(XLA's partitioner all-gathers K/V over the context axis)")
+  decode_attention_impl: Literal["auto", "xla", "pallas"] = Field(
+      default="auto", description="sampling's decode attention: xla (the whole cache buffer, the reference), pallas "
+      "(a TPU kernel reading only each row's filled slots; Pallas interpret mode off TPU, slow), or auto: pallas on "
+      "TPU, xla elsewhere; a cache no block of decode_attention_block slots divides runs xla (nn/decode_attention)")
+  decode_attention_block: int = Field(default=128, ge=16, description="at most this many cache slots per step of "
+                                      "the pallas decode attention (a row reads its filled slots in such blocks)")
   loss_impl: Literal["auto", "materialized", "blockwise"] = Field(
       default="auto", description="the LM head and loss: materialized [B, T, V] logits (the reference), blockwise "
       "(head and log-softmax per block of loss_block positions at most, custom VJP; never [B, T, V]), or auto: blockwise "

@@ -23,6 +23,7 @@ from meshlm.config import Config
 from meshlm.nn import kv_cache
 from meshlm.nn import attention as A
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
+from meshlm.nn.decode_attention import Decode, resolve as resolve_decode
 from meshlm.nn.dense import dense
 from meshlm.nn.kernel_cast import in_layer
 from meshlm.nn.rope import apply_rope, fold_sign, freqs_at, inv_frequencies, rope_angles
@@ -48,6 +49,7 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   core: A.Core = A.Core("xla", dense_mask=True)  # the attention core of train and prefill (attention_core)
+  decode: Decode = Decode()  # decode's attention against the cache (nn/decode_attention; decode_attention_impl)
   rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved; None: the platform's)
   layer_cast: str = "bits"  # how a layer casts its float32 kernels (layer_cast: bits | astype)
   context_name: str = "global"
@@ -191,6 +193,11 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
     inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
                           lengths_B if mode == "prefill" else None)
+  decode = Context.decode
+  if mode == "decode":
+    on = platform()
+    decode = Decode(resolve_decode(cfg.decode_attention_impl, on),
+                    cfg.decode_attention_block, interpret=on != "tpu")
   swap = {"auto": None, "matmul": True, "roll": False}[cfg.rope_swap]
   return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core, rope_by_matmul=swap,
-                 layer_cast=cfg.layer_cast)
+                 layer_cast=cfg.layer_cast, decode=decode)

@@ -17,8 +17,9 @@ The files, by concern:
 - dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
 - expert_parallel.py: the dispatch with the experts sharded over ep devices (the group's tokens gathered, or compact:
   only the routed rows moved by all-to-all in bounded buffers, the overflow dropped and counted).
-- layer.py: moe_spec, MoESettings (the part's knobs in one record) and moe_mlp, the layer (routing, then the dispatch
-  under shard_map); reduce_barrier, which the part applies around every use of the layer's input.
+- layer.py: moe_spec, Options (what the layer reads besides the part's section, which it takes as it is) and moe_mlp,
+  the layer (routing, then the dispatch under shard_map); reduce_barrier, which the part applies around every use of
+  the layer's input.
 The reference beside it (nn/moe_reference.py) runs every expert on every token and masks.
 
 Router replay (`forced_ids_BTk` [B, T, k], -1 = not forced; nn/router_replay.py): forced tokens take
@@ -34,7 +35,7 @@ from meshlm.nn.moe.expert_parallel import (EP_IMPLS, EXPERT_AXIS, capacity, disp
                                            ep_mesh_axes, local_expert_offset, send_layout)
 from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
                                grouped_matmul, loop_block_rows, rest_block_sizes)
-from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp,
+from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, Options, experts_axis, moe_mlp,
                                  moe_spec, reduce_barrier)
 from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats,
                                    bias_update, expert_load, group_limited_topk, group_route, load_balancing_loss,
@@ -42,7 +43,7 @@ from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LO
 
 __all__ = [
     "DROPPED", "EP_IMPLS", "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS",
-    "REMAT_SAVE_NAMES", "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "MoESettings",
+    "REMAT_SAVE_NAMES", "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "Options",
     "aux_stats", "bias_update", "block_layout", "capacity", "combine", "default_block_rows", "default_grouped_matmul",
     "dispatch", "dispatch_compact", "dispatch_gather", "ep_mesh_axes", "expert_grad_barrier", "expert_load", "expert_rows", "experts_axis", "fused_glu",
     "gather_router_once", "group_limited_topk", "group_route", "grouped_matmul", "inverse_permutation",

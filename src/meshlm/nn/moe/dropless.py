@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.nn import gather_once
-from meshlm.nn.kernel_cast import cast_bits
 from meshlm.nn.moe.gmm import default_grouped_matmul, grouped_matmul, vary_like
 from meshlm.nn.stack_row import is_row, materialize
 
@@ -27,7 +26,6 @@ from meshlm.nn.stack_row import is_row, materialize
 # save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
 REMAT_SAVE_NAMES = ("moe_perm",)
 UNSORTS = ("perm", "argsort")
-KERNEL_CASTS = ("convert", "bits")  # astype (the default, the reference) or cast_bits
 
 
 # --- the speedups: unsort with the sort's permutation, fused GLU -----------------------------------
@@ -131,32 +129,27 @@ def gather_router_once(router_stack: jax.Array, axes: tuple[str | None, ...]) ->
 # --- dispatch ----------------------------------------------------------------------------------------
 
 def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
-             down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
-             grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
-             expert_offset: jax.Array | None = None, grad_barrier: bool = True, kernel_cast: str = "convert"):
-  """Dropless expert computation on local tokens: y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
+             down_EFD: jax.Array, knobs, opts, expert_offset: jax.Array | None = None):
+  """Dropless expert computation on local tokens: (y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]), dropped: an
+  int32 0, the expert-parallel dispatches' type; this one drops nothing).
 
   The dense parts (sort_slots, the gather, unsort_rows, combine) around the per-row expert work (expert_rows);
   the compact expert-parallel dispatch (expert_parallel.py) composes the same pieces around an all-to-all.
-  fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
-  grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
-  optimization barrier over their cotangents in the backward).
-  kernel_cast: how the kernels reach the rows' dtype, "convert" (astype) or "bits" (cast_bits, kept per layer
-  in a layer loop); bit-identical.
+  knobs: the moe section (its grouped_matmul); opts: nn/moe/layer.Options (activation, the kernels' cast, the plain
+  variants: fused_gate_up off runs gate and up as two grouped matmuls and autodiff; grad_barrier puts
+  `expert_grad_barrier` on the gathered rows and the kernels; unsort_impl).
   expert_offset (expert parallelism): the kernels hold experts [offset, offset + E) of all experts;
   only the slots routed to those run, the rest sort to the end, get no rows in the grouped matmul
   and give zeros (y is this shard's part of the sum over k).
   """
-  if unsort_impl not in UNSORTS:
-    raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
+  if opts.unsort_impl not in UNSORTS:
+    raise ValueError(f"unsort_impl={opts.unsort_impl!r}: expected one of {UNSORTS}")
   k = ids_Mk.shape[1]
   perm, sizes, local = sort_slots(ids_Mk.reshape(-1), down_EFD.shape[0], expert_offset)  # slot j: token j // k
   with jax.named_scope("gather"):
     xs = x_MD[perm // k]  # [A, D]
-  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, fused_gate_up=fused_gate_up, activation=activation,
-                   grouped_matmul_impl=grouped_matmul_impl, block_rows=block_rows, grad_barrier=grad_barrier,
-                   kernel_cast=kernel_cast)
-  return combine(unsort_rows(ys, perm, unsort_impl, local), w_Mk)
+  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, knobs, opts)
+  return combine(unsort_rows(ys, perm, opts.unsort_impl, local), w_Mk), jnp.zeros((), jnp.int32)
 
 
 def sort_slots(flat_A: jax.Array, E: int, expert_offset: jax.Array | None = None):
@@ -177,23 +170,20 @@ def sort_slots(flat_A: jax.Array, E: int, expert_offset: jax.Array | None = None
   return perm, sizes, local
 
 
-def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, *, fused_gate_up: bool = True,
-                activation=jax.nn.silu, grouped_matmul_impl: str = "auto", block_rows: int | None = None,
-                grad_barrier: bool = True, kernel_cast: str = "convert") -> jax.Array:
+def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, knobs, opts) -> jax.Array:
   """The per-row expert work: ys [A, D] = glu_{e_j}(xs[j]) over rows sorted by expert (sizes_E rows each; rows
-  past the groups are not computed), with the expert grad barrier on the rows and the kernels; kernel_cast:
+  past the groups are not computed), with the expert grad barrier on the rows and the kernels; knobs, opts:
   dispatch's."""
-  if kernel_cast not in KERNEL_CASTS:
-    raise ValueError(f"kernel_cast={kernel_cast!r}: expected one of {KERNEL_CASTS}")
   dt = xs_AD.dtype
-  cast = functools.partial(_as, dt=dt, kernel_cast=kernel_cast)
-  gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
-  if (default_grouped_matmul() if grouped_matmul_impl == "auto" else grouped_matmul_impl) != "loop":
+  cast = functools.partial(_as, dt=dt, cast=opts.cast_to)
+  impl = knobs.grouped_matmul
+  gmm = functools.partial(grouped_matmul, impl=impl, block_rows=opts.block_rows)
+  if (default_grouped_matmul() if impl == "auto" else impl) != "loop":
     # Only the expert loop reads a StackRow in place; the others take the row sliced out.
     gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))
   # Kernels left in their stacks (StackRow, read by the expert loop) skip the barrier: their cotangents are
   # stack-shaped pads that XLA fuses across layers into one pass, which a barrier on each would block.
-  if grad_barrier and not any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)):
+  if opts.grad_barrier and not any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)):
     # On the grouped matmuls' input rows and kernels: the rows' cotangent enters the barrier before
     # the gather's scatter-add, so XLA may still fold other gradients of x into that scatter (as
     # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
@@ -203,16 +193,16 @@ def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD
     xs_AD, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs_AD, kernels)
   # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
   with jax.named_scope("experts"):
-    if fused_gate_up:
+    if opts.fused_gate_up:
       with jax.named_scope("gate_up"):
         h = gmm(xs_AD, (cast(gate_EDF), cast(up_EDF)), sizes_E)  # [A, 2F]
-      a = fused_glu(activation, h)
+      a = fused_glu(opts.activation, h)
     else:
       with jax.named_scope("gate"):
         g = checkpoint_name(gmm(xs_AD, cast(gate_EDF), sizes_E), "moe_gate")
       with jax.named_scope("up"):
         u = checkpoint_name(gmm(xs_AD, cast(up_EDF), sizes_E), "moe_up")
-      a = activation(g) * u
+      a = opts.activation(g) * u
     with jax.named_scope("down"):
       return gmm(a, cast(down_EFD), sizes_E)  # [A, D]
 
@@ -241,12 +231,9 @@ def combine(y_flat_AD: jax.Array, w_Mk: jax.Array) -> jax.Array:
   return y.astype(y_flat_AD.dtype)
 
 
-def _as(w, dt, kernel_cast: str = "convert"):
-  """w in dtype dt: "convert" w.astype(dt), "bits" cast_bits where it applies (float32 to bfloat16); a StackRow of
-  that dtype stays in its stack (a cast would copy its row anyway)."""
+def _as(w, dt, cast):
+  """w in dtype dt by cast(w, dt) (the layer's rule, Context.cast in a model); a StackRow of that dtype stays in its
+  stack (a cast would copy its row anyway)."""
   if is_row(w) and w.dtype == dt:
     return w
-  w = materialize(w)
-  if kernel_cast == "bits" and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
-    return cast_bits(w)
-  return w.astype(dt)
+  return cast(materialize(w), dt)
