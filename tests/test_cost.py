@@ -27,6 +27,7 @@ def splash_program():
   import jax.numpy as jnp
 
   from meshlm.nn import splash_attention as SPA
+  from meshlm.nn.splash_rule import Blocks
   from meshlm.parallel import topology as TP
   mesh = jax.sharding.Mesh(TP.devices(TP.parse("v5p:1x1x1"))[:1], ("x",))
 
@@ -34,8 +35,8 @@ def splash_program():
   # two-kernel backward at block 512, not the defaults (block 1024, whose one block would keep every pair, and the
   # fused backward there, whose one kernel cost.py counts as dkv_fused).
   def loss(q, k, v):
-    return jnp.sum(SPA.splash_attention(q, k, v, scale=HD ** -0.5, block=512, backward="split",
-                                        interpret=False).astype(jnp.float32))
+    blocks = Blocks(512, 512, 512, 512, 512, 512, 512, 512, length=T)
+    return jnp.sum(SPA.splash_attention(q, k, v, scale=HD ** -0.5, blocks=blocks, interpret=False).astype(jnp.float32))
   S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(  # noqa: E731
       mesh, jax.sharding.PartitionSpec()))
   with jax.set_mesh(mesh):
