@@ -1,9 +1,11 @@
 """The config schema: one pydantic tree, validated before anything compiles."""
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from meshlm.config.kernel_keys import SplashBlock, splash_refusal
 
 
 class _Strict(BaseModel):
@@ -467,25 +469,6 @@ class RLConfig(_Strict):
       raise ValueError(f"rl.sampler_is_min={self.sampler_is_min} bounds the sampler_is weight, and rl.sampler_is "
                        "is none; set rl.sampler_is (token_truncate, token_mask, sequence_truncate, sequence_mask)")
     return self
-
-
-def _splash_block(v):
-  if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 128 or v % 128):
-    raise ValueError(f"{v!r}: expected auto or a multiple of 128 (the kernel's lanes)")
-  return v
-
-
-# A splash block key: auto or a multiple of 128.
-SplashBlock = Annotated[Union[Literal["auto"], int], AfterValidator(_splash_block)]
-
-
-def splash_refusal(attention_impl: str, context: int) -> str | None:
-  """The refusal of the splash core over mesh.context > 1, or None: the config's check, and nn/attention's for a
-  mesh of context shards that a config did not ask for (a jax.set_mesh around meshlm.forward)."""
-  if attention_impl == "splash" and context > 1:
-    return (f"attention_impl=splash with mesh.context={context}: the splash kernel does not split the sequence over "
-            "mesh.context; use attention_impl=flash (or auto)")
-  return None
 
 
 class Config(_Strict):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
-from meshlm.config.schema import splash_refusal
+from meshlm.config.kernel_keys import splash_refusal
 from meshlm.errors import ConfigError
 from meshlm.nn.flash_attention import flash_attention
 from meshlm.nn.ring_attention import ring_attention
