@@ -146,6 +146,13 @@ SETS: dict[str, list[Row]] = {
                       "offload_dot_with_no_batch_dims"),)),
         Row("qwen3-0.6b-b8-full-unscanned", QWEN3_06B + (_b(8), "remat=full", "scan_layers=false")),
     ],
+    # The GDN hybrid with the Pallas kernels (issue 60 item 2: gdn_impl=auto is pallas on TPU), against the pure-JAX
+    # rule at batch 2 (v5e-probe's gdn-0.6b-b2-full before the kernel: 750 ms a step, 12.1% MFU).
+    "v5e-gdn": [
+        Row("gdn-0.6b-b4-full", GDN_06B + (_b(4), "remat=full")),
+        Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
+        Row("gdn-0.6b-b2-full-jax", GDN_06B + (_b(2), "remat=full", "gdn_impl=jax")),
+    ],
 }
 
 
