@@ -8,8 +8,8 @@ checks that each arm runs), and the kernels' outputs and gradients against the J
 A case is the hybrid's GDN layer at qwen3-0.6b widths (benchmarks/chip.py GDN_06B: K = N = 16 heads, H = J = 128,
 seq 2048) at a batch, with the inputs as the mixer passes them: q and k float32 (L2-normalized, q scaled), v
 bfloat16, g and beta float32, and two packed documents a row (segment ids). An arm is an implementation and its
-chunk: jax64 (nn/gdn.gated_delta_rule_chunked, chunk 64: the default), jax128, pallas64 (nn/gdn_pallas, chunk 64:
-the default), pallas128. Each (case, arm, phase): one compile, a warm-up call, then the median of --reps calls (each
+chunk: jax64 (nn/gdn.gated_delta_rule_chunked, chunk 64: the default), jax128, pallas64 (nn/gdn_pallas, chunk 64,
+8 value heads a grid step: the defaults), pallas128, pallas64-h4 and pallas64-h16 (4 and 16 heads a step). Each (case, arm, phase): one compile, a warm-up call, then the median of --reps calls (each
 to block_until_ready) and their spread (max - min over the median). One JSON line per result, appended to --out as
 soon as it is done; then, per case, one "check" line: the largest |pallas - jax| over max |jax| of o, the final
 state and each gradient (chunk 64 both; bf16 products in the kernel, float32 at HIGHEST in the JAX rule), and a
@@ -39,7 +39,9 @@ class Case:
 
 CASES = [Case("b2-s2048", 2, 2048, 16, 16, 128, 128), Case("b4-s2048", 4, 2048, 16, 16, 128, 128),
          Case("tiny", 1, 96, 1, 2, 16, 16)]
-ARMS = {"jax64": ("jax", 64), "jax128": ("jax", 128), "pallas64": ("pallas", 64), "pallas128": ("pallas", 128)}
+# arm: (impl, chunk, value heads per grid step of the kernel: gated_delta_rule_pallas's heads_per_step)
+ARMS = {"jax64": ("jax", 64, None), "jax128": ("jax", 128, None), "pallas64": ("pallas", 64, 8),
+        "pallas128": ("pallas", 128, 8), "pallas64-h4": ("pallas", 64, 4), "pallas64-h16": ("pallas", 64, 16)}
 NAMES = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta")
 
 
@@ -61,17 +63,17 @@ def inputs(c: Case):
   return (q, k, v, g, beta, seg), (do, dS)
 
 
-def rule(impl: str, chunk: int):
+def rule(impl: str, chunk: int, heads: int | None):
   from meshlm.nn import gdn, gdn_pallas
   if impl == "jax":
     return functools.partial(gdn.gated_delta_rule_chunked, chunk_size=chunk)
-  return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=chunk)
+  return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=chunk, heads_per_step=heads)
 
 
-def programs(impl: str, chunk: int):
+def programs(impl: str, chunk: int, heads: int | None):
   """(jit forward, jit forward + backward) of (q, k, v, g, beta, seg[, do, dS])."""
   import jax
-  fn = rule(impl, chunk)
+  fn = rule(impl, chunk, heads)
 
   def fwd(q, k, v, g, beta, seg):
     return fn(q, k, v, g, beta, segment_ids_BT=seg)
@@ -129,12 +131,13 @@ def run(cases, arms, reps: int, deadline: float, out_path: str | None, log=print
     args, cots = inputs(c)
     results = {}  # arm -> fwd+bwd output, for the check
     for arm in arms:
-      impl, chunk = ARMS[arm]
-      fwd, fwd_bwd = programs(impl, chunk)
+      impl, chunk, heads = ARMS[arm]
+      fwd, fwd_bwd = programs(impl, chunk, heads)
       for phase, fn, a in (("forward", fwd, args), ("forward+backward", fwd_bwd, (*args, *cots))):
         if time.perf_counter() > t_end:
           break
-        rec = {"kind": phase, "case": c.name, **dataclasses.asdict(c), "arm": arm, "impl": impl, "chunk": chunk}
+        rec = {"kind": phase, "case": c.name, **dataclasses.asdict(c), "arm": arm, "impl": impl, "chunk": chunk,
+               "heads_per_step": heads}
         try:
           rec["compile_s"], rec["s"], rec["spread"], result = timed(fn, a, reps)
           if phase == "forward+backward":
@@ -154,7 +157,8 @@ def table(records: list[dict]) -> str:
   lines = []
   for name in dict.fromkeys(r["case"] for r in records if "case" in r):
     rs = [r for r in records if r.get("case") == name and r["kind"] != "check"]
-    lines += ["", f"**{name}**", "", "| arm | forward ms (spread) | forward+backward ms (spread) |", "| --- | --- | --- |"]
+    lines += ["", f"**{name}**", "", "| arm | forward ms (spread) | forward+backward ms (spread) |",
+              "| --- | --- | --- |"]
     for arm in dict.fromkeys(r["arm"] for r in rs):
       cells = []
       for phase in ("forward", "forward+backward"):
@@ -171,7 +175,8 @@ def table(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--cases", default="b2-s2048,b4-s2048", help=f"comma-separated, of: {', '.join(c.name for c in CASES)}")
+  ap.add_argument("--cases", default="b2-s2048,b4-s2048",
+                  help=f"comma-separated, of: {', '.join(c.name for c in CASES)}")
   ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--deadline", type=float, default=1e9, help="seconds; no new result starts after it")
