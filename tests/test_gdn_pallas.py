@@ -26,7 +26,7 @@ from test_gdn import rel_err, rule_inputs
 
 # Float32, max |kernel - reference| / max |reference| per array (o, final state, dq, dk, dv, dg, dbeta, d initial
 # state): the chunks sum in another order than the recurrence (and the inverse is another algorithm than the chunked
-# rule's). Measured at most 6e-7 over the cases below; dropping the resets moves o alone by 0.1 or more.
+# rule's). Measured at most 7.5e-7 over the cases below; dropping the resets moves o alone by 0.1 or more.
 KERNEL_RTOL = 5e-6
 # bfloat16 inputs: every product on bf16 operands (the state and the float32 terms rounded as they enter one), against
 # the recurrence in float32 on the same (bf16) inputs. Measured at most 6.7e-3 (o, itself rounded to bf16); the float32
@@ -55,9 +55,13 @@ def packed_ids(T: int) -> jax.Array:
 
 
 def case_inputs(case: str):
-  """(q, k, v, g, beta, initial state), cotangents (o, final state), segment ids: in the case's dtype (q, k, v)."""
+  """(q, k, v, g, beta, initial state), cotangents (o, final state), segment ids: in the case's dtype (q, k, v).
+  Row 0's positions 10 to 13 neither decay nor write (g = beta = 0: a right-padded prompt's tail in prefill)."""
   T, _, K, N, dtype, packed, _, _ = CASES[case]
   (q, k, v, g, beta, s0), cots = rule_inputs(T, k_heads=K, n=N)
+  g, beta = np.array(g), np.array(beta)  # in numpy: an eager jnp update would compile a program per shape
+  g[0, 10:14], beta[0, 10:14] = 0.0, 0.0
+  g, beta = jnp.asarray(g), jnp.asarray(beta)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   return (q, k, v, g, beta, s0), (cots[0].astype(dtype), cots[1]), packed_ids(T) if packed else None
 

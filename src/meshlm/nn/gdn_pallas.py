@@ -58,8 +58,9 @@ the state are float32 throughout (the inverse's products as above).
 Under a mesh the Mosaic call cannot be partitioned by XLA: it runs in a shard_map over the current mesh, the rows
 split as the batch's logical axis and the heads and the sequence whole (each device runs its own rows).
 
-On TPU the kernel needs H and J to be multiples of 128 (or K = 1, N = 1: the block then spans the array) and a chunk
-of at least 8 positions (`fits`); off TPU it runs in Pallas interpret mode (slow: tests and toys).
+On TPU the kernel needs a tile of at most MAX_HEADS_PER_STEP value heads whose q/k and v/o blocks are whole 128-lane
+tiles (or every head) and a chunk of a multiple of 16 positions (`fits`); off TPU it runs in Pallas interpret mode
+(slow: tests and toys).
 """
 from __future__ import annotations
 
