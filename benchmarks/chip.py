@@ -253,13 +253,21 @@ def train_row(row: Row, steps: int, warmup: int, profile_dir: str | None = None)
           "tokens_per_s": tokens / step_s, "tokens_per_s_back_to_back": tokens / back_to_back,
           "model_flops_per_token": model_flops_per_token(cfg), "memory": _memory(arm.compiled),
           "losses": losses, "steps_timed": steps, "warmup": warmup,
-          "resolved": {"attention_impl": _resolved_attention(cfg), "loss": _resolved_loss(cfg, runner)}}
+          "resolved": {"attention_impl": _resolved_attention(cfg), "loss": _resolved_loss(cfg, runner),
+                       **_resolved_parts(cfg)}}
 
 
 def _resolved_attention(cfg) -> str:
   import jax
   from meshlm.nn.attention import resolve_impl
   return resolve_impl(cfg.attention_impl, cfg.train.seq_len, jax.devices()[0].platform, cfg.mesh.context)
+
+
+def _resolved_parts(cfg) -> dict:
+  """What the model's parts report they run (Instrument.report: the GDN hybrids' gdn_impl)."""
+  import jax
+  from meshlm.models.registry import part_reports
+  return part_reports(cfg, jax.devices()[0].platform)
 
 
 def _resolved_loss(cfg, runner) -> str:
