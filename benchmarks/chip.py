@@ -199,6 +199,13 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-b8-none-2l", QWEN3_06B + (_b(8), "remat=none", "model.num_layers=2")),
         Row("qwen3-0.6b-b8-full-unscanned", QWEN3_06B + (_b(8), "remat=full", "scan_layers=false")),
     ],
+    # The GDN hybrid with the Pallas kernels (issue 60 item 2: gdn_impl=auto is pallas on TPU), against the pure-JAX
+    # rule at batch 2 (v5e-probe's gdn-0.6b-b2-full before the kernel: 750 ms a step, 12.1% MFU).
+    "v5e-gdn": [
+        Row("gdn-0.6b-b4-full", GDN_06B + (_b(4), "remat=full")),
+        Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
+        Row("gdn-0.6b-b2-full-jax", GDN_06B + (_b(2), "remat=full", "gdn_impl=jax")),
+    ],
 }
 
 
@@ -299,7 +306,7 @@ def train_row(row: Row, steps: int, warmup: int, profile_dir: str | None = None)
           "tokens_per_s": tokens / step_s, "tokens_per_s_back_to_back": tokens / back_to_back,
           "model_flops_per_token": model_flops_per_token(cfg), "memory": _memory(arm.compiled),
           "losses": losses, "steps_timed": steps, "warmup": warmup,
-          "resolved": {**_resolved_attention(cfg), "loss": _resolved_loss(cfg, runner)}}
+          "resolved": {**_resolved_attention(cfg), "loss": _resolved_loss(cfg, runner), **_resolved_parts(cfg)}}
 
 
 def _resolved_attention(cfg) -> dict:
@@ -308,6 +315,13 @@ def _resolved_attention(cfg) -> dict:
   from meshlm.analysis.census import attention_record
   d = jax.devices()[0]
   return attention_record(cfg, d.platform, d.device_kind).summary()
+
+
+def _resolved_parts(cfg) -> dict:
+  """What the model's parts report they run (Instrument.report: the GDN hybrids' gdn_impl)."""
+  import jax
+  from meshlm.models.registry import part_reports
+  return part_reports(cfg, jax.devices()[0].platform)
 
 
 def _resolved_loss(cfg, runner) -> str:

@@ -21,9 +21,9 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   ragged dot kernel (`jax.lax.ragged_dot` there, the MoE grouped matmul's `ragged`): 2 M K N, each row against one
   group's kernel, every row of the buffer counted (the rows past the groups' sizes too: an upper figure, named in
   `estimated`). And the Gated DeltaNet kernels (nn/gdn_pallas.py, `gdn_chunk_{fwd,bwd}`): per (row, value head,
-  chunk of W positions) their matmuls, from q [B, T, K H], v [B, T, N J] and g [B, K, G, U, W] (`gdn_flops`). And the
-  decode attention kernel (nn/decode_attention.py, `decode_attention...`): each query row against every slot of its
-  layer's cache, 2 C (H + Hv), an upper figure (it computes each row's filled blocks).
+  chunk of W positions) their matmuls, from v [B, T, N J], g [B, N, U, W] and a state [B, N, H, J] (`gdn_flops`). And
+  the decode attention kernel (nn/decode_attention.py, `decode_attention...`): each query row against every slot of
+  its layer's cache, 2 C (H + Hv), an upper figure (it computes each row's filled blocks).
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
   buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
   layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
@@ -282,22 +282,26 @@ _GDN_PRODUCTS = {"fwd": (3, 2, 3), "bwd": (9, 5, 7)}
 
 def gdn_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
   """FLOPs of one run of a Gated DeltaNet kernel's custom call, or None for any other instruction. Its operands
-  start q [B, Tp, K H], k, v [B, Tp, N J], g [B, K, G, U, W]; per (row, value head, chunk) the products of
-  _GDN_PRODUCTS, and the forward's inverse of I + A, 2 (log2 W - 1) products of [W, W] x [W, W]."""
+  start q [B, Tp, K H], k, v [B, Tp, N J], g [B, N, U, W] and hold a state [B, N, H, J] (the forward's eighth, the
+  backward's eleventh); per (row, value head, chunk) the products of _GDN_PRODUCTS, and the forward's inverse of
+  I + A, 2 (log2 W - 1) products of [W, W] x [W, W]."""
   kind = _GDN.match(ins.name)
   if ins.opcode != "custom-call" or kind is None:
     return None
   ops = _operand_arrays(mod, ins)
-  if len(ops) < 4 or any(a is None for a in ops[:4]) or len(ops[3].shape) != 5:
+  state = 7 if kind.group(1) == "fwd" else 10
+  if len(ops) <= state or any(ops[i] is None for i in (0, 2, 3, state)) or len(ops[3].shape) != 4:
     return None
-  q, v, g = ops[0], ops[2], ops[3]
-  B, K, G, U, W = g.shape
-  H, J = q.shape[-1] // K, v.shape[-1] // (K * G)
+  v, g = ops[2], ops[3]
+  B, N, U, W = g.shape
+  H, J = ops[state].shape[-2:]
+  if v.shape[-1] != N * J:
+    return None
   ww_h, ww_j, wh_j = _GDN_PRODUCTS[kind.group(1)]
   per_chunk = 2.0 * (ww_h * W * W * H + ww_j * W * W * J + wh_j * W * H * J)
   if kind.group(1) == "fwd":
     per_chunk += 2.0 * 2 * max(int(math.log2(W)) - 1, 0) * W ** 3
-  return B * K * G * U * per_chunk
+  return B * N * U * per_chunk
 
 
 def _decode_attention(mod: H.HloModule, ins: H.Instr) -> tuple[list, list] | None:

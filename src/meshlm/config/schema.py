@@ -512,7 +512,7 @@ class Config(_Strict):
   gdn_impl: Literal["auto", "jax", "pallas"] = Field(
       default="auto", description="the Gated DeltaNet chunked rule of training and prefill: jax (nn/gdn.py, the "
       "reference), pallas (the TPU Pallas kernels, nn/gdn_pallas.py; Pallas interpret mode off TPU, slow); auto: "
-      "pallas on TPU where the kernel takes the head dims, else jax. mesh.context > 1 trains with the JAX rule")
+      "pallas on TPU where the kernel takes the heads and chunk, else jax. mesh.context > 1 trains with the JAX rule")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "
