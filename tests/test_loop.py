@@ -426,13 +426,13 @@ def _declared_rows() -> list[set[str]]:
 
 def test_the_readme_resume_table_and_help_are_the_declaration():
   """The README's table lists config/resume.py's rows in order and, last, every part section's COMPUTE knobs
-  (all 6 of moe's); `meshlm train --help` and `meshlm rl --help` mark exactly those keys; docs/config.md states no key's resumability
-  (it points to the table). Control: the README as it was, with 3 of moe's 6 knobs in prose, fails."""
+  (all 7 of moe's); `meshlm train --help` and `meshlm rl --help` mark exactly those keys; docs/config.md states no key's resumability
+  (it points to the table). Control: the README as it was, with 3 of moe's 7 knobs in prose, fails."""
   from meshlm.cli import command_help
   readme = (ROOT / "README.md").read_text()
   want = _declared_rows()
   assert _resume_rows(readme) == want
-  assert any("ep_buffer_factor" in k for k in want[-1]) and len([k for k in want[-1] if ".moe." in k]) == 6
+  assert any("ep_buffer_factor" in k for k in want[-1]) and len([k for k in want[-1] if ".moe." in k]) == 7
   old = readme.replace(", `model.parts.moe.ep_impl`, `model.parts.moe.ep_buffer_factor`"
                        ", `model.parts.moe.grad_reduce_barrier`", "")
   assert old != readme and _resume_rows(old) != want

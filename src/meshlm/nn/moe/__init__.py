@@ -13,7 +13,7 @@ drops the rows past it and counts them:
 
 The files, by concern:
 - routing.py: the router's top-k (softmax, DeepSeek-V3's group-limited sigmoid), the bias rule, aux losses.
-- gmm.py: the grouped matmul (loop, blocks, ragged) and its custom backwards.
+- gmm.py: the grouped matmul (loop, blocks, ragged, megablox) and its custom backwards.
 - dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
 - expert_parallel.py: the dispatch with the experts sharded over ep devices (the group's tokens gathered, or compact:
   only the routed rows moved by all-to-all in bounded buffers, the overflow dropped and counted).

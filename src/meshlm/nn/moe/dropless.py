@@ -148,7 +148,7 @@ def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.
   perm, sizes, local = sort_slots(ids_Mk.reshape(-1), down_EFD.shape[0], expert_offset)  # slot j: token j // k
   with jax.named_scope("gather"):
     xs = x_MD[perm // k]  # [A, D]
-  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, knobs, opts)
+  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, knobs, opts, rest=expert_offset is not None)
   return combine(unsort_rows(ys, perm, opts.unsort_impl, local), w_Mk), jnp.zeros((), jnp.int32)
 
 
@@ -170,14 +170,16 @@ def sort_slots(flat_A: jax.Array, E: int, expert_offset: jax.Array | None = None
   return perm, sizes, local
 
 
-def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, knobs, opts) -> jax.Array:
+def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, knobs, opts,
+                rest: bool = False) -> jax.Array:
   """The per-row expert work: ys [A, D] = glu_{e_j}(xs[j]) over rows sorted by expert (sizes_E rows each; rows
-  past the groups are not computed), with the expert grad barrier on the rows and the kernels; knobs, opts:
-  dispatch's."""
+  past the groups, which exist only with rest (expert parallelism's), are zeros), with the expert grad barrier on the
+  rows and the kernels; knobs, opts: dispatch's."""
   dt = xs_AD.dtype
   cast = functools.partial(_as, dt=dt, cast=opts.cast_to)
   impl = knobs.grouped_matmul
-  gmm = functools.partial(grouped_matmul, impl=impl, block_rows=opts.block_rows)
+  gmm = functools.partial(grouped_matmul, impl=impl, block_rows=opts.block_rows, tiling=knobs.megablox_tiling,
+                          rest=rest)
   if (default_grouped_matmul() if impl == "auto" else impl) != "loop":
     # Only the expert loop reads a StackRow in place; the others take the row sliced out.
     gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))

@@ -179,7 +179,7 @@ def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, knobs, opts, ep_a
     xs = x_recv[perm_r]  # [ep * C, D]
   # About M * k rows are real when the routing is balanced: size the blocks from that, not from the buffer.
   opts = dataclasses.replace(opts, block_rows=opts.block_rows or default_block_rows(M * k, E_l))
-  ys = dropless.expert_rows(xs, sizes, gate, up, down, knobs, opts)
+  ys = dropless.expert_rows(xs, sizes, gate, up, down, knobs, opts, rest=True)  # the empty buffer rows
   y_recv = dropless.unsort_rows(ys, perm_r, opts.unsort_impl, local)  # [ep * C, D]
   with jax.named_scope("all_to_all"):
     y_back = jax.lax.all_to_all(y_recv.reshape(ep, C, D), ep_axes, 0, 0, tiled=True).reshape(ep * C, D)
