@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from meshlm.config import load_config
 from meshlm.nn import moe
-from meshlm.nn.moe import dropless, gmm
+from meshlm.nn.moe import dropless, gmm, rows
 from meshlm.nn.dense import dense
 from meshlm.nn.moe_reference import moe_mlp_reference
 from meshlm.parallel.mesh import make_mesh
@@ -146,7 +146,7 @@ def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
 def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
   # Negative control: unsorting by perm itself instead of its inverse must not pass.
   x, p, refs = uneven
-  monkeypatch.setattr(dropless, "inverse_permutation", lambda perm: perm)
+  monkeypatch.setattr(rows, "inverse_permutation", lambda perm: perm)
   diffs = _max_rel_diffs(_dropless(True)(p, x), refs[True])
   assert diffs["y"] > 1e-2
 
