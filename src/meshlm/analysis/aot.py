@@ -235,8 +235,8 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
     out.append(f"custom calls: {len(splash)} splash kernels' skipped blocks taken as the causal triangle (their "
                "block mask too large for the HLO text to print)")
   if len(splash) < len(guessed_calls):
-    out.append(f"custom calls: {len(guessed_calls) - len(splash)} ragged dot kernels count every row of their buffer "
-               "(rows past the groups' sizes too: a compact dispatch's padding)")
+    out.append(f"custom calls: {len(guessed_calls) - len(splash)} grouped matmul kernels (ragged dot, megablox) count "
+               "every row of their buffer (rows past the groups' sizes too: a compact dispatch's padding)")
   if unread:
     out.append(f"loops: {sum(u['runs'] for u in unread)} loop starts per step whose trip count was not read count "
                "their body once (unread_loops)")
