@@ -206,6 +206,26 @@ SETS: dict[str, list[Row]] = {
         Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
         Row("gdn-0.6b-b2-full-jax", GDN_06B + (_b(2), "remat=full", "gdn_impl=jax")),
     ],
+    # MoE at the speed of its FLOPs (issue 60 item 4, docs/moe.md): the MoE twin against its dense twin with the
+    # default grouped matmul (megablox on TPU) and with ragged_dot, megablox at another tiling; deepseek-v3-small and a
+    # mixtral-shaped model (embed 1024, 8 layers, 8 experts top-2 of 2,048), each beside its ragged_dot arm.
+    "v5e-moe": [
+        Row("dense12-b8-full", DENSE_12 + (_b(8), "remat=full")),
+        Row("moe12-b8-full", MOE_12 + (_b(8), "remat=full")),
+        Row("moe12-b8-full-ragged", MOE_12 + (_b(8), "remat=full", "model.parts.moe.grouped_matmul=ragged")),
+        Row("moe12-b8-full-mb1024x512", MOE_12 + (_b(8), "remat=full",
+                                                  "model.parts.moe.megablox_tiling=[1024,512,1024]")),
+        *(Row(f"dsv3-small-b8-full{arm}", ("model=deepseek-v3-small", "train.compute_dtype=bfloat16",
+                                           "train.seq_len=2048", "train.sample_tokens=0", _b(8), "remat=full", *keys))
+          for arm, keys in (("", ()), ("-ragged", ("model.parts.moe.grouped_matmul=ragged",)))),
+        *(Row(f"mixtral-shaped-b4-full{arm}", (
+            "model=mixtral-tiny", "model.vocab_size=32000", "model.embed_dim=1024", "model.num_layers=8",
+            "model.num_heads=16", "model.num_kv_heads=8", "model.head_dim=64", "model.parts.moe.num_experts=8",
+            "model.parts.moe.num_experts_per_tok=2", "model.parts.moe.mlp_dim=2048", "model.sliding_window=null",
+            "model.max_position=4096", "scan_layers=true", "train.compute_dtype=bfloat16", "train.seq_len=2048",
+            "train.sample_tokens=0", _b(4), "remat=full", *keys))
+          for arm, keys in (("", ()), ("-ragged", ("model.parts.moe.grouped_matmul=ragged",)))),
+    ],
 }
 
 

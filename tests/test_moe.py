@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from meshlm.config import load_config
 from meshlm.nn import moe
-from meshlm.nn.moe import dropless, gmm
+from meshlm.nn.moe import dropless, gmm, rows
 from meshlm.nn.dense import dense
 from meshlm.nn.moe_reference import moe_mlp_reference
 from meshlm.parallel.mesh import make_mesh
@@ -111,6 +111,7 @@ DROPLESS_ARMS = {
     "blocks": dict(grouped_matmul="blocks"),
     "blocks-b4-split-argsort": dict(grouped_matmul="blocks", block_rows=4, fused_gate_up=False, unsort_impl="argsort"),
     "ragged": dict(grouped_matmul="ragged"),
+    "megablox": dict(grouped_matmul="megablox"),  # Pallas interpret mode on CPU
 }
 
 
@@ -145,14 +146,14 @@ def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
 def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
   # Negative control: unsorting by perm itself instead of its inverse must not pass.
   x, p, refs = uneven
-  monkeypatch.setattr(dropless, "inverse_permutation", lambda perm: perm)
+  monkeypatch.setattr(rows, "inverse_permutation", lambda perm: perm)
   diffs = _max_rel_diffs(_dropless(True)(p, x), refs[True])
   assert diffs["y"] > 1e-2
 
 
 # loop with block_rows=b: blocks of b rows, then of b // 4 (the last may run past its group's end).
 @pytest.mark.parametrize("impl,block_rows", [("loop", None), ("loop", 4), ("loop", 8), ("blocks", 4), ("blocks", 16),
-                                             ("ragged", None)])
+                                             ("ragged", None), ("megablox", None)])
 def test_grouped_matmul_matches_numpy(impl, block_rows):
   rng = np.random.default_rng(1)
   sizes = np.array([0, 11, 0, 1, 5, 0], np.int32)  # empty groups first, in between and last
@@ -525,8 +526,8 @@ def test_the_parts_section_reaches_the_layer_itself(monkeypatch):
 
 
 def test_auto_grouped_matmul_follows_the_programs_platform_not_the_hosts():
-  """meshlm compile traces a TPU topology's program on a CPU host: auto builds ragged_dot there, as the TPU run does
-  (the host's default backend would pick the CPU's loop). Control: a CPU mesh keeps the loop."""
+  """meshlm compile traces a TPU topology's program on a CPU host: auto builds megablox there (a pallas_call), as the TPU
+  run does (the host's default backend would pick the CPU's loop). Control: a CPU mesh keeps the loop."""
   from meshlm.parallel import topology as TP
   xs, w, sizes = jnp.ones((16, 8)), jnp.ones((4, 8, 8)), jnp.array([4, 4, 4, 4])
   built = {}
@@ -534,5 +535,5 @@ def test_auto_grouped_matmul_follows_the_programs_platform_not_the_hosts():
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("fsdp",))
     with jax.set_mesh(mesh):
       jaxpr = str(jax.make_jaxpr(lambda a, b, c: gmm.grouped_matmul(a, b, c))(xs, w, sizes))
-      built[name] = (gmm.default_grouped_matmul(), "ragged_dot" in jaxpr)
-  assert built == {"tpu": ("ragged", True), "cpu": ("loop", False)}
+      built[name] = (gmm.default_grouped_matmul(), "pallas_call" in jaxpr)
+  assert built == {"tpu": ("megablox", True), "cpu": ("loop", False)}

@@ -239,7 +239,7 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
     out.append(f"custom calls: {len(decode)} decode attention kernels count every slot of their layer's cache (they "
                "read each row's filled blocks, a runtime count)")
   if len(splash) + len(decode) < len(guessed_calls):
-    out.append(f"custom calls: {len(guessed_calls) - len(splash) - len(decode)} ragged dot kernels count every row of "
+    out.append(f"custom calls: {len(guessed_calls) - len(splash) - len(decode)} grouped matmul kernels (ragged dot, megablox) count every row of "
                "their buffer (rows past the groups' sizes too: a compact dispatch's padding)")
   if unread:
     out.append(f"loops: {sum(u['runs'] for u in unread)} loop starts per step whose trip count was not read count "

@@ -254,13 +254,18 @@ def splash_flops(mod: H.HloModule, ins: H.Instr) -> tuple[float, bool] | None:
   return 2.0 * units * T * S * share * (a * H + b * Hv), estimated
 
 
+# The grouped matmul kernels counted as ragged dots: XLA:TPU's (`jax.lax.ragged_dot`) by name, and megablox's Pallas
+# `gmm` and `tgmm` (the MoE grouped matmul's `megablox`) by the call site their op name records.
+_GROUPED = re.compile(r"jit\(t?gmm\)\)*/pallas_call")
+
+
 def ragged_dot_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
-  """FLOPs of one run of XLA:TPU's ragged dot kernel (a `tpu_custom_call` named ragged-dot..., what
-  `jax.lax.ragged_dot` lowers to there), or None for any other instruction. Each row meets one group's kernel:
-  2 M K N, whichever dim is ragged. The forward and dx ([M, K] x [G, K, N] -> [M, N]) and dW ([K, M] x [M, N] ->
-  [G, K, N]) alike: the product of the two operands' and the result's elements over G is (M K N)^2, G being the
-  leading dim of the one rank-3 array among them."""
-  if ins.opcode != "custom-call" or not ins.name.startswith("ragged-dot"):
+  """FLOPs of one run of a grouped matmul kernel: XLA:TPU's ragged dot (a `tpu_custom_call` named ragged-dot..., what
+  `jax.lax.ragged_dot` lowers to there) or megablox's gmm / tgmm (a Pallas call from jit(gmm) or jit(tgmm)); None for
+  any other instruction. Each row meets one group's kernel: 2 M K N, whichever dim is ragged. The forward and dx
+  ([M, K] x [G, K, N] -> [M, N]) and dW ([K, M] x [M, N] -> [G, K, N]) alike: the product of the two float operands'
+  and the result's elements over G is (M K N)^2, G being the leading dim of the one rank-3 array among them."""
+  if ins.opcode != "custom-call" or not (ins.name.startswith("ragged-dot") or _GROUPED.search(ins.op_name or "")):
     return None
   floats = [a for a in _operand_arrays(mod, ins) if a is not None and a.dtype in _FLOAT and len(a.shape) >= 2]
   out = [a for a in ins.result if a.dtype in _FLOAT]

@@ -73,8 +73,8 @@ class MoEConfig(pydantic.BaseModel):
   """The moe part's own knobs: model.parts.moe.<knob> (their old flat keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
-                                         "grad_reduce_barrier", "decode_kernels")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "megablox_tiling", "kernel_fsdp", "ep_impl",
+                                         "ep_buffer_factor", "grad_reduce_barrier", "decode_kernels")
   num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -92,10 +92,17 @@ class MoEConfig(pydantic.BaseModel):
   impl: Literal["dropless", "reference"] = Field(
       default="dropless", description="dispatch: dropless (sorted, grouped matmuls; under ep_impl=compact with "
       "ep_buffer_factor set, the rows past its buffers drop) or reference (every expert on every token, masked)")
-  grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
+  grouped_matmul: Literal["auto", "loop", "blocks", "ragged", "megablox"] = Field(
       default="auto", description="the experts' grouped matmul (nn/moe/gmm.py): loop (a scan over the experts, rows "
-      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
-      "loop on CPU, ragged elsewhere")
+      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot), megablox "
+      "(JAX's Pallas TPU grouped matmul; interpret mode off TPU, slow); auto: loop on CPU, megablox on TPU, ragged "
+      "elsewhere")
+  # megablox's tiles, [tm, tk, tn] (rows, contraction, output columns), for its forward and, clamped to each problem,
+  # its two backward calls; null: gmm.megablox_tiling's rule (from the measured best, fitted to the chip's VMEM).
+  megablox_tiling: Optional[tuple[int, int, int]] = Field(
+      default=None, description="grouped_matmul=megablox's tiles [tm, tk, tn] (tm a multiple of 8, tk and tn of "
+      "128), each clamped to the problem; too large for the chip's VMEM fails the compile; null: the auto rule (512, "
+      "1024, 1024 halved until the tiles fit the chip's scoped VMEM)")
   # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe/layer.py moe_spec):
   # "experts" moves tokens to the experts (expert-parallel dispatch over fsdp and expert; no kernel gathered),
   # "embed" and "mlp" gather the kernels whole in each layer. null: decided for the run by layout_for.
@@ -159,6 +166,14 @@ class MoEConfig(pydantic.BaseModel):
   @classmethod
   def _drop_retired(cls, data):
     return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
+
+  @pydantic.field_validator("megablox_tiling")
+  @classmethod
+  def _whole_tiles(cls, tiling):
+    if tiling is not None and (tiling[0] <= 0 or tiling[0] % 8 or any(t <= 0 or t % 128 for t in tiling[1:])):
+      raise ValueError(f"{list(tiling)}: tm must be a positive multiple of 8 and tk, tn of 128 (the TPU's (8, 128) "
+                       "tiles); or null for the auto rule")
+    return tiling
 
   @pydantic.field_validator("ep_buffer_factor")
   @classmethod

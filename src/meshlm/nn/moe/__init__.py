@@ -6,15 +6,18 @@ except the compact expert-parallel form with a bounded buffer (ep_buffer_factor:
 drops the rows past it and counts them:
 
   route:     logits = x @ router (float32, through the dense primitive) -> softmax -> top-k
-  sort:      perm = argsort(expert id of each of the M*k (token, slot) pairs)      # the only sort
-  gather:    xs[j] = x[perm[j] // k]                                               # [A, D], A = M*k
+  sort:      perm = argsort(expert id of each of the A = M*k (token, slot) pairs, slot-major: s = k' M + n)
+  gather:    xs[j] = x[perm[j] % M]                                                # [A, D]
   matmuls:   h = xs @ gate_up[e_j] (one grouped matmul), a = act(h_gate) * h_up, ys = a @ down[e_j]
-  unsort:    y_flat = ys[inverse(perm)], y[n] = sum_k w[n, k] * y_flat[n, k]
+  back:      y[n] = sum_k' w[n, k'] * ys[inverse(perm)[k' M + n]]
 
 The files, by concern:
 - routing.py: the router's top-k (softmax, DeepSeek-V3's group-limited sigmoid), the bias rule, aux losses.
-- gmm.py: the grouped matmul (loop, blocks, ragged) and its custom backwards.
-- dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
+- gmm.py: the grouped matmul (loop, blocks, ragged, megablox) and its custom backwards.
+- rows.py: the rows' movement (the sort, into expert order and back by gathers), each with its reference.
+- fused.py: the GLU, the down matmul and the way back as one op whose backward runs no down matmul again;
+  glu_rows.py: its GLU backward over the rows (a Pallas kernel on TPU, XLA's form the reference).
+- dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, back) and its plain variants.
 - expert_parallel.py: the dispatch with the experts sharded over ep devices (the group's tokens gathered, or compact:
   only the routed rows moved by all-to-all in bounded buffers, the overflow dropped and counted).
 - layer.py: moe_spec, Options (what the layer reads besides the part's section, which it takes as it is) and moe_mlp,

@@ -184,7 +184,7 @@ def dispatch_compact(x_BTD, ids_BTk, w_BTk, gate, up, down, *, knobs, opts, ep_a
     perm_r, sizes, local = dropless.sort_slots(lid_recv, E_l, jnp.int32(0))
     with jax.named_scope("gather"):
       xs = x_recv[perm_r]  # [ep * C, D]
-    ys = dropless.expert_rows(xs, sizes, gate, up, down, knobs, opts)
+    ys = dropless.expert_rows(xs, sizes, gate, up, down, knobs, opts, rest=True)  # the empty buffer rows
     y_recv = dropless.unsort_rows(ys, perm_r, opts.unsort_impl, local)  # [ep * C, D]
   with jax.named_scope("all_to_all"):
     y_back = jax.lax.all_to_all(y_recv.reshape(ep, C, D), ep_axes, 0, 0, tiled=True).reshape(ep * C, D)
@@ -246,7 +246,7 @@ def expert_rows_split(x_AD: jax.Array, lid_A: jax.Array, gate, up, down, knobs, 
     a = dropless.fused_glu(opts.activation, h)  # [n A, F]
     with jax.named_scope("down"):
       ys = grouped_matmul(vary_like(a, xs), cast(down), sizes, impl=knobs.grouped_matmul,
-                          block_rows=opts.block_rows)  # [n A, D / n]
+                          block_rows=opts.block_rows, tiling=knobs.megablox_tiling, rest=True)  # [n A, D / n]
   y_all = dropless.unsort_rows(ys, perm, opts.unsort_impl, local)  # [n A, D / n], device i's rows in block i
   with jax.named_scope("split_rows"):
     y = jax.lax.all_to_all(y_all.reshape(n, A, Dn), axes, 0, 0, tiled=True)  # [n, A, D / n]: slice j from device j
@@ -264,4 +264,4 @@ def _partial_gmm(xs: jax.Array, ws: tuple, sizes: jax.Array, knobs) -> jax.Array
                             for w in ws], axis=-1)
   f32 = jnp.float32
   x = vary_like(xs.astype(f32), ws[0])
-  return grouped_matmul(x, tuple(w.astype(f32) for w in ws), sizes, impl=impl)
+  return grouped_matmul(x, tuple(w.astype(f32) for w in ws), sizes, impl=impl, tiling=knobs.megablox_tiling, rest=True)
