@@ -368,6 +368,13 @@ def test_train_saves_the_resolved_config(tiny_run):
   assert saved[KO_LM] is True and saved["dense_weight_grad_in_kernel_order"] is True
   assert saved["train"]["steps"] == STEPS and saved["cpu_devices"] == 4 and saved["mesh"]["fsdp"] == 4
   assert saved["data"]["source"] == "stdlib"
+  # The keys that change the compiled program (issue 61 item 3) are recorded as given (their auto resolves per
+  # platform where the program is built; the census and meshlm compile print them resolved).
+  program = {"flash_block": 512, "rope_swap": "auto", "layer_cast": "bits", "remat_attention": "recompute",
+             "scatter_leading": "auto", "splash_backward": "auto"}
+  program |= {k: "auto" for k in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+                                  "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")}
+  assert {k: saved.get(k) for k in program} == program
 
 
 def test_convert_takes_a_run_trained_on_fake_devices_as_it_is(tiny_run, tmp_path):

@@ -457,7 +457,7 @@ def render_layout(fit: dict) -> list[str]:
 
 
 def render(report: dict) -> str:
-  from meshlm.analysis.census import unread_loops_line
+  from meshlm.analysis.census import keys_line, unread_loops_line
   c, chip, topo = report["config"], report["chip"], report["topology"]
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
   # The train batch only where the train step is compiled: rl and the sampler have rows of their own (per program).
@@ -467,6 +467,7 @@ def render(report: dict) -> str:
            f"attention={c.get('attention_impl', '-')}  "
            f"{batch}seq_len={c['seq_len']}"
            + (f"  loss={c['loss_path']}" if "loss_path" in c else "")]
+  lines += [line for line in (keys_line(c),) if line]
   fit = report.get("fit")
   if fit and fit["search"] == "layout":
     lines += render_layout(fit)

@@ -24,7 +24,7 @@ RESUMABLE_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
       "weight_grad_impl", "attention_impl", "splash_backward", "context_attention", "scan_layers", "stack_rows",
       "loss_impl", "loss_block", "train.matmul_precision", "sa_block_q", "sa_block_kv", "sa_block_kv_compute",
       "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq", "flash_block",
-      "rope_swap", "layer_cast", "remat_attention"),
+      "rope_swap", "layer_cast", "remat_attention", "scatter_leading"),
      "how the step is compiled; the stored parameters are the same"),
     (("checkpoint.load_params_from",), "ignored on resume: the run's own checkpoint wins"),
     (("rl.eval_every", "rl.eval_prompts", "rl.log_completions"),
