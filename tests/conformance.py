@@ -326,3 +326,64 @@ def check_real_runs_agree(runs: dict[str, dict[str, np.ndarray]], arms: dict[str
                           f"{ref['grad_norm'].tolist()} (relative > {rtol})")
     out[arm] = {"loss": loss, "grad_norm": grad}
   return out
+
+
+# --- one layer's attending part alone (tests/test_attention_conformance.py, tests/test_attention_tpu.py) ---------
+
+def attending(cfg) -> list[tuple[str, str]]:
+  """(kind, context) of each distinct (attending part, attention context) of cfg's plan, in layer order: the part
+  (Instrument.attention_width set) of the first layer of that kind in that context."""
+  from meshlm.models.model import resolve
+  M = resolve(cfg)
+  seen: dict = {}
+  for kind, context in zip(M.plan.kinds, M.plan.contexts):
+    for part in M.family.kinds[kind].parts:
+      if part.instrument.attention_width is not None:
+        seen.setdefault((part.name, context), (kind, context))
+  return list(seen.values())
+
+
+def part_step(cfg, kind: str, context: str):
+  """(fn, specs): the attending part of one layer of `kind` under `context` alone, as the model runs it (its
+  parameters prepared as the layer loop prepares them, the context the decoder makes for the batch: the attention
+  core resolved for the mesh's platform, rows and segment ids; rematerialized per cfg.remat), forward and backward:
+  fn(p, x [B, T, D], positions [B, T], segment_ids [B, T], ct [B, T, D]) -> (y, dp, dx), the VJP of ct.
+  specs: the part's one-layer ParamSpecs ([1, ...] stacks, layer axis leading). Call fn under the row's mesh."""
+  import jax.numpy as jnp
+  from meshlm import spec as S
+  from meshlm.models import decoder
+  from meshlm.models.model import resolve
+  M = resolve(cfg)
+  part = next(p for p in M.family.kinds[kind].parts if p.instrument.attention_width is not None)
+  specs = S.stack(part.spec(M.m), 1, 0)
+  dt = jnp.dtype(cfg.train.compute_dtype)
+
+  def fn(p, x, positions, segment_ids, ct):
+    ctx = decoder.context(M, positions, segment_ids).as_context(context)
+    if part.compute.prepare is not None:
+      p = part.compute.prepare(p, specs, dt)
+
+    def apply(p, x):
+      return part.apply(jax.tree.map(lambda a: a[0], p), x, ctx, None)[0]
+    if cfg.remat != "none":  # as the layer loop runs a layer (models/layers._Run.layer_fn)
+      apply = jax.checkpoint(apply, policy=M.remat_policy)
+    y, vjp = jax.vjp(apply, p, x.astype(dt))
+    return (y, *vjp(ct.astype(y.dtype)))
+  return fn, specs
+
+
+def part_arguments(cfg, specs, mesh, T: int, rows: int) -> list:
+  """part_step's abstract arguments on mesh: the parameters (param dtype) and x, positions, segment ids and the
+  cotangent of `rows` rows per device of T positions, sharded as the model's."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from meshlm import spec as S
+  from meshlm.parallel.sharding import ACT, logical_spec
+  B = rows * mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  D = cfg.model.embed_dim
+  named = lambda axes, shape: NamedSharding(mesh, logical_spec(axes, shape, mesh))  # noqa: E731
+  p = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(cfg.train.param_dtype),
+                                                  sharding=named(s.axes, s.shape)), specs, is_leaf=S.is_spec)
+  act = jax.ShapeDtypeStruct((B, T, D), jnp.float32, sharding=named(ACT, (B, T, D)))
+  ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=named(ACT[:2], (B, T)))
+  return [p, act, ids, ids, act]
