@@ -3,9 +3,9 @@
 The rows are configurations, not parts: each tiny preset (analysis/golden.tiny_presets) runs its own attending part
 with its own options (q/k norms and their (1 + w) form, partial rotary, a sliding window, the logit soft-cap, query
 scalars, MLA's dims, GQA ratios), so every option a preset uses meets every core, and a preset an author adds gets
-its rows with no list kept here. A row runs the part alone, as the model runs one layer of it (tests/conformance.py
-part_step: the parameters prepared as the layer loop prepares them, the context the decoder makes for the batch),
-forward and backward, for each distinct (attending part, attention context) of the preset's plan (gemma2's and
+its rows with no list kept here. A row runs the attending half of one layer alone, as the model runs it
+(tests/conformance.py part_step: the pre-norm, the part, the residual; the parameters prepared as the layer loop
+prepares them, the context the decoder makes for the batch), forward and backward, for each distinct (attending part, attention context) of the preset's plan (gemma2's and
 gemma3's local and global layers apart); float32, the window pulled in to 2 + 2 x the flash block (the window's lower
 edge then falls on a block's last key) and the soft-cap to 1.0 where the preset has them. The cores, each against
 the `xla` core (the materialized mask) on the same parameters and inputs:
@@ -152,8 +152,7 @@ def check_row(preset: str, core: str, keys: tuple[str, ...] | None = None) -> di
   for kind, context in C.attending(load_config(*keys)):
     errs = relative_errors(run(keys, kind, context, T, core_keys), run(keys, kind, context, T, REFERENCE))
     bad = {k: f"{v:.3g}" for k, v in errs.items() if not v < ATOL}
-    part = next(p.name for p in registry.get(load_config(*keys).model.family).kinds[kind].parts
-                if p.instrument.attention_width is not None)
+    part = registry.get(load_config(*keys).model.family).kinds[kind].mixer.name
     assert not bad, f"{preset}: part {part!r} ({context} layers) under the {core} core differs from the xla core: {bad}"
     assert len(errs) > 4, errs  # the output, x's gradient and every parameter's
     out |= {f"{context}:{k}": v for k, v in errs.items()}
@@ -174,8 +173,8 @@ def test_the_rows_come_from_the_registry():
   options the presets use."""
   presets = {r.values[0] for r in ROWS}
   assert presets == set(tiny_presets()) and {r.values[1] for r in ROWS} == set(CORES)
-  run_parts = {p.name for preset in presets for kind, _ in C.attending(load_config(*preset_keys(preset)))
-               for p in registry.get(load_config(f"model={preset}").model.family).kinds[kind].parts}
+  run_parts = {registry.get(load_config(f"model={preset}").model.family).kinds[kind].mixer.name
+               for preset in presets for kind, _ in C.attending(load_config(*preset_keys(preset)))}
   assert set(attention_parts()) <= run_parts and {"gqa", "gated_gqa", "mla"} <= set(attention_parts())
   models = [load_config(*preset_keys(p)).model for p in presets]
   assert any(m.qk_norm for m in models) and any(m.partial_rotary_factor < 1 for m in models)
