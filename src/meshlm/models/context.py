@@ -48,7 +48,7 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   core: A.Core = A.Core("xla", dense_mask=True)  # the attention core of train and prefill (attention_core)
-  rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved here; None: the platform's)
+  rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved for the platform; None: its own)
   layer_cast: str = "bits"  # how a layer casts its float32 kernels (layer_cast: bits | astype)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
