@@ -287,7 +287,8 @@ def _resolved_attention(cfg) -> dict:
   """The attention core's record and the other program keys as the reports print them (analysis/census's
   attention_record and program_keys on this device)."""
   import jax
-  from meshlm.analysis.census import attention_record, program_keys
+  from meshlm.analysis.census import attention_record
+  from meshlm.analysis.keys import program_keys
   d = jax.devices()[0]
   return attention_record(cfg, d.platform, d.device_kind).summary() | program_keys(cfg, d.platform)
 

@@ -412,7 +412,8 @@ def test_every_program_key_is_an_arm_and_in_the_reports():
   """flash_block, rope_swap, layer_cast, remat_attention, scatter_leading, splash_backward and sa_block_* each make
   an arm (`meshlm bench` and `compare --arm name:key=value`), which the report's config summary shows resolved as it
   compiles (analysis/census.config_summary, its keys line), beside the base arm's value."""
-  from meshlm.analysis.census import config_summary, keys_line
+  from meshlm.analysis.census import config_summary
+  from meshlm.analysis.keys import keys_line
   base = ["model=llama3-8b", "train.seq_len=8192"]
   arms = build_arms(base, ["base:"] + [a for a, *_ in PROGRAM_ARMS])
   for arm, (spec, platform, path, want, was) in zip(arms[1:], PROGRAM_ARMS):

@@ -501,18 +501,8 @@ def attention_impl(cfg, platform: str | None = None) -> str:
   return attention_record(cfg, platform).name
 
 
-def program_keys(cfg, platform: str | None = None) -> dict[str, Any]:
-  """The keys that change the compiled program beside the attention core's (Core.summary), resolved on platform
-  (by default JAX's backend): rope_swap, layer_cast, remat_attention, scatter_leading."""
-  import jax
-  from meshlm.nn.rope import resolve_swap
-  from meshlm.parallel.sharding import scatter_rule
-  platform = platform or jax.default_backend()
-  return {"rope_swap": resolve_swap(cfg.rope_swap, platform), "layer_cast": cfg.layer_cast,
-          "remat_attention": cfg.remat_attention, "scatter_leading": scatter_rule(cfg.scatter_leading, platform)}
-
-
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
+  from meshlm.analysis.keys import program_keys
   core = attention_record(cfg, platform)
   return {"model": cfg.model_name, "shard_mode": cfg.shard_mode, **core.summary(), **program_keys(cfg, platform),
           "lm_head_weight_grad_in_kernel_order": cfg.lm_head_weight_grad_in_kernel_order,
@@ -571,22 +561,9 @@ def fmt_value(v: Any) -> str:
   return str(v)
 
 
-PROGRAM_KEYS = ("flash_block", "rope_swap", "layer_cast", "remat_attention", "scatter_leading", "splash_backward")
-
-
-def keys_line(c: dict) -> str | None:
-  """The config summary's program keys as one report line ("  keys: rope_swap=roll ... splash 256/256: fwd
-  1024/1024/512 dkv 1024/1024/512 fused"), those it has and that are set; None if none."""
-  slash = lambda bs: "/".join(map(str, bs))  # noqa: E731
-  words = [f"{k}={c[k]}" for k in PROGRAM_KEYS if c.get(k) is not None]
-  for shape, b in (c.get("splash_blocks") or {}).items():
-    words.append(f"splash {shape}: fwd {slash(b['fwd'])} dkv {slash(b['dkv'])} "
-                 + ("fused" if b["dq"] is None else f"dq {slash(b['dq'])}"))
-  return "  keys: " + "  ".join(words) if words else None
-
-
 def render(result: dict) -> str:
   """The human table for `meshlm census`."""
+  from meshlm.analysis.keys import keys_line
   lines = []
   c = result.get("config", {})
   if c:

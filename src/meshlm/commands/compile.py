@@ -468,9 +468,16 @@ def render_layout(fit: dict) -> list[str]:
   return lines
 
 
-def render(report: dict) -> str:
+def _vmem_refused(name: str, p: dict) -> list[str]:
+  """A program a kernel's scoped VMEM refused: its head line and the verdict naming the kernel and the key."""
   from meshlm.analysis.aot import vmem_line
-  from meshlm.analysis.census import keys_line, unread_loops_line
+  return [f"[{name}] {p['rows_per_device']} rows per device; compiled in {p['compile_s']:.1f} s: DOES NOT FIT",
+          f"  {vmem_line(p['memory']['vmem'])}"]
+
+
+def render(report: dict) -> str:
+  from meshlm.analysis.census import unread_loops_line
+  from meshlm.analysis.keys import keys_line
   c, chip, topo = report["config"], report["chip"], report["topology"]
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
   # The train batch only where the train step is compiled: rl and the sampler have rows of their own (per program).
@@ -491,9 +498,8 @@ def render(report: dict) -> str:
     lines.append(f"  fit: {fit['search']} = {fit['best'] if fit['best'] is not None else 'none fits'}")
   for name, p in report["programs"].items():
     mem = p["memory"]
-    if "vmem" in mem:  # a kernel's scoped VMEM refused the program: the verdict names the kernel and the key
-      lines.append(f"[{name}] {p['rows_per_device']} rows per device; compiled in {p['compile_s']:.1f} s: DOES NOT "
-                   f"FIT\n  {vmem_line(mem['vmem'])}")
+    if "vmem" in mem:
+      lines += _vmem_refused(name, p)
       continue
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no device memory known"}[mem["fits"]]
     hbm = f" of {_gib(mem['hbm_bytes'])} ({chip['hbm_source']})" if mem.get("hbm_bytes") else ""
