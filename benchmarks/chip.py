@@ -330,11 +330,13 @@ def train_row(row: Row, steps: int, warmup: int, profile_dir: str | None = None)
 
 
 def _resolved_attention(cfg) -> dict:
-  """The attention core's record as the reports print it (analysis/census.attention_record on this device)."""
+  """The attention core's record and the other program keys as the reports print them (analysis/census's
+  attention_record and program_keys on this device)."""
   import jax
   from meshlm.analysis.census import attention_record
+  from meshlm.analysis.keys import program_keys
   d = jax.devices()[0]
-  return attention_record(cfg, d.platform, d.device_kind).summary()
+  return attention_record(cfg, d.platform, d.device_kind).summary() | program_keys(cfg, d.platform)
 
 
 def _resolved_parts(cfg) -> dict:

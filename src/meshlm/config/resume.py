@@ -25,7 +25,7 @@ RESUMABLE_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
       "decode_attention_impl", "decode_attention_block", "scan_layers", "stack_rows", "loss_impl", "loss_block",
       "loss_grad_reduce", "train.matmul_precision", "sa_block_q", "sa_block_kv", "sa_block_kv_compute",
       "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq", "flash_block",
-      "rope_swap", "layer_cast", "remat_attention"),
+      "rope_swap", "layer_cast", "remat_attention", "scatter_leading"),
      "how the step is compiled; the stored parameters are the same"),
     (("checkpoint.load_params_from",), "ignored on resume: the run's own checkpoint wins"),
     (("rl.eval_every", "rl.eval_prompts", "rl.log_completions"),

@@ -506,6 +506,11 @@ class Config(_Strict):
   layer_cast: Literal["bits", "astype"] = Field(
       default="bits", description="how a layer casts its float32 kernels to bfloat16: bits (integer rounding, kept "
       "in the layer loop), astype (which XLA:TPU hoists as whole-stack copies); bit-identical either way")
+  scatter_leading: Literal["auto", "tpu", "all", "none"] = Field(
+      default="auto", description="weight gradients whose FSDP dim is the kernel's minor one (down, o, the embedding "
+      "table), formed with that dim leading so XLA reduce-scatters them (parallel/sharding.scatter_rule): tpu (those "
+      "XLA:TPU would all-reduce whole: bf16 shards an odd multiple of 128 wide), all (every sharded one), none; auto: "
+      "tpu on TPU, none elsewhere; equal numbers either way")
   remat_attention: Literal["recompute", "save"] = Field(
       default="recompute", description="under remat, the attention core's output and row log-sum-exp: recompute "
       "(the backward reruns the forward kernel) or save (named residuals kept per layer; no rerun)")

@@ -338,6 +338,9 @@ def check_sections(m: ModelConfig, parts: list[Part]) -> None:
       raise ConfigError(f"{key}: {msg} (the {name} part's knobs: {known})") from None
 
 
+HALVES = ("attn", "mlp")  # a layer's two halves, its parts' scopes and its norms' names
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """A kind of layer: a mixer and a feed-forward, each pre-normed, post-normed when `sandwich`
@@ -380,20 +383,29 @@ class Kind:
 
   def apply(self, p: dict, x_BTD: jax.Array, ctx, state: dict | None = None) -> tuple[jax.Array, dict, dict]:
     """One layer: (x [B, T, D], {part key: update} for the parts that returned one, side outputs)."""
-    m = ctx.model
     updates, side = {}, {}
-    for half, part in zip(("attn", "mlp"), self.parts):
-      with jax.named_scope(half):
-        h = rms_norm(p[f"{half}_norm"], x_BTD, m.norm_eps, plus_one=self.plus_one)
-        part_state = None if state is None else state.get(part.key)
-        h, update, part_side = part.apply(p[part.key], h, ctx, part_state)
-        if self.sandwich:
-          h = rms_norm(p[f"{half}_post_norm"], h, m.norm_eps, plus_one=self.plus_one)
-        x_BTD = x_BTD + h
+    for i, part in enumerate(self.parts):
+      x_BTD, update, part_side = self.half(i, p, x_BTD, ctx, state)
       if update is not None:
         updates[part.key] = update
       side.update(part_side)
     return constrain(x_BTD, ACT), updates, side
+
+  def half_keys(self, i: int) -> tuple[str, ...]:
+    """The layer's parameter keys half i reads (0: the mixer's, 1: the feed-forward's): its norms and its part's."""
+    half = HALVES[i]
+    return (f"{half}_norm", self.parts[i].key) + ((f"{half}_post_norm",) if self.sandwich else ())
+
+  def half(self, i: int, p: dict, x_BTD: jax.Array, ctx, state: dict | None = None) -> tuple[jax.Array, Any, dict]:
+    """Half i of the layer, in its scope ("attn", "mlp"): (x + [post-norm](part(norm(x))), the part's update or
+    None, its side outputs). p: the layer's parameters (at least half_keys(i)); state: the layer's."""
+    m, part = ctx.model, self.parts[i]
+    with jax.named_scope(HALVES[i]):
+      h = rms_norm(p[f"{HALVES[i]}_norm"], x_BTD, m.norm_eps, plus_one=self.plus_one)
+      h, update, side = part.apply(p[part.key], h, ctx, None if state is None else state.get(part.key))
+      if self.sandwich:
+        h = rms_norm(p[f"{HALVES[i]}_post_norm"], h, m.norm_eps, plus_one=self.plus_one)
+      return x_BTD + h, update, side
 
 
 @dataclasses.dataclass(frozen=True)
