@@ -13,7 +13,10 @@ model FLOPs per token (analysis/aot.model_flops_per_token: 6 x the matmul parame
 attention, as Megatron and MaxText count; a remat's recomputed forward is not counted) and MFU against the chip's
 published bf16 peak and against a bf16 matmul measured at the start of the same run, and the executable's own memory
 (`memory_analysis()`). A decode row times `meshlm.generate` (greedy, a warm-up call compiles it) and compares its
-tokens/s with the HBM roofline: each decode step reads every weight once plus the KV cache (bytes / bandwidth).
+tokens/s with the HBM roofline: each decode step reads every weight once plus the KV cache (bytes / bandwidth): the
+rows written so far (the floor), the whole cache buffer (the xla decode attention's reads) and the filled blocks
+(the pallas decode attention's, nn/decode_attention.py); `resolved` says which ran. With --profile, a decode row
+traces one more generate call.
 
 A row that fails records its error and the next one runs. Each row's JSON line is printed and appended to --out as
 soon as it is done; a markdown table of the set follows at the end (docs/performance.md "On a TPU v5e chip").
@@ -124,6 +127,21 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64,
             prompt_len=128, new_tokens=256),
     ],
+    # Decode (issue 62 item 2): the pallas decode attention (auto on TPU) against the xla path, and its block.
+    # Profile: --set v5e-decode --only qwen3-0.6b-decode-b64 --profile DIR (then profile_summary.py DIR/ROW).
+    "v5e-decode": [
+        Row("qwen3-0.6b-decode-b1", QWEN3_06B, kind="decode", batch=1, prompt_len=128, new_tokens=256),
+        Row("qwen3-0.6b-decode-b64", QWEN3_06B, kind="decode", batch=64, prompt_len=128, new_tokens=256),
+        Row("qwen3-0.6b-decode-b1-xla", QWEN3_06B + ("decode_attention_impl=xla",), kind="decode", batch=1,
+            prompt_len=128, new_tokens=256),
+        Row("qwen3-0.6b-decode-b64-xla", QWEN3_06B + ("decode_attention_impl=xla",), kind="decode", batch=64,
+            prompt_len=128, new_tokens=256),
+        *[Row(f"qwen3-0.6b-decode-b64-block{b}", QWEN3_06B + (f"decode_attention_block={b}",), kind="decode", batch=64,
+              prompt_len=128, new_tokens=256) for b in (64, 256, 512)],
+        # Batch 1 is bound by its ~1,200 small ops a step, not bytes: the layers unrolled (1,037 ops), no loop.
+        Row("qwen3-0.6b-decode-b1-unscanned", QWEN3_06B + ("scan_layers=false",), kind="decode", batch=1,
+            prompt_len=128, new_tokens=256),
+    ],
     # Where the seed's families spend their time (issue 60 item 1, 4): profiled, one process.
     "v5e-probe": [
         Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
@@ -180,6 +198,33 @@ SETS: dict[str, list[Row]] = {
         Row("qwen3-0.6b-b8-full-2l", QWEN3_06B + (_b(8), "remat=full", "model.num_layers=2")),
         Row("qwen3-0.6b-b8-none-2l", QWEN3_06B + (_b(8), "remat=none", "model.num_layers=2")),
         Row("qwen3-0.6b-b8-full-unscanned", QWEN3_06B + (_b(8), "remat=full", "scan_layers=false")),
+    ],
+    # The GDN hybrid with the Pallas kernels (issue 60 item 2: gdn_impl=auto is pallas on TPU), against the pure-JAX
+    # rule at batch 2 (v5e-probe's gdn-0.6b-b2-full before the kernel: 750 ms a step, 12.1% MFU).
+    "v5e-gdn": [
+        Row("gdn-0.6b-b4-full", GDN_06B + (_b(4), "remat=full")),
+        Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
+        Row("gdn-0.6b-b2-full-jax", GDN_06B + (_b(2), "remat=full", "gdn_impl=jax")),
+    ],
+    # MoE at the speed of its FLOPs (issue 60 item 4, docs/moe.md): the MoE twin against its dense twin with the
+    # default grouped matmul (megablox on TPU) and with ragged_dot, megablox at another tiling; deepseek-v3-small and a
+    # mixtral-shaped model (embed 1024, 8 layers, 8 experts top-2 of 2,048), each beside its ragged_dot arm.
+    "v5e-moe": [
+        Row("dense12-b8-full", DENSE_12 + (_b(8), "remat=full")),
+        Row("moe12-b8-full", MOE_12 + (_b(8), "remat=full")),
+        Row("moe12-b8-full-ragged", MOE_12 + (_b(8), "remat=full", "model.parts.moe.grouped_matmul=ragged")),
+        Row("moe12-b8-full-mb1024x512", MOE_12 + (_b(8), "remat=full",
+                                                  "model.parts.moe.megablox_tiling=[1024,512,1024]")),
+        *(Row(f"dsv3-small-b8-full{arm}", ("model=deepseek-v3-small", "train.compute_dtype=bfloat16",
+                                           "train.seq_len=2048", "train.sample_tokens=0", _b(8), "remat=full", *keys))
+          for arm, keys in (("", ()), ("-ragged", ("model.parts.moe.grouped_matmul=ragged",)))),
+        *(Row(f"mixtral-shaped-b4-full{arm}", (
+            "model=mixtral-tiny", "model.vocab_size=32000", "model.embed_dim=1024", "model.num_layers=8",
+            "model.num_heads=16", "model.num_kv_heads=8", "model.head_dim=64", "model.parts.moe.num_experts=8",
+            "model.parts.moe.num_experts_per_tok=2", "model.parts.moe.mlp_dim=2048", "model.sliding_window=null",
+            "model.max_position=4096", "scan_layers=true", "train.compute_dtype=bfloat16", "train.seq_len=2048",
+            "train.sample_tokens=0", _b(4), "remat=full", *keys))
+          for arm, keys in (("", ()), ("-ragged", ("model.parts.moe.grouped_matmul=ragged",)))),
     ],
 }
 
@@ -281,15 +326,24 @@ def train_row(row: Row, steps: int, warmup: int, profile_dir: str | None = None)
           "tokens_per_s": tokens / step_s, "tokens_per_s_back_to_back": tokens / back_to_back,
           "model_flops_per_token": model_flops_per_token(cfg), "memory": _memory(arm.compiled),
           "losses": losses, "steps_timed": steps, "warmup": warmup,
-          "resolved": {**_resolved_attention(cfg), "loss": _resolved_loss(cfg, runner)}}
+          "resolved": {**_resolved_attention(cfg), "loss": _resolved_loss(cfg, runner), **_resolved_parts(cfg)}}
 
 
 def _resolved_attention(cfg) -> dict:
-  """The attention core's record as the reports print it (analysis/census.attention_record on this device)."""
+  """The attention core's record and the other program keys as the reports print them (analysis/census's
+  attention_record and program_keys on this device)."""
   import jax
   from meshlm.analysis.census import attention_record
+  from meshlm.analysis.keys import program_keys
   d = jax.devices()[0]
-  return attention_record(cfg, d.platform, d.device_kind).summary()
+  return attention_record(cfg, d.platform, d.device_kind).summary() | program_keys(cfg, d.platform)
+
+
+def _resolved_parts(cfg) -> dict:
+  """What the model's parts report they run (Instrument.report: the GDN hybrids' gdn_impl)."""
+  import jax
+  from meshlm.models.registry import part_reports
+  return part_reports(cfg, jax.devices()[0].platform)
 
 
 def _resolved_loss(cfg, runner) -> str:
@@ -297,13 +351,15 @@ def _resolved_loss(cfg, runner) -> str:
   return loss_path(cfg, runner.batch["inputs"].shape[0], cfg.train.seq_len)
 
 
-def decode_row(row: Row, reps: int) -> dict:
+def decode_row(row: Row, reps: int, profile_dir: str | None = None) -> dict:
   """Greedy meshlm.generate of row.new_tokens after row.prompt_len-token prompts, row.batch rows: tokens/s (the
-  median of reps calls after a compiling warm-up) against the HBM roofline of a decode step."""
+  median of reps calls after a compiling warm-up) against the HBM roofline of a decode step. profile_dir: a
+  jax.profiler trace of one more call there (benchmarks/profile_summary.py; the call's op times over its steps)."""
   import jax
   from meshlm.commands.resolve import load_config
   from meshlm.models import generate as G
   from meshlm.models.params import init_params
+  from meshlm.nn import decode_attention as DA
   from meshlm.parallel.mesh import make_mesh
   cfg = load_config(*row.overrides)
   mesh = make_mesh(cfg)
@@ -319,6 +375,9 @@ def decode_row(row: Row, reps: int) -> dict:
     out = G.generate(cfg, params, prompts, max_new_tokens=row.new_tokens, stop_tokens=(), mesh=mesh)
     times.append(time.perf_counter() - t0)
     assert all(len(t) == row.new_tokens for t in out.token_lists())
+  if profile_dir:
+    with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+      G.generate(cfg, params, prompts, max_new_tokens=row.new_tokens, stop_tokens=(), mesh=mesh)
   s = statistics.median(times)
   # What a decode step must read at least: every weight once, in the compute dtype (XLA casts the float32 parameters
   # once, outside the decode loop), and the K and V rows written so far, averaged over the new tokens.
@@ -328,10 +387,19 @@ def decode_row(row: Row, reps: int) -> dict:
   row_bytes = row.batch * m.num_layers * 2 * m.num_kv_heads * m.head_dim * item  # one position of every layer's cache
   mean_len = row.prompt_len + row.new_tokens / 2
   allocated = G.bucket(row.prompt_len + row.new_tokens, m.max_position)  # the cache buffer each step attends over
+  # The decode attention that ran (nn/decode_attention: pallas reads each row's filled blocks of `block` slots, xla
+  # the whole buffer) and what its blocks read, averaged over the steps' positions (the kernel's own floor).
+  impl = DA.Decode(DA.resolve(cfg.decode_attention_impl, jax.devices()[0].platform),
+                   cfg.decode_attention_block).for_size(allocated)
+  block = DA.block_for(allocated, cfg.decode_attention_block) if impl == "pallas" else allocated
+  positions = range(row.prompt_len, row.prompt_len + row.new_tokens)
+  in_blocks = statistics.mean(-(-p // block) * block for p in positions)
   return {"tokens": row.batch * row.new_tokens, "seconds": s, "spread": spread(times), "reps": reps,
           "first_call_s": compile_s, "tokens_per_s": row.batch * row.new_tokens / s,
           "weight_bytes": int(weight_bytes), "cache_bytes_per_step": float(row_bytes * mean_len),
           "cache_bytes_allocated_per_step": float(row_bytes * allocated), "cache_len": int(allocated),
+          "cache_bytes_blocks_per_step": float(row_bytes * in_blocks),
+          "resolved": {"decode_attention": impl, "block": block},
           "batch": row.batch, "prompt_len": row.prompt_len, "new_tokens": row.new_tokens}
 
 
@@ -411,9 +479,13 @@ def finish(rec: dict, info: dict, matmul: float | None) -> dict:
     rec["mfu"] = achieved / fig.peak_flops if fig else None
     rec["mfu_vs_matmul"] = achieved / matmul if matmul else None
   if rec.get("kind") == "decode" and "seconds" in rec and fig:
-    # One decode step (every row's next token) at the HBM bandwidth: the cache rows written so far (the floor), and
-    # the whole cache buffer the step attends over (what a step that reads its buffer whole can reach).
-    for key, cache in (("", "cache_bytes_per_step"), ("_allocated", "cache_bytes_allocated_per_step")):
+    # One decode step (every row's next token) at the HBM bandwidth: the cache rows written so far (the floor), the
+    # whole cache buffer (what a step that reads its buffer whole can reach: the xla path), and the filled blocks the
+    # pallas decode attention reads (its own floor: the rows so far rounded up to its blocks).
+    for key, cache in (("", "cache_bytes_per_step"), ("_allocated", "cache_bytes_allocated_per_step"),
+                       ("_blocks", "cache_bytes_blocks_per_step")):
+      if cache not in rec:
+        continue
       floor_s = (rec["weight_bytes"] + rec[cache]) / info["devices"] / fig.hbm_bandwidth
       rec[f"roofline{key}_tokens_per_s"] = rec["batch"] / floor_s
       rec[f"of_roofline{key}"] = rec["tokens_per_s"] / rec[f"roofline{key}_tokens_per_s"]
@@ -454,7 +526,8 @@ def run(rows: list[Row], out_path: str | None, steps: int, warmup: int, decode_r
         elif row.kind == "rope":
           rec.update(rope_row(row))
         else:
-          rec.update(decode_row(row, decode_reps))
+          traced = profile_dir and (profile_rows is None or row.name in profile_rows)
+          rec.update(decode_row(row, decode_reps, f"{profile_dir}/{row.name}" if traced else None))
       except Exception as e:  # noqa: BLE001  (a failed row is a result: record it, run the next)
         text = str(e).strip().splitlines()
         rec["error"] = f"{type(e).__name__}: {text[0] if text else ''}"[:2000]
@@ -491,16 +564,21 @@ def table(records: list[dict]) -> str:
                  f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
   dec = [r for r in records if r["kind"] == "decode"]
   if dec:
-    lines += ["", "| decode row | tokens/s (median, spread) | HBM roofline tokens/s (cache so far) | of it | "
-              "roofline over the whole cache buffer | of it |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| decode row | attention (block) | tokens/s (median, spread) | HBM roofline tokens/s (cache so "
+              "far) | of it | roofline over the whole cache buffer | of it | over the filled blocks | of it |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in dec:
       if "error" in r:
-        lines.append(f"| {r['name']} | failed: {r['error'][:160]} | | | | |")
+        lines.append(f"| {r['name']} | | failed: {r['error'][:160]} | | | | | | |")
       else:
-        lines.append(f"| {r['name']} | {r['tokens_per_s']:,.0f} ({r['spread']:.1%}) | "
+        how = r.get("resolved", {})
+        lines.append(f"| {r['name']} | {how.get('decode_attention', '-')} ({how.get('block', '-')}) | "
+                     f"{r['tokens_per_s']:,.0f} ({r['spread']:.1%}) | "
                      f"{r.get('roofline_tokens_per_s', float('nan')):,.0f} | {pct(r.get('of_roofline'))} | "
                      f"{r.get('roofline_allocated_tokens_per_s', float('nan')):,.0f} | "
-                     f"{pct(r.get('of_roofline_allocated'))} |")
+                     f"{pct(r.get('of_roofline_allocated'))} | "
+                     f"{r.get('roofline_blocks_tokens_per_s', float('nan')):,.0f} | "
+                     f"{pct(r.get('of_roofline_blocks'))} |")
   return "\n".join(lines)
 
 
@@ -514,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--decode-reps", type=int, default=3)
   ap.add_argument("--matmul-n", type=int, default=None, help="the bf16 matmul's size (default 8192 on TPU, 512 else)")
   ap.add_argument("--profile", default=None, help="a folder: a jax.profiler trace of 3 steps of each train row "
-                  "(FOLDER/ROW), summarized by benchmarks/profile_summary.py")
+                  "and of one more generate call of each decode row (FOLDER/ROW), summarized by "
+                  "benchmarks/profile_summary.py")
   ap.add_argument("--profile-only", default=None, help="comma-separated rows to trace (default: every train row)")
   args = ap.parse_args(argv)
   sets = args.set.split(",")

@@ -1,8 +1,9 @@
 """The MoE grouped matmul alone on a TPU: XLA's ragged dot against JAX's megablox grouped matmul
-(`jax.experimental.pallas.ops.tpu.megablox.gmm`) at its tilings, forward and forward+backward, beside a dense matmul
-of the same FLOPs.
+(`jax.experimental.pallas.ops.tpu.megablox.gmm`) at its tilings, and meshlm's own megablox path (nn/moe/gmm.py
+grouped_matmul(impl="megablox"): its custom backward, the tiles its auto rule picks for each call, arm "meshlm"),
+forward and forward+backward, beside a dense matmul of the same FLOPs.
 
-  python benchmarks/gmm_tpu.py --out gmm.jsonl [--case moe12] [--deadline 120]
+  python benchmarks/gmm_tpu.py --out gmm.jsonl [--case moe12-gate-up,moe12-down] [--arms meshlm,ragged] [--deadline 120]
 
 A case is one MoE layer's expert matmuls on one chip: A = tokens x top-k sorted rows of width D against E kernels
 [D, F] (the fused gate|up is F = 2 x the expert width; the down kernel [F', D] is its own case). Group sizes are the
@@ -22,7 +23,9 @@ import time
 CASES = {
     "moe12-gate-up": (8 * 2048 * 2, 1024, 2 * 1536, 8),  # chip.py's MOE_12 at batch 8: 32,768 rows
     "moe12-down": (8 * 2048 * 2, 1536, 1024, 8),
-    "dsv3-small-gate-up": (8 * 2048 * 4, 1024, 2 * 1408, 16),
+    # deepseek-v3-small (its preset: 16 experts top-4 of 512 wide) at batch 8, seq 2048: 65,536 rows
+    "dsv3-small-gate-up": (8 * 2048 * 4, 1024, 2 * 512, 16),
+    "dsv3-small-down": (8 * 2048 * 4, 512, 1024, 16),
 }
 TILINGS = [(128, 128, 128), (512, 512, 512), (512, 1024, 1024), (1024, 1024, 1024), (512, 1024, 512),
            (1024, 512, 1024), (2048, 1024, 512), (256, 1024, 1024)]
@@ -43,10 +46,12 @@ def timed(fn, args, reps):
   return compile_s, med, (max(ts) - min(ts)) / med
 
 
-def run(names, reps, deadline, out_path, rows_override=None, log=print):
+def run(names, reps, deadline, out_path, rows_override=None, log=print, only=None):
   import jax
   import jax.numpy as jnp
   from jax.experimental.pallas.ops.tpu import megablox
+
+  from meshlm.nn.moe import gmm as meshlm_gmm
   interpret = jax.devices()[0].platform != "tpu"
   t_end = time.perf_counter() + deadline
   out = open(out_path, "a") if out_path else None
@@ -74,6 +79,9 @@ def run(names, reps, deadline, out_path, rows_override=None, log=print):
     def arms():
       yield "dense", None, lambda x, w, s: x @ w[0]
       yield "ragged", None, lambda x, w, s: jax.lax.ragged_dot(x, w, s)
+      # What the MoE layer runs (grouped_matmul=megablox, megablox_tiling null): its forward's tiles recorded.
+      yield "meshlm", list(meshlm_gmm.megablox_tiling(A, D, F)), lambda x, w, s: meshlm_gmm.grouped_matmul(
+          x, w, s, impl="megablox")
       for t in TILINGS:
         tt = (min(t[0], A), min(t[1], D), min(t[2], F))
         yield "megablox", list(tt), (lambda tt: lambda x, w, s: megablox.gmm(
@@ -83,6 +91,8 @@ def run(names, reps, deadline, out_path, rows_override=None, log=print):
       for arm, tiling, f in arms():
         if time.perf_counter() > t_end:
           break
+        if only and arm not in only:
+          continue
         if arm == "dense" and split_name == "skew":
           continue
         rec = {"case": name, "rows": A, "D": D, "F": F, "E": E, "split": split_name, "arm": arm, "tiling": tiling}
@@ -122,12 +132,13 @@ def main(argv=None):
   ap.add_argument("--deadline", type=float, default=1e9)
   ap.add_argument("--rows", type=int, default=None, help="override the rows (tiny checks off TPU)")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--arms", default=None, help="comma-separated: only these arms (dense, ragged, meshlm, megablox)")
   a = ap.parse_args(argv)
   names = a.case.split(",")
   if any(n not in CASES for n in names):
     print(f"--case: no case {next(n for n in names if n not in CASES)!r}", file=sys.stderr)
     return 2
-  print(table(run(names, a.reps, a.deadline, a.out, a.rows)))
+  print(table(run(names, a.reps, a.deadline, a.out, a.rows, only=a.arms.split(",") if a.arms else None)))
   return 0
 
 

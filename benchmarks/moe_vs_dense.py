@@ -96,8 +96,15 @@ def load_ref(rev: str):
 
 
 def moe_layer(mod, p, x, *, k: int, norm_topk: bool, **kw):
-  """mod's moe_mlp (nn/moe as of some commit): with MoESettings where it has them (their top-k fields named as the
-  part's knobs since issue 53, k and norm_topk before), else keywords."""
+  """mod's moe_mlp (nn/moe as of some commit): with the part's section and Options where it takes them (issue 60),
+  with MoESettings where it has them (their top-k fields named as the part's knobs since issue 53, k and norm_topk
+  before), else keywords."""
+  if hasattr(mod, "Options"):
+    from meshlm.models.ffns.moe import MoEConfig
+    knobs = {n: v for n, v in kw.items() if n in MoEConfig.model_fields}
+    section = MoEConfig(num_experts_per_tok=k, norm_topk_prob=norm_topk, mlp_dim=p["down"].shape[1],
+                        kernel_fsdp="embed", **knobs)
+    return mod.moe_mlp(p, x, None, section, mod.Options(**{n: v for n, v in kw.items() if n not in knobs}))
   if hasattr(mod, "MoESettings"):
     knob_names = "num_experts_per_tok" in {f.name for f in dataclasses.fields(mod.MoESettings)}
     top = dict(num_experts_per_tok=k, norm_topk_prob=norm_topk) if knob_names else dict(k=k, norm_topk=norm_topk)

@@ -331,3 +331,67 @@ def check_real_runs_agree(runs: dict[str, dict[str, np.ndarray]], arms: dict[str
                           f"{ref['grad_norm'].tolist()} (relative > {rtol})")
     out[arm] = {"loss": loss, "grad_norm": grad}
   return out
+
+
+# --- one layer's attending part alone (tests/test_attention_conformance.py, tests/test_attention_tpu.py) ---------
+
+def attending(cfg) -> list[tuple[str, str]]:
+  """(kind, context) of each distinct (attending mixer, attention context) of cfg's plan, in layer order: the first
+  layer of that kind in that context whose mixer attends (Instrument.attention_width set)."""
+  from meshlm.models.model import resolve
+  M = resolve(cfg)
+  seen: dict = {}
+  for kind, context in zip(M.plan.kinds, M.plan.contexts):
+    mixer = M.family.kinds[kind].mixer
+    if mixer.instrument.attention_width is not None:
+      seen.setdefault((mixer.name, context), (kind, context))
+  return list(seen.values())
+
+
+def part_step(cfg, kind: str, context: str):
+  """(fn, specs): the attending half of one layer of `kind` under `context` alone, as the model runs it (Kind.half:
+  the pre-norm, the part, the post-norm where the kind has one, the residual; its parameters prepared as the layer
+  loop prepares them; the context the decoder makes for the batch: the attention core resolved for the mesh's
+  platform, rows and segment ids; rematerialized per cfg.remat), forward and backward:
+  fn(p, x [B, T, D], positions [B, T], segment_ids [B, T], ct [B, T, D]) -> (y, dp, dx), the VJP of ct.
+  specs: that half's one-layer ParamSpecs ([1, ...] stacks, layer axis leading). Call fn under the row's mesh."""
+  import jax.numpy as jnp
+  from meshlm import spec as S
+  from meshlm.models import decoder
+  from meshlm.models.model import resolve
+  M = resolve(cfg)
+  k = M.family.kinds[kind]
+  assert k.mixer.instrument.attention_width is not None, (kind, k.mixer.name)
+  keys = k.half_keys(0)
+  specs = S.stack({n: s for n, s in k.spec(M.m).items() if n in keys}, 1, 0)
+  dt = jnp.dtype(cfg.train.compute_dtype)
+
+  def fn(p, x, positions, segment_ids, ct):
+    ctx = decoder.context(M, positions, segment_ids).as_context(context)
+    if k.mixer.compute.prepare is not None:
+      p = dict(p, **{k.mixer.key: k.mixer.compute.prepare(p[k.mixer.key], specs[k.mixer.key], dt)})
+
+    def apply(p, x):
+      return k.half(0, jax.tree.map(lambda a: a[0], p), x, ctx)[0]
+    if cfg.remat != "none":  # as the layer loop runs a layer (models/layers._Run.layer_fn)
+      apply = jax.checkpoint(apply, policy=M.remat_policy)
+    y, vjp = jax.vjp(apply, p, x.astype(dt))
+    return (y, *vjp(ct.astype(y.dtype)))
+  return fn, specs
+
+
+def part_arguments(cfg, specs, mesh, T: int, rows: int) -> list:
+  """part_step's abstract arguments on mesh: the parameters (param dtype) and x, positions, segment ids and the
+  cotangent of `rows` rows per device of T positions, sharded as the model's."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from meshlm import spec as S
+  from meshlm.parallel.sharding import ACT, logical_spec
+  B = rows * mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  D = cfg.model.embed_dim
+  named = lambda axes, shape: NamedSharding(mesh, logical_spec(axes, shape, mesh))  # noqa: E731
+  p = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(cfg.train.param_dtype),
+                                                  sharding=named(s.axes, s.shape)), specs, is_leaf=S.is_spec)
+  act = jax.ShapeDtypeStruct((B, T, D), jnp.float32, sharding=named(ACT, (B, T, D)))
+  ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=named(ACT[:2], (B, T)))
+  return [p, act, ids, ids, act]

@@ -389,6 +389,42 @@ def test_plot_with_a_failed_arm(tmp_path):
 
 # --- the command line -----------------------------------------------------------------------------
 
+# Each key that changes the compiled program without changing what it computes (issue 61 item 3), as an arm against
+# the base: (arm, the platform its summary is read on, the summary field it moves, the arm's value there, the base's).
+# llama3-8b at seq 8192: splash on TPU (head dim 128: fused, 1024 blocks), flash on CPU.
+PROGRAM_ARMS = [
+    ("flash:flash_block=256", "cpu", ("flash_block",), 256, 512),
+    ("rope:rope_swap=matmul", "cpu", ("rope_swap",), "matmul", "roll"),
+    ("cast:layer_cast=astype", "tpu", ("layer_cast",), "astype", "bits"),
+    ("remat:remat_attention=save", "tpu", ("remat_attention",), "save", "recompute"),
+    ("scatter:scatter_leading=all", "cpu", ("scatter_leading",), "all", "none"),
+    ("backward:splash_backward=split", "tpu", ("splash_backward",), "split", "fused"),
+    ("fwd:sa_block_q=512,sa_block_kv=256,sa_block_kv_compute=128", "tpu", ("splash_blocks", "128/128", "fwd"),
+     [512, 256, 128], [1024, 1024, 1024]),
+    ("dkv:sa_block_q_dkv=512,sa_block_kv_dkv=256,sa_block_kv_dkv_compute=128", "tpu",
+     ("splash_blocks", "128/128", "dkv"), [512, 256, 128], [1024, 1024, 1024]),
+    ("dq:splash_backward=split,sa_block_q_dq=512,sa_block_kv_dq=256", "tpu", ("splash_blocks", "128/128", "dq"),
+     [512, 256], None),
+]
+
+
+def test_every_program_key_is_an_arm_and_in_the_reports():
+  """flash_block, rope_swap, layer_cast, remat_attention, scatter_leading, splash_backward and sa_block_* each make
+  an arm (`meshlm bench` and `compare --arm name:key=value`), which the report's config summary shows resolved as it
+  compiles (analysis/census.config_summary, its keys line), beside the base arm's value."""
+  from meshlm.analysis.census import config_summary
+  from meshlm.analysis.keys import keys_line
+  base = ["model=llama3-8b", "train.seq_len=8192"]
+  arms = build_arms(base, ["base:"] + [a for a, *_ in PROGRAM_ARMS])
+  for arm, (spec, platform, path, want, was) in zip(arms[1:], PROGRAM_ARMS):
+    got, ref = config_summary(arm.cfg, platform), config_summary(arms[0].cfg, platform)
+    for k in path:
+      got, ref = got[k], ref[k]
+    assert (got, ref) == (want, was), (spec, got, ref)
+  line = keys_line(config_summary(arms[-1].cfg, "tpu"))
+  assert "splash_backward=split" in line and "splash 128/128: fwd 1024/1024/1024 dkv 1024/1024/1024 dq 512/256" in line
+  assert "rope_swap=roll" in keys_line(config_summary(arms[0].cfg, "cpu"))
+
 def test_bad_arms_fail_before_compiling():
   with pytest.raises(ConfigError, match="--arm x: duplicate arm name"):
     build_arms(["model=llama2-tiny"], ["x:shard_mode=auto", "x:shard_mode=explicit"])

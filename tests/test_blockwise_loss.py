@@ -195,8 +195,8 @@ def _batch(global_batch: int, seed: int = 0) -> dict:
 
 
 def _train(name: str):
-  """([(loss, grad norm)] of 3 steps, the compiled step's HLO text, its census, B per device) of one STEP_RUNS
-  entry."""
+  """([(loss, grad norm)] of 3 steps, the compiled step's HLO text, its census, B per device, the optimization
+  barriers in the lowered step) of one STEP_RUNS entry."""
   from meshlm.analysis.census import census_of, lowered_of
   from meshlm.parallel.mesh import make_mesh
   preset, mesh_keys, impl = STEP_RUNS[name]
@@ -217,7 +217,8 @@ def _train(name: str):
     # The gradient norm too: AdamW's first update is about lr x sign(g), so the losses alone hardly see dW.
     losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
   b_local = step.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])  # the logits checks' runs: T whole
-  return losses, compiled.as_text(), census_of(lowered_of(lowered, compiled)), b_local
+  barriers = lowered.as_text().count("stablehlo.optimization_barrier")
+  return losses, compiled.as_text(), census_of(lowered_of(lowered, compiled)), b_local, barriers
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +237,8 @@ def test_blockwise_trains_to_the_materialized_losses(runs, name):
   got = runs(name)[0]
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   assert len({loss for loss, _ in ref}) == 3  # three different steps compared
+  # The step's blockwise backward holds the head gradient's barrier (loss_grad_reduce=auto), the materialized none.
+  assert (runs(name)[4], runs(name.split("_blockwise")[0])[4]) == (1, 0)
 
 
 def _logits_buffers(hlo: str, b_local: int, vocab: int = STEP_V) -> list[str]:
@@ -251,9 +254,9 @@ def _logits_buffers(hlo: str, b_local: int, vocab: int = STEP_V) -> list[str]:
 @pytest.mark.parametrize("base", ["llama2", "gemma2"])
 def test_the_blockwise_step_holds_no_logits(runs, base):
   """The materialized step holds [B, T, V] (the control); the blockwise one none, only [B, block, V] pieces."""
-  _, hlo, _, b_local = runs(base)
+  _, hlo, _, b_local, _ = runs(base)
   assert _logits_buffers(hlo, b_local)
-  _, hlo, census, b_local = runs(f"{base}_blockwise")
+  _, hlo, census, b_local, _ = runs(f"{base}_blockwise")
   assert _logits_buffers(hlo, b_local) == []
   assert re.search(rf"f32\[{b_local},{LOSS_BLOCK},{STEP_V}\]", hlo)  # the blocks are there
   # The head's weight gradient in kernel order under explicit: no blocked transpose-of-dot pair anywhere.
@@ -273,6 +276,63 @@ def _head_census(tied: bool):
     args = (jax.device_put(x, NamedSharding(mesh, P("fsdp"))), jax.device_put(kernel, NamedSharding(mesh, spec)))
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text(debug_info=True)
   return stablehlo_counts(text, counters=())[0]
+
+
+def _sharded_grads(block: int, barrier: bool):
+  """(loss, d/dx, d/dkernel) of the untied blockwise loss on an explicit fsdp=2 x tensor=2 mesh (4 row shards'
+  partials exchanged), and the count of optimization barriers in the lowered program."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+  x, params, targets, mask = _data(V=40)
+  loss = lambda x, k: -jnp.sum(head_loss.blockwise_logprobs(x, k, targets, tied=False, block=block,  # noqa: E731
+                                                            barrier=barrier)[0] * mask)
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  with jax.set_mesh(mesh):
+    args = (jax.device_put(x, NamedSharding(mesh, P("fsdp"))),
+            jax.device_put(params["lm_head"], NamedSharding(mesh, P("fsdp", "tensor"))))
+    value, grads = fn(*args)
+    barriers = fn.lower(*args).as_text().count("stablehlo.optimization_barrier")
+  return [np.asarray(a) for a in (value, *grads)], barriers
+
+
+def test_the_head_gradient_barrier_changes_no_number():
+  """loss_grad_reduce: the barrier (auto's choice, models/logprobs.grad_reduce) only orders the head gradient's one
+  reduction before dx is returned: value and gradients bit-identical to overlap's, and to the materialized reference
+  within TOL; the barrier is in the program only when asked. Control: the bitwise comparison sees a reordered sum
+  (another block size: the gradients' float32 sums over blocks run in another order)."""
+  cfg = meshlm.load_config("model=llama2-tiny")
+  assert LP.grad_reduce(cfg) == "barrier" and LP.grad_reduce(_cfg("loss_grad_reduce=overlap")) == "overlap"
+  got, n = _sharded_grads(BLOCK, barrier=True)
+  plain, n0 = _sharded_grads(BLOCK, barrier=False)
+  assert (n, n0) == (1, 0)
+  assert all(np.array_equal(a, b) for a, b in zip(got, plain))
+  x, params, targets, mask = _data(V=40)
+  cfg = _cfg("model.vocab_size=40")
+  ref = _value_and_grads(_reference_loss, cfg, params, x, targets, mask)
+  for a, b in zip(got, (ref[0], ref[1], ref[2]["lm_head"])):
+    np.testing.assert_allclose(a, b, **TOL)
+  other, _ = _sharded_grads(BLOCK + 1, barrier=True)
+  assert not all(np.array_equal(a, b) for a, b in zip(other, plain))
+
+
+def test_the_estimate_holds_the_barrier_rule():
+  """auto's barrier by analysis/layout.py's estimate (abstract shapes, nothing compiled): with overlap the head's
+  float32 accumulator also counts in a layer's phase (XLA:TPU holds it over the layers' backward), with the barrier
+  only in the loss's. DeepSeek-V3 in MaxText's layout (docs/compile.md: compiled 72.08 GiB with overlap's program,
+  68.63 with the barrier): the estimate falls by the whole f32[7168,129280]. Where the loss's phase is the larger
+  (a 2-layer llama with a 2^17 vocab) it moves by less, never up."""
+  from meshlm.analysis.layout import estimate
+  dsv3 = ["model=deepseek-v3", "train.seq_len=4096", "train.per_device_batch_size=1", "remat=full", "mesh.expert=8",
+          "mesh.fsdp=32"]
+  est = lambda *o, devices=256: estimate(meshlm.load_config(*o), devices, "tpu")  # noqa: E731
+  auto, overlap = est(*dsv3), est(*dsv3, "loss_grad_reduce=overlap")
+  assert auto.terms["held_head_grad"] == 0 and auto.peak == est(*dsv3, "loss_grad_reduce=barrier").peak
+  assert overlap.terms["held_head_grad"] == 7168 * 129280 * 4 == overlap.peak - auto.peak
+  small = ["model=llama3-8b", "model.num_layers=2", "model.vocab_size=131072", "train.seq_len=1024", "mesh.fsdp=4"]
+  auto, overlap = est(*small, devices=4), est(*small, "loss_grad_reduce=overlap", devices=4)
+  t = auto.terms  # the loss's phase sets the estimate
+  assert auto.peak == sum(t[k] for k in ("params", "opt_state", "model_state", "grads", "saved", "loss"))
+  assert 0 < overlap.peak - auto.peak < overlap.terms["held_head_grad"]
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -45,8 +45,9 @@ def test_train_row_reports_time_throughput_and_mfu(run):
   assert r["mfu_vs_matmul"] == pytest.approx(achieved / (head["matmul_tflops_per_s"] * 1e12))
   assert r["mfu"] is None  # a CPU has no published peak
   assert len(r["losses"]) == 1 + 2 + 1  # warm-up, the timed singles, the back-to-back run's last
-  assert r["resolved"] == {"attention_impl": "xla", "splash_backward": None, "splash_blocks": None,
-                           "loss": "materialized"}
+  assert r["resolved"] == {"attention_impl": "xla", "flash_block": None, "splash_backward": None,
+                           "splash_blocks": None, "rope_swap": "roll", "layer_cast": "bits",
+                           "remat_attention": "recompute", "scatter_leading": "none", "loss": "materialized"}
 
 
 def test_a_failed_row_is_recorded_and_the_next_runs(run):

@@ -537,13 +537,12 @@ def _reductions(report: dict) -> dict[str, list[int]]:
 
 @tpu
 @pytest.mark.ci_must_run
-def test_tpu_weight_gradients_are_reduce_scattered(monkeypatch):
+def test_tpu_weight_gradients_are_reduce_scattered():
   """Every FSDP-sharded weight's gradient reaches its parameter sharding by a reduce-scatter in the v5p program, and
   none is all-reduced whole (issue 55, item 2), under explicit and auto: per step one reduce-scatter of each kernel's shard per layer (the
   embedding table's over V: its all-to-all to the D sharding follows), no all-reduce of a whole kernel's size.
-  Control: without the dy-first form (sharding.SCATTER_LEADING empty, the program before) XLA:TPU all-reduces down's,
-  o's and the embedding table's gradients whole, their FSDP dim being minor, and slices them."""
-  from meshlm.parallel import sharding as S
+  Control: without the dy-first form (scatter_leading=none, the program before) XLA:TPU all-reduces down's, o's and
+  the embedding table's gradients whole, their FSDP dim being minor, and slices them."""
   whole = set(RS_KERNELS.values())
   for mode in ("explicit", "auto"):
     report = compile_json(*RS_LLAMA, f"shard_mode={mode}")
@@ -555,8 +554,7 @@ def test_tpu_weight_gradients_are_reduce_scattered(monkeypatch):
     # gathers the table's rows by an all-to-all and reduces nothing whole)
     want = {512 * 256: 6, 512 * 128: 4, 512 * 64: 4, 768 * 128: 2 if mode == "explicit" else 1}
     assert {n // 4: shards[n // 4] for n in whole} == want, (mode, shards)
-  monkeypatch.setattr(S, "SCATTER_LEADING", ())
-  red = _reductions(compile_json(*RS_LLAMA))
+  red = _reductions(compile_json(*RS_LLAMA, "scatter_leading=none"))
   # down's per layer and the table's (o's ride in down's all-reduce, a tuple the census names by its largest array)
   assert collections.Counter(n for n in red["all-reduce"] if n in whole) == {512 * 1024: 2, 768 * 512: 1}, red
 

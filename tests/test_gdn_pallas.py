@@ -26,7 +26,7 @@ from test_gdn import rel_err, rule_inputs
 
 # Float32, max |kernel - reference| / max |reference| per array (o, final state, dq, dk, dv, dg, dbeta, d initial
 # state): the chunks sum in another order than the recurrence (and the inverse is another algorithm than the chunked
-# rule's). Measured at most 6e-7 over the cases below; dropping the resets moves o alone by 0.1 or more.
+# rule's). Measured at most 7.5e-7 over the cases below; dropping the resets moves o alone by 0.1 or more.
 KERNEL_RTOL = 5e-6
 # bfloat16 inputs: every product on bf16 operands (the state and the float32 terms rounded as they enter one), against
 # the recurrence in float32 on the same (bf16) inputs. Measured at most 6.7e-3 (o, itself rounded to bf16); the float32
@@ -34,13 +34,14 @@ KERNEL_RTOL = 5e-6
 BF16_RTOL = 2e-2
 NAMES = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state")
 
-# name: (T, chunk, K, N, dtype, packed rows, initial state). T = 37 in chunks of 16: a ragged last chunk of 5; the
-# packed row resets inside chunk 0 (5), on the chunk edge (16), inside chunk 1 (23) and in the ragged chunk (34),
-# then a padding tail. T = 100 in chunks of 32 without segment ids or an initial state (the None paths).
+# name: (T, chunk, K, N, dtype, packed rows, initial state, value heads per grid step). T = 37 in chunks of 16: a
+# ragged last chunk of 5; the packed row resets inside chunk 0 (5), on the chunk edge (16), inside chunk 1 (23) and in
+# the ragged chunk (34), then a padding tail. T = 100 in chunks of 32 without segment ids or an initial state (the
+# None paths).
 CASES = {
-    "packed_groups_f32": (37, 16, 2, 4, jnp.float32, True, True),  # G = 2
-    "plain_f32": (100, 32, 2, 2, jnp.float32, False, False),  # G = 1
-    "packed_bf16": (37, 16, 1, 4, jnp.bfloat16, True, True),  # G = 4
+    "packed_groups_f32": (37, 16, 2, 4, jnp.float32, True, True, 2),  # G = 2, one key head a step: two tiles
+    "plain_f32": (100, 32, 2, 2, jnp.float32, False, False, 8),  # G = 1, both heads in one step
+    "packed_bf16": (37, 16, 1, 4, jnp.bfloat16, True, True, 8),  # G = 4
 }
 
 
@@ -54,9 +55,13 @@ def packed_ids(T: int) -> jax.Array:
 
 
 def case_inputs(case: str):
-  """(q, k, v, g, beta, initial state), cotangents (o, final state), segment ids: in the case's dtype (q, k, v)."""
-  T, _, K, N, dtype, packed, _ = CASES[case]
+  """(q, k, v, g, beta, initial state), cotangents (o, final state), segment ids: in the case's dtype (q, k, v).
+  Row 0's positions 10 to 13 neither decay nor write (g = beta = 0: a right-padded prompt's tail in prefill)."""
+  T, _, K, N, dtype, packed, _, _ = CASES[case]
   (q, k, v, g, beta, s0), cots = rule_inputs(T, k_heads=K, n=N)
+  g, beta = np.array(g), np.array(beta)  # in numpy: an eager jnp update would compile a program per shape
+  g[0, 10:14], beta[0, 10:14] = 0.0, 0.0
+  g, beta = jnp.asarray(g), jnp.asarray(beta)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   return (q, k, v, g, beta, s0), (cots[0].astype(dtype), cots[1]), packed_ids(T) if packed else None
 
@@ -74,9 +79,14 @@ def _value_and_grads(rule, case: str):
   return jax.jit(run)(args, cots)
 
 
+def pallas_rule(case: str):
+  return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1],
+                           heads_per_step=CASES[case][7])
+
+
 @functools.cache
 def kernel(case: str):
-  return _value_and_grads(functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1]), case)
+  return _value_and_grads(pallas_rule(case), case)
 
 
 @functools.cache
@@ -121,7 +131,7 @@ def test_a_kernel_without_resets_fails_the_check(monkeypatch):
   real = gdn_pallas._segment_rows
   monkeypatch.setattr(gdn_pallas, "_segment_rows", lambda ids, *a: real(None, *a))
   case = "packed_groups_f32"
-  broken = _value_and_grads(functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1]), case)
+  broken = _value_and_grads(pallas_rule(case), case)
   with pytest.raises(AssertionError, match="over") as failed:
     assert_close(broken, reference(case), KERNEL_RTOL, f"{case} without resets")
   errs = errors(broken, reference(case))
@@ -129,10 +139,42 @@ def test_a_kernel_without_resets_fails_the_check(monkeypatch):
   assert errs["o"] > 1e-2 and errs["final state"] > 1e-2, failed.value
 
 
+# The kernel's inverse of I + A (chunk 64) against numpy's in float64, max |X - X64| / max |X64|: float32 products at
+# HIGHEST measured at most 2.2e-7, bf16 inputs' three bf16 passes 1.5e-5 (on A uniform in (0.9, 1): the entries of
+# X alternate at 1); stopping one doubling short moves it by 0.1 or more.
+INVERSE_RTOL = {jnp.float32: 1e-6, jnp.bfloat16: 5e-5}
+
+
+@pytest.mark.parametrize("dtype", list(INVERSE_RTOL))
+def test_the_inverse_against_float64(dtype):
+  r = np.random.default_rng(0)
+  for a in (np.tril(r.uniform(-0.5, 0.5, (64, 64)), -1), np.tril(r.uniform(0.9, 1.0, (64, 64)), -1)):
+    a = a.astype(np.float32)
+    want = np.linalg.inv(np.eye(64) + a.astype(np.float64))
+    inverse = jax.jit(lambda x: gdn_pallas._inverse(x, dtype))
+    assert rel_err(inverse(jnp.asarray(a)), want) <= INVERSE_RTOL[dtype]
+    # Control: the last doubling left out (the 32 x 32 blocks' inverse only).
+    short = jax.jit(lambda x: gdn_pallas._inverse(jnp.where(jnp.tri(64, k=-1, dtype=bool) & (
+        jnp.arange(64)[:, None] // 32 == jnp.arange(64)[None, :] // 32), x, 0.0), dtype))
+    assert rel_err(short(jnp.asarray(a)), want) > 0.1
+
+
+def test_a_step_takes_a_tile_of_heads_mosaic_can_block():
+  """key_tile: the most key heads up to HEADS_PER_STEP value heads whose blocks are whole 128-lane tiles (or every
+  head); interpret mode any divisor; none past MAX_HEADS_PER_STEP (the kernel then does not fit)."""
+  assert gdn_pallas.key_tile(16, 1, 128, 128) == 8 and gdn_pallas.key_tile(16, 2, 128, 128) == 4
+  assert gdn_pallas.key_tile(16, 1, 64, 64) == 8 and gdn_pallas.key_tile(16, 1, 32, 32) == 8
+  assert gdn_pallas.key_tile(4, 1, 32, 32) == 4 and gdn_pallas.key_tile(3, 1, 100, 100) == 3
+  assert gdn_pallas.key_tile(64, 1, 100, 100) is None and not gdn_pallas.fits(64, 64, 100, 100, 64)
+  assert gdn_pallas.key_tile(2, 2, 8, 8, heads_per_step=2, lanes=False) == 1
+  assert gdn_pallas.fits(16, 16, 128, 128, 64) and not gdn_pallas.fits(16, 16, 128, 128, 8)
+
+
 def test_the_key_resolves_per_platform_and_is_reported():
   from meshlm.analysis.census import config_summary
   from meshlm.models.mixers import gdn as mixer
-  tiny = meshlm.load_config("model=qwen3.5-tiny")  # head dims 32: not the TPU kernel's
+  tiny = meshlm.load_config("model=qwen3.5-tiny")  # 2 key heads of 32: one tile of all (the whole array)
+  odd = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.chunk_size=8")  # under Mosaic's 16 rows
   wide = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.key_head_dim=128",
                             "model.parts.gdn.value_head_dim=128")
   m = lambda cfg: registry.resolved(cfg).model  # noqa: E731
@@ -141,9 +183,10 @@ def test_the_key_resolves_per_platform_and_is_reported():
   assert mixer.rule_kernel(m(wide), "prefill", "tpu", 1) == "pallas"
   assert mixer.rule_kernel(m(wide), "decode", "tpu", 1) == "reference"
   assert mixer.rule_kernel(m(wide), "train", "tpu", 2) == "jax"  # the context-parallel rule
-  assert mixer.rule_kernel(m(tiny), "train", "tpu", 1) == "jax"  # auto where the kernel does not take the dims
-  pallas = meshlm.load_config("model=qwen3.5-tiny", "gdn_impl=pallas")
-  assert mixer.rule_kernel(m(pallas), "train", "cpu", 1) == "pallas"  # interpret mode: any dims
+  assert mixer.rule_kernel(m(tiny), "train", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(odd), "train", "tpu", 1) == "jax"  # auto where the kernel does not take the shapes
+  pallas = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.chunk_size=8", "gdn_impl=pallas")
+  assert mixer.rule_kernel(m(pallas), "train", "cpu", 1) == "pallas"  # interpret mode: any shapes
   with pytest.raises(ConfigError, match="gdn_impl=pallas: the TPU kernel needs"):
     mixer.rule_kernel(m(pallas), "train", "tpu", 1)
   assert config_summary(wide, "tpu")["gdn_impl"] == "pallas" and config_summary(tiny)["gdn_impl"] == "jax"

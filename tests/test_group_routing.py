@@ -22,6 +22,7 @@ from meshlm.nn import moe
 from meshlm.nn import router_replay as rr
 from meshlm.nn.dense import dense
 from meshlm.parallel.mesh import make_mesh
+from moe_helpers import settings
 
 M, E, G, KG, K = 64, 16, 4, 2, 4  # tokens, experts, groups, kept groups, top-k
 PER = E // G
@@ -213,11 +214,11 @@ def test_the_moe_layer_routes_by_groups_and_counts_real_tokens(inputs):
   mask = np.ones((B, T), bool)
   mask[1, 7:] = False  # a padded tail
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
-  s = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, router_scoring="sigmoid", n_group=G,
-                      topk_group=KG, routed_scaling_factor=SCALE)
+  s, opts = settings(E, K, norm_topk_prob=True, router_scoring="sigmoid", n_group=G, topk_group=KG,
+                     routed_scaling_factor=SCALE)
   kw = dict(router_bias=jnp.asarray(bias), token_mask_BT=jnp.asarray(mask))
-  y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, s, **kw))(p, x)
-  y_ref, _ = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, dataclasses.replace(s, impl="reference"), **kw))(p, x)
+  y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, s, opts, **kw))(p, x)
+  y_ref, _ = jax.jit(lambda p, x: moe.moe_mlp(p, x, ctx, s.model_copy(update=dict(impl="reference")), opts, **kw))(p, x)
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
   logits = np.asarray(x).reshape(-1, D) @ np.asarray(p["router"])
   ids = np.asarray(side["moe_expert_ids"]).reshape(-1, K)

@@ -188,7 +188,7 @@ def test_the_checker_sees_a_family_importing_a_family(edges):
 GENERIC_DIRS = ("train", "rl")  # every .py file under these, train/data/ included
 GENERIC_FILES = ("hf/io.py", "models/decoder.py", "models/model.py", "models/params.py", "models/layers.py",
                  "models/generate.py", "models/context.py", "analysis/census.py", "analysis/counters.py",
-                 "analysis/aot.py", "analysis/golden.py")
+                 "analysis/aot.py", "analysis/golden.py", "analysis/layout.py")
 PART_WORDS = re.compile(r"moe|expert|router|gdn|mla", re.IGNORECASE)
 # The public RL key that turns on replaying the sampler's recorded choices (docs/config.md): a config contract
 # named before parts declared replays, kept for its users. It is the one word the check lets pass.

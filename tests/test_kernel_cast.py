@@ -15,14 +15,9 @@ import numpy as np
 import pytest
 
 import meshlm
-from meshlm.models import context as ctx_mod
 from meshlm.models.decoder import context
 
 import conformance as C
-
-
-def _astype(self, kernel, dt):  # the reference: what every part did before
-  return kernel.astype(dt)
 
 
 def test_the_cast_is_per_layer_in_training_and_prefill_and_astype_in_decode():
@@ -43,24 +38,23 @@ def test_the_cast_is_per_layer_in_training_and_prefill_and_astype_in_decode():
   assert ctx.cast(w, jnp.float32) is w or np.array_equal(np.asarray(ctx.cast(w, jnp.float32)), np.asarray(w))
 
 
-def _bf16_losses(preset: str) -> tuple[np.ndarray, str]:
+def _bf16_losses(preset: str, *keys: str) -> tuple[np.ndarray, str]:
   """(the losses of conformance's parity steps with bf16 compute, the step's StableHLO)."""
   from meshlm.analysis.golden import shrink
   from meshlm.train.step import build_train_step
   base = tuple(o for o in C.PARITY_BASE if not o.startswith("train.compute_dtype="))
-  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), *base, "train.compute_dtype=bfloat16")
+  cfg = meshlm.load_config(f"model={preset}", *shrink(preset), *base, "train.compute_dtype=bfloat16", *keys)
   step = build_train_step(cfg)
   lowered = step.lower()
   return C.run_steps(step, lowered, C.PARITY_STEPS)["loss"], lowered.as_text()
 
 
 @pytest.mark.parametrize("preset", ["llama2-tiny", "qwen3.5-tiny", "deepseek-v3-tiny"])
-def test_bf16_train_steps_are_the_astype_steps_bit_for_bit(monkeypatch, preset):
+def test_bf16_train_steps_are_the_astype_steps_bit_for_bit(preset):
   """Train steps with bf16 compute on fsdp=4 (explicit): gqa and the glu (llama2), gated_gqa and gdn (qwen3.5),
-  mla (deepseek-v3), against every part casting with astype."""
+  mla (deepseek-v3), against every part casting with astype (layer_cast=astype, the reference)."""
   got, text = _bf16_losses(preset)
-  monkeypatch.setattr(ctx_mod.Context, "cast", _astype)
-  want, ref_text = _bf16_losses(preset)
+  want, ref_text = _bf16_losses(preset, "layer_cast=astype")
   # The two programs differ where it matters: integer rounding in one, converts only in the other.
   assert "bitcast_convert" in text and "bitcast_convert" not in ref_text
   assert np.all(np.isfinite(want)) and len(set(want.tolist())) == len(want)  # each step's batch and update
@@ -74,21 +68,20 @@ KERNEL_STACK = re.compile(r"bf16\[4,(?:512,1024|1024,512|512,2,128|4,128,512)\]"
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install 'meshlm[tpu]'; make test installs it)")
-def test_tpu_train_step_holds_no_bf16_copy_of_the_dense_stacks(monkeypatch):
+def test_tpu_train_step_holds_no_bf16_copy_of_the_dense_stacks():
   """4 scanned llama layers (embed 512, mlp 1024, 4 heads and 2 KV heads of 128), bf16 compute, compiled for v5p:
   no bf16 value of a whole kernel stack [4, ...]; with astype (the control) XLA:TPU hoists them, glu and attention."""
   from meshlm.commands.compile import _train
   from meshlm.parallel import topology as TP
   from meshlm.parallel.mesh import make_mesh
-  cfg = meshlm.load_config("model=llama2-tiny", "model.num_layers=4", "model.embed_dim=512", "model.mlp_dim=1024",
-                           "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=128",
-                           "train.compute_dtype=bfloat16", "train.seq_len=128", "train.per_device_batch_size=2",
-                           "remat=full", "attention_impl=xla", "scan_layers=true")
+  keys = ("model=llama2-tiny", "model.num_layers=4", "model.embed_dim=512", "model.mlp_dim=1024",
+          "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=128", "train.compute_dtype=bfloat16",
+          "train.seq_len=128", "train.per_device_batch_size=2", "remat=full", "attention_impl=xla", "scan_layers=true")
   devices = TP.devices(TP.parse("v5p:1x1x1"))
 
-  def stacks() -> set[str]:
+  def stacks(*extra: str) -> set[str]:
+    cfg = meshlm.load_config(*keys, *extra)
     lowered, _, _ = _train(cfg, make_mesh(cfg, devices))
     return set(KERNEL_STACK.findall(lowered.compile().as_text()))
   assert stacks() == set()
-  monkeypatch.setattr(ctx_mod.Context, "cast", _astype)
-  assert stacks() == {"bf16[4,512,1024]", "bf16[4,1024,512]", "bf16[4,512,2,128]", "bf16[4,4,128,512]"}
+  assert stacks("layer_cast=astype") == {"bf16[4,512,1024]", "bf16[4,1024,512]", "bf16[4,512,2,128]", "bf16[4,4,128,512]"}

@@ -154,7 +154,7 @@ def test_a_wrong_declaration_fails_the_check():
   assert sorted(side) != sorted(sloppy.side_names)
 
 
-RECORDS = (Part, F.Compute, F.Replay, F.ModelState, F.MeshRules, F.Instrument)
+RECORDS = (Part, F.Compute, F.Replay, F.ModelState, F.MeshRules, F.LayerMemory, F.Instrument)
 
 
 def undocumented(cls) -> list[str]:

@@ -115,12 +115,12 @@ def test_the_397b_layouts_rank_as_they_compiled():
 
 def test_the_floor_is_under_every_compiled_peak():
   """The refusal's floor never exceeds what compiled: the 397B rows (74.39 GiB the least) and DeepSeek-V3 on
-  v5p-512 at expert=8 fsdp=32 (69.22 GiB), from docs/compile.md."""
+  v5p-512 at expert=8 fsdp=32 (68.63 GiB), from docs/compile.md."""
   e16 = ["mesh.expert=16", "mesh.context=2", "mesh.fsdp=8", *COMPACT, f"{MOE}grad_reduce_barrier=true"]
   assert est(*Q397, *e16).floor <= 74.39 * GiB
   dsv3 = est("model=deepseek-v3", "train.seq_len=4096", "train.per_device_batch_size=1", "remat=full",
              "mesh.expert=8", "mesh.fsdp=32")
-  assert dsv3.floor <= 69.22 * GiB
+  assert dsv3.floor <= 68.63 * GiB
   assert round(dsv3.terms["params"] / GiB, 2) == 9.77  # the compiled arguments' parameters
 
 

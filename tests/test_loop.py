@@ -433,7 +433,7 @@ def test_the_readme_resume_table_and_help_are_the_declaration():
   want = _declared_rows()
   assert _resume_rows(readme) == want
   assert any("ep_buffer_factor" in k for k in want[-1]) and len([k for k in want[-1] if ".moe." in k]) == 7
-  old = readme.replace(", `model.parts.moe.ep_impl`, `model.parts.moe.ep_buffer_factor`, `model.parts.moe.kernel_cast`"
+  old = readme.replace(", `model.parts.moe.ep_impl`, `model.parts.moe.ep_buffer_factor`"
                        ", `model.parts.moe.grad_reduce_barrier`", "")
   assert old != readme and _resume_rows(old) != want
   marked = {line.split()[0] for cmd in ("train", "rl") for line in command_help(cmd).splitlines()

@@ -12,7 +12,9 @@
   grouped matmul for gate|up, no pad in the backward, and the same named residuals saved.
 - Explicit and auto sharding (fsdp=2) inside jit give the unsharded numbers.
 """
+import dataclasses
 import functools
+import types
 
 import jax
 import jax.extend
@@ -23,13 +25,13 @@ from jax.sharding import NamedSharding
 
 from meshlm.config import load_config
 from meshlm.nn import moe
-from meshlm.nn.moe import dropless, gmm
+from meshlm.nn.moe import dropless, gmm, rows
 from meshlm.nn.dense import dense
 from meshlm.nn.moe_reference import moe_mlp_reference
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import logical_spec
 
-from moe_helpers import count_primitives, count_sorts
+from moe_helpers import count_primitives, count_sorts, settings
 
 B, T, D, F, E, K = 3, 13, 24, 20, 8, 2  # odd sizes: 39 tokens, 78 (token, slot) pairs
 TOL = 1e-6  # float32 reassociation: max |diff| <= TOL * max(1, max |reference|), per leaf
@@ -60,7 +62,7 @@ def _loss(y, side):
 
 def _dropless(norm_topk, **kw):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk, **kw))
+    y, side = moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=norm_topk, **kw))
     return _loss(y, side), y
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
@@ -109,6 +111,7 @@ DROPLESS_ARMS = {
     "blocks": dict(grouped_matmul="blocks"),
     "blocks-b4-split-argsort": dict(grouped_matmul="blocks", block_rows=4, fused_gate_up=False, unsort_impl="argsort"),
     "ragged": dict(grouped_matmul="ragged"),
+    "megablox": dict(grouped_matmul="megablox"),  # Pallas interpret mode on CPU
 }
 
 
@@ -130,26 +133,27 @@ def test_norm_topk_changes_the_output(uneven):
 
 def test_impl_reference_is_the_reference_and_unknown_impls_are_refused(uneven):
   x, p, refs = uneven
-  y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, impl="reference"))
+  y, side = moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True, impl="reference"))
   np.testing.assert_allclose(y, refs[True][0][1], rtol=1e-6, atol=1e-6)
   assert set(side) == {"moe_load_balance_loss", "moe_z_loss", "moe_expert_fraction", "moe_expert_prob", "moe_expert_ids",
                        "moe_dropped"}
   assert float(side["moe_dropped"]) == 0.0  # only the compact expert-parallel dispatch drops
   with pytest.raises(ValueError, match="impl='capacity'"):
-    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, impl="capacity"))
+    knobs, opts = settings(E, K, norm_topk_prob=True)  # past the section's own check (it refuses it too)
+    moe.moe_mlp(p, x, None, knobs.model_copy(update=dict(impl="capacity")), opts)
 
 
 def test_wrong_unsort_fails_the_reference_check(uneven, monkeypatch):
   # Negative control: unsorting by perm itself instead of its inverse must not pass.
   x, p, refs = uneven
-  monkeypatch.setattr(dropless, "inverse_permutation", lambda perm: perm)
+  monkeypatch.setattr(rows, "inverse_permutation", lambda perm: perm)
   diffs = _max_rel_diffs(_dropless(True)(p, x), refs[True])
   assert diffs["y"] > 1e-2
 
 
 # loop with block_rows=b: blocks of b rows, then of b // 4 (the last may run past its group's end).
 @pytest.mark.parametrize("impl,block_rows", [("loop", None), ("loop", 4), ("loop", 8), ("blocks", 4), ("blocks", 16),
-                                             ("ragged", None)])
+                                             ("ragged", None), ("megablox", None)])
 def test_grouped_matmul_matches_numpy(impl, block_rows):
   rng = np.random.default_rng(1)
   sizes = np.array([0, 11, 0, 1, 5, 0], np.int32)  # empty groups first, in between and last
@@ -209,13 +213,14 @@ def test_unknown_grouped_matmul_is_refused():
 def test_unknown_unsort_is_refused():
   x, p = _uneven_inputs()
   with pytest.raises(ValueError, match="unsort_impl='nope'"):
-    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, unsort_impl="nope"))
+    moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True, unsort_impl="nope"))
 
 
 def test_top_k_above_num_experts_is_refused():
   x, p = _uneven_inputs()
-  with pytest.raises(ValueError, match="num_experts_per_tok=9"):
-    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=9, norm_topk_prob=True))
+  knobs, opts = settings(E, K, norm_topk_prob=True)
+  with pytest.raises(ValueError, match="num_experts_per_tok=9"):  # past the section's own check, as above
+    moe.moe_mlp(p, x, None, knobs.model_copy(update=dict(num_experts_per_tok=9)), opts)
 
 
 # --- aux losses against transformers' formula --------------------------------------------------------
@@ -272,22 +277,22 @@ def _layer_grad(unsort_impl):
   x, p = _uneven_inputs()
 
   def f(p, x):
-    return _loss(*moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, unsort_impl=unsort_impl)))
+    return _loss(*moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True, unsort_impl=unsort_impl)))
   return jax.grad(f, argnums=(0, 1)), (p, x)
 
 
 def test_one_sort_in_forward_and_backward():
   for impl, want in (("perm", 1), ("argsort", 2)):
     g, args = _layer_grad(impl)
-    s = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, unsort_impl=impl)
-    fwd = lambda p, x: moe.moe_mlp(p, x, None, s)  # noqa: E731
+    s = settings(E, K, norm_topk_prob=True, unsort_impl=impl)
+    fwd = lambda p, x: moe.moe_mlp(p, x, None, *s)  # noqa: E731
     assert count_sorts(fwd, *args) == want
     assert count_sorts(g, *args) == want  # forward + backward: the backward adds none
 
 
 def test_remat_saving_the_permutation_keeps_the_backward_sort_free():
   g, (p, x) = _layer_grad("perm")
-  f = lambda p, x: jnp.sum(moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True))[0])  # noqa: E731
+  f = lambda p, x: jnp.sum(moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True))[0])  # noqa: E731
   cp = jax.checkpoint_policies
   dots = jax.checkpoint(f, policy=cp.checkpoint_dots)
   dots_perm = jax.checkpoint(f, policy=cp.save_from_both_policies(
@@ -304,8 +309,8 @@ def _int_gathers(jaxpr) -> int:
 
 def test_token_of_each_slot_is_perm_floordiv_k_not_an_index_gather():
   x, p = _uneven_inputs()
-  s = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, grouped_matmul="ragged")
-  fwd = lambda p, x: moe.moe_mlp(p, x, None, s)[0]  # noqa: E731
+  s = settings(E, K, norm_topk_prob=True, grouped_matmul="ragged")
+  fwd = lambda p, x: moe.moe_mlp(p, x, None, *s)[0]  # noqa: E731
   assert _int_gathers(jax.make_jaxpr(fwd)(p, x)) == 0
   # Negative control: the repeated-token-id formulation is an int32 gather.
   perm = jnp.arange(6, dtype=jnp.int32)
@@ -392,9 +397,9 @@ def test_fused_glu_is_bit_identical_to_the_split(act, remat):
 
 def _jaxpr_counts(fused):
   x, p = _uneven_inputs()
-  s = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, fused_gate_up=fused, grouped_matmul="ragged")
-  fwd = jax.make_jaxpr(lambda p, x: moe.moe_mlp(p, x, None, s)[0])(p, x)
-  grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(moe.moe_mlp(p, x, None, s)[0])))(p, x)
+  s = settings(E, K, norm_topk_prob=True, fused_gate_up=fused, grouped_matmul="ragged")
+  fwd = jax.make_jaxpr(lambda p, x: moe.moe_mlp(p, x, None, *s)[0])(p, x)
+  grad = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(moe.moe_mlp(p, x, None, *s)[0])))(p, x)
   return count_primitives(fwd, ("ragged_dot_general",)), count_primitives(grad, ("pad",))
 
 
@@ -440,7 +445,7 @@ def test_sharded_equals_unsharded(uneven, unsharded_4_rows, mode):
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, ctx, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True))
+    y, side = moe.moe_mlp(p, x, ctx, *settings(E, K, norm_topk_prob=True))
     return _loss(y, side), y
   with jax.set_mesh(mesh):
     put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, logical_spec(axes, a.shape, mesh)))  # noqa: E731
@@ -489,35 +494,40 @@ def test_reference_impl_runs_on_fsdp4_and_equals_dropless(mode):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, float(np.max(np.abs(b)))))
 
 
-def test_the_parts_knobs_reach_the_layer_in_one_record():
-  """MoESettings.of takes every layer knob of model.parts.moe by its own name (no copy field by field): the
-  section's fields it leaves are exactly those read elsewhere (a knob added to the section must be placed), and a
-  record missing one of them is refused rather than defaulted (control)."""
-  import types
+def _copied_knobs(cls) -> set[str]:
+  """The fields of a dataclass named like a knob of the moe section: a second copy with a default of its own."""
+  from meshlm.models.ffns.moe import MoEConfig
+  return {f.name for f in dataclasses.fields(cls)} & set(MoEConfig.model_fields)
 
+
+def test_the_parts_section_reaches_the_layer_itself(monkeypatch):
+  """The part hands moe_mlp its section object itself (no record copied from it field by field), and the layer's
+  Options declare no knob of the section again. Control: a record re-declaring kernel_fsdp is seen."""
   from meshlm.config import load_config
   from meshlm.models.ffns import moe as part
   from meshlm.models.model import resolve
-  elsewhere = {"mlp_dim": "moe_spec", "shared_expert_mlp_dim": "shared_spec", "router_aux_loss_coef": "router_losses",
-               "router_z_loss_coef": "router_losses", "router_bias_update_rate": "update_router_bias",
-               "grad_reduce_barrier": "the part's apply (reduce_barrier)"}
-  assert set(part.MoEConfig.model_fields) - set(moe.MoESettings.KNOBS) == set(elsewhere)
-  assert set(moe.MoESettings.KNOBS) <= set(part.MoEConfig.model_fields)
+  assert _copied_knobs(moe.Options) == set()
+
+  @dataclasses.dataclass(frozen=True)
+  class Copying:
+    activation: object = None
+    kernel_fsdp: str = "embed"
+  assert _copied_knobs(Copying) == {"kernel_fsdp"}
   m = resolve(load_config("model=deepseek-v3-tiny", "model.parts.moe.ep_impl=compact",
-                          "model.parts.moe.ep_buffer_factor=1.5", "model.parts.moe.kernel_cast=bits")).m
-  s, own = part.settings(m), part.knobs(m)
-  assert {n: getattr(s, n) for n in s.KNOBS} == {n: getattr(own, n) for n in s.KNOBS}
-  assert (s.ep_impl, s.ep_buffer_factor, s.kernel_cast, s.router_scoring) == ("compact", 1.5, "bits", "sigmoid")
-  off = resolve(load_config("model=qwen3-moe-tiny", "model.parts.moe.norm_topk_prob=false")).m
-  assert part.settings(off).norm_topk_prob is False
-  lacking = types.SimpleNamespace(**{n: getattr(own, n) for n in s.KNOBS if n != "router_group_mask"})
-  with pytest.raises(AttributeError, match="router_group_mask"):
-    moe.MoESettings.of(lacking)
+                          "model.parts.moe.ep_buffer_factor=1.5")).m
+  seen = []
+  monkeypatch.setattr(moe, "moe_mlp", lambda p, x, ctx, knobs, opts, **kw: seen.append((knobs, opts)) or (x, {}))
+  ctx = types.SimpleNamespace(model=m, layer={}, cast=lambda w, dt: w.astype(dt), here=types.SimpleNamespace(
+      segment_ids=None))
+  part.apply({"router_full": None, "router_bias": None}, jnp.zeros((1, 2, m.embed_dim)), ctx, routing="group_sigmoid")
+  (knobs, opts), = seen
+  assert knobs is part.knobs(m) and (knobs.ep_impl, knobs.ep_buffer_factor) == ("compact", 1.5)
+  assert opts.cast is ctx.cast  # the kernels cast by the context's rule
 
 
 def test_auto_grouped_matmul_follows_the_programs_platform_not_the_hosts():
-  """meshlm compile traces a TPU topology's program on a CPU host: auto builds ragged_dot there, as the TPU run does
-  (the host's default backend would pick the CPU's loop). Control: a CPU mesh keeps the loop."""
+  """meshlm compile traces a TPU topology's program on a CPU host: auto builds megablox there (a pallas_call), as the TPU
+  run does (the host's default backend would pick the CPU's loop). Control: a CPU mesh keeps the loop."""
   from meshlm.parallel import topology as TP
   xs, w, sizes = jnp.ones((16, 8)), jnp.ones((4, 8, 8)), jnp.array([4, 4, 4, 4])
   built = {}
@@ -525,5 +535,5 @@ def test_auto_grouped_matmul_follows_the_programs_platform_not_the_hosts():
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("fsdp",))
     with jax.set_mesh(mesh):
       jaxpr = str(jax.make_jaxpr(lambda a, b, c: gmm.grouped_matmul(a, b, c))(xs, w, sizes))
-      built[name] = (gmm.default_grouped_matmul(), "ragged_dot" in jaxpr)
-  assert built == {"tpu": ("ragged", True), "cpu": ("loop", False)}
+      built[name] = (gmm.default_grouped_matmul(), "pallas_call" in jaxpr)
+  assert built == {"tpu": ("megablox", True), "cpu": ("loop", False)}

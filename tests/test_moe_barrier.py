@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from meshlm.nn import moe
+from moe_helpers import settings
 
 N, D, F, E, K = 48, 16, 24, 4, 2
 
@@ -30,7 +31,7 @@ def _inputs():
 
 
 def _loss(barrier, x, ids, w, gate, up, down):
-  y = moe.dispatch(x, ids, w, gate, up, down, grad_barrier=barrier, block_rows=16)
+  y, _ = moe.dispatch(x, ids, w, gate, up, down, *settings(E, K, grad_barrier=barrier, block_rows=16))
   return jnp.sum(jnp.sin(y)), y
 
 
@@ -122,7 +123,7 @@ def test_bit_identical_under_a_mesh(mode):
   def loss(arm, p, x):
     if arm[1]:  # what the moe part does with grad_reduce_barrier
       p, x = moe.reduce_barrier(p, x, kernel_axes)
-    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+    y, side = moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True,
                                                       block_rows=16, grad_barrier=arm[0], kernel_axes=kernel_axes))
     return jnp.sum(jnp.sin(y)) + side["moe_load_balance_loss"]
   got, texts = {}, {}
@@ -155,10 +156,10 @@ def test_kernels_left_in_their_stacks_are_not_barred():
   p = {"router": 0.3 * jax.random.normal(jax.random.key(1), (D, E)), "gate": gate, "up": up, "down": down}
   stacks = {n: jnp.stack([p[n], p[n]]) for n in ("gate", "up", "down")}
   rows = dict(p, **{n: StackRow(a, 1) for n, a in stacks.items()})
-  settings = moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, grouped_matmul="loop")
+  s = settings(E, K, norm_topk_prob=True, grouped_matmul="loop")
 
   def barriers(params: dict) -> int:
-    f = jax.grad(lambda x: jnp.sum(moe.moe_mlp(*moe.reduce_barrier(params, x), None, settings)[0]))
+    f = jax.grad(lambda x: jnp.sum(moe.moe_mlp(*moe.reduce_barrier(params, x), None, *s)[0]))
     return jax.jit(f).lower(x.reshape(2, N // 2, D)).as_text().count("stablehlo.optimization_barrier")
   assert barriers(rows) == 0
   assert barriers(p) == 2
@@ -185,7 +186,7 @@ def test_tpu_each_layers_kernel_gradients_are_reduced_apart():
   def loss(barrier, ps, x):
     for p in ps:
       pb, xb = moe.reduce_barrier(p, x, axes) if barrier else (p, x)
-      x = x + moe.moe_mlp(pb, xb, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+      x = x + moe.moe_mlp(pb, xb, None, *settings(E, K, norm_topk_prob=True,
                                                         grouped_matmul="ragged", kernel_axes=axes))[0]
     return jnp.sum(x.astype(jnp.float32) ** 2)
   most = {}
@@ -219,7 +220,7 @@ def test_the_key_reaches_the_layer_and_is_off_by_default():
   def barriers(*overrides) -> int:
     m = resolve(load_config("model=mixtral-tiny", *overrides)).m
     p = {n: jnp.zeros(s.shape) for n, s in part.moe_spec(m).items()}
-    ctx = types.SimpleNamespace(model=m, dense=dense, layer={})
+    ctx = types.SimpleNamespace(model=m, dense=dense, layer={}, cast=lambda w, dt: w.astype(dt))
     f = jax.grad(lambda x: jnp.sum(part.apply(dict(p, router_full=None), x, ctx)[0]))
     return jax.jit(f).lower(jnp.ones((2, 8, m.embed_dim))).as_text().count("stablehlo.optimization_barrier")
   assert part.knobs(resolve(load_config("model=mixtral-tiny")).m).grad_reduce_barrier is False
@@ -248,12 +249,13 @@ def test_the_part_bars_the_shared_experts_use_of_x_too():
   x = jax.random.normal(keys[-1], (2, 16, m.embed_dim))
 
   def grad_x(on: bool, inside: bool = False):
-    ctx = types.SimpleNamespace(model=models["true" if on and not inside else "false"], dense=dense, layer={})
+    ctx = types.SimpleNamespace(model=models["true" if on and not inside else "false"], dense=dense, layer={},
+                                cast=lambda w, dt: w.astype(dt))
 
     def f(x):
       if inside:  # the control: the barrier around the routed experts' layer only, the shared expert outside it
-        s = part.settings(ctx.model)
-        y = moe.moe_mlp(*moe.reduce_barrier(p, x, s.kernel_axes), ctx, s, router_full=None)[0] + part.shared_expert(
+        own, opts = part.knobs(ctx.model), part.options(ctx.model, ctx)
+        y = moe.moe_mlp(*moe.reduce_barrier(p, x, opts.kernel_axes), ctx, own, opts, router_full=None)[0] + part.shared_expert(
             p, x, ctx)
       else:
         y = part.apply(dict(p, router_full=None), x, ctx, shared=True)[0]

@@ -38,17 +38,18 @@ from meshlm.parallel.sharding import logical_spec
 from meshlm.train.loop import part_metrics_text
 from meshlm.train.step import part_losses
 from test_moe_ep import CTX, SPEC, B, D, E, K, T, TOL, _inputs, _loss, _mesh, _rel_diffs
+from moe_helpers import settings
 
 COMPACT = dict(ep_impl="compact")
 
 
 def _settings(**kw):
-  return moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, **kw)
+  return settings(E, K, norm_topk_prob=True, **kw)
 
 
 def _grad_fn(**kw):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, _settings(**kw))
+    y, side = moe.moe_mlp(p, x, CTX, *_settings(**kw))
     return _loss(y, side), (y, side[moe.DROPPED])
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
 
@@ -129,7 +130,7 @@ def forward(factor: float):
   mesh = _mesh({"expert": EP}, "explicit")
   with jax.set_mesh(mesh):
     ps, xs = _placed(mesh, p, x)
-    y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, CTX, _settings(ep_impl="compact", ep_buffer_factor=factor)))(
+    y, side = jax.jit(lambda p, x: moe.moe_mlp(p, x, CTX, *_settings(ep_impl="compact", ep_buffer_factor=factor)))(
         ps, xs)
   return np.asarray(y), float(side[moe.DROPPED]), np.asarray(side["moe_expert_ids"])
 
@@ -176,8 +177,8 @@ def test_drop_count_equals_numpy_and_one_row_short_drops_exactly_the_last_rows(u
   w_kept = np.asarray(w).reshape(B, T * K).copy()
   for b, a in lost:
     w_kept[b, a] = 0.0
-  want = moe.dispatch(x.reshape(-1, D), ids.reshape(-1, K), jnp.asarray(w_kept.reshape(-1, K)), p["gate"], p["up"],
-                      p["down"])
+  want, _ = moe.dispatch(x.reshape(-1, D), ids.reshape(-1, K), jnp.asarray(w_kept.reshape(-1, K)), p["gate"],
+                         p["up"], p["down"], *settings(E, K))
   np.testing.assert_allclose(y_short, np.asarray(want).reshape(y_short.shape), rtol=0, atol=1e-5)
   assert np.max(np.abs(y_short - y_all)) > 1e-2  # control: the dropped slots change y
   # A balanced buffer (factor 1.0) on the skewed routing drops many: the NumPy count of the slots past C.
@@ -206,7 +207,9 @@ def _grads(f):
 @_grads
 def masked_dispatch(x, w, gate, up, down, ids, mask):
   """The unsharded dropless dispatch with the routing weights times mask (0 at the slots to drop)."""
-  y = moe.dispatch(x.reshape(-1, D), ids.reshape(-1, K), (w * mask).reshape(-1, K), gate, up, down).reshape(x.shape)
+  y, _ = moe.dispatch(x.reshape(-1, D), ids.reshape(-1, K), (w * mask).reshape(-1, K), gate, up, down,
+                      *settings(E, K))
+  y = y.reshape(x.shape)
   return _weighted(y), y
 
 
@@ -216,7 +219,7 @@ def compact_on_expert2(c: int, x, w, ids, p):
   s = _settings(ep_impl="compact", ep_buffer_factor=_factor(c, EP2))
 
   def f(x, w, gate, up, down, ids):
-    y, dropped = layer._experts_dropless({"gate": gate, "up": up, "down": down}, x, ids, w, s)
+    y, dropped = layer._experts_dropless({"gate": gate, "up": up, "down": down}, x, ids, w, *s)
     return _weighted(y), (y, dropped)
   mesh = _mesh({"expert": EP2}, "explicit")
   with jax.set_mesh(mesh):
@@ -295,7 +298,7 @@ def test_census_has_no_token_gather_under_compact():
   mesh = _mesh({"expert": 2, "fsdp": 2}, "explicit")
   with jax.set_mesh(mesh):
     ps, xs = _placed(mesh, p, x)
-    gather = _moved(jax.jit(lambda p, x: moe.moe_mlp(p, x, CTX, _settings())[0]).lower(ps, xs).compile().as_text())
+    gather = _moved(jax.jit(lambda p, x: moe.moe_mlp(p, x, CTX, *_settings())[0]).lower(ps, xs).compile().as_text())
   assert _token_rows(gather["all-gather"]) and _token_rows(gather["reduce-scatter"]), gather
   assert not gather["all-to-all"], gather
 

@@ -36,6 +36,7 @@ from meshlm.nn.dense import dense
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import logical_spec
 from meshlm.train.step import build_train_step
+from moe_helpers import settings
 
 B, T, D, F, E, K = 4, 7, 24, 20, 8, 2  # B = 4 splits over data x expert; T odd
 TOL = 1e-6  # float32 reassociation, max |diff| / max(1, max |reference|) per leaf
@@ -67,7 +68,7 @@ def _loss(y, side):
 
 def _layer(**kw):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, **kw))
+    y, side = moe.moe_mlp(p, x, CTX, *settings(E, K, norm_topk_prob=True, **kw))
     return _loss(y, side), y
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
 
@@ -315,8 +316,8 @@ def test_local_dispatches_sum_to_the_whole_and_skip_other_experts(monkeypatch):
   x_ND = x.reshape(-1, D)
   logits = x_ND @ p["router"]
   _, w, ids = moe.route(logits, K, True)
-  want = jax.jit(lambda x, ids, w, p: moe.dispatch(x, ids, w, p["gate"], p["up"], p["down"],
-                                                    grouped_matmul_impl="blocks", block_rows=4))(x_ND, ids, w, p)
+  s = settings(E, K, grouped_matmul="blocks", block_rows=4)
+  want = jax.jit(lambda x, ids, w, p: moe.dispatch(x, ids, w, p["gate"], p["up"], p["down"], *s)[0])(x_ND, ids, w, p)
   live = []
   real = gmm.block_layout
 
@@ -327,8 +328,8 @@ def test_local_dispatches_sum_to_the_whole_and_skip_other_experts(monkeypatch):
   monkeypatch.setattr(gmm, "block_layout", counted)
   half = E // 2
   parts = jax.jit(lambda x, ids, w, p: [
-      moe.dispatch(x, ids, w, *(p[k][o:o + half] for k in ("gate", "up", "down")), grouped_matmul_impl="blocks",
-                   block_rows=4, expert_offset=jnp.int32(o)) for o in (0, half)])(x_ND, ids, w, p)
+      moe.dispatch(x, ids, w, *(p[k][o:o + half] for k in ("gate", "up", "down")), *s,
+                   expert_offset=jnp.int32(o))[0] for o in (0, half)])(x_ND, ids, w, p)
   jax.effects_barrier()
   np.testing.assert_allclose(parts[0] + parts[1], want, rtol=0, atol=1e-6)
   counts = np.bincount(np.asarray(ids).ravel(), minlength=E)

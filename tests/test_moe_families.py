@@ -198,10 +198,10 @@ def test_a_decode_routing_bug_is_caught(monkeypatch):
   cfg, params, tokens, _ = cached_generation("qwen3-moe-tiny", "model.num_layers=1", "model.mlp_only_layers=[]")
   real = moe.moe_mlp
 
-  def decode_routes_wrongly(p, x_BTD, ctx, settings, **kw):
+  def decode_routes_wrongly(p, x_BTD, ctx, knobs, opts, **kw):
     if x_BTD.shape[1] == 1:
-      settings = dataclasses.replace(settings, norm_topk_prob=not settings.norm_topk_prob)
-    return real(p, x_BTD, ctx, settings, **kw)
+      knobs = knobs.model_copy(update=dict(norm_topk_prob=not knobs.norm_topk_prob))
+    return real(p, x_BTD, ctx, knobs, opts, **kw)
   monkeypatch.setattr(moe, "moe_mlp", decode_routes_wrongly)
   api.clear_programs()
   try:

@@ -33,13 +33,14 @@ from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import ShardingWarning, logical_spec
 
 from test_moe_ep import CTX, B, D, E, F, K, TOL, _inputs, _loss, _rel_diffs
+from moe_helpers import settings
 
 LAYOUTS = ("experts", "embed", "mlp")
 
 
 def _layer(layout):
   def f(p, x):
-    y, side = moe.moe_mlp(p, x, CTX, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+    y, side = moe.moe_mlp(p, x, CTX, *settings(E, K, norm_topk_prob=True,
                                                      kernel_fsdp=layout))
     return _loss(y, side), y
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)

@@ -250,16 +250,18 @@ def test_an_old_saved_moe_config_loads_and_resumes():
 
 
 def test_a_checkpoint_resumes_under_another_moe_layout_but_not_other_experts():
-  """impl, grouped_matmul, kernel_fsdp, ep_impl, ep_buffer_factor, kernel_cast and grad_reduce_barrier are the
-  section's COMPUTE knobs; the experts' count and width are parameters' shapes."""
+  """impl, grouped_matmul, megablox_tiling, kernel_fsdp, ep_impl, ep_buffer_factor, grad_reduce_barrier and
+  decode_kernels are the section's COMPUTE knobs; the experts' count and width are parameters' shapes. A retired knob
+  a saved config still holds (kernel_cast) resumes."""
   from meshlm.models.ffns.moe import MoEConfig
-  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor", "kernel_cast",
-                               "grad_reduce_barrier")
+  assert MoEConfig.COMPUTE == ("impl", "grouped_matmul", "megablox_tiling", "kernel_fsdp", "ep_impl",
+                               "ep_buffer_factor", "grad_reduce_barrier", "decode_kernels")
   cfg = load_config("model=mixtral-tiny")
   saved = cfg.model.model_dump(mode="json")
   moe = saved["parts"]["moe"]
-  other = dict(moe, impl="reference", grouped_matmul="ragged", kernel_fsdp="experts", ep_impl="compact",
-               ep_buffer_factor=2.0, kernel_cast="bits", grad_reduce_barrier=True)
+  other = dict(moe, impl="reference", grouped_matmul="megablox", megablox_tiling=[256, 512, 512],
+               kernel_fsdp="experts", ep_impl="compact", ep_buffer_factor=2.0, kernel_cast="bits",
+               grad_reduce_barrier=True, decode_kernels="split")
   assert _model_mismatch(dict(saved, parts={"moe": other}), cfg) is None
   assert _model_mismatch(dict(saved, parts={"moe": dict(moe, mlp_dim=128)}), cfg) == (
       "model.parts.moe.mlp_dim is 256 here but 128 in the checkpoint")
@@ -275,6 +277,8 @@ def test_a_checkpoint_resumes_under_another_moe_layout_but_not_other_experts():
     ("model.parts.moe.num_experts=0", r"^model\.parts\.moe\.num_experts: Input should be greater than 0 \(got 0\)"),
     ("model.parts.moe.router_dtype=float16", r"^model\.parts\.moe\.router_dtype: Input should be 'float32' or "
      r"'bfloat16'"),
+    ("model.parts.moe.megablox_tiling=[100,1024,1024]", r"^model\.parts\.moe\.megablox_tiling: \[100, 1024, 1024\]: "
+     r"tm must be a positive multiple of 8 and tk, tn of 128"),
 ])
 def test_the_moe_section_refuses_a_bad_or_unknown_knob_naming_the_key(override, msg):
   with pytest.raises(ConfigError, match=msg):

@@ -2,12 +2,13 @@
 
 XLA:TPU reduce-scatters a bfloat16 weight gradient over a leading dim, as a fusion whose computation all-reduces and
 keeps this device's dynamic-slice; over the minor dim it all-reduces some whole and slices them. The census counts
-such a fusion as the reduce-scatter it is (analysis/census.reduce_scatter_fusions). On those platforms
-(sharding.SCATTER_LEADING) a gradient whose FSDP dim is the kernel's minor one (down "fd", o "nhd", the embedding
-table [V, D]), where XLA:TPU would all-reduce it (sharding.minor_scatter_all_reduced), is formed with that dim
-leading and its shard put back in the kernel's order (nn/dense.weight_grad, sharding.take_rows). The TPU program's
-check is in tests/test_compile.py (test_tpu_weight_gradients_are_reduce_scattered); here, on CPU, the census's
-reading of XLA:TPU's form, and the numbers: the TPU path run on CPU (forced wherever the minor dim is sharded) gives
+such a fusion as the reduce-scatter it is (analysis/census.reduce_scatter_fusions). There (the scatter_leading
+key: auto is its tpu rule on TPU, sharding.scatter_rule) a gradient whose FSDP dim is the kernel's minor one (down
+"fd", o "nhd", the embedding table [V, D]), where XLA:TPU would all-reduce it (sharding.minor_scatter_all_reduced),
+is formed with that dim leading and its shard put back in the kernel's order (nn/dense.weight_grad,
+sharding.take_rows). The TPU program's check is in tests/test_compile.py (test_tpu_weight_gradients_are_reduce_scattered);
+here, on CPU, the census's reading of XLA:TPU's form, and the numbers: the TPU path run on CPU (scatter_leading=all:
+wherever the minor dim is sharded) gives
 bit-identical float32 loss and gradients, under explicit and auto; so does the blockwise head's exchange of its
 gradient's partials (nn/head_loss.py).
 """
@@ -90,29 +91,35 @@ def test_census_counts_xla_tpus_reduce_scatter_fusion_as_a_reduce_scatter():
   assert cols["reduce-scatter"]["count"] == 0 and cols["all-reduce"]["count"] == 3, cols
 
 
-def test_scatter_order_moves_only_a_minor_fsdp_dim_xla_would_all_reduce(monkeypatch):
-  """Which weight gradients are formed dy first: those whose kernel's minor dim is sharded over a mesh axis the
-  batch is (the reduction's) and whose bfloat16 shards XLA:TPU would all-reduce (an odd multiple of 128 wide), on
-  a SCATTER_LEADING platform only."""
-  monkeypatch.setattr(S, "SCATTER_LEADING", ("cpu", "tpu"))
+def test_scatter_order_moves_only_a_minor_fsdp_dim_xla_would_all_reduce():
+  """Which weight gradients are formed dy first under the tpu rule: those whose kernel's minor dim is sharded over a
+  mesh axis the batch is (the reduction's) and whose bfloat16 shards XLA:TPU would all-reduce (an odd multiple of 128
+  wide); under all, every sharded one; under none (auto's rule off TPU), none."""
   x_btd, x_bnth = P("fsdp", None, None), P("fsdp", None, None, None)
   with jax.set_mesh(make_mesh(load_config("cpu_devices=4", "mesh.fsdp=4"))):
-    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 2) == "df"  # down, shards of 128
-    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 3584), 2) == "df"  # 896 = 7 x 128
-    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (14336, 4096), 2) is None  # 1024: XLA scatters
-    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 4) is None  # float32: XLA scatters
-    assert DN.scatter_order("bnth,nhd->btd", P(None, None, "fsdp"), x_bnth, (4, 128, 512), 2) == "dnh"  # o
-    assert DN.scatter_order("bnth,nhd->btd", P("tensor", None, "fsdp"), x_bnth, (4, 128, 512), 2) == "dnh"
-    assert DN.scatter_order("btd,df->btf", P("fsdp", None), x_btd, (512, 1024), 2) is None  # gate: d leads already
-    assert DN.scatter_order("btd,dnh->bnth", P("fsdp", None, None), x_btd, (512, 4, 128), 2) is None  # q
-    assert DN.scatter_order("btf,fd->btd", P(None, None), x_btd, (1024, 512), 2) is None  # nothing sharded
-    assert S.leading_spec(P(None, "fsdp"), (768, 512), 2) == P("fsdp", None)  # the embedding table
-    assert S.leading_spec(P(None, "fsdp"), (768, 4096), 2) is None  # shards of 1024: XLA scatters
-    assert S.leading_spec(P(None, "fsdp"), (766, 512), 2) is None  # fsdp does not divide V
-    assert S.leading_spec(P("fsdp", None), (768, 512), 2) is None  # V sharded already
-    monkeypatch.setattr(S, "SCATTER_LEADING", ("tpu",))
-    assert DN.scatter_order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 2) is None
-    assert S.leading_spec(P(None, "fsdp"), (768, 512), 2) is None
+    order = lambda eqn, k_spec, x_spec, shape, itemsize, rule="tpu": DN.scatter_order(  # noqa: E731
+        eqn, k_spec, x_spec, shape, itemsize, rule)
+    assert order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 2) == "df"  # down, shards of 128
+    assert order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 3584), 2) == "df"  # 896 = 7 x 128
+    assert order("btf,fd->btd", P(None, "fsdp"), x_btd, (14336, 4096), 2) is None  # 1024: XLA scatters
+    assert order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 4) is None  # float32: XLA scatters
+    assert order("bnth,nhd->btd", P(None, None, "fsdp"), x_bnth, (4, 128, 512), 2) == "dnh"  # o
+    assert order("bnth,nhd->btd", P("tensor", None, "fsdp"), x_bnth, (4, 128, 512), 2) == "dnh"
+    assert order("btd,df->btf", P("fsdp", None), x_btd, (512, 1024), 2) is None  # gate: d leads already
+    assert order("btd,dnh->bnth", P("fsdp", None, None), x_btd, (512, 4, 128), 2) is None  # q
+    assert order("btf,fd->btd", P(None, None), x_btd, (1024, 512), 2) is None  # nothing sharded
+    assert S.leading_spec(P(None, "fsdp"), (768, 512), 2, "tpu") == P("fsdp", None)  # the embedding table
+    assert S.leading_spec(P(None, "fsdp"), (768, 4096), 2, "tpu") is None  # shards of 1024: XLA scatters
+    assert S.leading_spec(P(None, "fsdp"), (766, 512), 2, "tpu") is None  # fsdp does not divide V
+    assert S.leading_spec(P("fsdp", None), (768, 512), 2, "tpu") is None  # V sharded already
+    # all: every gradient whose minor dim is sharded, whatever its width and dtype; still none whose d leads.
+    assert order("btf,fd->btd", P(None, "fsdp"), x_btd, (14336, 4096), 4, "all") == "df"
+    assert order("btd,df->btf", P("fsdp", None), x_btd, (512, 1024), 2, "all") is None
+    assert S.leading_spec(P(None, "fsdp"), (768, 4096), 4, "all") == P("fsdp", None)
+    # none, and auto on this CPU (the rule derived from the program's platform): none.
+    assert S.scatter_rule("auto") == "none" and S.scatter_rule("tpu") == "tpu"
+    assert order("btf,fd->btd", P(None, "fsdp"), x_btd, (1024, 512), 2, "none") is None
+    assert S.leading_spec(P(None, "fsdp"), (768, 512), 2, "none") is None
 
 
 BASE = ("model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtype=float32", "train.seq_len=32",
@@ -120,22 +127,18 @@ BASE = ("model=llama2-tiny", "cpu_devices=4", "mesh.fsdp=4", "train.compute_dtyp
 
 
 def _grads(mode: str, leading: bool, *extra: str, patch=None):
-  """(loss, grads as numpy, the census's transpose-of-dot pairs of the lowered loss and gradients, its text)."""
+  """(loss, grads as numpy, the census's transpose-of-dot pairs of the lowered loss and gradients, its text).
+  leading: scatter_leading=all, the TPU path wherever a weight gradient's minor dim is sharded (llama2-tiny's float32
+  shards of 64 are none of those XLA:TPU would all-reduce); else none."""
   from seams import random_batch
   from meshlm.train import step as ST
   mp = pytest.MonkeyPatch()
-  if leading:
-    # The TPU path wherever a weight gradient's minor dim is sharded: llama2-tiny's float32 shards of 64 are none of
-    # those XLA:TPU would all-reduce.
-    rule = lambda size, entry, itemsize: entry is not None  # noqa: E731
-    mp.setattr(S, "SCATTER_LEADING", ("cpu", "tpu"))
-    mp.setattr(S, "minor_scatter_all_reduced", rule)
-    mp.setattr(DN, "minor_scatter_all_reduced", rule)
   if patch is not None:
     patch(mp)
   try:
     jax.clear_caches()
-    step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}", *extra))
+    step = ST.build_train_step(load_config(*BASE, f"shard_mode={mode}", f"scatter_leading={'all' if leading else 'none'}",
+                                           *extra))
     state = step.init_state(jax.random.key(0))
     batch = random_batch(step)
     with jax.set_mesh(step.mesh):

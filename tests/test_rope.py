@@ -13,8 +13,8 @@ import pytest
 
 import meshlm
 from meshlm.analysis.golden import shrink
-from meshlm.models import decoder
-from meshlm.models.mixers import gated_gqa, gqa, mla
+from meshlm.models import context, decoder
+from meshlm.models.mixers import gated_gqa, mla
 from meshlm.nn import rope as R
 from meshlm.train.step import grads_and_loss
 
@@ -62,7 +62,7 @@ def _rotate_and_grad(fn, x, cos, sin, ct):
 @pytest.mark.parametrize("width", [128, 64, 32, 8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position": 4096}])
-def test_apply_rope_equals_rotate_half_bit_for_bit(monkeypatch, width, dtype, scaling):
+def test_apply_rope_equals_rotate_half_bit_for_bit(width, dtype, scaling):
   rng = np.random.default_rng(width)
   B, N, T = 2, 3, 7
   x = jnp.asarray(rng.standard_normal((B, N, T, width)), dtype)
@@ -71,8 +71,8 @@ def test_apply_rope_equals_rotate_half_bit_for_bit(monkeypatch, width, dtype, sc
   cos, sin = _tables(positions, width, scaling)
   want = jax.jit(lambda x, c, s, ct: _rotate_and_grad(rotate_half_reference, x, c, s, ct))(x, cos, sin, ct)
   for by_matmul in (False, True):
-    monkeypatch.setattr(R, "platform", lambda: "tpu" if by_matmul else "cpu")
-    got = jax.jit(lambda x, c, s, ct: _rotate_and_grad(R.apply_rope, x, c, s, ct))(x, cos, R.fold_sign(sin), ct)
+    rope = lambda x, c, s: R.apply_rope(x, c, s, by_matmul)  # noqa: E731
+    got = jax.jit(lambda x, c, s, ct: _rotate_and_grad(rope, x, c, s, ct))(x, cos, R.fold_sign(sin), ct)
     for g, w in zip(got, want):
       assert g.dtype == w.dtype == jnp.dtype(dtype)
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
@@ -129,15 +129,16 @@ PATHS = {
 
 def _patched(monkeypatch, rotate_half, interleave, calls: list):
   """Every mixer's RoPE replaced: the tables the context built (sign folded) are unfolded and handed to the given
-  formulas; each trace is counted, so a path that never reaches them fails instead of passing."""
-  def rh(x, cos, sin_signed):
+  formulas; each trace is counted, so a path that never reaches them fails instead of passing. gqa and mla's
+  rotate-half pairs rotate through Context.rope (models/context), gated_gqa's partial rotary through its own."""
+  def rh(x, cos, sin_signed, by_matmul=None):
     calls.append("rotate_half")
     return rotate_half(x, cos, unfold_sign(sin_signed))
 
   def il(x, cos, sin_signed):
     calls.append("interleave")
     return interleave(x, cos, unfold_sign(sin_signed))
-  for mod in (gqa, gated_gqa, mla):
+  for mod in (context, gated_gqa):
     monkeypatch.setattr(mod, "apply_rope", rh)
   monkeypatch.setattr(mla, "apply_rope_interleave", il)
 
@@ -172,13 +173,12 @@ def test_swap_halves_by_matmul_is_a_dot_and_by_roll_is_none():
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_rope_path_trains_and_decodes_as_rotate_half_bit_for_bit(monkeypatch, path):
-  """Both ways of swapping the halves (the roll, CPU's; the permutation product, TPU's) against one reference run."""
-  cfg = meshlm.load_config(f"model={PATHS[path][0]}", *PATHS[path][1:], "cpu_devices=1")
+  """Both ways of swapping the halves (rope_swap=roll, CPU's; matmul, the permutation product TPU's take) against one
+  reference run."""
+  keys = (f"model={PATHS[path][0]}", *PATHS[path][1:], "cpu_devices=1")
+  cfg = meshlm.load_config(*keys)
   params = meshlm.init_params(cfg, jax.random.key(0))
-  got = {}
-  for way, platform in (("roll", "cpu"), ("matmul", "tpu")):
-    monkeypatch.setattr(R, "platform", lambda platform=platform: platform)
-    got[way] = _run_paths(cfg, params)
+  got = {way: _run_paths(meshlm.load_config(*keys, f"rope_swap={way}"), params) for way in ("roll", "matmul")}
   calls: list = []
   _patched(monkeypatch, rotate_half_reference, interleave_reference, calls)
   want = _run_paths(cfg, params)

@@ -36,6 +36,7 @@ from meshlm.nn.dense import dense
 from meshlm.parallel.mesh import make_mesh
 from meshlm.parallel.sharding import logical_spec
 from meshlm.train import step as train_step
+from moe_helpers import settings
 
 B, T, D, F, E, K = 2, 9, 16, 12, 8, 2  # 18 tokens
 R = 6  # replay rows of the compact top-k in these tests
@@ -60,7 +61,7 @@ def layer():
   p = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
 
   def f(p, x, forced, mask, *, aux=True, **kw):
-    y, side = moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, **kw), forced_ids_BTk=forced,
+    y, side = moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True, **kw), forced_ids_BTk=forced,
                           token_mask_BT=mask)
     c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
     loss = jnp.sum(c * y) + (side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"] if aux else 0.0)
@@ -161,7 +162,7 @@ def test_sharded_replay_gives_the_unsharded_ids(layer, mode):
   ctx = type("Ctx", (), {"dense": staticmethod(functools.partial(dense, kernel_order=True))})
 
   def f(p, x, forced):
-    y, side = moe.moe_mlp(p, x, ctx, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, replay_rows=rows),
+    y, side = moe.moe_mlp(p, x, ctx, *settings(E, K, norm_topk_prob=True, replay_rows=rows),
                           forced_ids_BTk=forced)
     c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
     return jnp.sum(c * y) + side["moe_load_balance_loss"] + 0.1 * side["moe_z_loss"], (y, side["moe_expert_ids"])
@@ -179,7 +180,7 @@ def test_sharded_replay_gives_the_unsharded_ids(layer, mode):
 
 def test_bad_forced_ids_are_refused(layer):
   x, p, _, _ = layer
-  call = lambda f: moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True), forced_ids_BTk=f)  # noqa: E731
+  call = lambda f: moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True), forced_ids_BTk=f)  # noqa: E731
   good = np.zeros((B, T, K), np.int32)
   with pytest.raises(ValueError, match=r"forced_expert_ids: shape \(2, 9, 3\), expected \(2, 9, 2\)"):
     call(np.zeros((B, T, K + 1), np.int32))
@@ -192,7 +193,7 @@ def test_bad_forced_ids_are_refused(layer):
   with pytest.raises(ValueError, match="dtype float32, expected integer"):
     call(good.astype(np.float32))
   with pytest.raises(ValueError, match="router replay impl='sorted'"):
-    moe.moe_mlp(p, x, None, moe.MoESettings(num_experts=E, num_experts_per_tok=K, norm_topk_prob=True, replay_impl="sorted"),
+    moe.moe_mlp(p, x, None, *settings(E, K, norm_topk_prob=True, replay_impl="sorted"),
                 forced_ids_BTk=good)
 
 

@@ -49,6 +49,17 @@ def _fail(msg: str) -> int:
   return 2
 
 
+def vmem_refusal(e: Exception) -> str | None:
+  """The one line of a program the compiler refused for a kernel's scoped VMEM (meshlm train, rl, eval on TPU: the
+  kernel, its phase and the key to change; analysis/aot.vmem_figures), or None for another error. It exits 2, as
+  the refusal of a layout that cannot fit the device's HBM does."""
+  if "Scoped allocation with size" not in str(e):
+    return None
+  from meshlm.analysis.aot import vmem_figures, vmem_line
+  found = vmem_figures(str(e))
+  return None if found is None else vmem_line(found)
+
+
 def _usage_of(cmd: str) -> tuple[str, str | None]:
   """(usage line, the command's own options or None); each comes from the command's module."""
   if cmd == "train":
@@ -290,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[cmd](args, start)
   except (ConfigError, UsageError) as e:
     return _fail(str(e))
+  except Exception as e:
+    line = vmem_refusal(e)
+    if line is None:
+      raise
+    return _fail(line)
   finally:
     warnings.showwarning = _python_showwarning
 

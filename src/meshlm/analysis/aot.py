@@ -88,6 +88,38 @@ def oom_figures(message: str) -> dict | None:
   return {"required_bytes": _bytes(m.group(1), m.group(2)), "available_bytes": _bytes(m.group(3), m.group(4))}
 
 
+_VMEM = re.compile(r"Scoped allocation with size " + _SIZE + r" and limit " + _SIZE)
+_VMEM_KERNEL = re.compile(r"allocating on stack for %([A-Za-z_][\w-]*?)(?:\.\d+)? = ")
+_VMEM_BLOCKS = re.compile(r'\\?"(block_\w+)\\?": (\d+)')
+
+
+def vmem_figures(message: str) -> dict | None:
+  """XLA:TPU's CompileTimeScopedVmemOom error -> {"kernel" (the custom call's name: Mosaic's kernel), "required_bytes",
+  "limit_bytes", "blocks" (the kernel's recorded block sizes), and what to change where a kernel's module knows it
+  (nn/splash_rule.vmem_advice: "kernel", "phase", "key")}, or None for another error."""
+  m = _VMEM.search(message)
+  if m is None:
+    return None
+  kernel = _VMEM_KERNEL.search(message)
+  out = {"kernel": kernel.group(1) if kernel else None, "required_bytes": _bytes(m.group(1), m.group(2)),
+         "limit_bytes": _bytes(m.group(3), m.group(4)),
+         "blocks": {k: int(v) for k, v in _VMEM_BLOCKS.findall(message)}}
+  from meshlm.nn.splash_rule import vmem_advice
+  advice = vmem_advice(out["kernel"] or "", out["blocks"])
+  return out | ({"advice": advice} if advice else {})
+
+
+def vmem_line(v: dict) -> str:
+  """The one line a scoped-VMEM refusal prints: "splash dkv kernel needs 16.44 MiB of scoped VMEM, the chip has
+  16.00: set sa_block_kv_dkv_compute=512"."""
+  need, has = v["required_bytes"] / (1 << 20), v["limit_bytes"] / (1 << 20)
+  a = v.get("advice")
+  if a is None:
+    return (f"kernel {v['kernel'] or '(unnamed)'} needs {need:.2f} MiB of scoped VMEM, the chip has {has:.2f}: "
+            "lower its block sizes")
+  return f"{a['kernel']} {a['phase']} kernel needs {need:.2f} MiB of scoped VMEM, the chip has {has:.2f}: set {a['key']}"
+
+
 def hbm_limit(device) -> int | None:
   """The HBM XLA:TPU lets one program of this device use, read from the compiler's refusal of a program that
   needs 1 TiB (it compiles nothing else; about a second). None off TPU, or if the compiler says otherwise."""
@@ -231,12 +263,16 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
   calls whose FLOPs rest on an assumed mask (cost.custom_call_flops), the loops whose trip count was not read."""
   out = ["bytes: each instruction's operands and result, without on-chip reuse across instructions"]
   splash = [n for n in guessed_calls if n.startswith("splash")]
+  decode = [n for n in guessed_calls if n.startswith("decode_attention")]
   if splash:
     out.append(f"custom calls: {len(splash)} splash kernels' skipped blocks taken as the causal triangle (their "
                "block mask too large for the HLO text to print)")
-  if len(splash) < len(guessed_calls):
-    out.append(f"custom calls: {len(guessed_calls) - len(splash)} ragged dot kernels count every row of their buffer "
-               "(rows past the groups' sizes too: a compact dispatch's padding)")
+  if decode:
+    out.append(f"custom calls: {len(decode)} decode attention kernels count every slot of their layer's cache (they "
+               "read each row's filled blocks, a runtime count)")
+  if len(splash) + len(decode) < len(guessed_calls):
+    out.append(f"custom calls: {len(guessed_calls) - len(splash) - len(decode)} grouped matmul kernels (ragged dot, megablox) count every row of "
+               "their buffer (rows past the groups' sizes too: a compact dispatch's padding)")
   if unread:
     out.append(f"loops: {sum(u['runs'] for u in unread)} loop starts per step whose trip count was not read count "
                "their body once (unread_loops)")
@@ -246,7 +282,8 @@ def estimated_parts(guessed_calls: list[str], unread: list[dict]) -> list[str]:
 def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: float | None = None,
                    census: bool = True, keep: bool = False, recompute: float = 0.0, step_loop: bool = False) -> dict:
   """Compiles one lowered program and reports on it (module docstring). A program XLA:TPU refuses for
-  memory gives {"fits": False, "oom": the compiler's figures} and no census; other errors propagate.
+  memory gives {"fits": False, "oom": the compiler's figures} and no census; one a kernel's scoped VMEM refuses
+  {"fits": False, "vmem": vmem_figures(...)}; other errors propagate.
   keep: the report also holds the executable under "_compiled" (None when refused), for a caller that needs
   its output shardings."""
   with tempfile.TemporaryDirectory(prefix="meshlm-compile-") as dump:
@@ -256,6 +293,12 @@ def compile_report(lowered, inputs: dict[str, Any], chip: Chip, model_flops: flo
       compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
     except Exception as e:
       found = oom_figures(str(e))
+      vmem = None if found else vmem_figures(str(e))
+      if vmem is not None:
+        return {"compile_s": time.perf_counter() - start, "memory": {
+            "fits": False, "hbm_bytes": chip.hbm_bytes, "peak_bytes": None, "peak_source": "compiler error",
+            "arguments_by_input": {k: shard_bytes(v) for k, v in inputs.items()}, "vmem": vmem,
+            "largest_buffers": []}} | ({"_compiled": None} if keep else {})
       if found is None:
         raise
       seconds = time.perf_counter() - start

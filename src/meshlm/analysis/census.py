@@ -503,8 +503,9 @@ def attention_impl(cfg, platform: str | None = None) -> str:
 
 
 def config_summary(cfg, platform: str | None = None) -> dict[str, Any]:
+  from meshlm.analysis.keys import program_keys
   core = attention_record(cfg, platform)
-  return {"model": cfg.model_name, "shard_mode": cfg.shard_mode, **core.summary(),
+  return {"model": cfg.model_name, "shard_mode": cfg.shard_mode, **core.summary(), **program_keys(cfg, platform),
           "lm_head_weight_grad_in_kernel_order": cfg.lm_head_weight_grad_in_kernel_order,
           "dense_weight_grad_in_kernel_order": cfg.dense_weight_grad_in_kernel_order,
           "weight_grad_impl": cfg.weight_grad_impl, "mesh": cfg.mesh.sizes(), "cpu_devices": cfg.cpu_devices,
@@ -562,6 +563,7 @@ def fmt_value(v: Any) -> str:
 
 def render(result: dict) -> str:
   """The human table for `meshlm census`."""
+  from meshlm.analysis.keys import keys_line
   lines = []
   c = result.get("config", {})
   if c:
@@ -569,6 +571,7 @@ def render(result: dict) -> str:
                  f"{c['lm_head_weight_grad_in_kernel_order']}  dense_kernel_order={c['dense_weight_grad_in_kernel_order']}"
                  f"  weight_grad_impl={c['weight_grad_impl']}  attention={c.get('attention_impl', '-')}"
                  + (f"  loss_impl={c['loss_impl']}" if "loss_impl" in c else ""))
+    lines += [line for line in (keys_line(c),) if line]
   rows = summary(result)
   width = max(len(f) for f in rows)
   for f, v in rows.items():

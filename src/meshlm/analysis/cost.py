@@ -21,17 +21,22 @@ v5p:2x2x1 reports 4.38e13 where the step does 5.3e14. These counts walk the same
   ragged dot kernel (`jax.lax.ragged_dot` there, the MoE grouped matmul's `ragged`): 2 M K N, each row against one
   group's kernel, every row of the buffer counted (the rows past the groups' sizes too: an upper figure, named in
   `estimated`). And the Gated DeltaNet kernels (nn/gdn_pallas.py, `gdn_chunk_{fwd,bwd}`): per (row, value head,
-  chunk of W positions) their matmuls, from q [B, T, K H], v [B, T, N J] and g [B, K, G, U, W] (`gdn_flops`).
+  chunk of W positions) their matmuls, from v [B, T, N J], g [B, N, U, W] and a state [B, N, H, J] (`gdn_flops`). And
+  the decode attention kernel (nn/decode_attention.py, `decode_attention...`): each query row against every slot of
+  its layer's cache, 2 C (H + Hv), an upper figure (it computes each row's filled blocks).
 - `bytes`: each top-level instruction (outside fusions) reads its operands and writes its result, counting only
   buffers in device memory (HBM: a buffer XLA:TPU's memory-space assignment keeps on chip, `S(1)` VMEM in its
   layout, moves nothing there); a fusion that only slices or gathers from an operand (a layer's row of a stacked
   kernel, an embedding lookup's rows; also through layout copies and casts, and in fusions nested in it) reads the
   slices, and one whose root (or a part of its tuple root) updates a buffer in place (a dynamic-update-slice or a
   scatter: a scan writing a layer's row, a decode step writing its K/V rows into the cache) writes and reads only
-  the update; XLA:TPU's async wrappers (call-start / call-update on the SparseCore: collectives, copies) read their
-  data operands and write their outputs, not the operands they carry in their result; a conditional counts its
-  costliest branch (which one runs is a runtime value: a lax.switch over block sizes counts its largest). An
-  estimate of the HBM traffic, not a measurement: on-chip reuse across instructions is not seen.
+  the update; the decode attention kernel reads one layer's row of the cache stacks it is given, every slot (an
+  upper figure: it reads each row's filled blocks, a runtime count), and the K/V write beside it (write_rows) each
+  batch row's tile holding its slot, read and written back; XLA:TPU's async wrappers (call-start / call-update on
+  the SparseCore: collectives, copies) read their data operands and write their outputs, not the operands they carry
+  in their result (an async slice, slice-start, reads its window); a conditional counts its costliest branch (which
+  one runs is a runtime value: a lax.switch over block sizes counts its largest). An estimate of the HBM traffic,
+  not a measurement: on-chip reuse across instructions is not seen.
 - The sampler's decode program is a loop over the new tokens whose trip count is a runtime value: `step_loop`
   finds it and `loop_comps` what one trip runs, so the counts above can be taken over one decode step (`within`),
   and what runs once per call around it (the float32 -> bf16 casts XLA hoists out of the loop) apart.
@@ -53,7 +58,7 @@ _LABELS = re.compile(r"dim_labels=([\w]+)_([\w]+)->([\w]+)")
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "copy-done", "all-gather-done", "all-reduce-done",
                "collective-permute-done", "async-done", "call-done", "send-done", "recv-done", "opt-barrier",
-               "add-dependency", "iota"}
+               "add-dependency", "iota", "slice-done"}
 _SLICES = {"dynamic-slice", "slice", "gather"}  # read only what they take: a window, or rows (an embedding lookup)
 
 
@@ -249,13 +254,18 @@ def splash_flops(mod: H.HloModule, ins: H.Instr) -> tuple[float, bool] | None:
   return 2.0 * units * T * S * share * (a * H + b * Hv), estimated
 
 
+# The grouped matmul kernels counted as ragged dots: XLA:TPU's (`jax.lax.ragged_dot`) by name, and megablox's Pallas
+# `gmm` and `tgmm` (the MoE grouped matmul's `megablox`) by the call site their op name records.
+_GROUPED = re.compile(r"jit\(t?gmm\)\)*/pallas_call")
+
+
 def ragged_dot_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
-  """FLOPs of one run of XLA:TPU's ragged dot kernel (a `tpu_custom_call` named ragged-dot..., what
-  `jax.lax.ragged_dot` lowers to there), or None for any other instruction. Each row meets one group's kernel:
-  2 M K N, whichever dim is ragged. The forward and dx ([M, K] x [G, K, N] -> [M, N]) and dW ([K, M] x [M, N] ->
-  [G, K, N]) alike: the product of the two operands' and the result's elements over G is (M K N)^2, G being the
-  leading dim of the one rank-3 array among them."""
-  if ins.opcode != "custom-call" or not ins.name.startswith("ragged-dot"):
+  """FLOPs of one run of a grouped matmul kernel: XLA:TPU's ragged dot (a `tpu_custom_call` named ragged-dot..., what
+  `jax.lax.ragged_dot` lowers to there) or megablox's gmm / tgmm (a Pallas call from jit(gmm) or jit(tgmm)); None for
+  any other instruction. Each row meets one group's kernel: 2 M K N, whichever dim is ragged. The forward and dx
+  ([M, K] x [G, K, N] -> [M, N]) and dW ([K, M] x [M, N] -> [G, K, N]) alike: the product of the two float operands'
+  and the result's elements over G is (M K N)^2, G being the leading dim of the one rank-3 array among them."""
+  if ins.opcode != "custom-call" or not (ins.name.startswith("ragged-dot") or _GROUPED.search(ins.op_name or "")):
     return None
   floats = [a for a in _operand_arrays(mod, ins) if a is not None and a.dtype in _FLOAT and len(a.shape) >= 2]
   out = [a for a in ins.result if a.dtype in _FLOAT]
@@ -277,22 +287,50 @@ _GDN_PRODUCTS = {"fwd": (3, 2, 3), "bwd": (9, 5, 7)}
 
 def gdn_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
   """FLOPs of one run of a Gated DeltaNet kernel's custom call, or None for any other instruction. Its operands
-  start q [B, Tp, K H], k, v [B, Tp, N J], g [B, K, G, U, W]; per (row, value head, chunk) the products of
-  _GDN_PRODUCTS, and the forward's inverse of I + A, 2 (log2 W - 1) products of [W, W] x [W, W]."""
+  start q [B, Tp, K H], k, v [B, Tp, N J], g [B, N, U, W] and hold a state [B, N, H, J] (the forward's eighth, the
+  backward's eleventh); per (row, value head, chunk) the products of _GDN_PRODUCTS, and the forward's inverse of
+  I + A, 2 (log2 W - 1) products of [W, W] x [W, W]."""
   kind = _GDN.match(ins.name)
   if ins.opcode != "custom-call" or kind is None:
     return None
   ops = _operand_arrays(mod, ins)
-  if len(ops) < 4 or any(a is None for a in ops[:4]) or len(ops[3].shape) != 5:
+  state = 7 if kind.group(1) == "fwd" else 10
+  if len(ops) <= state or any(ops[i] is None for i in (0, 2, 3, state)) or len(ops[3].shape) != 4:
     return None
-  q, v, g = ops[0], ops[2], ops[3]
-  B, K, G, U, W = g.shape
-  H, J = q.shape[-1] // K, v.shape[-1] // (K * G)
+  v, g = ops[2], ops[3]
+  B, N, U, W = g.shape
+  H, J = ops[state].shape[-2:]
+  if v.shape[-1] != N * J:
+    return None
   ww_h, ww_j, wh_j = _GDN_PRODUCTS[kind.group(1)]
   per_chunk = 2.0 * (ww_h * W * W * H + ww_j * W * W * J + wh_j * W * H * J)
   if kind.group(1) == "fwd":
     per_chunk += 2.0 * 2 * max(int(math.log2(W)) - 1, 0) * W ** 3
-  return B * K * G * U * per_chunk
+  return B * N * U * per_chunk
+
+
+def _decode_attention(mod: H.HloModule, ins: H.Instr) -> tuple[list, list] | None:
+  """(the operands, the KV cache stacks among them) of nn/decode_attention's kernel (a `tpu_custom_call` named
+  decode_attention...), or None for any other instruction. Its operands: the scalar-prefetched positions and layer
+  index, q [B, K, G, H], the new key and value, then the K and V caches as stacks [L, B, K, C, H] of which it reads
+  one layer's row."""
+  if ins.opcode != "custom-call" or not ins.name.startswith("decode_attention"):
+    return None
+  ops = _operand_arrays(mod, ins)
+  if len(ops) != 7 or any(a is None for a in ops[2:]) or any(len(a.shape) != 5 for a in ops[5:]):
+    return None
+  return ops, ops[5:]
+
+
+def decode_attention_flops(mod: H.HloModule, ins: H.Instr) -> float | None:
+  """FLOPs of one run of the decode attention kernel, or None for any other instruction: each query row (B x K x G)
+  against every slot of its layer's cache, 2 C (H + Hv), an upper figure (the kernel computes only each row's
+  filled blocks, a runtime count)."""
+  got = _decode_attention(mod, ins)
+  if got is None:
+    return None
+  q, (k, v) = got[0][2], got[1]
+  return 2.0 * q.elements * k.shape[3] * (1 + v.shape[-1] / k.shape[-1])
 
 
 def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple[float, list[str]]:
@@ -303,9 +341,11 @@ def custom_call_flops(mod: H.HloModule, within: set[str] | None = None) -> tuple
     times = _counted(mod, ins, within)
     if not times or ins.opcode != "custom-call":
       continue
-    ragged = ragged_dot_flops(mod, ins)
-    if ragged is not None:  # every row of its buffer: rows past the groups' sizes (a compact buffer's) counted too
-      total += times * ragged
+    upper = ragged_dot_flops(mod, ins)
+    if upper is None:
+      upper = decode_attention_flops(mod, ins)
+    if upper is not None:  # a ragged dot's every buffer row (a compact dispatch's padding too), every cache slot
+      total += times * upper
       estimated.append(ins.name)
       continue
     gdn = gdn_flops(mod, ins)
@@ -473,6 +513,12 @@ def instruction_bytes(mod: H.HloModule, ins: H.Instr) -> tuple[int, int]:
     return 0, 0
   ops = _operand_arrays(mod, ins)
   written = sum(_hbm(a) for a in ins.result)
+  if ins.opcode == "slice-start":
+    # XLA:TPU's async slice (a DMA of a window, often into VMEM): its operand's window, the size of the slice it
+    # produces, read where the operand is in HBM; the slice written where it lands in HBM.
+    outs = [a for a in _async_outputs(ins) if a.dtype != "s32"]
+    src = ops[0] if ops else None
+    return (sum(a.bytes for a in outs) if _hbm(src) else 0), sum(_hbm(a) for a in outs)
   if ins.opcode in _ASYNC:
     local = _local(mod, ins.comp)
     data = [a for o, a in zip(ins.operands, ops) if o not in local or local[o].opcode not in _ASYNC]
@@ -482,6 +528,18 @@ def instruction_bytes(mod: H.HloModule, ins: H.Instr) -> tuple[int, int]:
     read = sum(sliced.get(k, _hbm(a)) for k, a in enumerate(ops))
     if update is not None:
       written = update
+  elif _decode_attention(mod, ins) is not None:
+    # The decode attention reads one layer's row of each cache stack, counted whole (its filled blocks are a
+    # runtime count: an upper figure, named in `estimated`), and its small operands.
+    ops, stacks = _decode_attention(mod, ins)
+    read = sum(_hbm(a) for a in ops[:5]) + sum(_hbm(a) // a.shape[0] for a in stacks)
+  elif ins.opcode == "custom-call" and ins.name.startswith("write_rows") and len(ops) == 3 and ops[2] is not None:
+    # nn/kv_cache.write_by_blocks: each batch row's tile of device memory holding its slot, read and written back
+    # (the cache aliased in place), and the new rows.
+    cache = ops[2]
+    share = min(8, cache.shape[-2]) / cache.shape[-2]  # XLA:TPU's (8, 128) tiles of [.., C, H]
+    read = sum(_hbm(a) for a in ops[:2]) + round(_hbm(cache) * share)
+    written = round(_hbm(cache) * share)
   elif ins.opcode in _SLICES:
     src = ops[0] if ops else None
     read = round(_hbm(src) * (ins.out.elements / src.elements)) if src is not None and ins.out and src.elements else 0

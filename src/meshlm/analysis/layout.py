@@ -10,31 +10,33 @@ logical_spec on the mesh the config names) and adds named terms, bytes per devic
   update);
 - `saved`: what the layer scan saves for the backward: each layer's input ([tokens, embed] in the compute dtype)
   under every remat policy (remat=dots and none save more: not counted, so the estimate is low there);
-- `dispatch`: one MoE layer's routed-row buffers (nn/moe/): ROW_BUFFERS rows x embed and GLU_BUFFERS rows x the
-  expert width, in the compute dtype, the rows being the device's own slots (tokens x top-k) without expert
-  parallelism, the expert group's under ep_impl=gather (the ep devices that share the batch x tokens x top-k),
-  ep x C under ep_impl=compact (C = expert_parallel.capacity: ep_buffer_factor x slots / ep per peer);
+- `dispatch`: a part's own working buffers for one layer (its MeshRules.memory: LayerMemory.buffers, e.g. the
+  routed rows of a sparse feed-forward);
 - `gathered_kernels`: the kernels of one layer as its dots read them, in the compute dtype, KERNEL_COPIES of them
-  (the layer computing and the next one's gather in flight): every dense kernel whole (FSDP gathers it), an expert
-  kernel E / ep experts wide (its experts dim stays sharded, its other dims are gathered);
+  (the layer computing and the next one's gather in flight): every kernel whole (FSDP gathers it) except where its
+  part keeps it split (LayerMemory.split: a kernel stacked over routed sub-layers, split over their parallel group);
 - `kernel_grads`: those kernels' float32 gradients as the backward computes them, before they are reduced to the
-  parameter sharding: one layer's, and the expert kernels' of every MoE layer of the scanned period without
-  model.parts.moe.grad_reduce_barrier (XLA's scheduler leaves their reduce-scatters in flight; docs/compile.md);
+  parameter sharding: one layer's, and the split kernels' of every such layer of the scanned period where the part
+  says they stay live (LayerMemory.grads_every_layer; docs/compile.md);
 - `layer`: the recomputed layer's activations: tokens x the widths its dense kernels produce, a compute-dtype value
-  and its float32 cotangent each (the mixers' own state, GDN's chunk states, is not counted);
+  and its float32 cotangent each (the mixers' own state, a recurrent mixer's chunk states, is not counted);
 - `attention_scores`: where the attention core materializes its scores (xla: no flash or splash core applies),
   one layer's rows x heads x queries x keys per device, float32;
 - `loss`: the head and its loss: the blockwise loss gathers the head once and accumulates its float32 gradient;
-  the materialized one holds float32 logits and their gradient.
+  the materialized one holds float32 logits and their gradient;
+- `held_head_grad`: that float32 accumulator again, in a layer's phase, where XLA holds it over the layers' backward
+  (loss_grad_reduce=overlap; 0 with the barrier: models/logprobs.grad_reduce).
 
 The estimate is arguments + grads + saved + the larger of the loss's phase and a layer's (dispatch,
-gathered_kernels, kernel_grads, layer, attention_scores). It is not a bound: XLA's buffer assignment adds
-temporaries it does not model. `floor` is one: the arguments, the looped layers' gradients and the saved layer
+gathered_kernels, kernel_grads, layer, attention_scores, held_head_grad). It is not a bound: XLA's buffer assignment
+adds temporaries it does not model. `floor` is one: the arguments, the looped layers' gradients and the saved layer
 inputs are all live when the backward's layer loop starts (its stacked gradient buffers are allocated then, its
 residuals not yet freed); `meshlm train` refuses a layout whose floor exceeds the device's memory.
 
-`candidates(...)` lists the layouts to rank: the mesh splits (mesh.expert, mesh.context, mesh.fsdp the rest) and the
-MoE knobs, every key the user did not set; `rank` orders them by the estimate.
+`candidates(...)` lists the layouts to rank: the mesh splits (each axis a part declares its own, MeshRules.axes;
+mesh.context; mesh.fsdp the rest) and the knobs the model's parts declare searchable (MeshRules.search), every key
+the user did not set; `rank` orders them by the estimate. No part is named here: what varies and how it counts is the
+parts' own.
 """
 from __future__ import annotations
 
@@ -46,13 +48,7 @@ from typing import Sequence
 from meshlm.errors import ConfigError
 
 GiB = 1 << 30
-ROW_BUFFERS = 4  # the dispatch's [rows, embed] buffers live at once in a layer's backward: the recomputed forward's
-# gathered rows, the returning rows (an all-to-all's operand and result under compact) and the backward's unsort
-GLU_BUFFERS = 3  # the [rows, expert width] buffers: gate's and up's outputs and their product
 KERNEL_COPIES = 2  # gathered layers' kernels live at once: the one computing and the next one's gather
-SEED_BUFFER_FACTOR = 2.75  # the RL seed's ep_buffer_factor (docs/moe.md): the compact buffers the search tries
-SEARCH_FACTORS = (None, SEED_BUFFER_FACTOR)  # ep_buffer_factor's values searched (None: dropless, nothing drops)
-MOE = "model.parts.moe."
 
 
 @dataclasses.dataclass
@@ -97,10 +93,6 @@ def _leaves(tree) -> list[tuple[list[str], object]]:
   return [([str(getattr(k, "key", k)) for k in path], s) for path, s in flat]
 
 
-def _is_expert(s) -> bool:
-  return any(a is not None and str(a).startswith("experts") for a in s.axes)
-
-
 def _is_kernel(s) -> bool:
   return len([a for a in s.axes if a != "layers"]) >= 2
 
@@ -117,7 +109,7 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   import jax
   import numpy as np
   from meshlm.models.model import resolve
-  from meshlm.models.logprobs import loss_path
+  from meshlm.models.logprobs import grad_reduce, loss_path
   from meshlm.models.context import attention_core
   from meshlm.parallel.mesh import resolve_mesh_shape
   from meshlm.train.step import trainable_mask
@@ -150,23 +142,30 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   L = M.plan.num_layers
   terms["saved"] = L * tokens * D * cb
 
-  # A layer's working set, the largest over the kinds.
-  moe = _moe_layout(cfg, sizes, mesh, tokens)
-  period_moe = sum(1 for k in M.plan.kinds[M.plan.prefix:M.plan.prefix + M.plan.period]
-                   if any(p.name == "moe" for p in M.kinds[k].parts))
+  # A layer's working set, the largest over the kinds. The parts' own terms (MeshRules.memory), once per part.
+  own = {p.name: p.mesh.memory(cfg, sizes, mesh, tokens) for p in M.unique_parts if p.mesh.memory is not None}
+  mems = {k: {p.key: own[p.name] for p in M.kinds[k].parts if p.name in own} for k in M.kinds}
+  period = M.plan.kinds[M.plan.prefix:M.plan.prefix + M.plan.period]
+  held = sum(1 for k in period if any(mem.grads_every_layer for mem in mems[k].values()))
   attention = attention_core(M.cfg, M.attention_shapes, t.seq_len, platform=platform, context=sizes["context"])
   layer_phase, phase_terms = 0, {}
   for kind in M.kinds:
-    kernels = [s for path, s in params if path[:2] == ["layers", kind] and _is_kernel(s)]
-    dense = [_per_layer(s) for s in kernels if not _is_expert(s)]
-    experts = [_per_layer(s) for s in kernels if _is_expert(s)]
-    gathered = sum(math.prod(s.shape) for s in dense) + sum(math.prod(s.shape) // moe["ep"] for s in experts)
-    expert_elems = sum(math.prod(s.shape) // moe["ep"] for s in experts)
-    in_flight = 1 if moe["barrier"] else max(period_moe, 1)
-    k = {"dispatch": moe["dispatch_bytes"] if experts else 0,
+    kernels = [(path, s) for path, s in params if path[:2] == ["layers", kind] and _is_kernel(s)]
+    whole, split_elems, held_elems = [], 0, 0  # dense kernels; the parts' own (split) ones, elements per device
+    for path, s in kernels:
+      s, mem = _per_layer(s), mems[kind].get(path[2])
+      n = None if mem is None else mem.split(s)
+      if n is None:
+        whole.append(s)
+        continue
+      split_elems += math.prod(s.shape) // n
+      held_elems += math.prod(s.shape) // n if mem.grads_every_layer else 0
+    gathered = sum(math.prod(s.shape) for s in whole) + split_elems
+    in_flight = max(held, 1)
+    k = {"dispatch": sum(mem.buffers for mem in mems[kind].values()),
          "gathered_kernels": KERNEL_COPIES * gathered * cb,
-         "kernel_grads": 4 * (gathered + (in_flight - 1) * expert_elems),
-         "layer": tokens * sum(_out_width(s, D) for s in dense) * (cb + 4),
+         "kernel_grads": 4 * (gathered + (in_flight - 1) * held_elems),
+         "layer": tokens * sum(_out_width(s, D) for s in whole) * (cb + 4),
          "attention_scores": _scores(cfg, M, kind, sizes, attention, tokens)}
     if sum(k.values()) > layer_phase:
       layer_phase, phase_terms = sum(k.values()), k
@@ -174,10 +173,11 @@ def estimate(cfg, devices: int, platform: str = "tpu") -> Estimate:
   V = m.vocab_size
   rows = t.per_device_batch_size * devices // t.micro_batches
   head = V * D // sizes["tensor"]
-  terms["loss"] = (head * (cb + 4) if loss_path(cfg, rows, t.seq_len) == "blockwise"
-                   else tokens * V // sizes["tensor"] * 4 * 2)
+  blockwise = loss_path(cfg, rows, t.seq_len) == "blockwise"
+  terms["loss"] = head * (cb + 4) if blockwise else tokens * V // sizes["tensor"] * 4 * 2
+  terms["held_head_grad"] = head * 4 if blockwise and grad_reduce(cfg) == "overlap" else 0
   args = terms["params"] + terms["opt_state"] + terms["model_state"]
-  peak = args + terms["grads"] + terms["saved"] + max(layer_phase, terms["loss"])
+  peak = args + terms["grads"] + terms["saved"] + max(layer_phase + terms["held_head_grad"], terms["loss"])
   floor = args + layer_grads + terms["saved"]
   return Estimate(terms, peak, floor)
 
@@ -206,47 +206,11 @@ def _scores(cfg, M, kind: str, sizes: dict, core, tokens: int) -> int:
   return tokens * heads * T * 4  # tokens per device = rows x queries per device; every key
 
 
-def _moe_layout(cfg, sizes: dict, mesh, tokens: int) -> dict:
-  """ep (how many devices split the experts), the dispatch's buffer bytes for one layer, the barrier knob."""
-  import numpy as np
-  from meshlm.models.ffns import moe as moe_part
-  from meshlm.nn.moe.expert_parallel import capacity, ep_mesh_axes
-  from meshlm.nn.moe.layer import TOKENS, experts_axis
-  from meshlm.parallel.sharding import logical_spec
-  m = cfg.model
-  if not _has_moe(cfg):
-    return {"ep": 1, "dispatch_bytes": 0, "barrier": True}
-  own = moe_part.knobs(m)
-  E, k, F, D = own.num_experts, own.num_experts_per_tok, own.mlp_dim, m.embed_dim
-  cb = np.dtype(cfg.train.compute_dtype).itemsize
-  ep_axes = ep_mesh_axes(logical_spec((experts_axis(own.kernel_fsdp),), (E,), mesh))
-  ax = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  ep = math.prod(ax[a] for a in ep_axes)
-  rows_global = cfg.train.per_device_batch_size * math.prod(ax.values()) // cfg.train.micro_batches
-  bspec = logical_spec(TOKENS, (rows_global, cfg.train.seq_len, k), mesh)
-  batch_axes = set((bspec[0],) if isinstance(bspec[0], str) else tuple(bspec[0] or ()))
-  gathered = math.prod(ax[a] for a in ep_axes if a in batch_axes)
-  shared = math.prod(ax[a] for a in ep_axes if a not in batch_axes)
-  if ep == 1:
-    rows = tokens * k
-  elif own.ep_impl == "gather":
-    rows = tokens * gathered * k
-  else:
-    rows = ep * capacity(-(-tokens // shared) * k, ep, own.ep_buffer_factor)
-  return {"ep": ep, "dispatch_bytes": rows * (ROW_BUFFERS * D + GLU_BUFFERS * F) * cb,
-          "barrier": own.grad_reduce_barrier}
-
-
-def _has_moe(cfg) -> bool:
-  from meshlm.models.model import resolve
-  return any(p.name == "moe" for _, p in resolve(cfg).parts)
-
-
 # ------------------------------------------------------------------------------------------------ the search
 
 @dataclasses.dataclass
 class Candidate:
-  """One layout: the overrides that set it (every mesh axis, and the MoE knobs searched), its estimate, and
+  """One layout: the overrides that set it (every mesh axis, and the parts' knobs searched), its estimate, and
   whether it changes the model's numbers (a compact buffer factor the search chose: rows past it drop)."""
   overrides: list[str]
   estimate: Estimate
@@ -266,52 +230,50 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(overrides: Sequence[str], devices: int, platform: str, load, rl_rows=None) -> list[Candidate]:
-  """Every layout of `devices` devices the search may try, with its estimate: mesh.expert (a divisor of the
-  experts), mesh.context (a divisor whose ring chunks split train.seq_len: 2 x context divides it), mesh.fsdp the
-  devices left; with a MoE, model.parts.moe.ep_impl (gather, compact), kernel_fsdp (embed, experts),
-  ep_buffer_factor (SEARCH_FACTORS, compact only) and grad_reduce_barrier. A key given in `overrides` is kept, not
-  searched (mesh.data and mesh.tensor are never searched). load(*overrides) -> Config (a ConfigError skips the
-  layout); rl_rows(cfg) -> cfg with the RL step's rows, for --program rl."""
+  """Every layout of `devices` devices the search may try, with its estimate: each mesh axis only the model's parts
+  shard over (MeshRules.axes: a divisor of the devices the config accepts), mesh.context (a divisor whose ring chunks
+  split train.seq_len: 2 x context divides it), mesh.fsdp the devices left; and every combination of the knobs the
+  model's parts let the search vary (MeshRules.search), a value the config holds already not written. A key given in
+  `overrides` is kept, not searched (mesh.data and mesh.tensor are never searched). load(*overrides) -> Config (a
+  ConfigError skips the layout); rl_rows(cfg) -> cfg with the RL step's rows, for --program rl."""
+  from meshlm.models.family import section
+  from meshlm.models.model import resolve
   from meshlm.parallel.mesh import AXES
   base = load(*overrides)
-  moe = _has_moe(base)
-  E = None
-  if moe:
-    from meshlm.models.ffns import moe as moe_part
-    E = moe_part.knobs(base.model).num_experts
+  parts = resolve(base).unique_parts
   fixed = {a: getattr(base.mesh, a) for a in AXES if _given(overrides, f"mesh.{a}")}
   data, tensor = fixed.get("data", base.mesh.data), fixed.get("tensor", base.mesh.tensor)
   data, tensor = (1 if v == -1 else v for v in (data, tensor))
-  experts = ([fixed["expert"]] if "expert" in fixed else
-             [d for d in _divisors(devices) if moe and E % d == 0] or [1])
-  contexts = ([fixed["context"]] if "context" in fixed else
-              [c for c in _divisors(devices) if base.train.seq_len % (2 * c) == 0 or c == 1])
-  knob_values = {"ep_impl": ("gather", "compact"), "kernel_fsdp": ("embed", "experts"),
-                 "ep_buffer_factor": SEARCH_FACTORS, "grad_reduce_barrier": (False, True)} if moe else {}
-  knob_values = {k: v for k, v in knob_values.items() if not _given(overrides, MOE + k)}
-  base_impl = moe_part.knobs(base.model).ep_impl if moe else None
+  # The axes only some parts shard over (the others are the search's own: fsdp the rest, context; data and tensor kept)
+  owned = [a for a in AXES if a not in ("data", "fsdp", "tensor", "context") and any(a in p.mesh.axes for p in parts)]
+  splits = {a: [fixed[a]] if a in fixed else _divisors(devices) for a in owned}
+  splits["context"] = ([fixed["context"]] if "context" in fixed else
+                       [c for c in _divisors(devices) if base.train.seq_len % (2 * c) == 0 or c == 1])
+  # (part, knob, the override's key, the base config's value) for each knob searched
+  searched = [(p, knob, f"model.parts.{p.name}.{knob}", getattr(section(base.model, p), knob))
+              for p in parts for knob in p.mesh.search if not _given(overrides, f"model.parts.{p.name}.{knob}")]
   out = []
-  for expert, context in itertools.product(experts, contexts):
-    rest = devices // (data * tensor * expert * context) if devices % (data * tensor * expert * context) == 0 else 0
-    fsdp = fixed.get("fsdp", rest)
-    if fsdp < 1 or data * tensor * expert * context * fsdp != devices:
+  for split in itertools.product(*splits.values()):
+    sizes = dict(zip(splits, split), data=data, tensor=tensor)
+    used = math.prod(sizes.values())
+    sizes["fsdp"] = fixed.get("fsdp", devices // used if devices % used == 0 else 0)
+    if sizes["fsdp"] < 1 or used * sizes["fsdp"] != devices:
       continue
-    mesh = [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", f"mesh.expert={expert}",
-            f"mesh.context={context}"]
-    for values in itertools.product(*knob_values.values()):
-      knobs = dict(zip(knob_values, values))
-      if knobs.get("ep_impl", base_impl) != "compact" and "ep_buffer_factor" in knobs:
-        if knobs["ep_buffer_factor"] is not None:
-          continue  # only compact reads a buffer factor
-        del knobs["ep_buffer_factor"]
-      extra = mesh + [f"{MOE}{k}={'null' if v is None else str(v).lower()}" for k, v in knobs.items()]
+    context = sizes["context"]
+    mesh = [f"mesh.{a}={sizes.get(a, 1)}" for a in ("data", "fsdp", "tensor", *owned, "context")]
+    for values in itertools.product(*(p.mesh.search[knob] for p, knob, _, _ in searched)):
+      extra = mesh + [f"{key}={'null' if v is None else str(v).lower()}"
+                      for (_, _, key, held), v in zip(searched, values) if v != held]
       try:
         cfg = load(*overrides, *extra)
         est = estimate(rl_rows(cfg) if rl_rows else cfg, devices, platform)
       except ConfigError:
         continue
-      # The search's factor drops rows past its buffers; one the user gave is theirs.
-      drops = knobs.get("ep_buffer_factor") is not None
+      # Values the search chose that change the model's numbers (a buffer that drops rows); the user's are theirs.
+      chosen: dict = {}
+      for (p, knob, _, _), v in zip(searched, values):
+        chosen.setdefault(p.name, (p, {}))[1][knob] = v
+      drops = any(p.mesh.drops(vals) for p, vals in chosen.values())
       out.append(Candidate(extra, est, drops, context))
   # Layouts the estimate cannot tell apart (a knob that changes nothing here, or only the context split where no
   # term depends on it) are one candidate: the one with the least context parallelism, then the fewest knobs set.

@@ -296,7 +296,8 @@ def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, s
   (analysis/layout.py candidates: the mesh splits and MoE knobs `given` leaves out) ranked by their estimate; the
   first compiled, then the next in the order re-ranked with what the compiles showed the estimate misses (the
   largest measured peak over its estimate, added to every estimate), until one fits (its peak within the device's
-  memory and, with temp_gib, its temporaries within that) or fit_compiles layouts are tried."""
+  memory and, with temp_gib, its temporaries within that) or fit_compiles layouts are tried. A kernel's scoped VMEM
+  refusing a layout stops the search there (record["vmem"]: a block key to change, which no layout changes)."""
   import time
   from meshlm.analysis import layout as LO
   start = time.perf_counter()
@@ -324,6 +325,10 @@ def _fit_layout(given: list[str], program: str, devices: int, chip, own: dict, s
       record["tried"].append(row | {"fits": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
       continue
     mem = r["memory"]
+    if "vmem" in mem:  # a kernel's block is the fault, not the layout: the next layouts would fail alike
+      record["tried"].append(row | {"fits": False, "vmem": mem["vmem"], "compile_s": r["compile_s"]})
+      record["vmem"] = mem["vmem"]
+      break
     temp = mem.get("temp_bytes")
     fits = bool(mem["fits"]) and (temp_limit is None or (temp is not None and temp <= temp_limit))
     row |= {"fits": fits, "peak_bytes": mem["peak_bytes"], "temp_bytes": temp, "compile_s": r["compile_s"],
@@ -429,6 +434,7 @@ def _short(overrides: list[str]) -> str:
 
 def render_layout(fit: dict) -> list[str]:
   """--fit=layout's lines: the ranked layouts with their estimate's terms, each compile tried, the command."""
+  from meshlm.analysis.aot import vmem_line
   lines = [f"  fit=layout ({fit['program']} step): {fit['candidates']} layouts ranked by the estimate (GiB per device; "
            f"analysis/layout.py), the first {len(fit['ranked'])}:"]
   for i, c in enumerate(fit["ranked"], 1):
@@ -441,13 +447,19 @@ def render_layout(fit: dict) -> list[str]:
     if "error" in t:
       lines.append(head + f"failed: {t['error']}")
       continue
+    if "vmem" in t:
+      lines.append(head + f"does not fit: {vmem_line(t['vmem'])}; the search stops (no layout changes a kernel's "
+                   "block)")
+      continue
     bound = f", roofline step >= {t['bound_s'] * 1e3:,.1f} ms" if t.get("bound_s") else ""
     lines.append(head + f"{'fits' if t['fits'] else 'does not fit'} (peak {_gib(t['peak_bytes'])}, temporaries "
                  f"{_gib(t['temp_bytes'])}{bound}, compile {t['compile_s']:.1f} s)")
   limit = f", temporaries <= {_gib(fit['temp_limit_bytes'])}" if fit.get("temp_limit_bytes") else ""
   lines.append(f"  fit=layout: {len(fit['tried'])} compiles, {fit['search_s']:.0f} s (peak <= {_gib(fit['hbm_bytes'])}"
                f"{limit})")
-  if fit["best"] is None:
+  if fit.get("vmem"):
+    lines.append(f"  fit=layout: stopped: {vmem_line(fit['vmem'])}")
+  elif fit["best"] is None:
     lines.append("  fit=layout: none of the layouts compiled fits; raise fit_compiles=, or give more devices")
   else:
     lines.append(f"  command: {fit['command']}")
@@ -456,8 +468,16 @@ def render_layout(fit: dict) -> list[str]:
   return lines
 
 
+def _vmem_refused(name: str, p: dict) -> list[str]:
+  """A program a kernel's scoped VMEM refused: its head line and the verdict naming the kernel and the key."""
+  from meshlm.analysis.aot import vmem_line
+  return [f"[{name}] {p['rows_per_device']} rows per device; compiled in {p['compile_s']:.1f} s: DOES NOT FIT",
+          f"  {vmem_line(p['memory']['vmem'])}"]
+
+
 def render(report: dict) -> str:
   from meshlm.analysis.census import unread_loops_line
+  from meshlm.analysis.keys import keys_line
   c, chip, topo = report["config"], report["chip"], report["topology"]
   mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v != 1) or "all 1"
   # The train batch only where the train step is compiled: rl and the sampler have rows of their own (per program).
@@ -467,6 +487,7 @@ def render(report: dict) -> str:
            f"attention={c.get('attention_impl', '-')}  " + (f"gdn={c['gdn_impl']}  " if c.get("gdn_impl") else "") +
            f"{batch}seq_len={c['seq_len']}"
            + (f"  loss={c['loss_path']}" if "loss_path" in c else "")]
+  lines += [line for line in (keys_line(c),) if line]
   fit = report.get("fit")
   if fit and fit["search"] == "layout":
     lines += render_layout(fit)
@@ -477,6 +498,9 @@ def render(report: dict) -> str:
     lines.append(f"  fit: {fit['search']} = {fit['best'] if fit['best'] is not None else 'none fits'}")
   for name, p in report["programs"].items():
     mem = p["memory"]
+    if "vmem" in mem:
+      lines += _vmem_refused(name, p)
+      continue
     verdict = {True: "fits", False: "DOES NOT FIT", None: "no device memory known"}[mem["fits"]]
     hbm = f" of {_gib(mem['hbm_bytes'])} ({chip['hbm_source']})" if mem.get("hbm_bytes") else ""
     lines.append(f"[{name}] {p['rows_per_device']} rows per device; compiled in {p['compile_s']:.1f} s; peak "

@@ -1,9 +1,11 @@
 """The config schema: one pydantic tree, validated before anything compiles."""
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from meshlm.config.kernel_keys import SplashBlock, splash_refusal
 
 
 class _Strict(BaseModel):
@@ -469,25 +471,6 @@ class RLConfig(_Strict):
     return self
 
 
-def _splash_block(v):
-  if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 128 or v % 128):
-    raise ValueError(f"{v!r}: expected auto or a multiple of 128 (the kernel's lanes)")
-  return v
-
-
-# A splash block key: auto or a multiple of 128.
-SplashBlock = Annotated[Union[Literal["auto"], int], AfterValidator(_splash_block)]
-
-
-def splash_refusal(attention_impl: str, context: int) -> str | None:
-  """The refusal of the splash core over mesh.context > 1, or None: the config's check, and nn/attention's for a
-  mesh of context shards that a config did not ask for (a jax.set_mesh around meshlm.forward)."""
-  if attention_impl == "splash" and context > 1:
-    return (f"attention_impl=splash with mesh.context={context}: the splash kernel does not split the sequence over "
-            "mesh.context; use attention_impl=flash (or auto)")
-  return None
-
-
 class Config(_Strict):
   model_name: str = Field(default="llama2-tiny", description="the preset's name, recorded in config.yaml and checkpoints")
   model: ModelConfig
@@ -523,23 +506,39 @@ class Config(_Strict):
   layer_cast: Literal["bits", "astype"] = Field(
       default="bits", description="how a layer casts its float32 kernels to bfloat16: bits (integer rounding, kept "
       "in the layer loop), astype (which XLA:TPU hoists as whole-stack copies); bit-identical either way")
+  scatter_leading: Literal["auto", "tpu", "all", "none"] = Field(
+      default="auto", description="weight gradients whose FSDP dim is the kernel's minor one (down, o, the embedding "
+      "table), formed with that dim leading so XLA reduce-scatters them (parallel/sharding.scatter_rule): tpu (those "
+      "XLA:TPU would all-reduce whole: bf16 shards an odd multiple of 128 wide), all (every sharded one), none; auto: "
+      "tpu on TPU, none elsewhere; equal numbers either way")
   remat_attention: Literal["recompute", "save"] = Field(
       default="recompute", description="under remat, the attention core's output and row log-sum-exp: recompute "
       "(the backward reruns the forward kernel) or save (named residuals kept per layer; no rerun)")
   gdn_impl: Literal["auto", "jax", "pallas"] = Field(
       default="auto", description="the Gated DeltaNet chunked rule of training and prefill: jax (nn/gdn.py, the "
       "reference), pallas (the TPU Pallas kernels, nn/gdn_pallas.py; Pallas interpret mode off TPU, slow); auto: "
-      "pallas on TPU where the kernel takes the head dims, else jax. mesh.context > 1 trains with the JAX rule")
+      "pallas on TPU where the kernel takes the heads and chunk, else jax. mesh.context > 1 trains with the JAX rule")
   context_attention: Literal["ring", "gather"] = Field(
       default="ring", description="attention over a sequence sharded on mesh.context > 1 (training, flash core): ring "
       "(K/V blocks passed around the context axis, merged into flash's online softmax; zigzag-balanced) or gather "
       "(XLA's partitioner all-gathers K/V over the context axis)")
+  decode_attention_impl: Literal["auto", "xla", "pallas"] = Field(
+      default="auto", description="sampling's decode attention: xla (the whole cache buffer, the reference), pallas "
+      "(a TPU kernel reading only each row's filled slots; Pallas interpret mode off TPU, slow), or auto: pallas on "
+      "TPU, xla elsewhere; a cache no block of decode_attention_block slots divides runs xla (nn/decode_attention)")
+  decode_attention_block: int = Field(default=128, ge=16, description="at most this many cache slots per step of "
+                                      "the pallas decode attention (a row reads its filled slots in such blocks)")
   loss_impl: Literal["auto", "materialized", "blockwise"] = Field(
       default="auto", description="the LM head and loss: materialized [B, T, V] logits (the reference), blockwise "
       "(head and log-softmax per block of loss_block positions at most, custom VJP; never [B, T, V]), or auto: blockwise "
       "when a micro-batch's rows x seq_len x vocab reaches 2^28")
   loss_block: int = Field(default=256, ge=1,
                           description="at most this many sequence positions per block of the blockwise loss")
+  loss_grad_reduce: Literal["auto", "barrier", "overlap"] = Field(
+      default="auto", description="the blockwise loss's one reduction of the head's weight gradient per micro-batch: "
+      "barrier (the layers' backward waits for it, so its float32 accumulator is freed before them), overlap (left "
+      "to XLA's scheduler, which may hold the accumulator over the layers' backward), or auto: barrier (never a higher "
+      "peak, by analysis/layout.py's estimate; docs/compile.md); bit-identical either way")
   scan_layers: bool = Field(default=True, description="scan over stacked layers (false: unrolled)")
   param_scan_axis: Literal[0, 1] = Field(default=0, description="axis of the stacked layer dimension in parameters")
   stack_rows: bool = Field(default=True, description="unrolled layers read the parameters a part lists in "

@@ -23,9 +23,10 @@ from meshlm.config import Config
 from meshlm.nn import kv_cache
 from meshlm.nn import attention as A
 from meshlm.nn.attention import Mask, attention_mask, resolve_context, resolve_impl
+from meshlm.nn.decode_attention import Decode, resolve as resolve_decode
 from meshlm.nn.dense import dense
 from meshlm.nn.kernel_cast import in_layer
-from meshlm.nn.rope import apply_rope, fold_sign, freqs_at, inv_frequencies, rope_angles
+from meshlm.nn.rope import apply_rope, fold_sign, freqs_at, inv_frequencies, resolve_swap, rope_angles
 from meshlm.parallel.sharding import auto_region, context_size, current_mesh, device_kind, logical_spec, platform
 
 
@@ -48,7 +49,8 @@ class Context:
   inputs: Mapping[str, Inputs]
   mode: str = "train"  # train | prefill | decode
   core: A.Core = A.Core("xla", dense_mask=True)  # the attention core of train and prefill (attention_core)
-  rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved; None: the platform's)
+  decode: Decode = Decode()  # decode's attention against the cache (nn/decode_attention; decode_attention_impl)
+  rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved for the platform)
   layer_cast: str = "bits"  # how a layer casts its float32 kernels (layer_cast: bits | astype)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
@@ -96,7 +98,8 @@ class Context:
 
 
 def bound_dense(cfg: Config) -> Callable[..., jax.Array]:
-  return functools.partial(dense, kernel_order=cfg.dense_kernel_order, impl=cfg.weight_grad_impl)
+  return functools.partial(dense, kernel_order=cfg.dense_kernel_order, impl=cfg.weight_grad_impl,
+                           scatter=cfg.scatter_leading)
 
 
 def windows(m) -> dict[str, int | None]:
@@ -191,6 +194,11 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
       slots = kv_cache.decode_slots(positions_BT[:, 0], size)
     inputs[name] = Inputs(positions_BT, segment_ids_BT, ropes.get(name, ropes["global"]), mask, slots,
                           lengths_B if mode == "prefill" else None)
-  swap = {"auto": None, "matmul": True, "roll": False}[cfg.rope_swap]
+  decode = Context.decode
+  if mode == "decode":
+    on = platform()
+    decode = Decode(resolve_decode(cfg.decode_attention_impl, on),
+                    cfg.decode_attention_block, interpret=on != "tpu")
+  swap = resolve_swap(cfg.rope_swap, platform()) == "matmul"
   return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core, rope_by_matmul=swap,
-                 layer_cast=cfg.layer_cast)
+                 layer_cast=cfg.layer_cast, decode=decode)

@@ -47,7 +47,7 @@ def head(cfg: Config | Model, params: dict, x_BTD: jax.Array) -> jax.Array:
       logits = attend(params["embed"], x_BTD)
     else:
       logits = dense(x_BTD, params["lm_head"].astype(x_BTD.dtype), "btd,dv->btv", LOGITS,
-                     kernel_order=cfg.lm_head_kernel_order, impl=cfg.weight_grad_impl)
+                     kernel_order=cfg.lm_head_kernel_order, impl=cfg.weight_grad_impl, scatter=cfg.scatter_leading)
     cap = cfg.model.final_logit_softcap
     if cap is not None:
       logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
@@ -86,7 +86,8 @@ def trunk(cfg: Config | Model, params: dict, tokens_BT: jax.Array, ctx: Context,
   m, fam = M.m, M.family
   by_kind = L.split_layer_inputs(M, layer_inputs or {}, tokens_BT.shape)  # checked before anything runs
   dt = jnp.dtype(M.cfg.train.compute_dtype)
-  x = constrain(embed(prepared["embed"] if prepared else params["embed"], tokens_BT, dt), ACT)  # [B, T, D]
+  x = constrain(embed(prepared["embed"] if prepared else params["embed"], tokens_BT, dt, M.cfg.scatter_leading),
+                ACT)  # [B, T, D]
   if fam.embed_scale:
     # sqrt(D) rounded to the compute dtype first, as HF does: bf16 runs see the same factor.
     x = x * jnp.asarray(m.embed_dim ** 0.5, dt)

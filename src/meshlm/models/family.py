@@ -54,12 +54,15 @@ class StateLeaf:
   commit "rows": the leaf holds C cache slots on its slot_axis (e.g. [B, C, ...]); in prefill the update
   is the prompt's rows (T at slot_axis), moved into the slots; in decode it is the new position's row
   (1 at slot_axis), written at each row's slot in place. "replace": the update is the whole new leaf (a
-  recurrent state). Its dtype is the update's (the compute dtype).
+  recurrent state). Its dtype is the update's (the compute dtype). in_place: in decode a scanned layer gets the leaf
+  as `nn.kv_cache.LayerRow` (its row left in the stacked cache, with the scan's layer index), for a kernel that reads
+  the layer's slots where they lie (nn/decode_attention.py); `kv_cache.row` slices it out for code that does not.
   """
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]
   commit: str = "rows"
   slot_axis: int = 1  # "rows": the axis of the C slots (batch is axes' "batch")
+  in_place: bool = False
 
   def __post_init__(self):
     assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -156,12 +159,39 @@ class MeshRules:
     from the mesh and the batch, filled in when the model resolves (registry.resolved); {} when none is left.
   - stack_rows: names of parameters the part reads by row from their stacks itself: in an unrolled layer it gets
     them as `nn.stack_row.StackRow(stack, layer row)` instead of the sliced row (a copy on XLA:CPU), so a part
-    whose parameters are large reads only what it uses (MoE: one expert's kernel at a time)."""
+    whose parameters are large reads only what it uses (MoE: one expert's kernel at a time).
+  - search: {knob: values}: knobs of its section that the layout search (`meshlm compile --fit=layout`,
+    analysis/layout.py) tries when the user left them unset, every combination of their values (one the config
+    refuses is skipped).
+  - drops(values) -> bool: whether searched knob values ({knob: value}) change the model's numbers (MoE: a compact
+    buffer that drops rows); the search ranks such a layout after one that keeps them, and says so.
+  - memory(cfg, sizes, mesh, tokens) -> LayerMemory: how one of its layers counts in the layout estimate beyond the
+    dense kernels and activations (sizes: {mesh axis: size}, mesh: that abstract mesh, tokens: per device); None:
+    it adds nothing."""
   axes: tuple[str, ...] = ()
   check: Callable[[ModelConfig, Mapping[str, int]], None] = lambda m, sizes: None
   shard_multiple: Callable[[ModelConfig], int] = lambda m: 1
   run_knobs: Callable[[Config], dict] = lambda cfg: {}
   stack_rows: tuple[str, ...] = ()
+  search: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  drops: Callable[[Mapping[str, Any]], bool] = lambda values: False
+  memory: Callable[..., "LayerMemory"] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMemory:
+  """A part's own terms in the layout estimate of one of its layers (MeshRules.memory; analysis/layout.py).
+
+  - buffers: bytes per device of its working buffers beyond the dense activations (MoE: the dispatch's routed rows).
+  - split(s) -> int | None: for a kernel of its spec (a ParamSpec, one layer's) whose activations its buffers count
+    (MoE's expert kernels), how many devices it stays split over as its dots read it (the expert-parallel group; 1:
+    gathered whole); None for a dense projection (gathered whole, its output counted among the layer's activations).
+  - grads_every_layer: whether the float32 gradients of its own kernels (split not None) may be live for every such
+    layer of the scanned period at once rather than one layer's (MoE without grad_reduce_barrier: XLA leaves their
+    reductions in flight)."""
+  buffers: int = 0
+  split: Callable[[S.ParamSpec], int | None] = lambda s: None
+  grads_every_layer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +338,9 @@ def check_sections(m: ModelConfig, parts: list[Part]) -> None:
       raise ConfigError(f"{key}: {msg} (the {name} part's knobs: {known})") from None
 
 
+HALVES = ("attn", "mlp")  # a layer's two halves, its parts' scopes and its norms' names
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """A kind of layer: a mixer and a feed-forward, each pre-normed, post-normed when `sandwich`
@@ -350,20 +383,29 @@ class Kind:
 
   def apply(self, p: dict, x_BTD: jax.Array, ctx, state: dict | None = None) -> tuple[jax.Array, dict, dict]:
     """One layer: (x [B, T, D], {part key: update} for the parts that returned one, side outputs)."""
-    m = ctx.model
     updates, side = {}, {}
-    for half, part in zip(("attn", "mlp"), self.parts):
-      with jax.named_scope(half):
-        h = rms_norm(p[f"{half}_norm"], x_BTD, m.norm_eps, plus_one=self.plus_one)
-        part_state = None if state is None else state.get(part.key)
-        h, update, part_side = part.apply(p[part.key], h, ctx, part_state)
-        if self.sandwich:
-          h = rms_norm(p[f"{half}_post_norm"], h, m.norm_eps, plus_one=self.plus_one)
-        x_BTD = x_BTD + h
+    for i, part in enumerate(self.parts):
+      x_BTD, update, part_side = self.half(i, p, x_BTD, ctx, state)
       if update is not None:
         updates[part.key] = update
       side.update(part_side)
     return constrain(x_BTD, ACT), updates, side
+
+  def half_keys(self, i: int) -> tuple[str, ...]:
+    """The layer's parameter keys half i reads (0: the mixer's, 1: the feed-forward's): its norms and its part's."""
+    half = HALVES[i]
+    return (f"{half}_norm", self.parts[i].key) + ((f"{half}_post_norm",) if self.sandwich else ())
+
+  def half(self, i: int, p: dict, x_BTD: jax.Array, ctx, state: dict | None = None) -> tuple[jax.Array, Any, dict]:
+    """Half i of the layer, in its scope ("attn", "mlp"): (x + [post-norm](part(norm(x))), the part's update or
+    None, its side outputs). p: the layer's parameters (at least half_keys(i)); state: the layer's."""
+    m, part = ctx.model, self.parts[i]
+    with jax.named_scope(HALVES[i]):
+      h = rms_norm(p[f"{HALVES[i]}_norm"], x_BTD, m.norm_eps, plus_one=self.plus_one)
+      h, update, side = part.apply(p[part.key], h, ctx, None if state is None else state.get(part.key))
+      if self.sandwich:
+        h = rms_norm(p[f"{HALVES[i]}_post_norm"], h, m.norm_eps, plus_one=self.plus_one)
+      return x_BTD + h, update, side
 
 
 @dataclasses.dataclass(frozen=True)

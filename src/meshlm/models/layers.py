@@ -15,6 +15,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.models.context import Context
+from meshlm.models.family import StateLeaf
 from meshlm.models.model import Model, resolve
 from meshlm.nn import kv_cache
 from meshlm.nn.stack_row import StackRow
@@ -99,7 +100,9 @@ def _commit(specs: dict, old: dict | None, update: dict, ctx: Context, stacked: 
         out[key][name] = kv_cache.fill(new, slots, leaf.axes, leaf.slot_axis)
       else:
         axes = (("layers",) + tuple(leaf.axes)) if stacked else tuple(leaf.axes)
-        out[key][name] = kv_cache.write_rows(old[key][name], new, slots, axes, leaf.slot_axis + stacked)
+        # A leaf the pallas decode attention reads is written by tiles, which keeps its layout (write_rows).
+        tiles = leaf.in_place and ctx.decode.for_size(slots.size) == "pallas"
+        out[key][name] = kv_cache.write_rows(old[key][name], new, slots, axes, leaf.slot_axis + stacked, tiles)
   return out
 
 
@@ -233,13 +236,17 @@ def _scan(run: _Run, lp, layers: dict, layer_inputs: dict, x_BTD: jax.Array, cac
   fns = [run.layer_fn(pre + j, None if period.count(period[j]) == 1 else rank[j]) for j in range(P)]
   label = (lambda j: lp.contexts[pre + j]) if one_kind else (lambda j: f"{period[j]}.{lp.contexts[pre + j]}")
   states = cache.scanned if cache is not None and ctx.mode == "decode" else None
+  in_place = None if states is None else [
+      jax.tree.map(lambda leaf: leaf.in_place, M.state_spec(pre + j, x_BTD.shape[0], cache.length),
+                   is_leaf=lambda a: isinstance(a, StateLeaf)) for j in range(P)]
 
   def body(x, xs):
     ps, g, ins = xs
     # The decode state is read as a loop constant, each layer's slice indexed here: as the scan's xs
-    # XLA:CPU would copy the whole stacked cache to write it after the scan (benchmarks/decode_memory.py).
-    sts = None if states is None else [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), s)
-                                       for s in states]
+    # XLA:CPU would copy the whole stacked cache to write it after the scan (benchmarks/decode_memory.py). A leaf
+    # read in place (StateLeaf.in_place) is handed over as its row of the stack, unsliced.
+    row = lambda a, keep: kv_cache.LayerRow(a, g) if keep else jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
+    sts = None if states is None else [jax.tree.map(row, s, in_place[j]) for j, s in enumerate(states)]
     updates, sides = [], []
     with jax.named_scope("layers"):
       for j in range(P):

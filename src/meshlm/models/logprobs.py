@@ -12,7 +12,9 @@ its scorer (rl/step.scores) call it; `meshlm compile` reports `loss_path`. The h
   positions under a custom VJP; [B, T, V] never exists,
 
 as loss_impl says (auto: by the size of the logits, `loss_path`). Both start from decoder.features (the final-normed
-hidden state and the side outputs), so everything before the head is one program either way.
+hidden state and the side outputs), so everything before the head is one program either way. Blockwise, the head's
+weight gradient is reduced once per micro-batch, with the layers' backward waiting for it or not as loss_grad_reduce
+says (`grad_reduce`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,17 @@ def loss_path(cfg: Config | Model, batch: int, seq_len: int) -> Literal["materia
   if cfg.loss_impl != "auto":
     return cfg.loss_impl
   return "blockwise" if batch * seq_len * cfg.model.vocab_size >= BLOCKWISE_FROM else "materialized"
+
+
+def grad_reduce(cfg: Config | Model) -> Literal["barrier", "overlap"]:
+  """How the blockwise backward reduces the head's weight gradient (cfg.loss_grad_reduce; auto: barrier). The
+  barrier frees the float32 accumulator before the layers' backward, which XLA:TPU otherwise holds over them: by
+  analysis/layout.py's estimate the peak never rises with it (the accumulator then counts only in the loss's phase)
+  and falls wherever a layer's backward needs more than the gathered head, as at every real-scale layout in
+  docs/compile.md. Its cost is time only: the exchange no longer overlaps the layers' backward. The numbers are the
+  same either way."""
+  cfg = resolve(cfg).cfg
+  return "barrier" if cfg.loss_grad_reduce == "auto" else cfg.loss_grad_reduce
 
 
 class LogProbs(NamedTuple):
@@ -75,4 +88,4 @@ def head_logprobs(cfg: Config | Model, params: dict, x_BTD: jax.Array, targets_B
   kernel = (params["embed"] if tied else params["lm_head"]).astype(x_BTD.dtype)
   with jax.named_scope("lm_head_loss"):
     return blockwise_logprobs(x_BTD, kernel, targets_BT, tied=tied, cap=M.cfg.model.final_logit_softcap,
-                              block=M.cfg.loss_block, **kw)
+                              block=M.cfg.loss_block, barrier=grad_reduce(M) == "barrier", **kw)

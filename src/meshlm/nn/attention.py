@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshlm import spec as S
-from meshlm.config.schema import splash_refusal
+from meshlm.config.kernel_keys import splash_refusal
 from meshlm.errors import ConfigError
 from meshlm.nn.flash_attention import flash_attention
 from meshlm.nn.ring_attention import ring_attention
@@ -157,13 +157,14 @@ class Core:
     return self.rule.blocks(*key)
 
   def summary(self) -> dict:
-    """What the reports print (the census's config, meshlm compile): {"attention_impl": name, "splash_backward":
-    fused | split ("/"-joined where the shapes differ) or None, "splash_blocks": {"qk/v[/softcap]": blocks} or
-    None}."""
+    """What the reports print (the census's config, meshlm compile): {"attention_impl": name, "flash_block": block
+    or None, "splash_backward": fused | split ("/"-joined where the shapes differ) or None, "splash_blocks":
+    {"qk/v[/softcap]": blocks} or None}."""
     blocks = {"/".join(map(str, (qk, v))) + ("/softcap" if capped else ""): b.as_dict()
               for (qk, v, capped), b in self.splash}
     backward = "/".join(sorted({b["backward"] for b in blocks.values()}))
-    return {"attention_impl": self.name, "splash_backward": backward or None, "splash_blocks": blocks or None}
+    return {"attention_impl": self.name, "flash_block": self.block, "splash_backward": backward or None,
+            "splash_blocks": blocks or None}
 
   def attend(self, q, k, v, operand, *, scale: float, softcap: float | None = None, window: int | None = None):
     """The core on heads-first rows, q [B, N, T, H] and k/v [B, Kv, T, H] (v's head dim may differ): [B, N, T, Hv].

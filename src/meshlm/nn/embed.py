@@ -6,10 +6,10 @@ import jax
 from meshlm.parallel.sharding import ACT, constrain, einsum, is_explicit, take_rows
 
 
-def embed(table_VD: jax.Array, ids_BT: jax.Array, dtype) -> jax.Array:
-  """[B, T] ids -> [B, T, D] rows of the table."""
+def embed(table_VD: jax.Array, ids_BT: jax.Array, dtype, scatter: str = "auto") -> jax.Array:
+  """[B, T] ids -> [B, T, D] rows of the table. scatter: the scatter_leading key (take_rows)."""
   with jax.named_scope("embed"):
-    return take_rows(table_VD.astype(dtype), ids_BT, ACT)
+    return take_rows(table_VD.astype(dtype), ids_BT, ACT, scatter)
 
 
 def lookup_table(table_VD: jax.Array, dtype) -> jax.Array:

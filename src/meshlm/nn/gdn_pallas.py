@@ -20,7 +20,9 @@ l_j: j in the chunk's last segment):
 The inverse: Tm of the 2 x 2 diagonal blocks is I - A there (exactly: A's square vanishes on them); it is then
 doubled, X_2b = X_b - X_b A_off X_b (A_off: A's blocks below the b-blocks' diagonal inside each 2b-block), until b
 is the chunk: log2(W) - 1 steps of two float32 products each, every one the exact block inverse (no power of A is
-formed, so no growth).
+formed, so no growth). Its products are float32 at HIGHEST for float32 inputs and three bf16 passes (`_mm_split`,
+about 2^-16 relative) for bf16 inputs, whose products round Tm to bf16 anyway: at chunk 64 the inverse was 80% of
+the forward kernel's bundles at HIGHEST (14,775 of a step of 8 heads, 2,915 without it), 9,627 in three passes.
 
 The backward (derived by hand, every product a matmul): with dO [W, J] and dS' [H, J] (the cotangent of the state
 leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(gamma) q, kc = beta c exp(gamma) k:
@@ -34,27 +36,31 @@ leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(
   dgamma = rowsum(qe * d_qe) + rowsum(kc * dkc) + rowsum(X) - colsum(X) - kd-terms,  X = (dP * qk + dA beta kk) * D
   dg_j = sum of dgamma_i over same i >= j
 
-The kernels. Grid (B, K, U chunks, G value heads per key head); B and K "parallel", the chunk and group axes
-"arbitrary" (sequential): the state of each of the G value heads of a key head lives in a VMEM scratch [G, H, J]
-float32 across the chunks. q and k are read in place as [B, T, K * H] (blocks (1, W, H) at key head n // G: no
-expanded or group-major copy), v and o as [B, T, N * J] (blocks (1, W, J)). The per-position scalars (g, beta as
-[B, K, G, U, W]; the segment index and the carry flag as [B, U, W]) are one block per (row, key head), whole in its
-last two dims (Mosaic's (8, 128)-or-full rule), and a chunk's row is picked by a masked sum. The forward saves, per
-chunk, the state entering it [B, N, U, H, J] and Tm [B, N, U, W, W] (float32) for the backward: 2 x 64 KiB + 16 KiB
-per (row, head, chunk) of 64 positions, written once and read once, against recomputing the state chain (a second
-pass over the chunks) and the inverse (10 dependent small matmuls) in the backward. The backward runs the chunks in
-reverse with dS [G, H, J] in VMEM; dq and dk of a key head sum its G value heads' in a float32 scratch.
+The kernels. Grid (B, K / hk, U): a step takes a tile of hk key heads and their hv = hk G value heads (`key_tile`:
+at most HEADS_PER_STEP value heads), each head an unrolled copy of the chunk's math, so the scheduler interleaves
+independent chains of small matmuls (per head and chunk, forward and backward: 1,350 / 1,083 bundles at 2 heads a
+step, 1,261 / 979 at 4, 1,221 / 952 at 8, 1,195 / 922 at 16; v5e, chunk 64, H = J = 128). B and the tiles are
+"parallel", the chunks "arbitrary" (sequential): the tile's states [hv, H, J] float32 live in a VMEM scratch across
+the chunks. q and k are read in place as [B, T, K H] (blocks (1, W, hk H)), v and o as [B, T, N J] (blocks (1, W,
+hv J)): no expanded or head-major copy. The per-position scalars (g, beta as [B, N, U, W]; the segment index and the
+carry flag as [B, U, W]) are one block per (row, tile), whole in their last two dims (Mosaic's (8, 128)-or-full
+rule), a chunk's row picked by a masked sum. The forward saves, per chunk, the state entering it [B, N, U, H, J] and
+Tm [B, N, U, W, W] (float32) for the backward: 64 + 16 KiB per (row, head, chunk) of 64 positions, written once and
+read once, against recomputing the state chain (a second sweep over the chunks) and the inverse (its ten dependent
+products) in the backward. The backward runs the chunks in reverse with the states' cotangents [hv, H, J] in VMEM;
+dq and dk of a key head sum its G value heads' within the step.
 
 Precision: the products take the inputs' dtype (with v's: q and k are cast to it outside) with float32 accumulation:
 bfloat16 on the MXU for bf16 inputs (the state and the float32 terms rounded to bf16 as they enter a product, as
 flash-linear-attention's kernels do), float32 at Precision.HIGHEST for float32 inputs. The inverse, the gates and
-the state are float32 throughout.
+the state are float32 throughout (the inverse's products as above).
 
 Under a mesh the Mosaic call cannot be partitioned by XLA: it runs in a shard_map over the current mesh, the rows
 split as the batch's logical axis and the heads and the sequence whole (each device runs its own rows).
 
-On TPU the kernel needs H and J to be multiples of 128 (or K = 1, N = 1: the block then spans the array) and a chunk
-of at least 8 positions (`fits`); off TPU it runs in Pallas interpret mode (slow: tests and toys).
+On TPU the kernel needs a tile of at most MAX_HEADS_PER_STEP value heads whose q/k and v/o blocks are whole 128-lane
+tiles (or every head) and a chunk of a multiple of 16 positions (`fits`); off TPU it runs in Pallas interpret mode
+(slow: tests and toys).
 """
 from __future__ import annotations
 
@@ -78,17 +84,38 @@ BWD_NAME = "gdn_chunk_bwd"
 _HI = jax.lax.Precision.HIGHEST
 
 
+# Value heads per grid step, at most (when the key heads allow it): each an unrolled copy of the chunk's math, so the
+# scheduler interleaves independent chains of small matmuls and a step's fixed cost is shared. gated_delta_rule_pallas
+# takes another (heads_per_step=).
+HEADS_PER_STEP = 8
+MAX_HEADS_PER_STEP = 16  # a tile no narrower than 128 lanes may need more; past this one the step's VMEM grows too far
+
+
+def key_tile(K: int, G: int, H: int, J: int, heads_per_step: int = HEADS_PER_STEP, lanes: bool = True) -> int | None:
+  """The key heads hk of a grid step (its value heads hk G): the largest divisor of K with hk G <= heads_per_step
+  whose blocks of the [B, T, K H] and [B, T, N J] views Mosaic takes (with `lanes`: hk H and hk G J multiples of 128,
+  or the whole K), else the smallest such with hk G <= MAX_HEADS_PER_STEP; None when there is none."""
+  legal = [d for d in range(1, K + 1) if K % d == 0
+           and (not lanes or d == K or ((d * H) % LANES == 0 and (d * G * J) % LANES == 0))]
+  under = [d for d in legal if d * G <= max(heads_per_step, G)]
+  if under:
+    return max(under)
+  over = [d for d in legal if d * G <= MAX_HEADS_PER_STEP]
+  return min(over) if over else None
+
+
 def fits(K: int, N: int, H: int, J: int, chunk_size: int) -> bool:
-  """Whether the Mosaic kernel takes these shapes on TPU: its (1, W, H) and (1, W, J) blocks of the [B, T, K * H]
-  and [B, T, N * J] views need H and J multiples of 128 (or one head: the block spans the array) and W a multiple
-  of 8 sublanes (16: bf16 packs two rows per sublane)."""
-  return (H % LANES == 0 or K == 1) and (J % LANES == 0 or N == 1) and chunk_size % 16 == 0
+  """Whether the Mosaic kernel takes these shapes on TPU: a tile of key heads whose blocks are multiples of 128 lanes
+  (or span the heads) within MAX_HEADS_PER_STEP value heads (`key_tile`), and a chunk of a multiple of 16 positions
+  (8 sublanes; bf16 packs two rows per sublane)."""
+  return N % K == 0 and key_tile(K, N // K, H, J) is not None and chunk_size % 16 == 0
 
 
 class _Static(NamedTuple):
   """What the kernels are built from (hashable: custom_vjp's static argument)."""
   W: int  # chunk
   G: int  # value heads per key head
+  hk: int  # key heads per grid step
   interpret: bool
 
 
@@ -150,9 +177,22 @@ def _mm_tn(a, b, cdt):  # a [K, M] b [K, N] -> a^T b
   return _dot(a, b, ((0,), (0,)), cdt)
 
 
-def _inverse(a_WW: jax.Array) -> jax.Array:
+def _mm_split(a, b, cdt):
+  """a [M, K] @ b [K, N] of float32 operands, float32 out: at HIGHEST when cdt is float32, else in three bf16 passes
+  (each operand split into a bf16 head and a bf16 remainder; the remainders' product dropped: about 2^-16 relative,
+  at half the MXU work of HIGHEST's six)."""
+  if cdt == jnp.float32:
+    return _mm(a, b, jnp.float32)
+  bf16 = jnp.bfloat16
+  a_hi, b_hi = a.astype(bf16), b.astype(bf16)
+  a_lo, b_lo = (a - a_hi.astype(jnp.float32)).astype(bf16), (b - b_hi.astype(jnp.float32)).astype(bf16)
+  return _mm(a_hi, b_hi, bf16) + (_mm(a_hi, b_lo, bf16) + _mm(a_lo, b_hi, bf16))
+
+
+def _inverse(a_WW: jax.Array, cdt) -> jax.Array:
   """(I + A)^-1 for A [W, W] strictly lower triangular (W a power of two), float32: I - A on the 2 x 2 diagonal
-  blocks, then X_2b = X_b - X_b A_off X_b until the block is the chunk (the module docstring)."""
+  blocks, then X_2b = X_b - X_b A_off X_b until the block is the chunk (the module docstring), its products by
+  _mm_split."""
   W = a_WW.shape[0]
   i, j = _iota(W, 0), _iota(W, 1)
   eye = (i == j).astype(jnp.float32)
@@ -162,142 +202,152 @@ def _inverse(a_WW: jax.Array) -> jax.Array:
   b = 2
   while b < W:
     off = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), a_WW, 0.0)
-    x = x - _mm(x, _mm(off, x, jnp.float32), jnp.float32)
+    x = x - _mm_split(x, _mm_split(off, x, cdt), cdt)
     b *= 2
   return x
 
 
-class _Terms(NamedTuple):
-  """A chunk's terms that do not depend on the state (the module docstring's letters)."""
+class _Chunk(NamedTuple):
+  """What every head of a chunk shares: its segment structure (the module docstring's letters)."""
   incl: jax.Array  # [W, W] bool: same segment, j <= i
   strict: jax.Array  # [W, W] bool: same segment, j < i
+  in_last: jax.Array  # [W, 1] bool: l, in the chunk's last segment
+  carry: jax.Array  # [W, 1] c, still in the segment of the state entering the chunk
+  carry_last: jax.Array  # [1, 1] c_last
+  last: jax.Array  # [W, 1] bool: the last position
+
+
+def _chunk(seg_row, carry_row) -> _Chunk:
+  W = seg_row.shape[1]
+  i, j = _iota(W, 0), _iota(W, 1)
+  seg_col = _col(seg_row)
+  same = seg_col == seg_row
+  last = jax.lax.broadcasted_iota(jnp.int32, (W, 1), 0) == W - 1
+  return _Chunk(same & (i >= j), same & (i > j), seg_col == _last(seg_row), _col(carry_row), _last(carry_row), last)
+
+
+class _Gates(NamedTuple):
+  """One value head's gate terms in a chunk."""
   dm: jax.Array  # [W, W] D
-  kk: jax.Array  # [W, W] k k^T
   beta: jax.Array  # [W, 1]
   ce: jax.Array  # [W, 1] c exp(gamma)
   f: jax.Array  # [W, 1] l exp(gamma_last - gamma)
   dec: jax.Array  # [1, 1] c_last exp(gamma_last)
-  last: jax.Array  # [W, 1] bool: the last position
 
 
-def _terms(k, g_row, beta_row, seg_row, carry_row, cdt) -> _Terms:
-  W = g_row.shape[1]
-  i, j = _iota(W, 0), _iota(W, 1)
-  seg_col = _col(seg_row)
-  same = seg_col == seg_row
-  incl, strict = same & (i >= j), same & (i > j)
-  gam_col = jnp.sum(jnp.where(incl, g_row, 0.0), axis=1, keepdims=True)  # [W, 1]
+def _gates(ch: _Chunk, g_row, beta_row) -> _Gates:
+  incl = ch.incl
+  gam_col = jnp.sum(jnp.where(incl, g_row, 0.0), axis=1, keepdims=True)  # [W, 1]: the cumsum restarted at starts
   gam_row = _row(gam_col)
   dm = jnp.where(incl, jnp.exp(jnp.where(incl, gam_col - gam_row, 0.0)), 0.0)
-  kk = _mm_nt(k, k, cdt)
   gam_last = _last(gam_row)
-  in_last = seg_col == _last(seg_row)
-  f = jnp.where(in_last, jnp.exp(jnp.where(in_last, gam_last - gam_col, 0.0)), 0.0)
-  ce = _col(carry_row) * jnp.exp(gam_col)
-  dec = _last(carry_row) * jnp.exp(gam_last)
-  last = jax.lax.broadcasted_iota(jnp.int32, (W, 1), 0) == W - 1
-  return _Terms(incl, strict, dm, kk, _col(beta_row), ce, f, dec, last)
+  f = jnp.where(ch.in_last, jnp.exp(jnp.where(ch.in_last, gam_last - gam_col, 0.0)), 0.0)
+  return _Gates(dm, _col(beta_row), ch.carry * jnp.exp(gam_col), f, ch.carry_last * jnp.exp(gam_last))
 
 
 # ------------------------------------------------------------------------------------------------------ the forward
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, s0_ref, o_ref, sf_ref, *rest, U, G,
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, s0_ref, o_ref, sf_ref, *rest, U, G, H, J,
                 residuals, cdt):
-  """One (row, key head, chunk, value head of the group) step. Refs: q, k (1, W, H); v, o (1, W, J); g, beta
-  (1, 1, G, U, W); seg, carry (1, U, W); s0, sf (1, 1, G, H, J); with residuals st (1, 1, 1, H, J) (the state
-  entering the chunk) and tm (1, 1, 1, W, W); scratch S [G, H, J] float32."""
+  """One (row, tile of key heads, chunk) step: the tile's hk key heads and their hv = hk G value heads, each an
+  unrolled copy of the chunk's math (independent chains the scheduler interleaves). Refs: q, k (1, W, hk H); v, o
+  (1, W, hv J); g, beta (1, hv, U, W); seg, carry (1, U, W); s0, sf (1, hv, H, J); with residuals st (1, hv, 1, H, J)
+  (the states entering the chunk) and tm (1, hv, 1, W, W); scratch S [hv, H, J] float32."""
   if residuals:
     st_ref, tm_ref, S_scr = rest
   else:
     (S_scr,) = rest
-  u, gi = pl.program_id(2), pl.program_id(3)
+  u = pl.program_id(2)
+  hv = S_scr.shape[0]
+  f32 = jnp.float32
 
   @pl.when(u == 0)
   def _():
-    S_scr[gi] = s0_ref[0, 0, gi]
+    S_scr[...] = s0_ref[0]
 
-  S = S_scr[gi]  # [H, J]
-  q, k, v = q_ref[0], k_ref[0], v_ref[0]  # [W, H], [W, H], [W, J]
-  t = _terms(k, _pick(g_ref[0, 0, gi], u), _pick(beta_ref[0, 0, gi], u), _pick(seg_ref[0], u),
-             _pick(carry_ref[0], u), cdt)
-  a = jnp.where(t.strict, t.beta * t.kk * t.dm, 0.0)
-  tm = _inverse(a)  # [W, W]
-  u_ = _mm(tm, t.beta * v.astype(jnp.float32), cdt)  # [W, J]
-  w = _mm(tm, (t.beta * t.ce) * k.astype(jnp.float32), cdt)  # [W, H]
-  delta = u_ - _mm(w, S, cdt)  # [W, J]
-  p = _mm_nt(q, k, cdt) * t.dm  # [W, W]
-  o = _mm(t.ce * q.astype(jnp.float32), S, cdt) + _mm(p, delta, cdt)
-  o_ref[0] = o.astype(o_ref.dtype)
-  S_new = t.dec * S + _mm_tn(t.f * k.astype(jnp.float32), delta, cdt)
-  S_scr[gi] = S_new
-  if residuals:
-    st_ref[0, 0, 0] = S
-    tm_ref[0, 0, 0] = tm
+  ch = _chunk(_pick(seg_ref[0], u), _pick(carry_ref[0], u))
+  for kh in range(hv // G):
+    q, k = q_ref[0, :, kh * H:(kh + 1) * H], k_ref[0, :, kh * H:(kh + 1) * H]  # [W, H]
+    kf = k.astype(f32)
+    kk = _mm_nt(k, k, cdt)  # [W, W], shared by the key head's G value heads
+    qk = _mm_nt(q, k, cdt)
+    for n in range(kh * G, (kh + 1) * G):
+      v = v_ref[0, :, n * J:(n + 1) * J]  # [W, J]
+      t = _gates(ch, _pick(g_ref[0, n], u), _pick(beta_ref[0, n], u))
+      S = S_scr[n]  # [H, J]
+      tm = _inverse(jnp.where(ch.strict, t.beta * kk * t.dm, 0.0), cdt)  # [W, W]
+      u_ = _mm(tm, t.beta * v.astype(f32), cdt)  # [W, J]
+      w = _mm(tm, (t.beta * t.ce) * kf, cdt)  # [W, H]
+      delta = u_ - _mm(w, S, cdt)  # [W, J]
+      o = _mm(t.ce * q.astype(f32), S, cdt) + _mm(qk * t.dm, delta, cdt)
+      o_ref[0, :, n * J:(n + 1) * J] = o.astype(o_ref.dtype)
+      S_new = t.dec * S + _mm_tn(t.f * kf, delta, cdt)
+      S_scr[n] = S_new
+      if residuals:
+        st_ref[0, n, 0] = S
+        tm_ref[0, n, 0] = tm
 
   @pl.when(u == U - 1)
   def _():
-    sf_ref[0, 0, gi] = S_new
+    sf_ref[0] = S_scr[...]
+
+
+def _specs(st: "_Static", U: int, H: int, J: int, reverse: bool):
+  """The BlockSpecs of the grid (B, K / hk, U) (chunks in reverse for the backward), by what they hold."""
+  W, hk, hv = st.W, st.hk, st.hk * st.G
+  c = (lambda u: U - 1 - u) if reverse else (lambda u: u)  # noqa: E731
+  return dict(
+      keys=pl.BlockSpec((1, W, hk * H), lambda b, t, u: (b, c(u), t)),  # q, k [B, Tp, K H]
+      values=pl.BlockSpec((1, W, hv * J), lambda b, t, u: (b, c(u), t)),  # v, o [B, Tp, N J]
+      gates=pl.BlockSpec((1, hv, U, W), lambda b, t, u: (b, t, 0, 0)),  # g, beta [B, N, U, W]
+      segs=pl.BlockSpec((1, U, W), lambda b, t, u: (b, 0, 0)),  # seg, carry [B, U, W]
+      state=pl.BlockSpec((1, hv, H, J), lambda b, t, u: (b, t, 0, 0)),  # [B, N, H, J]
+      states=pl.BlockSpec((1, hv, 1, H, J), lambda b, t, u: (b, t, c(u), 0, 0)),  # [B, N, U, H, J]
+      inverses=pl.BlockSpec((1, hv, 1, W, W), lambda b, t, u: (b, t, c(u), 0, 0)))  # [B, N, U, W, W]
+
+
+def _params(interpret: bool):
+  return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+              interpret=interpret)
 
 
 def _fwd_call(st: _Static, q, k, v, g, beta, seg, carry, s0, *, residuals: bool):
-  """The forward kernel on the kernel layouts (`_layouts`): (o [B, Tp, N * J], final state [B, K, G, H, J]) and,
-  with residuals, (entering states [B, N, U, H, J], Tm [B, N, U, W, W])."""
+  """The forward kernel on the kernel layouts (`_local`): (o [B, Tp, N J], final state [B, N, H, J]) and, with
+  residuals, (entering states [B, N, U, H, J], Tm [B, N, U, W, W])."""
   B, Tp, KH = q.shape
-  K, G, U, W = g.shape[1], st.G, g.shape[3], st.W
-  H, J = KH // K, v.shape[2] // (K * G)
-  N = K * G
-  cdt = v.dtype
-  row_spec = lambda d, head: pl.BlockSpec((1, W, d), lambda b, h, u, gi: (b, u, head(h, gi)))  # noqa: E731
-  gates = pl.BlockSpec((1, 1, G, U, W), lambda b, h, u, gi: (b, h, 0, 0, 0))
-  segs = pl.BlockSpec((1, U, W), lambda b, h, u, gi: (b, 0, 0))
-  state = pl.BlockSpec((1, 1, G, H, J), lambda b, h, u, gi: (b, h, 0, 0, 0))
-  key_head, value_head = (lambda h, gi: h), (lambda h, gi: h * G + gi)
-  in_specs = [row_spec(H, key_head), row_spec(H, key_head), row_spec(J, value_head), gates, gates, segs, segs, state]
-  out_specs = [row_spec(J, value_head), state]
-  out_shape = [jax.ShapeDtypeStruct((B, Tp, N * J), v.dtype), jax.ShapeDtypeStruct((B, K, G, H, J), jnp.float32)]
+  N, U, W = g.shape[1], g.shape[2], st.W
+  K = N // st.G
+  H, J = KH // K, v.shape[2] // N
+  sp = _specs(st, U, H, J, reverse=False)
+  in_specs = [sp["keys"], sp["keys"], sp["values"], sp["gates"], sp["gates"], sp["segs"], sp["segs"], sp["state"]]
+  out_specs = [sp["values"], sp["state"]]
+  out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((B, N, H, J), jnp.float32)]
   if residuals:
-    out_specs += [pl.BlockSpec((1, 1, 1, H, J), lambda b, h, u, gi: (b, h * G + gi, u, 0, 0)),
-                  pl.BlockSpec((1, 1, 1, W, W), lambda b, h, u, gi: (b, h * G + gi, u, 0, 0))]
+    out_specs += [sp["states"], sp["inverses"]]
     out_shape += [jax.ShapeDtypeStruct((B, N, U, H, J), jnp.float32),
                   jax.ShapeDtypeStruct((B, N, U, W, W), jnp.float32)]
-  kernel = functools.partial(_fwd_kernel, U=U, G=G, residuals=residuals, cdt=cdt)
+  kernel = functools.partial(_fwd_kernel, U=U, G=st.G, H=H, J=J, residuals=residuals, cdt=v.dtype)
+  scratch = [pltpu.VMEM((st.hk * st.G, H, J), jnp.float32)]
   return pl.pallas_call(
       kernel, out_shape=tuple(out_shape),
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(B, K, U, G), in_specs=in_specs,
-                                             out_specs=out_specs, scratch_shapes=[pltpu.VMEM((G, H, J), jnp.float32)]),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
-      interpret=st.interpret, name=FWD_NAME)(q, k, v, g, beta, seg, carry, s0)
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(B, K // st.hk, U), in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      name=FWD_NAME, **_params(st.interpret))(q, k, v, g, beta, seg, carry, s0)
 
 
 # ----------------------------------------------------------------------------------------------------- the backward
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, st_ref, tm_ref, do_ref, dsf_ref,
-                dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, ds0_ref, dS_scr, dq_scr, dk_scr, *, U, G, cdt):
-  """One step of the reverse sweep: chunk U - 1 - u of value head gi. Refs as the forward's, plus do (1, W, J), dsf
-  and ds0 (1, 1, G, H, J); dq, dk (1, W, H) summed over the group in dq_scr, dk_scr [W, H] float32; dg, dbeta
-  (1, 1, G, U, W), a row per step; dS_scr [G, H, J] the cotangent of the state leaving the chunk."""
-  u, gi = pl.program_id(2), pl.program_id(3)
-  c = U - 1 - u  # the chunk
-
-  @pl.when(u == 0)
-  def _():
-    dS_scr[gi] = dsf_ref[0, 0, gi]
-
+def _bwd_head(ch: _Chunk, t: _Gates, q, k, qk, kk, v, do, S, tm, dS, cdt):
+  """One value head's chunk backward (the module docstring): (dq, dk, dv, dg [1, W], dbeta [1, W], dS entering)."""
   f32 = jnp.float32
-  dS = dS_scr[gi]  # [H, J]
-  S, tm = st_ref[0, 0, 0], tm_ref[0, 0, 0]  # [H, J], [W, W]
-  q, k, v, do = q_ref[0], k_ref[0], v_ref[0], do_ref[0]  # [W, H], [W, H], [W, J], [W, J]
   qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
-  t = _terms(k, _pick(g_ref[0, 0, gi], c), _pick(beta_ref[0, 0, gi], c), _pick(seg_ref[0], c),
-             _pick(carry_ref[0], c), cdt)
   # The forward's terms, from the state entering the chunk and its saved inverse.
   u_ = _mm(tm, t.beta * vf, cdt)  # [W, J]
   kc = (t.beta * t.ce) * kf  # [W, H]
   w = _mm(tm, kc, cdt)  # [W, H]
   delta = u_ - _mm(w, S, cdt)  # [W, J]
-  qk = _mm_nt(q, k, cdt)  # [W, W]
   p = qk * t.dm
   kd = t.f * kf  # [W, H]
   qe = t.ce * qf  # [W, H]
@@ -311,72 +361,80 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, st_ref
   dw = -_mm_nt(d_delta, S, cdt)  # [W, H]
   dkc = _mm_tn(tm, dw, cdt)  # [W, H]
   dbv = _mm_tn(tm, d_delta, cdt)  # [W, J]
-  da = jnp.where(t.strict, -(_mm_nt(dkc, w, cdt) + _mm_nt(dbv, u_, cdt)), 0.0)  # [W, W]
+  da = jnp.where(ch.strict, -(_mm_nt(dkc, w, cdt) + _mm_nt(dbv, u_, cdt)), 0.0)  # [W, W]
   dqk = dp * t.dm
   dkk = da * t.beta * t.dm
-  x = (dp * qk + da * t.beta * t.kk) * t.dm  # dD * D: D's gamma cotangent, rows minus columns
+  x = (dp * qk + da * t.beta * kk) * t.dm  # dD * D: D's gamma cotangent, rows minus columns
   dq = t.ce * d_qe + _mm(dqk, k, cdt)
   dk = t.f * d_kd + _mm_tn(dqk, q, cdt) + (t.beta * t.ce) * dkc + _mm(dkk, k, cdt) + _mm_tn(dkk, k, cdt)
-  dv = t.beta * dbv
   rowsum = lambda y: jnp.sum(y, axis=1, keepdims=True)  # noqa: E731
-  dbeta = rowsum(da * t.kk * t.dm) + rowsum(vf * dbv) + rowsum(t.ce * kf * dkc)  # [W, 1]
+  dbeta = rowsum(da * kk * t.dm) + rowsum(vf * dbv) + rowsum(t.ce * kf * dkc)  # [W, 1]
   to_last = t.f * rowsum(kf * d_kd)  # [W, 1]: kd's gamma cotangent, -gamma_j's (and +gamma_last's summed)
   gamma_last = jnp.sum(to_last, axis=0, keepdims=True) + t.dec * jnp.sum(S * dS, keepdims=True)  # [1, 1]
   dgam = (rowsum(qe * d_qe) + rowsum(kc * dkc) + rowsum(x) - _col(jnp.sum(x, axis=0, keepdims=True)) - to_last
-          + jnp.where(t.last, gamma_last, 0.0))  # [W, 1]
-  dg = jnp.sum(jnp.where(t.incl, dgam, 0.0), axis=0, keepdims=True)  # [1, W]: gamma_i sums g_j over incl
-  dS_scr[gi] = dS_in
-  dv_ref[0] = dv.astype(dv_ref.dtype)
-  dg_ref[0, 0, gi] = _put(dg_ref[0, 0, gi], c, dg)
-  dbeta_ref[0, 0, gi] = _put(dbeta_ref[0, 0, gi], c, _row(dbeta))
+          + jnp.where(ch.last, gamma_last, 0.0))  # [W, 1]
+  dg = jnp.sum(jnp.where(ch.incl, dgam, 0.0), axis=0, keepdims=True)  # [1, W]: gamma_i sums g_j over incl
+  return dq, dk, t.beta * dbv, dg, _row(dbeta), dS_in
 
-  @pl.when(gi == 0)
-  def _():
-    dq_scr[...] = dq
-    dk_scr[...] = dk
 
-  @pl.when(gi > 0)
-  def _():
-    dq_scr[...] += dq
-    dk_scr[...] += dk
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, st_ref, tm_ref, do_ref, dsf_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, ds0_ref, dS_scr, *, U, G, H, J, cdt):
+  """One step of the reverse sweep: chunk U - 1 - u of a tile's value heads. Refs as the forward's, plus do
+  (1, W, hv J), dsf and ds0 (1, hv, H, J); dq, dk (1, W, hk H) (a key head's sums its G value heads'); dv
+  (1, W, hv J); dg, dbeta (1, hv, U, W), a row per step; dS_scr [hv, H, J] the cotangents of the states leaving the
+  chunk."""
+  u = pl.program_id(2)
+  c = U - 1 - u  # the chunk
+  hv = dS_scr.shape[0]
 
-  @pl.when(gi == G - 1)
+  @pl.when(u == 0)
   def _():
-    dq_ref[0] = dq_scr[...].astype(dq_ref.dtype)
-    dk_ref[0] = dk_scr[...].astype(dk_ref.dtype)
+    dS_scr[...] = dsf_ref[0]
+
+  ch = _chunk(_pick(seg_ref[0], c), _pick(carry_ref[0], c))
+  for kh in range(hv // G):
+    q, k = q_ref[0, :, kh * H:(kh + 1) * H], k_ref[0, :, kh * H:(kh + 1) * H]  # [W, H]
+    kk, qk = _mm_nt(k, k, cdt), _mm_nt(q, k, cdt)  # [W, W]
+    dq_sum = dk_sum = 0.0
+    for n in range(kh * G, (kh + 1) * G):
+      t = _gates(ch, _pick(g_ref[0, n], c), _pick(beta_ref[0, n], c))
+      dq, dk, dv, dg, dbeta, dS_in = _bwd_head(ch, t, q, k, qk, kk, v_ref[0, :, n * J:(n + 1) * J],
+                                               do_ref[0, :, n * J:(n + 1) * J], st_ref[0, n, 0], tm_ref[0, n, 0],
+                                               dS_scr[n], cdt)
+      dq_sum, dk_sum = dq_sum + dq, dk_sum + dk
+      dS_scr[n] = dS_in
+      dv_ref[0, :, n * J:(n + 1) * J] = dv.astype(dv_ref.dtype)
+      dg_ref[0, n] = _put(dg_ref[0, n], c, dg)
+      dbeta_ref[0, n] = _put(dbeta_ref[0, n], c, dbeta)
+    dq_ref[0, :, kh * H:(kh + 1) * H] = dq_sum.astype(dq_ref.dtype)
+    dk_ref[0, :, kh * H:(kh + 1) * H] = dk_sum.astype(dk_ref.dtype)
 
   @pl.when(u == U - 1)
   def _():
-    ds0_ref[0, 0, gi] = dS_in
+    ds0_ref[0] = dS_scr[...]
 
 
 def _bwd_call(st: _Static, q, k, v, g, beta, seg, carry, states, tm, do, dsf):
-  """The backward kernel: (dq, dk [B, Tp, K * H], dv [B, Tp, N * J], dg, dbeta [B, K, G, U, W], d initial state
-  [B, K, G, H, J])."""
+  """The backward kernel: (dq, dk [B, Tp, K H], dv [B, Tp, N J], dg, dbeta [B, N, U, W], d initial state
+  [B, N, H, J])."""
   B, Tp, KH = q.shape
-  K, G, U, W = g.shape[1], st.G, g.shape[3], st.W
-  H, J = KH // K, v.shape[2] // (K * G)
-  rev = lambda u: U - 1 - u  # noqa: E731
-  row_spec = lambda d, head: pl.BlockSpec((1, W, d), lambda b, h, u, gi: (b, rev(u), head(h, gi)))  # noqa: E731
-  gates = pl.BlockSpec((1, 1, G, U, W), lambda b, h, u, gi: (b, h, 0, 0, 0))
-  segs = pl.BlockSpec((1, U, W), lambda b, h, u, gi: (b, 0, 0))
-  state = pl.BlockSpec((1, 1, G, H, J), lambda b, h, u, gi: (b, h, 0, 0, 0))
-  per_chunk = lambda x, y: pl.BlockSpec((1, 1, 1, x, y), lambda b, h, u, gi: (b, h * G + gi, rev(u), 0, 0))  # noqa
-  key_head, value_head = (lambda h, gi: h), (lambda h, gi: h * G + gi)
-  in_specs = [row_spec(H, key_head), row_spec(H, key_head), row_spec(J, value_head), gates, gates, segs, segs,
-              per_chunk(H, J), per_chunk(W, W), row_spec(J, value_head), state]
-  out_specs = [row_spec(H, key_head), row_spec(H, key_head), row_spec(J, value_head), gates, gates, state]
+  N, U = g.shape[1], g.shape[2]
+  K = N // st.G
+  H, J = KH // K, v.shape[2] // N
+  sp = _specs(st, U, H, J, reverse=True)
+  in_specs = [sp["keys"], sp["keys"], sp["values"], sp["gates"], sp["gates"], sp["segs"], sp["segs"], sp["states"],
+              sp["inverses"], sp["values"], sp["state"]]
+  out_specs = [sp["keys"], sp["keys"], sp["values"], sp["gates"], sp["gates"], sp["state"]]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, jnp.float32),
-               jax.ShapeDtypeStruct(beta.shape, jnp.float32), jax.ShapeDtypeStruct((B, K, G, H, J), jnp.float32)]
-  kernel = functools.partial(_bwd_kernel, U=U, G=G, cdt=v.dtype)
-  scratch = [pltpu.VMEM((G, H, J), jnp.float32), pltpu.VMEM((W, H), jnp.float32), pltpu.VMEM((W, H), jnp.float32)]
+               jax.ShapeDtypeStruct(beta.shape, jnp.float32), jax.ShapeDtypeStruct((B, N, H, J), jnp.float32)]
+  kernel = functools.partial(_bwd_kernel, U=U, G=st.G, H=H, J=J, cdt=v.dtype)
+  scratch = [pltpu.VMEM((st.hk * st.G, H, J), jnp.float32)]
   return pl.pallas_call(
       kernel, out_shape=tuple(out_shape),
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(B, K, U, G), in_specs=in_specs,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, grid=(B, K // st.hk, U), in_specs=in_specs,
                                              out_specs=out_specs, scratch_shapes=scratch),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
-      interpret=st.interpret, name=BWD_NAME)(q, k, v, g, beta, seg, carry, states, tm, do, dsf)
+      name=BWD_NAME, **_params(st.interpret))(q, k, v, g, beta, seg, carry, states, tm, do, dsf)
 
 
 # ------------------------------------------------------------------------------------------- custom VJP, layouts
@@ -384,7 +442,7 @@ def _bwd_call(st: _Static, q, k, v, g, beta, seg, carry, states, tm, do, dsf):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rule(st: _Static, q, k, v, g, beta, s0, seg, carry):
-  """The rule on the kernel layouts: (o [B, Tp, N * J], final state [B, K, G, H, J])."""
+  """The rule on the kernel layouts: (o [B, Tp, N J], final state [B, N, H, J])."""
   return _fwd_call(st, q, k, v, g, beta, seg, carry, s0, residuals=False)
 
 
@@ -416,36 +474,35 @@ def _segment_rows(segment_ids_BT, B: int, T: int, U: int, W: int) -> tuple[jax.A
   return seg.astype(jnp.float32), (seg == incoming).astype(jnp.float32)
 
 
-def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, interpret: bool):
+def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, hk: int, interpret: bool):
   """One device's rows: the layouts in, the kernel, the layouts out."""
   B, T, K, H = q_BTKH.shape
   N, J = v_BTNJ.shape[2:]
-  G = N // K
   U = -(-T // W)
   Tp = U * W
   cdt = v_BTNJ.dtype
 
-  def rows(x, d):  # [B, T, heads, d] -> [B, Tp, heads * d] in cdt (a free reshape when T = Tp)
+  def rows(x):  # [B, T, heads, d] -> [B, Tp, heads d] in cdt (a free reshape when T = Tp)
     x = x.astype(cdt).reshape(B, T, -1)
     return x if Tp == T else jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0)))
 
-  def gates(x):  # [B, T, N] -> [B, K, G, U, W] float32, zeros past T (no-op positions)
+  def gates(x):  # [B, T, N] -> [B, N, U, W] float32, zeros past T (no-op positions)
     x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0)))
-    return jnp.transpose(x, (0, 2, 1)).reshape(B, K, G, U, W)
+    return jnp.transpose(x, (0, 2, 1)).reshape(B, N, U, W)
 
   seg, carry = _segment_rows(seg_BT, B, T, U, W)
   s0 = jnp.zeros((B, N, H, J), jnp.float32) if s0_BNHJ is None else s0_BNHJ.astype(jnp.float32)
-  st = _Static(W=W, G=G, interpret=interpret)
-  o, sf = _rule(st, rows(q_BTKH, H), rows(k_BTKH, H), rows(v_BTNJ, J), gates(g_BTN), gates(beta_BTN),
-                s0.reshape(B, K, G, H, J), seg, carry)
-  return o.reshape(B, Tp, N, J)[:, :T].astype(v_BTNJ.dtype), sf.reshape(B, N, H, J)
+  st = _Static(W=W, G=N // K, hk=hk, interpret=interpret)
+  o, sf = _rule(st, rows(q_BTKH), rows(k_BTKH), rows(v_BTNJ), gates(g_BTN), gates(beta_BTN), s0, seg, carry)
+  return o.reshape(B, Tp, N, J)[:, :T].astype(v_BTNJ.dtype), sf
 
 
 def gated_delta_rule_pallas(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
-                            initial_state_BNHJ=None, chunk_size=64, interpret=None):
+                            initial_state_BNHJ=None, chunk_size=64, heads_per_step=HEADS_PER_STEP, interpret=None):
   """The gated delta rule by the Pallas kernels: gated_delta_rule_chunked's contract and return (o [B, T, N, J] in
   v's dtype, final state [B, N, H, J] float32), differentiable in q, k, v, g, beta and the initial state. The
-  products run in v's dtype (q and k are cast to it). interpret: Pallas interpret mode (default: off TPU)."""
+  products run in v's dtype (q and k are cast to it). heads_per_step: value heads per grid step, at most (`key_tile`);
+  interpret: Pallas interpret mode (default: off TPU)."""
   check_chunk_size(chunk_size)
   on_tpu = platform() == "tpu"
   interpret = (not on_tpu) if interpret is None else interpret
@@ -453,10 +510,12 @@ def gated_delta_rule_pallas(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_
   N, J = v_BTNJ.shape[2:]
   if N % K:
     raise ValueError(f"gated_delta_rule_pallas: {N} value heads do not group over {K} key heads")
+  hk = key_tile(K, N // K, H, J, heads_per_step, lanes=not interpret)
   if not interpret and not fits(K, N, H, J, chunk_size):
-    raise ValueError(f"gated_delta_rule_pallas: the TPU kernel needs key/value head dims that are multiples of "
-                     f"{LANES} and a chunk that is a multiple of 16 (K={K} H={H}, N={N} J={J}, chunk {chunk_size})")
-  body = functools.partial(_local, W=chunk_size, interpret=interpret)
+    raise ValueError(f"gated_delta_rule_pallas: the TPU kernel needs key/value head dims whose tiles are multiples "
+                     f"of {LANES} lanes and a chunk that is a multiple of 16 (K={K} H={H}, N={N} J={J}, chunk "
+                     f"{chunk_size})")
+  body = functools.partial(_local, W=chunk_size, hk=hk, interpret=interpret)
   args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT, initial_state_BNHJ)
   with jax.named_scope("gdn_pallas"):
     mesh = current_mesh()

@@ -2,7 +2,7 @@
 head and the log-softmax computed together over blocks of the sequence (no [B, T, V] logits).
 
     logp_BT, entropy_BT = materialized_logprobs(logits_BTV, targets_BT, temperature=..., keep_fn=..., entropy=...)
-    logp_BT, entropy_BT = blockwise_logprobs(x_BTD, kernel, targets_BT, tied=..., cap=..., block=...)
+    logp_BT, entropy_BT = blockwise_logprobs(x_BTD, kernel, targets_BT, tied=..., cap=..., block=..., barrier=...)
 
 models/logprobs.py decides which one a loss runs (loss_impl); every loss reads it there.
 
@@ -21,7 +21,11 @@ The kernel moves once per call (per micro-batch), not per block: it is gathered 
 each block loop (forward, backward), and the backward keeps each device's partial weight gradient over its own
 rows apart from the others' ([row shards, D, V], float32, each device holding its own) until one reduction after
 the loop, in the kernel's dtype, to the kernel's sharding. The price is one whole [D, V / tensor] float32
-accumulator per device in the backward's loop.
+accumulator per device in the backward's loop. Left to itself, XLA:TPU schedules that reduction late (its result is
+read only by the optimizer), inside the layers' backward, and holds the accumulator until then: at the peak
+(DeepSeek-V3 on v5p-512: f32[1,1,7168,129280], 3.45 GiB; docs/compile.md). With barrier=True an optimization
+barrier ties the head's reduced gradient to dx, which the layers' backward reads: the exchange completes before they
+start, the accumulator is freed, and the exchange no longer overlaps them. The numbers are the same either way.
 
 Blocks are strided, as train/step._split_micro splits micro-batches: block j holds positions j, nb + j, 2 nb + j,
 ..., so a sequence sharded over mesh.context stays on its devices. T is padded up to nb x Tb with positions
@@ -75,16 +79,18 @@ def materialized_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, *, tempe
 
 def blockwise_logprobs(x_BTD: jax.Array, kernel: jax.Array, targets_BT: jax.Array, *, tied: bool,
                        cap: float | None = None, temperature: float = 1.0, keep_fn: Callable | None = None,
-                       entropy: bool = False, block: int = 256) -> tuple[jax.Array, jax.Array | None]:
+                       entropy: bool = False, block: int = 256,
+                       barrier: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """(log p(target) [B, T], entropy [B, T] or None), float32, never holding [B, T, V].
 
   kernel: [D, V] (tied=False) or [V, D] (tied=True), in x's dtype. keep_fn(z [B, Tb, V]) -> bool [B, Tb, V]: the
   tokens the distribution keeps (z: the capped logits over the temperature, without gradient); the target is
-  always kept. block: at most this many positions per block."""
+  always kept. block: at most this many positions per block. barrier: the backward returns dx only once the head's
+  weight gradient is reduced (module docstring)."""
   T = x_BTD.shape[1]
   nb = math.ceil(T / max(1, block))
   tb = math.ceil(T / nb)  # the fewest blocks of at most `block`, evened out: at most nb - 1 padded positions
-  opts = _Opts(tied, cap, float(temperature), keep_fn, bool(entropy), nb, tb)
+  opts = _Opts(tied, cap, float(temperature), keep_fn, bool(entropy), nb, tb, bool(barrier))
   logp, ent = _logprobs(opts, x_BTD, kernel, targets_BT)
   return logp, (ent if entropy else None)
 
@@ -98,6 +104,7 @@ class _Opts(NamedTuple):
   entropy: bool
   nb: int  # blocks
   tb: int  # positions per block
+  barrier: bool  # dx waits for the head gradient's reduction
 
 
 def _blocks(a: jax.Array, nb: int, tb: int) -> jax.Array:
@@ -310,7 +317,11 @@ def _logprobs_bwd(opts: _Opts, res, cts):
   dk = jax.lax.reduce(parts, jnp.zeros((), kernel.dtype), jax.lax.add, (0, 1))
   if k_sh is not None:
     dk = reshard(dk, k_sh)
-  return _unblocks(dx, T), dk, None
+  dx_BTD = _unblocks(dx, T)
+  if opts.barrier:
+    # What reads dx (the layers' backward) now waits for dk, hence for the exchange and the accumulator it frees.
+    dx_BTD, dk = jax.lax.optimization_barrier((dx_BTD, dk))
+  return dx_BTD, dk, None
 
 
 _KERNEL_AXES = {False: axes("embed", "vocab"), True: axes("vocab", "embed")}  # the head [D, V], the tied table [V, D]

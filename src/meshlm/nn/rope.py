@@ -46,6 +46,11 @@ def fold_sign(sin_BTH: jax.Array) -> jax.Array:
   return jnp.concatenate([-sin_BTH[..., :half], sin_BTH[..., half:]], axis=-1)
 
 
+def resolve_swap(key: str, platform: str) -> str:
+  """The rope_swap key on a platform: matmul or roll (auto: matmul on TPU, roll elsewhere)."""
+  return key if key != "auto" else "matmul" if platform == "tpu" else "roll"
+
+
 def swap_halves(x_BNTH: jax.Array, by_matmul: bool) -> jax.Array:
   """roll(x, H/2) over the last axis, [x2, x1], exactly, in float32. by_matmul: as the product with the [H, H]
   permutation matrix (one nonzero term per output, accumulated in float32: exact for bfloat16 and, at HIGHEST

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 LANES = 128  # the kernel's block lengths are multiples of the TPU's 128 lanes
 SUBLANES = 8
@@ -167,6 +168,32 @@ class Rule:
       return Blocks(*fwd, *fused, length=self.padded)
     dq = self._phase("dq", KEYS[6:], qk, v, softcap, False)
     return Blocks(*fwd, *split, *dq, length=self.padded)
+
+
+# A phase's keys, the one to lower first first: the compute block (its score tiles are most of a step), then the
+# query block, then the key block. Mosaic names the phases' kernels splash_mha_fwd..., splash_mha_dkv...,
+# splash_mha_dq... (splash_mqa_* alike) and records each kernel's blocks by the key's name without "sa_".
+PHASE_KEYS = {"fwd": ("sa_block_kv_compute", "sa_block_q", "sa_block_kv"),
+              "dkv": ("sa_block_kv_dkv_compute", "sa_block_q_dkv", "sa_block_kv_dkv"),
+              "dq": ("sa_block_kv_dq", "sa_block_q_dq")}
+_KERNEL = re.compile(r"^splash_m[hq]a_(fwd|dkv|dq)")
+
+
+def vmem_advice(kernel: str, blocks: dict[str, int]) -> dict | None:
+  """What to change when the compiler refuses `kernel` (Mosaic's kernel name) for scoped VMEM: {"kernel":
+  "splash", "phase": fwd | dkv | dq, "key": "sa_block_...=N"}, the phase's first block above LANES halved (its
+  value from `blocks`, the kernel's recorded block sizes), or None for a kernel that is not the splash kernel's."""
+  m = _KERNEL.match(kernel)
+  if m is None:
+    return None
+  phase = m.group(1)
+  keys = PHASE_KEYS[phase]
+  for key in keys:
+    b = blocks.get(key.removeprefix("sa_"))
+    if b is not None and b > LANES:
+      return {"kernel": "splash", "phase": phase, "key": f"{key}={max(b // 2, LANES)}"}
+  return {"kernel": "splash", "phase": phase, "key": f"{keys[0]}={LANES}" + (
+      " or splash_backward=split" if phase == "dkv" else "")}
 
 
 def scoped_vmem(device_kind: str | None) -> int:

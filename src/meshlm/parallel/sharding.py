@@ -190,37 +190,49 @@ def auto_region_many(fn, outs: Sequence[tuple[Axes, Sequence[int]]]):
   return jax.sharding.auto_axes(fn, out_sharding=tuple(logical_spec(axes, shape) for axes, shape in outs))
 
 
-# The platforms whose compiler all-reduces (and slices) some bfloat16 gradients to be reduce-scattered over their
-# minor dim, while it reduce-scatters them over a leading one: XLA:TPU (libtpu 0.0.50.1, v5p). There a weight
-# gradient that would be one of those is formed with its FSDP dim leading (nn/dense.scatter_order, take_rows).
-SCATTER_LEADING = ("tpu",)
+# The scatter_leading key: which weight gradients whose FSDP dim is their minor one (down "fd", o "nhd", the embedding
+# table [V, D]) are formed with that dim leading (nn/dense.scatter_order, take_rows), so that XLA reduce-scatters them:
+# "tpu", those XLA:TPU (libtpu 0.0.50.1, v5p) would all-reduce whole and slice (minor_scatter_all_reduced); "all",
+# every one whose minor dim is sharded (the TPU path on any platform, at any width: the tests' reference check);
+# "none", none. "auto" is the platform's: tpu on TPU, none elsewhere.
+SCATTER_RULES = ("tpu", "all", "none")
 
 
-def scatter_leading() -> bool:
-  """Whether this platform is one of SCATTER_LEADING."""
-  return platform() in SCATTER_LEADING
+def scatter_rule(key: str = "auto", on: str | None = None) -> str:
+  """The scatter_leading key resolved for a platform (`on`; by default the program being traced's, platform()):
+  auto is tpu on TPU, else none."""
+  if key == "auto":
+    return "tpu" if (on or platform()) == "tpu" else "none"
+  if key not in SCATTER_RULES:
+    raise ValueError(f"scatter_leading={key!r}: expected auto, {', '.join(SCATTER_RULES)}")
+  return key
 
 
-def minor_scatter_all_reduced(size: int, entry, itemsize: int) -> bool:
-  """Whether a reduce-scatter over an array's minor dim (`size` long, split over the mesh axes `entry`) would be
-  an all-reduce of the whole array and a slice on this platform: on SCATTER_LEADING ones, a 2-byte (bfloat16)
-  array whose shards are an odd multiple of 128 elements wide. Measured for [F, D] over v5p:2x2x1's 4 devices
-  (tests/test_compile.py holds one): shards of 128, 384, 640, 896, 1152 are all-reduced; 64, 192, 256, 320, 512,
-  768, 1024, 1280, 1792 reduce-scattered, as is every float32 one tried, and over a leading dim every one tried.
-  Over 8 devices (v5p:2x2x2) shards of 128 were all-reduced over a leading dim too: not covered (docs/compile.md)."""
-  if entry is None or itemsize != 2 or not scatter_leading():
+def minor_scatter_all_reduced(size: int, entry, itemsize: int, rule: str) -> bool:
+  """Whether a gradient reduce-scattered over its minor dim (`size` long, split over the mesh axes `entry`) is to be
+  formed with that dim leading under `rule` (scatter_rule's): under "tpu", where XLA:TPU would make the reduce-scatter
+  an all-reduce of the whole array and a slice: a 2-byte (bfloat16) array whose shards are an odd multiple of 128
+  elements wide. Measured for [F, D] over v5p:2x2x1's 4 devices (tests/test_compile.py holds one): shards of 128,
+  384, 640, 896, 1152 are all-reduced; 64, 192, 256, 320, 512, 768, 1024, 1280, 1792 reduce-scattered, as is every
+  float32 one tried, and over a leading dim every one tried. Over 8 devices (v5p:2x2x2) shards of 128 were
+  all-reduced over a leading dim too: not covered (docs/compile.md). Under "all" every sharded one; "none", none."""
+  if entry is None or rule == "none":
+    return False
+  if rule == "all":
+    return True
+  if itemsize != 2:
     return False
   sizes = dict(zip(current_mesh().axis_names, current_mesh().axis_sizes))
   n = math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
   return size % n == 0 and (size // n) % 256 == 128
 
 
-def leading_spec(spec: P, shape: Sequence[int], itemsize: int) -> P | None:
+def leading_spec(spec: P, shape: Sequence[int], itemsize: int, rule: str) -> P | None:
   """spec with its sharded minor dim's mesh axes moved to dim 0 ([V, D] sharded (None, fsdp) -> (fsdp, None)),
-  where a reduce-scatter over the minor dim would be all-reduced (minor_scatter_all_reduced), dim 0 is whole and
-  they divide it; else None."""
+  where `rule` (scatter_rule's) forms that gradient leading (minor_scatter_all_reduced), dim 0 is whole and they
+  divide it; else None."""
   full = tuple(spec) + (None,) * (len(shape) - len(spec))
-  if full[0] is not None or any(full[1:-1]) or not minor_scatter_all_reduced(shape[-1], full[-1], itemsize):
+  if full[0] is not None or any(full[1:-1]) or not minor_scatter_all_reduced(shape[-1], full[-1], itemsize, rule):
     return None
   sizes = dict(zip(current_mesh().axis_names, current_mesh().axis_sizes))
   if shape[0] % math.prod(sizes[a] for a in ((full[-1],) if isinstance(full[-1], str) else full[-1])):
@@ -228,7 +240,7 @@ def leading_spec(spec: P, shape: Sequence[int], itemsize: int) -> P | None:
   return P(full[-1], *([None] * (len(shape) - 1)))
 
 
-def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes) -> jax.Array:
+def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes, scatter: str = "auto") -> jax.Array:
   """table[ids] (rows of a [V, ...] table), sharded as out_axes.
 
   Explicit sharding refuses a gather from a sharded table into sharded rows as ambiguous: gather
@@ -236,13 +248,13 @@ def take_rows(table: jax.Array, ids: jax.Array, out_axes: Axes) -> jax.Array:
   rows' on every device, summed over them) is reduce-scattered to the table's sharding; where XLA would make that
   an all-reduce of the whole table (the embedding table [V, D] with D over fsdp: minor_scatter_all_reduced), it is
   reduce-scattered over V (a leading dim) and then exchanged into the table's sharding (an all-to-all of 1 / fsdp
-  of it).
+  of it). scatter: the scatter_leading key (scatter_rule).
   """
   shape = ids.shape + table.shape[1:]
   if not is_explicit():
     return constrain(jax.numpy.take(table, ids, axis=0), out_axes)
   spec = jax.typeof(table).sharding.spec
-  lead = leading_spec(spec, table.shape, table.dtype.itemsize)
+  lead = leading_spec(spec, table.shape, table.dtype.itemsize, scatter_rule(scatter))
   if lead is not None:
     return _take_rows_scattered(tuple(out_axes), spec, lead, table, ids)
   return _take_rows(tuple(out_axes), table, ids)

@@ -32,12 +32,16 @@ kernel_fsdp say how the layer computes and lays out the same parameters (COMPUTE
 other values). kernel_fsdp null is decided for the run (`run_knobs`, by `layout_for`), and the part checks the
 mesh: mesh.expert shards whole experts (`check_mesh`), and only a model with this part may set it above 1
 (MeshRules.axes). Which layers are MoE is the family's plan (model.decoder_sparse_step, mlp_only_layers,
-first_k_dense_replace), not a knob of the part. The layer (nn/moe moe_mlp) reads the knobs it needs by their own
-names in one record, `settings` (MoESettings.of); grad_reduce_barrier is applied here, in `apply`, alone.
+first_k_dense_replace), not a knob of the part. The layer (nn/moe moe_mlp) takes the section itself (`knobs`) and
+reads the knobs it needs there, by their names, beside the few things it needs of the model and the context
+(`options`: the activation, the kernels' axes, Context.cast); grad_reduce_barrier is applied here, in `apply`, alone.
+Every kernel of the layer, the experts' and the shared expert's, reaches the compute dtype through Context.cast, the
+rule every other part's kernels follow (models/context.py).
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import ClassVar, Literal, Optional
 
 import jax
@@ -48,8 +52,8 @@ from pydantic import Field
 from meshlm.config import Config, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
-from meshlm.models.family import (CensusCounter, Compute, Instrument, LayerInput, MeshRules, ModelState, Part, Replay,
-                                  section)
+from meshlm.models.family import (CensusCounter, Compute, Instrument, LayerInput, LayerMemory, MeshRules, ModelState,
+                                  Part, Replay, section)
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.nn.router_replay import check_forced_ids
@@ -69,8 +73,8 @@ class MoEConfig(pydantic.BaseModel):
   """The moe part's own knobs: model.parts.moe.<knob> (their old flat keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "kernel_fsdp", "ep_impl", "ep_buffer_factor",
-                                         "kernel_cast", "grad_reduce_barrier")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "megablox_tiling", "kernel_fsdp", "ep_impl",
+                                         "ep_buffer_factor", "grad_reduce_barrier", "decode_kernels")
   num_experts: int = Field(gt=0, description="experts per MoE layer (E)")
   num_experts_per_tok: int = Field(default=2, gt=0, description="experts each token is routed to (top-k); at most "
                                    "num_experts")
@@ -88,10 +92,17 @@ class MoEConfig(pydantic.BaseModel):
   impl: Literal["dropless", "reference"] = Field(
       default="dropless", description="dispatch: dropless (sorted, grouped matmuls; under ep_impl=compact with "
       "ep_buffer_factor set, the rows past its buffers drop) or reference (every expert on every token, masked)")
-  grouped_matmul: Literal["auto", "loop", "blocks", "ragged"] = Field(
+  grouped_matmul: Literal["auto", "loop", "blocks", "ragged", "megablox"] = Field(
       default="auto", description="the experts' grouped matmul (nn/moe/gmm.py): loop (a scan over the experts, rows "
-      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot); auto: "
-      "loop on CPU, ragged elsewhere")
+      "straight from the sorted buffer), blocks (per-expert padded row blocks), ragged (jax.lax.ragged_dot), megablox "
+      "(JAX's Pallas TPU grouped matmul; interpret mode off TPU, slow); auto: loop on CPU, megablox on TPU, ragged "
+      "elsewhere")
+  # megablox's tiles, [tm, tk, tn] (rows, contraction, output columns), for its forward and, clamped to each problem,
+  # its two backward calls; null: gmm.megablox_tiling's rule (from the measured best, fitted to the chip's VMEM).
+  megablox_tiling: Optional[tuple[int, int, int]] = Field(
+      default=None, description="grouped_matmul=megablox's tiles [tm, tk, tn] (tm a multiple of 8, tk and tn of "
+      "128), each clamped to the problem; too large for the chip's VMEM fails the compile; null: the auto rule (512, "
+      "1024, 1024 halved until the tiles fit the chip's scoped VMEM)")
   # Which dim of the expert kernels gate/up [E, D, F] and down [E, F, D] mesh.fsdp shards (nn/moe/layer.py moe_spec):
   # "experts" moves tokens to the experts (expert-parallel dispatch over fsdp and expert; no kernel gathered),
   # "embed" and "mlp" gather the kernels whole in each layer. null: decided for the run by layout_for.
@@ -112,19 +123,18 @@ class MoEConfig(pydantic.BaseModel):
       default=None, gt=0, description="ep_impl=compact: each device sends each peer of its expert group at most "
       "ceil(factor x its routed slots / ep) rows (1.0: a perfectly balanced routing; the RL seed uses 2.75); "
       "null: ep, the worst case, where nothing can drop (dropless)")
-  # How the float32 expert kernels reach the bf16 compute dtype (nn/moe/dropless.py cast_bits): bit-identical either
-  # way; what XLA:TPU keeps in memory differs (docs/moe.md, "The kernels' cast to the compute dtype").
-  kernel_cast: Literal["convert", "bits"] = Field(
-      default="convert", description="the expert kernels' cast to a bf16 compute dtype: convert (astype; XLA:TPU "
-      "converts each whole kernel stack once before the layer loop) or bits (integer rounding, bit-identical, kept "
-      "per layer in the loop: no whole-stack bf16 copies; fits mixtral-8x7b on v5p-16, but where the kernels are "
-      "gathered per layer it gathers them in float32)")
   # nn/moe/layer.py reduce_barrier: bit-identical; what XLA keeps live in the backward differs (docs/moe.md).
   grad_reduce_barrier: bool = Field(
       default=False, description="in the backward, hold each MoE layer's input gradient until its expert kernels' "
       "gradients are reduced to their parameter sharding (an optimization barrier): at most one layer's float32 "
       "kernel gradients whole over fsdp are live, at the cost of overlapping their reduce-scatters with the layer "
       "before; bit-identical")
+  # A sampler's decode step under kernel_fsdp=embed and ep_impl=compact (nn/moe/expert_parallel.py expert_rows_split).
+  decode_kernels: Literal["auto", "gathered", "split"] = Field(
+      default="auto", description="decode under kernel_fsdp=embed, ep_impl=compact: gathered (the expert kernels "
+      "gathered whole per layer, as in training) or split (they stay split on the embed dim; the routed rows' slices "
+      "go to them and the partial gate|up products are summed); auto: split where that moves fewer elements than "
+      "the gather (a decode step's few rows)")
   # Shared expert (qwen3_next, qwen3_5_moe): one GLU of this width beside the routed experts on every MoE layer,
   # scaled by sigmoid(shared_expert_gate(x)) (Hugging Face's shared_expert_intermediate_size).
   shared_expert_mlp_dim: Optional[int] = Field(
@@ -147,6 +157,23 @@ class MoEConfig(pydantic.BaseModel):
       default="zero", description="sigmoid routing: what the experts of dropped groups score in the final top-k: "
       "zero (DeepSeek's published modeling_deepseek.py) or -inf (transformers 5's DeepseekV3TopkRouter); they "
       "differ only where a kept expert's biased score is negative")
+
+  # Knobs this section had and no longer reads, dropped where a saved config (a run's config.yaml) still holds them:
+  # kernel_cast (convert | bits), bit-identical either way, now the one rule of every kernel (Context.cast).
+  RETIRED: ClassVar[tuple[str, ...]] = ("kernel_cast",)
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _drop_retired(cls, data):
+    return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
+
+  @pydantic.field_validator("megablox_tiling")
+  @classmethod
+  def _whole_tiles(cls, tiling):
+    if tiling is not None and (tiling[0] <= 0 or tiling[0] % 8 or any(t <= 0 or t % 128 for t in tiling[1:])):
+      raise ValueError(f"{list(tiling)}: tm must be a positive multiple of 8 and tk, tn of 128 (the TPU's (8, 128) "
+                       "tiles); or null for the auto rule")
+    return tiling
 
   @pydantic.field_validator("ep_buffer_factor")
   @classmethod
@@ -213,6 +240,52 @@ def check_mesh(m: ModelConfig, sizes: dict[str, int]) -> None:
                       "falls back to it)")
 
 
+# --- the layout search and estimate (MeshRules.search, drops, memory; analysis/layout.py) ------------------------
+
+ROW_BUFFERS = 4  # the dispatch's [rows, embed] buffers live at once in a layer's backward: the recomputed forward's
+# gathered rows, the returning rows (an all-to-all's operand and result under compact) and the backward's unsort
+GLU_BUFFERS = 3  # the [rows, expert width] buffers: gate's and up's outputs and their product
+SEED_BUFFER_FACTOR = 2.75  # the RL seed's ep_buffer_factor (docs/moe.md): the compact buffers the search tries
+# What --fit=layout varies of the section where the user left a knob unset (ep_buffer_factor: None is dropless).
+SEARCH = {"ep_impl": ("gather", "compact"), "kernel_fsdp": ("embed", "experts"),
+          "ep_buffer_factor": (None, SEED_BUFFER_FACTOR), "grad_reduce_barrier": (False, True)}
+
+
+def search_drops(values) -> bool:
+  """A buffer factor the search chose: rows past its buffers drop (the model's numbers change)."""
+  return values.get("ep_buffer_factor") is not None
+
+
+def layer_memory(cfg: Config, sizes: dict, mesh, tokens: int) -> LayerMemory:
+  """One MoE layer in the layout estimate: its expert kernels split over the expert-parallel group (ep: the mesh axes
+  of their experts dim), the dispatch's routed-row buffers in the compute dtype (ROW_BUFFERS rows x embed and
+  GLU_BUFFERS rows x the expert width; the rows: the device's own slots, tokens x top-k, without expert parallelism,
+  the expert group's under ep_impl=gather (the ep devices that share the batch x tokens x top-k), ep x C under
+  ep_impl=compact, C = expert_parallel.capacity), and, without grad_reduce_barrier, every MoE layer's kernel
+  gradients of the scanned period live at once."""
+  import numpy as np
+  from meshlm.parallel.sharding import logical_spec
+  m, own = cfg.model, knobs(cfg.model)
+  E, k, F, D = own.num_experts, own.num_experts_per_tok, own.mlp_dim, m.embed_dim
+  cb = np.dtype(cfg.train.compute_dtype).itemsize
+  ep_axes = moe.ep_mesh_axes(logical_spec((moe.experts_axis(own.kernel_fsdp),), (E,), mesh))
+  ep = math.prod(sizes[a] for a in ep_axes)
+  rows_global = cfg.train.per_device_batch_size * math.prod(sizes.values()) // cfg.train.micro_batches
+  bspec = logical_spec(moe.TOKENS, (rows_global, cfg.train.seq_len, k), mesh)
+  batch_axes = set((bspec[0],) if isinstance(bspec[0], str) else tuple(bspec[0] or ()))
+  gathered = math.prod(sizes[a] for a in ep_axes if a in batch_axes)
+  shared = math.prod(sizes[a] for a in ep_axes if a not in batch_axes)
+  if ep == 1:
+    rows = tokens * k
+  elif own.ep_impl == "gather":
+    rows = tokens * gathered * k
+  else:
+    rows = ep * moe.capacity(-(-tokens // shared) * k, ep, own.ep_buffer_factor)
+  return LayerMemory(buffers=rows * (ROW_BUFFERS * D + GLU_BUFFERS * F) * cb,
+                     split=lambda s: ep if is_expert(s) else None,
+                     grads_every_layer=not own.grad_reduce_barrier)
+
+
 def prepare(p: dict, specs: dict, dtype) -> dict:
   del dtype  # the router computes in model.parts.moe.router_dtype, from the stored kernel's values
   return dict(p, router_full=moe.gather_router_once(p["router"], specs["router"].axes))
@@ -228,10 +301,15 @@ def check_forced(m: ModelConfig, forced, shape: tuple[int, ...], name: str = FOR
 FORCED = LayerInput(trailing=lambda m: (knobs(m).num_experts_per_tok,), check=check_forced, flips="router_flips")
 
 
+def is_expert(s: S.ParamSpec) -> bool:
+  """A routed expert's parameter: an experts axis among its logical axes (moe_spec's EXPERTS_AXES)."""
+  return any(a in moe.EXPERTS_AXES for a in s.axes)
+
+
 def routed_fraction(m: ModelConfig, s: S.ParamSpec) -> float:
   """The share of a parameter one token's matmuls meet (Instrument.active_fraction): k / E of a kernel with an experts
   axis (a token runs k of the E experts), all of every other."""
-  if any(a and str(a).startswith("experts") for a in s.axes):
+  if is_expert(s):
     own = knobs(m)
     return own.num_experts_per_tok / own.num_experts
   return 1.0
@@ -265,11 +343,12 @@ def moe_spec(m: ModelConfig) -> dict:
   return moe.moe_spec(m.embed_dim, own.num_experts, own.mlp_dim, own.kernel_fsdp)
 
 
-def settings(m: ModelConfig) -> moe.MoESettings:
-  """The MoE layer's settings: the section's knobs (MoESettings.of) and what the layer needs of the model. (A family
-  that always renormalizes, mixtral and qwen3_5_moe, refuses norm_topk_prob=false in its checks.)"""
-  return moe.MoESettings.of(knobs(m), activation=ACTIVATIONS[m.hidden_activation],
-                            kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS))
+def options(m: ModelConfig, ctx=None) -> moe.Options:
+  """What the MoE layer needs besides its section: the model's activation, the kernels' logical axes (moe_spec's) and
+  the context's kernel cast (astype without a context). (A family that always renormalizes, mixtral and qwen3_5_moe,
+  refuses norm_topk_prob=false in its checks.)"""
+  return moe.Options(activation=ACTIVATIONS[m.hidden_activation], cast=None if ctx is None else ctx.cast,
+                     kernel_axes=tuple(moe_spec(m)[n].axes for n in KERNELS))
 
 
 def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, shared: bool = False, shared_gate: bool = True,
@@ -282,13 +361,13 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state=None, *, shared: bool = False, s
     seg = ctx.here.segment_ids
     # Padding (segment 0) is not counted.
     kw = dict(router_bias=p[ROUTER_BIAS], token_mask_BT=None if seg is None else (seg > 0))
-  s = settings(ctx.model)
-  if knobs(ctx.model).grad_reduce_barrier:
+  own, opts = knobs(ctx.model), options(ctx.model, ctx)
+  if own.grad_reduce_barrier:
     # The one place it is applied: over every use of x (the shared expert's too), so that x's gradient sums its
     # parts in the same order as without the barrier (inside moe_mlp, with the shared expert's part added after
     # it, x's gradient was 1 ulp off).
-    p, x_BTD = moe.reduce_barrier(p, x_BTD, s.kernel_axes)
-  y, side = moe.moe_mlp(p, x_BTD, ctx, s,
+    p, x_BTD = moe.reduce_barrier(p, x_BTD, opts.kernel_axes)
+  y, side = moe.moe_mlp(p, x_BTD, ctx, own, opts,
                         forced_ids_BTk=ctx.layer.get(FORCED_IDS), router_full=p["router_full"], **kw)
   if shared:
     y = y + shared_expert(p, x_BTD, ctx, gated=shared_gate)
@@ -308,15 +387,16 @@ def shared_spec(m: ModelConfig, gated: bool = True) -> dict:
 
 
 def shared_expert(p: dict, x_BTD: jax.Array, ctx, gated: bool = True) -> jax.Array:
-  """sigmoid(x @ shared_expert_gate) * glu(x) [B, T, D]; glu(x) alone when not gated."""
+  """sigmoid(x @ shared_expert_gate) * glu(x) [B, T, D]; glu(x) alone when not gated. Its kernels cast through
+  ctx.cast, as every other part's."""
   dt = x_BTD.dtype
   with jax.named_scope("shared_expert"):
     h = glu_mlp({"gate": p["shared_gate"], "up": p["shared_up"], "down": p["shared_down"]}, x_BTD, dense=ctx.dense,
-                activation=ACTIVATIONS[ctx.model.hidden_activation])
+                activation=ACTIVATIONS[ctx.model.hidden_activation], cast=ctx.cast)
     if not gated:
       return h
     with jax.named_scope("shared_expert_gate"):
-      s = ctx.dense(x_BTD, p["shared_expert_gate"].astype(dt), "btd,do->bto", ("batch", "length", None))  # [B, T, 1]
+      s = ctx.dense(x_BTD, ctx.cast(p["shared_expert_gate"], dt), "btd,do->bto", ("batch", "length", None))  # [B, T, 1]
     return jax.nn.sigmoid(s) * h
 
 
@@ -398,7 +478,8 @@ def moe_ffn(*, shared: bool = False, shared_gate: bool = True, routing: str = "s
               compute=Compute(prepare=prepare, remat_save_names=moe.REMAT_SAVE_NAMES),
               replay=Replay(layer_inputs={FORCED_IDS: FORCED}, replays={ROUTED_IDS: FORCED_IDS}),
               model_state=state,
-              mesh=MeshRules(axes=("expert",), check=check_mesh, run_knobs=run_knobs, stack_rows=KERNELS),
+              mesh=MeshRules(axes=("expert",), check=check_mesh, run_knobs=run_knobs, stack_rows=KERNELS, search=SEARCH,
+                             drops=search_drops, memory=layer_memory),
               instrument=Instrument(census=CENSUS, active_fraction=routed_fraction))
 
 

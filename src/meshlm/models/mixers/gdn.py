@@ -38,7 +38,7 @@ key_head_dim H and value_head_dim J are required; chunk_size, impl and kernel sa
 checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. kernel is the top-level key
 gdn_impl (auto | jax | pallas), written into the section when the model resolves (`run_knobs`): the chunked rule of
 training and prefill in pure JAX (nn/gdn.py) or by the Pallas TPU kernels (nn/gdn_pallas.py; interpret mode off
-TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where the kernel takes the head dims).
+TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where the kernel takes the shapes).
 Which layers are GDN is the hybrid family's plan (model.hybrid_layer_types or full_attention_interval,
 models/plans.py), not a knob.
 
@@ -212,16 +212,17 @@ def context_parallel(m: ModelConfig, mode: str) -> bool:
 
 def resolve_kernel(gdn_impl: str, on: str, m: ModelConfig) -> str:
   """gdn_impl (auto | jax | pallas) for a program built for platform `on`: jax or pallas. auto is pallas on TPU where
-  the kernel takes the model's head dims and chunk (gdn_pallas.fits), else jax; pallas on TPU with dims it does not
-  take is a ConfigError (off TPU the kernel runs in interpret mode, any dims)."""
+  the kernel takes the model's heads and chunk (gdn_pallas.fits), else jax; pallas on TPU with shapes it does not
+  take is a ConfigError (off TPU the kernel runs in interpret mode, any shapes)."""
   if gdn_impl not in ("auto", "jax", "pallas"):
     raise ValueError(f"gdn_impl={gdn_impl!r}: expected auto, jax or pallas")
   K, N, _, H, J, _ = dims(m)
   fits = gdn_pallas.fits(K, N, H, J, knobs(m).chunk_size)
   if gdn_impl == "pallas" and on == "tpu" and not fits:
-    raise ConfigError(f"gdn_impl=pallas: the TPU kernel needs key and value head dims that are multiples of "
-                      f"{gdn_pallas.LANES} (model.parts.gdn.key_head_dim={H}, value_head_dim={J}) and "
-                      f"model.parts.gdn.chunk_size={knobs(m).chunk_size} a multiple of 16; use gdn_impl=jax or auto")
+    raise ConfigError(f"gdn_impl=pallas: the TPU kernel needs model.parts.gdn.chunk_size={knobs(m).chunk_size} a "
+                      f"multiple of 16 and a tile of at most {gdn_pallas.MAX_HEADS_PER_STEP} value heads whose key "
+                      f"and value dims fill whole {gdn_pallas.LANES}-lane blocks (key_heads={K} key_head_dim={H}, "
+                      f"value_heads={N} value_head_dim={J}); use gdn_impl=jax or auto")
   if gdn_impl == "auto":
     return "pallas" if on == "tpu" and fits else "jax"
   return gdn_impl

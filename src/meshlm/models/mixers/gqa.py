@@ -18,7 +18,6 @@ from meshlm.config import ModelConfig
 from meshlm import spec as S
 from meshlm.models.family import Compute, Instrument, Part, StateLeaf
 from meshlm.nn import attention as A, gather_once
-from meshlm.nn.attention import gqa_attention_decode
 from meshlm.nn.kv_cache import CACHE_AXES
 from meshlm.nn.norm import rms_norm
 
@@ -40,7 +39,9 @@ def spec(m: ModelConfig, *, plus_one: bool = False) -> dict:
 
 def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
   shape = (batch, m.num_kv_heads, size, m.head_dim)  # [B, K, C, H]
-  return {"k": StateLeaf(shape, CACHE_AXES, slot_axis=2), "v": StateLeaf(shape, CACHE_AXES, slot_axis=2)}
+  # Read in place: the pallas decode attention indexes a scanned layer's slots in the stacked cache itself.
+  return {"k": StateLeaf(shape, CACHE_AXES, slot_axis=2, in_place=True),
+          "v": StateLeaf(shape, CACHE_AXES, slot_axis=2, in_place=True)}
 
 
 def prepare(p: dict, specs: dict, dtype) -> dict:
@@ -100,11 +101,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, w_o: jax.Array, ctx, state:
   if ctx.mode != "decode":
     return ctx.attend(q, k, v, w_o, scale=scale, softcap=softcap, gate=gate), update
 
-  def decode(q, k, v, k_cache, v_cache, mask):
-    return gqa_attention_decode(q, k, v, k_cache, v_cache, mask, scale=scale, softcap=softcap)
-  mask = A.decode_mask(ctx.here.cache.read_mask, ctx.here.cache.write)
-  y = A.attend_and_project(decode, (q, k, v, state["k"], state["v"], mask), w_o, ctx.dense, rows=(q.shape[0], 1),
-                           gate=gate)
+  def decode(q, k, v, k_cache, v_cache, slots):  # the cache leaves: the layer's rows, or LayerRows of the stack
+    return ctx.decode.attend(q, k, v, k_cache, v_cache, slots, scale=scale, softcap=softcap)
+  y = A.attend_and_project(decode, (q, k, v, state["k"], state["v"], ctx.here.cache), w_o, ctx.dense,
+                           rows=(q.shape[0], 1), gate=gate)
   return y, update
 
 

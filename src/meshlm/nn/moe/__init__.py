@@ -6,19 +6,23 @@ except the compact expert-parallel form with a bounded buffer (ep_buffer_factor:
 drops the rows past it and counts them:
 
   route:     logits = x @ router (float32, through the dense primitive) -> softmax -> top-k
-  sort:      perm = argsort(expert id of each of the M*k (token, slot) pairs)      # the only sort
-  gather:    xs[j] = x[perm[j] // k]                                               # [A, D], A = M*k
+  sort:      perm = argsort(expert id of each of the A = M*k (token, slot) pairs, slot-major: s = k' M + n)
+  gather:    xs[j] = x[perm[j] % M]                                                # [A, D]
   matmuls:   h = xs @ gate_up[e_j] (one grouped matmul), a = act(h_gate) * h_up, ys = a @ down[e_j]
-  unsort:    y_flat = ys[inverse(perm)], y[n] = sum_k w[n, k] * y_flat[n, k]
+  back:      y[n] = sum_k' w[n, k'] * ys[inverse(perm)[k' M + n]]
 
 The files, by concern:
 - routing.py: the router's top-k (softmax, DeepSeek-V3's group-limited sigmoid), the bias rule, aux losses.
-- gmm.py: the grouped matmul (loop, blocks, ragged) and its custom backwards.
-- dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, unsort) and its speedups' VJPs.
+- gmm.py: the grouped matmul (loop, blocks, ragged, megablox) and its custom backwards.
+- rows.py: the rows' movement (the sort, into expert order and back by gathers), each with its reference.
+- fused.py: the GLU, the down matmul and the way back as one op whose backward runs no down matmul again;
+  glu_rows.py: its GLU backward over the rows (a Pallas kernel on TPU, XLA's form the reference).
+- dropless.py: the dispatch on local tokens (sort, gather, grouped matmuls, back) and its plain variants.
 - expert_parallel.py: the dispatch with the experts sharded over ep devices (the group's tokens gathered, or compact:
   only the routed rows moved by all-to-all in bounded buffers, the overflow dropped and counted).
-- layer.py: moe_spec, MoESettings (the part's knobs in one record) and moe_mlp, the layer (routing, then the dispatch
-  under shard_map); reduce_barrier, which the part applies around every use of the layer's input.
+- layer.py: moe_spec, Options (what the layer reads besides the part's section, which it takes as it is) and moe_mlp,
+  the layer (routing, then the dispatch under shard_map); reduce_barrier, which the part applies around every use of
+  the layer's input.
 The reference beside it (nn/moe_reference.py) runs every expert on every token and masks.
 
 Router replay (`forced_ids_BTk` [B, T, k], -1 = not forced; nn/router_replay.py): forced tokens take
@@ -34,7 +38,7 @@ from meshlm.nn.moe.expert_parallel import (EP_IMPLS, EXPERT_AXIS, capacity, disp
                                            ep_mesh_axes, local_expert_offset, send_layout)
 from meshlm.nn.moe.gmm import (GROUPED_MATMULS, block_layout, default_block_rows, default_grouped_matmul,
                                grouped_matmul, loop_block_rows, rest_block_sizes)
-from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, MoESettings, experts_axis, moe_mlp,
+from meshlm.nn.moe.layer import (DROPPED, EXPERTS_AXES, KERNEL_FSDP, SCOPE, TOKENS, Options, experts_axis, moe_mlp,
                                  moe_spec, reduce_barrier)
 from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LOGITS, ROUTER_SCORINGS, aux_stats,
                                    bias_update, expert_load, group_limited_topk, group_route, load_balancing_loss,
@@ -42,7 +46,7 @@ from meshlm.nn.moe.routing import (GROUP_MASKS, NORM_EPS, ROUTER_AXES, ROUTER_LO
 
 __all__ = [
     "DROPPED", "EP_IMPLS", "EXPERT_AXIS", "EXPERTS_AXES", "GROUP_MASKS", "GROUPED_MATMULS", "KERNEL_FSDP", "NORM_EPS",
-    "REMAT_SAVE_NAMES", "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "MoESettings",
+    "REMAT_SAVE_NAMES", "ROUTER_AXES", "ROUTER_LOGITS", "ROUTER_SCORINGS", "SCOPE", "TOKENS", "UNSORTS", "Options",
     "aux_stats", "bias_update", "block_layout", "capacity", "combine", "default_block_rows", "default_grouped_matmul",
     "dispatch", "dispatch_compact", "dispatch_gather", "ep_mesh_axes", "expert_grad_barrier", "expert_load", "expert_rows", "experts_axis", "fused_glu",
     "gather_router_once", "group_limited_topk", "group_route", "grouped_matmul", "inverse_permutation",

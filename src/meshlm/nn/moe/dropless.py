@@ -1,12 +1,14 @@
-"""Dropless dispatch on local tokens: sort the (token, slot) pairs by expert, gather, grouped matmuls, unsort.
+"""Dropless dispatch on local tokens: sort the (token, slot) pairs by expert, gather, grouped matmuls, back to tokens.
 
-Two speedups from the RL trainer (issue 11), each kept switchable against its plain version:
-- `unsort_impl="perm"`: the inverse permutation is a scatter of the sort's own permutation, and the
-  unsort's backward is a gather by `perm` (custom VJP) instead of autodiff's scatter-add. The
-  plain version ("argsort") argsorts perm again. Bit-identical gradients; one sort in the forward,
-  none in the backward (tests/moe_helpers.py count_sorts).
-- `fused_gate_up=True`: gate and up are one grouped matmul of width 2F, and `fused_glu`'s backward
-  writes both half-gradients in one concatenate instead of autodiff's pad-and-add.
+The row movement is rows.py's (slot-major pairs, gathers only, each with its reference) and the experts' second half
+with the way back fused.py's (glu_down_combine: a backward that runs no down matmul again); docs/moe.md "The routed
+rows on a TPU". Speedups kept switchable against their plain versions (Options):
+- `unsort_impl="perm"`: the inverse permutation is a scatter of the sort's own permutation; the plain version
+  ("argsort") argsorts perm again (one sort in the forward, none in the backward: tests/moe_helpers.py count_sorts).
+- `fused_gate_up=True`: gate and up are one grouped matmul of width 2F and the rest is glu_down_combine; the plain
+  version runs gate and up apart, autodiff through the GLU, and rows.unsort_combine back. `fused_glu` (the GLU
+  alone, its backward writing both half-gradients in one concatenate instead of autodiff's pad-and-add) serves
+  expert_rows' callers that take the rows themselves (the compact dispatch).
 """
 from __future__ import annotations
 
@@ -18,24 +20,20 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshlm.nn import gather_once
-from meshlm.nn.kernel_cast import cast_bits
+from meshlm.nn.moe import fused, rows
 from meshlm.nn.moe.gmm import default_grouped_matmul, grouped_matmul, vary_like
 from meshlm.nn.stack_row import is_row, materialize
 
-# Values a remat policy should save so that the backward replays no sort: the sort's permutation.
-# jax.checkpoint(policy=checkpoint_dots) alone recomputes the argsort in the backward; combine it with
+# Values a remat policy should save so that the backward replays no sort: the sort's permutation and what it carries.
+# jax.checkpoint(policy=checkpoint_dots) alone recomputes the sort in the backward; combine it with
 # save_only_these_names(*REMAT_SAVE_NAMES) (save_from_both_policies) to keep it at one sort per layer.
-REMAT_SAVE_NAMES = ("moe_perm",)
+REMAT_SAVE_NAMES = (rows.SORTED,)
 UNSORTS = ("perm", "argsort")
-KERNEL_CASTS = ("convert", "bits")  # astype (the default, the reference) or cast_bits
 
 
 # --- the speedups: unsort with the sort's permutation, fused GLU -----------------------------------
 
-def inverse_permutation(perm: jax.Array) -> jax.Array:
-  """inv with inv[perm[j]] = j, by one scatter (no sort)."""
-  n = perm.shape[0]
-  return jnp.zeros((n,), perm.dtype).at[perm].set(jnp.arange(n, dtype=perm.dtype), unique_indices=True)
+inverse_permutation = rows.inverse_permutation
 
 
 @jax.custom_vjp
@@ -131,69 +129,71 @@ def gather_router_once(router_stack: jax.Array, axes: tuple[str | None, ...]) ->
 # --- dispatch ----------------------------------------------------------------------------------------
 
 def dispatch(x_MD: jax.Array, ids_Mk: jax.Array, w_Mk: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
-             down_EFD: jax.Array, *, fused_gate_up: bool = True, activation=jax.nn.silu,
-             grouped_matmul_impl: str = "auto", block_rows: int | None = None, unsort_impl: str = "perm",
-             expert_offset: jax.Array | None = None, grad_barrier: bool = True, kernel_cast: str = "convert"):
-  """Dropless expert computation on local tokens: y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]).
+             down_EFD: jax.Array, knobs, opts, expert_offset: jax.Array | None = None):
+  """Dropless expert computation on local tokens: (y [M, D] = sum_k w[n, k] * expert_{ids[n, k]}(x[n]), dropped: an
+  int32 0, the expert-parallel dispatches' type; this one drops nothing).
 
-  The dense parts (sort_slots, the gather, unsort_rows, combine) around the per-row expert work (expert_rows);
-  the compact expert-parallel dispatch (expert_parallel.py) composes the same pieces around an all-to-all.
-  fused_gate_up: gate and up in one grouped matmul ([A, 2F]) and fused_glu; else two and autodiff.
-  grad_barrier: `expert_grad_barrier` on the gathered rows and the kernels (identity; one
-  optimization barrier over their cotangents in the backward).
-  kernel_cast: how the kernels reach the rows' dtype, "convert" (astype) or "bits" (cast_bits, kept per layer
-  in a layer loop); bit-identical.
+  The row movement (rows.py: the sort, gather_rows into expert order, unsort_combine back, the (token, slot) pairs
+  slot-major) around the per-row expert work (expert_rows); the compact expert-parallel dispatch
+  (expert_parallel.py) composes sort_slots, expert_rows and unsort_rows around an all-to-all.
+  knobs: the moe section (its grouped_matmul, megablox_tiling); opts: nn/moe/layer.Options (activation, the kernels'
+  cast, the plain variants: fused_gate_up off runs gate and up as two grouped matmuls and autodiff; grad_barrier
+  puts `expert_grad_barrier` on the gathered rows and the kernels; unsort_impl "argsort" finds the inverse
+  permutation by a second sort).
   expert_offset (expert parallelism): the kernels hold experts [offset, offset + E) of all experts;
   only the slots routed to those run, the rest sort to the end, get no rows in the grouped matmul
   and give zeros (y is this shard's part of the sum over k).
   """
-  if unsort_impl not in UNSORTS:
-    raise ValueError(f"unsort_impl={unsort_impl!r}: expected one of {UNSORTS}")
-  k = ids_Mk.shape[1]
-  perm, sizes, local = sort_slots(ids_Mk.reshape(-1), down_EFD.shape[0], expert_offset)  # slot j: token j // k
+  if opts.unsort_impl not in UNSORTS:
+    raise ValueError(f"unsort_impl={opts.unsort_impl!r}: expected one of {UNSORTS}")
+  M, k = ids_Mk.shape
+  E = down_EFD.shape[0]
+  w_kM = w_Mk.T  # slot-major, as the ids: pair s = k' M + n
+  perm, sizes, local, w_sorted = rows.sort_by_expert(ids_Mk.T.reshape(-1), E, expert_offset, w_kM.reshape(-1))
+  with jax.named_scope("unsort"):
+    inv = rows.inverse_permutation(perm) if opts.unsort_impl == "perm" else jnp.argsort(perm).astype(perm.dtype)
+  if local is not None:
+    # Pairs routed to no local expert weigh nothing here (their rows sort last, past sum(sizes)).
+    w_kM = jnp.where(local.reshape(k, M), w_kM, jnp.zeros_like(w_kM))
+    w_sorted = jnp.where(jnp.arange(M * k) < jnp.sum(sizes), w_sorted, jnp.zeros_like(w_sorted))
   with jax.named_scope("gather"):
-    xs = x_MD[perm // k]  # [A, D]
-  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, fused_gate_up=fused_gate_up, activation=activation,
-                   grouped_matmul_impl=grouped_matmul_impl, block_rows=block_rows, grad_barrier=grad_barrier,
-                   kernel_cast=kernel_cast)
-  return combine(unsort_rows(ys, perm, unsort_impl, local), w_Mk)
+    xs = rows.gather_rows(M, x_MD, perm % M, inv)  # [A, D]
+  rest = expert_offset is not None
+  if opts.fused_gate_up:
+    # The GLU, the down matmul and the way back as one op (fused.py): its backward runs no down matmul again.
+    back = lambda h, down, gmm: fused.glu_down_combine(M, opts.activation, gmm, h, down, sizes, w_kM,  # noqa: E731
+                                                       w_sorted, perm, inv)
+    return expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, knobs, opts, rest=rest, back=back), jnp.zeros(
+        (), jnp.int32)
+  ys = expert_rows(xs, sizes, gate_EDF, up_EDF, down_EFD, knobs, opts, rest=rest)
+  with jax.named_scope("combine"):
+    y = rows.unsort_combine(M, ys, w_kM, w_sorted, perm, inv)
+  return y, jnp.zeros((), jnp.int32)
 
 
 def sort_slots(flat_A: jax.Array, E: int, expert_offset: jax.Array | None = None):
-  """(perm [A] int32, sizes [E] int32, local [A] bool or None): the stable sort of the routed rows by expert
-  id (the one sort; its permutation saved under remat as "moe_perm") and each expert's row count.
-
-  expert_offset: the kernels hold experts [offset, offset + E); ids outside become E, sort last and are
-  counted in no group (local marks the others)."""
-  with jax.named_scope("sort"):
-    flat, local = flat_A, None
-    if expert_offset is not None:
-      # Local expert ids; every other expert becomes E, which sorts last and is counted in no group.
-      flat = flat - expert_offset
-      local = (flat >= 0) & (flat < E)  # [A]
-      flat = jnp.where(local, flat, E)
-    perm = checkpoint_name(jnp.argsort(flat, stable=True).astype(jnp.int32), "moe_perm")
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode=None if local is None else "drop")
-  return perm, sizes, local
+  """(perm [A] int32, sizes [E] int32, local [A] bool or None): rows.sort_by_expert without a carry (the compact
+  dispatch's receiver)."""
+  return rows.sort_by_expert(flat_A, E, expert_offset)[:3]
 
 
-def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, *, fused_gate_up: bool = True,
-                activation=jax.nn.silu, grouped_matmul_impl: str = "auto", block_rows: int | None = None,
-                grad_barrier: bool = True, kernel_cast: str = "convert") -> jax.Array:
+def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD, knobs, opts,
+                rest: bool = False, back: Callable | None = None) -> jax.Array:
   """The per-row expert work: ys [A, D] = glu_{e_j}(xs[j]) over rows sorted by expert (sizes_E rows each; rows
-  past the groups are not computed), with the expert grad barrier on the rows and the kernels; kernel_cast:
-  dispatch's."""
-  if kernel_cast not in KERNEL_CASTS:
-    raise ValueError(f"kernel_cast={kernel_cast!r}: expected one of {KERNEL_CASTS}")
+  past the groups, which exist only with rest (expert parallelism's), are zeros), with the expert grad barrier on the
+  rows and the kernels; knobs, opts: dispatch's. back(h, down, gmm): with the fused gate|up, what the rest is instead
+  (h [A, 2F], the down kernel cast, gmm(rows, kernel, sizes)): dispatch's fused.glu_down_combine."""
   dt = xs_AD.dtype
-  cast = functools.partial(_as, dt=dt, kernel_cast=kernel_cast)
-  gmm = functools.partial(grouped_matmul, impl=grouped_matmul_impl, block_rows=block_rows)
-  if (default_grouped_matmul() if grouped_matmul_impl == "auto" else grouped_matmul_impl) != "loop":
+  cast = functools.partial(_as, dt=dt, cast=opts.cast_to)
+  impl = knobs.grouped_matmul
+  gmm = functools.partial(grouped_matmul, impl=impl, block_rows=opts.block_rows, tiling=knobs.megablox_tiling,
+                          rest=rest)
+  if (default_grouped_matmul() if impl == "auto" else impl) != "loop":
     # Only the expert loop reads a StackRow in place; the others take the row sliced out.
     gate_EDF, up_EDF, down_EFD = (materialize(w) for w in (gate_EDF, up_EDF, down_EFD))
   # Kernels left in their stacks (StackRow, read by the expert loop) skip the barrier: their cotangents are
   # stack-shaped pads that XLA fuses across layers into one pass, which a barrier on each would block.
-  if grad_barrier and not any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)):
+  if opts.grad_barrier and not any(is_row(w) for w in (gate_EDF, up_EDF, down_EFD)):
     # On the grouped matmuls' input rows and kernels: the rows' cotangent enters the barrier before
     # the gather's scatter-add, so XLA may still fold other gradients of x into that scatter (as
     # without the barrier: on x itself it blocked the fold and moved x's gradient by 1 ulp). Inside
@@ -203,16 +203,19 @@ def expert_rows(xs_AD: jax.Array, sizes_E: jax.Array, gate_EDF, up_EDF, down_EFD
     xs_AD, (gate_EDF, up_EDF, down_EFD) = expert_grad_barrier(xs_AD, kernels)
   # Each grouped matmul in its own scope, so the census counts weight-gradient dots per kernel.
   with jax.named_scope("experts"):
-    if fused_gate_up:
+    if opts.fused_gate_up:
       with jax.named_scope("gate_up"):
         h = gmm(xs_AD, (cast(gate_EDF), cast(up_EDF)), sizes_E)  # [A, 2F]
-      a = fused_glu(activation, h)
+      if back is not None:
+        with jax.named_scope("down"):
+          return back(h, cast(down_EFD), gmm)
+      a = fused_glu(opts.activation, h)
     else:
       with jax.named_scope("gate"):
         g = checkpoint_name(gmm(xs_AD, cast(gate_EDF), sizes_E), "moe_gate")
       with jax.named_scope("up"):
         u = checkpoint_name(gmm(xs_AD, cast(up_EDF), sizes_E), "moe_up")
-      a = activation(g) * u
+      a = opts.activation(g) * u
     with jax.named_scope("down"):
       return gmm(a, cast(down_EFD), sizes_E)  # [A, D]
 
@@ -241,12 +244,9 @@ def combine(y_flat_AD: jax.Array, w_Mk: jax.Array) -> jax.Array:
   return y.astype(y_flat_AD.dtype)
 
 
-def _as(w, dt, kernel_cast: str = "convert"):
-  """w in dtype dt: "convert" w.astype(dt), "bits" cast_bits where it applies (float32 to bfloat16); a StackRow of
-  that dtype stays in its stack (a cast would copy its row anyway)."""
+def _as(w, dt, cast):
+  """w in dtype dt by cast(w, dt) (the layer's rule, Context.cast in a model); a StackRow of that dtype stays in its
+  stack (a cast would copy its row anyway)."""
   if is_row(w) and w.dtype == dt:
     return w
-  w = materialize(w)
-  if kernel_cast == "bits" and w.dtype == jnp.float32 and jnp.dtype(dt) == jnp.bfloat16:
-    return cast_bits(w)
-  return w.astype(dt)
+  return cast(materialize(w), dt)

@@ -7,14 +7,20 @@
   as StackRow (nn/stack_row.py) and each expert's is read straight from the layer stack.
 - "blocks": the sorted rows are laid out per expert in row blocks of `block_rows` (each block holds
   one expert's rows, padded with zeros), and a scan runs one [b, D] x [D, F] matmul per used block.
-- "ragged": `jax.lax.ragged_dot` (the GPU/TPU choice, where it lowers to a grouped kernel; on XLA:CPU a
-  dense masked matmul per group).
-"auto" picks "loop" on CPU and "ragged" elsewhere, by the platform the program is for (parallel/sharding.platform). Measured with benchmarks/moe_vs_dense.py
-(docs/performance.md and docs/performance-log.md, issues 11 and 19).
+- "ragged": `jax.lax.ragged_dot` (XLA's grouped kernel on GPU and TPU; on XLA:CPU a dense masked matmul per group).
+- "megablox": JAX's megablox grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`, MaxText's TPU default), a
+  Pallas TPU kernel in (tm, tk, tn) tiles (megablox_tiling: the section's knob, or the auto rule over the shapes and the
+  chip's scoped VMEM), its backward the same kernel on the transposed kernel and its `tgmm`; Pallas interpret mode off
+  TPU (slow: tests only).
+"auto" picks "loop" on CPU, "megablox" on TPU (measured faster than ragged there: benchmarks/gmm_tpu.py, docs/moe.md)
+and "ragged" elsewhere, by the platform the program is for (parallel/sharding.platform). Measured with
+benchmarks/moe_vs_dense.py (docs/performance.md and docs/performance-log.md, issues 11 and 19).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import itertools
 import math
 
@@ -22,15 +28,15 @@ import jax
 import jax.numpy as jnp
 
 from meshlm.nn.stack_row import StackRow, array_of, is_row, materialize
-from meshlm.parallel.sharding import platform
+from meshlm.parallel.sharding import current_mesh, platform
 
-GROUPED_MATMULS = ("auto", "blocks", "loop", "ragged")
+GROUPED_MATMULS = ("auto", "blocks", "loop", "megablox", "ragged")
 
 
 def default_grouped_matmul() -> str:
   """The platform the program is traced for decides (its mesh's devices: a TPU topology's under meshlm compile on a
-  CPU host builds ragged, as the TPU run does), not the host's default backend."""
-  return "loop" if platform() == "cpu" else "ragged"
+  CPU host builds megablox, as the TPU run does), not the host's default backend."""
+  return {"cpu": "loop", "tpu": "megablox"}.get(platform(), "ragged")
 
 
 def default_block_rows(rows: int, num_experts: int) -> int:
@@ -42,12 +48,17 @@ def default_block_rows(rows: int, num_experts: int) -> int:
 
 
 def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "auto",
-                   block_rows: int | None = None) -> jax.Array:
-  """ys[j] = xs[j] @ w[e_j] where rows are sorted by expert and sizes_E counts each expert's rows.
+                   block_rows: int | None = None, tiling: tuple[int, int, int] | None = None,
+                   rest: bool = False) -> jax.Array:
+  """ys[j] = xs[j] @ w[e_j] where rows are sorted by expert and sizes_E counts each expert's rows; rows past the
+  groups come out zero.
 
   w_EDF may be a tuple of kernels [E, D, F_i]: one grouped matmul against their concatenation along
-  F (the fused gate|up), [A, sum F_i]. "ragged" concatenates them; "blocks" runs each block's rows
+  F (the fused gate|up), [A, sum F_i]. "ragged" and "megablox" concatenate them; "blocks" runs each block's rows
   against each kernel in the same pass and concatenates the [b, F_i] outputs, with no kernel copy.
+  tiling: megablox's (tm, tk, tn), None for its auto rule (megablox_tiling). rest: rows past the groups may exist
+  (expert parallelism's rows of other experts): megablox, which leaves those rows unwritten, zeroes them (a pass over
+  its output and its input gradient that the other implementations do not need).
   """
   ws = tuple(w_EDF) if isinstance(w_EDF, (tuple, list)) else (w_EDF,)
   impl = default_grouped_matmul() if impl == "auto" else impl
@@ -56,6 +67,9 @@ def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "
   if impl == "ragged":
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
     return jax.lax.ragged_dot(xs_AD, w, sizes_E.astype(jnp.int32))
+  if impl == "megablox":
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
+    return _gmm_megablox(xs_AD, vary_like(w, xs_AD), sizes_E, tiling, rest)
   if impl == "blocks":
     b = block_rows or default_block_rows(xs_AD.shape[0], ws[0].shape[0])
     return _gmm_blocks(xs_AD, ws, sizes_E, b)
@@ -66,6 +80,157 @@ def grouped_matmul(xs_AD: jax.Array, w_EDF, sizes_E: jax.Array, *, impl: str = "
     x = vary_like(xs_AD, array_of(ws[0]))
     return _loop_matmul(x, tuple(_vary_row(w, x) for w in ws), sizes_E, big, small)
   raise ValueError(f"grouped_matmul={impl!r}: expected one of {GROUPED_MATMULS}")
+
+
+# --- "megablox": JAX's Pallas TPU grouped matmul -------------------------------------------------------------------
+
+# (tm, tk, tn) the auto rule starts from: the fastest measured on a v5e at moe12's gate|up (32,768 rows, 1024 -> 3072,
+# 8 experts, fwd+bwd 4.49 ms against ragged_dot's 5.56; docs/moe.md, benchmarks/gmm_tpu.py), then clamped to the
+# problem and halved until the tiles fit the chip's scoped VMEM.
+MEGABLOX_TILING = (512, 1024, 1024)
+# Mosaic's default scoped VMEM limit per chip generation (device_kind prefix), which megablox's kernels run under; the
+# rule fills VMEM_SHARE of it (the kernels' own temporaries take the rest: (1024, 1024, 1024) ran out on a v5e).
+SCOPED_VMEM = {"TPU v6": 32 << 20, "TPU7": 32 << 20}
+SCOPED_VMEM_DEFAULT = 16 << 20  # v4, v5e ("TPU v5 lite"), v5p
+VMEM_SHARE = 0.75
+
+
+def _megablox():
+  # The kernels' module (the package's `gmm` attribute is the custom-VJP function that shadows it).
+  return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+class _TypedShapes:
+  """The jax module as megablox's kernels see it while one call is traced inside shard_map: the same, except that the
+  output shapes they build (jax.ShapeDtypeStruct) carry the rows' varying mesh axes. Pallas refuses an output type
+  without them under shard_map's check_vma (megablox predates it; MaxText turns the check off), and the check is
+  what keeps the dispatch's gradients right (the kernels' cross-shard sum, the tokens shared over an expert group)."""
+
+  def __init__(self, real, manual_axis_type):
+    self._real, self._mat = real, manual_axis_type
+
+  def __getattr__(self, name):
+    return getattr(self._real, name)
+
+  def ShapeDtypeStruct(self, *args, **kwargs):  # noqa: N802 (jax's name)
+    return self._real.ShapeDtypeStruct(*args, manual_axis_type=self._mat, **kwargs)
+
+
+@contextlib.contextmanager
+def _kernels_typed_like(like):
+  """megablox's module, its outputs typed as `like` varies (_TypedShapes; varying over no axis where the shard_map's
+  axes are all of size 1), while the call is traced."""
+  mb = _megablox()
+  mat = getattr(jax.typeof(like), "manual_axis_type", None)
+  if mat is None:
+    yield mb
+    return
+  real = mb.jax
+  mb.jax = _TypedShapes(real, mat)
+  try:
+    yield mb
+  finally:
+    mb.jax = real
+
+
+def scoped_vmem(device_kind: str | None = None) -> int:
+  """The scoped VMEM (bytes) a Pallas kernel runs under on the program's chip (its mesh's devices, or device_kind)."""
+  if device_kind is None:
+    device = getattr(current_mesh(), "abstract_device", None)
+    device_kind = getattr(device, "device_kind", None) or jax.devices()[0].device_kind
+  return next((v for k, v in SCOPED_VMEM.items() if device_kind.startswith(k)), SCOPED_VMEM_DEFAULT)
+
+
+def megablox_vmem(t: tuple[int, int, int], in_bytes: int, out_bytes: int) -> int:
+  """VMEM bytes of one megablox call at tiles t = (tm, tk, tn): its double-buffered input and output blocks and its
+  float32 accumulator, the larger of gmm's ([tm, tk] x [tk, tn] -> [tm, tn]) and tgmm's ([tm, tk]^T x [tm, tn] ->
+  [tk, tn]). With VMEM_SHARE of a v5e's 16 MiB it admits the tilings that compiled there, (512, 1024, 1024) and
+  (1024, 512, 1024), and refuses (1024, 1024, 1024), which ran out of VMEM (tests/test_megablox.py compiles both)."""
+  tm, tk, tn = t
+  gmm = 2 * (tm * tk + tk * tn) * in_bytes + 2 * tm * tn * out_bytes + 4 * tm * tn
+  tgmm = 2 * (tm * tk + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + 4 * tk * tn
+  return max(gmm, tgmm)
+
+
+def _fit_dim(pref: int, dim: int) -> int:
+  """A tile for a dim: the whole dim when it is at most pref, else as few tiles as pref allows, each the least
+  multiple of 128 that covers the dim in that many (1536 in two 768s, not a 1024 and a half-empty one; 2816 in three
+  of 1024, not eleven of 256)."""
+  if dim <= pref:
+    return dim
+  per_tile = -(-dim // -(-dim // pref))  # dim over the fewest tiles of at most pref
+  return min(pref, -(-per_tile // 128) * 128)
+
+
+def megablox_tiling(m: int, k: int, n: int, in_bytes: int = 2, out_bytes: int = 2, budget: int | None = None,
+                    start: tuple[int, int, int] = MEGABLOX_TILING) -> tuple[int, int, int]:
+  """(tm, tk, tn) for an [m, k] x [E, k, n] grouped matmul: `start` clamped to the problem (tm at most m rounded up
+  to 8 sublanes, tk and tn the whole dim or a divisor of it), then the largest of tn, tk, tm halved (tk, tn not
+  below 128, tm not below 8) until megablox_vmem fits the budget (VMEM_SHARE of the chip's scoped VMEM)."""
+  budget = int(VMEM_SHARE * scoped_vmem()) if budget is None else budget
+  tm = min(start[0], -(-m // 8) * 8)
+  tk, tn = _fit_dim(start[1], k), _fit_dim(start[2], n)
+  while megablox_vmem((tm, tk, tn), in_bytes, out_bytes) > budget:
+    if tn >= max(tk, tm) and tn > 128:
+      tn = _fit_dim(tn // 2, n)
+    elif tk >= tm and tk > 128:
+      tk = _fit_dim(tk // 2, k)
+    elif tm > 8:
+      tm //= 2
+    else:
+      break
+  return tm, tk, tn
+
+
+def _tilings(A: int, K: int, N: int, dtype, tiling):
+  """The three calls' tiles: the forward gmm ([A, K] x [K, N]), the input gradient's gmm ([A, N] x [N, K]) and the
+  weight gradient's tgmm (over A, K, N): the given tiling clamped to each, or the auto rule's."""
+  b = jnp.dtype(dtype).itemsize
+  if tiling is None:
+    return megablox_tiling(A, K, N, b, b), megablox_tiling(A, N, K, b, b), megablox_tiling(A, K, N, b, b)
+  tm, tk, tn = tiling
+  tm = min(tm, -(-A // 8) * 8)
+  return (tm, min(tk, K), min(tn, N)), (tm, min(tk, N), min(tn, K)), (tm, min(tk, K), min(tn, N))
+
+
+def _gmm_megablox(xs_AD, w_EKN, sizes_E, tiling, rest: bool):
+  """megablox's gmm of the sorted rows, its rows padded to a whole number of tm tiles (the pad sliced off); with rest,
+  a last group of the rows past the kernels' groups, which megablox zeroes (fewer kernels than groups)."""
+  A, K = xs_AD.shape
+  N = w_EKN.shape[-1]
+  tilings = _tilings(A, K, N, xs_AD.dtype, tiling)
+  tm = max(t[0] for t in tilings)
+  pad = -A % tm
+  x = jnp.concatenate([xs_AD, _zeros((pad, K), xs_AD)]) if pad else xs_AD
+  sizes = sizes_E.astype(jnp.int32)
+  if rest:
+    sizes = jnp.concatenate([sizes, (A + pad - jnp.sum(sizes))[None]])
+  y = _megablox_matmul(x, w_EKN, sizes, tilings, platform() != "tpu")
+  return y[:A] if pad else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _megablox_matmul(x_AK, w_EKN, sizes, tilings, interpret: bool):
+  with _kernels_typed_like(x_AK) as mb:
+    return mb.gmm(x_AK, w_EKN, sizes, x_AK.dtype, tilings[0], interpret=interpret)
+
+
+def _megablox_matmul_fwd(x_AK, w_EKN, sizes, tilings, interpret):
+  return _megablox_matmul(x_AK, w_EKN, sizes, tilings, interpret), (x_AK, w_EKN, sizes)
+
+
+def _megablox_matmul_bwd(tilings, interpret, res, dy_AN):
+  """dx = dy @ w^T (gmm reading the kernel transposed, no copy of it); dw = x^T dy per group (tgmm), for the kernels'
+  groups only (a rest group has no kernel)."""
+  x_AK, w_EKN, sizes = res
+  with _kernels_typed_like(dy_AN) as mb:
+    dx = mb.gmm(dy_AN, w_EKN, sizes, x_AK.dtype, tilings[1], transpose_rhs=True, interpret=interpret)
+    dw = mb.tgmm(x_AK.swapaxes(0, 1), dy_AN, sizes, w_EKN.dtype, tilings[2], num_actual_groups=w_EKN.shape[0],
+                 interpret=interpret)
+  return dx, dw, None
+
+
+_megablox_matmul.defvjp(_megablox_matmul_fwd, _megablox_matmul_bwd)
 
 
 def block_layout(sizes_E: jax.Array, rows: int, b: int):
