@@ -524,7 +524,8 @@ def test_tpu_blockwise_loss_moves_the_head_once_per_step(monkeypatch):
 
 # The small llama with every FSDP-sharded kernel a size of its own (elements): gate, up, down 512 x 1024; q, o 512 x
 # 512; k, v 512 x 256; the embedding table and the head 768 x 512. The norms' [2, 512] are not FSDP-sharded.
-RS_LLAMA = [*SMALL_LLAMA, "model.mlp_dim=1024", "model.vocab_size=768", "topology=v5p:2x2x1"]
+RS_LLAMA = [*SMALL_LLAMA, "model.mlp_dim=1024", "model.vocab_size=768", "topology=v5p:2x2x1", "train.seq_len=64",
+            "train.per_device_batch_size=1"]  # the weights' reductions; the fewest tokens compile fastest
 RS_KERNELS = {"gate|up|down": 512 * 1024, "q|o": 512 * 512, "k|v": 512 * 256, "embed|lm_head": 768 * 512}
 
 
