@@ -76,7 +76,7 @@ def test_tpu_train_step_holds_no_bf16_copy_of_the_dense_stacks():
   from meshlm.parallel.mesh import make_mesh
   keys = ("model=llama2-tiny", "model.num_layers=4", "model.embed_dim=512", "model.mlp_dim=1024",
           "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=128", "train.compute_dtype=bfloat16",
-          "train.seq_len=128", "train.per_device_batch_size=2", "remat=full", "attention_impl=xla", "scan_layers=true")
+          "train.seq_len=64", "train.per_device_batch_size=1", "remat=full", "attention_impl=xla", "scan_layers=true")
   devices = TP.devices(TP.parse("v5p:1x1x1"))
 
   def stacks(*extra: str) -> set[str]:
