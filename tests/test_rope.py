@@ -118,12 +118,16 @@ def test_apply_rope_interleave_reads_the_second_half_of_the_folded_sin(dtype):
 
 # (preset and overrides, the mixer modules whose RoPE it calls): gqa (llama2-tiny; gemma3-tiny's local and global
 # thetas), gated_gqa's partial rotary (qwen3.5-tiny: 1/4 of each head), mla's rotate-half and interleaved pairs.
+# Only layers that rotate: qwen3.5-tiny as one full-attention layer (its Gated DeltaNet layers have no RoPE),
+# deepseek-v3-tiny as its one dense layer (MLA, then a dense MLP: its MoE layers run the same MLA and compiled for
+# most of the row's time: mla-rotate-half 20.8 s of CPU, -n 0).
+MLA = ("deepseek-v3-tiny", "model.num_layers=1", "model.first_k_dense_replace=1")
 PATHS = {
     "gqa": ("llama2-tiny",),
     "gqa-local-global": ("gemma3-tiny", *shrink("gemma3-tiny")),
-    "gated_gqa-partial": ("qwen3.5-tiny", *shrink("qwen3.5-tiny")),
-    "mla-rotate-half": ("deepseek-v3-tiny", *shrink("deepseek-v3-tiny"), "model.parts.mla.rope_interleave=false"),
-    "mla-interleave": ("deepseek-v3-tiny", *shrink("deepseek-v3-tiny"), "model.parts.mla.rope_interleave=true"),
+    "gated_gqa-partial": ("qwen3.5-tiny", "model.num_layers=1", "model.full_attention_interval=1"),
+    "mla-rotate-half": (*MLA, "model.parts.mla.rope_interleave=false"),
+    "mla-interleave": (*MLA, "model.parts.mla.rope_interleave=true"),
 }
 
 
