@@ -386,13 +386,18 @@ def test_tpu_convolution_flops_match_xla_counted_alike(tpu_run, monkeypatch):
   assert C.flops(mod) > 1.5 * xla["flops"]
 
 
+# The attention cores' programs: what they check is the core's kernels and blocked pairs, one row per device compiles
+# fastest.
+ONE_ROW = ("train.per_device_batch_size=1",)
+
+
 @tpu
 @pytest.mark.ci_must_run
 def test_tpu_flash_attention(tpu_report):
   """attention_impl=flash compiles the flash core for TPU (the report says which core each program used), with
   nothing blocked under explicit (but the reduce-scattered weight gradients: blocked_but_scattered); the xla run
   above says xla."""
-  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1", "attention_impl=flash")
+  report = compile_json(*SMALL_LLAMA, *ONE_ROW, "topology=v5p:2x2x1", "attention_impl=flash")
   assert report["config"]["attention_impl"] == "flash" and tpu_report["config"]["attention_impl"] == "xla"
   assert report["exit"] == 0 and report["programs"]["train"]["memory"]["fits"] is True
   assert blocked_but_scattered(report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]) == []
@@ -415,7 +420,7 @@ def test_tpu_splash_attention(tpu_run, monkeypatch):
     seen.append(compiled.as_text())
     return real(lowered, compiled)
   monkeypatch.setattr(aot, "lowered_of", keep)
-  report = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")
+  report = compile_json(*SMALL_LLAMA, *ONE_ROW, "topology=v5p:2x2x1")
   assert report["config"]["attention_impl"] == "splash" and report["exit"] == 0
   assert report["config"]["splash_backward"] == "fused"  # auto at one block
   assert report["programs"]["train"]["memory"]["fits"] is True
@@ -425,7 +430,7 @@ def test_tpu_splash_attention(tpu_run, monkeypatch):
   assert 'custom_call_target="tpu_custom_call"' not in tpu_run[1]
   assert blocked_but_scattered(report["programs"]["train"]["census"]["stablehlo"]["transpose_of_dot"]) == []
   tokens_first_projections(monkeypatch)
-  old = compile_json(*SMALL_LLAMA, "topology=v5p:2x2x1")["programs"]["train"]["census"]["stablehlo"]
+  old = compile_json(*SMALL_LLAMA, *ONE_ROW, "topology=v5p:2x2x1")["programs"]["train"]["census"]["stablehlo"]
   blocked = [p["scope"] for p in blocked_but_scattered(old["transpose_of_dot"])]
   assert len(blocked) >= 2 and all(s.startswith("layers/attn") for s in blocked), old["transpose_of_dot"]
 
