@@ -178,17 +178,17 @@ def test_the_key_resolves_per_platform_and_is_reported():
   wide = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.key_head_dim=128",
                             "model.parts.gdn.value_head_dim=128")
   m = lambda cfg: registry.resolved(cfg).model  # noqa: E731
-  assert mixer.rule_kernel(m(wide), "train", "tpu", 1) == "pallas"
-  assert mixer.rule_kernel(m(wide), "train", "cpu", 1) == "jax"
-  assert mixer.rule_kernel(m(wide), "prefill", "tpu", 1) == "pallas"
-  assert mixer.rule_kernel(m(wide), "decode", "tpu", 1) == "reference"
-  assert mixer.rule_kernel(m(wide), "train", "tpu", 2) == "jax"  # the context-parallel rule
-  assert mixer.rule_kernel(m(tiny), "train", "tpu", 1) == "pallas"
-  assert mixer.rule_kernel(m(odd), "train", "tpu", 1) == "jax"  # auto where the kernel does not take the shapes
+  assert mixer.rule_kernel(m(wide), "train", "auto", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(wide), "train", "auto", "cpu", 1) == "jax"
+  assert mixer.rule_kernel(m(wide), "prefill", "auto", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(wide), "decode", "auto", "tpu", 1) == "reference"
+  assert mixer.rule_kernel(m(wide), "train", "auto", "tpu", 2) == "jax"  # the context-parallel rule
+  assert mixer.rule_kernel(m(tiny), "train", "auto", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(odd), "train", "auto", "tpu", 1) == "jax"  # where the kernel does not take the shapes
   pallas = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.chunk_size=8", "gdn_impl=pallas")
-  assert mixer.rule_kernel(m(pallas), "train", "cpu", 1) == "pallas"  # interpret mode: any shapes
+  assert mixer.rule_kernel(m(pallas), "train", "pallas", "cpu", 1) == "pallas"  # interpret mode: any shapes
   with pytest.raises(ConfigError, match="gdn_impl=pallas: the TPU kernel needs"):
-    mixer.rule_kernel(m(pallas), "train", "tpu", 1)
+    mixer.rule_kernel(m(pallas), "train", "pallas", "tpu", 1)
   assert config_summary(wide, "tpu")["gdn_impl"] == "pallas" and config_summary(tiny)["gdn_impl"] == "jax"
   assert "gdn_impl" not in config_summary(meshlm.load_config("model=llama2-tiny"), "tpu")
   with pytest.raises(ConfigError, match="gdn_impl"):
