@@ -34,11 +34,12 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
 Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.linear_num_key_heads,
 model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim, model.gdn_chunk_size,
 model.gdn_impl and model.linear_conv_kernel_dim still set them): key_heads K, value_heads N (a multiple of K),
-key_head_dim H and value_head_dim J are required; chunk_size, impl and kernel say how the rule computes (COMPUTE: a
-checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. kernel is the top-level key
-gdn_impl (auto | jax | pallas), written into the section when the model resolves (`run_knobs`): the chunked rule of
-training and prefill in pure JAX (nn/gdn.py) or by the Pallas TPU kernels (nn/gdn_pallas.py; interpret mode off
-TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where the kernel takes the shapes).
+key_head_dim H and value_head_dim J are required; chunk_size, impl, kernel and inverse say how the rule computes
+(COMPUTE: a checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. kernel is the
+top-level key gdn_impl (auto | jax | pallas), written into the section when the model resolves (`run_knobs`): the
+chunked rule of training and prefill in pure JAX (nn/gdn.py) or by the Pallas TPU kernels (nn/gdn_pallas.py;
+interpret mode off TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where the kernel takes
+the shapes); inverse, how the kernel inverts a chunk's I + A in a bf16 run (gdn_pallas.INVERSES).
 Which layers are GDN is the hybrid family's plan (model.hybrid_layer_types or full_attention_interval,
 models/plans.py), not a knob.
 
@@ -82,7 +83,7 @@ class GDNConfig(pydantic.BaseModel):
   """The gdn part's own knobs: model.parts.gdn.<knob> (their old keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "kernel")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "kernel", "inverse")
   key_heads: int = pydantic.Field(gt=0, description="key heads K (HF linear_num_key_heads)")
   value_heads: int = pydantic.Field(gt=0, description="value heads N, a multiple of key_heads (value head n reads "
                                     "key head n // (N / K); HF linear_num_value_heads)")
@@ -96,6 +97,10 @@ class GDNConfig(pydantic.BaseModel):
   kernel: Literal["auto", "jax", "pallas"] = pydantic.Field(
       default="auto", description="the top-level gdn_impl, written here when the model resolves (set gdn_impl): the "
       "chunked rule in pure JAX or by the Pallas TPU kernels")
+  inverse: Literal["refine", "split"] = pydantic.Field(
+      default="refine", description="how the Pallas kernel inverts a chunk's (I + A) in a bf16 run (the inverse is "
+      "rounded to bf16 wherever it is used): refine (its doubling products in one bf16 pass, then one Newton step "
+      "with the residual in three) or split (every product in three bf16 passes); float32 runs: float32 products")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
 
@@ -260,7 +265,7 @@ def delta_rule(m: ModelConfig, mode: str = "train"):
   if context_parallel(m, mode):
     return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=own.chunk_size)
   if rule_kernel(m, mode) == "pallas":
-    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size)
+    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size, inverse=own.inverse)
   impl = "reference" if mode == "decode" else own.impl
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=own.chunk_size)
 
