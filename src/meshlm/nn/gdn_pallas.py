@@ -43,8 +43,9 @@ leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(
 
 The kernels. Grid (B, K / hk, U): a step takes a tile of hk key heads and their hv = hk G value heads (`key_tile`:
 at most HEADS_PER_STEP value heads), each head an unrolled copy of the chunk's math, so the scheduler interleaves
-independent chains of small matmuls (per head and chunk, forward and backward: 1,350 / 1,083 bundles at 2 heads a
-step, 1,261 / 979 at 4, 1,221 / 952 at 8, 1,195 / 922 at 16; v5e, chunk 64, H = J = 128). B and the tiles are
+independent chains of small matmuls (per head and chunk of 64 at 8 heads a step, v5e, H = J = 128, inverse=split
+before the inverse took one pass: 1,350 / 1,083 bundles forward / backward at 2 heads a step, 1,221 / 952 at 8,
+1,195 / 922 at 16; benchmarks/gdn_bundles.py measures them). B and the tiles are
 "parallel", the chunks "arbitrary" (sequential): the tile's states [hv, H, J] float32 live in a VMEM scratch across
 the chunks. q and k are read in place as [B, T, K H] (blocks (1, W, hk H)), v and o as [B, T, N J] (blocks (1, W,
 hv J)): no expanded or head-major copy. The per-position scalars (g, beta as [B, N, U, W]; the segment index and the
@@ -52,7 +53,8 @@ carry flag as [B, U, W]) are one block per (row, tile), whole in their last two 
 rule), a chunk's row picked by a masked sum. The forward saves, per chunk, the state entering it [B, N, U, H, J] and
 Tm [B, N, U, W, W] (float32) for the backward: 64 + 16 KiB per (row, head, chunk) of 64 positions, written once and
 read once, against recomputing the state chain (a second sweep over the chunks) and the inverse (its ten dependent
-products) in the backward. The backward runs the chunks in reverse with the states' cotangents [hv, H, J] in VMEM;
+products) in the backward. Where they go unused (the forward of a rematerialized layer, whose backward runs the
+forward again for them) the kernel runs without them (custom_vjp's optimize_remat). The backward runs the chunks in reverse with the states' cotangents [hv, H, J] in VMEM;
 dq and dk of a key head sum its G value heads' within the step.
 
 Precision: the products take the inputs' dtype (with v's: q and k are cast to it outside) with float32 accumulation:
