@@ -184,34 +184,6 @@ def test_the_refined_inverse_against_float64(W, monkeypatch):
     assert max(rel_err(control(jnp.asarray(a)), want) for a, want in zip(cases, wants)) > 10 * REFINE_RTOL[W]
 
 
-def kernel_calls(jaxpr) -> list[tuple[str, int]]:
-  """(name, outputs) of every pallas_call in a jaxpr and the jaxprs in its equations' params, in order."""
-  calls = []
-  for e in jaxpr.eqns:
-    if e.primitive.name == "pallas_call":
-      calls.append((e.params["name"], len(e.outvars)))
-    for v in e.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          calls += kernel_calls(sub)
-  return calls
-
-
-def test_a_rematerialized_forward_writes_no_residuals():
-  """The forward of a rematerialized layer runs the kernel without residuals (o and the final state; the backward
-  runs it again with them, the entering states and Tm: optimize_remat); without remat, one forward, with them."""
-  (q, k, v, g, beta, _), _ = rule_inputs(32, k_heads=1, n=2)
-
-  def layer(q, k, v, g, beta):
-    o, S = gdn_pallas.gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=16)
-    return jnp.sum(o) + jnp.sum(S)
-  grads = lambda f: jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta).jaxpr  # noqa: E731
-  fwd, bwd = gdn_pallas.FWD_NAME, gdn_pallas.BWD_NAME
-  assert kernel_calls(grads(layer)) == [(fwd, 4), (bwd, 6)]
-  assert kernel_calls(grads(jax.checkpoint(layer))) == [(fwd, 2), (fwd, 4), (bwd, 6)]
-
-
 def test_a_step_takes_a_tile_of_heads_mosaic_can_block():
   """key_tile: the most key heads up to HEADS_PER_STEP value heads whose blocks are whole 128-lane tiles (or every
   head); interpret mode any divisor; none past MAX_HEADS_PER_STEP (the kernel then does not fit)."""

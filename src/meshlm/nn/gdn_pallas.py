@@ -53,8 +53,7 @@ carry flag as [B, U, W]) are one block per (row, tile), whole in their last two 
 rule), a chunk's row picked by a masked sum. The forward saves, per chunk, the state entering it [B, N, U, H, J] and
 Tm [B, N, U, W, W] (float32) for the backward: 64 + 16 KiB per (row, head, chunk) of 64 positions, written once and
 read once, against recomputing the state chain (a second sweep over the chunks) and the inverse (its ten dependent
-products) in the backward. Where they go unused (the forward of a rematerialized layer, whose backward runs the
-forward again for them) the kernel runs without them (custom_vjp's optimize_remat). The backward runs the chunks in reverse with the states' cotangents [hv, H, J] in VMEM;
+products) in the backward. The backward runs the chunks in reverse with the states' cotangents [hv, H, J] in VMEM;
 dq and dk of a key head sum its G value heads' within the step.
 
 Precision: the products take the inputs' dtype (with v's: q and k are cast to it outside) with float32 accumulation:
@@ -477,9 +476,7 @@ def _rule_bwd(st, res, cots):
   return dq, dk, dv, dg, dbeta, ds0, jnp.zeros_like(seg), jnp.zeros_like(carry)
 
 
-# optimize_remat: where the residuals go unused (the forward of a rematerialized layer, whose backward runs _rule_fwd
-# again), JAX runs _rule, the kernel without them, instead of _rule_fwd.
-_rule.defvjp(_rule_fwd, _rule_bwd, optimize_remat=True)
+_rule.defvjp(_rule_fwd, _rule_bwd)
 
 
 def _segment_rows(segment_ids_BT, B: int, T: int, U: int, W: int) -> tuple[jax.Array, jax.Array]:
