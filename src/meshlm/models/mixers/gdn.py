@@ -34,12 +34,12 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
 Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.linear_num_key_heads,
 model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim, model.gdn_chunk_size,
 model.gdn_impl and model.linear_conv_kernel_dim still set them): key_heads K, value_heads N (a multiple of K),
-key_head_dim H and value_head_dim J are required; chunk_size and impl say how the rule computes (COMPUTE: a
-checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. What computes the chunked rule of
+key_head_dim H and value_head_dim J are required; chunk_size, impl and inverse say how the rule computes (COMPUTE:
+a checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. What computes the chunked rule of
 training and prefill is the top-level key gdn_impl (auto | jax | pallas), which reaches the layer on its Context
 (ctx.gdn_impl, as attention_impl reaches the attention core): pure JAX (nn/gdn.py) or the Pallas TPU kernels
 (nn/gdn_pallas.py; interpret mode off TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where
-the kernel takes the shapes).
+the kernel takes the shapes). inverse: how the kernel inverts a chunk's I + A in a bf16 run (gdn_pallas.INVERSES).
 Which layers are GDN is the hybrid family's plan (model.hybrid_layer_types or full_attention_interval,
 models/plans.py), not a knob.
 
@@ -83,7 +83,7 @@ class GDNConfig(pydantic.BaseModel):
   """The gdn part's own knobs: model.parts.gdn.<knob> (their old keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "inverse")
   # Knobs this section had and no longer reads, dropped where a saved config (a run's config.yaml) still holds them:
   # kernel, a copy of the top-level gdn_impl (which a resumed run reads from its own config).
   RETIRED: ClassVar[tuple[str, ...]] = ("kernel",)
@@ -97,6 +97,10 @@ class GDNConfig(pydantic.BaseModel):
   impl: Literal["chunked", "reference"] = pydantic.Field(
       default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
       "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
+  inverse: Literal["refine", "split"] = pydantic.Field(
+      default="refine", description="how the Pallas kernel inverts a chunk's (I + A) in a bf16 run (the inverse is "
+      "rounded to bf16 wherever it is used): refine (its doubling products in one bf16 pass, then one Newton step "
+      "with the residual in three) or split (every product in three bf16 passes); float32 runs: float32 products")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
 
@@ -263,7 +267,7 @@ def delta_rule(m: ModelConfig, mode: str = "train", gdn_impl: str = "auto"):
   if context_parallel(m, mode):
     return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=own.chunk_size)
   if rule_kernel(m, mode, gdn_impl) == "pallas":
-    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size)
+    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size, inverse=own.inverse)
   impl = "reference" if mode == "decode" else own.impl
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=own.chunk_size)
 
