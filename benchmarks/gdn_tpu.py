@@ -3,16 +3,16 @@ each phase on whatever backend JAX finds (a TPU: the Mosaic kernels; elsewhere i
 that each arm runs), and each arm's outputs and gradients against jax64's (else the first arm's) on the same inputs.
 
   python benchmarks/gdn_tpu.py --out gdn.jsonl [--cases b2-s2048,b4-s2048] [--arms jax64,pallas64] [--deadline 600]
-  python benchmarks/gdn_tpu.py --cases b4-s2048 --arms pallas64-split,pallas64,pallas128-split,pallas128 --reps 3
+  python benchmarks/gdn_tpu.py --cases b4-s2048 --arms pallas64,pallas64-refine,pallas128,pallas128-refine --reps 3
   python benchmarks/gdn_tpu.py --cases tiny --reps 2          # on a CPU: every arm runs (interpret mode)
 
 A case is the hybrid's GDN layer at qwen3-0.6b widths (benchmarks/chip.py GDN_06B: K = N = 16 heads, H = J = 128,
 seq 2048) at a batch, with the inputs as the mixer passes them: q and k float32 (L2-normalized, q scaled), v
 bfloat16, g and beta float32, and two packed documents a row (segment ids). An arm is an implementation and its
 chunk: jax64 (nn/gdn.gated_delta_rule_chunked, chunk 64: the default), jax128, pallas64 (nn/gdn_pallas, chunk 64,
-8 value heads a grid step, inverse=refine: the defaults), pallas128, pallas64-split and pallas128-split (the inverse
-in three bf16 passes throughout: model.parts.gdn.inverse=split), pallas64-h4 and pallas64-h16 (4 and 16 heads a
-step). The phases: PHASES. Each (case, arm, phase): one compile, a warm-up call, then the median of --reps calls
+8 value heads a grid step, inverse=split: the defaults), pallas128, pallas64-refine and pallas128-refine (the
+inverse's doubling in one bf16 pass and a Newton step: model.parts.gdn.inverse=refine), pallas64-h4 and pallas64-h16
+(4 and 16 heads a step). The phases: PHASES. Each (case, arm, phase): one compile, a warm-up call, then the median of --reps calls
 (each to block_until_ready) and their spread (max - min over the median). One JSON line per result, appended to --out
 as soon as it is done; then, per case, a "check" line per arm: the largest |arm - against| over max |against| of o,
 the final state and each gradient (bf16 products in the kernel, float32 at HIGHEST in the JAX rule), and a markdown
@@ -44,10 +44,10 @@ CASES = [Case("b2-s2048", 2, 2048, 16, 16, 128, 128), Case("b4-s2048", 4, 2048, 
          Case("tiny", 1, 96, 1, 2, 16, 16)]
 # arm: (impl, chunk, value heads per grid step of the kernel: gated_delta_rule_pallas's heads_per_step, the kernel's
 # inverse: model.parts.gdn.inverse)
-ARMS = {"jax64": ("jax", 64, None, None), "jax128": ("jax", 128, None, None), "pallas64": ("pallas", 64, 8, "refine"),
-        "pallas128": ("pallas", 128, 8, "refine"), "pallas64-split": ("pallas", 64, 8, "split"),
-        "pallas128-split": ("pallas", 128, 8, "split"), "pallas64-h4": ("pallas", 64, 4, "refine"),
-        "pallas64-h16": ("pallas", 64, 16, "refine")}
+ARMS = {"jax64": ("jax", 64, None, None), "jax128": ("jax", 128, None, None), "pallas64": ("pallas", 64, 8, "split"),
+        "pallas128": ("pallas", 128, 8, "split"), "pallas64-refine": ("pallas", 64, 8, "refine"),
+        "pallas128-refine": ("pallas", 128, 8, "refine"), "pallas64-h4": ("pallas", 64, 4, "split"),
+        "pallas64-h16": ("pallas", 64, 16, "split")}
 # forward: o and the final state alone (a rematerialized layer's forward); forward+residuals: the forward of jax.vjp,
 # its residuals returned (the Pallas forward writes the entering states and Tm); forward+backward: jax.vjp and its
 # backward; remat: the same under jax.checkpoint (the training step's cost of a layer under remat=full: a forward,

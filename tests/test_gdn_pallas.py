@@ -79,13 +79,13 @@ def _value_and_grads(rule, case: str):
   return jax.jit(run)(args, cots)
 
 
-def pallas_rule(case: str, inverse: str = "refine"):
+def pallas_rule(case: str, inverse: str = "split"):
   return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1],
                            heads_per_step=CASES[case][7], inverse=inverse)
 
 
 @functools.cache
-def kernel(case: str, inverse: str = "refine"):
+def kernel(case: str, inverse: str = "split"):
   return _value_and_grads(pallas_rule(case, inverse), case)
 
 

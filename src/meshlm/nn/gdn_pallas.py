@@ -22,12 +22,14 @@ doubled, X_2b = X_b - X_b A_off X_b (A_off: A's blocks below the b-blocks' diago
 is the chunk: log2(W) - 1 steps of two products each, every one the exact block inverse (no power of A is formed, so
 no growth; each step is a Newton step X (2I - (I + A_2b) X) whose residual is nilpotent). Float32 inputs: products
 at HIGHEST. bf16 inputs, whose every use of Tm rounds it to bf16 (2^-9), by `inverse` (model.parts.gdn.inverse):
-"refine" (the default) takes the doubling's products in one bf16 pass (about 1e-2 relative, the cancellation of
+"refine" takes the doubling's products in one bf16 pass (about 1e-2 relative, the cancellation of
 entries that alternate) and then one Newton step with the whole A, X + X (I - (I + A) X), whose residual (I + A) X
 takes three bf16 passes (`_mm_split`) and whose correction one: the error squares, to at most 1.7e-4 measured at
-chunk 128 (tests/test_gdn_pallas.py); "split" takes every product in three passes (about 2^-16). Static cost per
-head and chunk of 64 (v5e, 8 heads a step, below): forward 818 bundles with refine, 1,200 with split, 364 without
-any inverse; with HIGHEST products the inverse was 80% of the forward.
+chunk 128 (tests/test_gdn_pallas.py); "split" (the default) takes every product in three passes (about 2^-16).
+Static cost per head and chunk of 64 (v5e, 8 heads a step, below): forward 818 bundles with refine, 1,200 with split,
+364 without any inverse; with HIGHEST products the inverse was 80% of the forward. On the chip the hybrid's step was
+not faster under refine (889.1 ms against split's 874.6, docs/tpu.md): the kernel waits on its chain of products,
+not on issue slots, so split, the exact one, stays the default.
 
 The backward (derived by hand, every product a matmul): with dO [W, J] and dS' [H, J] (the cotangent of the state
 leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(gamma) q, kc = beta c exp(gamma) k:
@@ -97,7 +99,7 @@ HEADS_PER_STEP = 8
 MAX_HEADS_PER_STEP = 16  # a tile no narrower than 128 lanes may need more; past this one the step's VMEM grows too far
 # How a bf16 run computes the chunk's inverse (`_inverse`; model.parts.gdn.inverse): "refine", one-pass bf16
 # doubling products and one Newton step with a three-pass residual; "split", three bf16 passes for every product.
-INVERSES = ("refine", "split")
+INVERSES = ("split", "refine")
 
 
 def key_tile(K: int, G: int, H: int, J: int, heads_per_step: int = HEADS_PER_STEP, lanes: bool = True) -> int | None:
@@ -517,7 +519,7 @@ def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, 
 
 
 def gated_delta_rule_pallas(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
-                            initial_state_BNHJ=None, chunk_size=64, heads_per_step=HEADS_PER_STEP, inverse="refine",
+                            initial_state_BNHJ=None, chunk_size=64, heads_per_step=HEADS_PER_STEP, inverse="split",
                             interpret=None):
   """The gated delta rule by the Pallas kernels: gated_delta_rule_chunked's contract and return (o [B, T, N, J] in
   v's dtype, final state [B, N, H, J] float32), differentiable in q, k, v, g, beta and the initial state. The

@@ -97,10 +97,11 @@ class GDNConfig(pydantic.BaseModel):
   impl: Literal["chunked", "reference"] = pydantic.Field(
       default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
       "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
-  inverse: Literal["refine", "split"] = pydantic.Field(
-      default="refine", description="how the Pallas kernel inverts a chunk's (I + A) in a bf16 run (the inverse is "
-      "rounded to bf16 wherever it is used): refine (its doubling products in one bf16 pass, then one Newton step "
-      "with the residual in three) or split (every product in three bf16 passes); float32 runs: float32 products")
+  inverse: Literal["split", "refine"] = pydantic.Field(
+      default="split", description="how the Pallas kernel inverts a chunk's (I + A) in a bf16 run (the inverse is "
+      "rounded to bf16 wherever it is used): split (every product in three bf16 passes) or refine (its doubling "
+      "products in one bf16 pass, then one Newton step with the residual in three: fewer bundles, not faster on a "
+      "v5e, docs/gdn.md); float32 runs: float32 products")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
 
