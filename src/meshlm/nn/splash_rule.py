@@ -31,8 +31,8 @@ MiB = 1 << 20
 SCOPED_VMEM = {"TPU v4": 16 * MiB, "TPU v5 lite": 16 * MiB, "TPU v5e": 16 * MiB, "TPU v5": 16 * MiB,
                "TPU v5p": 16 * MiB, "TPU v6 lite": 32 * MiB, "TPU v6e": 32 * MiB}
 DEFAULT_VMEM = 16 * MiB
-# (block_q, block_kv, block_kv_compute), largest first: 1024 was the fastest measured at head_dim 128 (docs/tpu.md),
-# 512..1024 alike at 256 (docs/tpu.md, the splash kernel alone at head_dim 256); 2048 never fit a 16 MiB step with segment ids.
+# (block_q, block_kv, block_kv_compute), largest first: 1024 was the fastest measured at head_dim 128, 512..1024
+# alike at 256 (docs/tpu.md: the splash kernel alone); 2048 never fit a 16 MiB step with segment ids.
 CANDIDATES = ((1024, 1024, 1024), (1024, 1024, 512), (1024, 512, 512), (512, 512, 512), (512, 512, 256),
               (256, 256, 256), (128, 128, 128))
 # Float32 [block_q, block_kv_compute] score tiles a phase's body keeps live, fitted (module docstring); the soft-cap
