@@ -203,6 +203,9 @@ SETS: dict[str, list[Row]] = {
     # rule at batch 2 (v5e-probe's gdn-0.6b-b2-full before the kernel: 750 ms a step, 12.1% MFU).
     "v5e-gdn": [
         Row("gdn-0.6b-b4-full", GDN_06B + (_b(4), "remat=full")),
+        # The kernel's inverse in three bf16 passes (before the refine default) and chunks of 128 (the MXU's width).
+        Row("gdn-0.6b-b4-full-split", GDN_06B + (_b(4), "remat=full", "model.parts.gdn.inverse=split")),
+        Row("gdn-0.6b-b4-full-c128", GDN_06B + (_b(4), "remat=full", "model.parts.gdn.chunk_size=128")),
         Row("gdn-0.6b-b2-full", GDN_06B + (_b(2), "remat=full")),
         Row("gdn-0.6b-b2-full-jax", GDN_06B + (_b(2), "remat=full", "gdn_impl=jax")),
     ],

@@ -79,14 +79,14 @@ def _value_and_grads(rule, case: str):
   return jax.jit(run)(args, cots)
 
 
-def pallas_rule(case: str):
+def pallas_rule(case: str, inverse: str = "split"):
   return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=CASES[case][1],
-                           heads_per_step=CASES[case][7])
+                           heads_per_step=CASES[case][7], inverse=inverse)
 
 
 @functools.cache
-def kernel(case: str):
-  return _value_and_grads(pallas_rule(case), case)
+def kernel(case: str, inverse: str = "split"):
+  return _value_and_grads(pallas_rule(case, inverse), case)
 
 
 @functools.cache
@@ -120,9 +120,10 @@ def test_kernel_equals_the_recurrence_and_the_chunked_rule(case):
         f"{max(errs_chunked.values()):.2g}")
 
 
-def test_bf16_inputs_are_close_to_the_recurrence():
-  errs = assert_close(kernel("packed_bf16"), reference("packed_bf16"), BF16_RTOL, "bf16 kernel vs recurrence")
-  print(f"packed_bf16: {errs}")
+@pytest.mark.parametrize("inverse", gdn_pallas.INVERSES)
+def test_bf16_inputs_are_close_to_the_recurrence(inverse):
+  errs = assert_close(kernel("packed_bf16", inverse), reference("packed_bf16"), BF16_RTOL, "bf16 kernel vs recurrence")
+  print(f"packed_bf16, inverse={inverse}: {errs}")
 
 
 def test_a_kernel_without_resets_fails_the_check(monkeypatch):
@@ -140,23 +141,47 @@ def test_a_kernel_without_resets_fails_the_check(monkeypatch):
 
 
 # The kernel's inverse of I + A (chunk 64) against numpy's in float64, max |X - X64| / max |X64|: float32 products at
-# HIGHEST measured at most 2.2e-7, bf16 inputs' three bf16 passes 1.5e-5 (on A uniform in (0.9, 1): the entries of
-# X alternate at 1); stopping one doubling short moves it by 0.1 or more.
+# HIGHEST measured at most 2.2e-7, bf16 inputs' three bf16 passes (inverse=split) 1.5e-5 (on A uniform in (0.9, 1):
+# the entries of X alternate at 1); stopping one doubling short moves it by 0.1 or more.
 INVERSE_RTOL = {jnp.float32: 1e-6, jnp.bfloat16: 5e-5}
+# inverse=refine (one-pass doubling, one Newton step with a three-pass residual), chunk: bound. Measured at most 7.5e-5
+# (64) and 1.7e-4 (128), both under the 2e-3 that rounding the exact inverse to bf16 costs (every use of Tm rounds it);
+# the doubling alone, or the Newton step with a one-pass residual, 4e-3 or more.
+REFINE_RTOL = {64: 2e-4, 128: 5e-4}
+
+
+def inverse_cases(W: int):
+  r = np.random.default_rng(0)
+  return [np.tril(r.uniform(-0.5, 0.5, (W, W)), -1).astype(np.float32),
+          np.tril(r.uniform(0.9, 1.0, (W, W)), -1).astype(np.float32)]
 
 
 @pytest.mark.parametrize("dtype", list(INVERSE_RTOL))
 def test_the_inverse_against_float64(dtype):
-  r = np.random.default_rng(0)
-  for a in (np.tril(r.uniform(-0.5, 0.5, (64, 64)), -1), np.tril(r.uniform(0.9, 1.0, (64, 64)), -1)):
-    a = a.astype(np.float32)
+  for a in inverse_cases(64):
     want = np.linalg.inv(np.eye(64) + a.astype(np.float64))
-    inverse = jax.jit(lambda x: gdn_pallas._inverse(x, dtype))
+    inverse = jax.jit(lambda x: gdn_pallas._inverse(x, dtype, "split"))
     assert rel_err(inverse(jnp.asarray(a)), want) <= INVERSE_RTOL[dtype]
     # Control: the last doubling left out (the 32 x 32 blocks' inverse only).
     short = jax.jit(lambda x: gdn_pallas._inverse(jnp.where(jnp.tri(64, k=-1, dtype=bool) & (
-        jnp.arange(64)[:, None] // 32 == jnp.arange(64)[None, :] // 32), x, 0.0), dtype))
+        jnp.arange(64)[:, None] // 32 == jnp.arange(64)[None, :] // 32), x, 0.0), dtype, "split"))
     assert rel_err(short(jnp.asarray(a)), want) > 0.1
+
+
+@pytest.mark.parametrize("W", list(REFINE_RTOL))
+def test_the_refined_inverse_against_float64(W, monkeypatch):
+  """inverse=refine on bf16 within REFINE_RTOL; controls: without the Newton step, and with its residual in one bf16
+  pass (the three-pass residual is what the step needs), it misses by 10x."""
+  refine = jax.jit(lambda x: gdn_pallas._inverse(x, jnp.bfloat16, "refine"))
+  one_pass = jax.jit(lambda x: gdn_pallas._inverse(x, jnp.bfloat16, "split"))  # split, its products in one pass below
+  one_pass_residual = jax.jit(lambda x: gdn_pallas._inverse(x, jnp.bfloat16, "refine"))
+  cases = inverse_cases(W)
+  wants = [np.linalg.inv(np.eye(W) + a.astype(np.float64)) for a in cases]
+  errs = [rel_err(refine(jnp.asarray(a)), want) for a, want in zip(cases, wants)]
+  assert max(errs) <= REFINE_RTOL[W], errs
+  monkeypatch.setattr(gdn_pallas, "_mm_split", lambda a, b, cdt: gdn_pallas._mm(a, b, jnp.bfloat16))
+  for control in (one_pass, one_pass_residual):
+    assert max(rel_err(control(jnp.asarray(a)), want) for a, want in zip(cases, wants)) > 10 * REFINE_RTOL[W]
 
 
 def test_a_step_takes_a_tile_of_heads_mosaic_can_block():
@@ -178,17 +203,17 @@ def test_the_key_resolves_per_platform_and_is_reported():
   wide = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.key_head_dim=128",
                             "model.parts.gdn.value_head_dim=128")
   m = lambda cfg: registry.resolved(cfg).model  # noqa: E731
-  assert mixer.rule_kernel(m(wide), "train", "tpu", 1) == "pallas"
-  assert mixer.rule_kernel(m(wide), "train", "cpu", 1) == "jax"
-  assert mixer.rule_kernel(m(wide), "prefill", "tpu", 1) == "pallas"
-  assert mixer.rule_kernel(m(wide), "decode", "tpu", 1) == "reference"
-  assert mixer.rule_kernel(m(wide), "train", "tpu", 2) == "jax"  # the context-parallel rule
-  assert mixer.rule_kernel(m(tiny), "train", "tpu", 1) == "pallas"
-  assert mixer.rule_kernel(m(odd), "train", "tpu", 1) == "jax"  # auto where the kernel does not take the shapes
+  assert mixer.rule_kernel(m(wide), "train", "auto", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(wide), "train", "auto", "cpu", 1) == "jax"
+  assert mixer.rule_kernel(m(wide), "prefill", "auto", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(wide), "decode", "auto", "tpu", 1) == "reference"
+  assert mixer.rule_kernel(m(wide), "train", "auto", "tpu", 2) == "jax"  # the context-parallel rule
+  assert mixer.rule_kernel(m(tiny), "train", "auto", "tpu", 1) == "pallas"
+  assert mixer.rule_kernel(m(odd), "train", "auto", "tpu", 1) == "jax"  # where the kernel does not take the shapes
   pallas = meshlm.load_config("model=qwen3.5-tiny", "model.parts.gdn.chunk_size=8", "gdn_impl=pallas")
-  assert mixer.rule_kernel(m(pallas), "train", "cpu", 1) == "pallas"  # interpret mode: any shapes
+  assert mixer.rule_kernel(m(pallas), "train", "pallas", "cpu", 1) == "pallas"  # interpret mode: any shapes
   with pytest.raises(ConfigError, match="gdn_impl=pallas: the TPU kernel needs"):
-    mixer.rule_kernel(m(pallas), "train", "tpu", 1)
+    mixer.rule_kernel(m(pallas), "train", "pallas", "tpu", 1)
   assert config_summary(wide, "tpu")["gdn_impl"] == "pallas" and config_summary(tiny)["gdn_impl"] == "jax"
   assert "gdn_impl" not in config_summary(meshlm.load_config("model=llama2-tiny"), "tpu")
   with pytest.raises(ConfigError, match="gdn_impl"):

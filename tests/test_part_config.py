@@ -423,3 +423,16 @@ def test_a_null_section_drops_it_so_another_family_can_be_set_over_a_preset():
   assert set(cfg.model.parts) == {"gdn"}
   with pytest.raises(ConfigError, match="^model.parts.moe: model family 'qwen3_5' has no part 'moe'"):
     registry.validate(load_config("model=qwen3.5-moe-tiny", "model.family=qwen3_5"))
+
+
+def test_a_saved_gdn_section_with_the_retired_kernel_knob_resumes():
+  """model.parts.gdn.kernel was a copy of the top-level gdn_impl: a run's saved config that holds it loads (the knob
+  dropped) and resumes; the section's COMPUTE knobs are chunk_size, impl and inverse. Control: a shape knob still mismatches."""
+  from meshlm.models.mixers.gdn import GDNConfig
+  assert GDNConfig.COMPUTE == ("chunk_size", "impl", "inverse")
+  cfg = load_config("model=qwen3.5-tiny")
+  saved = cfg.model.model_dump(mode="json")
+  gdn = saved["parts"]["gdn"]
+  assert "kernel" not in GDNConfig.model_validate(dict(gdn, kernel="pallas")).model_dump()
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(gdn, kernel="pallas", chunk_size=32)}), cfg) is None
+  assert _model_mismatch(dict(saved, parts={"gdn": dict(gdn, kernel="jax", key_heads=4)}), cfg) is not None

@@ -209,14 +209,15 @@ class Instrument:
     registry's TPU compile check compiles (tests/test_attention_tpu.py); None for a part that does not.
   - active_fraction(m, s): the share of one of its parameters (a ParamSpec of spec(m), stacked) that one token's
     matmuls meet (MoE's routed experts: k / E), 1.0 by default.
-  - report(m, platform, context) -> {key: value}: what the part's train step runs, resolved for a program built for
+  - report(cfg, platform, context) -> {key: value}: what the part's train step runs under the config cfg (its model
+    sections resolved), for a program built for
     `platform` with `context` sequence shards (gdn: {"gdn_impl": "pallas"}), which the config summary of census and
     compile (and train's banner) print; {} by default."""
   census: tuple[CensusCounter, ...] = ()
   attention_width: Callable[[ModelConfig], int] | None = None
   attention_shape: Callable[[ModelConfig], Any] | None = None
   active_fraction: Callable[[ModelConfig, S.ParamSpec], float] = lambda m, s: 1.0
-  report: Callable[[ModelConfig, str, int], dict] = lambda m, platform, context: {}
+  report: Callable[[Any, str, int], dict] = lambda cfg, platform, context: {}
 
 
 @dataclasses.dataclass(frozen=True)

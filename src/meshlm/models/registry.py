@@ -116,10 +116,10 @@ def part_reports(cfg: Config, platform: str | None = None) -> dict:
   """What the parts of cfg's model report of their train step (Instrument.report), merged: resolved for `platform`
   (default: JAX's backend) and mesh.context (-1, the devices left, counting as more than one)."""
   import jax
-  m = resolved(cfg).model
+  rc = resolved(cfg)
   context = cfg.mesh.context if cfg.mesh.context > 0 else 2
   return {k: v for p in _parts(get(cfg.model.family))
-          for k, v in p.instrument.report(m, platform or jax.default_backend(), context).items()}
+          for k, v in p.instrument.report(rc, platform or jax.default_backend(), context).items()}
 
 
 def check_mesh(cfg: Config, sizes: dict[str, int] | None = None) -> None:

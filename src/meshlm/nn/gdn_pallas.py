@@ -19,10 +19,17 @@ l_j: j in the chunk's last segment):
 
 The inverse: Tm of the 2 x 2 diagonal blocks is I - A there (exactly: A's square vanishes on them); it is then
 doubled, X_2b = X_b - X_b A_off X_b (A_off: A's blocks below the b-blocks' diagonal inside each 2b-block), until b
-is the chunk: log2(W) - 1 steps of two float32 products each, every one the exact block inverse (no power of A is
-formed, so no growth). Its products are float32 at HIGHEST for float32 inputs and three bf16 passes (`_mm_split`,
-about 2^-16 relative) for bf16 inputs, whose products round Tm to bf16 anyway: at chunk 64 the inverse was 80% of
-the forward kernel's bundles at HIGHEST (14,775 of a step of 8 heads, 2,915 without it), 9,627 in three passes.
+is the chunk: log2(W) - 1 steps of two products each, every one the exact block inverse (no power of A is formed, so
+no growth; each step is a Newton step X (2I - (I + A_2b) X) whose residual is nilpotent). Float32 inputs: products
+at HIGHEST. bf16 inputs, whose every use of Tm rounds it to bf16 (2^-9), by `inverse` (model.parts.gdn.inverse):
+"refine" takes the doubling's products in one bf16 pass (about 1e-2 relative, the cancellation of
+entries that alternate) and then one Newton step with the whole A, X + X (I - (I + A) X), whose residual (I + A) X
+takes three bf16 passes (`_mm_split`) and whose correction one: the error squares, to at most 1.7e-4 measured at
+chunk 128 (tests/test_gdn_pallas.py); "split" (the default) takes every product in three passes (about 2^-16).
+Static cost per head and chunk of 64 (v5e, 8 heads a step, below): forward 818 bundles with refine, 1,200 with split,
+364 without any inverse; with HIGHEST products the inverse was 80% of the forward. On the chip the hybrid's step was
+not faster under refine (889.1 ms against split's 874.6, docs/tpu.md): the kernel waits on its chain of products,
+not on issue slots, so split, the exact one, stays the default.
 
 The backward (derived by hand, every product a matmul): with dO [W, J] and dS' [H, J] (the cotangent of the state
 leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(gamma) q, kc = beta c exp(gamma) k:
@@ -38,8 +45,9 @@ leaving the chunk), P = q k^T * D, kd = l exp(gamma_last - gamma) k, qe = c exp(
 
 The kernels. Grid (B, K / hk, U): a step takes a tile of hk key heads and their hv = hk G value heads (`key_tile`:
 at most HEADS_PER_STEP value heads), each head an unrolled copy of the chunk's math, so the scheduler interleaves
-independent chains of small matmuls (per head and chunk, forward and backward: 1,350 / 1,083 bundles at 2 heads a
-step, 1,261 / 979 at 4, 1,221 / 952 at 8, 1,195 / 922 at 16; v5e, chunk 64, H = J = 128). B and the tiles are
+independent chains of small matmuls (per head and chunk of 64 at 8 heads a step, v5e, H = J = 128, inverse=split
+before the inverse took one pass: 1,350 / 1,083 bundles forward / backward at 2 heads a step, 1,221 / 952 at 8,
+1,195 / 922 at 16; benchmarks/gdn_bundles.py measures them). B and the tiles are
 "parallel", the chunks "arbitrary" (sequential): the tile's states [hv, H, J] float32 live in a VMEM scratch across
 the chunks. q and k are read in place as [B, T, K H] (blocks (1, W, hk H)), v and o as [B, T, N J] (blocks (1, W,
 hv J)): no expanded or head-major copy. The per-position scalars (g, beta as [B, N, U, W]; the segment index and the
@@ -89,6 +97,9 @@ _HI = jax.lax.Precision.HIGHEST
 # takes another (heads_per_step=).
 HEADS_PER_STEP = 8
 MAX_HEADS_PER_STEP = 16  # a tile no narrower than 128 lanes may need more; past this one the step's VMEM grows too far
+# How a bf16 run computes the chunk's inverse (`_inverse`; model.parts.gdn.inverse): "refine", one-pass bf16
+# doubling products and one Newton step with a three-pass residual; "split", three bf16 passes for every product.
+INVERSES = ("split", "refine")
 
 
 def key_tile(K: int, G: int, H: int, J: int, heads_per_step: int = HEADS_PER_STEP, lanes: bool = True) -> int | None:
@@ -116,6 +127,7 @@ class _Static(NamedTuple):
   W: int  # chunk
   G: int  # value heads per key head
   hk: int  # key heads per grid step
+  inverse: str  # how bf16 inputs' inverse computes (INVERSES)
   interpret: bool
 
 
@@ -189,21 +201,28 @@ def _mm_split(a, b, cdt):
   return _mm(a_hi, b_hi, bf16) + (_mm(a_hi, b_lo, bf16) + _mm(a_lo, b_hi, bf16))
 
 
-def _inverse(a_WW: jax.Array, cdt) -> jax.Array:
+def _inverse(a_WW: jax.Array, cdt, method: str) -> jax.Array:
   """(I + A)^-1 for A [W, W] strictly lower triangular (W a power of two), float32: I - A on the 2 x 2 diagonal
-  blocks, then X_2b = X_b - X_b A_off X_b until the block is the chunk (the module docstring), its products by
-  _mm_split."""
+  blocks, then X_2b = X_b - X_b A_off X_b until the block is the chunk (the module docstring). Its products: at
+  HIGHEST for float32 cdt; for bf16 by `method` (INVERSES): "split", every product in three bf16 passes
+  (_mm_split); "refine", every doubling product one bf16 pass, then one Newton step X + X (I - (I + A) X) with
+  (I + A) X in three passes (the residual squares: the one-pass doubling's ~1e-2 becomes ~1e-4, under the 2^-9 of
+  the bf16 rounding that every use of Tm applies)."""
   W = a_WW.shape[0]
   i, j = _iota(W, 0), _iota(W, 1)
   eye = (i == j).astype(jnp.float32)
   if W == 1:
     return eye
+  one_pass = cdt != jnp.float32 and method == "refine"
+  mm = (lambda a, b: _mm(a, b, cdt)) if one_pass else (lambda a, b: _mm_split(a, b, cdt))  # noqa: E731
   x = eye - jnp.where(i // 2 == j // 2, a_WW, 0.0)
   b = 2
   while b < W:
     off = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), a_WW, 0.0)
-    x = x - _mm_split(x, _mm_split(off, x, cdt), cdt)
+    x = x - mm(x, mm(off, x))
     b *= 2
+  if one_pass:
+    x = x + _mm(x, eye - x - _mm_split(a_WW, x, cdt), cdt)  # the residual strictly lower, as the correction
   return x
 
 
@@ -249,7 +268,7 @@ def _gates(ch: _Chunk, g_row, beta_row) -> _Gates:
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, s0_ref, o_ref, sf_ref, *rest, U, G, H, J,
-                residuals, cdt):
+                residuals, cdt, inverse):
   """One (row, tile of key heads, chunk) step: the tile's hk key heads and their hv = hk G value heads, each an
   unrolled copy of the chunk's math (independent chains the scheduler interleaves). Refs: q, k (1, W, hk H); v, o
   (1, W, hv J); g, beta (1, hv, U, W); seg, carry (1, U, W); s0, sf (1, hv, H, J); with residuals st (1, hv, 1, H, J)
@@ -276,7 +295,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, carry_ref, s0_ref
       v = v_ref[0, :, n * J:(n + 1) * J]  # [W, J]
       t = _gates(ch, _pick(g_ref[0, n], u), _pick(beta_ref[0, n], u))
       S = S_scr[n]  # [H, J]
-      tm = _inverse(jnp.where(ch.strict, t.beta * kk * t.dm, 0.0), cdt)  # [W, W]
+      tm = _inverse(jnp.where(ch.strict, t.beta * kk * t.dm, 0.0), cdt, inverse)  # [W, W]
       u_ = _mm(tm, t.beta * v.astype(f32), cdt)  # [W, J]
       w = _mm(tm, (t.beta * t.ce) * kf, cdt)  # [W, H]
       delta = u_ - _mm(w, S, cdt)  # [W, J]
@@ -327,7 +346,8 @@ def _fwd_call(st: _Static, q, k, v, g, beta, seg, carry, s0, *, residuals: bool)
     out_specs += [sp["states"], sp["inverses"]]
     out_shape += [jax.ShapeDtypeStruct((B, N, U, H, J), jnp.float32),
                   jax.ShapeDtypeStruct((B, N, U, W, W), jnp.float32)]
-  kernel = functools.partial(_fwd_kernel, U=U, G=st.G, H=H, J=J, residuals=residuals, cdt=v.dtype)
+  kernel = functools.partial(_fwd_kernel, U=U, G=st.G, H=H, J=J, residuals=residuals, cdt=v.dtype,
+                             inverse=st.inverse)
   scratch = [pltpu.VMEM((st.hk * st.G, H, J), jnp.float32)]
   return pl.pallas_call(
       kernel, out_shape=tuple(out_shape),
@@ -474,7 +494,8 @@ def _segment_rows(segment_ids_BT, B: int, T: int, U: int, W: int) -> tuple[jax.A
   return seg.astype(jnp.float32), (seg == incoming).astype(jnp.float32)
 
 
-def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, hk: int, interpret: bool):
+def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, hk: int, inverse: str,
+           interpret: bool):
   """One device's rows: the layouts in, the kernel, the layouts out."""
   B, T, K, H = q_BTKH.shape
   N, J = v_BTNJ.shape[2:]
@@ -492,18 +513,22 @@ def _local(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, seg_BT, s0_BNHJ, *, W: int, 
 
   seg, carry = _segment_rows(seg_BT, B, T, U, W)
   s0 = jnp.zeros((B, N, H, J), jnp.float32) if s0_BNHJ is None else s0_BNHJ.astype(jnp.float32)
-  st = _Static(W=W, G=N // K, hk=hk, interpret=interpret)
+  st = _Static(W=W, G=N // K, hk=hk, inverse=inverse, interpret=interpret)
   o, sf = _rule(st, rows(q_BTKH), rows(k_BTKH), rows(v_BTNJ), gates(g_BTN), gates(beta_BTN), s0, seg, carry)
   return o.reshape(B, Tp, N, J)[:, :T].astype(v_BTNJ.dtype), sf
 
 
 def gated_delta_rule_pallas(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_ids_BT=None,
-                            initial_state_BNHJ=None, chunk_size=64, heads_per_step=HEADS_PER_STEP, interpret=None):
+                            initial_state_BNHJ=None, chunk_size=64, heads_per_step=HEADS_PER_STEP, inverse="split",
+                            interpret=None):
   """The gated delta rule by the Pallas kernels: gated_delta_rule_chunked's contract and return (o [B, T, N, J] in
   v's dtype, final state [B, N, H, J] float32), differentiable in q, k, v, g, beta and the initial state. The
   products run in v's dtype (q and k are cast to it). heads_per_step: value heads per grid step, at most (`key_tile`);
-  interpret: Pallas interpret mode (default: off TPU)."""
+  inverse: how a bf16 run computes the chunk's inverse (INVERSES: model.parts.gdn.inverse); interpret: Pallas
+  interpret mode (default: off TPU)."""
   check_chunk_size(chunk_size)
+  if inverse not in INVERSES:
+    raise ValueError(f"gated_delta_rule_pallas: inverse={inverse!r}, expected one of {INVERSES}")
   on_tpu = platform() == "tpu"
   interpret = (not on_tpu) if interpret is None else interpret
   B, T, K, H = q_BTKH.shape
@@ -515,7 +540,7 @@ def gated_delta_rule_pallas(q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, *, segment_
     raise ValueError(f"gated_delta_rule_pallas: the TPU kernel needs key/value head dims whose tiles are multiples "
                      f"of {LANES} lanes and a chunk that is a multiple of 16 (K={K} H={H}, N={N} J={J}, chunk "
                      f"{chunk_size})")
-  body = functools.partial(_local, W=chunk_size, hk=hk, interpret=interpret)
+  body = functools.partial(_local, W=chunk_size, hk=hk, inverse=inverse, interpret=interpret)
   args = (q_BTKH, k_BTKH, v_BTNJ, g_BTN, beta_BTN, segment_ids_BT, initial_state_BNHJ)
   with jax.named_scope("gdn_pallas"):
     mesh = current_mesh()

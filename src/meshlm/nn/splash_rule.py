@@ -8,10 +8,11 @@ VMEM limit (16 MiB on v4, v5e and v5p, 32 MiB on v6e: XLA's default `xla_tpu_sco
 refuses the program ("Scoped allocation with size 16.63M and limit 16.00M", a CompileTimeScopedVmemOom). `estimate`
 counts a step's bytes: every in and out block twice (Mosaic double-buffers them), the scratch accumulators, and the
 float32 score tiles the body keeps live (`TILES` of [block_q, block_kv_compute] per phase, one more with the soft-cap's
-tanh) and what the batch rows the kernel is vmapped over add (`ROW_BYTES`). The coefficients are fitted to compiles of the kernel alone for v5e through libtpu
-on a CPU (JAX 0.10.2 / libtpu 0.0.42.1, the chip's, and 0.12.0.1 / 0.0.50.1, the lock's; benchmarks/splash_vmem.py
-and docs/tpu.md hold the table): at head_dim 256, bf16, segment ids, 4 rows, the fused dkv kernel at 1024/1024/1024
-needs more than 16 MiB and at 1024/1024/512 fits; at 128 it fits at 1024 everywhere.
+tanh) and what the batch rows the kernel is vmapped over add (`ROW_BYTES`). The coefficients are fitted to compiles of
+the kernel alone for v5e through libtpu on a CPU (JAX 0.10.2 / libtpu 0.0.42.1, the chip's, and 0.12.0.1 / 0.0.50.1,
+the lock's; benchmarks/splash_vmem.py and docs/tpu.md hold the table: at head_dim 256, bf16, segment ids, 4 rows,
+the fused dkv kernel at 1024/1024/1024 needs more than 16 MiB), and the rows' share to the kernel inside the train
+step on the chip, which needs more than alone (gemma3-4b at 4 rows: 1024/1024/512 refused there, 18.61 MiB).
 
 `Rule.blocks` takes, per phase, the first of CANDIDATES (largest first) that fits and divides the padded length, a
 key given as a number winning; `splash_backward=auto` is fused where the fused dkv kernel fits at blocks as large as
@@ -30,17 +31,20 @@ MiB = 1 << 20
 SCOPED_VMEM = {"TPU v4": 16 * MiB, "TPU v5 lite": 16 * MiB, "TPU v5e": 16 * MiB, "TPU v5": 16 * MiB,
                "TPU v5p": 16 * MiB, "TPU v6 lite": 32 * MiB, "TPU v6e": 32 * MiB}
 DEFAULT_VMEM = 16 * MiB
-# (block_q, block_kv, block_kv_compute), largest first: 1024 was the fastest measured at head_dim 128 (docs/tpu.md),
-# 512..1024 alike at 256 (/work notes probe 1); 2048 never fit a 16 MiB step with segment ids.
+# (block_q, block_kv, block_kv_compute), largest first: 1024 was the fastest measured at head_dim 128, 512..1024
+# alike at 256 (docs/tpu.md: the splash kernel alone); 2048 never fit a 16 MiB step with segment ids.
 CANDIDATES = ((1024, 1024, 1024), (1024, 1024, 512), (1024, 512, 512), (512, 512, 512), (512, 512, 256),
               (256, 256, 256), (128, 128, 128))
 # Float32 [block_q, block_kv_compute] score tiles a phase's body keeps live, fitted (module docstring); the soft-cap
 # keeps one more (its tanh).
 TILES = {"fwd": 1.0, "dkv": 1.75, "dq": 1.75}
 SOFTCAP_TILES = 1.0
-# The dkv kernel's step grows with the batch rows it is vmapped over: [block_q, qk] bytes per row fit the compiles
-# (h256 fused 1024/1024/512: fits at 4 rows, over 16 MiB at 8 and 16; h128 1024/1024/1024: fits at 16).
-ROW_BYTES = {"fwd": 0, "dkv": 1, "dq": 0}
+# The dkv kernel's step grows with the batch rows it is vmapped over: bytes of [block_q, qk] per row. Fitted to the
+# kernel inside the train step on a v5e (JAX 0.10.2, libtpu 0.0.42.1; docs/tpu.md): gemma3-4b's h256 fused dkv at
+# 1024/1024/512 ran at 1 row (seq 8192) and was refused at 4 (seq 2048: 18.61 MiB), qwen3-0.6b's h128 at
+# 1024/1024/1024 ran at 8 rows, gemma2-2b's soft-capped h256 at 1024/512/512 at 4: any value in (1.25, 3.25] keeps
+# those, 2.5 is past the middle (the kernel alone needs less: h256 1024/1024/512 fit at 4 rows compiled alone).
+ROW_BYTES = {"fwd": 0, "dkv": 2.5, "dq": 0}
 # The interpret-mode block (off TPU): the smallest the kernel takes, the least work per tile.
 INTERPRET_BLOCK = LANES
 KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",

@@ -34,11 +34,12 @@ kernel is stored inputs first, so the maps transpose and reshape, never permute 
 Its own knobs, model.parts.gdn.<knob> (`GDNConfig`; the old keys model.linear_num_key_heads,
 model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim, model.gdn_chunk_size,
 model.gdn_impl and model.linear_conv_kernel_dim still set them): key_heads K, value_heads N (a multiple of K),
-key_head_dim H and value_head_dim J are required; chunk_size, impl and kernel say how the rule computes (COMPUTE: a
-checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. kernel is the top-level key
-gdn_impl (auto | jax | pallas), written into the section when the model resolves (`run_knobs`): the chunked rule of
-training and prefill in pure JAX (nn/gdn.py) or by the Pallas TPU kernels (nn/gdn_pallas.py; interpret mode off
-TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where the kernel takes the shapes).
+key_head_dim H and value_head_dim J are required; chunk_size, impl and inverse say how the rule computes (COMPUTE:
+a checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. What computes the chunked rule of
+training and prefill is the top-level key gdn_impl (auto | jax | pallas), which reaches the layer on its Context
+(ctx.gdn_impl, as attention_impl reaches the attention core): pure JAX (nn/gdn.py) or the Pallas TPU kernels
+(nn/gdn_pallas.py; interpret mode off TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where
+the kernel takes the shapes). inverse: how the kernel inverts a chunk's I + A in a bf16 run (gdn_pallas.INVERSES).
 Which layers are GDN is the hybrid family's plan (model.hybrid_layer_types or full_attention_interval,
 models/plans.py), not a knob.
 
@@ -82,7 +83,10 @@ class GDNConfig(pydantic.BaseModel):
   """The gdn part's own knobs: model.parts.gdn.<knob> (their old keys, ModelConfig.MOVED, still set them)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under other values).
-  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "kernel")
+  COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "inverse")
+  # Knobs this section had and no longer reads, dropped where a saved config (a run's config.yaml) still holds them:
+  # kernel, a copy of the top-level gdn_impl (which a resumed run reads from its own config).
+  RETIRED: ClassVar[tuple[str, ...]] = ("kernel",)
   key_heads: int = pydantic.Field(gt=0, description="key heads K (HF linear_num_key_heads)")
   value_heads: int = pydantic.Field(gt=0, description="value heads N, a multiple of key_heads (value head n reads "
                                     "key head n // (N / K); HF linear_num_value_heads)")
@@ -93,11 +97,18 @@ class GDNConfig(pydantic.BaseModel):
   impl: Literal["chunked", "reference"] = pydantic.Field(
       default="chunked", description="the gated delta rule in training and prefill: chunked (WY form, a scan over "
       "chunks) or reference (the naive recurrence, one position at a time); decode steps use the recurrence")
-  kernel: Literal["auto", "jax", "pallas"] = pydantic.Field(
-      default="auto", description="the top-level gdn_impl, written here when the model resolves (set gdn_impl): the "
-      "chunked rule in pure JAX or by the Pallas TPU kernels")
+  inverse: Literal["split", "refine"] = pydantic.Field(
+      default="split", description="how the Pallas kernel inverts a chunk's (I + A) in a bf16 run (the inverse is "
+      "rounded to bf16 wherever it is used): split (every product in three bf16 passes) or refine (its doubling "
+      "products in one bf16 pass, then one Newton step with the residual in three: fewer bundles, not faster on a "
+      "v5e, docs/gdn.md); float32 runs: float32 products")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _drop_retired(cls, data):
+    return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
 
   @pydantic.field_validator("value_heads")
   @classmethod
@@ -228,47 +239,44 @@ def resolve_kernel(gdn_impl: str, on: str, m: ModelConfig) -> str:
   return gdn_impl
 
 
-def rule_kernel(m: ModelConfig, mode: str, on: str | None = None, context: int | None = None) -> str:
+def rule_kernel(m: ModelConfig, mode: str, gdn_impl: str = "auto", on: str | None = None,
+                context: int | None = None) -> str:
   """What computes the rule in this mode: "reference" (model.parts.gdn.impl=reference, and every decode step),
   "jax" (the chunked rule in pure JAX; also the context-parallel rule of training on mesh.context > 1) or "pallas"
-  (the kernel), for a program built for platform `on` (default: the one being traced) and `context` shards."""
+  (the kernel), under the key gdn_impl, for a program built for platform `on` (default: the one being traced) and
+  `context` shards."""
   own = knobs(m)
   if mode == "decode" or own.impl == "reference":
     return "reference"
   context = context_size() if context is None else context
   if mode == "train" and context > 1:
     return "jax"
-  return resolve_kernel(own.kernel, platform() if on is None else on, m)
+  return resolve_kernel(gdn_impl, platform() if on is None else on, m)
 
 
-def report(m: ModelConfig, on: str, context: int) -> dict:
+def report(cfg, on: str, context: int) -> dict:
   """What the reports print (Instrument.report): gdn_impl, resolved for the train step (`rule_kernel`)."""
-  return {"gdn_impl": rule_kernel(m, "train", on, context)}
+  return {"gdn_impl": rule_kernel(cfg.model, "train", cfg.gdn_impl, on, context)}
 
 
-def run_knobs(cfg) -> dict:
-  """kernel: the top-level gdn_impl, always (MeshRules.run_knobs; a resumed run's saved section does not win)."""
-  return {"kernel": cfg.gdn_impl}
-
-
-def delta_rule(m: ModelConfig, mode: str = "train"):
+def delta_rule(m: ModelConfig, mode: str = "train", gdn_impl: str = "auto"):
   """The gated delta rule for this mode: fn(q, k, v, g, beta, segment_ids_BT=, initial_state_BNHJ=). Training and
   prefill use model.parts.gdn.impl (chunked, in chunks of model.parts.gdn.chunk_size, or the reference recurrence),
-  the chunked rule by model.parts.gdn.kernel (gdn_impl: `rule_kernel`); a decode step is one step of the recurrence.
+  the chunked rule by the key gdn_impl (`rule_kernel`); a decode step is one step of the recurrence.
   Training on mesh.context > 1: the context-parallel chunked rule (pure JAX)."""
   own = knobs(m)
   if context_parallel(m, mode):
     return functools.partial(rule.gated_delta_rule_context_parallel, chunk_size=own.chunk_size)
-  if rule_kernel(m, mode) == "pallas":
-    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size)
+  if rule_kernel(m, mode, gdn_impl) == "pallas":
+    return functools.partial(gdn_pallas.gated_delta_rule_pallas, chunk_size=own.chunk_size, inverse=own.inverse)
   impl = "reference" if mode == "decode" else own.impl
   return functools.partial(rule.gated_delta_rule, impl=impl, chunk_size=own.chunk_size)
 
 
-def core(m: ModelConfig, mode: str, dense, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
+def core(m: ModelConfig, mode: str, dense, gdn_impl: str, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
   """split -> conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final
-  state or None). proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm, out_proj (in the compute dtype);
-  state: the decode state or None."""
+  state or None). gdn_impl: the key (ctx.gdn_impl); proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm,
+  out_proj (in the compute dtype); state: the decode state or None."""
   qkv_BTC, z_BTNJ, b_BTN, a_BTN = split(m, proj)
   dt = qkv_BTC.dtype
   B, T, _ = qkv_BTC.shape
@@ -294,7 +302,7 @@ def core(m: ModelConfig, mode: str, dense, proj: tuple, w: dict, segment_ids_BT,
     real = (jnp.arange(T)[None, :] < lengths_B[:, None])[..., None]  # [B, T, 1]
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
   with jax.named_scope("delta_rule"):
-    o, final = delta_rule(m, mode)(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
+    o, final = delta_rule(m, mode, gdn_impl)(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
                                    initial_state_BNHJ=state["recurrent"] if decode else None)
   with jax.named_scope("norm"):
     o = gated_rms_norm(w["norm"], o, z_BTNJ, m.norm_eps)  # [B, T, N, J]
@@ -321,7 +329,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
        "out_proj": ctx.cast(p["out_proj"], dt)}
   segment_ids = here.segment_ids if ctx.mode == "train" else None
   lengths = here.lengths if ctx.mode == "prefill" else None
-  fn = functools.partial(core, m, ctx.mode, ctx.dense)
+  fn = functools.partial(core, m, ctx.mode, ctx.dense, ctx.gdn_impl)
   # The split, the conv, the rule and the norm run in one auto-axes region (as gqa's attention core): under
   # explicit sharding their reshapes of batch-sharded rows (the fused layout's regrouping), scans and elementwise
   # steps would otherwise each need a sharding decision.
@@ -345,7 +353,7 @@ def gdn(*, fused: bool = False) -> Part:
   """fused: qwen3-next's per-key-head in_proj_qkvz / in_proj_ba; else qwen3.5's in_proj_qkv, _z, _b, _a."""
   return Part(name="gdn", key=KEY, spec=functools.partial(spec, fused=fused),
               apply=functools.partial(apply, fused=fused), state_spec=state_spec,
-              config=GDNConfig, mesh=MeshRules(shard_multiple=lambda m: knobs(m).chunk_size, run_knobs=run_knobs),
+              config=GDNConfig, mesh=MeshRules(shard_multiple=lambda m: knobs(m).chunk_size),
               instrument=Instrument(census=CENSUS, report=report))
 
 
