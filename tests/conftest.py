@@ -4,6 +4,7 @@ one run shares one compilation cache that starts empty."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -72,8 +73,12 @@ def _under_ci() -> bool:
 
 
 def pytest_configure(config):
-  import compile_log  # MESHLM_TEST_COMPILE_LOG=DIR: every test's CPU seconds and compiles (tests/compile_log.py)
-  compile_log.register(config)
+  if os.environ.get("MESHLM_TEST_COMPILE_LOG"):
+    # Every test's CPU seconds and compiles into that folder (tests/compile_log.py), found beside this file (a
+    # conftest exec'd from another rootdir, as test_ci_skips runs it, has no tests/ on its path).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) if "__file__" in globals() else "tests")
+    import compile_log
+    compile_log.register(config)
   config.addinivalue_line("markers", "ci_must_run: under CI=true a skip of this test fails the run")
   config.addinivalue_line("markers", "tiny_preset: a tiny preset's public-API conformance row, a 1-device user's "
                           "calls in every process (tests/test_conformance.py)")

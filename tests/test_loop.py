@@ -432,7 +432,7 @@ def test_the_readme_resume_table_and_help_are_the_declaration():
   readme = (ROOT / "README.md").read_text()
   want = _declared_rows()
   assert _resume_rows(readme) == want
-  assert any("ep_buffer_factor" in k for k in want[-1]) and len([k for k in want[-1] if ".moe." in k]) == 7
+  assert any("ep_buffer_factor" in k for k in want[-1]) and len([k for k in want[-1] if ".moe." in k]) == 8
   old = readme.replace(", `model.parts.moe.ep_impl`, `model.parts.moe.ep_buffer_factor`"
                        ", `model.parts.moe.grad_reduce_barrier`", "")
   assert old != readme and _resume_rows(old) != want

@@ -216,7 +216,7 @@ def test_without_the_rule_reset_the_second_document_reads_the_first(monkeypatch)
   cfg, params = setup("qwen3.5-tiny")
   real = gdn_mixer.delta_rule
   monkeypatch.setattr(gdn_mixer, "delta_rule",
-                      lambda m, mode: lambda *a, segment_ids_BT=None, **kw: real(m, mode)(*a, **kw))
+                      lambda m, mode, *k: lambda *a, segment_ids_BT=None, **kw: real(m, mode, *k)(*a, **kw))
   toks, pos, seg = packed_batch(cfg.model.vocab_size)
   logits = np.asarray(jax.jit(lambda p: decoder.forward(cfg, p, toks, pos, seg))(params))
   p1, p2, a1, a2 = split_docs(logits)

@@ -52,7 +52,7 @@ class Context:
   decode: Decode = Decode()  # decode's attention against the cache (nn/decode_attention; decode_attention_impl)
   rope_by_matmul: bool | None = None  # how RoPE swaps halves (rope_swap resolved for the platform)
   layer_cast: str = "bits"  # how a layer casts its float32 kernels (layer_cast: bits | astype)
-  gdn_impl: str = "auto"  # what computes a GDN layer's chunked rule (gdn_impl; resolved when traced, mixers/gdn.py)
+  config: Any = None  # the run's Config, whose top-level program keys a part may read (None: their defaults)
   context_name: str = "global"
   # This layer's own inputs, {name: array} (the decoder's per-layer channel, Replay.layer_inputs); empty
   # when none are given.
@@ -202,4 +202,4 @@ def make_context(cfg: Config, contexts: tuple[str, ...], rotary_dims: tuple[int,
                     cfg.decode_attention_block, interpret=on != "tpu")
   swap = resolve_swap(cfg.rope_swap, platform()) == "matmul"
   return Context(model=m, dense=bound_dense(cfg), inputs=inputs, mode=mode, core=core, rope_by_matmul=swap,
-                 layer_cast=cfg.layer_cast, decode=decode, gdn_impl=cfg.gdn_impl)
+                 layer_cast=cfg.layer_cast, decode=decode, config=cfg)

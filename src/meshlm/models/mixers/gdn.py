@@ -36,8 +36,8 @@ model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head
 model.gdn_impl and model.linear_conv_kernel_dim still set them): key_heads K, value_heads N (a multiple of K),
 key_head_dim H and value_head_dim J are required; chunk_size, impl and inverse say how the rule computes (COMPUTE:
 a checkpoint resumes under other values), conv_kernel_dim is Q, a parameter's shape. What computes the chunked rule of
-training and prefill is the top-level key gdn_impl (auto | jax | pallas), which reaches the layer on its Context
-(ctx.gdn_impl, as attention_impl reaches the attention core): pure JAX (nn/gdn.py) or the Pallas TPU kernels
+training and prefill is the top-level key gdn_impl (auto | jax | pallas), which the layer reads from the run's
+config on its Context (ctx.config): pure JAX (nn/gdn.py) or the Pallas TPU kernels
 (nn/gdn_pallas.py; interpret mode off TPU), auto resolved when the step is traced (`rule_kernel`: pallas on TPU where
 the kernel takes the shapes). inverse: how the kernel inverts a chunk's I + A in a bf16 run (gdn_pallas.INVERSES).
 Which layers are GDN is the hybrid family's plan (model.hybrid_layer_types or full_attention_interval,
@@ -275,7 +275,7 @@ def delta_rule(m: ModelConfig, mode: str = "train", gdn_impl: str = "auto"):
 
 def core(m: ModelConfig, mode: str, dense, gdn_impl: str, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
   """split -> conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final
-  state or None). gdn_impl: the key (ctx.gdn_impl); proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm,
+  state or None). gdn_impl: the key (ctx.config.gdn_impl); proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm,
   out_proj (in the compute dtype); state: the decode state or None."""
   qkv_BTC, z_BTNJ, b_BTN, a_BTN = split(m, proj)
   dt = qkv_BTC.dtype
@@ -329,7 +329,8 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
        "out_proj": ctx.cast(p["out_proj"], dt)}
   segment_ids = here.segment_ids if ctx.mode == "train" else None
   lengths = here.lengths if ctx.mode == "prefill" else None
-  fn = functools.partial(core, m, ctx.mode, ctx.dense, ctx.gdn_impl)
+  gdn_impl = "auto" if ctx.config is None else ctx.config.gdn_impl
+  fn = functools.partial(core, m, ctx.mode, ctx.dense, gdn_impl)
   # The split, the conv, the rule and the norm run in one auto-axes region (as gqa's attention core): under
   # explicit sharding their reshapes of batch-sharded rows (the fused layout's regrouping), scans and elementwise
   # steps would otherwise each need a sharding decision.
