@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import pydantic
@@ -220,6 +220,21 @@ class Instrument:
   report: Callable[[Any, str, int], dict] = lambda cfg, platform, context: {}
 
 
+class PartConfig(pydantic.BaseModel):
+  """The base of a part's own config section (Part.config, model.parts.<part>): unknown keys are refused. COMPUTE:
+  the knobs that change how the layer computes the same parameters (a checkpoint resumes under other values).
+  RETIRED: knobs the section had and no longer reads, dropped where a saved config (a run's config.yaml) still
+  holds them."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  COMPUTE: ClassVar[tuple[str, ...]] = ()
+  RETIRED: ClassVar[tuple[str, ...]] = ()
+
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _drop_retired(cls, data):
+    return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
   """A mixer or a feed-forward: the declared interface of one half of a layer kind. The core, which a part with
@@ -239,7 +254,7 @@ class Part:
     so it keeps no decode state. Every part declares one or the other: a state_spec, or position_wise
     (tests/test_conformance.py refuses a part with neither, and samples from every family against recomputing,
     which catches a wrong one).
-  - config: the part's own config section, a pydantic model whose fields are the part's knobs (with defaults, or
+  - config: the part's own config section, a PartConfig whose fields are the part's knobs (with defaults, or
     required: moe's num_experts), set as model.parts.<part name>.<knob> (presets: `parts: {name: {knob: value}}`)
     and read in the part with `section(m, part)`. The family refuses a section that none of its parts declares,
     and checks each section its parts declare, given or not: an unknown knob, a bad value or a missing required
@@ -271,7 +286,7 @@ class Part:
   apply: Callable[..., tuple[jax.Array, Any, dict]]
   state_spec: Callable[[ModelConfig, int, int], dict[str, StateLeaf]] | None = None
   position_wise: bool = False
-  config: type[pydantic.BaseModel] | None = None
+  config: type[PartConfig] | None = None
   needs: tuple[str, ...] = ()
   rotary_dims: Callable[[ModelConfig], tuple[int, ...]] = lambda m: ()
   side_names: tuple[str, ...] = ()

@@ -53,7 +53,7 @@ from meshlm.config import Config, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm import spec as S
 from meshlm.models.family import (CensusCounter, Compute, Instrument, LayerInput, LayerMemory, MeshRules, ModelState,
-                                  Part, Replay, section)
+                                  Part, PartConfig, Replay, section)
 from meshlm.nn import moe
 from meshlm.nn.mlp import ACTIVATIONS, glu_mlp
 from meshlm.nn.router_replay import check_forced_ids
@@ -69,9 +69,8 @@ KERNELS = ("gate", "up", "down")  # read by the expert loop from their stacks in
 CENSUS = (CensusCounter(field="stablehlo.moe", kind="scope_gathers_scatters", scope=moe.SCOPE),)
 
 
-class MoEConfig(pydantic.BaseModel):
+class MoEConfig(PartConfig):
   """The moe part's own knobs: model.parts.moe.<knob> (their old flat keys, ModelConfig.MOVED, still set them)."""
-  model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes or lays out the same parameters (a checkpoint resumes under other values).
   COMPUTE: ClassVar[tuple[str, ...]] = ("impl", "grouped_matmul", "megablox_tiling", "kernel_fsdp", "ep_impl",
                                          "ep_buffer_factor", "grad_reduce_barrier", "decode_kernels")
@@ -161,11 +160,6 @@ class MoEConfig(pydantic.BaseModel):
   # Knobs this section had and no longer reads, dropped where a saved config (a run's config.yaml) still holds them:
   # kernel_cast (convert | bits), bit-identical either way, now the one rule of every kernel (Context.cast).
   RETIRED: ClassVar[tuple[str, ...]] = ("kernel_cast",)
-
-  @pydantic.model_validator(mode="before")
-  @classmethod
-  def _drop_retired(cls, data):
-    return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
 
   @pydantic.field_validator("megablox_tiling")
   @classmethod

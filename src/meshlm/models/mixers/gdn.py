@@ -66,7 +66,7 @@ import pydantic
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import CensusCounter, Instrument, MeshRules, Part, StateLeaf, section
+from meshlm.models.family import CensusCounter, Instrument, MeshRules, Part, PartConfig, StateLeaf, section
 from meshlm.errors import ConfigError
 from meshlm.nn import gdn as rule
 from meshlm.nn import gdn_pallas
@@ -79,9 +79,8 @@ OUT = ACT
 ROWS = axes("batch", "length", None)  # a projection's per-position output: heads and channels stay whole
 
 
-class GDNConfig(pydantic.BaseModel):
+class GDNConfig(PartConfig):
   """The gdn part's own knobs: model.parts.gdn.<knob> (their old keys, ModelConfig.MOVED, still set them)."""
-  model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under other values).
   COMPUTE: ClassVar[tuple[str, ...]] = ("chunk_size", "impl", "inverse")
   # Knobs this section had and no longer reads, dropped where a saved config (a run's config.yaml) still holds them:
@@ -104,11 +103,6 @@ class GDNConfig(pydantic.BaseModel):
       "v5e, docs/gdn.md); float32 runs: float32 products")
   conv_kernel_dim: int = pydantic.Field(default=4, gt=0, description="taps Q of the causal depthwise conv over q|k|v "
                                         "(HF linear_conv_kernel_dim)")
-
-  @pydantic.model_validator(mode="before")
-  @classmethod
-  def _drop_retired(cls, data):
-    return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
 
   @pydantic.field_validator("value_heads")
   @classmethod

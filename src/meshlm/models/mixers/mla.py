@@ -45,7 +45,7 @@ from pydantic import Field
 
 from meshlm.config import ModelConfig
 from meshlm import spec as S
-from meshlm.models.family import Instrument, Part, StateLeaf, section
+from meshlm.models.family import Instrument, Part, PartConfig, StateLeaf, section
 from meshlm.nn import attention as A, mla as mla_core
 from meshlm.nn.norm import rms_norm
 from meshlm.nn.rope import apply_rope_interleave, softmax_mscale
@@ -59,11 +59,10 @@ CACHE_AXES = axes("batch", None, None)  # "kv" [B, C, Rkv], "k_rope" [B, C, Hr]
 NEEDS = ("num_heads",)
 
 
-class MLAConfig(pydantic.BaseModel):
+class MLAConfig(PartConfig):
   """The mla part's own knobs: model.parts.mla.<knob> (their old flat keys, ModelConfig.MOVED, still set them).
   Letters (docs/architecture.md): Rq/Rkv the lora ranks, Hn/Hr/Hv the nope, rope and value head dims; each
   query/key head is Hn + Hr wide, [nope, rope]."""
-  model_config = pydantic.ConfigDict(extra="forbid")
   # How the layer computes with the same parameters (a checkpoint resumes under another value).
   COMPUTE: ClassVar[tuple[str, ...]] = ("absorb",)
   q_lora_rank: Optional[int] = Field(default=None, gt=0, description="rank Rq of the query's low-rank projection "
