@@ -74,9 +74,8 @@ def _under_ci() -> bool:
 
 def pytest_configure(config):
   if os.environ.get("MESHLM_TEST_COMPILE_LOG"):
-    # Every test's CPU seconds and compiles into that folder (tests/compile_log.py), found beside this file (a
-    # conftest exec'd from another rootdir, as test_ci_skips runs it, has no tests/ on its path).
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) if "__file__" in globals() else "tests")
+    # Every test's CPU seconds and compiles into that folder (tests/compile_log.py, found beside this file).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import compile_log
     compile_log.register(config)
   config.addinivalue_line("markers", "ci_must_run: under CI=true a skip of this test fails the run")

@@ -32,7 +32,8 @@ def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
                                         f"'conftest.py', 'exec'))\n")
   (tmp_path / "test_conformance.py").write_text(SKIPS)  # a file counted by name
   (tmp_path / "test_other.py").write_text(MARKED)
-  env = {k: v for k, v in os.environ.items() if k != "CI"}
+  # Not the suite: no CI of the caller, and no compile log (tests/compile_log.py is not beside the copied conftest).
+  env = {k: v for k, v in os.environ.items() if k not in ("CI", "MESHLM_TEST_COMPILE_LOG")}
   if ci is not None:
     env["CI"] = ci
   return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-p", "no:xdist",
