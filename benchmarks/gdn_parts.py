@@ -45,7 +45,7 @@ def parts(B, T, N, K, H, J, W):
   """{name: (fn(*args) -> outputs, args)}: each part's forward on random inputs of the layer's shapes."""
   import jax
   import jax.numpy as jnp
-  from meshlm.models.mixers.gdn import gated_rms_norm
+  from meshlm.models.mixers.gdn import gated_rms_norm, l2_normalize_heads
   from meshlm.nn import gdn as rule
   from meshlm.nn.short_conv import causal_conv
   f32, bf16 = jnp.float32, jnp.bfloat16
@@ -59,8 +59,8 @@ def parts(B, T, N, K, H, J, W):
 
   def conv_gates(qkv, conv_w, b, a):
     mixed = jax.nn.silu(causal_conv(qkv, conv_w.astype(bf16)).astype(f32))
-    q = rule.l2_normalize(jnp.reshape(mixed[..., :K * H], (B, T, K, H))) * H ** -0.5
-    k = rule.l2_normalize(jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H)))
+    q = jnp.reshape(l2_normalize_heads(mixed[..., :K * H], K) * H ** -0.5, (B, T, K, H))
+    k = jnp.reshape(l2_normalize_heads(mixed[..., K * H:2 * K * H], K), (B, T, K, H))
     v = jnp.reshape(mixed[..., 2 * K * H:], (B, T, N, J)).astype(bf16)
     beta = jax.nn.sigmoid(b.astype(f32))
     g = -jnp.exp(A_log) * jax.nn.softplus(a.astype(f32) + dt_bias)
@@ -93,8 +93,8 @@ def parts(B, T, N, K, H, J, W):
   def whole(q, k, v, g, beta):
     return rule.gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=W)
 
-  z = jax.random.normal(next(ks), (B, T, N, J), bf16)
-  o = jax.random.normal(next(ks), (B, T, N, J), bf16)
+  z = jax.random.normal(next(ks), (B, T, N * J), bf16)
+  o = jax.random.normal(next(ks), (B, T, N * J), bf16)
   return {"conv_gates": (conv_gates, (qkv, conv_w, b, a)),
           "chunk_terms": (chunk_terms, (q, k, v, g, beta)),
           "inverse": (lambda a: rule.unit_lower_inverse(a, rule.DEFAULT_INVERSE), (a_terms,)),

@@ -349,7 +349,7 @@ def attending(cfg) -> list[tuple[str, str]]:
 
 
 def part_step(cfg, kind: str, context: str):
-  """(fn, specs): the attending half of one layer of `kind` under `context` alone, as the model runs it (Kind.half:
+  """(fn, specs): the mixer's half of one layer of `kind` under `context` alone, as the model runs it (Kind.half:
   the pre-norm, the part, the post-norm where the kind has one, the residual; its parameters prepared as the layer
   loop prepares them; the context the decoder makes for the batch: the attention core resolved for the mesh's
   platform, rows and segment ids; rematerialized per cfg.remat), forward and backward:
@@ -361,7 +361,6 @@ def part_step(cfg, kind: str, context: str):
   from meshlm.models.model import resolve
   M = resolve(cfg)
   k = M.family.kinds[kind]
-  assert k.mixer.instrument.attention_width is not None, (kind, k.mixer.name)
   keys = k.half_keys(0)
   specs = S.stack({n: s for n, s in k.spec(M.m).items() if n in keys}, 1, 0)
   dt = jnp.dtype(cfg.train.compute_dtype)

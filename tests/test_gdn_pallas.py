@@ -273,3 +273,59 @@ def test_the_roofline_counts_the_kernels_flops():
          if i.opcode == "custom-call" and i.name.startswith("gdn_chunk_")}
   assert got == want, (got, want)
   assert cost.custom_call_flops(mod)[0] == sum(want.values())
+
+
+# --- the layer around the kernels keeps the flat layout on TPU --------------------------------------------------------
+
+# The GDN half of one qwen3.5-tiny layer at the real head dims (8 key and 8 value heads of 128: a sublane tile of
+# heads; at 2 heads XLA:TPU lays the reshape out without copies), 2 rows of 192 positions, bf16, remat=full, for one
+# v5e chip: an activation of B T K H or B T N J elements copied is a relayout of a flat [B, T, heads * dim] array into
+# [B, T, heads, dim] tiles (measured on the hybrid's step: 830 MiB of such copies per layer from the per-head norms'
+# reshapes, none with models/mixers/gdn.py's head_sums; docs/gdn.md). About 30 s of compile each.
+LAYER = ("model=qwen3.5-tiny", "model.embed_dim=256", "model.parts.gdn.key_heads=8", "model.parts.gdn.value_heads=8",
+         "model.parts.gdn.key_head_dim=128", "model.parts.gdn.value_head_dim=128", "train.compute_dtype=bfloat16",
+         "remat=full", "gdn_impl=pallas")
+LAYER_ROWS, LAYER_T = 2, 192
+
+
+def relayouts(hlo: str) -> list[str]:
+  """The compiled program's copies of a per-position activation of the flat widths (B T K H or B T N J elements)."""
+  import re
+  sizes = {LAYER_ROWS * LAYER_T * 8 * 128}
+  out = []
+  for shape in re.findall(r"= (?:f32|bf16)\[([\d,]+)\]\{[^}]*\} copy\(", hlo):
+    if int(np.prod([int(d) for d in shape.split(",")])) in sizes:
+      out.append(shape)
+  return out
+
+
+def compiled_layer() -> str:
+  """The GDN half of LAYER (tests/conformance.part_step: forward and backward) compiled for a v5e chip."""
+  import conformance as C
+  from meshlm.parallel import topology as TP
+  from meshlm.parallel.mesh import make_mesh
+  cfg = meshlm.load_config(*LAYER, f"train.seq_len={LAYER_T}", f"train.per_device_batch_size={LAYER_ROWS}")
+  mesh = make_mesh(cfg, TP.devices(TP.parse("v5e:1x1")))
+  fn, specs = C.part_step(cfg, "linear_attn", "global")
+  args = C.part_arguments(cfg, specs, mesh, LAYER_T, LAYER_ROWS)
+  with jax.set_mesh(mesh):
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@tpu
+def test_the_layer_copies_no_head_relayout_on_tpu():
+  hlo = compiled_layer()
+  assert gdn_pallas.FWD_NAME in hlo and gdn_pallas.BWD_NAME in hlo and relayouts(hlo) == [], relayouts(hlo)
+
+
+@tpu
+def test_per_head_norms_by_reshape_copy_relayouts(monkeypatch):
+  """Control: the per-head norms written as a reshape to [B, T, heads, dim] (rule.l2_normalize) compile to relayout
+  copies of the flat activations."""
+  from meshlm.models.mixers import gdn as mixer
+
+  def by_reshape(x_BTC, heads, eps=1e-6):
+    B, T, C = x_BTC.shape
+    return gdn.l2_normalize(x_BTC.reshape(B, T, heads, C // heads), eps).reshape(B, T, C)
+  monkeypatch.setattr(mixer, "l2_normalize_heads", by_reshape)
+  assert len(relayouts(compiled_layer())) >= 2

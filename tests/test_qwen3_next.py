@@ -306,3 +306,43 @@ def test_bad_input_fails_in_one_line_naming_the_key(name, capsys):
   assert main(["train", *base, *args, "train.steps=1"]) == 2
   err = capsys.readouterr().err
   assert err.startswith(f"meshlm: error: {msg}") and err.count("\n") == 1, err
+
+
+# --- the per-head norms in the flat layout (models/mixers/gdn.py head_sums) ----------------------------------------
+
+def _per_head(x, heads):  # numpy [B, T, heads * d] -> [B, T, heads, d]
+  return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
+
+
+def _flat_norms(l2, gated, heads=3, d=8):
+  """max |flat - per-head numpy reference| of the l2 norm, its gradient and the gated RMS norm (float32)."""
+  ks = jax.random.split(jax.random.key(3), 4)
+  x, z = (jax.random.normal(k, (2, 5, heads * d), jnp.float32) for k in ks[:2])
+  w = jax.random.normal(ks[2], (d,), jnp.float32)
+  xn, zn, wn = (np.asarray(a, np.float64) for a in (x, z, w))
+  h = _per_head(xn, heads)
+  want_l2 = (h / np.sqrt(np.sum(h * h, -1, keepdims=True) + 1e-6)).reshape(xn.shape)
+  # d/dx sum(sin(l2(x))): per head (c - u (u . c)) / |x|, c = cos(l2(x)), u = l2(x)
+  u, c = _per_head(want_l2, heads), np.cos(_per_head(want_l2, heads))
+  norm = np.sqrt(np.sum(h * h, -1, keepdims=True) + 1e-6)
+  want_grad = ((c - u * np.sum(u * c, -1, keepdims=True)) / norm).reshape(xn.shape)
+  o = _per_head(xn, heads)
+  want_gated = (o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-6) * wn).reshape(xn.shape) * zn / (1 + np.exp(-zn))
+  got_grad = jax.grad(lambda a: jnp.sum(jnp.sin(l2(a, heads))))(x)
+  return (float(np.max(np.abs(np.asarray(l2(x, heads)) - want_l2))), float(np.max(np.abs(got_grad - want_grad))),
+          float(np.max(np.abs(np.asarray(gated(w, x, z, 1e-6)) - want_gated))))
+
+
+def test_the_flat_per_head_norms_are_the_per_head_norms():
+  """l2_normalize_heads and gated_rms_norm on [B, T, heads * d] (sums by the heads' indicator, the layout the TPU
+  step keeps) against the per-head formulas in float64 numpy: values and the l2 norm's gradient."""
+  got = _flat_norms(gdn_mixer.l2_normalize_heads, gdn_mixer.gated_rms_norm)
+  assert max(got) < 2e-6, got
+
+
+def test_a_wrong_head_grouping_fails_the_flat_norm_check(monkeypatch):
+  """Control: heads read interleaved (channel c in head c % heads, not c // d) miss by far."""
+  monkeypatch.setattr(gdn_mixer, "_heads", lambda C, heads: (
+      jnp.arange(C)[:, None] % heads == jnp.arange(heads)[None, :]).astype(jnp.float32))
+  got = _flat_norms(gdn_mixer.l2_normalize_heads, gdn_mixer.gated_rms_norm)
+  assert min(got) > 1e-2, got

@@ -107,8 +107,18 @@ def _is_barrier(op: SH.Op) -> bool:
   return op.name in SHARDING_OPS or (op.name == "stablehlo.custom_call" and op.target in SHARDING_TARGETS)
 
 
+def _merged(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+  """A rank-3 kernel used as a matrix: [a, b * c] and [a * b, c] (gdn's in_proj_z [D, N, J] as [D, N J]); [] for
+  another rank."""
+  if len(shape) != 3:
+    return []
+  a, b, c = shape
+  return [(a, b * c), (a * b, c)]
+
+
 def _kernel_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
-  """Shapes of the step's rank>=2 arguments, and of one layer of each stacked one (dims 0 or 1 dropped)."""
+  """Shapes of the step's rank>=2 arguments, and of one layer of each stacked one (dims 0 or 1 dropped); a rank-3
+  one also with two adjacent dims merged (_merged)."""
   main = mod.func_args.get("main", [])
   shapes: set[tuple[int, ...]] = set()
   for _, shape, _ in main:
@@ -117,7 +127,7 @@ def _kernel_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
       if len(shape) >= 3:
         shapes.add(shape[1:])
         shapes.add(shape[:1] + shape[2:])
-  return shapes
+  return shapes | {m for s in shapes for m in _merged(s)}
 
 
 def executed(mod: SH.Module, entry: str = "main"):
@@ -172,7 +182,8 @@ def _param_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
   """Shapes a weight gradient can have, as `_dims` tuples (a gradient may come out transposed):
   each rank>=2 argument of the step with 0, 1 or 2 of its leading (stacking) axes dropped, or
   one stacked axis dropped; and of a rank-3 slice, also with one dim of at most 64 (a head count)
-  split in two, as grouped-query attention computes a projection's gradient per kv head and group."""
+  split in two, as grouped-query attention computes a projection's gradient per kv head and group, or two adjacent
+  dims merged (_merged: a kernel used as a matrix)."""
   shapes = set()
   for _, shape, _ in mod.func_args.get("main", []):
     cuts = [shape[k:] for k in range(min(3, len(shape) - 1))]
@@ -182,6 +193,7 @@ def _param_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
       shapes.add(_dims(cut))
       if len(cut) != 3:
         continue
+      shapes.update(_dims(m) for m in _merged(cut))
       for i, d in enumerate(cut):
         for a in range(2, d if d <= 64 else 0):
           if d % a == 0:

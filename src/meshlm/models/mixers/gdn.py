@@ -5,11 +5,15 @@ n reads key head n // G), H key head dim, J value head dim, Q conv taps, C = 2KH
 
     q|k|v, z, b, a = projections of x                        (one layout or the other, below)
     q|k|v = silu(causal_conv(q|k|v))                         nn/short_conv.py, reset at documents
-    q = l2norm(q) * H ** -0.5, k = l2norm(k)                 float32
+    q = l2norm(q) * H ** -0.5, k = l2norm(k)                 float32, per key head
     beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)   float32, [B, T, N]
     o = gated_delta_rule(q, k, v, g, beta)                   nn/gdn.py, reset at documents
     o = rms_norm(o over J) * norm * silu(z)                  per value head, float32; norm starts at ones
     y = out_proj(o)
+
+Every per-head step runs on the flat [B, T, heads * dim] arrays (q | k | v, z, o): a head's sum is a product with
+the heads' indicator (`head_sums`), never a reshape to [B, T, heads, dim], which on TPU is a relayout copy in float32
+(tiles of 8 positions x 128 channels against 8 heads x 128); the kernels take and give the flat layout too.
 
 Parameters of one layer, under the part key "linear_attn" (Hugging Face torch weights in brackets; every
 kernel is stored inputs first, so the maps transpose and reshape, never permute rows):
@@ -167,7 +171,7 @@ def state_spec(m: ModelConfig, batch: int, size: int) -> dict[str, StateLeaf]:
 
 def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool) -> tuple[jax.Array, ...]:
   """The projections through ctx.dense, as the kernels store them: fused (in_proj_qkvz [B, T, K, 2H + 2GJ],
-  in_proj_ba [B, T, K, 2G]) or separate (q|k|v [B, T, C], z [B, T, N, J], b [B, T, N], a [B, T, N])."""
+  in_proj_ba [B, T, K, 2G]) or separate (q|k|v [B, T, C], z [B, T, N J], b [B, T, N], a [B, T, N])."""
   dt = x_BTD.dtype
   dense = ctx.dense
   if fused:
@@ -179,7 +183,8 @@ def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool) -> tuple[jax.Array, 
   with jax.named_scope("in_proj_qkv"):
     qkv = dense(x_BTD, ctx.cast(p["in_proj_qkv"], dt), "btd,dc->btc", ROWS)
   with jax.named_scope("in_proj_z"):
-    z = dense(x_BTD, ctx.cast(p["in_proj_z"], dt), "btd,dnj->btnj", ROWS + (None,))
+    w_z = ctx.cast(p["in_proj_z"], dt)  # [D, N, J], used as [D, N J]: z comes out flat
+    z = dense(x_BTD, jnp.reshape(w_z, (w_z.shape[0], -1)), "btd,dc->btc", ROWS)
   with jax.named_scope("in_proj_b"):
     b = dense(x_BTD, ctx.cast(p["in_proj_b"], dt), "btd,dn->btn", ROWS)
   with jax.named_scope("in_proj_a"):
@@ -188,7 +193,7 @@ def project(p: dict, x_BTD: jax.Array, ctx, *, fused: bool) -> tuple[jax.Array, 
 
 
 def split(m: ModelConfig, proj: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """(q|k|v [B, T, C] before the conv, z [B, T, N, J], b [B, T, N], a [B, T, N]) from either layout: the fused
+  """(q|k|v [B, T, C] before the conv, z [B, T, N J], b [B, T, N], a [B, T, N]) from either layout: the fused
   one regrouped from per key head (q | k | v | z and b | a) into q all | k all | v all, value head n = k*G + g."""
   if len(proj) == 4:
     return proj
@@ -197,16 +202,42 @@ def split(m: ModelConfig, proj: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.A
   K, N, G, H, J, _ = dims(m)
   q, k = qkvz[..., :H], qkvz[..., H:2 * H]  # [B, T, K, H]
   v = jnp.reshape(qkvz[..., 2 * H:2 * H + G * J], (B, T, N * J))
-  z = jnp.reshape(qkvz[..., 2 * H + G * J:], (B, T, N, J))
+  z = jnp.reshape(qkvz[..., 2 * H + G * J:], (B, T, N * J))
   qkv = jnp.concatenate([jnp.reshape(q, (B, T, K * H)), jnp.reshape(k, (B, T, K * H)), v], axis=-1)
   return qkv, z, jnp.reshape(ba[..., :G], (B, T, N)), jnp.reshape(ba[..., G:], (B, T, N))
 
 
-def gated_rms_norm(w_J: jax.Array, o_BTNJ: jax.Array, z_BTNJ: jax.Array, eps: float) -> jax.Array:
-  """rms_norm(o) * w * silu(z) over each value head's J dims, in float32, back in z's dtype."""
-  of = o_BTNJ.astype(jnp.float32)
-  y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
-  return (y * w_J.astype(jnp.float32) * jax.nn.silu(z_BTNJ.astype(jnp.float32))).astype(z_BTNJ.dtype)
+def _heads(C: int, heads: int) -> jax.Array:
+  """[C, heads] float32: channel c belongs to head c // (C / heads)."""
+  return (jnp.arange(C)[:, None] // (C // heads) == jnp.arange(heads)[None, :]).astype(jnp.float32)
+
+
+def head_sums(x_BTC: jax.Array, heads: int) -> jax.Array:
+  """[B, T, heads]: the sum of each head's channels of x (float32; heads side by side along C), a product with the
+  heads' indicator (float32 exact: HIGHEST) rather than a reshape to [B, T, heads, C / heads] (the module docstring:
+  on TPU that reshape is a relayout copy, forward and backward; measured in docs/gdn.md)."""
+  return jnp.einsum("btc,ch->bth", x_BTC, _heads(x_BTC.shape[-1], heads), precision=jax.lax.Precision.HIGHEST)
+
+
+def head_spread(s_BTh: jax.Array, C: int) -> jax.Array:
+  """[B, T, C]: each head's value on every one of its channels (head_sums' transpose)."""
+  return jnp.einsum("bth,ch->btc", s_BTh, _heads(C, s_BTh.shape[-1]), precision=jax.lax.Precision.HIGHEST)
+
+
+def l2_normalize_heads(x_BTC: jax.Array, heads: int, eps: float = 1e-6) -> jax.Array:
+  """rule.l2_normalize over each head's channels of the flat [B, T, heads d], float32, in that layout."""
+  xf = x_BTC.astype(jnp.float32)
+  return xf * head_spread(jax.lax.rsqrt(head_sums(xf * xf, heads) + eps), xf.shape[-1])
+
+
+def gated_rms_norm(w_J: jax.Array, o_BTC: jax.Array, z_BTC: jax.Array, eps: float) -> jax.Array:
+  """rms_norm(o) * w * silu(z) over each value head's J channels of the flat [B, T, N J] (o and z), in float32, back
+  in z's dtype."""
+  J = w_J.shape[0]
+  of = o_BTC.astype(jnp.float32)
+  scale = head_spread(jax.lax.rsqrt(head_sums(of * of, of.shape[-1] // J) / J + eps), of.shape[-1])
+  w_C = jnp.tile(w_J.astype(jnp.float32), of.shape[-1] // J)
+  return (of * scale * w_C * jax.nn.silu(z_BTC.astype(jnp.float32))).astype(z_BTC.dtype)
 
 
 def context_parallel(m: ModelConfig, mode: str) -> bool:
@@ -270,8 +301,8 @@ def delta_rule(m: ModelConfig, mode: str = "train", gdn_impl: str = "auto"):
 def core(m: ModelConfig, mode: str, dense, gdn_impl: str, proj: tuple, w: dict, segment_ids_BT, lengths_B, state):
   """split -> conv -> gates -> delta rule -> gated norm -> out_proj: (y [B, T, D], conv window or None, final
   state or None). gdn_impl: the key (ctx.config.gdn_impl); proj: `project`'s outputs; w: conv1d, A_log, dt_bias, norm,
-  out_proj (in the compute dtype); state: the decode state or None."""
-  qkv_BTC, z_BTNJ, b_BTN, a_BTN = split(m, proj)
+  out_proj [N J, D] (in the compute dtype); state: the decode state or None."""
+  qkv_BTC, z_BTC, b_BTN, a_BTN = split(m, proj)
   dt = qkv_BTC.dtype
   B, T, _ = qkv_BTC.shape
   K, N, G, H, J, Q = dims(m)
@@ -283,11 +314,10 @@ def core(m: ModelConfig, mode: str, dense, gdn_impl: str, proj: tuple, w: dict, 
       mixed = causal_conv(qkv_BTC, w["conv1d"], segment_ids_BT=segment_ids_BT,
                           history=state["conv"] if decode else None)
     mixed = jax.nn.silu(mixed.astype(jnp.float32))
-  q = jnp.reshape(mixed[..., :K * H], (B, T, K, H))
-  k = jnp.reshape(mixed[..., K * H:2 * K * H], (B, T, K, H))
+  # Each head normalized in the flat layout; the rule's [B, T, heads, dim] views are reshapes the kernel undoes.
+  q = jnp.reshape(l2_normalize_heads(mixed[..., :K * H], K) * (H ** -0.5), (B, T, K, H))
+  k = jnp.reshape(l2_normalize_heads(mixed[..., K * H:2 * K * H], K), (B, T, K, H))
   v = jnp.reshape(mixed[..., 2 * K * H:], (B, T, N, J)).astype(dt)
-  q = rule.l2_normalize(q) * (H ** -0.5)
-  k = rule.l2_normalize(k)
   f32 = jnp.float32
   beta = jax.nn.sigmoid(b_BTN.astype(f32))  # [B, T, N]
   g = -jnp.exp(w["A_log"].astype(f32)) * jax.nn.softplus(a_BTN.astype(f32) + w["dt_bias"].astype(f32))
@@ -299,9 +329,9 @@ def core(m: ModelConfig, mode: str, dense, gdn_impl: str, proj: tuple, w: dict, 
     o, final = delta_rule(m, mode, gdn_impl)(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
                                    initial_state_BNHJ=state["recurrent"] if decode else None)
   with jax.named_scope("norm"):
-    o = gated_rms_norm(w["norm"], o, z_BTNJ, m.norm_eps)  # [B, T, N, J]
+    o = gated_rms_norm(w["norm"], jnp.reshape(o, (B, T, N * J)), z_BTC, m.norm_eps)  # [B, T, N J]
   with jax.named_scope("out_proj"):
-    y = dense(o, w["out_proj"], "btnj,njd->btd", OUT)
+    y = dense(o, w["out_proj"], "btc,cd->btd", OUT)
   if mode == "train":
     return y, None, None
   if decode:
@@ -320,7 +350,7 @@ def apply(p: dict, x_BTD: jax.Array, ctx, state: dict | None = None, *, fused: b
   here = ctx.here
   proj = project(p, x_BTD, ctx, fused=fused)
   w = {"conv1d": p["conv1d"].astype(dt), "A_log": p["A_log"], "dt_bias": p["dt_bias"], "norm": p["norm"],
-       "out_proj": ctx.cast(p["out_proj"], dt)}
+       "out_proj": jnp.reshape(ctx.cast(p["out_proj"], dt), (-1, m.embed_dim))}  # [N J, D]: o is flat
   segment_ids = here.segment_ids if ctx.mode == "train" else None
   lengths = here.lengths if ctx.mode == "prefill" else None
   gdn_impl = "auto" if ctx.config is None else ctx.config.gdn_impl
