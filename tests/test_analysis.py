@@ -120,6 +120,11 @@ def test_attribution_names_the_layer_and_direction():
   assert attribute("jit(<lambda>)/reduce_sum") == "other"
   # JAX 0.12 puts an eval_jaxpr frame in front of the scopes.
   assert attribute("jit(<lambda>)/eval_jaxpr/transpose(jvp(layers/mlp/down))/dot_general") == "layers/mlp/down backward"
+  # A custom VJP's backward that transposes a function traced under its call's scopes (the fused GLU-down's) repeats
+  # them: the kernel's own scope once; scopes that differ stay.
+  assert attribute("jit(step)/transpose(jvp())/while/body/eval_jaxpr/layers/mlp/moe/experts/down/transpose(experts)/"
+                   "down/jvp()/dot_general") == "layers/mlp/moe/experts/down backward"
+  assert attribute("jit(f)/layers/attn/q/attn/k/dot_general") == "layers/attn/q/attn/k forward"
 
 
 def test_signature_diff_lists_only_differing_buckets():

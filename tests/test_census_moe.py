@@ -118,8 +118,8 @@ def test_qwen3_moe_tiny_one_sort_per_moe_layer_forward_none_backward(qwen):
   assert qwen["weight_grad_dots"]["layers/mlp/moe/router"] == 3
   assert qwen["weight_grad_dots"]["layer_0/mlp/gate"] == 1  # the dense layer
   # Per-expert dots in the scan over row blocks: gate and up per block, down per block (down's in the fused GLU-down
-  # backward, a custom VJP whose scope nests under its call's: layers/mlp/moe/experts/down/experts/down).
-  down = sum(n for k, n in qwen["weight_grad_dots"].items() if k.startswith("layers/mlp/moe/experts/down"))
+  # backward, under the down kernel's own scope).
+  down = qwen["weight_grad_dots"]["layers/mlp/moe/experts/down"]
   assert qwen["weight_grad_dots"]["layers/mlp/moe/experts/gate_up"] == 2 * down > 0
   # No row scatters either way: the unsort's backward gathers by perm and the dispatch's gather's backward gathers by
   # the inverse permutation (custom VJPs), two gathers per layer in the backward, as the forward's two.

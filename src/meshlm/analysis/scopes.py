@@ -52,11 +52,24 @@ def attribute(path: str) -> str:
       continue
     if _is_scope(inner):
       names.append(inner)
-  # Adjacent duplicates come from a function and its scope sharing a name (mlp/mlp).
-  dedup = [n for k, n in enumerate(names) if k == 0 or names[k - 1] != n]
+  dedup = _collapse_repeats(names)
   if not dedup:
     return "other"
   return "/".join(dedup) + (" backward" if backward else " forward")
+
+
+def _collapse_repeats(names: list[str]) -> list[str]:
+  """names with each run repeated right after itself kept once: a function and its scope sharing a name (mlp/mlp),
+  and a custom VJP's backward transposing a function traced under its call's scopes
+  (experts/down/transpose(experts)/down: the fused GLU-down's backward, nn/moe/fused.py)."""
+  out: list[str] = []
+  for n in names:
+    out.append(n)
+    for k in range(1, len(out) // 2 + 1):
+      if out[-k:] == out[-2 * k:-k]:
+        del out[-k:]
+        break
+  return out
 
 
 def _is_scope(name: str) -> bool:
