@@ -1,11 +1,9 @@
 """The census: structural counts of the real train step, read from its StableHLO and optimized HLO.
 
-`census(cfg)` builds the step with `build_train_step` (what `meshlm train` runs), lowers it from
-abstract inputs and compiles it; nothing executes. The result is a nested dict whose dotted paths
-are the field names of DESIGN.md ("stablehlo.transpose_of_dot.blocked" is
-`result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md explains every field. Besides its own
-fields it runs the counters every registered part declares (Instrument.census; the counting kinds:
-analysis/counters.py).
+`census(cfg)` builds the step with `build_train_step` (what `meshlm train` runs), lowers it from abstract inputs and
+compiles it; nothing executes. The result is a nested dict whose dotted paths are the field names of DESIGN.md
+("stablehlo.transpose_of_dot.blocked" is `result["stablehlo"]["transpose_of_dot"]["blocked"]`). docs/analysis.md
+explains every field; it also runs every registered part's counters (Instrument.census, analysis/counters.py).
 """
 from __future__ import annotations
 
@@ -23,9 +21,9 @@ from meshlm.models.registry import part_reports
 
 SHARDING_OPS = {"sdy.sharding_constraint", "sdy.reshard", "mhlo.sharding"}
 SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
-# Ops that may sit between a dot and its transpose and still leave the pair "blocked" rather than
-# unrelated: the barrier itself, a copy, a reshape (JAX also wraps the dot in a no-op convert
-# when the dtypes already match, which does not exist in StableHLO text, so it is not listed).
+# Ops that may sit between a dot and its transpose and still leave the pair "blocked" rather than unrelated: the
+# barrier itself, a copy, a reshape (JAX also wraps the dot in a no-op convert when the dtypes already match, which
+# does not exist in StableHLO text, so it is not listed).
 PASS_THROUGH = {"sdy.sharding_constraint", "sdy.reshard", "stablehlo.copy", "stablehlo.reshape",
                 "stablehlo.custom_call"}
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -108,17 +106,12 @@ def _is_barrier(op: SH.Op) -> bool:
 
 
 def _merged(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-  """A rank-3 kernel used as a matrix: [a, b * c] and [a * b, c] (gdn's in_proj_z [D, N, J] as [D, N J]); [] for
-  another rank."""
-  if len(shape) != 3:
-    return []
-  a, b, c = shape
-  return [(a, b * c), (a * b, c)]
+  """A rank-3 kernel used as a matrix, two adjacent dims merged ([] for another rank)."""
+  return [(shape[0], shape[1] * shape[2]), (shape[0] * shape[1], shape[2])] if len(shape) == 3 else []
 
 
 def _kernel_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
-  """Shapes of the step's rank>=2 arguments, and of one layer of each stacked one (dims 0 or 1 dropped); a rank-3
-  one also with two adjacent dims merged (_merged)."""
+  """Shapes of the step's rank>=2 arguments, of one layer of each stacked one (dims 0 or 1 dropped), and _merged."""
   main = mod.func_args.get("main", [])
   shapes: set[tuple[int, ...]] = set()
   for _, shape, _ in main:
@@ -133,12 +126,10 @@ def _kernel_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
 def executed(mod: SH.Module, entry: str = "main"):
   """Every op as the step runs it: (op, its full name-stack path, times per step).
 
-  Walks the call graph from the entry: an op in a function called from k sites is met k times, each
-  with its call site's path (a function JAX lowered once may run in the forward and in the backward),
-  and an op in a while body runs the loop's trip count times (1 when the count is not a constant: such a
-  loop is one of `unread_loops`, which the census reports). Ops inside a shard_map (sdy.manual_computation)
-  name their scopes from the shard_map's own.
-  """
+  Walks the call graph from the entry: an op in a function called from k sites is met k times, each with its call
+  site's path (a function JAX lowered once may run in the forward and in the backward), and an op in a while body
+  runs the loop's trip count times (1 when the count is not a constant: such a loop is one of `unread_loops`, which
+  the census reports). Ops inside a shard_map (sdy.manual_computation) name their scopes from the shard_map's own."""
   stack: list[str] = []
 
   def scope(op: SH.Op) -> str:
@@ -182,8 +173,7 @@ def _param_shapes(mod: SH.Module) -> set[tuple[int, ...]]:
   """Shapes a weight gradient can have, as `_dims` tuples (a gradient may come out transposed):
   each rank>=2 argument of the step with 0, 1 or 2 of its leading (stacking) axes dropped, or
   one stacked axis dropped; and of a rank-3 slice, also with one dim of at most 64 (a head count)
-  split in two, as grouped-query attention computes a projection's gradient per kv head and group, or two adjacent
-  dims merged (_merged: a kernel used as a matrix)."""
+  split in two (grouped-query attention's gradient per kv head and group), or _merged."""
   shapes = set()
   for _, shape, _ in mod.func_args.get("main", []):
     cuts = [shape[k:] for k in range(min(3, len(shape) - 1))]
@@ -328,11 +318,11 @@ def stablehlo_counts(text: str, counters: tuple[CensusCounter, ...] | None = Non
 def blowups(mod: SH.Module, ratio: int = BLOWUP_RATIO, min_elements: int = BLOWUP_MIN_ELEMENTS) -> list[dict]:
   """Ops whose output has >= ratio x the elements of their largest input, built from constants only.
 
-  Broadcasts are looked through (they never materialize on their own; the op that consumes them
-  does), so `iota[N] * inv_freq[F]` counts as an [N, F] output from an [N] input. Only values that
-  depend on no argument are flagged: per-token expansions (one-hot targets, rotary angles from the
-  positions, segment masks) scale with the batch and are the work itself, while a large table built
-  from iota and constants every step is the YaRN pathology: work that could start from positions.
+  Broadcasts are looked through (they never materialize on their own; the op that consumes them does), so
+  `iota[N] * inv_freq[F]` counts as an [N, F] output from an [N] input. Only values that depend on no argument are
+  flagged: per-token expansions (one-hot targets, rotary angles from the positions, segment masks) scale with the
+  batch and are the work itself, while a large table built from iota and constants every step is the YaRN
+  pathology: work that could start from positions.
   """
   prefixes = _func_prefixes(mod)
   const: dict[tuple[str, str], bool] = {}
@@ -370,9 +360,8 @@ def blowups(mod: SH.Module, ratio: int = BLOWUP_RATIO, min_elements: int = BLOWU
 
 def reduce_scatter_fusions(mod: H.HloModule) -> set[str]:
   """The computations of XLA:TPU's reduce-scatters: it writes one as a fusion (kind=kCustom, its emitter
-  "SingleInputAllReduceScatterFusion") whose computation all-reduces its input and roots in this device's
-  dynamic-slice of the sum. The fusion is the collective (each device receives its shard), not the all-reduce
-  inside it."""
+  "SingleInputAllReduceScatterFusion") whose computation all-reduces its input and roots in this device's slice of
+  the sum. The fusion is the collective (each device receives its shard), not the all-reduce inside it."""
   out = set()
   for comp, items in mod.comps.items():
     root = next((i for i in items if i.text.startswith("ROOT ")), None)
@@ -455,9 +444,9 @@ def unread_loops_line(unread: dict[str, list[dict]], top: int = 4) -> str | None
 def scan_layout_flags(mod: H.HloModule) -> list[dict]:
   """Stacked arrays carried by a scanned `while` whose layout does not keep the layer axis major.
 
-  A scanned stack is a loop-carried array whose leading dimension is the trip count. Its layout
-  (minor-to-major) should end with dimension 0; otherwise every per-layer dynamic-update-slice
-  writes a strided, degenerate slice (the param_scan_axis pathology).
+  A scanned stack is a loop-carried array whose leading dimension is the trip count. Its layout (minor-to-major)
+  should end with dimension 0; otherwise every per-layer dynamic-update-slice writes a strided, degenerate slice (the
+  param_scan_axis pathology).
   """
   flags = []
   for ins in mod.instrs():
